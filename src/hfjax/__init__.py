@@ -1,0 +1,30 @@
+"""hfjax: run Hugging Face PyTorch models on JAX and XLA, unchanged.
+
+Public API:
+    load            read a checkpoint into jax.Arrays and return a runnable model
+    jit             compile a torch module's methods with XLA, weights as arguments
+    JittedModule    what `jit` returns
+    Model           what `load` returns
+    register_stateful  register a model's own cache class as a pytree
+    testing         tiny checkpoint factories (hfjax.testing)
+"""
+
+from ._compile import JittedModule, jit
+from ._model import Model, load
+from ._env import env as _setup_env
+from ._errors import HfjaxError, LoadError, UnsupportedOpError
+from ._pytrees import register_stateful
+
+_setup_env()
+
+__all__ = [
+    "HfjaxError",
+    "JittedModule",
+    "LoadError",
+    "UnsupportedOpError",
+    "jit",
+    "load",
+    "Model",
+    "register_stateful",
+]
+__version__ = "0.1.0"

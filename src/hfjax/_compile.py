@@ -1,0 +1,281 @@
+"""`hfjax.jit`: a torch module whose methods each run as one compiled XLA program.
+
+Weights are arguments of the program, never captured constants: they live in
+`JittedModule.params` ({name: jax.Array}) and are swapped into the module for the
+duration of a trace. Array arguments are traced; every other leaf of the arguments
+(bools, ints, floats, strings, None, enums, dtypes) is static and part of the cache
+key, so `use_cache=True` or `return_dict=False` never meet a tracer.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import dataclasses
+import sys
+from typing import Any, Callable, Sequence
+
+import jax
+import torch
+from torch.nn.utils import stateless
+from torchax.tensor import OperatorNotFound
+from torchax.tensor import Tensor as JaxTensor
+
+from . import _env, _pytrees
+from ._errors import UnsupportedOpError
+
+
+def module_state(module: torch.nn.Module) -> tuple[dict[str, jax.Array], dict[str, str]]:
+    """Every parameter and buffer of `module` as jax.Arrays, tied tensors once.
+
+    Returns:
+        (state, aliases): state maps a canonical name to its array; aliases maps each
+        other name of a tied tensor to its canonical name.
+    """
+    state, aliases, seen = {}, {}, {}
+    named = list(module.named_parameters(remove_duplicate=False)) + list(module.named_buffers(remove_duplicate=False))
+    for name, tensor in named:
+        if id(tensor) in seen:
+            aliases[name] = seen[id(tensor)]
+            continue
+        seen[id(tensor)] = name
+        state[name] = _env.to_jax(tensor)
+    return state, aliases
+
+
+@dataclasses.dataclass
+class _Program:
+    """One compiled variant family: a method, an argument structure and its static values."""
+
+    traced: Callable
+    jitted: Callable
+    out_treedef: Any = None
+    out_statics: tuple = ()
+    out_inputs: dict = dataclasses.field(default_factory=dict)  # output field -> index of a stateful input
+
+
+class JittedModule(torch.nn.Module):
+    """A drop-in wrapper of a torch module whose listed methods run compiled by XLA.
+
+    Attributes other than the compiled methods are read from the wrapped module, so
+    `jm.config`, `jm.generation_config` and submodules work as before.
+    """
+
+    def __init__(
+        self,
+        module: torch.nn.Module,
+        methods: Sequence[str] = ("forward",),
+        *,
+        params: dict[str, jax.Array] | None = None,
+        aliases: dict[str, str] | None = None,
+    ):
+        super().__init__()
+        if not isinstance(module, torch.nn.Module):
+            raise TypeError(
+                f"hfjax.jit expects a torch.nn.Module, got {type(module).__name__}; "
+                "for a diffusers pipeline use hfjax.to_jax(pipe)"
+            )
+        methods = (methods,) if isinstance(methods, str) else tuple(methods)
+        for name in methods:
+            if not callable(getattr(type(module), name, None)):
+                raise ValueError(
+                    f"hfjax.jit(methods=...): {type(module).__name__} has no method {name!r}; "
+                    f"pass names of its methods, e.g. methods=('forward',)"
+                )
+        _env.env()
+        if params is None:
+            params, aliases = module_state(module)
+        object.__setattr__(self, "module", module)
+        object.__setattr__(self, "params", params)
+        object.__setattr__(self, "_aliases", dict(aliases or {}))
+        object.__setattr__(self, "_methods", methods)
+        object.__setattr__(self, "_programs", {})
+        object.__setattr__(self, "_trace_counts", collections.Counter())
+        object.__setattr__(self, "_module_names", {id(m): n for n, m in module.named_modules()})
+
+    # -- attribute access ------------------------------------------------------
+
+    def __getattr__(self, name: str):
+        if name in self.__dict__.get("_methods", ()):
+            return lambda *args, **kwargs: self._call(name, args, kwargs, compiled=True)
+        return getattr(self.__dict__["module"], name)
+
+    def forward(self, *args, **kwargs):
+        if "forward" in self._methods:
+            return self._call("forward", args, kwargs, compiled=True)
+        return self.module(*args, **kwargs)
+
+    def __repr__(self):
+        return f"JittedModule({type(self.module).__name__}, methods={self._methods})"
+
+    @property
+    def compile_count(self) -> int:
+        """How many XLA programs have been traced so far, over all methods."""
+        return sum(self._trace_counts.values())
+
+    def compile_counts(self) -> dict[str, int]:
+        """Programs traced so far, per method name."""
+        return dict(self._trace_counts)
+
+    def eager(self, method: str = "forward"):
+        """The same method run op by op through torchax (no jit), for debugging and parity tests."""
+        return lambda *args, **kwargs: self._call(method, args, kwargs, compiled=False)
+
+    def lower(self, method: str, *args, **kwargs) -> jax.stages.Lowered:
+        """Lowers `method` for these arguments without running it (to inspect the program)."""
+        program, dynamic = self._program(method, args, kwargs)
+        return program.jitted.lower(self.params, dynamic, _env.env().prng_key)
+
+    # -- calling ---------------------------------------------------------------
+
+    def _call(self, method: str, args: tuple, kwargs: dict, *, compiled: bool):
+        torch_world = any(isinstance(x, JaxTensor) for x in jax.tree_util.tree_leaves((args, kwargs)))
+        program, dynamic = self._program(method, args, kwargs)
+        environment = _env.env()
+        with self._explain_errors():
+            run = program.jitted if compiled else program.traced
+            out_arrays, new_inputs, key = run(self.params, dynamic, environment.prng_key)
+        environment.prng_key = key
+        originals = _stateful_inputs(args, kwargs)
+        for original, new in zip(originals, _env.to_torch(new_inputs)):
+            _pytrees.assign_state(original, new)
+        out = _merge(program.out_treedef, out_arrays, program.out_statics)
+        for field, index in program.out_inputs.items():
+            setattr(out, field, originals[index])
+        return _env.to_torch(out) if torch_world else out
+
+    def _program(self, method: str, args: tuple, kwargs: dict) -> tuple[_Program, list]:
+        _pytrees.register_tree((args, kwargs))
+        path_leaves, treedef = jax.tree_util.tree_flatten_with_path((args, kwargs))
+        dynamic, statics = [], []
+        for i, (path, leaf) in enumerate(path_leaves):
+            if _env.is_array(leaf):
+                dynamic.append(leaf)
+            else:
+                _check_hashable(method, path, leaf)
+                statics.append((i, leaf))
+        dynamic = _env.to_jax(dynamic)
+        key = (method, treedef, tuple(statics))
+        program = self._programs.get(key)
+        if program is None:
+            program = self._build(method, treedef, tuple(statics), len(path_leaves))
+            self._programs[key] = program
+        return program, dynamic
+
+    def _build(self, method: str, treedef, statics: tuple, n_leaves: int) -> _Program:
+        module = self.module
+        function = getattr(type(module), method)
+        aliases = self._aliases
+        program = _Program(traced=None, jitted=None)
+
+        def traced(params, dynamic, prng_key):
+            if isinstance(prng_key, jax.core.Tracer):
+                self._trace_counts[method] += 1
+            environment = _env.env()
+            leaves = _merge_leaves(n_leaves, dynamic, statics)
+            args, kwargs = _env.to_torch(jax.tree_util.tree_unflatten(treedef, leaves))
+            state = _env.to_torch(dict(params))
+            for alias, canonical in aliases.items():
+                state[alias] = state[canonical]
+            with environment, environment.override_property(prng=prng_key):
+                with stateless._reparametrize_module(module, state, tie_weights=False, strict=False):
+                    out = function(module, *args, **kwargs)
+                new_key = environment.prng_key
+            inputs = _stateful_inputs(args, kwargs)
+            program.out_inputs = _replace_input_refs(out, inputs)
+            _pytrees.register_tree(out)
+            out_leaves, program.out_treedef = jax.tree_util.tree_flatten(_env.to_jax(out))
+            arrays = [x for x in out_leaves if _env.is_array(x) or isinstance(x, jax.core.Tracer)]
+            program.out_statics = tuple(
+                (i, x) for i, x in enumerate(out_leaves) if not (_env.is_array(x) or isinstance(x, jax.core.Tracer))
+            )
+            return arrays, _env.to_jax(inputs), new_key
+
+        program.traced = traced
+        program.jitted = jax.jit(traced)
+        return program
+
+    @contextlib.contextmanager
+    def _explain_errors(self):
+        try:
+            yield
+        except OperatorNotFound as error:
+            op = str(error).removeprefix("Operator with name ").removesuffix(" has no lowering")
+            caller = _innermost_module(sys.exc_info()[2], self._module_names)
+            raise UnsupportedOpError(op, type(self.module).__name__, caller) from None
+
+
+def _check_hashable(method: str, path, leaf) -> None:
+    try:
+        hash(leaf)
+    except TypeError:
+        where = jax.tree_util.keystr(path)
+        raise TypeError(
+            f"hfjax.jit: argument {where} of {method}() is a {type(leaf).__name__}, which is neither an array "
+            "nor hashable; non-array arguments are compile-time constants and must be hashable "
+            "(pass a tuple instead of a list, or an array)"
+        ) from None
+
+
+def _merge_leaves(n: int, dynamic: list, statics: tuple) -> list:
+    leaves = [None] * n
+    static_at = dict(statics)
+    it = iter(dynamic)
+    for i in range(n):
+        leaves[i] = static_at[i] if i in static_at else next(it)
+    return leaves
+
+
+def _merge(treedef, arrays: list, statics: tuple):
+    return jax.tree_util.tree_unflatten(treedef, _merge_leaves(treedef.num_leaves, arrays, statics))
+
+
+def _stateful_inputs(args: tuple, kwargs: dict) -> list:
+    values = list(args) + [kwargs[k] for k in sorted(kwargs)]
+    return [v for v in values if _pytrees._is_stateful(type(v))]
+
+
+def _replace_input_refs(out, inputs: list) -> dict[str, int]:
+    # An output field holding a cache that was passed in (past_key_values) is not
+    # returned twice: the caller gets its own, updated, object back.
+    refs = {}
+    if not dataclasses.is_dataclass(out):
+        return refs
+    for field in dataclasses.fields(out):
+        value = getattr(out, field.name)
+        for index, obj in enumerate(inputs):
+            if value is obj:
+                refs[field.name] = index
+                setattr(out, field.name, None)
+    return refs
+
+
+def _innermost_module(tb, names: dict[int, str]) -> str | None:
+    found = None
+    while tb is not None:
+        candidate = tb.tb_frame.f_locals.get("self")
+        if isinstance(candidate, torch.nn.Module) and id(candidate) in names:
+            found = f"{names[id(candidate)] or '<root>'} ({type(candidate).__name__})"
+        tb = tb.tb_next
+    return found
+
+
+def jit(module: torch.nn.Module, methods: Sequence[str] = ("forward",)) -> JittedModule:
+    """Compiles the listed methods of a torch module with XLA, weights passed as arguments.
+
+    Args:
+      module: any `torch.nn.Module` (a transformers or diffusers model, typically).
+      methods: names of the methods to compile; each runs as one XLA program per
+        argument structure, shapes and static values.
+
+    Returns:
+      A `JittedModule`: call it like the module. Inputs may be torch tensors or
+      jax.Arrays; outputs are the module's usual types holding jax.Arrays (torchax
+      tensors when called with torchax tensors).
+
+    Example:
+      >>> fast = hfjax.jit(model)
+      >>> out = fast(input_ids, use_cache=False)
+      >>> out.logits  # jax.Array
+    """
+    return JittedModule(module, methods)

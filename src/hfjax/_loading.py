@@ -1,0 +1,300 @@
+"""Checkpoint directory (or hub id) -> HF module skeleton + {name: jax.Array}.
+
+The module is built with its parameters on the meta device, so torch never holds
+the weights; each safetensors tensor is read straight into a jax.Array in the
+requested dtype. Checkpoints whose keys need transformers' conversions (per-expert
+MoE weights fused into one tensor, renamed legacy keys) go through transformers' own
+conversion rules, one target tensor at a time.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import pathlib
+import re
+from typing import Literal
+
+import jax
+import jax.numpy as jnp
+import torch
+from safetensors import safe_open
+
+from ._errors import LoadError
+
+Task = Literal["text-generation", "text-classification", "feature-extraction", "text2text-generation"]
+TASKS: tuple[str, ...] = Task.__args__
+DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
+_TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+_HUB_FILES = ["*.json", "*.safetensors", "*.model", "*.txt", "*.jinja", "1_Pooling/*"]
+_PROGRESS_BYTES = 64 * 2**20  # show a progress bar above this checkpoint size
+
+
+# ---- where the files are ------------------------------------------------------
+
+
+def resolve(path_or_hub_id: str | os.PathLike) -> pathlib.Path:
+    """A local checkpoint directory for a path or a hub id (downloading where a hub is reachable)."""
+    path = pathlib.Path(path_or_hub_id).expanduser()
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            raise LoadError(f"hfjax.load: {str(path)!r} is a directory but holds no config.json; pass a checkpoint directory")
+        return path
+    text = str(path_or_hub_id)
+    looks_local = text.startswith((".", "/", "~")) or text.count("/") > 1 or path.suffix != ""
+    if looks_local or not re.fullmatch(r"[\w.-]+(/[\w.-]+)?", text):
+        raise LoadError(f"hfjax.load: no checkpoint directory at {text!r}; pass an existing local path or a hub id like 'org/name'")
+    return _download(text)
+
+
+def _download(repo_id: str) -> pathlib.Path:
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import LocalEntryNotFoundError, RepositoryNotFoundError
+
+    try:
+        return pathlib.Path(snapshot_download(repo_id, allow_patterns=_HUB_FILES))
+    except RepositoryNotFoundError:
+        raise LoadError(f"hfjax.load: {repo_id!r} is neither a local directory nor a model on the Hugging Face Hub") from None
+    except (LocalEntryNotFoundError, OSError) as error:
+        raise LoadError(
+            f"hfjax.load: {repo_id!r} is not a local directory and the Hugging Face Hub could not be reached "
+            f"({type(error).__name__}); pass a local path to a checkpoint directory"
+        ) from None
+
+
+# ---- config, task, class --------------------------------------------------------
+
+
+def read_config(path: pathlib.Path):
+    from transformers import AutoConfig
+
+    try:
+        return AutoConfig.from_pretrained(path)
+    except (ValueError, KeyError) as error:
+        model_type = json.loads((path / "config.json").read_text()).get("model_type")
+        raise LoadError(
+            f"hfjax.load: {str(path)!r} has model_type {model_type!r}, which the installed transformers does not know "
+            f"({error.__class__.__name__}); upgrade transformers or check config.json"
+        ) from None
+
+
+def _auto_classes():
+    import transformers
+
+    return {
+        "text-generation": transformers.AutoModelForCausalLM,
+        "text-classification": transformers.AutoModelForSequenceClassification,
+        "feature-extraction": transformers.AutoModel,
+        "text2text-generation": transformers.AutoModelForSeq2SeqLM,
+    }
+
+
+def infer_task(config) -> str:
+    from transformers.models.auto import modeling_auto as names
+
+    tables = {
+        "text-generation": names.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES,
+        "text2text-generation": names.MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING_NAMES,
+        "text-classification": names.MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING_NAMES,
+        "feature-extraction": names.MODEL_MAPPING_NAMES,
+    }
+    for arch in config.architectures or ():
+        for task, table in tables.items():
+            if arch in table.values():
+                return task
+    for task, table in tables.items():
+        if config.model_type in table:
+            return task
+    raise LoadError(
+        f"hfjax.load: cannot tell the task of architectures={config.architectures} (model_type {config.model_type!r}); "
+        f"pass task= one of {TASKS}"
+    )
+
+
+def check_dtype(dtype: str | None) -> str | None:
+    if dtype is not None and dtype not in DTYPES:
+        raise LoadError(f"hfjax.load: dtype={dtype!r} is not supported; use one of {tuple(DTYPES)} or None (the checkpoint's)")
+    return dtype
+
+
+@contextlib.contextmanager
+def _parameters_on_meta():
+    # Parameters go to the meta device as they are registered, so building the
+    # module allocates no weight memory and runs no real initialisation; buffers
+    # (rotary frequencies, position ids) stay real.
+    original = torch.nn.Module.register_parameter
+
+    def register_parameter(self, name, param):
+        if param is not None and param.device.type != "meta":
+            param = torch.nn.Parameter(param.to("meta"), requires_grad=param.requires_grad)
+        original(self, name, param)
+
+    torch.nn.Module.register_parameter = register_parameter
+    try:
+        yield
+    finally:
+        torch.nn.Module.register_parameter = original
+
+
+def build_skeleton(config, task: str, dtype: str | None) -> torch.nn.Module:
+    """The HF module for `config` and `task`, parameters on meta, buffers real, in eval mode."""
+    auto = _auto_classes()[task]
+    torch_dtype = _TORCH_DTYPES[dtype] if dtype else torch.float32
+    try:
+        with _parameters_on_meta():
+            module = auto.from_config(config, dtype=torch_dtype)
+    except ValueError as error:
+        raise LoadError(
+            f"hfjax.load: task={task!r} has no model class for model_type {config.model_type!r} ({error}); "
+            f"pick another task from {TASKS}"
+        ) from None
+    return module.eval()
+
+
+# ---- weights -------------------------------------------------------------------
+
+
+def weight_files(path: pathlib.Path) -> list[pathlib.Path]:
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        return [path / n for n in names]
+    single = path / "model.safetensors"
+    if single.is_file():
+        return [single]
+    found = sorted(path.glob("*.safetensors"))
+    if not found:
+        raise LoadError(f"hfjax.load: {str(path)!r} holds no *.safetensors weights; save the model with safe_serialization")
+    return found
+
+
+def _checkpoint_dtype(files: list[pathlib.Path]) -> str:
+    with safe_open(files[0], framework="np") as f:
+        for key in f.keys():
+            dtype = f.get_slice(key).get_dtype()
+            name = {"F32": "float32", "BF16": "bfloat16", "F16": "float16"}.get(dtype)
+            if name:
+                return name
+    return "float32"
+
+
+def load_weights(module: torch.nn.Module, files: list[pathlib.Path], dtype: str, *, progress: bool | None = None):
+    """Reads every tensor the module needs into jax.Arrays of `dtype` (float tensors only are cast).
+
+    Returns:
+        (params, aliases): {canonical name: jax.Array} and {tied name: canonical name}.
+    """
+    from transformers.conversion_mapping import get_model_conversion_mapping
+    from transformers.core_model_loading import WeightConverter, WeightRenaming, rename_source_key
+
+    target = DTYPES[dtype]
+    expected = {}
+    aliases, seen = {}, {}
+    for name, tensor in list(module.named_parameters(remove_duplicate=False)) + list(
+        module.named_buffers(remove_duplicate=False)
+    ):
+        if id(tensor) in seen:
+            aliases[name] = seen[id(tensor)]
+        else:
+            seen[id(tensor)] = name
+            expected[name] = tensor
+    meta_state = {k: v for k, v in expected.items()}
+    meta_state.update({k: expected[v] for k, v in aliases.items()})
+
+    mapping = get_model_conversion_mapping(module)
+    renamings = [m for m in mapping if isinstance(m, WeightRenaming)]
+    converters = [m for m in mapping if isinstance(m, WeightConverter)]
+    by_pattern = {p: c for c in converters for p in c.source_patterns}
+    prefix = getattr(module, "base_model_prefix", None) or None
+
+    direct: dict[str, tuple[pathlib.Path, str]] = {}
+    grouped: dict[str, tuple[object, list]] = {}
+    total_bytes = 0
+    for file in files:
+        with safe_open(file, framework="np") as f:
+            for key in f.keys():
+                renamed, pattern = rename_source_key(key, renamings, converters, prefix, meta_state)
+                renamed = aliases.get(renamed, renamed)
+                if renamed not in expected:
+                    continue
+                total_bytes += _nbytes(f.get_slice(key))
+                if pattern is None:
+                    direct[renamed] = (file, key)
+                else:
+                    grouped.setdefault(renamed, (by_pattern[pattern], []))[1].append((file, key, pattern))
+
+    params: dict[str, jax.Array] = {}
+    bar = _progress(total_bytes, progress)
+    for name, (file, key) in direct.items():
+        with safe_open(file, framework="flax") as f:
+            array = f.get_tensor(key)
+        params[name] = _cast(array, target, expected[name])
+        bar.update(array.nbytes)
+    for first_name, (converter, sources) in grouped.items():
+        for name, value in _convert_group(module, converter, first_name, sources).items():
+            if name in expected:
+                params[name] = _cast(_torch_to_jax(value), target, expected[name])
+                bar.update(params[name].nbytes)
+    bar.close()
+
+    missing = [n for n, t in expected.items() if n not in params and t.device.type == "meta"]
+    if missing:
+        shown = ", ".join(missing[:8]) + (f" and {len(missing) - 8} more" if len(missing) > 8 else "")
+        raise LoadError(
+            f"hfjax.load: the checkpoint has no weights for {len(missing)} parameters of {type(module).__name__}: {shown}; "
+            "the checkpoint was saved for another architecture or task (pass task=...)"
+        )
+    for name, tensor in expected.items():
+        if name not in params:  # real buffers the checkpoint does not store (rotary frequencies, ...)
+            params[name] = _torch_to_jax(tensor)
+    return params, aliases
+
+
+def _convert_group(module, converter, first_name: str, sources: list) -> dict[str, torch.Tensor]:
+    from copy import deepcopy
+
+    from transformers.core_model_loading import spawn_materialize
+
+    converter = deepcopy(converter)
+    for file, key, pattern in sources:
+        with safe_open(file, framework="pt") as f:
+            tensor = f.get_tensor(key)
+        converter.add_tensor(first_name, key, pattern, spawn_materialize(None, tensor))
+    realized = converter.convert(first_name, model=module, config=module.config, hf_quantizer=None, loading_info=None)
+    return {name: (value[0] if isinstance(value, list) else value) for name, value in realized.items()}
+
+
+def _nbytes(slice_) -> int:
+    shape = slice_.get_shape()
+    size = 1
+    for d in shape:
+        size *= d
+    return size * {"F64": 8, "F32": 4, "BF16": 2, "F16": 2, "I64": 8, "I32": 4, "BOOL": 1, "U8": 1, "I8": 1}.get(
+        slice_.get_dtype(), 4
+    )
+
+
+def _cast(array, target, reference: torch.Tensor) -> jax.Array:
+    array = jnp.asarray(array)
+    if tuple(array.shape) != tuple(reference.shape):
+        raise LoadError(
+            f"hfjax.load: a checkpoint tensor has shape {tuple(array.shape)} where the model expects "
+            f"{tuple(reference.shape)}; config.json does not match the weights"
+        )
+    if jnp.issubdtype(array.dtype, jnp.floating) and reference.dtype.is_floating_point:
+        return array.astype(target)
+    return array
+
+
+def _torch_to_jax(tensor: torch.Tensor) -> jax.Array:
+    from ._env import _torch_to_jax as convert
+
+    return convert(tensor)
+
+
+def _progress(total_bytes: int, enabled: bool | None):
+    from tqdm.auto import tqdm
+
+    disable = (total_bytes < _PROGRESS_BYTES) if enabled is None else not enabled
+    return tqdm(total=total_bytes, unit="B", unit_scale=True, desc="Loading weights", disable=disable)
