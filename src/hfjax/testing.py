@@ -23,12 +23,13 @@ import difflib
 import functools
 import json
 import pathlib
-from typing import Any, Literal, Mapping
+from collections.abc import Mapping
+from typing import Any, Literal
 
 import tokenizers
 import torch
 import transformers
-from tokenizers import decoders, models, pre_tokenizers, processors, trainers
+from tokenizers import decoders, models, normalizers, pre_tokenizers, processors, trainers
 
 __all__ = ["FAMILIES", "tiny_config", "tiny_tokenizer", "save_tiny_checkpoint"]
 
@@ -47,6 +48,11 @@ _DEFAULT_TASK: dict[str, str] = {
     "causal": "text-generation",
     "encoder": "feature-extraction",
     "seq2seq": "text2text-generation",
+}
+_KIND_TASKS: dict[str, tuple[str, ...]] = {
+    "causal": ("text-generation", "text-classification", "feature-extraction"),
+    "encoder": ("text-classification", "feature-extraction"),
+    "seq2seq": ("text2text-generation", "text-classification", "feature-extraction"),
 }
 _DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32,
@@ -104,10 +110,26 @@ summer, when the days are long and the evenings are warm.
 """
 
 
+# transformers 5 loads a qwen2 checkpoint's tokenizer with Qwen2Tokenizer whatever
+# tokenizer_config.json names, and that class rebuilds normalisation and pre-tokenisation
+# itself (NFC, then this split pattern). Using the same steps for every family makes the
+# saved tokenizer reload to the same ids under any model_type.
+_SPLIT_PATTERN = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+    r"|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+
+
 @functools.lru_cache(maxsize=1)
 def _trained_tokenizer_json() -> str:
     tokenizer = tokenizers.Tokenizer(models.BPE())
-    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.normalizer = normalizers.NFC()
+    tokenizer.pre_tokenizer = pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Split(tokenizers.Regex(_SPLIT_PATTERN), behavior="isolated"),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+        ]
+    )
     tokenizer.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
         vocab_size=_VOCAB_SIZE,
@@ -158,7 +180,9 @@ def tiny_tokenizer(family: str | None = None) -> transformers.PreTrainedTokenize
     kind = _family(family).kind if family is not None else None
     backend = tokenizers.Tokenizer.from_str(_trained_tokenizer_json())
     backend.post_processor = _post_processor(kind, family)
-    input_names = ["input_ids", "token_type_ids", "attention_mask"] if family == "bert" else ["input_ids", "attention_mask"]
+    input_names = ["input_ids", "attention_mask"]
+    if family == "bert":
+        input_names.insert(1, "token_type_ids")
     return transformers.PreTrainedTokenizerFast(
         tokenizer_object=backend,
         bos_token=_BOS,
@@ -179,20 +203,22 @@ def tiny_tokenizer(family: str | None = None) -> transformers.PreTrainedTokenize
 _HIDDEN, _HEADS, _KV_HEADS, _HEAD_DIM, _INTERMEDIATE, _LAYERS = 64, 4, 2, 16, 128, 2
 _SLIDING_WINDOW = 64
 _TOKEN_IDS = {"pad_token_id": _PAD_ID, "bos_token_id": _BOS_ID, "eos_token_id": _EOS_ID}
-_DECODER = {
+_MHA = {
     "hidden_size": _HIDDEN,
     "intermediate_size": _INTERMEDIATE,
     "num_hidden_layers": _LAYERS,
     "num_attention_heads": _HEADS,
-    "num_key_value_heads": _KV_HEADS,
     "max_position_embeddings": _MAX_POSITIONS,
 }
-_ENCODER = {
-    "hidden_size": _HIDDEN,
-    "intermediate_size": _INTERMEDIATE,
-    "num_hidden_layers": _LAYERS,
-    "num_attention_heads": _HEADS,
-    "max_position_embeddings": _MAX_POSITIONS,
+_GQA = {**_MHA, "num_key_value_heads": _KV_HEADS}
+_GQA_HEAD_DIM = {**_GQA, "head_dim": _HEAD_DIM}
+# GPT-2 and GPT-J name the same sizes differently.
+_GPT2_NAMES = {
+    "n_embd": _HIDDEN,
+    "n_inner": _INTERMEDIATE,
+    "n_layer": _LAYERS,
+    "n_head": _HEADS,
+    "n_positions": _MAX_POSITIONS,
 }
 
 
@@ -200,56 +226,44 @@ _ENCODER = {
 class _Family:
     kind: _Kind
     config: Mapping[str, Any]
+    # GenerationConfig fields beyond the token ids (transformers 5 configs drop these).
+    generation: Mapping[str, Any] = dataclasses.field(default_factory=dict)
 
 
 # One entry per family: the keyword arguments, beyond token ids and vocab size, that make
 # its transformers config tiny. Adding a family is adding a line here.
 _REGISTRY: dict[str, _Family] = {
-    "llama": _Family("causal", {**_DECODER, "head_dim": _HEAD_DIM}),
-    "mistral": _Family("causal", {**_DECODER, "head_dim": _HEAD_DIM, "sliding_window": _SLIDING_WINDOW}),
+    "llama": _Family("causal", _GQA_HEAD_DIM),
+    "mistral": _Family("causal", {**_GQA_HEAD_DIM, "sliding_window": _SLIDING_WINDOW}),
     "mixtral": _Family(
-        "causal", {**_DECODER, "head_dim": _HEAD_DIM, "intermediate_size": 64, "num_local_experts": 4, "num_experts_per_tok": 2}
+        "causal", {**_GQA_HEAD_DIM, "intermediate_size": 64, "num_local_experts": 4, "num_experts_per_tok": 2}
     ),
-    "qwen2": _Family("causal", _DECODER),
-    "qwen3": _Family("causal", {**_DECODER, "head_dim": _HEAD_DIM}),
+    "qwen2": _Family("causal", _GQA),
+    "qwen3": _Family("causal", _GQA_HEAD_DIM),
     "qwen3_moe": _Family(
-        "causal",
-        {**_DECODER, "head_dim": _HEAD_DIM, "moe_intermediate_size": 64, "num_experts": 4, "num_experts_per_tok": 2},
+        "causal", {**_GQA_HEAD_DIM, "moe_intermediate_size": 64, "num_experts": 4, "num_experts_per_tok": 2}
     ),
-    "gemma": _Family("causal", {**_DECODER, "head_dim": _HEAD_DIM}),
+    "gemma": _Family("causal", _GQA_HEAD_DIM),
     # Gemma 2 alternates sliding and global layers; 2 layers give one of each.
     "gemma2": _Family(
-        "causal", {**_DECODER, "head_dim": _HEAD_DIM, "query_pre_attn_scalar": _HEAD_DIM, "sliding_window": _SLIDING_WINDOW}
+        "causal", {**_GQA_HEAD_DIM, "query_pre_attn_scalar": _HEAD_DIM, "sliding_window": _SLIDING_WINDOW}
     ),
     # Gemma 3's default pattern has 5 sliding layers per global one; 2 layers would have
     # no global layer, so alternate them.
     "gemma3_text": _Family(
         "causal",
         {
-            **_DECODER,
-            "head_dim": _HEAD_DIM,
+            **_GQA_HEAD_DIM,
             "query_pre_attn_scalar": _HEAD_DIM,
             "sliding_window": _SLIDING_WINDOW,
             "sliding_window_pattern": 2,
         },
     ),
-    "phi": _Family("causal", _DECODER),
-    "phi3": _Family("causal", {**_DECODER, "original_max_position_embeddings": _MAX_POSITIONS}),
-    "gpt2": _Family(
-        "causal", {"n_embd": _HIDDEN, "n_inner": _INTERMEDIATE, "n_layer": _LAYERS, "n_head": _HEADS, "n_positions": _MAX_POSITIONS}
-    ),
-    "gpt_neox": _Family("causal", _ENCODER),
-    "gptj": _Family(
-        "causal",
-        {
-            "n_embd": _HIDDEN,
-            "n_inner": _INTERMEDIATE,
-            "n_layer": _LAYERS,
-            "n_head": _HEADS,
-            "n_positions": _MAX_POSITIONS,
-            "rotary_dim": _HEAD_DIM // 2,
-        },
-    ),
+    "phi": _Family("causal", _GQA),
+    "phi3": _Family("causal", {**_GQA, "original_max_position_embeddings": _MAX_POSITIONS}),
+    "gpt2": _Family("causal", _GPT2_NAMES),
+    "gpt_neox": _Family("causal", _MHA),
+    "gptj": _Family("causal", {**_GPT2_NAMES, "rotary_dim": _HEAD_DIM // 2}),
     # Falcon-7B layout (multi-query attention, parallel attention and MLP), the default.
     "falcon": _Family(
         "causal",
@@ -273,12 +287,13 @@ _REGISTRY: dict[str, _Family] = {
         },
     ),
     "bloom": _Family("causal", {"hidden_size": _HIDDEN, "n_layer": _LAYERS, "n_head": _HEADS}),
-    "olmo": _Family("causal", _DECODER),
-    # Multi-head latent attention; layer 0 is dense and layer 1 mixture-of-experts.
+    "olmo": _Family("causal", _GQA),
+    # Multi-head latent attention (one key/value head per query head); layer 0 is dense
+    # and layer 1 mixture-of-experts, with 4 routed experts in 2 groups and 1 shared.
     "deepseek_v3": _Family(
         "causal",
         {
-            **_DECODER,
+            **_GQA,
             "num_key_value_heads": _HEADS,
             "q_lora_rank": 32,
             "kv_lora_rank": 32,
@@ -309,12 +324,13 @@ _REGISTRY: dict[str, _Family] = {
             "block_types": ["recurrent", "attention"],
         },
     ),
-    "bert": _Family("encoder", _ENCODER),
-    # RoBERTa positions start after the padding id, so it needs 2 extra (as 514 for 512).
-    "roberta": _Family("encoder", {**_ENCODER, "max_position_embeddings": _MAX_POSITIONS + 2}),
+    "bert": _Family("encoder", _MHA),
+    # RoBERTa numbers positions from pad_token_id + 1, so it needs extra position rows
+    # to take 256 tokens (as roberta-base has 514 for 512).
+    "roberta": _Family("encoder", {**_MHA, "max_position_embeddings": _MAX_POSITIONS + 2}),
     # Layer 0 global attention, layer 1 local (sliding) attention.
     "modernbert": _Family(
-        "encoder", {**_ENCODER, "local_attention": _SLIDING_WINDOW, "cls_token_id": _BOS_ID, "sep_token_id": _EOS_ID}
+        "encoder", {**_MHA, "local_attention": _SLIDING_WINDOW, "cls_token_id": _BOS_ID, "sep_token_id": _EOS_ID}
     ),
     "t5": _Family(
         "seq2seq",
@@ -342,6 +358,8 @@ _REGISTRY: dict[str, _Family] = {
             "decoder_start_token_id": _EOS_ID,
             "forced_eos_token_id": _EOS_ID,
         },
+        # As facebook/bart-large: decoding starts with eos, then bos is forced.
+        generation={"forced_bos_token_id": _BOS_ID},
     ),
 }
 
@@ -399,17 +417,18 @@ def tiny_config(family: str, **overrides: Any) -> transformers.PretrainedConfig:
 # ----------------------------------------------------------------------------- checkpoints
 
 
-def _tasks_for(family: str) -> list[str]:
-    config = tiny_config(family)
-    return [task for task, auto in _TASK_AUTO_CLASSES.items() if _auto_class_name(auto, config) is not None]
+def _tasks_for(family: str, config: transformers.PretrainedConfig) -> list[str]:
+    # Tasks that fit the family's kind and for which transformers has a model class.
+    kind_tasks = _KIND_TASKS[_family(family).kind]
+    return [task for task in kind_tasks if _auto_class_name(_TASK_AUTO_CLASSES[task], config) is not None]
 
 
 @torch.no_grad()
 def _perturb_constant_parameters(model: torch.nn.Module, std: float) -> None:
-    # Families initialise biases to 0 and norm scales to 0 or 1. Adding N(0, std) noise to
-    # every such constant tensor lets each parameter change the logits, so a parity test
-    # fails if a bias is dropped or a norm offset is mishandled. Weights that the family
-    # initialised randomly (including special ones like Mamba's A_log) are left as they are.
+    # Families initialise biases to 0 and norm scales (and Mamba's D) to 0 or 1. Adding
+    # N(0, std) noise to every such constant tensor lets each parameter change the logits,
+    # so a parity test fails if a bias is dropped or a norm offset is mishandled. Tensors
+    # the family initialised randomly (including special ones like Mamba's A_log) are kept.
     for param in model.parameters():
         if param.is_floating_point() and param.numel() > 1 and bool((param == param.flatten()[0]).all()):
             param.add_(torch.randn_like(param) * std)
@@ -489,18 +508,23 @@ def save_tiny_checkpoint(
             dtype, pooling or vocab_size that cannot work.
 
     Example:
-        >>> path = save_tiny_checkpoint("qwen3", "/tmp/tiny-qwen3")
+        >>> import tempfile
+        >>> path = save_tiny_checkpoint("qwen3", tempfile.mkdtemp())
         >>> model = transformers.AutoModelForCausalLM.from_pretrained(path)
         >>> tokenizer = transformers.AutoTokenizer.from_pretrained(path)
+        >>> prompt = tokenizer("The river ran", return_tensors="pt")
+        >>> out = model.generate(**prompt, max_new_tokens=5, do_sample=False)  # [1, prompt + 5]
+        >>> out.shape[1] - prompt["input_ids"].shape[1]
+        5
     """
     spec = _family(family)
     if sentence_transformers and task is None:
         task = "feature-extraction"
     task = task or _DEFAULT_TASK[spec.kind]
     if task not in _TASK_AUTO_CLASSES:
-        raise ValueError(f"Unknown task {task!r} for save_tiny_checkpoint. Use one of: {', '.join(_TASK_AUTO_CLASSES)}.")
+        raise ValueError(f"Unknown task {task!r}. Use one of: {', '.join(_TASK_AUTO_CLASSES)}.")
     if dtype not in _DTYPES:
-        raise ValueError(f"Unknown dtype {dtype!r} for save_tiny_checkpoint. Use one of: {', '.join(_DTYPES)}.")
+        raise ValueError(f"Unknown dtype {dtype!r}. Use one of: {', '.join(_DTYPES)}.")
     if sentence_transformers and task != "feature-extraction":
         raise ValueError(
             f"sentence_transformers=True needs task='feature-extraction'. Got: task={task!r}. "
@@ -512,29 +536,28 @@ def save_tiny_checkpoint(
     if pooling not in _POOLINGS:
         raise ValueError(f"Unknown pooling {pooling!r}. Use one of: {', '.join(_POOLINGS)}.")
 
-    if task == "text-classification":
+    if task == "text-classification" and not {"num_labels", "id2label", "label2id"} & config_overrides.keys():
         config_overrides = {"id2label": _ID2LABEL, "label2id": {v: k for k, v in _ID2LABEL.items()}, **config_overrides}
     config = tiny_config(family, **config_overrides)
     if config.vocab_size < _VOCAB_SIZE:
         raise ValueError(
             f"vocab_size should be >= the tiny tokenizer's {_VOCAB_SIZE} tokens. Got: vocab_size={config.vocab_size}."
         )
-    auto_class = _TASK_AUTO_CLASSES[task]
-    if _auto_class_name(auto_class, config) is None:
+    tasks = _tasks_for(family, config)
+    if task not in tasks:
         raise ValueError(
-            f"transformers has no {auto_class.__name__} model for family {family!r}, so task={task!r} is "
-            f"not available. Tasks for {family!r}: {', '.join(_tasks_for(family))}."
+            f"task={task!r} is not available for family {family!r}. Tasks for {family!r}: {', '.join(tasks)}."
         )
 
-    torch.manual_seed(seed)
-    model = auto_class.from_config(config)
-    _perturb_constant_parameters(model, std=0.02)
+    with torch.random.fork_rng(devices=[]):  # leaves the caller's torch RNG state alone
+        torch.manual_seed(seed)
+        model = _TASK_AUTO_CLASSES[task].from_config(config)
+        _perturb_constant_parameters(model, std=0.02)
     model = model.to(_DTYPES[dtype]).eval()
-    model.config.dtype = dtype
     if model.can_generate():
+        # pad, bos, eos and decoder start ids come from the config.
         model.generation_config = transformers.GenerationConfig.from_model_config(model.config)
-        for name, value in _TOKEN_IDS.items():
-            setattr(model.generation_config, name, getattr(model.config, name, value))
+        model.generation_config.update(**spec.generation)
 
     path = pathlib.Path(path)
     path.mkdir(parents=True, exist_ok=True)
@@ -542,9 +565,5 @@ def save_tiny_checkpoint(
     model.save_pretrained(path, **shard_kwargs)
     tiny_tokenizer(family).save_pretrained(path)
     if sentence_transformers:
-        _write_sentence_transformers_files(path, _hidden_size(model.config), pooling)
+        _write_sentence_transformers_files(path, model.config.get_text_config().hidden_size, pooling)
     return path
-
-
-def _hidden_size(config: transformers.PretrainedConfig) -> int:
-    return config.get_text_config().hidden_size

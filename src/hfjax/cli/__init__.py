@@ -1,0 +1,32 @@
+"""The `hfjax` command line: one module per subcommand, each with `add_parser` and `run`."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from . import check, demo
+
+_COMMANDS = {"demo": demo, "check": check}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="hfjax", description="Run Hugging Face PyTorch models on JAX and XLA, unchanged."
+    )
+    subparsers = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for name, command in _COMMANDS.items():
+        command.add_parser(subparsers)
+    args = parser.parse_args(argv)
+    if args.command is None:
+        parser.print_help()
+        return 2
+    try:
+        return _COMMANDS[args.command].run(args)
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

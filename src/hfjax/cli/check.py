@@ -1,0 +1,34 @@
+"""`hfjax check`: compare one model in hfjax (eager and jit) against PyTorch."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def add_parser(subparsers) -> None:
+    parser = subparsers.add_parser(
+        "check",
+        help="compare a model's outputs in hfjax against PyTorch",
+        description="Run a checkpoint in PyTorch and in hfjax (eager and jit), print max |diff| per output "
+        "and times; exit 1 on a mismatch.",
+    )
+    source = parser.add_mutually_exclusive_group(required=True)
+    source.add_argument("--model", help="checkpoint directory or hub id")
+    source.add_argument("--arch", help="model_type of a tiny random model to build (see hfjax.testing.FAMILIES)")
+    parser.add_argument("--task", default=None, help="transformers pipeline task (default: from config.architectures)")
+    parser.add_argument("--batch", type=int, default=2, help="batch size of the random inputs (default 2)")
+    parser.add_argument("--seq-len", type=int, default=8, help="sequence length of the random inputs (default 8)")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the random inputs")
+    parser.add_argument("--no-eager", action="store_true", help="skip the op-by-op eager path")
+
+
+def run(args: argparse.Namespace) -> int:
+    from .. import _check
+
+    options = dict(task=args.task, batch=args.batch, seq_len=args.seq_len, seed=args.seed, eager=not args.no_eager)
+    report = _check.check_arch(args.arch, **options) if args.arch else _check.check(args.model, **options)
+    print(report.table())
+    if report.error:
+        print(f"hfjax check: {report.error}", file=sys.stderr)
+    return 0 if report.passed else 1

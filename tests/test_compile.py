@@ -1,0 +1,142 @@
+"""hfjax.jit: weights as arguments, static flags, compile cache, caches in and out."""
+
+from __future__ import annotations
+
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+import transformers
+
+import hfjax
+from hfjax import testing, tolerances
+
+ATOL = tolerances.DEFAULT.atol
+
+
+@pytest.fixture(scope="module")
+def llama():
+    # Big enough that its embedding (1 MiB+) would show up as a constant if captured.
+    config = testing.tiny_config("llama", hidden_size=256, intermediate_size=256, vocab_size=1024)
+    torch.manual_seed(0)
+    return transformers.LlamaForCausalLM(config).eval()
+
+
+def _largest_constant_bytes(lowered) -> int:
+    text = lowered.as_text()
+    largest = 0
+    for match in re.finditer(r"stablehlo\.constant dense<[^>]*> : tensor<([0-9x]+)x(f32|bf16|f16|i32|i64|i1)>", text):
+        dims, dtype = match.groups()
+        count = int(np.prod([int(d) for d in dims.split("x")]))
+        largest = max(largest, count * {"f32": 4, "i32": 4, "i64": 8, "bf16": 2, "f16": 2, "i1": 1}[dtype])
+    return largest
+
+
+def test_weights_are_arguments_not_constants(llama):
+    weight_bytes = sum(p.numel() * 4 for p in llama.parameters())
+    assert weight_bytes > 3 * 2**20
+    lowered = hfjax.jit(llama).lower("forward", torch.tensor([[1, 2, 3]]), use_cache=False)
+    assert _largest_constant_bytes(lowered) < 2**20
+    # and the weights are inputs of the program
+    assert set(lowered.args_info[0][0]) >= set(llama.state_dict())
+
+
+def test_static_flags_and_compile_cache(llama):
+    fast = hfjax.jit(llama)
+    ids = torch.tensor([[1, 2, 3, 4]])
+    with torch.no_grad():
+        expected = llama(ids, use_cache=False).logits.numpy()
+    out = fast(ids, use_cache=False, return_dict=True, output_hidden_states=True)
+    np.testing.assert_allclose(np.asarray(out.logits), expected, atol=ATOL)
+    assert len(out.hidden_states) == llama.config.num_hidden_layers + 1
+    assert fast.compile_count == 1
+    fast(ids + 1, use_cache=False, return_dict=True, output_hidden_states=True)
+    assert fast.compile_count == 1, "same shapes and flags must reuse the compiled program"
+    tuple_out = fast(ids, use_cache=False, return_dict=False)
+    assert isinstance(tuple_out, tuple)
+    np.testing.assert_allclose(np.asarray(tuple_out[0]), expected, atol=ATOL)
+    assert fast.compile_count == 2
+    fast(torch.tensor([[1, 2, 3, 4, 5]]), use_cache=False, return_dict=False)
+    assert fast.compile_counts() == {"forward": 3}
+
+
+def test_accepts_jax_arrays_and_returns_jax_arrays(llama):
+    fast = hfjax.jit(llama)
+    out = fast(jnp.array([[1, 2, 3]]), use_cache=False)
+    assert isinstance(out, transformers.modeling_outputs.CausalLMOutputWithPast)
+    assert isinstance(out.logits, jax.Array)
+    with torch.no_grad():
+        expected = llama(torch.tensor([[1, 2, 3]]), use_cache=False).logits.numpy()
+    np.testing.assert_allclose(np.asarray(out.logits), expected, atol=ATOL)
+
+
+def test_drop_in_attributes(llama):
+    fast = hfjax.jit(llama)
+    assert isinstance(fast, torch.nn.Module)
+    assert fast.config is llama.config
+    assert fast.model is llama.model
+
+
+@pytest.mark.parametrize("cache_kind", ["dynamic", "static"])
+def test_decode_step_with_cache_matches_torch(llama, cache_kind):
+    def make_cache():
+        if cache_kind == "static":
+            return transformers.StaticCache(config=llama.config, max_cache_len=16)
+        return transformers.DynamicCache(config=llama.config)
+
+    prompt = torch.tensor([[3, 1, 4, 1, 5]])
+    with torch.no_grad():
+        ref_cache = make_cache()
+        first = llama(prompt, past_key_values=ref_cache)
+        token = first.logits[:, -1:].argmax(-1)
+        second = llama(token, past_key_values=ref_cache).logits.numpy()
+    fast = hfjax.jit(llama)
+    cache = make_cache()
+    out = fast(prompt, past_key_values=cache)
+    assert out.past_key_values is cache, "the cache passed in comes back, updated in place"
+    step = fast(torch.from_numpy(np.asarray(out.logits[:, -1:].argmax(-1))), past_key_values=cache)
+    np.testing.assert_allclose(np.asarray(step.logits), second, atol=ATOL)
+    with hfjax._env.env():
+        assert cache.get_seq_length() == 6
+
+
+def test_tied_weights_are_passed_once(checkpoint):
+    model = transformers.AutoModelForCausalLM.from_pretrained(checkpoint("gpt2"))
+    fast = hfjax.jit(model)
+    assert "lm_head.weight" not in fast.params
+    ids = torch.tensor([[4, 5, 6]])
+    with torch.no_grad():
+        expected = model(ids).logits.numpy()
+    np.testing.assert_allclose(np.asarray(fast(ids).logits), expected, atol=ATOL)
+
+
+class _NeedsGeqrf(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.proj = torch.nn.Linear(4, 4)
+
+    def forward(self, x):
+        return torch.geqrf(self.proj(x))[0]
+
+
+def test_unsupported_op_names_op_and_module():
+    wrapper = torch.nn.Sequential(_NeedsGeqrf())
+    with pytest.raises(hfjax.UnsupportedOpError, match=r"aten::geqrf.*0 \(_NeedsGeqrf\)"):
+        hfjax.jit(wrapper)(torch.ones(4, 4))
+
+
+def test_unhashable_static_argument_is_explained(llama):
+    with pytest.raises(TypeError, match=r"neither an array nor hashable"):
+        hfjax.jit(llama)(torch.tensor([[1, 2]]), use_cache=False, extra=object.__new__(_Unhashable))
+
+
+class _Unhashable:
+    __hash__ = None
+
+
+def test_unknown_method_is_explained(llama):
+    with pytest.raises(ValueError, match=r"has no method 'decode'"):
+        hfjax.jit(llama, methods=("decode",))

@@ -1,0 +1,148 @@
+"""Every HF output and cache type crosses jax.jit losslessly, by field name."""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import pkgutil
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+import transformers
+from transformers.utils import ModelOutput
+
+import hfjax
+from hfjax import _pytrees, testing
+
+
+def _import_all_model_modules():
+    import transformers.models as models
+
+    for info in pkgutil.iter_modules(models.__path__):
+        try:
+            importlib.import_module(f"transformers.models.{info.name}.modeling_{info.name}")
+        except Exception:  # optional backends (vision, audio) missing here: those classes are not installed
+            continue
+    import diffusers  # noqa: F401
+    import diffusers.models  # noqa: F401
+    from diffusers.utils import BaseOutput
+
+    hfjax._pytrees.register_all()
+    return BaseOutput
+
+
+def _subclasses(base):
+    found, stack = set(), [base]
+    while stack:
+        for sub in stack.pop().__subclasses__():
+            if sub not in found:
+                found.add(sub)
+                stack.append(sub)
+    return sorted(found, key=lambda c: (c.__module__, c.__qualname__))
+
+
+def _output_classes():
+    base_output = _import_all_model_modules()
+    classes = _subclasses(ModelOutput) + _subclasses(base_output)
+    return [c for c in classes if dataclasses.is_dataclass(c)]
+
+
+def _filled(cls):
+    # Every other field an array, the rest None: the arrays must come back in place.
+    values = {}
+    for i, field in enumerate(dataclasses.fields(cls)):
+        values[field.name] = jnp.full((2,), float(i)) if i % 2 == 0 else None
+    obj = cls.__new__(cls)
+    return _pytrees._output_unflattener(cls)(tuple(values), list(values.values())), values
+
+
+def test_every_installed_output_type_round_trips_through_jit():
+    classes = _output_classes()
+    assert len(classes) > 300, f"expected hundreds of output classes, found {len(classes)}"
+    identity = jax.jit(lambda tree: tree)
+    for cls in classes:
+        assert cls in hfjax._pytrees.registered_classes(), f"{cls.__qualname__} is not registered"
+        obj, values = _filled(cls)
+        back = identity(obj)
+        assert type(back) is cls
+        for name, value in values.items():
+            got = getattr(back, name)
+            if value is None:
+                assert got is None, f"{cls.__qualname__}.{name} should stay None"
+            else:
+                np.testing.assert_array_equal(np.asarray(got), np.asarray(value), err_msg=f"{cls.__qualname__}.{name}")
+
+
+def test_none_loss_does_not_shift_logits():
+    logits = jnp.arange(6.0).reshape(1, 2, 3)
+    out = transformers.modeling_outputs.CausalLMOutputWithPast(logits=logits)
+    back = jax.jit(lambda o: o)(out)
+    assert back.loss is None
+    np.testing.assert_array_equal(back.logits, logits)
+    assert list(back.keys()) == ["logits"]
+    assert back[0] is back.logits
+
+
+def test_output_class_defined_after_import_is_registered():
+    @dataclasses.dataclass
+    class LateOutput(ModelOutput):
+        loss: torch.Tensor | None = None
+        scores: torch.Tensor | None = None
+
+    back = jax.jit(lambda o: o)(LateOutput(scores=jnp.ones(3)))
+    assert isinstance(back, LateOutput) and back.loss is None
+    np.testing.assert_array_equal(back.scores, np.ones(3))
+
+
+def _leaves_equal(a, b):
+    la, ta = jax.tree_util.tree_flatten(a)
+    lb, tb = jax.tree_util.tree_flatten(b)
+    assert ta == tb
+    assert len(la) == len(lb) and len(la) > 0
+    for x, y in zip(la, lb):
+        np.testing.assert_array_equal(np.asarray(hfjax._env.to_jax(x)), np.asarray(hfjax._env.to_jax(y)))
+
+
+CACHE_CASES = [
+    # (family, config overrides, cache factory, expected layer class names)
+    ("llama", {}, lambda cfg: transformers.DynamicCache(config=cfg), {"DynamicLayer"}),
+    ("llama", {}, lambda cfg: transformers.StaticCache(config=cfg, max_cache_len=16), {"StaticLayer"}),
+    ("mistral", {"sliding_window": 4}, lambda cfg: transformers.DynamicCache(config=cfg), {"DynamicSlidingWindowLayer"}),
+    ("gemma2", {}, lambda cfg: transformers.StaticCache(config=cfg, max_cache_len=16), {"StaticLayer", "StaticSlidingWindowLayer"}),
+    ("gemma2", {}, lambda cfg: transformers.DynamicCache(config=cfg), {"DynamicLayer", "DynamicSlidingWindowLayer"}),
+]
+
+
+@pytest.mark.parametrize("family,overrides,make_cache,layer_names", CACHE_CASES, ids=lambda v: v if isinstance(v, str) else None)
+def test_cache_after_forward_round_trips(checkpoint, family, overrides, make_cache, layer_names):
+    path = checkpoint(family, **overrides)
+    model = hfjax.load(path)
+    ids = np.array([[5, 6, 7, 8, 9]])
+    cache = make_cache(model.config)
+    model(ids, past_key_values=cache, use_cache=True)
+    assert {type(layer).__name__ for layer in cache.layers} == layer_names
+    leaves, treedef = jax.tree_util.tree_flatten(cache)
+    rebuilt = jax.tree_util.tree_unflatten(treedef, leaves)
+    assert type(rebuilt) is type(cache)
+    _leaves_equal(cache, rebuilt)
+    through_jit = jax.jit(lambda c: c)(hfjax._env.to_jax(cache))
+    _leaves_equal(cache, through_jit)
+    if hasattr(cache.layers[0], "cumulative_length"):
+        assert int(np.asarray(hfjax._env.to_jax(through_jit.layers[0].cumulative_length))) == ids.shape[1]
+    with hfjax._env.env():  # a cache holding torchax tensors computes inside the torchax environment
+        assert hfjax._env.to_torch(through_jit).get_seq_length() == cache.get_seq_length() == ids.shape[1]
+
+
+def test_encoder_decoder_cache_round_trips(checkpoint):
+    path = checkpoint("bart")
+    model = hfjax.load(path)
+    ids = np.array([[5, 6, 7, 8]])
+    out = model(ids, decoder_input_ids=np.array([[2, 5]]), use_cache=True)
+    cache = out.past_key_values
+    assert type(cache).__name__ == "EncoderDecoderCache"
+    rebuilt = jax.jit(lambda c: c)(hfjax._env.to_jax(cache))
+    assert type(rebuilt.self_attention_cache) is type(cache.self_attention_cache)
+    _leaves_equal(cache, rebuilt)

@@ -1,0 +1,260 @@
+"""Tests for hfjax.testing: every tiny checkpoint loads and runs in PyTorch transformers."""
+
+from __future__ import annotations
+
+import doctest
+import json
+
+import pytest
+import safetensors.torch
+import torch
+import transformers
+
+from hfjax import testing
+from hfjax.testing import FAMILIES, save_tiny_checkpoint, tiny_config, tiny_tokenizer
+
+PROMPT = "The capital of France is"
+# Exercises byte fallback, digits, contractions, repeated spaces and newlines.
+TRICKY_TEXT = "Hello,  wörld! It's 2024.\n\nnaïve café — 你好 (don't)\ttab"
+
+_AUTO_CLASS = {
+    "text-generation": transformers.AutoModelForCausalLM,
+    "text-classification": transformers.AutoModelForSequenceClassification,
+    "feature-extraction": transformers.AutoModel,
+    "text2text-generation": transformers.AutoModelForSeq2SeqLM,
+}
+
+
+def _kind(family: str) -> str:
+    return testing._REGISTRY[family].kind
+
+
+def _default_task(family: str) -> str:
+    defaults = {"causal": "text-generation", "encoder": "feature-extraction", "seq2seq": "text2text-generation"}
+    return defaults[_kind(family)]
+
+
+def _forward(model, inputs: dict, config) -> torch.Tensor:
+    with torch.no_grad():
+        if config.is_encoder_decoder:
+            start = config.decoder_start_token_id
+            decoder_input_ids = torch.tensor([[start, 300, 301, 302]])  # [1, 4]
+            return model(**inputs, decoder_input_ids=decoder_input_ids).logits
+        output = model(**inputs)
+    return output.logits if hasattr(output, "logits") else output.last_hidden_state
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_default_checkpoint_loads_runs_and_generates(family, tmp_path):
+    path = save_tiny_checkpoint(family, tmp_path / family)
+    task = _default_task(family)
+
+    config = json.loads((path / "config.json").read_text())
+    model = _AUTO_CLASS[task].from_pretrained(path).eval()
+    assert config["architectures"] == [type(model).__name__]
+    assert (path / "model.safetensors").is_file()
+    assert (path / "generation_config.json").is_file() == (task != "feature-extraction")
+
+    tokenizer = transformers.AutoTokenizer.from_pretrained(path)
+    assert model.config.vocab_size >= len(tokenizer) == len(tiny_tokenizer())
+    assert tokenizer.pad_token_id == model.config.pad_token_id
+    assert tokenizer.eos_token_id == model.config.eos_token_id
+
+    inputs = tokenizer(PROMPT, return_tensors="pt")
+    out = _forward(model, inputs, model.config)  # [1, S, vocab] or [1, S, hidden]
+    assert torch.isfinite(out).all()
+    assert (out.std(dim=-1) > 1e-3).all(), "outputs are constant across the last axis"
+    assert not torch.allclose(out[0, 0], out[0, -1]), "outputs do not depend on the token"
+
+    if task == "feature-extraction":
+        return
+    generated = model.generate(**inputs, max_new_tokens=5, do_sample=False)  # [1, prompt + new]
+    offset = 1 if model.config.is_encoder_decoder else inputs["input_ids"].shape[1]
+    new_tokens = generated[0, offset:]
+    assert 1 <= len(new_tokens) <= 5
+    if not model.config.is_encoder_decoder:
+        assert new_tokens[0] == out[0, -1].argmax()
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_saved_tokenizer_reloads_to_the_same_ids(family, tmp_path):
+    reference = tiny_tokenizer(family)
+    reference.save_pretrained(tmp_path)
+    (tmp_path / "config.json").write_text(tiny_config(family).to_json_string())
+
+    reloaded = transformers.AutoTokenizer.from_pretrained(tmp_path)
+
+    assert len(reloaded) == len(reference)
+    ids = reloaded(TRICKY_TEXT)["input_ids"]
+    assert ids == reference(TRICKY_TEXT)["input_ids"]
+    assert reloaded.decode(ids, skip_special_tokens=True) == TRICKY_TEXT
+
+
+def test_tokenizer_chat_template_renders_roles_and_generation_prompt(tmp_path):
+    tiny_tokenizer().save_pretrained(tmp_path)
+    tokenizer = transformers.AutoTokenizer.from_pretrained(tmp_path)
+    messages = [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "What is the capital of France?"},
+        {"role": "assistant", "content": "Paris."},
+        {"role": "user", "content": "And of Italy?"},
+    ]
+
+    with_prompt = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    without_prompt = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=False)
+
+    assert without_prompt == (
+        "<s><|system|>\nBe brief.</s>\n<|user|>\nWhat is the capital of France?</s>\n"
+        "<|assistant|>\nParis.</s>\n<|user|>\nAnd of Italy?</s>\n"
+    )
+    assert with_prompt == without_prompt + "<|assistant|>\n"
+    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True)["input_ids"]
+    assert ids[0] == tokenizer.bos_token_id and ids.count(tokenizer.bos_token_id) == 1
+    assert tokenizer.convert_tokens_to_ids("<|assistant|>") == ids[-2]
+    with pytest.raises(Exception, match="Unknown chat role tool"):
+        tokenizer.apply_chat_template([{"role": "tool", "content": "x"}], tokenize=False)
+
+
+def test_tiny_tokenizer_returns_independent_copies():
+    first = tiny_tokenizer()
+    first.add_tokens(["<extra>"])
+    assert len(tiny_tokenizer()) == len(first) - 1
+
+
+def test_sharded_checkpoint_has_index_and_identical_weights(tmp_path):
+    single = save_tiny_checkpoint("llama", tmp_path / "single", seed=3)
+    sharded = save_tiny_checkpoint("llama", tmp_path / "sharded", seed=3, max_shard_size="100KB")
+
+    index = json.loads((sharded / "model.safetensors.index.json").read_text())
+    shard_files = sorted(set(index["weight_map"].values()))
+    assert len(shard_files) > 1
+    assert not (sharded / "model.safetensors").exists()
+
+    expected = safetensors.torch.load_file(single / "model.safetensors")
+    got = {}
+    for name in shard_files:
+        got.update(safetensors.torch.load_file(sharded / name))
+    assert got.keys() == expected.keys() == index["weight_map"].keys()
+    for name, tensor in expected.items():
+        torch.testing.assert_close(got[name], tensor, rtol=0, atol=0)
+
+    reloaded = transformers.AutoModelForCausalLM.from_pretrained(sharded)
+    for name, tensor in reloaded.state_dict().items():
+        torch.testing.assert_close(tensor, expected[name], rtol=0, atol=0)
+
+
+def test_seed_controls_weights_and_caller_rng_is_untouched(tmp_path):
+    torch.manual_seed(123)
+    expected_draw = torch.rand(3)
+    torch.manual_seed(123)
+    first = safetensors.torch.load_file(save_tiny_checkpoint("gpt2", tmp_path / "a", seed=0) / "model.safetensors")
+    torch.testing.assert_close(torch.rand(3), expected_draw, rtol=0, atol=0)
+    again = safetensors.torch.load_file(save_tiny_checkpoint("gpt2", tmp_path / "b", seed=0) / "model.safetensors")
+    other = safetensors.torch.load_file(save_tiny_checkpoint("gpt2", tmp_path / "c", seed=1) / "model.safetensors")
+
+    for name, tensor in first.items():
+        torch.testing.assert_close(again[name], tensor, rtol=0, atol=0)
+    assert not torch.equal(other["transformer.wte.weight"], first["transformer.wte.weight"])
+
+
+def test_constant_initialised_parameters_are_perturbed(tmp_path):
+    weights = safetensors.torch.load_file(save_tiny_checkpoint("bert", tmp_path) / "model.safetensors")
+
+    for name, tensor in weights.items():
+        if tensor.is_floating_point() and tensor.numel() > 1:
+            assert tensor.std() > 0, f"{name} is constant"
+
+
+@pytest.mark.parametrize("family", ["llama", "gpt2", "bert", "roberta", "modernbert", "bart"])
+def test_text_classification_checkpoint(family, tmp_path):
+    path = save_tiny_checkpoint(family, tmp_path, task="text-classification")
+
+    model = transformers.AutoModelForSequenceClassification.from_pretrained(path).eval()
+    tokenizer = transformers.AutoTokenizer.from_pretrained(path)
+    inputs = tokenizer([PROMPT, "Paris."], return_tensors="pt", padding=True)
+    with torch.no_grad():
+        logits = model(**inputs).logits  # [2, 2]
+
+    assert model.config.id2label == {0: "negative", 1: "positive"}
+    assert logits.shape == (2, 2)
+    assert torch.isfinite(logits).all()
+    assert not torch.allclose(logits[0], logits[1])
+
+
+def test_bfloat16_checkpoint(tmp_path):
+    path = save_tiny_checkpoint("qwen3", tmp_path, dtype="bfloat16")
+
+    weights = safetensors.torch.load_file(path / "model.safetensors")
+    assert {tensor.dtype for tensor in weights.values()} == {torch.bfloat16}
+    assert json.loads((path / "config.json").read_text())["dtype"] == "bfloat16"
+
+
+@pytest.mark.parametrize(
+    ("family", "pooling", "model_class"),
+    [("bert", "mean", "BertModel"), ("modernbert", "cls", "ModernBertModel"), ("qwen3", "lasttoken", "Qwen3Model")],
+)
+def test_sentence_transformers_layout(family, pooling, model_class, tmp_path):
+    path = save_tiny_checkpoint(family, tmp_path, sentence_transformers=True, pooling=pooling)
+
+    modules = json.loads((path / "modules.json").read_text())
+    assert [(m["path"], m["type"].rsplit(".", 1)[1]) for m in modules] == [
+        ("", "Transformer"),
+        ("1_Pooling", "Pooling"),
+        ("2_Normalize", "Normalize"),
+    ]
+    assert (path / "2_Normalize").is_dir()
+    pooling_config = json.loads((path / "1_Pooling" / "config.json").read_text())
+    assert pooling_config["word_embedding_dimension"] == tiny_config(family).hidden_size
+    enabled = [key for key, value in pooling_config.items() if key.startswith("pooling_mode_") and value]
+    expected_mode = {"mean": "mean_tokens", "cls": "cls_token", "lasttoken": "lasttoken"}[pooling]
+    assert enabled == [f"pooling_mode_{expected_mode}"]
+    assert json.loads((path / "sentence_bert_config.json").read_text())["max_seq_length"] == 256
+    assert type(transformers.AutoModel.from_pretrained(path)).__name__ == model_class
+
+
+def test_unknown_family_error_names_value_and_lists_families():
+    with pytest.raises(ValueError, match=r"Unknown model family 'llamma'\. Did you mean 'llama'\?") as info:
+        tiny_config("llamma")
+    assert all(family in str(info.value) for family in FAMILIES)
+    with pytest.raises(ValueError, match="Unknown model family 'vit'"):
+        save_tiny_checkpoint("vit", "unused")
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"family": "mamba", "task": "text-classification"}, r"Tasks for 'mamba': text-generation, feature-extraction"),
+        (
+            {"family": "bert", "task": "text-generation"},
+            r"task='text-generation' is not available for family 'bert'\. "
+            r"Tasks for 'bert': text-classification, feature-extraction\.",
+        ),
+        ({"family": "llama", "task": "summarize"}, r"Unknown task 'summarize'"),
+        ({"family": "llama", "dtype": "fp8"}, r"Unknown dtype 'fp8'"),
+        ({"family": "bert", "pooling": "cls"}, r"only applies with sentence_transformers=True"),
+        ({"family": "bert", "sentence_transformers": True, "pooling": "max"}, r"Unknown pooling 'max'"),
+        (
+            {"family": "bert", "sentence_transformers": True, "task": "text-classification"},
+            r"needs task='feature-extraction'",
+        ),
+        ({"family": "llama", "vocab_size": 100}, r"vocab_size should be >= .* Got: vocab_size=100"),
+    ],
+)
+def test_invalid_arguments_raise(kwargs, message, tmp_path):
+    with pytest.raises(ValueError, match=message):
+        save_tiny_checkpoint(path=tmp_path, **kwargs)
+
+
+def test_tiny_config_overrides_and_layer_types():
+    assert tiny_config("llama", num_hidden_layers=3).num_hidden_layers == 3
+    assert tiny_config("gemma2").layer_types == ["sliding_attention", "full_attention"]
+    assert tiny_config("gemma3_text").layer_types == ["sliding_attention", "full_attention"]
+    assert tiny_config("gemma3_text", num_hidden_layers=4).layer_types == ["sliding_attention", "full_attention"] * 2
+    assert tiny_config("bert").architectures == ["BertModel"]
+    assert tiny_config("t5").architectures == ["T5ForConditionalGeneration"]
+
+
+def test_docstring_examples_run():
+    result = doctest.testmod(testing, optionflags=doctest.ELLIPSIS)
+    assert result.attempted > 0
+    assert result.failed == 0
