@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import os
 
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # see hfjax/__init__.py
+
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 import pytest

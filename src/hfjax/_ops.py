@@ -203,3 +203,45 @@ override(
     torch.ops.aten.searchsorted.Scalar,
     why="torchax has no lowering; diffusers' DPMSolverMultistepScheduler.set_timesteps calls it",
 )(_searchsorted)
+
+
+def _concrete_bound(bound):
+    # A 0-d tensor used as a slice bound becomes a Python int, as torch does via __index__.
+    if isinstance(bound, torch.Tensor):
+        return int(bound.jax())
+    return bound
+
+
+@override(
+    torch.Tensor.__getitem__,
+    why="torchax keeps a tensor slice bound (x[:, :n], n a 0-d tensor) inside the view it returns, "
+    "and materialising that view later fails ('torchax Tensors can only do math within the torchax "
+    "environment'); BLT's entropy patcher slices this way",
+    is_jax_function=False,
+    is_view_op=True,
+)
+def _getitem(self, indexes):
+    def concrete(index):
+        if isinstance(index, slice):
+            return slice(*(_concrete_bound(b) for b in (index.start, index.stop, index.step)))
+        return index
+
+    indexes = tuple(concrete(i) for i in indexes) if isinstance(indexes, tuple) else concrete(indexes)
+    torchax_getitem = ops_registry.all_torch_functions[torch.Tensor.__getitem__].func
+    return torchax_getitem(self, indexes)
+
+
+def _is_integer(x) -> bool:
+    return isinstance(x, int) or (isinstance(x, jax.Array) and jnp.issubdtype(x.dtype, jnp.integer))
+
+
+@override(
+    torch.ops.aten.pow,
+    why="torchax raises integer tensors to integer powers in float and casts back, which rounds "
+    "past 2**24 and saturates instead of wrapping; BLT's rolling byte hash relies on int64 wrap",
+)
+def _pow(x, y):
+    if _is_integer(x) and _is_integer(y) and not isinstance(x, int):
+        dtype = jnp.result_type(x, y)
+        return jnp.power(x.astype(dtype), jnp.asarray(y).astype(dtype))  # exact, wraps on overflow
+    return ops_registry.all_aten_ops[torch.ops.aten.pow].func(x, y)

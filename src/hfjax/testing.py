@@ -8,10 +8,10 @@ test loads it through the same path a real model takes:
 
 A checkpoint directory holds config.json (with `architectures`), model.safetensors (or
 shards plus model.safetensors.index.json), generation_config.json for generative models,
-and tokenizer files (tokenizer.json, tokenizer_config.json with a chat template). The
+and tokenizer files (tokenizer.json, tokenizer_config.json, chat_template.jinja). The
 tokenizer is a byte-level BPE trained in-process on a short embedded English text, so no
-network access is needed. Models are a few hundred thousand parameters: hidden size 64,
-2 layers, 4 attention heads of size 16 (2 key/value heads where the family has GQA).
+network access is needed. Models have 85k to 235k parameters: hidden size 64, 2 layers,
+4 attention heads of size 16 (2 key/value heads where the family has GQA).
 
 This module depends on torch, transformers and tokenizers only, not on the rest of hfjax.
 """
@@ -72,7 +72,7 @@ _SPECIAL_TOKENS = (_PAD, _BOS, _EOS, _UNK, _MASK, *_ROLE_TOKENS)
 _PAD_ID, _BOS_ID, _EOS_ID = 0, 1, 2
 _MAX_POSITIONS = 256
 
-CHAT_TEMPLATE = (
+_CHAT_TEMPLATE = (
     "{{ bos_token }}"
     "{% for message in messages %}"
     "{% if message['role'] not in ['system', 'user', 'assistant'] %}"
@@ -192,7 +192,7 @@ def tiny_tokenizer(family: str | None = None) -> transformers.PreTrainedTokenize
         mask_token=_MASK,
         cls_token=_BOS,
         sep_token=_EOS,
-        chat_template=CHAT_TEMPLATE,
+        chat_template=_CHAT_TEMPLATE,
         model_max_length=_MAX_POSITIONS,
         model_input_names=input_names,
     )
