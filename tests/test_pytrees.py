@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import importlib
 import pkgutil
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -16,6 +17,8 @@ from transformers.utils import ModelOutput
 
 import hfjax
 from hfjax import _pytrees, testing
+
+_MODULES_AT_IMPORT = set(sys.modules)
 
 
 def _import_all_model_modules():
@@ -30,7 +33,6 @@ def _import_all_model_modules():
     import diffusers.models  # noqa: F401
     from diffusers.utils import BaseOutput
 
-    hfjax._pytrees.register_all()
     return BaseOutput
 
 
@@ -84,6 +86,14 @@ def test_none_loss_does_not_shift_logits():
     np.testing.assert_array_equal(back.logits, logits)
     assert list(back.keys()) == ["logits"]
     assert back[0] is back.logits
+
+
+def test_diffusers_imported_after_hfjax_is_registered():
+    import diffusers.models.autoencoders.vae as vae
+
+    assert "diffusers" not in _MODULES_AT_IMPORT, "this test needs diffusers imported after hfjax"
+    back = jax.jit(lambda o: o)(vae.DecoderOutput(sample=jnp.ones((1, 3, 2, 2))))
+    assert isinstance(back, vae.DecoderOutput) and back.commit_loss is None
 
 
 def test_output_class_defined_after_import_is_registered():

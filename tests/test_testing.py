@@ -220,6 +220,35 @@ def test_unknown_family_error_names_value_and_lists_families():
         save_tiny_checkpoint("vit", "unused")
 
 
+def test_generic_family_shrinks_config_defaults(tmp_path):
+    assert "olmo2" not in FAMILIES
+    config = tiny_config("olmo2")
+    assert (config.hidden_size, config.num_hidden_layers, config.num_attention_heads) == (64, 2, 4)
+    assert (config.intermediate_size, config.vocab_size, config.max_position_embeddings) == (128, 512, 256)
+    assert config.architectures == ["Olmo2ForCausalLM"]
+    assert tiny_config("olmo2", num_hidden_layers=3).num_hidden_layers == 3
+
+    path = save_tiny_checkpoint("olmo2", tmp_path, task="text-classification")
+    model = transformers.AutoModelForSequenceClassification.from_pretrained(path).eval()
+    tokenizer = transformers.AutoTokenizer.from_pretrained(path)
+    with torch.no_grad():
+        logits = model(**tokenizer([PROMPT], return_tensors="pt")).logits  # [1, 2]
+    assert logits.shape == (1, 2)
+    assert sum(p.numel() for p in model.parameters()) < 300_000
+
+
+def test_generic_family_shrinks_nested_text_config():
+    text_config = tiny_config("gemma3").get_text_config()
+    assert (text_config.hidden_size, text_config.num_hidden_layers, text_config.vocab_size) == (64, 2, 512)
+
+
+def test_model_type_without_text_head_or_unknown_raises():
+    with pytest.raises(ValueError, match=r"'vit': it is a transformers model_type, but has no text-generation"):
+        tiny_config("vit")
+    with pytest.raises(ValueError, match=r"Unknown model family 'not_a_model'\. Use a transformers model_type"):
+        tiny_config("not_a_model")
+
+
 @pytest.mark.parametrize(
     ("kwargs", "message"),
     [

@@ -14,7 +14,9 @@ from typing import Callable
 import jax
 import jax.numpy as jnp
 import torch
+from torch.utils import _mode_utils
 from torchax.ops import mappings, ops_registry
+from torchax.tensor import Tensor as _TorchaxTensor
 from torchax.view import View
 
 
@@ -63,9 +65,17 @@ def install(env) -> None:
 # ---- overrides ---------------------------------------------------------------
 
 
+def _torchax_lowering(op) -> Callable:
+    # torchax's own lowering of `op`, for overrides that fix only some of its cases.
+    return ops_registry.all_aten_ops.get(op, ops_registry.all_torch_functions.get(op)).func
+
+
 def _index_dtype(out_int32: bool):
-    # torch's int64 indices become int32 when jax runs without x64, as torchax does.
+    # torch's int64 indices are int32 when jax runs without x64, as torchax runs by default.
     return jnp.int32 if out_int32 else jax.dtypes.canonicalize_dtype(jnp.int64)
+
+
+# -- mixture of experts --------------------------------------------------------
 
 
 @override(
@@ -73,12 +83,12 @@ def _index_dtype(out_int32: bool):
     why="torchax has no lowering; transformers' default 'grouped_mm' MoE experts call it",
 )
 def _grouped_mm(mat_a, mat_b, offs=None, bias=None, out_dtype=None):
-    # offs: [G] int, cumulative end of each group along the jagged dimension; data past offs[-1]
-    # is ignored and its output is zero (torch leaves it uninitialised).
+    # offs: [G] int, the cumulative end of each group along the jagged dimension. Rows (or
+    # columns) past offs[-1] come out zero; torch leaves them uninitialised.
     if bias is not None:
         raise NotImplementedError(
-            "torch._grouped_mm(..., bias=...) is not supported; torch's own kernels reject it too. "
-            "Add the bias to the result instead."
+            "torch._grouped_mm(..., bias=...) is not supported, as in torch's own kernels; "
+            "add the bias to the result instead."
         )
     if mat_a.ndim not in (2, 3) or mat_b.ndim not in (2, 3):
         raise ValueError(
@@ -87,63 +97,36 @@ def _grouped_mm(mat_a, mat_b, offs=None, bias=None, out_dtype=None):
     jagged = mat_a.ndim == 2 or mat_b.ndim == 2
     if jagged != (offs is not None):
         raise ValueError(
-            f"torch._grouped_mm with mat_a {mat_a.ndim}D and mat_b {mat_b.ndim}D "
-            f"{'needs' if jagged else 'takes no'} offs; got offs={None if offs is None else offs.shape}."
+            f"torch._grouped_mm with a {mat_a.ndim}D mat_a and a {mat_b.ndim}D mat_b "
+            f"{'needs offs' if jagged else 'takes no offs'}; got offs={offs if offs is None else offs.shape}."
         )
     result_dtype = mat_a.dtype if out_dtype is None else mappings.t2j_dtype(out_dtype)
-    # Low-precision inputs accumulate in float32, as torch's grouped GEMM kernels do.
-    accumulate_dtype = jnp.promote_types(result_dtype, jnp.float32)
+    # bf16 / fp16 accumulate in fp32, as torch's grouped GEMM kernels do.
+    accumulate = jnp.promote_types(result_dtype, jnp.float32)
 
     if offs is None:  # [G, M, K] @ [G, K, N] -> [G, M, N]
-        out = jnp.matmul(mat_a, mat_b, preferred_element_type=accumulate_dtype)
-        return out.astype(result_dtype)
+        return jnp.matmul(mat_a, mat_b, preferred_element_type=accumulate).astype(result_dtype)
 
-    offs = offs.astype(jnp.int32)
-    group_sizes = jnp.diff(offs, prepend=0)  # [G]
-    if mat_a.ndim == 2 and mat_b.ndim == 3:  # rows of [M, K] grouped; [G, K, N] -> [M, N]
-        out = jax.lax.ragged_dot(mat_a, mat_b, group_sizes, preferred_element_type=accumulate_dtype)
-    elif mat_a.ndim == 3:  # columns of [K, N] grouped; [G, M, K] -> [M, N], solved as its transpose
+    group_sizes = jnp.diff(offs.astype(jnp.int32), prepend=0)  # [G]
+    if mat_b.ndim == 3:  # [M, K] rows grouped, @ [G, K, N] -> [M, N]
+        out = jax.lax.ragged_dot(mat_a, mat_b, group_sizes, preferred_element_type=accumulate)
+    elif mat_a.ndim == 3:  # [G, M, K] @ [K, N] columns grouped -> [M, N], computed transposed
         out = jax.lax.ragged_dot(
-            mat_b.T, jnp.swapaxes(mat_a, 1, 2), group_sizes, preferred_element_type=accumulate_dtype
+            mat_b.T, jnp.swapaxes(mat_a, 1, 2), group_sizes, preferred_element_type=accumulate
         ).T
-    else:  # contraction of [M, K] @ [K, N] grouped -> [G, M, N]
+    else:  # [M, K] @ [K, N], K grouped -> [G, M, N]
         dims = jax.lax.RaggedDotDimensionNumbers(
             dot_dimension_numbers=(([1], [0]), ([], [])),
             lhs_ragged_dimensions=[1],
             rhs_group_dimensions=[],
         )
         out = jax.lax.ragged_dot_general(
-            mat_a, mat_b, group_sizes, dims, preferred_element_type=accumulate_dtype
+            mat_a, mat_b, group_sizes, dims, preferred_element_type=accumulate
         )
     return out.astype(result_dtype)
 
 
-@override(
-    torch.ops.aten.copy_,
-    why="torchax's copy_ reads `src._elem`, which a View lacks ('View' object has no attribute "
-    "'_elem'), and does not broadcast src; hybrid / state-space caches copy_ slices into state",
-    is_jax_function=False,
-    is_view_op=True,
-)
-def _copy_(dst, src, non_blocking=False):
-    # dst, src: torchax Tensor or View (src may also be a CPU tensor); dst keeps its shape and dtype.
-    dst_dtype = dst.source_jax().dtype if isinstance(dst, View) else dst.jax().dtype
-    if isinstance(src, torch.Tensor) and not isinstance(src, View) and src.device.type == "cpu":
-        src = dst._env.t2j_copy(src)
-    elif isinstance(src, torch.Tensor):
-        src = src.jax()
-    value = jnp.asarray(src).astype(dst_dtype)
-    if _broadcasts_to(value.shape, tuple(dst.shape)):
-        value = jnp.broadcast_to(value, tuple(dst.shape))
-    elif isinstance(dst, View):
-        raise ValueError(f"copy_: source of shape {value.shape} does not broadcast to the view's {tuple(dst.shape)}.")
-    # Otherwise dst takes src's shape, as in torchax's own copy_: its sdpa fallback relies on
-    # masked_fill_ growing a [L, S] bias to the mask's [B, H, L, S].
-    if isinstance(dst, View):
-        dst.update(value)
-    else:
-        dst._elem = value
-    return dst
+# -- in-place copies -----------------------------------------------------------
 
 
 def _broadcasts_to(shape: tuple[int, ...], target: tuple[int, ...]) -> bool:
@@ -153,8 +136,48 @@ def _broadcasts_to(shape: tuple[int, ...], target: tuple[int, ...]) -> bool:
 
 
 @override(
+    torch.ops.aten.copy_,
+    why="torchax's copy_ reads `src._elem`, which a View lacks (\"'View' object has no attribute "
+    "'_elem'\"), and does not broadcast src; state-space and hybrid caches (mamba, jamba, zamba...) "
+    "copy_ a slice of the new conv state into the cache",
+    is_jax_function=False,
+    is_view_op=True,
+)
+def _copy_(dst, src, non_blocking=False):
+    # dst: torchax Tensor or View, or a CPU tensor receiving a torchax one; src: any tensor.
+    if not isinstance(dst, (_TorchaxTensor, View)):
+        host = src._env.j2t_copy(src.jax())
+        with _mode_utils.no_dispatch(), torch._C.DisableTorchFunction():
+            return dst.copy_(host)
+    if isinstance(src, (_TorchaxTensor, View)):
+        value = src.jax()
+    else:
+        value = dst._env.t2j_copy(src)
+    dst_array_dtype = dst.source_jax().dtype if isinstance(dst, View) else dst.jax().dtype
+    value = value.astype(dst_array_dtype)
+    dst_shape = tuple(dst.shape)
+    if _broadcasts_to(value.shape, dst_shape):
+        value = jnp.broadcast_to(value, dst_shape)
+    elif isinstance(dst, View):
+        raise ValueError(
+            f"copy_: the source's shape {value.shape} does not broadcast to the view's {dst_shape}."
+        )
+    # Else a Tensor dst takes src's shape, as in torchax's own copy_: torchax's sdpa fallback
+    # relies on it when masked_fill_ grows an [L, S] bias to a [B, H, L, S] mask.
+    if isinstance(dst, View):
+        dst.update(value)
+    else:
+        dst._elem = value
+    return dst
+
+
+# -- checks --------------------------------------------------------------------
+
+
+@override(
     torch.ops.aten._is_all_true.default,
-    why="torchax has no lowering; torch._check_tensor_all (transformers' torch_compilable_check) calls it",
+    why="torchax has no lowering; torch._check_tensor_all (transformers' torch_compilable_check, "
+    "e.g. prophetnet's cached decode) and torch.distributions' argument checks (blt) call it",
 )
 def _is_all_true(x):
     return jnp.all(x)  # [] bool
@@ -168,36 +191,41 @@ def _is_any_true(x):
     return jnp.any(x)  # [] bool
 
 
+# -- search --------------------------------------------------------------------
+
+
 def _searchsorted(sorted_sequence, values, *, out_int32=False, right=False, side=None, sorter=None):
-    # sorted_sequence: [..., S]; values: [..., V] matching its leading dims, or any shape when it is
-    # 1D, or a scalar. Returns indices shaped like values.
+    # sorted_sequence: [..., S]; values: a scalar, any shape when sorted_sequence is 1D, else
+    # [..., V] with sorted_sequence's leading dims. Returns indices shaped like values.
     if side not in (None, "left", "right"):
-        raise ValueError(f"torch.searchsorted(side=...) must be 'left' or 'right'; got {side!r}.")
+        raise ValueError(f"torch.searchsorted(side=...) takes 'left' or 'right'; got {side!r}.")
     if side == "left" and right:
         raise ValueError("torch.searchsorted got side='left' and right=True, which contradict; pass one.")
     side = "right" if right or side == "right" else "left"
     if sorter is not None:
         sorted_sequence = jnp.take_along_axis(sorted_sequence, sorter, axis=-1)
-    values = jnp.asarray(values, dtype=jnp.result_type(sorted_sequence, values))
-    sorted_sequence = sorted_sequence.astype(values.dtype)
+    dtype = jnp.result_type(sorted_sequence, values)
+    sorted_sequence = sorted_sequence.astype(dtype)
+    values = jnp.asarray(values, dtype=dtype)
     if sorted_sequence.ndim == 1:
         out = jnp.searchsorted(sorted_sequence, values, side=side)
-    else:
-        if sorted_sequence.shape[:-1] != values.shape[:-1]:
-            raise ValueError(
-                "torch.searchsorted with an N-D sorted_sequence needs values with the same leading "
-                f"dims; got sorted_sequence {sorted_sequence.shape} and values {values.shape}."
-            )
+    elif sorted_sequence.shape[:-1] == values.shape[:-1]:
         rows = sorted_sequence.reshape(-1, sorted_sequence.shape[-1])
         row_values = values.reshape(-1, values.shape[-1])
-        out = jax.vmap(lambda s, v: jnp.searchsorted(s, v, side=side))(rows, row_values)
-        out = out.reshape(values.shape)
+        search_row = jax.vmap(lambda s, v: jnp.searchsorted(s, v, side=side))
+        out = search_row(rows, row_values).reshape(values.shape)
+    else:
+        raise ValueError(
+            "torch.searchsorted with an N-D sorted_sequence needs values with the same leading "
+            f"dims; got sorted_sequence {sorted_sequence.shape} and values {values.shape}."
+        )
     return out.astype(_index_dtype(out_int32))
 
 
 override(
     torch.ops.aten.searchsorted.Tensor,
-    why="torchax's lowering rejects right=, side= and sorter= (TypeError) and N-D sequences",
+    why="torchax's lowering rejects right=, side= and sorter= with a TypeError and handles only a "
+    "1D sorted_sequence",
 )(_searchsorted)
 override(
     torch.ops.aten.searchsorted.Scalar,
@@ -205,18 +233,19 @@ override(
 )(_searchsorted)
 
 
+# -- indexing and integer math -------------------------------------------------
+
+
 def _concrete_bound(bound):
-    # A 0-d tensor used as a slice bound becomes a Python int, as torch does via __index__.
-    if isinstance(bound, torch.Tensor):
-        return int(bound.jax())
-    return bound
+    # A tensor slice bound becomes a Python int, as torch's __index__ makes it.
+    return int(bound.jax()) if isinstance(bound, torch.Tensor) else bound
 
 
 @override(
     torch.Tensor.__getitem__,
-    why="torchax keeps a tensor slice bound (x[:, :n], n a 0-d tensor) inside the view it returns, "
-    "and materialising that view later fails ('torchax Tensors can only do math within the torchax "
-    "environment'); BLT's entropy patcher slices this way",
+    why="torchax keeps a tensor slice bound (x[:, :n], n a 0-d tensor) inside the View it returns, "
+    "and using that View fails with 'torchax Tensors can only do math within the torchax "
+    "environment'; BLT's entropy patcher slices this way",
     is_jax_function=False,
     is_view_op=True,
 )
@@ -226,22 +255,33 @@ def _getitem(self, indexes):
             return slice(*(_concrete_bound(b) for b in (index.start, index.stop, index.step)))
         return index
 
-    indexes = tuple(concrete(i) for i in indexes) if isinstance(indexes, tuple) else concrete(indexes)
-    torchax_getitem = ops_registry.all_torch_functions[torch.Tensor.__getitem__].func
-    return torchax_getitem(self, indexes)
+    indexes = tuple(map(concrete, indexes)) if isinstance(indexes, tuple) else concrete(indexes)
+    return _torchax_lowering(torch.Tensor.__getitem__)(self, indexes)
 
 
 def _is_integer(x) -> bool:
-    return isinstance(x, int) or (isinstance(x, jax.Array) and jnp.issubdtype(x.dtype, jnp.integer))
+    if isinstance(x, jax.Array):
+        return jnp.issubdtype(x.dtype, jnp.integer)
+    return isinstance(x, int) and not isinstance(x, bool)
 
 
 @override(
     torch.ops.aten.pow,
-    why="torchax raises integer tensors to integer powers in float and casts back, which rounds "
-    "past 2**24 and saturates instead of wrapping; BLT's rolling byte hash relies on int64 wrap",
+    why="torchax raises integers to integer powers in float and casts back, which rounds past "
+    "2**24, saturates instead of wrapping, and is wrong for negative exponents; BLT's rolling "
+    "byte hash needs the exact, wrapping result",
 )
 def _pow(x, y):
-    if _is_integer(x) and _is_integer(y) and not isinstance(x, int):
-        dtype = jnp.result_type(x, y)
-        return jnp.power(x.astype(dtype), jnp.asarray(y).astype(dtype))  # exact, wraps on overflow
-    return ops_registry.all_aten_ops[torch.ops.aten.pow].func(x, y)
+    both_python = isinstance(x, int) and isinstance(y, int)
+    if both_python or not (_is_integer(x) and _is_integer(y)):
+        return _torchax_lowering(torch.ops.aten.pow)(x, y)
+    if isinstance(y, int) and y < 0:
+        raise ValueError(f"Integers to negative integer powers are not allowed; got exponent {y}.")
+    dtype = jnp.result_type(x, y)
+    x = jnp.asarray(x, dtype=dtype)
+    y = jnp.asarray(y, dtype=dtype)
+    power = jnp.power(x, jnp.maximum(y, 0))  # wraps on overflow, as torch's integer pow does
+    # x ** -n for integers: 1 for x == 1, +-1 for x == -1, else 0 (torch truncates 1 / x ** n).
+    odd = (y % 2) == 1
+    negative_power = jnp.where(x == 1, 1, jnp.where(x == -1, jnp.where(odd, -1, 1), 0)).astype(dtype)
+    return jnp.where(y < 0, negative_power, power)

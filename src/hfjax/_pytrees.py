@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import importlib.util
 import sys
 from typing import Any
 
@@ -271,8 +272,32 @@ def _hook_subclass_creation(base: type) -> None:
     base._hfjax_hooked = True
 
 
+class _DiffusersImportHook:
+    """Hooks diffusers' BaseOutput as soon as diffusers is imported, if that happens after hfjax."""
+
+    _module = "diffusers.utils.outputs"
+
+    def find_spec(self, name, path, target=None):
+        if name != self._module:
+            return None
+        sys.meta_path.remove(self)
+        spec = importlib.util.find_spec(name)
+        if spec is None or spec.loader is None:
+            return spec
+        load = spec.loader.exec_module
+
+        def exec_module(module):
+            load(module)
+            _hook_subclass_creation(module.BaseOutput)
+
+        spec.loader.exec_module = exec_module
+        return spec
+
+
 def register_all() -> None:
     """Registers every output and cache class that exists now and hooks future ones."""
+    if "diffusers" not in sys.modules and not any(isinstance(f, _DiffusersImportHook) for f in sys.meta_path):
+        sys.meta_path.insert(0, _DiffusersImportHook())
     for base in _output_bases():
         for cls in _all_subclasses(base):
             if cls is not base:

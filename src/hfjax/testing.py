@@ -18,6 +18,7 @@ This module depends on torch, transformers and tokenizers only, not on the rest 
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import difflib
 import functools
@@ -228,6 +229,9 @@ class _Family:
     config: Mapping[str, Any]
     # GenerationConfig fields beyond the token ids (transformers 5 configs drop these).
     generation: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+    # False for families built by the generic shrinker: they may use any task that
+    # transformers has a model class for, whatever their kind.
+    curated: bool = True
 
 
 # One entry per family: the keyword arguments, beyond token ids and vocab size, that make
@@ -364,15 +368,88 @@ _REGISTRY: dict[str, _Family] = {
 }
 
 FAMILIES: tuple[str, ...] = tuple(_REGISTRY)
-"""Model families with a tiny checkpoint, named by their transformers `model_type`."""
+"""Model families with a hand-tuned tiny checkpoint, named by their transformers `model_type`.
+
+Any other `model_type` with a causal-LM, seq2seq-LM or sequence-classification model class
+also works: `tiny_config` then shrinks the config class's defaults by field name."""
+
+# Generic shrinking: a config field with one of these names, where the model_type's config
+# class has it, gets this value. Names are those the config stores, not attribute aliases.
+_GENERIC_SIZES: dict[str, int] = {
+    **dict.fromkeys(("hidden_size", "d_model", "n_embd", "dim"), _HIDDEN),
+    **dict.fromkeys(
+        ("num_hidden_layers", "n_layer", "num_layers", "num_decoder_layers", "encoder_layers", "decoder_layers"),
+        _LAYERS,
+    ),
+    **dict.fromkeys(
+        ("num_attention_heads", "n_head", "num_heads", "encoder_attention_heads", "decoder_attention_heads"),
+        _HEADS,
+    ),
+    **dict.fromkeys(("head_dim", "d_kv"), _HEAD_DIM),
+    **dict.fromkeys(
+        ("intermediate_size", "ffn_dim", "d_ff", "n_inner", "encoder_ffn_dim", "decoder_ffn_dim"), _INTERMEDIATE
+    ),
+    "vocab_size": _VOCAB_SIZE,
+    **dict.fromkeys(("max_position_embeddings", "n_positions"), _MAX_POSITIONS),
+    **dict.fromkeys(("num_experts", "num_local_experts", "n_routed_experts"), 4),
+    "num_experts_per_tok": 2,
+    "moe_intermediate_size": 64,
+}
+
+
+def _generic_overrides(defaults: Mapping[str, Any]) -> dict[str, Any]:
+    # `defaults` is a config's to_dict(); nested configs (text_config, vision_config, ...)
+    # are shrunk the same way and passed back as dicts carrying their model_type.
+    overrides: dict[str, Any] = {key: value for key, value in _GENERIC_SIZES.items() if key in defaults}
+    heads, kv_heads = defaults.get("num_attention_heads"), defaults.get("num_key_value_heads")
+    if kv_heads is not None:
+        # Keep multi-head attention where the default is MHA; otherwise 2 groups of 2.
+        overrides["num_key_value_heads"] = _HEADS if kv_heads == heads else _KV_HEADS
+    for key, value in defaults.items():
+        if isinstance(value, dict) and "model_type" in value:
+            overrides[key] = {"model_type": value["model_type"], **_generic_overrides(value)}
+    if "text_config" in overrides:
+        overrides["text_config"].update(_TOKEN_IDS)
+    return overrides
+
+
+def _text_model_types() -> dict[str, _Kind]:
+    # model_type -> kind, for model types with a text head; seq2seq wins over causal
+    # (bart has both), causal over classification-only encoders.
+    from transformers.models.auto import modeling_auto
+
+    kinds: dict[str, _Kind] = dict.fromkeys(modeling_auto.MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING_NAMES, "encoder")
+    kinds.update(dict.fromkeys(modeling_auto.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES, "causal"))
+    kinds.update(dict.fromkeys(modeling_auto.MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING_NAMES, "seq2seq"))
+    return kinds
+
+
+@functools.lru_cache(maxsize=None)
+def _generic_family(model_type: str) -> _Family | None:
+    kind = _text_model_types().get(model_type)
+    if kind is None or model_type not in transformers.CONFIG_MAPPING:
+        return None
+    defaults = transformers.CONFIG_MAPPING[model_type]().to_dict()
+    return _Family(kind, _generic_overrides(defaults), curated=False)
 
 
 def _family(family: str) -> _Family:
     if family in _REGISTRY:
         return _REGISTRY[family]
+    generic = _generic_family(family) if isinstance(family, str) else None
+    if generic is not None:
+        return generic
+    if isinstance(family, str) and family in transformers.CONFIG_MAPPING:
+        raise ValueError(
+            f"Unknown model family {family!r}: it is a transformers model_type, but has no text-generation, "
+            "text2text-generation or text-classification model class, so it has no tiny text checkpoint."
+        )
     close = difflib.get_close_matches(str(family), FAMILIES, n=1)
     hint = f" Did you mean {close[0]!r}?" if close else ""
-    raise ValueError(f"Unknown model family {family!r}.{hint} Known families: {', '.join(FAMILIES)}.")
+    raise ValueError(
+        f"Unknown model family {family!r}.{hint} Use a transformers model_type; hand-tuned families: "
+        f"{', '.join(FAMILIES)}."
+    )
 
 
 def _auto_class_name(auto_class: type, config: transformers.PretrainedConfig) -> str | None:
@@ -390,7 +467,10 @@ def tiny_config(family: str, **overrides: Any) -> transformers.PretrainedConfig:
     family's default task (causal LM, encoder model, or seq2seq LM).
 
     Args:
-        family: a name from `FAMILIES` (a transformers `model_type`).
+        family: a transformers `model_type`. Names in `FAMILIES` use hand-tuned sizes;
+            any other model_type with a text head starts from its config class's defaults
+            with the usual size fields (hidden size, layers, heads, MLP width, experts,
+            vocabulary, positions, and those of nested configs) set to the sizes above.
         **overrides: config fields to set instead of the tiny defaults, for example
             `num_hidden_layers=4` or `tie_word_embeddings=False`.
 
@@ -398,7 +478,8 @@ def tiny_config(family: str, **overrides: Any) -> transformers.PretrainedConfig:
         The config, of the family's config class.
 
     Raises:
-        ValueError: if `family` is not in `FAMILIES`.
+        ValueError: if `family` is not a transformers model_type with a causal-LM,
+            seq2seq-LM or sequence-classification model class.
 
     Example:
         >>> config = tiny_config("llama", num_hidden_layers=3)
@@ -406,7 +487,8 @@ def tiny_config(family: str, **overrides: Any) -> transformers.PretrainedConfig:
         (64, 3, ['LlamaForCausalLM'])
     """
     spec = _family(family)
-    kwargs = {"vocab_size": _VOCAB_SIZE, **_TOKEN_IDS, **spec.config, **overrides}
+    # A deep copy, as config classes may change nested dicts and lists they are given.
+    kwargs = {"vocab_size": _VOCAB_SIZE, **_TOKEN_IDS, **copy.deepcopy(dict(spec.config)), **overrides}
     config = transformers.AutoConfig.for_model(family, **kwargs)
     if "architectures" not in overrides:
         name = _auto_class_name(_TASK_AUTO_CLASSES[_DEFAULT_TASK[spec.kind]], config)
@@ -419,7 +501,8 @@ def tiny_config(family: str, **overrides: Any) -> transformers.PretrainedConfig:
 
 def _tasks_for(family: str, config: transformers.PretrainedConfig) -> list[str]:
     # Tasks that fit the family's kind and for which transformers has a model class.
-    kind_tasks = _KIND_TASKS[_family(family).kind]
+    spec = _family(family)
+    kind_tasks = _KIND_TASKS[spec.kind] if spec.curated else tuple(_TASK_AUTO_CLASSES)
     return [task for task in kind_tasks if _auto_class_name(_TASK_AUTO_CLASSES[task], config) is not None]
 
 
@@ -482,7 +565,7 @@ def save_tiny_checkpoint(
     family initialises to a constant (biases, norm scales) get N(0, 0.02) noise added.
 
     Args:
-        family: a name from `FAMILIES`.
+        family: a transformers `model_type`, as for `tiny_config`.
         path: directory to write; created if missing, files in it are overwritten.
         task: a transformers pipeline name choosing the head: "text-generation"
             (AutoModelForCausalLM, default for causal families), "text-classification"

@@ -1,0 +1,471 @@
+"""Parity tests for hfjax's op overrides (src/hfjax/_ops.py).
+
+Each override runs through torchax, eagerly and under `jax.jit`, and is compared with the
+same op run by PyTorch on the CPU. Model-level tests run tiny Hugging Face models that hit
+the override and compare their logits with the same model run by PyTorch.
+"""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+import pytest
+import torch
+import torchax
+import transformers
+from torchax.interop import jax_jit
+
+from hfjax import _ops
+
+# fp32 GEMMs: XLA and ATen sum the same products in a different order.
+MATMUL_ATOL = 1e-5
+# Logits of a whole tiny fp32 model: reordered reductions compound over its layers.
+LOGITS_ATOL = 1e-4
+# Copies, index searches, boolean reductions and integer math must match bit for bit.
+EXACT = 0.0
+
+SEED = 0
+
+
+@pytest.fixture(scope="module")
+def env():
+    environment = torchax.default_env()
+    _ops.install(environment)
+    return environment
+
+
+def _to_jax(env, value):
+    # value: a CPU tensor, or a pytree of them
+    with env:
+        return torch.utils._pytree.tree_map_only(torch.Tensor, lambda t: t.to("jax"), value)
+
+
+def _to_cpu(value):
+    # value: a torchax Tensor or View, or a pytree of them
+    return torch.utils._pytree.tree_map_only(
+        torch.Tensor, lambda t: torch.from_numpy(np.array(t.jax())), value
+    )
+
+
+def _run(env, fn, *cpu_args, jit: bool):
+    """Runs `fn` on torchax copies of `cpu_args`, eagerly or under jax.jit; returns CPU tensors."""
+    args = _to_jax(env, cpu_args)
+    with env:
+        out = jax_jit(fn)(*args) if jit else fn(*args)
+    return _to_cpu(out)
+
+
+def _assert_close(actual, expected, atol):
+    assert actual.shape == expected.shape, f"shape {tuple(actual.shape)} != {tuple(expected.shape)}"
+    torch.testing.assert_close(actual, expected, atol=atol, rtol=0, check_dtype=False)
+
+
+jit_modes = pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
+
+
+# -- aten::_grouped_mm ---------------------------------------------------------
+
+# Offsets with an empty group, and with rows past the last offset that every layout ignores.
+OFFS = [2, 2, 5]
+
+
+def _grouped_mm_case(layout: str):
+    """(mat_a, mat_b, offs, valid): valid indexes the part of the output torch defines."""
+    generator = torch.Generator().manual_seed(SEED)
+    randn = lambda *shape: torch.randn(*shape, generator=generator)  # noqa: E731
+    offs = torch.tensor(OFFS, dtype=torch.int32)
+    if layout == "2d_3d":  # [M, K] rows grouped @ [G, K, N] -> [M, N]
+        return randn(7, 8), randn(3, 8, 4), offs, (slice(0, OFFS[-1]),)
+    if layout == "3d_3d":  # [G, M, K] @ [G, K, N] -> [G, M, N]
+        return randn(3, 4, 8), randn(3, 8, 4), None, (...,)
+    if layout == "2d_2d":  # [M, K] @ [K, N], K grouped -> [G, M, N]
+        return randn(4, 8), randn(8, 4), offs, (...,)
+    if layout == "3d_2d":  # [G, M, K] @ [K, N] columns grouped -> [M, N]
+        return randn(3, 4, 8), randn(8, 8), offs, (slice(None), slice(0, OFFS[-1]))
+    raise ValueError(f"unknown layout {layout!r}")
+
+
+@jit_modes
+@pytest.mark.parametrize("layout", ["2d_3d", "3d_3d", "2d_2d", "3d_2d"])
+def test_grouped_mm_matches_torch(env, layout, jit):
+    mat_a, mat_b, offs, valid = _grouped_mm_case(layout)
+    expected = torch._grouped_mm(mat_a, mat_b, offs=offs)
+    actual = _run(env, lambda a, b, o: torch._grouped_mm(a, b, offs=o), mat_a, mat_b, offs, jit=jit)
+    _assert_close(actual[valid], expected[valid], MATMUL_ATOL)
+
+
+def test_grouped_mm_zeroes_rows_past_last_offset(env):
+    mat_a, mat_b, offs, _ = _grouped_mm_case("2d_3d")
+    actual = _run(env, lambda a, b, o: torch._grouped_mm(a, b, offs=o), mat_a, mat_b, offs, jit=True)
+    assert actual.shape == (mat_a.shape[0], mat_b.shape[-1])
+    assert torch.count_nonzero(actual[OFFS[-1] :]) == 0
+
+
+def test_grouped_mm_rejects_bias(env):
+    mat_a, mat_b, offs, _ = _grouped_mm_case("2d_3d")
+    bias = torch.zeros(3, 4)
+    with pytest.raises(NotImplementedError, match="bias"):
+        _run(env, lambda a, b, o, c: torch._grouped_mm(a, b, offs=o, bias=c), mat_a, mat_b, offs, bias, jit=False)
+
+
+def _tiny_mixtral():
+    torch.manual_seed(SEED)
+    config = transformers.MixtralConfig(
+        vocab_size=128,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        num_local_experts=4,
+        num_experts_per_tok=2,
+        max_position_embeddings=64,
+    )
+    return transformers.MixtralForCausalLM(config).eval()
+
+
+def test_mixtral_logits_match_torch_under_jit(env):
+    model = _tiny_mixtral()
+    assert model.config._experts_implementation == "grouped_mm", "the test must exercise grouped_mm"
+    input_ids = torch.randint(0, 128, (2, 8), generator=torch.Generator().manual_seed(SEED))  # [B, S]
+    with torch.no_grad():
+        expected = model(input_ids).logits  # [B, S, V]
+        with env:
+            model.to("jax")
+        actual = _run(env, lambda ids: model(ids).logits, input_ids, jit=True)
+    _assert_close(actual, expected, LOGITS_ATOL)
+
+
+# -- aten::copy_ ---------------------------------------------------------------
+
+
+def _copy_into_row_slice(dst, src):
+    dst[1:3].copy_(src[:2, -4:])  # View <- View, the mamba conv-state update
+    return dst
+
+
+def _copy_into_select(dst, src):
+    dst[2].copy_(src[0, :4])  # View of one row <- View
+    return dst
+
+
+def _copy_into_nested_view(dst, src):
+    dst[1:][:, 0].copy_(src[0, :3])  # View of a View <- View
+    return dst
+
+
+def _copy_broadcast(dst, src):
+    dst[:, 1:3].copy_(src[:1, :2])  # [4, 2] <- [1, 2] broadcast
+    return dst
+
+
+def _copy_cast(dst, src):
+    dst[0].copy_((src[0, :4] * 10).to(torch.int32))  # int32 source cast to the float destination
+    return dst
+
+
+def _copy_whole_tensor_from_view(dst, src):
+    dst.copy_(src[:, 2:6])  # Tensor <- View
+    return dst
+
+
+COPY_CASES = [
+    _copy_into_row_slice,
+    _copy_into_select,
+    _copy_into_nested_view,
+    _copy_broadcast,
+    _copy_cast,
+    _copy_whole_tensor_from_view,
+]
+
+
+@jit_modes
+@pytest.mark.parametrize("copy", COPY_CASES, ids=lambda f: f.__name__.removeprefix("_copy_"))
+def test_copy_matches_torch(env, copy, jit):
+    generator = torch.Generator().manual_seed(SEED)
+    dst = torch.randn(4, 4, generator=generator)
+    src = torch.randn(4, 6, generator=generator)
+    expected = copy(dst.clone(), src)
+    actual = _run(env, copy, dst, src, jit=jit)
+    _assert_close(actual, expected, EXACT)
+
+
+def test_copy_from_cpu_tensor_and_to_cpu_tensor(env):
+    host = torch.arange(8.0).reshape(2, 4)
+    device = _to_jax(env, torch.zeros(4, 4))
+    with env:
+        device[1:3].copy_(host)  # View <- CPU tensor
+        back = torch.zeros(2, 4)
+        back.copy_(device[1:3])  # CPU tensor <- View
+    expected = torch.zeros(4, 4)
+    expected[1:3] = host
+    _assert_close(_to_cpu(device), expected, EXACT)
+    _assert_close(back, host, EXACT)
+
+
+def _tiny_mamba():
+    torch.manual_seed(SEED)
+    config = transformers.MambaConfig(
+        vocab_size=128,
+        hidden_size=32,
+        state_size=8,
+        num_hidden_layers=2,
+        intermediate_size=64,
+        conv_kernel=4,
+        time_step_rank=4,
+    )
+    return transformers.MambaForCausalLM(config).eval()
+
+
+@jit_modes
+def test_mamba_cached_decode_logits_match_torch(env, jit):
+    model = _tiny_mamba()
+    generator = torch.Generator().manual_seed(SEED)
+    prompt = torch.randint(0, 128, (2, 6), generator=generator)  # [B, S]
+    next_token = torch.randint(0, 128, (2, 1), generator=generator)  # [B, 1]
+
+    def prefill_then_decode(prompt, next_token):
+        prefill = model(prompt, use_cache=True)
+        decode = model(next_token, cache_params=prefill.cache_params, use_cache=True)
+        return prefill.logits, decode.logits  # [B, S, V], [B, 1, V]
+
+    with torch.no_grad():
+        expected = prefill_then_decode(prompt, next_token)
+        with env:
+            model.to("jax")
+        actual = _run(env, prefill_then_decode, prompt, next_token, jit=jit)
+    for got, want in zip(actual, expected, strict=True):
+        _assert_close(got, want, LOGITS_ATOL)
+
+
+# -- aten::_is_all_true, aten::_is_any_true ------------------------------------
+
+BOOL_CASES = {
+    "all_true": torch.ones(3, 4, dtype=torch.bool),
+    "one_false": torch.ones(3, 4, dtype=torch.bool).index_fill(1, torch.tensor([2]), False),
+    "all_false": torch.zeros(5, dtype=torch.bool),
+    "empty": torch.ones(0, dtype=torch.bool),
+    "scalar_false": torch.tensor(False),
+}
+
+
+@jit_modes
+@pytest.mark.parametrize("name", BOOL_CASES)
+@pytest.mark.parametrize("op", ["_is_all_true", "_is_any_true"])
+def test_is_all_true_and_is_any_true_match_torch(env, op, name, jit):
+    x = BOOL_CASES[name]
+    expected = getattr(x, op)()
+    actual = _run(env, lambda t: getattr(t, op)(), x, jit=jit)
+    assert actual.dtype == torch.bool
+    _assert_close(actual, expected, EXACT)
+
+
+def test_prophetnet_cached_decode_logits_match_torch(env):
+    # The cached decode step checks its position ids with torch._check_tensor_all.
+    torch.manual_seed(SEED)
+    config = transformers.ProphetNetConfig(
+        vocab_size=128,
+        hidden_size=32,
+        encoder_ffn_dim=64,
+        decoder_ffn_dim=64,
+        num_encoder_layers=1,
+        num_decoder_layers=1,
+        num_encoder_attention_heads=2,
+        num_decoder_attention_heads=2,
+        ngram=2,
+        num_buckets=8,
+        relative_max_distance=16,
+        max_position_embeddings=64,
+    )
+    model = transformers.ProphetNetForConditionalGeneration(config).eval()
+    generator = torch.Generator().manual_seed(SEED)
+    input_ids = torch.randint(4, 128, (2, 8), generator=generator)  # [B, S]
+    decoder_ids = torch.randint(4, 128, (2, 5), generator=generator)  # [B, T]
+    next_token = torch.randint(4, 128, (2, 1), generator=generator)  # [B, 1]
+
+    def prefill_then_decode(input_ids, decoder_ids, next_token):
+        prefill = model(input_ids, decoder_input_ids=decoder_ids, use_cache=True)
+        cache = prefill.past_key_values
+        return model(input_ids, decoder_input_ids=next_token, past_key_values=cache, use_cache=True).logits
+
+    with torch.no_grad():
+        expected = prefill_then_decode(input_ids, decoder_ids, next_token)  # [B, 1, V]
+        with env:
+            model.to("jax")
+        actual = _run(env, prefill_then_decode, input_ids, decoder_ids, next_token, jit=False)
+    _assert_close(actual, expected, LOGITS_ATOL)
+
+
+# -- aten::searchsorted.Tensor, aten::searchsorted.Scalar ----------------------
+
+# Ties (2.0, 0.0) make left and right differ; values fall before, on, between and after them.
+SORTED_1D = torch.tensor([-1.0, 0.0, 2.0, 2.0, 3.5, 7.0])
+VALUES_1D = torch.tensor([[-5.0, 0.0, 2.0], [2.5, 7.0, 9.0]])
+SORTED_2D = torch.tensor([[1.0, 2.0, 2.0, 3.0], [0.0, 0.0, 5.0, 6.0]])
+VALUES_2D = torch.tensor([[2.0, 2.5, 0.0], [0.0, 7.0, 5.0]])
+SIDES = [
+    {},
+    {"right": True},
+    {"side": "left"},
+    {"side": "right"},
+    {"side": "right", "right": True},
+]
+
+
+@jit_modes
+@pytest.mark.parametrize("sides", SIDES, ids=lambda kw: "-".join(f"{k}={v}" for k, v in kw.items()) or "default")
+@pytest.mark.parametrize("case", ["1d", "2d", "1d_sorter", "2d_sorter"])
+def test_searchsorted_tensor_matches_torch(env, case, sides, jit):
+    sequence, values = (SORTED_1D, VALUES_1D) if case.startswith("1d") else (SORTED_2D, VALUES_2D)
+    kwargs = dict(sides)
+    args = (sequence, values)
+    if case.endswith("sorter"):
+        generator = torch.Generator().manual_seed(SEED)
+        permutation = torch.randperm(sequence.shape[-1], generator=generator).expand_as(sequence)
+        shuffled = torch.gather(sequence, -1, permutation)
+        args = (shuffled, values, torch.argsort(shuffled, dim=-1, stable=True))
+
+    def search(sequence, values, sorter=None):
+        return torch.searchsorted(sequence, values, sorter=sorter, **kwargs)
+
+    expected = search(*args)
+    actual = _run(env, search, *args, jit=jit)
+    _assert_close(actual, expected, EXACT)
+
+
+@jit_modes
+@pytest.mark.parametrize("sides", SIDES, ids=lambda kw: "-".join(f"{k}={v}" for k, v in kw.items()) or "default")
+@pytest.mark.parametrize("value", [-5.0, 0.0, 2.0, 2.5, 9.0, float("-inf")])
+def test_searchsorted_scalar_matches_torch(env, value, sides, jit):
+    expected = torch.searchsorted(SORTED_1D, value, **sides)
+    actual = _run(env, lambda sequence: torch.searchsorted(sequence, value, **sides), SORTED_1D, jit=jit)
+    _assert_close(actual, expected, EXACT)
+
+
+def test_searchsorted_out_int32(env):
+    expected = torch.searchsorted(SORTED_1D, VALUES_1D, out_int32=True)
+    actual = _run(env, lambda s, v: torch.searchsorted(s, v, out_int32=True), SORTED_1D, VALUES_1D, jit=True)
+    assert actual.dtype == torch.int32
+    _assert_close(actual, expected, EXACT)
+
+
+def test_searchsorted_rejects_opposite_sides(env):
+    with pytest.raises(ValueError, match="contradict"):
+        _run(env, lambda s, v: torch.searchsorted(s, v, side="left", right=True), SORTED_1D, VALUES_1D, jit=False)
+
+
+def test_dpm_solver_set_timesteps_matches_torch(env):
+    diffusers = pytest.importorskip("diffusers")
+    # lambda_min_clipped=-3 clips the schedule (searchsorted gives 32, not 0), so the search counts.
+    settings = dict(beta_schedule="squaredcos_cap_v2", lambda_min_clipped=-3.0)
+    expected = diffusers.DPMSolverMultistepScheduler(**settings)
+    expected.set_timesteps(10)
+    with env, torch.device("jax"):
+        actual = diffusers.DPMSolverMultistepScheduler(**settings)
+        assert actual.lambda_t.device.type == "jax", "the test must search a jax tensor"
+        actual.set_timesteps(10)
+    _assert_close(_to_cpu(actual.timesteps), expected.timesteps, EXACT)
+    _assert_close(_to_cpu(actual.sigmas), expected.sigmas, MATMUL_ATOL)
+
+
+# -- Tensor.__getitem__ with tensor slice bounds -------------------------------
+
+
+@pytest.mark.parametrize(
+    "index",
+    [
+        lambda n: (slice(None), slice(None, n)),
+        lambda n: slice(n, None),
+        lambda n: (slice(1, None), slice(n, None, n)),
+    ],
+    ids=["stop", "start", "start_and_step"],
+)
+def test_getitem_with_tensor_slice_bound_matches_torch(env, index):
+    x = torch.arange(30.0).reshape(5, 6)
+    bound = torch.tensor(2)
+
+    def slice_then_add(x, bound):
+        return x[index(bound)] + 1
+
+    expected = slice_then_add(x, bound)
+    actual = _run(env, slice_then_add, x, bound, jit=False)  # the bound sets a shape: no jit
+    _assert_close(actual, expected, EXACT)
+
+
+# -- aten::pow on integers -----------------------------------------------------
+
+POW_BASE = torch.tensor([2, -3, 0, 1, 5, 1000003, -1, -1, 7], dtype=torch.int32)
+POW_EXPONENT = torch.tensor([3, 2, 0, -1, -2, 2, -3, -2, 11], dtype=torch.int32)
+
+
+@jit_modes
+@pytest.mark.parametrize(
+    "power",
+    [
+        lambda x, y: x**y,  # wraps (1000003**2, 7**11) and negative exponents
+        lambda x, y: x**3,
+        lambda x, y: 3 ** y.abs(),
+        lambda x, y: x.float() ** y,  # float bases still go to torchax's own lowering
+    ],
+    ids=["tensor_tensor", "tensor_scalar", "scalar_tensor", "float_base"],
+)
+def test_integer_pow_matches_torch(env, power, jit):
+    expected = power(POW_BASE, POW_EXPONENT)
+    actual = _run(env, power, POW_BASE, POW_EXPONENT, jit=jit)
+    _assert_close(actual, expected, EXACT)
+
+
+def test_blt_logits_match_torch_with_x64(env):
+    # BLT hashes bytes with int64 rolling polynomials (integer pow, wrapping) and slices its
+    # patches with a tensor bound; int64 needs jax x64. Its patching is data-dependent: no jit.
+    torch.manual_seed(SEED)
+    local = dict(hidden_size=32, num_attention_heads=2, num_hidden_layers=1, intermediate_size=64, vocab_size=260)
+    config = transformers.BltConfig(
+        vocab_size=260,
+        encoder_hash_byte_group_vocab=97,
+        encoder_hash_byte_group_size=[3, 4],
+        patch_size=4,
+        patcher_config=local,
+        encoder_config=dict(local, hidden_size_global=64),
+        decoder_config=dict(local, hidden_size_global=64),
+        global_config=dict(hidden_size=64, num_attention_heads=2, num_hidden_layers=1, intermediate_size=64),
+        local_attention_window_len=16,
+        max_position_embeddings=64,
+    )
+    model = transformers.BltForCausalLM(config).eval()
+    input_ids = torch.randint(4, 260, (2, 8), generator=torch.Generator().manual_seed(SEED))  # [B, S]
+    with torch.no_grad():
+        expected = model(input_ids, use_cache=False).logits  # [B, S, V]
+        with jax.enable_x64(True):
+            with env:
+                model.to("jax")
+            actual = _run(env, lambda ids: model(ids, use_cache=False).logits, input_ids, jit=False)
+    _assert_close(actual, expected, LOGITS_ATOL)
+
+
+# -- the registry --------------------------------------------------------------
+
+PARITY_TESTS = {
+    torch.ops.aten._grouped_mm.default: test_grouped_mm_matches_torch,
+    torch.ops.aten.copy_: test_copy_matches_torch,
+    torch.ops.aten._is_all_true.default: test_is_all_true_and_is_any_true_match_torch,
+    torch.ops.aten._is_any_true.default: test_is_all_true_and_is_any_true_match_torch,
+    torch.ops.aten.searchsorted.Tensor: test_searchsorted_tensor_matches_torch,
+    torch.ops.aten.searchsorted.Scalar: test_searchsorted_scalar_matches_torch,
+    torch.Tensor.__getitem__: test_getitem_with_tensor_slice_bound_matches_torch,
+    torch.ops.aten.pow: test_integer_pow_matches_torch,
+}
+
+
+def test_every_override_has_a_reason_and_a_parity_test():
+    registered = _ops.overrides()
+    assert set(registered) == set(PARITY_TESTS), (
+        f"overrides without a parity test: {set(registered) - set(PARITY_TESTS)}; "
+        f"tests of overrides that no longer exist: {set(PARITY_TESTS) - set(registered)}"
+    )
+    assert all(entry.why for entry in registered.values())
+
+
+def test_install_puts_every_override_into_the_environment(env):
+    for op, entry in _ops.overrides().items():
+        assert env._ops[op].func is entry.impl, f"{op} is not installed"
