@@ -156,3 +156,27 @@ def test_encoder_decoder_cache_round_trips(checkpoint):
     rebuilt = jax.jit(lambda c: c)(hfjax._env.to_jax(cache))
     assert type(rebuilt.self_attention_cache) is type(cache.self_attention_cache)
     _leaves_equal(cache, rebuilt)
+
+
+def test_state_space_cache_round_trips_and_decodes(checkpoint):
+    path = checkpoint("mamba")
+    model = hfjax.load(path)
+    prompt = np.array([[5, 6, 7, 8]])
+    out = model(prompt, use_cache=True)
+    cache = out.cache_params
+    assert type(cache).__name__ == "DynamicCache"
+    _leaves_equal(cache, jax.jit(lambda c: c)(hfjax._env.to_jax(cache)))
+    token = np.asarray(out.logits[:, -1:].argmax(-1))
+    step = model(token, cache_params=cache, use_cache=True)
+
+    reference = transformers.AutoModelForCausalLM.from_pretrained(path).eval()
+    with torch.no_grad():
+        first = reference(torch.from_numpy(prompt), use_cache=True)
+        want = reference(torch.from_numpy(token), cache_params=first.cache_params, use_cache=True).logits
+    np.testing.assert_allclose(np.asarray(step.logits), want.numpy(), atol=testing_tolerance("mamba"))
+
+
+def testing_tolerance(family):
+    from hfjax import tolerances
+
+    return tolerances.for_family(family).atol
