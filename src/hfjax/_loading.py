@@ -199,7 +199,7 @@ def load_weights(module: torch.nn.Module, files: list[pathlib.Path], dtype: str,
         else:
             seen[id(tensor)] = name
             expected[name] = tensor
-    meta_state = {k: v for k, v in expected.items()}
+    meta_state = dict(expected)
     meta_state.update({k: expected[v] for k, v in aliases.items()})
 
     mapping = get_model_conversion_mapping(module)
