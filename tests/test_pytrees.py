@@ -172,10 +172,10 @@ def test_state_space_cache_round_trips_and_decodes(checkpoint):
     with torch.no_grad():
         first = reference(torch.from_numpy(prompt), use_cache=True)
         want = reference(torch.from_numpy(token), cache_params=first.cache_params, use_cache=True).logits
-    np.testing.assert_allclose(np.asarray(step.logits), want.numpy(), atol=testing_tolerance("mamba"))
+    np.testing.assert_allclose(np.asarray(step.logits), want.numpy(), atol=_tolerance("mamba"))
 
 
-def testing_tolerance(family):
+def _tolerance(family):
     from hfjax import tolerances
 
     return tolerances.for_family(family).atol
