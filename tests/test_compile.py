@@ -140,3 +140,11 @@ class _Unhashable:
 def test_unknown_method_is_explained(llama):
     with pytest.raises(ValueError, match=r"has no method 'decode'"):
         hfjax.jit(llama, methods=("decode",))
+
+
+def test_transformers_value_checks_do_not_break_jit():
+    # prophetnet runs torch_compilable_check on tensor values, which a trace cannot read.
+    from hfjax import _check
+
+    report = _check.check_arch("prophetnet", eager=False, repeats=1)
+    assert report.passed, report.table()

@@ -12,6 +12,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import dataclasses
+import os
 import sys
 from typing import Any, Callable, Sequence
 
@@ -177,7 +178,8 @@ class JittedModule(torch.nn.Module):
             state = _env.to_torch(dict(params))
             for alias, canonical in aliases.items():
                 state[alias] = state[canonical]
-            with environment, environment.override_property(prng=prng_key):
+            tracing = isinstance(prng_key, jax.core.Tracer)
+            with environment, environment.override_property(prng=prng_key), _value_checks_off(tracing):
                 with stateless._reparametrize_module(module, state, tie_weights=False, strict=False):
                     out = function(module, *args, **kwargs)
                 new_key = environment.prng_key
@@ -203,6 +205,24 @@ class JittedModule(torch.nn.Module):
             op = str(error).removeprefix("Operator with name ").removesuffix(" has no lowering")
             caller = _innermost_module(sys.exc_info()[2], self._module_names)
             raise UnsupportedOpError(op, type(self.module).__name__, caller) from None
+
+
+@contextlib.contextmanager
+def _value_checks_off(tracing: bool):
+    # transformers' torch_compilable_check reads a traced bool with .item(), which a
+    # jit trace cannot do; its documented switch turns those value checks off.
+    if not tracing:
+        yield
+        return
+    previous = os.environ.get("TRANSFORMERS_DISABLE_TORCH_CHECK")
+    os.environ["TRANSFORMERS_DISABLE_TORCH_CHECK"] = "1"
+    try:
+        yield
+    finally:
+        if previous is None:
+            del os.environ["TRANSFORMERS_DISABLE_TORCH_CHECK"]
+        else:
+            os.environ["TRANSFORMERS_DISABLE_TORCH_CHECK"] = previous
 
 
 def _check_hashable(method: str, path, leaf) -> None:
