@@ -164,7 +164,7 @@ def _write_report(out: pathlib.Path, results: list[dict], total: int, started: s
     lines = [
         "# hfjax architecture coverage",
         "",
-        f"Generated {started} (UTC) by `{command}`; {_versions()}.",
+        f"Generated {started} (UTC); regenerate with `{command}`. Versions: {_versions()}.",
         "",
         "Each row is one tiny random checkpoint (`hfjax.testing.save_tiny_checkpoint`: hidden 64, 2 layers, "
         "4 heads; model types outside `hfjax.testing.FAMILIES` use the generic config shrinker) run by "
