@@ -429,6 +429,42 @@ def test_blt_logits_match_torch_with_x64(env):
 
 # -- the registry --------------------------------------------------------------
 
+# -- scaled_dot_product_attention ----------------------------------------------------
+
+
+def _attention_case(case: str):
+    """(query, key, value, kwargs) for torch's scaled_dot_product_attention."""
+    generator = torch.Generator().manual_seed(SEED)
+    randn = lambda *shape: torch.randn(*shape, generator=generator)  # noqa: E731
+    q, k, v = randn(2, 4, 5, 8), randn(2, 4, 6, 8), randn(2, 4, 6, 8)
+    padding = torch.ones(2, 1, 5, 6, dtype=torch.bool)
+    padding[0, :, :, :3] = False  # row 0: three padded keys ...
+    padding[0, :, 0] = False  # ... and a query that may attend to nothing (torch gives zeros)
+    if case == "bool_mask_with_empty_rows":
+        return q, k, v, dict(attn_mask=padding)
+    if case == "float_mask":
+        return q, k, v, dict(attn_mask=torch.zeros(2, 1, 5, 6).masked_fill(~padding, float("-inf")))
+    if case == "causal":
+        return q, k[:, :, :5], v[:, :, :5], dict(is_causal=True)
+    if case == "grouped_query":  # 4 query heads over 2 key/value heads
+        return q, k[:, :2], v[:, :2], dict(attn_mask=padding, enable_gqa=True, scale=0.3)
+    raise ValueError(f"unknown case {case!r}")
+
+
+@jit_modes
+@pytest.mark.parametrize("case", ["bool_mask_with_empty_rows", "float_mask", "causal", "grouped_query"])
+def test_scaled_dot_product_attention_matches_torch(env, case, jit):
+    q, k, v, kwargs = _attention_case(case)
+    expected = torch.nn.functional.scaled_dot_product_attention(q, k, v, **kwargs)
+    mask = kwargs.pop("attn_mask", None)
+    attention = lambda q, k, v, mask: torch.nn.functional.scaled_dot_product_attention(  # noqa: E731
+        q, k, v, attn_mask=mask, **kwargs
+    )
+    actual = _run(env, attention, q, k, v, mask, jit=jit)
+    _assert_close(actual, expected, MATMUL_ATOL)
+    assert torch.isfinite(actual).all()
+
+
 PARITY_TESTS = {
     torch.ops.aten._grouped_mm.default: test_grouped_mm_matches_torch,
     torch.ops.aten.copy_: test_copy_matches_torch,
@@ -438,6 +474,8 @@ PARITY_TESTS = {
     torch.ops.aten.searchsorted.Scalar: test_searchsorted_scalar_matches_torch,
     torch.Tensor.__getitem__: test_getitem_with_tensor_slice_bound_matches_torch,
     torch.ops.aten.pow: test_integer_pow_matches_torch,
+    torch.nn.functional.scaled_dot_product_attention: test_scaled_dot_product_attention_matches_torch,
+    torch.ops.aten.scaled_dot_product_attention: test_scaled_dot_product_attention_matches_torch,
 }
 
 

@@ -172,16 +172,10 @@ class JittedModule(torch.nn.Module):
         def traced(params, dynamic, prng_key):
             if isinstance(prng_key, jax.core.Tracer):
                 self._trace_counts[method] += 1
-            environment = _env.env()
             leaves = _merge_leaves(n_leaves, dynamic, statics)
             args, kwargs = _env.to_torch(jax.tree_util.tree_unflatten(treedef, leaves))
-            state = _env.to_torch(dict(params))
-            for alias, canonical in aliases.items():
-                state[alias] = state[canonical]
-            tracing = isinstance(prng_key, jax.core.Tracer)
-            with environment, environment.override_property(prng=prng_key), _value_checks_off(tracing):
-                with stateless._reparametrize_module(module, state, tie_weights=False, strict=False):
-                    out = function(module, *args, **kwargs)
+            with bound(module, params, aliases, prng_key) as environment:
+                out = function(module, *args, **kwargs)
                 new_key = environment.prng_key
             inputs = _stateful_inputs(args, kwargs)
             program.out_inputs = _replace_input_refs(out, inputs)
@@ -199,12 +193,37 @@ class JittedModule(torch.nn.Module):
 
     @contextlib.contextmanager
     def _explain_errors(self):
-        try:
+        with explain_errors(self.module, self._module_names):
             yield
-        except OperatorNotFound as error:
-            op = str(error).removeprefix("Operator with name ").removesuffix(" has no lowering")
-            caller = _innermost_module(sys.exc_info()[2], self._module_names)
-            raise UnsupportedOpError(op, type(self.module).__name__, caller) from None
+
+
+@contextlib.contextmanager
+def explain_errors(module: torch.nn.Module, module_names: dict[int, str] | None = None):
+    """Turns torchax's missing-lowering error into an UnsupportedOpError naming the op and the submodule."""
+    try:
+        yield
+    except OperatorNotFound as error:
+        op = str(error).removeprefix("Operator with name ").removesuffix(" has no lowering")
+        names = module_names if module_names is not None else {id(m): n for n, m in module.named_modules()}
+        caller = _innermost_module(sys.exc_info()[2], names)
+        raise UnsupportedOpError(op, type(module).__name__, caller) from None
+
+
+@contextlib.contextmanager
+def bound(module: torch.nn.Module, params: dict, aliases: dict[str, str], prng_key):
+    """Runs torch code on `module` with `params` (jax.Arrays or tracers) as its weights, inside torchax.
+
+    Usable inside any JAX trace (jit, while_loop bodies): the weights stay arguments.
+    Yields the torchax environment, whose `prng_key` holds the key after the torch code ran.
+    """
+    environment = _env.env()
+    state = _env.to_torch(dict(params))
+    for alias, canonical in aliases.items():
+        state[alias] = state[canonical]
+    tracing = isinstance(prng_key, jax.core.Tracer)
+    with environment, environment.override_property(prng=prng_key), _value_checks_off(tracing):
+        with stateless._reparametrize_module(module, state, tie_weights=False, strict=False):
+            yield environment
 
 
 @contextlib.contextmanager

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import functools
+import os
+import pathlib
 
 import jax
 import numpy as np
@@ -20,7 +22,34 @@ def env() -> torchax.tensor.Environment:
     environment = torchax.default_env()
     _ops.install(environment)
     _pytrees.register_all()
+    set_cache_dir(os.environ.get("HFJAX_CACHE_DIR", _DEFAULT_CACHE_DIR))
     return environment
+
+
+_DEFAULT_CACHE_DIR = str(pathlib.Path("~/.cache/hfjax/xla").expanduser())
+_OFF = ("", "0", "off", "none")
+
+
+def set_cache_dir(path: str | os.PathLike | None) -> pathlib.Path | None:
+    """Keeps compiled XLA programs on disk under `path`, so a later process skips compiling.
+
+    hfjax turns this on at import, under $HFJAX_CACHE_DIR (default ~/.cache/hfjax/xla;
+    HFJAX_CACHE_DIR=off turns it off). Pass None to turn it off in this process.
+
+    Returns:
+      The cache directory, or None when off.
+    """
+    if path is None or str(path).lower() in _OFF:
+        jax.config.update("jax_enable_compilation_cache", False)
+        return None
+    directory = pathlib.Path(path).expanduser()
+    directory.mkdir(parents=True, exist_ok=True)
+    jax.config.update("jax_enable_compilation_cache", True)
+    jax.config.update("jax_compilation_cache_dir", str(directory))
+    # Every program counts: a 0.2 s compile repeated at each start is what we want to skip.
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+    jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+    return directory
 
 
 def is_array(x) -> bool:

@@ -35,7 +35,10 @@ class Model:
         self.tokenizer = tokenizer
         self.task = task
         self.path = path
+        self.aliases = aliases
         self.compiled = JittedModule(module, ("forward",), params=params, aliases=aliases)
+        self._generator = None
+        self._generation_config = None
 
     def __repr__(self):
         n = sum(int(np.prod(a.shape)) for a in self.params.values())
@@ -62,6 +65,136 @@ class Model:
         if attention_mask is not None:
             kwargs["attention_mask"] = attention_mask
         return self.compiled.eager("forward")(**kwargs)
+
+    @property
+    def generation_config(self):
+        """The checkpoint's generation_config.json (transformers' GenerationConfig), else one made from config."""
+        if self._generation_config is None:
+            from transformers import GenerationConfig
+
+            if (self.path / "generation_config.json").is_file():
+                self._generation_config = GenerationConfig.from_pretrained(self.path)
+            else:
+                self._generation_config = GenerationConfig.from_model_config(self.config)
+        return self._generation_config
+
+    def generate(
+        self,
+        input_ids=None,
+        attention_mask=None,
+        *,
+        max_new_tokens: int | None = None,
+        min_new_tokens: int | None = None,
+        do_sample: bool | None = None,
+        temperature: float | None = None,
+        top_k: int | None = None,
+        top_p: float | None = None,
+        min_p: float | None = None,
+        repetition_penalty: float | None = None,
+        eos_token_id: int | list[int] | None = None,
+        pad_token_id: int | None = None,
+        generation_config=None,
+        seed: int = 0,
+        streamer=None,
+    ) -> jax.Array:
+        """Generates tokens, as transformers' `generate` does, with the whole decode loop compiled.
+
+        Args mirror transformers' `generate`; unset ones come from `generation_config`, then from
+        the checkpoint's generation_config.json. Prompts of different lengths are passed
+        left-padded with an `attention_mask`; each row gets what that prompt alone would.
+        `seed` seeds the in-program sampler: the same seed gives the same tokens.
+        `streamer` follows transformers' streamer interface (`put`, `end`), e.g. `TextStreamer`.
+
+        Returns:
+          int32 jax.Array [B, S + T] (for encoder-decoders [B, 1 + T], starting with the
+          decoder start token): the prompt as given, then the new tokens, padded with
+          `pad_token_id` after a row has produced EOS. T <= max_new_tokens.
+
+        Example:
+          >>> batch = model.tokenizer(["Hi", "Hello there"], padding=True, return_tensors="np")
+          >>> model.generate(batch["input_ids"], batch["attention_mask"], max_new_tokens=16)
+        """
+        from . import _generate
+
+        if self.task not in ("text-generation", "text2text-generation"):
+            raise ValueError(
+                f"Model.generate: this model was loaded for task={self.task!r}; load a causal or sequence-to-sequence "
+                "LM (hfjax.load(path, task='text-generation'))"
+            )
+        ids, mask = _prompt_arrays(input_ids, attention_mask)
+        settings = _generate.resolve_settings(
+            self,
+            ids.shape[1],
+            generation_config,
+            max_new_tokens=max_new_tokens,
+            min_new_tokens=min_new_tokens,
+            do_sample=do_sample,
+            temperature=temperature,
+            top_k=top_k,
+            top_p=top_p,
+            min_p=min_p,
+            repetition_penalty=repetition_penalty,
+            eos_token_id=eos_token_id,
+            pad_token_id=pad_token_id,
+        )
+        self._check_context(mask, settings.max_new_tokens)
+        if self._generator is None:
+            self._generator = _generate.Generator(self)
+        return self._generator.generate(ids, mask, settings, seed=seed, streamer=streamer)
+
+    def generate_text(self, prompts: str | list[str], **kwargs) -> str | list[str]:
+        """Text in, text out: tokenizes (left-padded), generates, and decodes the new tokens only.
+
+        Keyword arguments are those of `generate`.
+
+        Example:
+          >>> model.generate_text("The capital of France is", max_new_tokens=8)
+        """
+        if self.tokenizer is None:
+            raise LoadError(f"Model.generate_text: the checkpoint at {str(self.path)!r} has no tokenizer files; use generate(input_ids)")
+        single = isinstance(prompts, str)
+        batch = [prompts] if single else list(prompts)
+        self.tokenizer.padding_side = "left"
+        encoded = self.tokenizer(batch, padding=True, return_tensors="np")
+        out = np.asarray(self.generate(encoded["input_ids"], encoded["attention_mask"], **kwargs))
+        start = 1 if getattr(self.config, "is_encoder_decoder", False) else encoded["input_ids"].shape[1]
+        texts = self.tokenizer.batch_decode(out[:, start:], skip_special_tokens=True)
+        return texts[0] if single else texts
+
+    def classify(
+        self, texts: str | list[str], labels: list[str] | None = None, *, template: str | None = None
+    ) -> list[dict[str, float]]:
+        """Label probabilities per text: the classification head's softmax, or zero-shot with a causal LM.
+
+        With a causal LM each label is scored as the continuation of `template` (a `{text}`
+        field, optionally `{labels}`) and `labels` is required; see `hfjax._classify.classify`.
+
+        Returns:
+          one {label: probability} dict per text, keys in label order.
+
+        Example:
+          >>> model.classify(["I loved it", "Terrible."], labels=["positive", "negative"])
+        """
+        from ._classify import classify
+
+        return classify(self, texts, labels, template=template)
+
+    @property
+    def last_generation_stats(self):
+        """Timings of the last `generate` call: time_to_first_token, tokens_per_second, ..."""
+        return None if self._generator is None else self._generator.last_stats
+
+    def _check_context(self, mask: np.ndarray, max_new_tokens: int) -> None:
+        context = _context_length(self.config)
+        if context is None or getattr(self.config, "is_encoder_decoder", False):
+            return
+        longest = int(mask.sum(axis=1).max())
+        if longest + max_new_tokens > context:
+            raise ValueError(
+                f"Model.generate: the prompt has {longest} tokens and max_new_tokens={max_new_tokens}, "
+                f"{longest + max_new_tokens} in all, more than the model's context of {context} tokens "
+                f"(config.max_position_embeddings); shorten the prompt or pass max_new_tokens<={context - longest}"
+            )
 
     def embed(self, texts: str | list[str], *, batch_size: int = 32) -> jax.Array:
         """Sentence embeddings, pooled and normalised as the checkpoint's sentence-transformers config says.
@@ -100,6 +233,40 @@ class Model:
         while bucket < longest:
             bucket *= 2
         return min(bucket, limit)
+
+
+def _context_length(config) -> int | None:
+    for name in ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length"):
+        value = getattr(config, name, None)
+        if isinstance(value, int) and value > 0:
+            return value
+    return None
+
+
+def _prompt_arrays(input_ids, attention_mask) -> tuple[np.ndarray, np.ndarray]:
+    # Returns int32 [B, S] token ids and mask, from numpy, jax, torch or nested lists.
+    if input_ids is None:
+        raise ValueError("Model.generate: input_ids is required (int token ids of shape [batch, length])")
+    ids = np.asarray(input_ids.cpu() if hasattr(input_ids, "cpu") else input_ids)
+    if ids.ndim == 1:
+        ids = ids[None, :]
+    if ids.ndim != 2 or not np.issubdtype(ids.dtype, np.integer):
+        raise ValueError(f"Model.generate: input_ids must be integer token ids of shape [batch, length], got {ids.dtype} {ids.shape}")
+    if ids.shape[1] == 0:
+        raise ValueError("Model.generate: input_ids is empty (length 0); every prompt needs at least one token, e.g. the BOS token")
+    if attention_mask is None:
+        mask = np.ones_like(ids)
+    else:
+        mask = np.asarray(attention_mask.cpu() if hasattr(attention_mask, "cpu") else attention_mask)
+        mask = mask[None, :] if mask.ndim == 1 else mask
+        if mask.shape != ids.shape:
+            raise ValueError(f"Model.generate: attention_mask has shape {mask.shape}, input_ids {ids.shape}; they must match")
+    empty = np.flatnonzero(mask.sum(axis=1) == 0)
+    if empty.size:
+        raise ValueError(
+            f"Model.generate: prompt {int(empty[0])} is empty (its attention_mask has no 1s); every prompt needs at least one token"
+        )
+    return ids.astype(np.int32), mask.astype(np.int32)
 
 
 def _pooling_config(path: pathlib.Path) -> tuple[str, bool]:

@@ -13,6 +13,7 @@ from typing import Callable
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import torch
 from torch.utils import _mode_utils
 from torchax.ops import mappings, ops_registry
@@ -285,3 +286,51 @@ def _pow(x, y):
     odd = (y % 2) == 1
     negative_power = jnp.where(x == 1, 1, jnp.where(x == -1, jnp.where(odd, -1, 1), 0)).astype(dtype)
     return jnp.where(y < 0, negative_power, power)
+
+
+# -- attention -----------------------------------------------------------------
+
+
+def _sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
+    # query: [..., Hq, L, D]; key: [..., Hkv, S, D]; value: [..., Hkv, S, Dv] -> [..., Hq, L, Dv]
+    if dropout_p:
+        raise NotImplementedError(
+            f"scaled_dot_product_attention(dropout_p={dropout_p}): hfjax runs inference only; call model.eval()"
+        )
+    *batch, heads, length, depth = query.shape
+    kv_heads, kv_length = key.shape[-3], key.shape[-2]
+    if heads % kv_heads:
+        raise ValueError(f"scaled_dot_product_attention: {heads} query heads do not divide into {kv_heads} key/value heads")
+    groups = heads // kv_heads
+    scale = 1.0 / float(np.sqrt(depth)) if scale is None else scale
+    # Query heads are grouped over their key/value head, so shared keys are read once (no repeat).
+    grouped = query.reshape(*batch, kv_heads, groups, length, depth)
+    scores = jnp.einsum("...hgld,...hsd->...hgls", grouped, key, preferred_element_type=jnp.float32) * scale
+    allowed = None
+    if is_causal:
+        allowed = jnp.tril(jnp.ones((length, kv_length), bool))
+    if attn_mask is not None:
+        mask = jnp.broadcast_to(attn_mask, (*batch, heads, length, kv_length))
+        mask = mask.reshape(*batch, kv_heads, groups, length, kv_length)
+        if mask.dtype == jnp.bool_:
+            allowed = mask if allowed is None else allowed & mask
+        else:
+            scores = scores + mask.astype(jnp.float32)
+    if allowed is not None:
+        scores = jnp.where(allowed, scores, -jnp.inf)
+    # A query that may attend to nothing (a padding row) gets zeros, as torch's softmax-safe path gives.
+    top = jnp.max(scores, axis=-1, keepdims=True)
+    exp = jnp.exp(scores - jnp.where(jnp.isfinite(top), top, 0.0))
+    total = jnp.sum(exp, axis=-1, keepdims=True)
+    weights = exp / jnp.where(total > 0, total, 1.0)
+    out = jnp.einsum("...hgls,...hsd->...hgld", weights.astype(value.dtype), value, preferred_element_type=jnp.float32)
+    return out.reshape(*batch, heads, length, value.shape[-1]).astype(query.dtype)
+
+
+_SDPA_WHY = (
+    "torchax's reference attention gives NaN for a query that may attend to nothing (left padding "
+    "makes such rows, and the NaN then spreads through the cache), where torch gives zeros; it also "
+    "copies keys and values once per query head for grouped-query attention"
+)
+override(torch.nn.functional.scaled_dot_product_attention, why=_SDPA_WHY)(_sdpa)
+override(torch.ops.aten.scaled_dot_product_attention, why=_SDPA_WHY)(_sdpa)

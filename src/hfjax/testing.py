@@ -32,7 +32,7 @@ import torch
 import transformers
 from tokenizers import decoders, models, normalizers, pre_tokenizers, processors, trainers
 
-__all__ = ["FAMILIES", "tiny_config", "tiny_tokenizer", "save_tiny_checkpoint"]
+__all__ = ["FAMILIES", "GENERATION_FAMILIES", "tiny_config", "tiny_tokenizer", "save_tiny_checkpoint"]
 
 Task = Literal["text-generation", "text-classification", "feature-extraction", "text2text-generation"]
 Pooling = Literal["mean", "cls", "lasttoken"]
@@ -372,6 +372,10 @@ FAMILIES: tuple[str, ...] = tuple(_REGISTRY)
 
 Any other `model_type` with a causal-LM, seq2seq-LM or sequence-classification model class
 also works: `tiny_config` then shrinks the config class's defaults by field name."""
+
+GENERATION_FAMILIES: tuple[str, ...] = tuple(name for name, spec in _REGISTRY.items() if spec.kind != "encoder")
+"""The families that generate text: causal LMs and encoder-decoders."""
+
 
 # Generic shrinking: a config field with one of these names, where the model_type's config
 # class has it, gets this value. Names are those the config stores, not attribute aliases.

@@ -5,9 +5,9 @@ from __future__ import annotations
 import argparse
 import sys
 
-from . import check, demo
+from . import chat, check, classify, demo, generate
 
-_COMMANDS = {"demo": demo, "check": check}
+_COMMANDS = {"demo": demo, "check": check, "generate": generate, "chat": chat, "classify": classify}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,0 +1,480 @@
+"""Generation: prefill compiled per prompt-length bucket, then the whole decode loop as ONE
+XLA `while_loop` with sampling inside it.
+
+Stages (gpt-fast's names):
+  prefill          the prompt, left-padded to a bucket, fills a static KV cache and samples
+                   the first new token;
+  decode_n_tokens  a `jax.lax.while_loop` over single-token steps that stops when every row
+                   has produced an EOS or the step limit is reached. Its state is donated,
+                   so the cache is updated in place. A streamer runs it in chunks.
+
+How the model keeps its past is chosen per architecture (`_cache_kind`):
+  "static"     transformers' own `StaticCache` (or `EncoderDecoderCache` of two for
+               encoder-decoders), carried through the loop as a pytree;
+  "state"      the model's own fixed-size cache (state-space models such as mamba);
+  "recompute"  no cache: the whole token buffer is run at every step (correct for any
+               causal model, slower; used where neither cache can be carried).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+import time
+from typing import Any, Literal
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import torch
+
+from . import _compile, _env, _sampling
+from ._errors import HfjaxError
+from ._sampling import SamplingConfig
+
+CacheKind = Literal["static", "state", "recompute"]
+
+_MIN_BUCKET = 16
+_CACHE_MULTIPLE = 64  # cache lengths are rounded up to this, so nearby budgets share programs
+STREAM_CHUNK = 8  # decode steps per host round trip when streaming
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class GenerationSettings:
+    """Everything that shapes a generation program. Hashable: it is a static jit argument."""
+
+    max_new_tokens: int
+    min_new_tokens: int = 0
+    eos_token_ids: tuple[int, ...] = ()
+    pad_token_id: int = 0
+    forced_bos_token_id: int | None = None  # the first new token (BART-style checkpoints)
+    forced_eos_token_ids: tuple[int, ...] = ()  # forced as the last token of the budget
+    sampling: SamplingConfig = SamplingConfig()
+
+    def __post_init__(self):
+        if not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens={self.max_new_tokens!r} must be a positive integer, e.g. max_new_tokens=32")
+        if not isinstance(self.min_new_tokens, int) or self.min_new_tokens < 0:
+            raise ValueError(f"min_new_tokens={self.min_new_tokens!r} must be an integer >= 0")
+
+
+@dataclasses.dataclass
+class GenerationStats:
+    """Timings of the last `generate` call (seconds), for --stats and benchmarks."""
+
+    prompt_tokens: int = 0
+    new_tokens: int = 0
+    time_to_first_token: float = 0.0
+    total: float = 0.0
+    compiled: bool = False
+
+    @property
+    def tokens_per_second(self) -> float:
+        decode = self.total - self.time_to_first_token
+        return (self.new_tokens - 1) / decode if self.new_tokens > 1 and decode > 0 else float("nan")
+
+
+_UNSET = object()
+
+
+def resolve_settings(model, prompt_length: int, generation_config=None, **overrides) -> GenerationSettings:
+    """Merges the checkpoint's generation_config.json, a `generation_config` and keyword
+    overrides (transformers' names) into `GenerationSettings`."""
+    defaults = model.generation_config
+    if generation_config is not None:
+        merged = defaults.to_dict()
+        merged.update({k: v for k, v in generation_config.to_diff_dict().items()})
+        defaults = type(defaults).from_dict(merged)
+    values = {k: getattr(defaults, k, None) for k in _GENERATION_ARGS}
+    values.update({k: v for k, v in overrides.items() if v is not None})
+    max_new_tokens = values["max_new_tokens"]
+    if max_new_tokens is None:
+        max_length = values.get("max_length") or 20
+        max_new_tokens = max_length - prompt_length
+        if max_new_tokens < 1:
+            raise ValueError(
+                f"the prompt has {prompt_length} tokens and generation_config.max_length={max_length} leaves no room "
+                "for new tokens; pass max_new_tokens=N"
+            )
+    eos = values["eos_token_id"]
+    eos = () if eos is None else (int(eos),) if isinstance(eos, (int, np.integer)) else tuple(int(e) for e in eos)
+    pad = values["pad_token_id"]
+    if pad is None:
+        pad = eos[0] if eos else 0
+    do_sample = bool(values["do_sample"])
+    sampling = SamplingConfig(
+        do_sample=do_sample,
+        temperature=_number(values["temperature"], 1.0),
+        top_k=int(values["top_k"] or 0) if do_sample else 0,
+        top_p=_number(values["top_p"], 1.0) if do_sample else 1.0,
+        min_p=_number(values["min_p"], 0.0) if do_sample else 0.0,
+        repetition_penalty=_number(values["repetition_penalty"], 1.0),
+    ) if do_sample else SamplingConfig(
+        do_sample=False, repetition_penalty=_number(values["repetition_penalty"], 1.0)
+    )
+    if not do_sample:
+        # transformers ignores sampling settings when do_sample=False; so do we, but we still
+        # reject values that are invalid whatever the mode, so a typo does not pass silently.
+        temperature = _number(values["temperature"], 1.0)
+        SamplingConfig(
+            do_sample=True,
+            temperature=1.0 if temperature == 0 else temperature,  # 0 means greedy to transformers users
+            top_k=int(values["top_k"] or 0),
+            top_p=_number(values["top_p"], 1.0),
+            min_p=_number(values["min_p"], 0.0),
+        )
+    if (values.get("num_beams") or 1) > 1:
+        raise ValueError(
+            f"num_beams={values['num_beams']}: beam search is not supported by hfjax's generate; "
+            "use greedy or sampling (num_beams=1)"
+        )
+    forced_eos = values["forced_eos_token_id"]
+    forced_eos = () if forced_eos is None else (forced_eos,) if isinstance(forced_eos, int) else tuple(forced_eos)
+    return GenerationSettings(
+        max_new_tokens=int(max_new_tokens),
+        forced_bos_token_id=values["forced_bos_token_id"],
+        forced_eos_token_ids=forced_eos,
+        min_new_tokens=int(values["min_new_tokens"] or 0),
+        eos_token_ids=eos,
+        pad_token_id=int(pad),
+        sampling=sampling,
+    )
+
+
+_GENERATION_ARGS = (
+    "max_new_tokens",
+    "max_length",
+    "min_new_tokens",
+    "do_sample",
+    "temperature",
+    "top_k",
+    "top_p",
+    "min_p",
+    "repetition_penalty",
+    "eos_token_id",
+    "pad_token_id",
+    "forced_bos_token_id",
+    "forced_eos_token_id",
+    "num_beams",
+)
+
+
+def _number(value, default: float) -> float:
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, (int, float, np.number)):
+        return value  # SamplingConfig names the bad value
+    return float(value)
+
+
+def bucket(length: int) -> int:
+    """The padded prompt length: the next power of two, at least 16."""
+    size = _MIN_BUCKET
+    while size < length:
+        size *= 2
+    return size
+
+
+def _cache_kind(module: torch.nn.Module) -> CacheKind:
+    name = type(module).__name__.lower()
+    if "mamba" in name:
+        return "state"
+    if not module._can_compile_fullgraph or not module._supports_default_dynamic_cache():
+        return "recompute"
+    return "static"
+
+
+def _accepts(module: torch.nn.Module, name: str) -> bool:
+    parameters = inspect.signature(module.forward).parameters
+    return name in parameters
+
+
+class Generator:
+    """Compiled generation for one loaded `Model`; programs are cached per shape and settings."""
+
+    def __init__(self, model):
+        self.model = model
+        self.module = model.module
+        self.config = model.config
+        self.encoder_decoder = bool(getattr(model.config, "is_encoder_decoder", False))
+        self.kind: CacheKind = _cache_kind(model.module)
+        self._programs: dict[tuple, Any] = {}
+        self.trace_counts: dict[str, int] = {"prefill": 0, "decode": 0}
+        self.last_stats = GenerationStats()
+        self._takes_positions = _accepts(self.module, "position_ids")
+        self._takes_logits_to_keep = _accepts(self.module, "logits_to_keep")
+
+    # -- the host side ----------------------------------------------------------
+
+    def generate(self, input_ids, attention_mask, settings: GenerationSettings, *, seed: int, streamer=None):
+        """Returns int32 [B, S + T]: the prompt as given, then up to max_new_tokens new tokens
+        (for encoder-decoders [B, 1 + T]: the decoder start token, then the new tokens)."""
+        start = time.perf_counter()
+        ids, mask = np.asarray(input_ids), np.asarray(attention_mask)
+        batch, length = ids.shape
+        size = bucket(length)
+        # Pad to the bucket with masked-out tokens: on the left for a decoder (its positions come
+        # from the mask), on the right for an encoder (whose positions may not).
+        padded_ids = np.full((batch, size), settings.pad_token_id, np.int32)
+        padded_mask = np.zeros((batch, size), np.int32)
+        columns = slice(0, length) if self.encoder_decoder else slice(size - length, size)
+        padded_ids[:, columns] = ids
+        padded_mask[:, columns] = mask
+        # The token buffer holds the decoder's prompt (the padded prompt, or the decoder start
+        # token of an encoder-decoder) and then the new tokens, from `offset` on.
+        offset = 1 if self.encoder_decoder else size
+        total = _round_up(offset + settings.max_new_tokens, _CACHE_MULTIPLE)
+        if streamer is not None:
+            streamer.put(torch.as_tensor(ids.astype(np.int64)))
+
+        traces_before = sum(self.trace_counts.values())
+        state = self._prefill_program(batch, size, total, settings)(
+            self.model.params, jnp.asarray(padded_ids), jnp.asarray(padded_mask), jax.random.key(seed)
+        )
+        first = np.asarray(state["sequence"])[:, offset]
+        ttft = time.perf_counter() - start
+        if streamer is not None:
+            streamer.put(torch.as_tensor(first.astype(np.int64)))
+        decode = self._decode_program(batch, offset, total, settings)
+        limit = settings.max_new_tokens
+        steps = 1
+        if streamer is None:
+            state = decode(self.model.params, state, jnp.int32(limit))
+            steps = int(state["step"])
+        else:
+            while steps < limit and not bool(np.all(np.asarray(state["done"]))):
+                state = decode(self.model.params, state, jnp.int32(min(steps + STREAM_CHUNK, limit)))
+                now = int(state["step"])
+                for token in np.asarray(state["sequence"])[:, offset + steps : offset + now].T:
+                    streamer.put(torch.as_tensor(token.astype(np.int64)))
+                steps = now
+            streamer.end()
+        sequence = np.asarray(state["sequence"])
+        new = sequence[:, offset : offset + steps]
+        prompt = sequence[:, :1] if self.encoder_decoder else ids
+        out = np.concatenate([prompt.astype(np.int32), new], axis=1)
+        self.last_stats = GenerationStats(
+            prompt_tokens=int(mask.sum()),
+            new_tokens=steps,
+            time_to_first_token=ttft,
+            total=time.perf_counter() - start,
+            compiled=sum(self.trace_counts.values()) > traces_before,
+        )
+        return jnp.asarray(out)
+
+    def _prefill_program(self, batch: int, size: int, total: int, settings: GenerationSettings):
+        key = ("prefill", batch, size, total, settings)
+        if key not in self._programs:
+            self._programs[key] = jax.jit(lambda p, i, m, k: self._prefill(p, i, m, k, total=total, settings=settings))
+        return self._programs[key]
+
+    def _decode_program(self, batch: int, offset: int, total: int, settings: GenerationSettings):
+        key = ("decode", batch, offset, total, settings)
+        if key not in self._programs:
+            self._programs[key] = jax.jit(
+                lambda p, s, n: self._decode_n_tokens(p, s, n, offset=offset, settings=settings), donate_argnums=1
+            )
+        return self._programs[key]
+
+    # -- traced: prefill ---------------------------------------------------------
+
+    def _prefill(self, params, ids, mask, key, *, total: int, settings: GenerationSettings) -> dict:
+        # ids, mask: [B, P] int32, left-padded; total: the token buffer and cache length L.
+        self.trace_counts["prefill"] += 1
+        batch, size = ids.shape
+        if self.encoder_decoder:
+            prompt = jnp.full((batch, 1), self.config.decoder_start_token_id, jnp.int32)
+            prompt_mask = jnp.ones_like(prompt)
+        else:
+            prompt, prompt_mask = ids, mask
+        offset = prompt.shape[1]
+        sequence = jnp.full((batch, total), settings.pad_token_id, jnp.int32).at[:, :offset].set(prompt)
+        full_mask = jnp.zeros((batch, total), jnp.int32).at[:, :offset].set(prompt_mask)
+        encoder = None
+        with self._bound(params):
+            if self.encoder_decoder:
+                encoder, cache, logits = self._prefill_encoder_decoder(ids, mask, prompt, full_mask, total)
+            elif self.kind == "recompute":
+                cache, logits = None, self._recompute_logits(sequence, full_mask, offset - 1)
+            else:
+                cache, logits = self._prefill_decoder(ids, mask, full_mask, total)
+        state = {
+            "cache": cache,
+            "encoder": encoder,
+            "sequence": sequence,
+            "mask": full_mask,
+            "next_position": jnp.sum(prompt_mask, axis=1).astype(jnp.int32),
+            "seen": _sampling.seen_mask(prompt, prompt_mask, logits.shape[-1]) if _needs_seen(settings) else None,
+            "done": jnp.zeros((batch,), bool),
+            "step": jnp.int32(0),
+            "key": key,
+        }
+        return _choose(state, logits, offset, settings)
+
+    def _prefill_decoder(self, ids, mask, full_mask, total: int):
+        positions = jnp.maximum(jnp.cumsum(mask, axis=1) - 1, 0)
+        kwargs = {"use_cache": True}
+        if self.kind == "static":
+            cache = _static_cache(self.config.get_text_config(decoder=True), total)
+            kwargs.update(past_key_values=cache, attention_mask=_env.to_torch(full_mask))
+        else:
+            kwargs.update(attention_mask=_env.to_torch(mask))
+        if self._takes_positions:
+            kwargs["position_ids"] = _env.to_torch(positions)
+        if self._takes_logits_to_keep:
+            kwargs["logits_to_keep"] = 1
+        out = self.module(input_ids=_env.to_torch(ids), **kwargs)
+        cache = out.past_key_values if self.kind == "static" else _own_cache(out)
+        return _env.to_jax(cache), _env.to_jax(out.logits)[:, -1].astype(jnp.float32)
+
+    def _prefill_encoder_decoder(self, ids, mask, start, decoder_mask, total: int):
+        # start: [B, 1] the decoder start token; decoder_mask: [B, L]
+        from transformers import EncoderDecoderCache
+
+        encoder = self.module.get_encoder()(input_ids=_env.to_torch(ids), attention_mask=_env.to_torch(mask))
+        config = self.config.get_text_config(decoder=True)
+        cache = EncoderDecoderCache(_static_cache(config, total), _static_cache(config, ids.shape[1]))
+        encoder = (_env.to_jax(encoder.last_hidden_state), mask)
+        out = self.module(**self._encoder_decoder_inputs(encoder, start, decoder_mask, cache))
+        return encoder, _env.to_jax(out.past_key_values), _env.to_jax(out.logits)[:, -1].astype(jnp.float32)
+
+    @staticmethod
+    def _encoder_decoder_inputs(encoder, token, decoder_mask, cache) -> dict:
+        from transformers.modeling_outputs import BaseModelOutput
+
+        hidden, encoder_mask = encoder  # [B, P, H], [B, P]
+        return dict(
+            encoder_outputs=BaseModelOutput(last_hidden_state=_env.to_torch(hidden)),
+            attention_mask=_env.to_torch(encoder_mask),
+            decoder_input_ids=_env.to_torch(token),
+            decoder_attention_mask=_env.to_torch(decoder_mask),
+            past_key_values=cache,
+            use_cache=True,
+        )
+
+    def _recompute_logits(self, sequence, full_mask, index):
+        positions = jnp.maximum(jnp.cumsum(full_mask, axis=1) - 1, 0)
+        kwargs = {"attention_mask": _env.to_torch(full_mask), "use_cache": False}
+        if self._takes_positions:
+            kwargs["position_ids"] = _env.to_torch(positions)
+        out = self.module(input_ids=_env.to_torch(sequence), **kwargs)
+        logits = _env.to_jax(out.logits)  # [B, L, V]
+        return jax.lax.dynamic_index_in_dim(logits, index, axis=1, keepdims=False).astype(jnp.float32)
+
+    # -- traced: decode loop -----------------------------------------------------
+
+    def _decode_n_tokens(self, params, state, limit, *, offset: int, settings: GenerationSettings) -> dict:
+        self.trace_counts["decode"] += 1
+
+        def running(state):
+            return (state["step"] < limit) & ~jnp.all(state["done"])
+
+        def step(state):
+            slot = offset + state["step"] - 1  # where the last sampled token sits
+            with self._bound(params):
+                if self.kind == "recompute" and not self.encoder_decoder:
+                    logits = self._recompute_logits(state["sequence"], state["mask"], slot)
+                    cache = None
+                else:
+                    cache, logits = self._decode_one_token(state, slot)
+            return _choose({**state, "cache": cache}, logits, offset, settings)
+
+        return jax.lax.while_loop(running, step, state)
+
+    def _decode_one_token(self, state, slot):
+        # token: [B, 1], the last sampled token; position: [B, 1]
+        token = jax.lax.dynamic_slice_in_dim(state["sequence"], slot, 1, axis=1)
+        cache = _env.to_torch(state["cache"])
+        if self.encoder_decoder:
+            out = self.module(**self._encoder_decoder_inputs(state["encoder"], token, state["mask"], cache))
+            return _env.to_jax(out.past_key_values), _env.to_jax(out.logits)[:, -1].astype(jnp.float32)
+        kwargs = {"use_cache": True}
+        if self.kind == "static":
+            kwargs.update(past_key_values=cache, attention_mask=_env.to_torch(state["mask"]))
+        else:
+            kwargs.update(_own_cache_argument(self.module, cache))
+        if self._takes_positions:
+            kwargs["position_ids"] = _env.to_torch(state["next_position"][:, None] - 1)
+        out = self.module(input_ids=_env.to_torch(token), **kwargs)
+        new_cache = out.past_key_values if self.kind == "static" else _own_cache(out)
+        return _env.to_jax(new_cache), _env.to_jax(out.logits)[:, -1].astype(jnp.float32)
+
+    def _bound(self, params):
+        return _compile.bound(self.module, params, self.model.aliases, _env.env().prng_key)
+
+
+def _static_cache(config, length: int):
+    """transformers' StaticCache of `length` slots in which every layer is a plain StaticLayer.
+
+    Its sliding-window layers roll their buffer based on a Python int, which a loop with a
+    traced step count cannot do; a full-length layer under the model's own sliding-window
+    mask attends to the same tokens.
+    """
+    from transformers import StaticCache
+    from transformers.cache_utils import StaticLayer
+
+    cache = StaticCache(config=config, max_cache_len=length)
+    cache.layers = [StaticLayer(max_cache_len=length) if layer.is_sliding else layer for layer in cache.layers]
+    return cache
+
+
+def _needs_seen(settings: GenerationSettings) -> bool:
+    return settings.sampling.repetition_penalty != 1.0
+
+
+def _own_cache(out):
+    for field in ("past_key_values", "cache_params"):
+        if getattr(out, field, None) is not None:
+            return getattr(out, field)
+    raise HfjaxError(f"{type(out).__name__} returned no cache (past_key_values / cache_params) with use_cache=True")
+
+
+def _own_cache_argument(module, cache) -> dict:
+    name = "cache_params" if _accepts(module, "cache_params") else "past_key_values"
+    return {name: cache}
+
+
+def _forced(logits, step, settings: GenerationSettings):
+    # logits: [B, V]; a forced token is the only one left possible, as transformers' forced-token processors do.
+    vocab = jnp.arange(logits.shape[-1])
+    if settings.forced_bos_token_id is not None:
+        logits = jnp.where((step == 0) & (vocab != settings.forced_bos_token_id)[None, :], -jnp.inf, logits)
+    if settings.forced_eos_token_ids:
+        last = step == settings.max_new_tokens - 1
+        logits = jnp.where(last & ~jnp.isin(vocab, jnp.asarray(settings.forced_eos_token_ids))[None, :], -jnp.inf, logits)
+    return logits
+
+
+def _round_up(n: int, multiple: int) -> int:
+    return -(-n // multiple) * multiple
+
+
+def _choose(state: dict, logits, offset: int, settings: GenerationSettings) -> dict:
+    """Samples the next token of every row from `logits` [B, V] and appends it to the state."""
+    key, draw = jax.random.split(state["key"])
+    if settings.min_new_tokens and settings.eos_token_ids:
+        eos = jnp.asarray(settings.eos_token_ids)
+        blocked = jnp.zeros(logits.shape[-1], bool).at[eos].set(True) & (state["step"] < settings.min_new_tokens)
+        logits = jnp.where(blocked[None, :], -jnp.inf, logits)
+    logits = _forced(logits, state["step"], settings)
+    token = _sampling.next_token(logits, state["seen"], draw, settings.sampling).astype(jnp.int32)  # [B]
+    token = jnp.where(state["done"], settings.pad_token_id, token)
+    slot = offset + state["step"]
+    sequence = jax.lax.dynamic_update_slice_in_dim(state["sequence"], token[:, None], slot, axis=1)
+    mask = jax.lax.dynamic_update_slice_in_dim(state["mask"], jnp.ones_like(token)[:, None], slot, axis=1)
+    done = state["done"]
+    if settings.eos_token_ids:
+        done = done | jnp.isin(token, jnp.asarray(settings.eos_token_ids))
+    seen = state["seen"]
+    if seen is not None:
+        seen = _sampling.update_seen(seen, token)
+    return {
+        **state,
+        "sequence": sequence,
+        "mask": mask,
+        "next_position": state["next_position"] + 1,
+        "seen": seen,
+        "done": done,
+        "step": state["step"] + 1,
+        "key": key,
+    }

@@ -1,0 +1,243 @@
+"""Choosing the next token from the last position's logits, the way transformers does.
+
+The decode loop calls these pure-JAX functions inside one jitted `jax.lax.while_loop`, so
+nothing here branches in Python on array values; `SamplingConfig` is a static argument.
+
+transformers builds its processors in `GenerationMixin._get_logits_processor`; for the
+settings below the order is
+
+    repetition penalty -> temperature -> top-k -> top-p -> min-p
+
+and the last four (the "warpers") apply only when `do_sample=True`. Filtered tokens get
+-inf, and every filter keeps at least one token (transformers' min_tokens_to_keep=1).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import numbers
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+__all__ = ["SamplingConfig", "process_logits", "next_token", "seen_mask", "update_seen"]
+
+
+def _real(name: str, value, fix: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value):
+        raise ValueError(f"{name}={value!r} is not a finite number; {fix}")
+    return float(value)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class SamplingConfig:
+    """How to pick the next token; the defaults pick the most likely token (greedy).
+
+    Args:
+        do_sample: draw from the processed distribution instead of taking its argmax.
+        temperature: divide the logits by this (sampling only); must be > 0 when sampling.
+        top_k: keep the k most likely tokens, and any tied with the k-th (sampling only); 0 is off.
+        top_p: keep the fewest most likely tokens whose probabilities add up to top_p or
+            more (sampling only); 1.0 is off.
+        min_p: drop tokens less likely than min_p times the most likely one (sampling only);
+            0.0 is off.
+        repetition_penalty: divide positive logits (multiply negative ones) of tokens already
+            in the sequence by this, in both modes; 1.0 is off.
+
+    Frozen and hashable, so it can be a static argument of `jax.jit`.
+
+    Example:
+        >>> SamplingConfig(do_sample=True, temperature=0.7, top_p=0.9)
+        SamplingConfig(do_sample=True, temperature=0.7, top_k=0, top_p=0.9, min_p=0.0, repetition_penalty=1.0)
+    """
+
+    do_sample: bool = False
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+
+    def __post_init__(self):
+        if not isinstance(self.do_sample, (bool, np.bool_)):
+            raise ValueError(
+                f"do_sample={self.do_sample!r} is not a bool; pass True to sample or False for greedy decoding"
+            )
+        temperature = _real("temperature", self.temperature, "pass a value such as 0.7, or 1.0 to leave logits unscaled")
+        if temperature < 0 or (temperature == 0 and self.do_sample):
+            greedy = " If you want greedy decoding, pass do_sample=False." if temperature == 0 else ""
+            raise ValueError(
+                f"temperature={self.temperature!r} must be strictly positive when do_sample=True; "
+                f"pass a value such as 0.7, or 1.0 to leave logits unscaled.{greedy}"
+            )
+        if isinstance(self.top_k, bool) or not isinstance(self.top_k, numbers.Integral) or self.top_k < 0:
+            raise ValueError(
+                f"top_k={self.top_k!r} is not a non-negative integer; pass a value such as 50, or 0 to turn top-k off"
+            )
+        top_p = _real("top_p", self.top_p, "pass a value in (0, 1] such as 0.9, or 1.0 to turn top-p off")
+        if not 0 < top_p <= 1:
+            raise ValueError(
+                f"top_p={self.top_p!r} is outside (0, 1]; pass a value such as 0.9, or 1.0 to turn top-p off"
+            )
+        min_p = _real("min_p", self.min_p, "pass a value in [0, 1] such as 0.05, or 0.0 to turn min-p off")
+        if not 0 <= min_p <= 1:
+            raise ValueError(
+                f"min_p={self.min_p!r} is outside [0, 1]; pass a value such as 0.05, or 0.0 to turn min-p off"
+            )
+        penalty = _real(
+            "repetition_penalty", self.repetition_penalty, "pass a value such as 1.2, or 1.0 to turn the penalty off"
+        )
+        if penalty <= 0:
+            raise ValueError(
+                f"repetition_penalty={self.repetition_penalty!r} must be strictly positive; "
+                "pass a value such as 1.2 (above 1 discourages repeats), or 1.0 to turn the penalty off"
+            )
+        # Plain Python scalars, so equal settings hash and print the same however they were given.
+        for name, value in (
+            ("do_sample", bool(self.do_sample)),
+            ("temperature", temperature),
+            ("top_k", int(self.top_k)),
+            ("top_p", top_p),
+            ("min_p", min_p),
+            ("repetition_penalty", penalty),
+        ):
+            object.__setattr__(self, name, value)
+
+
+def process_logits(logits: jax.Array, seen: jax.Array | None, config: SamplingConfig) -> jax.Array:
+    """The last position's logits after transformers' processors for `config`, in its order.
+
+    Args:
+        logits: [B, V] scores of the next token.
+        seen: [B, V] bool, True for token ids already in the sequence (prompt and generated,
+            pads excluded; see `seen_mask` and `update_seen`). May be None when
+            `config.repetition_penalty` is 1.0.
+        config: the settings; static under `jax.jit`.
+
+    Returns:
+        [B, V] float32 logits; tokens removed by top-k, top-p or min-p are -inf.
+
+    Top-p keeps every token tied with the least likely token it keeps; transformers' result on
+    such ties depends on the order torch's unstable sort happens to give them.
+
+    Example:
+        >>> config = SamplingConfig(do_sample=True, temperature=0.7, top_k=50, top_p=0.9)
+        >>> scores = process_logits(logits, seen, config)  # [B, V]
+    """
+    if logits.ndim != 2:
+        raise ValueError(
+            f"logits has shape {tuple(logits.shape)}; pass the last position's logits as [batch, vocab], "
+            "e.g. logits[:, -1, :]"
+        )
+    scores = logits.astype(jnp.float32)  # [B, V]
+    if config.repetition_penalty != 1.0:
+        if seen is None or seen.shape != logits.shape or seen.dtype != jnp.bool_:
+            got = "None" if seen is None else f"{seen.dtype.name} {tuple(seen.shape)}"
+            raise ValueError(
+                f"seen is {got} but repetition_penalty={config.repetition_penalty} needs a bool array of the "
+                f"logits' shape {tuple(logits.shape)}; build it with seen_mask(input_ids, attention_mask, vocab_size)"
+            )
+        penalized = jnp.where(scores < 0, scores * config.repetition_penalty, scores / config.repetition_penalty)
+        scores = jnp.where(seen, penalized, scores)
+    if not config.do_sample:
+        return scores
+    if config.temperature != 1.0:
+        scores = scores / config.temperature
+    vocab = scores.shape[-1]
+    if 0 < config.top_k < vocab:
+        kth = jax.lax.top_k(scores, config.top_k)[0][:, -1:]  # [B, 1]
+        scores = jnp.where(scores < kth, -jnp.inf, scores)
+    if config.top_p < 1.0:
+        scores = _top_p(scores, config.top_p)
+    if config.min_p > 0.0:
+        probs = jax.nn.softmax(scores, axis=-1)  # [B, V]
+        # The most likely token is never below min_p times itself, so one token always stays.
+        floor = config.min_p * jnp.max(probs, axis=-1, keepdims=True)  # [B, 1]
+        scores = jnp.where(probs < floor, -jnp.inf, scores)
+    return scores
+
+
+def _top_p(scores: jax.Array, top_p: float) -> jax.Array:
+    ascending = jnp.sort(scores, axis=-1)  # [B, V]
+    cumulative = jnp.cumsum(jax.nn.softmax(ascending, axis=-1), axis=-1)  # [B, V]
+    # The cumulative sum only grows, so the removed tokens are a prefix of the ascending order;
+    # removing at most V - 1 of them keeps the most likely token.
+    removed = jnp.minimum(jnp.sum(cumulative <= 1 - top_p, axis=-1, keepdims=True), scores.shape[-1] - 1)  # [B, 1]
+    smallest_kept = jnp.take_along_axis(ascending, removed, axis=-1)  # [B, 1]
+    return jnp.where(scores < smallest_kept, -jnp.inf, scores)
+
+
+def next_token(logits: jax.Array, seen: jax.Array | None, key: jax.Array, config: SamplingConfig) -> jax.Array:
+    """The next token of every row: the argmax of the processed logits, or a draw from them.
+
+    Args:
+        logits: [B, V] scores of the next token.
+        seen: [B, V] bool, as for `process_logits` (None when there is no repetition penalty).
+        key: a JAX PRNG key, used only when `config.do_sample`.
+        config: the settings; static under `jax.jit`.
+
+    Returns:
+        [B] int32 token ids.
+
+    Example:
+        >>> key = jax.random.key(0)
+        >>> token = next_token(logits, None, key, SamplingConfig(do_sample=True, top_k=50))  # [B]
+    """
+    scores = process_logits(logits, seen, config)  # [B, V]
+    if config.do_sample:
+        return jax.random.categorical(key, scores, axis=-1).astype(jnp.int32)
+    return jnp.argmax(scores, axis=-1).astype(jnp.int32)
+
+
+def seen_mask(input_ids: jax.Array, attention_mask: jax.Array | None, vocab_size: int) -> jax.Array:
+    """Which token ids occur in each row of `input_ids`, pads (attention_mask == 0) excluded.
+
+    Args:
+        input_ids: [B, S] integer token ids.
+        attention_mask: [B, S], nonzero for real tokens; None counts every position.
+        vocab_size: V, the width of the logits.
+
+    Returns:
+        [B, V] bool.
+
+    Raises ValueError for an id outside [0, vocab_size) at an attended position when the ids
+    are concrete; under tracing such ids cannot be checked and are left out.
+
+    Example:
+        >>> seen_mask(jnp.array([[0, 5, 5]]), jnp.array([[0, 1, 1]]), 8)[0]
+        Array([False, False, False, False, False,  True, False, False], dtype=bool)
+    """
+    if input_ids.ndim != 2:
+        raise ValueError(f"input_ids has shape {tuple(input_ids.shape)}; pass [batch, sequence] token ids")
+    if attention_mask is None:
+        attended = jnp.ones(input_ids.shape, bool)  # [B, S]
+    elif attention_mask.shape != input_ids.shape:
+        raise ValueError(
+            f"attention_mask has shape {tuple(attention_mask.shape)} but input_ids has {tuple(input_ids.shape)}; "
+            "pass the mask of these ids, or None if there are no pads"
+        )
+    else:
+        attended = attention_mask != 0  # [B, S]
+    in_range = (input_ids >= 0) & (input_ids < vocab_size)  # [B, S]
+    if not isinstance(input_ids, jax.core.Tracer) and not isinstance(attended, jax.core.Tracer):
+        outside = np.asarray(attended & ~in_range)
+        if outside.any():
+            row, position = np.argwhere(outside)[0]
+            raise ValueError(
+                f"input_ids[{row}, {position}]={int(input_ids[row, position])} is outside [0, vocab_size={vocab_size}); "
+                "pass the vocab_size of the model's logits, or mark that position as a pad in attention_mask"
+            )
+    rows = jnp.broadcast_to(jnp.arange(input_ids.shape[0])[:, None], input_ids.shape)  # [B, S]
+    columns = jnp.where(attended & in_range, input_ids, vocab_size)  # [B, S]; vocab_size is dropped
+    return jnp.zeros((input_ids.shape[0], vocab_size), bool).at[rows, columns].set(True, mode="drop")
+
+
+def update_seen(seen: jax.Array, tokens: jax.Array) -> jax.Array:
+    """`seen` [B, V] bool with each row's new token `tokens` [B] marked; returns [B, V] bool.
+
+    Example:
+        >>> seen = update_seen(seen, next_token(logits, seen, key, config))
+    """
+    return seen.at[jnp.arange(seen.shape[0]), tokens].set(True)

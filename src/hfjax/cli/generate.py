@@ -1,0 +1,128 @@
+"""`hfjax generate`: continue a prompt, streaming the text to stdout.
+
+Also the generation flags, the model loading and the --stats line that `hfjax chat` shares.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+
+_DTYPES = ("float32", "bfloat16", "float16")
+
+
+def add_parser(subparsers) -> None:
+    parser = subparsers.add_parser(
+        "generate",
+        help="continue a prompt with a causal LM, streaming the text",
+        description="Tokenizes PROMPT, generates with the whole decode loop compiled, and streams the new text "
+        "to stdout. Settings not given come from the checkpoint's generation_config.json.",
+    )
+    parser.add_argument("--model", required=True, help="checkpoint directory or hub id")
+    parser.add_argument("prompt", help="the text to continue")
+    add_generation_arguments(parser)
+
+
+def add_generation_arguments(parser: argparse.ArgumentParser) -> None:
+    """The flags `generate` and `chat` share: token budget, sampling, seed, dtype, --stats."""
+    parser.add_argument("--max-new-tokens", type=int, default=128, help="most tokens to generate (default 128)")
+    parser.add_argument(
+        "--temperature", type=float, default=None, help="sample at this temperature; 0 decodes greedily"
+    )
+    parser.add_argument("--top-k", type=int, default=None, help="sample from the k most likely tokens")
+    parser.add_argument(
+        "--top-p", type=float, default=None, help="sample from the most likely tokens whose probabilities add up to p, in (0, 1]"
+    )
+    parser.add_argument("--seed", type=int, default=0, help="sampler seed: the same seed gives the same text (default 0)")
+    parser.add_argument("--dtype", choices=_DTYPES, default=None, help="weights dtype (default: the checkpoint's)")
+    parser.add_argument("--stats", action="store_true", help="print time to first token and tokens/s to stderr")
+
+
+def generation_kwargs(args: argparse.Namespace) -> dict:
+    """Keyword arguments of `Model.generate` from the flags, checked before the model loads.
+
+    --temperature, --top-k or --top-p turn sampling on, --temperature 0 turns it off, and
+    with none of them the checkpoint's generation_config decides.
+
+    Raises:
+      ValueError: for a setting out of range, naming the flag's value.
+    """
+    from hfjax._generate import GenerationSettings
+    from hfjax._sampling import SamplingConfig
+
+    GenerationSettings(max_new_tokens=args.max_new_tokens)
+    sampling = {name: getattr(args, name) for name in ("temperature", "top_k", "top_p") if getattr(args, name) is not None}
+    do_sample = None
+    if args.temperature == 0:
+        do_sample = False
+        del sampling["temperature"]
+    elif sampling:
+        do_sample = True
+    if sampling:
+        SamplingConfig(do_sample=bool(do_sample), **sampling)
+    return dict(max_new_tokens=args.max_new_tokens, do_sample=do_sample, seed=args.seed, **sampling)
+
+
+def prepare(args: argparse.Namespace, command: str):
+    """Checks the flags, then loads the model: returns (model, `Model.generate` keyword
+    arguments), or, after printing the error on one line, the exit code: 2 for a bad flag,
+    1 for a model that cannot generate text."""
+    try:
+        kwargs = generation_kwargs(args)
+    except ValueError as error:
+        print(f"hfjax {command}: {error}", file=sys.stderr)
+        return 2
+    try:
+        return _load_causal_lm(args), kwargs
+    except ValueError as error:  # LoadError is a ValueError too
+        print(f"hfjax {command}: {error}", file=sys.stderr)
+        return 1
+
+
+def _load_causal_lm(args: argparse.Namespace):
+    import hfjax
+
+    model = hfjax.load(args.model, dtype=args.dtype)
+    if model.tokenizer is None:
+        raise ValueError(f"the checkpoint at {args.model!r} has no tokenizer files, so text cannot be encoded")
+    if model.task not in ("text-generation", "text2text-generation"):
+        raise ValueError(
+            f"{args.model!r} was loaded for task={model.task!r} ({type(model.module).__name__}); "
+            "generation needs a causal or sequence-to-sequence LM"
+        )
+    return model
+
+
+def text_streamer(model):
+    """A transformers `TextStreamer` that prints new text to stdout, flushed, as tokens arrive."""
+    from transformers import TextStreamer
+
+    return TextStreamer(model.tokenizer, skip_prompt=True, skip_special_tokens=True)
+
+
+def print_stats(model) -> None:
+    stats = model.last_generation_stats
+    rate = f"{stats.tokens_per_second:.1f} tokens/s" if math.isfinite(stats.tokens_per_second) else "no decode steps"
+    compiled = ", compiled in this call" if stats.compiled else ""
+    print(
+        f"{stats.prompt_tokens} prompt tokens, {stats.new_tokens} new tokens: time to first token "
+        f"{stats.time_to_first_token:.3f} s, {rate}, total {stats.total:.3f} s{compiled}",
+        file=sys.stderr,
+    )
+
+
+def run(args: argparse.Namespace) -> int:
+    prepared = prepare(args, "generate")
+    if isinstance(prepared, int):
+        return prepared
+    model, kwargs = prepared
+    encoded = model.tokenizer(args.prompt, return_tensors="np")
+    try:
+        model.generate(encoded["input_ids"], encoded["attention_mask"], streamer=text_streamer(model), **kwargs)
+    except ValueError as error:  # e.g. the prompt and max_new_tokens exceed the model's context
+        print(f"hfjax generate: {error}", file=sys.stderr)
+        return 1
+    if args.stats:
+        print_stats(model)
+    return 0

@@ -1,0 +1,295 @@
+"""`Model.generate` against transformers' `generate` run by PyTorch on the same checkpoint."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import jax
+import numpy as np
+import pytest
+import torch
+import transformers
+
+import hfjax
+from hfjax import _generate, testing
+
+PROMPTS = ["Hello there, how are you doing today?", "Hi", "The quick brown fox"]
+NEW_TOKENS = 12
+
+
+@pytest.fixture(scope="module")
+def loaded(checkpoint):
+    """loaded(family) -> hfjax Model of the family's tiny checkpoint (one per module)."""
+    models = {}
+
+    def load(family: str, **kwargs):
+        if (family, *kwargs.items()) not in models:
+            models[(family, *kwargs.items())] = hfjax.load(checkpoint(family, **kwargs))
+        return models[(family, *kwargs.items())]
+
+    return load
+
+
+def _batch(model, prompts=PROMPTS):
+    model.tokenizer.padding_side = "left"
+    encoded = model.tokenizer(prompts, padding=True, return_tensors="np")
+    return encoded["input_ids"], encoded["attention_mask"]
+
+
+def _torch_model(model):
+    auto = transformers.AutoModelForSeq2SeqLM if model.task == "text2text-generation" else transformers.AutoModelForCausalLM
+    return auto.from_pretrained(model.path).eval()
+
+
+def _torch_generate(model, ids, mask, **kwargs):
+    with torch.no_grad():
+        out = _torch_model(model).generate(
+            torch.as_tensor(ids).long(), attention_mask=torch.as_tensor(mask).long(), **kwargs
+        )
+    return out.numpy()
+
+
+@pytest.mark.parametrize("family", testing.GENERATION_FAMILIES)
+def test_greedy_tokens_match_transformers(loaded, family):
+    model = loaded(family)
+    ids, mask = _batch(model)
+    assert len(set(mask.sum(axis=1))) == 3  # three prompt lengths, left-padded
+    expected = _torch_generate(model, ids, mask, max_new_tokens=NEW_TOKENS, do_sample=False)
+    actual = np.asarray(model.generate(ids, mask, max_new_tokens=NEW_TOKENS, do_sample=False))
+    np.testing.assert_array_equal(actual, expected)
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma2", "mamba"])
+def test_each_row_of_a_padded_batch_is_what_its_prompt_alone_gives(loaded, family):
+    model = loaded(family)
+    ids, mask = _batch(model)
+    batch = np.asarray(model.generate(ids, mask, max_new_tokens=NEW_TOKENS))[:, ids.shape[1] :]
+    for row, prompt in enumerate(PROMPTS):
+        alone_ids, alone_mask = _batch(model, [prompt])
+        alone = np.asarray(model.generate(alone_ids, alone_mask, max_new_tokens=NEW_TOKENS))[:, alone_ids.shape[1] :]
+        np.testing.assert_array_equal(batch[row, : alone.shape[1]], alone[0], err_msg=f"row {row}: {prompt!r}")
+
+
+def test_eos_stops_rows_and_pads_them_like_transformers(loaded):
+    model = loaded("qwen3")
+    ids, mask = _batch(model)
+    free = np.asarray(model.generate(ids, mask, max_new_tokens=NEW_TOKENS))[:, ids.shape[1] :]
+    eos = [int(free[0, 2]), int(free[1, 5])]  # tokens the rows produce mid-way: they must stop there
+    expected = _torch_generate(model, ids, mask, max_new_tokens=NEW_TOKENS, eos_token_id=eos, pad_token_id=7)
+    actual = np.asarray(model.generate(ids, mask, max_new_tokens=NEW_TOKENS, eos_token_id=eos, pad_token_id=7))
+    np.testing.assert_array_equal(actual, expected)
+    assert (actual[0, ids.shape[1] + 3 :] == 7).all()
+
+
+def test_min_new_tokens_holds_eos_back_like_transformers(loaded):
+    model = loaded("llama")
+    ids, mask = _batch(model)
+    first = int(np.asarray(model.generate(ids, mask, max_new_tokens=1))[0, -1])
+    settings = dict(max_new_tokens=8, min_new_tokens=4, eos_token_id=first)
+    expected = _torch_generate(model, ids, mask, **settings)
+    np.testing.assert_array_equal(np.asarray(model.generate(ids, mask, **settings)), expected)
+
+
+def test_repetition_penalty_matches_transformers(loaded):
+    model = loaded("llama")
+    ids, mask = _batch(model, ["Hi"])  # greedy repeats a token on this prompt
+    expected = _torch_generate(model, ids, mask, max_new_tokens=NEW_TOKENS, repetition_penalty=1.5)
+    plain = _torch_generate(model, ids, mask, max_new_tokens=NEW_TOKENS)
+    assert not np.array_equal(expected, plain)  # the penalty changes this output
+    actual = np.asarray(model.generate(ids, mask, max_new_tokens=NEW_TOKENS, repetition_penalty=1.5))
+    np.testing.assert_array_equal(actual, expected)
+
+
+def test_checkpoint_generation_config_gives_the_defaults(checkpoint, tmp_path):
+    import shutil
+
+    path = shutil.copytree(checkpoint("llama"), tmp_path / "llama")
+    config = json.loads((path / "generation_config.json").read_text())
+    config["max_new_tokens"] = 5
+    (path / "generation_config.json").write_text(json.dumps(config))
+    model = hfjax.load(path)
+    ids, mask = _batch(model, PROMPTS[:1])
+    assert np.asarray(model.generate(ids, mask)).shape == (1, ids.shape[1] + 5)
+    config = transformers.GenerationConfig(max_new_tokens=3)
+    assert np.asarray(model.generate(ids, mask, generation_config=config)).shape == (1, ids.shape[1] + 3)
+
+
+# -- sampling ----------------------------------------------------------------------
+
+
+def test_sampling_is_seeded(loaded):
+    model = loaded("llama")
+    ids, mask = _batch(model)
+    settings = dict(max_new_tokens=NEW_TOKENS, do_sample=True, temperature=1.5, top_k=0, top_p=1.0)
+    first = np.asarray(model.generate(ids, mask, seed=1, **settings))
+    again = np.asarray(model.generate(ids, mask, seed=1, **settings))
+    other = np.asarray(model.generate(ids, mask, seed=2, **settings))
+    greedy = np.asarray(model.generate(ids, mask, max_new_tokens=NEW_TOKENS))
+    np.testing.assert_array_equal(first, again)
+    assert not np.array_equal(first, other)
+    assert not np.array_equal(first, greedy)
+
+
+def test_sampling_with_top_k_1_is_greedy(loaded):
+    model = loaded("qwen3")
+    ids, mask = _batch(model)
+    sampled = np.asarray(model.generate(ids, mask, max_new_tokens=NEW_TOKENS, do_sample=True, top_k=1, seed=3))
+    greedy = np.asarray(model.generate(ids, mask, max_new_tokens=NEW_TOKENS, do_sample=False))
+    np.testing.assert_array_equal(sampled, greedy)
+
+
+# -- programs: one prefill per bucket, one decode loop -------------------------------
+
+
+def test_prompt_lengths_in_one_bucket_share_programs(loaded):
+    model = loaded("phi3")
+    counts = []
+    for prompt in ["a", "a longer prompt", "an even longer prompt than that"]:
+        ids, mask = _batch(model, [prompt])
+        assert ids.shape[1] <= 16
+        model.generate(ids, mask, max_new_tokens=7)
+        counts.append(dict(model._generator.trace_counts))
+    assert counts[-1] == counts[0], "a new prompt length in the same bucket recompiled"
+    ids, mask = _batch(model, ["a prompt well past sixteen tokens, so it lands in the next bucket up"])
+    model.generate(ids, mask, max_new_tokens=7)
+    assert model._generator.trace_counts == {"prefill": counts[0]["prefill"] + 1, "decode": counts[0]["decode"] + 1}
+
+
+def test_decode_is_one_while_loop(loaded):
+    model = loaded("llama")
+    ids, mask = _batch(model, PROMPTS[:1])
+    model.generate(ids, mask, max_new_tokens=4)
+    generator = model._generator
+    program = next(p for key, p in generator._programs.items() if key[0] == "decode")
+    state = generator._prefill_program(1, 16, 64, _generate.resolve_settings(model, ids.shape[1], max_new_tokens=4))(
+        model.params, np.zeros((1, 16), np.int32), np.ones((1, 16), np.int32), jax.random.key(0)
+    )
+    text = program.lower(model.params, state, np.int32(4)).as_text()
+    main = text[text.index("func.func public @main") :]
+    main = main[: main.find("\n  func.func") % (len(main) + 1)]
+    assert main.count("stablehlo.while") == 1  # the PRNG's own loop lives in a private function
+    assert main.count("stablehlo.dot_general") > 0  # and the model runs inside the loop, not outside
+
+
+# -- streaming ---------------------------------------------------------------------
+
+
+class _Recorder:
+    """A transformers-style streamer that records what it receives and when decoding had got to."""
+
+    def __init__(self):
+        self.puts, self.ended = [], False
+
+    def put(self, value):
+        assert not self.ended
+        self.puts.append(np.asarray(value))
+
+    def end(self):
+        self.ended = True
+
+
+def test_streamer_receives_prompt_then_every_token_in_chunks(loaded):
+    model = loaded("llama")
+    ids, mask = _batch(model, PROMPTS[:1])
+    recorder = _Recorder()
+    unstreamed = np.asarray(model.generate(ids, mask, max_new_tokens=20))
+    generator = model._generator
+    decode_programs = generator.trace_counts["decode"]
+    key = next(k for k in generator._programs if k[0] == "decode")
+    decode, calls = generator._programs[key], []
+    generator._programs[key] = lambda *args: calls.append(len(recorder.puts)) or decode(*args)
+    streamed = np.asarray(model.generate(ids, mask, max_new_tokens=20, streamer=recorder))
+    assert recorder.ended
+    np.testing.assert_array_equal(recorder.puts[0], ids)
+    tokens = np.concatenate([p.reshape(-1) for p in recorder.puts[1:]])
+    np.testing.assert_array_equal(tokens, streamed[0, ids.shape[1] :])
+    np.testing.assert_array_equal(streamed, unstreamed)
+    assert len(recorder.puts) == 1 + 20  # the prompt, then each token
+    # 19 tokens after the prefill's first, in chunks; each chunk's tokens arrive before the next runs.
+    assert calls == [2, 2 + _generate.STREAM_CHUNK, 2 + 2 * _generate.STREAM_CHUNK]
+    assert model._generator.trace_counts["decode"] == decode_programs  # chunks reuse the one decode program
+
+
+def test_text_streamer_prints_the_generated_text(loaded, capsys):
+    model = loaded("llama")
+    ids, mask = _batch(model, PROMPTS[:1])
+    streamer = transformers.TextStreamer(model.tokenizer, skip_prompt=True)
+    out = np.asarray(model.generate(ids, mask, max_new_tokens=10, streamer=streamer))
+    printed = capsys.readouterr().out
+    assert printed.strip() == model.tokenizer.decode(out[0, ids.shape[1] :], skip_special_tokens=True).strip()
+
+
+def test_generate_text(loaded):
+    model = loaded("llama")
+    ids, mask = _batch(model)
+    out = np.asarray(model.generate(ids, mask, max_new_tokens=6))
+    expected = model.tokenizer.batch_decode(out[:, ids.shape[1] :], skip_special_tokens=True)
+    assert model.generate_text(PROMPTS, max_new_tokens=6) == expected
+    assert model.generate_text(PROMPTS[0], max_new_tokens=6) == expected[0]
+
+
+# -- bad input -----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        (dict(max_new_tokens=300), r"max_new_tokens=300.*context of 256"),
+        (dict(top_p=1.5, do_sample=True), r"top_p=1\.5"),
+        (dict(top_p=0.0, do_sample=True), r"top_p=0\.0"),
+        (dict(temperature=-0.5, do_sample=True), r"temperature=-0\.5"),
+        (dict(temperature=-0.5), r"temperature=-0\.5"),
+        (dict(max_new_tokens=0), r"max_new_tokens=0"),
+        (dict(num_beams=4), r"num_beams=4"),
+    ],
+)
+def test_bad_settings_raise_one_clear_error(loaded, kwargs, match):
+    model = loaded("llama")
+    ids, mask = _batch(model, PROMPTS[:1])
+    num_beams = kwargs.pop("num_beams", None)
+    config = transformers.GenerationConfig(num_beams=num_beams) if num_beams else None
+    with pytest.raises(ValueError, match=match):
+        model.generate(ids, mask, generation_config=config, **kwargs)
+
+
+def test_empty_prompts_raise(loaded):
+    model = loaded("llama")
+    with pytest.raises(ValueError, match="input_ids is empty"):
+        model.generate(np.zeros((1, 0), np.int32))
+    with pytest.raises(ValueError, match="prompt 1 is empty"):
+        model.generate(np.ones((2, 3), np.int32), np.array([[1, 1, 1], [0, 0, 0]]))
+
+
+def test_generate_on_a_classifier_says_what_to_load(checkpoint):
+    model = hfjax.load(checkpoint("llama", task="text-classification"))
+    with pytest.raises(ValueError, match="task='text-classification'"):
+        model.generate(np.ones((1, 3), np.int32))
+
+
+# -- compilation cache across processes ---------------------------------------------
+
+_COLD_WARM = """
+import sys, numpy as np
+from jax._src import monitoring
+hits = []
+monitoring.register_event_listener(lambda name, **kw: hits.append(name) if name.endswith("cache_hits") else None)
+import hfjax
+model = hfjax.load(sys.argv[1])
+model.generate(np.array([[1, 5, 6, 7]]), max_new_tokens=4)
+print(len(hits))
+"""
+
+
+def test_a_second_process_reuses_compiled_programs(checkpoint, tmp_path):
+    env = {**os.environ, "HFJAX_CACHE_DIR": str(tmp_path / "xla")}
+    runs = [
+        subprocess.run([sys.executable, "-c", _COLD_WARM, str(checkpoint("llama"))], env=env, capture_output=True, text=True)
+        for _ in range(2)
+    ]
+    for run in runs:
+        assert run.returncode == 0, run.stderr[-2000:]
+    cold, warm = (int(run.stdout.split()[-1]) for run in runs)
+    assert cold == 0 and warm >= 2  # prefill and the decode loop at least

@@ -1,0 +1,283 @@
+"""hfjax._sampling against transformers' own logits processors, run by PyTorch on the CPU."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import scipy.stats
+import torch
+import transformers
+
+from hfjax import testing, tolerances
+from hfjax._sampling import SamplingConfig, next_token, process_logits, seen_mask, update_seen
+
+# Probabilities of float32 softmaxes of the same O(1) logits, processed by the same formulas.
+PROBS = tolerances.DEFAULT
+# A fixed-seed chi-square test: a correct sampler passes at this level, a wrong one fails.
+P_VALUE = 1e-3
+
+VOCAB = 50
+PAD = VOCAB - 1  # only ever at pad positions, so counting pads as seen changes the result
+LEFT_PADS = (0, 3, 6)  # per row of a [3, 12] history
+
+
+@pytest.fixture(autouse=True)
+def strict_jax():
+    with jax.numpy_rank_promotion("raise"), jax.numpy_dtype_promotion("strict"):
+        yield
+
+
+@functools.cache
+def _tiny_model() -> transformers.PreTrainedModel:
+    return transformers.AutoModelForCausalLM.from_config(testing.tiny_config("llama", vocab_size=VOCAB))
+
+
+def hf_process(logits: np.ndarray, input_ids: np.ndarray, attention_mask: np.ndarray, config: SamplingConfig):
+    """transformers' processed logits [B, V] for `config`, built and ordered by transformers itself."""
+    generation_config = transformers.GenerationConfig(**dataclasses.asdict(config))
+    processors = _tiny_model()._get_logits_processor(
+        generation_config=generation_config,
+        input_ids_seq_length=input_ids.shape[1],
+        model_kwargs={"attention_mask": torch.from_numpy(attention_mask)},
+    )
+    return processors(torch.from_numpy(input_ids), torch.from_numpy(logits.copy())).numpy()
+
+
+def history(seed: int, batch: int = 3, length: int = 12) -> tuple[np.ndarray, np.ndarray]:
+    """Left-padded token ids [B, S] int64 and their attention mask [B, S] int64."""
+    rng = np.random.default_rng(seed)
+    input_ids = rng.integers(0, PAD, (batch, length))
+    attention_mask = np.ones((batch, length), np.int64)
+    for row, pads in enumerate(LEFT_PADS[:batch]):
+        input_ids[row, :pads] = PAD
+        attention_mask[row, :pads] = 0
+    return input_ids, attention_mask
+
+
+def softmax(scores: np.ndarray) -> np.ndarray:
+    return torch.softmax(torch.from_numpy(np.array(scores)), dim=-1).numpy()
+
+
+jit_process = jax.jit(process_logits, static_argnames="config")
+jit_next = jax.jit(next_token, static_argnames="config")
+
+CASES = {
+    "repetition_penalty": SamplingConfig(repetition_penalty=1.3),
+    "reward_repetition": SamplingConfig(repetition_penalty=0.7),
+    "temperature": SamplingConfig(do_sample=True, temperature=0.7),
+    "hot_temperature": SamplingConfig(do_sample=True, temperature=1.8),
+    "top_k": SamplingConfig(do_sample=True, top_k=5),
+    "top_k_above_vocab": SamplingConfig(do_sample=True, top_k=VOCAB + 10, top_p=0.8),
+    "top_p": SamplingConfig(do_sample=True, top_p=0.9),
+    "tiny_top_p": SamplingConfig(do_sample=True, top_p=1e-9),
+    "min_p": SamplingConfig(do_sample=True, min_p=0.05),
+    "min_p_one": SamplingConfig(do_sample=True, min_p=1.0),
+    "all": SamplingConfig(
+        do_sample=True, temperature=0.7, top_k=5, top_p=0.9, min_p=0.05, repetition_penalty=1.3
+    ),
+    "top_k_top_p": SamplingConfig(do_sample=True, temperature=1.5, top_k=20, top_p=0.6),
+    "top_p_min_p_penalty": SamplingConfig(do_sample=True, top_p=0.95, min_p=0.1, repetition_penalty=1.5),
+    # transformers applies the warpers only when sampling; greedy keeps just the penalty.
+    "greedy_ignores_warpers": SamplingConfig(
+        do_sample=False, temperature=0.5, top_k=3, top_p=0.5, min_p=0.2, repetition_penalty=1.3
+    ),
+}
+
+
+@pytest.mark.parametrize("name", CASES)
+def test_process_logits_matches_transformers(name):
+    config = CASES[name]
+    logits = np.random.default_rng(0).normal(0.0, 2.0, (3, VOCAB)).astype(np.float32)  # [3, V]
+    input_ids, attention_mask = history(seed=1)
+    expected = hf_process(logits, input_ids, attention_mask, config)  # [3, V]
+    assert not np.array_equal(expected, logits), f"{name}: transformers left the logits unchanged"
+
+    seen = seen_mask(jnp.asarray(input_ids), jnp.asarray(attention_mask), VOCAB)
+    got = np.asarray(jit_process(jnp.asarray(logits), seen, config=config))  # [3, V]
+
+    assert got.dtype == np.float32
+    np.testing.assert_array_equal(np.isfinite(got), np.isfinite(expected), err_msg="kept tokens differ")
+    np.testing.assert_array_equal(got[~np.isfinite(got)], -np.inf)
+    kept = np.isfinite(expected)
+    np.testing.assert_allclose(got[kept], expected[kept], rtol=0, atol=PROBS.atol)
+    np.testing.assert_allclose(softmax(got), softmax(expected), rtol=0, atol=PROBS.atol)
+
+
+def test_process_logits_accepts_no_seen_without_penalty():
+    logits = np.random.default_rng(2).normal(0.0, 2.0, (3, VOCAB)).astype(np.float32)
+    input_ids, attention_mask = history(seed=3)
+    config = SamplingConfig(do_sample=True, temperature=0.7, top_k=5)
+    expected = hf_process(logits, input_ids, attention_mask, config)
+    got = np.asarray(jit_process(jnp.asarray(logits), None, config=config))
+    np.testing.assert_array_equal(np.isfinite(got), np.isfinite(expected))
+    np.testing.assert_allclose(softmax(got), softmax(expected), rtol=0, atol=PROBS.atol)
+
+
+def test_top_p_keeps_every_token_tied_at_the_cut():
+    # Four equal logits and top_p=0.5: transformers keeps whichever two its sort puts last;
+    # hfjax keeps all four rather than choose by token id. Untied tokens are cut as in transformers.
+    logits = np.array([[3.0, 1.0, 1.0, 1.0, 1.0, -2.0]], np.float32)
+    config = SamplingConfig(do_sample=True, top_p=0.5)
+    got = np.asarray(jit_process(jnp.asarray(logits), None, config=config))
+    np.testing.assert_array_equal(np.isfinite(got), [[True, False, False, False, False, False]])
+    logits[0, 0] = 1.0
+    got = np.asarray(jit_process(jnp.asarray(logits), None, config=config))
+    np.testing.assert_array_equal(np.isfinite(got), [[True, True, True, True, True, False]])
+
+
+def test_greedy_is_argmax_of_penalized_logits():
+    rng = np.random.default_rng(4)
+    logits = rng.normal(0.0, 1.0, (3, VOCAB)).astype(np.float32)  # [3, V]
+    # Each row's raw favourite is in its history and only just ahead of a runner-up that is
+    # not, so the penalty must change the choice.
+    favourite, runner_up = np.array([3, 17, 40]), np.array([4, 30, 2])
+    logits[np.arange(3), favourite] = 3.0
+    logits[np.arange(3), runner_up] = 2.6
+    input_ids, attention_mask = history(seed=5)
+    input_ids = np.where(input_ids == runner_up[:, None], favourite[:, None], input_ids)
+    input_ids[:, -1] = favourite
+    config = SamplingConfig(repetition_penalty=1.3)
+
+    expected = hf_process(logits, input_ids, attention_mask, config).argmax(axis=-1)  # [3]
+    np.testing.assert_array_equal(expected, runner_up)
+    seen = seen_mask(jnp.asarray(input_ids), jnp.asarray(attention_mask), VOCAB)
+    for seed in (0, 1):  # greedy ignores the key
+        got = jit_next(jnp.asarray(logits), seen, jax.random.key(seed), config=config)
+        assert got.dtype == jnp.int32
+        np.testing.assert_array_equal(np.asarray(got), expected)
+
+
+# Sampling: a vocabulary of 8 where temperature, top-k and top-p each change the distribution.
+TINY_LOGITS = np.array([[2.0, 1.6, 1.3, 1.0, 0.6, 0.2, -0.3, -1.0]], np.float32)  # [1, 8]
+TINY = SamplingConfig(do_sample=True, temperature=0.8, top_k=6, top_p=0.9)
+DRAWS = 20_000
+
+
+@functools.cache
+def tiny_counts() -> np.ndarray:
+    """How often each of the 8 tokens is drawn in DRAWS jitted draws with split keys; [8] int64."""
+    keys = jax.random.split(jax.random.key(1234), DRAWS)
+    draw = jax.jit(jax.vmap(lambda key: next_token(jnp.asarray(TINY_LOGITS), None, key, TINY)[0]))
+    tokens = np.asarray(draw(keys))  # [DRAWS]
+    return np.bincount(tokens, minlength=TINY_LOGITS.shape[1])
+
+
+def tiny_hf_probs(config: SamplingConfig) -> np.ndarray:
+    input_ids = np.zeros((1, 1), np.int64)
+    return softmax(hf_process(TINY_LOGITS, input_ids, np.ones_like(input_ids), config))[0]  # [8]
+
+
+def chi_square_p(counts: np.ndarray, probs: np.ndarray) -> float:
+    support = probs > 0
+    expected = probs[support].astype(np.float64)
+    return scipy.stats.chisquare(counts[support], counts.sum() * expected / expected.sum()).pvalue
+
+
+def test_samples_follow_transformers_distribution():
+    probs = tiny_hf_probs(TINY)
+    assert 0 < (probs > 0).sum() < (tiny_hf_probs(dataclasses.replace(TINY, top_p=1.0)) > 0).sum()
+    counts = tiny_counts()
+    np.testing.assert_array_equal(counts[probs == 0], 0, err_msg="a filtered-out token was drawn")
+    assert chi_square_p(counts, probs) > P_VALUE
+
+
+@pytest.mark.parametrize(
+    "wrong",
+    [dict(top_p=1.0), dict(temperature=1.0), dict(temperature=0.9)],
+    ids=["without_top_p", "without_temperature", "temperature_0.9_for_0.8"],
+)
+def test_chi_square_rejects_a_wrong_distribution(wrong):
+    # The same draws checked against a distribution that is not the one asked for must fail,
+    # or the test above could not catch a wrong sampler.
+    assert chi_square_p(tiny_counts(), tiny_hf_probs(dataclasses.replace(TINY, **wrong))) < P_VALUE
+
+
+def test_same_key_same_tokens_other_key_other_tokens():
+    logits = jnp.zeros((256, VOCAB), jnp.float32)  # uniform: every draw is up to the key
+    config = SamplingConfig(do_sample=True)
+    first = np.asarray(jit_next(logits, None, jax.random.key(7), config=config))
+    again = np.asarray(jit_next(logits, None, jax.random.key(7), config=config))
+    other = np.asarray(jit_next(logits, None, jax.random.key(8), config=config))
+    np.testing.assert_array_equal(first, again)
+    assert len(np.unique(first)) > VOCAB // 2, "draws from a uniform distribution barely vary"
+    assert np.mean(first == other) < 0.2, "another key gave mostly the same tokens"
+
+
+def test_seen_mask_and_update_seen():
+    input_ids, attention_mask = history(seed=6)
+    seen = np.asarray(seen_mask(jnp.asarray(input_ids), jnp.asarray(attention_mask), VOCAB))
+    expected = np.zeros((3, VOCAB), bool)
+    for row in range(3):
+        expected[row, input_ids[row][attention_mask[row] == 1]] = True
+    np.testing.assert_array_equal(seen, expected)
+    assert not seen[:, PAD].any()
+    assert np.asarray(seen_mask(jnp.asarray(input_ids), None, VOCAB))[1:, PAD].all()
+
+    tokens = np.array([PAD, 0, input_ids[2, -1]])
+    grown = np.asarray(update_seen(jnp.asarray(seen), jnp.asarray(tokens)))
+    appended = np.concatenate([input_ids, tokens[:, None]], axis=1)
+    appended_mask = np.concatenate([attention_mask, np.ones((3, 1), np.int64)], axis=1)
+    np.testing.assert_array_equal(
+        grown, np.asarray(seen_mask(jnp.asarray(appended), jnp.asarray(appended_mask), VOCAB))
+    )
+
+    traced = jax.jit(seen_mask, static_argnums=2)(jnp.asarray(input_ids), jnp.asarray(attention_mask), VOCAB)
+    np.testing.assert_array_equal(np.asarray(traced), expected)
+
+
+def test_config_is_hashable_and_normalised():
+    a = SamplingConfig(do_sample=np.bool_(True), temperature=1, top_k=np.int64(5), top_p=np.float32(0.5))
+    b = SamplingConfig(do_sample=True, temperature=1.0, top_k=5, top_p=0.5)
+    assert a == b and hash(a) == hash(b)
+    assert type(a.temperature) is float and type(a.top_k) is int and type(a.do_sample) is bool
+    assert SamplingConfig(temperature=0.0).temperature == 0.0  # greedy ignores temperature, as transformers
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        (dict(do_sample=True, temperature=0.0), r"temperature=0\.0 must be strictly positive.*do_sample=False"),
+        (dict(temperature=-0.5), r"temperature=-0\.5 must be strictly positive"),
+        (dict(temperature="hot"), r"temperature='hot' is not a finite number"),
+        (dict(temperature=float("nan")), r"temperature=nan is not a finite number"),
+        (dict(top_p=1.5), r"top_p=1\.5 is outside \(0, 1\]; pass a value such as 0\.9"),
+        (dict(top_p=0.0), r"top_p=0\.0 is outside \(0, 1\]"),
+        (dict(top_p=None), r"top_p=None is not a finite number"),
+        (dict(top_k=-1), r"top_k=-1 is not a non-negative integer"),
+        (dict(top_k=2.5), r"top_k=2\.5 is not a non-negative integer"),
+        (dict(top_k="5"), r"top_k='5' is not a non-negative integer"),
+        (dict(top_k=True), r"top_k=True is not a non-negative integer"),
+        (dict(min_p=-0.1), r"min_p=-0\.1 is outside \[0, 1\]"),
+        (dict(min_p=1.1), r"min_p=1\.1 is outside \[0, 1\]"),
+        (dict(repetition_penalty=0.0), r"repetition_penalty=0\.0 must be strictly positive"),
+        (dict(repetition_penalty=-1.2), r"repetition_penalty=-1\.2 must be strictly positive"),
+        (dict(repetition_penalty=[1.2]), r"repetition_penalty=\[1\.2\] is not a finite number"),
+        (dict(do_sample="yes"), r"do_sample='yes' is not a bool"),
+    ],
+)
+def test_bad_settings_name_argument_and_value(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        SamplingConfig(**kwargs)
+
+
+def test_bad_arrays_name_argument_and_shape():
+    logits = jnp.zeros((2, VOCAB), jnp.float32)
+    with pytest.raises(ValueError, match=r"logits has shape \(2, 1, 50\)"):
+        process_logits(logits[:, None, :], None, SamplingConfig())
+    with pytest.raises(ValueError, match=r"seen is None but repetition_penalty=1\.3"):
+        process_logits(logits, None, SamplingConfig(repetition_penalty=1.3))
+    with pytest.raises(ValueError, match=r"seen is int32 \(2, 50\)"):
+        process_logits(logits, jnp.zeros((2, VOCAB), jnp.int32), SamplingConfig(repetition_penalty=1.3))
+    ids = jnp.array([[1, 2, VOCAB]])
+    with pytest.raises(ValueError, match=r"input_ids\[0, 2\]=50 is outside \[0, vocab_size=50\)"):
+        seen_mask(ids, None, VOCAB)
+    assert not np.asarray(seen_mask(ids, jnp.array([[1, 1, 0]]), VOCAB))[0, 3:].any()  # a pad may be anything
+    with pytest.raises(ValueError, match=r"attention_mask has shape \(1, 2\) but input_ids has \(1, 3\)"):
+        seen_mask(ids, jnp.ones((1, 2), jnp.int32), VOCAB)
+    with pytest.raises(ValueError, match=r"input_ids has shape \(3,\)"):
+        seen_mask(ids[0], None, VOCAB)
