@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import os
+import tempfile
 
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # see hfjax/__init__.py
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# Compiled programs go to a cache of this session, not the user's ~/.cache/hfjax.
+os.environ.setdefault("HFJAX_CACHE_DIR", tempfile.mkdtemp(prefix="hfjax-test-xla-"))
 
 import pytest
 import torch

@@ -158,14 +158,22 @@ def test_prompt_lengths_in_one_bucket_share_programs(loaded):
     assert model._generator.trace_counts == {"prefill": counts[0]["prefill"] + 1, "decode": counts[0]["decode"] + 1}
 
 
+def _shapes(model, ids, max_new_tokens: int) -> tuple:
+    """(batch, prompt bucket, buffer length, settings): what the engine keys its programs by."""
+    size = _generate.bucket(ids.shape[1])
+    total = -(-(size + max_new_tokens) // _generate._CACHE_MULTIPLE) * _generate._CACHE_MULTIPLE
+    return ids.shape[0], size, total, _generate.resolve_settings(model, ids.shape[1], max_new_tokens=max_new_tokens)
+
+
 def test_decode_is_one_while_loop(loaded):
     model = loaded("llama")
     ids, mask = _batch(model, PROMPTS[:1])
     model.generate(ids, mask, max_new_tokens=4)
     generator = model._generator
-    program = next(p for key, p in generator._programs.items() if key[0] == "decode")
-    state = generator._prefill_program(1, 16, 64, _generate.resolve_settings(model, ids.shape[1], max_new_tokens=4))(
-        model.params, np.zeros((1, 16), np.int32), np.ones((1, 16), np.int32), jax.random.key(0)
+    batch, size, total, settings = _shapes(model, ids, max_new_tokens=4)
+    program = generator._programs[("decode", batch, size, total, settings)]
+    state = generator._prefill_program(batch, size, total, settings)(
+        model.params, np.zeros((batch, size), np.int32), np.ones((batch, size), np.int32), jax.random.key(0)
     )
     text = program.lower(model.params, state, np.int32(4)).as_text()
     main = text[text.index("func.func public @main") :]
@@ -198,7 +206,7 @@ def test_streamer_receives_prompt_then_every_token_in_chunks(loaded):
     unstreamed = np.asarray(model.generate(ids, mask, max_new_tokens=20))
     generator = model._generator
     decode_programs = generator.trace_counts["decode"]
-    key = next(k for k in generator._programs if k[0] == "decode")
+    key = ("decode", *_shapes(model, ids, max_new_tokens=20))
     decode, calls = generator._programs[key], []
     generator._programs[key] = lambda *args: calls.append(len(recorder.puts)) or decode(*args)
     streamed = np.asarray(model.generate(ids, mask, max_new_tokens=20, streamer=recorder))

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import importlib
 import pkgutil
+import subprocess
 import sys
 
 import jax
@@ -18,7 +19,6 @@ from transformers.utils import ModelOutput
 import hfjax
 from hfjax import _pytrees, testing
 
-_MODULES_AT_IMPORT = set(sys.modules)
 
 
 def _import_all_model_modules():
@@ -87,12 +87,21 @@ def test_none_loss_does_not_shift_logits():
     assert back[0] is back.logits
 
 
-def test_diffusers_imported_after_hfjax_is_registered():
-    import diffusers.models.autoencoders.vae as vae
+_DIFFUSERS_AFTER_HFJAX = """
+import sys
+import hfjax, jax, jax.numpy as jnp
+assert "diffusers" not in sys.modules
+import diffusers.models.autoencoders.vae as vae
+back = jax.jit(lambda o: o)(vae.DecoderOutput(sample=jnp.ones((1, 3, 2, 2))))
+assert isinstance(back, vae.DecoderOutput) and back.commit_loss is None
+print("ok")
+"""
 
-    assert "diffusers" not in _MODULES_AT_IMPORT, "this test needs diffusers imported after hfjax"
-    back = jax.jit(lambda o: o)(vae.DecoderOutput(sample=jnp.ones((1, 3, 2, 2))))
-    assert isinstance(back, vae.DecoderOutput) and back.commit_loss is None
+
+def test_diffusers_imported_after_hfjax_is_registered():
+    # A fresh process: in this one another test may have imported diffusers first.
+    result = subprocess.run([sys.executable, "-c", _DIFFUSERS_AFTER_HFJAX], capture_output=True, text=True)
+    assert result.returncode == 0 and result.stdout.strip() == "ok", result.stderr[-2000:]
 
 
 def test_output_class_defined_after_import_is_registered():

@@ -6,6 +6,9 @@ Public API:
     JittedModule    what `jit` returns
     Model           what `load` returns
     register_stateful  register a model's own cache class as a pytree
+    to_jax          run a diffusers pipeline on JAX, heavy parts compiled
+    load_pipeline   DiffusionPipeline.from_pretrained + to_jax
+    set_cache_dir   where compiled XLA programs are kept between processes
     testing         tiny checkpoint factories (hfjax.testing)
 """
 
@@ -19,6 +22,8 @@ if "torch" not in _sys.modules:
 
 from ._compile import JittedModule, jit
 from ._model import Model, load
+from ._diffusion import load_pipeline, to_jax
+from ._env import set_cache_dir
 from ._env import env as _setup_env
 from ._errors import HfjaxError, LoadError, UnsupportedOpError
 from ._pytrees import register_stateful
@@ -34,5 +39,8 @@ __all__ = [
     "load",
     "Model",
     "register_stateful",
+    "load_pipeline",
+    "set_cache_dir",
+    "to_jax",
 ]
 __version__ = "0.1.0"

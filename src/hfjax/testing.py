@@ -32,7 +32,7 @@ import torch
 import transformers
 from tokenizers import decoders, models, normalizers, pre_tokenizers, processors, trainers
 
-__all__ = ["FAMILIES", "GENERATION_FAMILIES", "tiny_config", "tiny_tokenizer", "save_tiny_checkpoint"]
+__all__ = ["FAMILIES", "GENERATION_FAMILIES", "PIPELINE_KINDS", "SCHEDULERS", "save_tiny_pipeline", "tiny_config", "tiny_tokenizer", "save_tiny_checkpoint"]
 
 Task = Literal["text-generation", "text-classification", "feature-extraction", "text2text-generation"]
 Pooling = Literal["mean", "cls", "lasttoken"]
@@ -654,3 +654,6 @@ def save_tiny_checkpoint(
     if sentence_transformers:
         _write_sentence_transformers_files(path, model.config.get_text_config().hidden_size, pooling)
     return path
+
+
+from ._tiny_pipelines import PIPELINE_KINDS, SCHEDULERS, save_tiny_pipeline  # noqa: E402  (it builds on this module)

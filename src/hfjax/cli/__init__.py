@@ -5,9 +5,9 @@ from __future__ import annotations
 import argparse
 import sys
 
-from . import chat, check, classify, demo, generate
+from . import chat, check, classify, demo, generate, image
 
-_COMMANDS = {"demo": demo, "check": check, "generate": generate, "chat": chat, "classify": classify}
+_COMMANDS = {"demo": demo, "check": check, "generate": generate, "chat": chat, "classify": classify, "image": image}
 
 
 def main(argv: list[str] | None = None) -> int:
