@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -158,11 +159,24 @@ def test_prompt_lengths_in_one_bucket_share_programs(loaded):
     assert model._generator.trace_counts == {"prefill": counts[0]["prefill"] + 1, "decode": counts[0]["decode"] + 1}
 
 
+def test_budgets_in_one_buffer_length_share_programs(loaded):
+    model = loaded("qwen2")
+    ids, mask = _batch(model, PROMPTS[:1])
+    lengths = []
+    for budget in (5, 9, 12):
+        lengths.append(np.asarray(model.generate(ids, mask, max_new_tokens=budget, min_new_tokens=budget)).shape[1])
+        if budget == 5:
+            counts = dict(model._generator.trace_counts)
+    assert lengths == [ids.shape[1] + 5, ids.shape[1] + 9, ids.shape[1] + 12]
+    assert model._generator.trace_counts == counts, "a new max_new_tokens recompiled"
+
+
 def _shapes(model, ids, max_new_tokens: int) -> tuple:
     """(batch, prompt bucket, buffer length, settings): what the engine keys its programs by."""
     size = _generate.bucket(ids.shape[1])
     total = -(-(size + max_new_tokens) // _generate._CACHE_MULTIPLE) * _generate._CACHE_MULTIPLE
-    return ids.shape[0], size, total, _generate.resolve_settings(model, ids.shape[1], max_new_tokens=max_new_tokens)
+    settings = _generate.resolve_settings(model, ids.shape[1], max_new_tokens=max_new_tokens)
+    return ids.shape[0], size, total, dataclasses.replace(settings, max_new_tokens=total - size, min_new_tokens=0)
 
 
 def test_decode_is_one_while_loop(loaded):
@@ -173,7 +187,7 @@ def test_decode_is_one_while_loop(loaded):
     batch, size, total, settings = _shapes(model, ids, max_new_tokens=4)
     program = generator._programs[("decode", batch, size, total, settings)]
     state = generator._prefill_program(batch, size, total, settings)(
-        model.params, np.zeros((batch, size), np.int32), np.ones((batch, size), np.int32), jax.random.key(0)
+        model.params, np.zeros((batch, size), np.int32), np.ones((batch, size), np.int32), jax.random.key(0), np.int32(4), np.int32(0)
     )
     text = program.lower(model.params, state, np.int32(4)).as_text()
     main = text[text.index("func.func public @main") :]

@@ -224,19 +224,24 @@ class Generator:
         # token of an encoder-decoder) and then the new tokens, from `offset` on.
         offset = 1 if self.encoder_decoder else size
         total = _round_up(offset + settings.max_new_tokens, _CACHE_MULTIPLE)
+        budget = settings.max_new_tokens
+        # Programs depend on the buffer length, not on the exact budget, which is an argument:
+        # budgets that round to the same buffer share their compiled programs.
+        least = settings.min_new_tokens
+        settings = dataclasses.replace(settings, max_new_tokens=total - offset, min_new_tokens=0)
         if streamer is not None:
             streamer.put(torch.as_tensor(ids.astype(np.int64)))
 
         traces_before = sum(self.trace_counts.values())
         state = self._prefill_program(batch, size, total, settings)(
-            self.model.params, jnp.asarray(padded_ids), jnp.asarray(padded_mask), jax.random.key(seed)
+            self.model.params, jnp.asarray(padded_ids), jnp.asarray(padded_mask), jax.random.key(seed), jnp.int32(budget), jnp.int32(least)
         )
         first = np.asarray(state["sequence"])[:, offset]
         ttft = time.perf_counter() - start
         if streamer is not None:
             streamer.put(torch.as_tensor(first.astype(np.int64)))
         decode = self._decode_program(batch, offset, total, settings)
-        limit = settings.max_new_tokens
+        limit = budget
         steps = 1
         if streamer is None:
             state = decode(self.model.params, state, jnp.int32(limit))
@@ -265,7 +270,9 @@ class Generator:
     def _prefill_program(self, batch: int, size: int, total: int, settings: GenerationSettings):
         key = ("prefill", batch, size, total, settings)
         if key not in self._programs:
-            self._programs[key] = jax.jit(lambda p, i, m, k: self._prefill(p, i, m, k, total=total, settings=settings))
+            self._programs[key] = jax.jit(
+                lambda p, i, m, k, b, n: self._prefill(p, i, m, k, b, n, total=total, settings=settings)
+            )
         return self._programs[key]
 
     def _decode_program(self, batch: int, offset: int, total: int, settings: GenerationSettings):
@@ -278,8 +285,9 @@ class Generator:
 
     # -- traced: prefill ---------------------------------------------------------
 
-    def _prefill(self, params, ids, mask, key, *, total: int, settings: GenerationSettings) -> dict:
-        # ids, mask: [B, P] int32, left-padded; total: the token buffer and cache length L.
+    def _prefill(self, params, ids, mask, key, budget, least, *, total: int, settings: GenerationSettings) -> dict:
+        # ids, mask: [B, P] int32, left-padded; budget, least: int32 max_new_tokens and
+        # min_new_tokens (arguments, so they do not recompile); total: the buffer and cache length L.
         self.trace_counts["prefill"] += 1
         batch, size = ids.shape
         if self.encoder_decoder:
@@ -308,6 +316,8 @@ class Generator:
             "done": jnp.zeros((batch,), bool),
             "step": jnp.int32(0),
             "key": key,
+            "budget": budget,
+            "least": least,
         }
         return _choose(state, logits, offset, settings)
 
@@ -434,13 +444,13 @@ def _own_cache_argument(module, cache) -> dict:
     return {name: cache}
 
 
-def _forced(logits, step, settings: GenerationSettings):
+def _forced(logits, step, budget, settings: GenerationSettings):
     # logits: [B, V]; a forced token is the only one left possible, as transformers' forced-token processors do.
     vocab = jnp.arange(logits.shape[-1])
     if settings.forced_bos_token_id is not None:
         logits = jnp.where((step == 0) & (vocab != settings.forced_bos_token_id)[None, :], -jnp.inf, logits)
     if settings.forced_eos_token_ids:
-        last = step == settings.max_new_tokens - 1
+        last = step == budget - 1
         logits = jnp.where(last & ~jnp.isin(vocab, jnp.asarray(settings.forced_eos_token_ids))[None, :], -jnp.inf, logits)
     return logits
 
@@ -452,11 +462,11 @@ def _round_up(n: int, multiple: int) -> int:
 def _choose(state: dict, logits, offset: int, settings: GenerationSettings) -> dict:
     """Samples the next token of every row from `logits` [B, V] and appends it to the state."""
     key, draw = jax.random.split(state["key"])
-    if settings.min_new_tokens and settings.eos_token_ids:
+    if settings.eos_token_ids:
         eos = jnp.asarray(settings.eos_token_ids)
-        blocked = jnp.zeros(logits.shape[-1], bool).at[eos].set(True) & (state["step"] < settings.min_new_tokens)
+        blocked = jnp.zeros(logits.shape[-1], bool).at[eos].set(True) & (state["step"] < state["least"])
         logits = jnp.where(blocked[None, :], -jnp.inf, logits)
-    logits = _forced(logits, state["step"], settings)
+    logits = _forced(logits, state["step"], state["budget"], settings)
     token = _sampling.next_token(logits, state["seen"], draw, settings.sampling).astype(jnp.int32)  # [B]
     token = jnp.where(state["done"], settings.pad_token_id, token)
     slot = offset + state["step"]
