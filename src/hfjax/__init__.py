@@ -9,6 +9,7 @@ Public API:
     to_jax          run a diffusers pipeline on JAX, heavy parts compiled
     load_pipeline   DiffusionPipeline.from_pretrained + to_jax
     set_cache_dir   where compiled XLA programs are kept between processes
+    make_mesh       a ("data", "model") device mesh for hfjax.load(path, mesh=...)
     testing         tiny checkpoint factories (hfjax.testing)
 """
 
@@ -20,7 +21,12 @@ if "torch" not in _sys.modules:
     # while they wait slow torch down 30x on a 2-core machine; sleeping threads do not.
     _os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
+from ._sharding import initialize_from_env as _initialize_from_env
+
+_initialize_from_env()  # joins a multi-process run when $HFJAX_COORDINATOR is set (hfjax launch)
+
 from ._compile import JittedModule, jit
+from ._sharding import make_mesh
 from ._model import Model, load
 from ._diffusion import load_pipeline, to_jax
 from ._env import set_cache_dir
@@ -40,6 +46,7 @@ __all__ = [
     "Model",
     "register_stateful",
     "load_pipeline",
+    "make_mesh",
     "set_cache_dir",
     "to_jax",
 ]

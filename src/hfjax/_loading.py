@@ -18,6 +18,7 @@ from typing import Literal
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import torch
 from safetensors import safe_open
 
@@ -179,8 +180,18 @@ def _checkpoint_dtype(files: list[pathlib.Path]) -> str:
     return "float32"
 
 
-def load_weights(module: torch.nn.Module, files: list[pathlib.Path], dtype: str, *, progress: bool | None = None):
+def load_weights(
+    module: torch.nn.Module,
+    files: list[pathlib.Path],
+    dtype: str,
+    *,
+    progress: bool | None = None,
+    shardings: dict[str, jax.sharding.NamedSharding] | None = None,
+):
     """Reads every tensor the module needs into jax.Arrays of `dtype` (float tensors only are cast).
+
+    With `shardings` ({name: NamedSharding}), each device's slice is read straight from the
+    file into that device (see `_read_sharded`); names it lacks are replicated over its mesh.
 
     Returns:
         (params, aliases): {canonical name: jax.Array} and {tied name: canonical name}.
@@ -227,6 +238,10 @@ def load_weights(module: torch.nn.Module, files: list[pathlib.Path], dtype: str,
     params: dict[str, jax.Array] = {}
     bar = _progress(total_bytes, progress)
     for name, (file, key) in direct.items():
+        if shardings is not None:
+            params[name] = _read_sharded(file, key, _sharding_for(shardings, name), target, expected[name])
+            bar.update(_nbytes_of(params[name]))
+            continue
         with safe_open(file, framework="flax") as f:
             array = f.get_tensor(key)
         params[name] = _cast(array, target, expected[name])
@@ -235,6 +250,10 @@ def load_weights(module: torch.nn.Module, files: list[pathlib.Path], dtype: str,
         for name, value in _convert_group(module, converter, first_name, sources).items():
             if name in expected:
                 params[name] = _cast(_torch_to_jax(value), target, expected[name])
+                if shardings is not None:
+                    # Tensors built by transformers' conversions (per-expert weights fused into
+                    # one) are assembled whole on the host first, then split to the devices.
+                    params[name] = jax.device_put(params[name], _sharding_for(shardings, name))
                 bar.update(params[name].nbytes)
     bar.close()
 
@@ -248,7 +267,51 @@ def load_weights(module: torch.nn.Module, files: list[pathlib.Path], dtype: str,
     for name, tensor in expected.items():
         if name not in params:  # real buffers the checkpoint does not store (rotary frequencies, ...)
             params[name] = _torch_to_jax(tensor)
+            if shardings is not None:
+                params[name] = _place(np.asarray(params[name]), _sharding_for(shardings, name))
     return params, aliases
+
+
+# ---- sharded reads (hfjax._sharding decides the shardings) ----------------------
+
+
+def _sharding_for(shardings: dict, name: str) -> jax.sharding.NamedSharding:
+    if name in shardings:
+        return shardings[name]
+    mesh = next(iter(shardings.values())).mesh
+    return jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+
+
+def _read_sharded(file: pathlib.Path, key: str, sharding, target, reference: torch.Tensor) -> jax.Array:
+    # Each addressable device's block is read from the file on its own, so no device and no
+    # host buffer holds more than one block (blocks of replicated tensors are whole).
+    with safe_open(file, framework="pt") as f:
+        tensor = f.get_slice(key)
+        shape = tuple(tensor.get_shape())
+        if shape != tuple(reference.shape):
+            raise LoadError(
+                f"hfjax.load: the checkpoint tensor {key!r} has shape {shape} where the model expects "
+                f"{tuple(reference.shape)}; config.json does not match the weights"
+            )
+        cast = reference.dtype.is_floating_point and tensor.get_dtype() in ("F32", "BF16", "F16", "F64")
+        dtype = np.dtype(target) if cast else None
+        return jax.make_array_from_callback(shape, sharding, lambda index: _to_numpy(tensor[index], dtype))
+
+
+def _to_numpy(block: torch.Tensor, dtype) -> np.ndarray:
+    if block.dtype == torch.bfloat16:
+        array = block.contiguous().view(torch.int16).numpy().view(jnp.bfloat16)
+    else:
+        array = block.contiguous().numpy()
+    return array if dtype is None else array.astype(dtype, copy=False)
+
+
+def _place(array: np.ndarray, sharding) -> jax.Array:
+    return jax.make_array_from_callback(array.shape, sharding, lambda index: array[index])
+
+
+def _nbytes_of(array: jax.Array) -> int:
+    return array.size * array.dtype.itemsize
 
 
 def _convert_group(module, converter, first_name: str, sources: list) -> dict[str, torch.Tensor]:

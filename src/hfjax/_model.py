@@ -317,7 +317,8 @@ def load(
       task: "text-generation", "text-classification", "feature-extraction" or
         "text2text-generation"; default: inferred from config.architectures.
       dtype: "float32", "bfloat16" or "float16"; default: the checkpoint's.
-      mesh: a `jax.sharding.Mesh` to place weights on; accepted now, used by sharding.
+      mesh: a `jax.sharding.Mesh` with a "model" axis (see `hfjax.make_mesh`): each weight is
+        split over it as `hfjax._sharding.plan` says, read slice by slice into the devices.
       progress: show a progress bar while reading weights (default: for large checkpoints).
 
     Returns:
@@ -339,7 +340,12 @@ def load(
     files = _loading.weight_files(path)
     dtype = dtype or _loading._checkpoint_dtype(files)
     module = _loading.build_skeleton(config, task, dtype)
-    params, aliases = _loading.load_weights(module, files, dtype, progress=progress)
+    shardings = None
+    if mesh is not None:
+        from . import _sharding
+
+        shardings = _sharding.plan(module, mesh).shardings(mesh)
+    params, aliases = _loading.load_weights(module, files, dtype, progress=progress, shardings=shardings)
     return Model(module, params, aliases, config=config, tokenizer=_tokenizer(path), task=task, path=path)
 
 

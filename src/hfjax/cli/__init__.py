@@ -5,9 +5,9 @@ from __future__ import annotations
 import argparse
 import sys
 
-from . import chat, check, classify, demo, generate, image
+from . import chat, check, classify, demo, generate, image, launch, shard_plan
 
-_COMMANDS = {"demo": demo, "check": check, "generate": generate, "chat": chat, "classify": classify, "image": image}
+_COMMANDS = {"demo": demo, "check": check, "generate": generate, "chat": chat, "classify": classify, "image": image, "shard-plan": shard_plan, "launch": launch}
 
 
 def main(argv: list[str] | None = None) -> int:

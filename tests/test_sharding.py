@@ -1,0 +1,247 @@
+"""Sharding over a device mesh: parity with one device, per-device shards, plans, multi-process.
+
+The mesh checks need 8 devices, and the rest of the suite must see one, so they run in a
+child process with 8 simulated CPU devices (`python tests/test_sharding.py OUT`), which
+writes one JSON record per (family, mesh); the tests here assert on those records.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import pathlib
+import subprocess
+import sys
+import traceback
+
+import pytest
+
+# (family, overrides): 8 query heads divide every mesh; the key/value head counts cover
+# splitting the KV projections (8), replicating them (2 < 8) and both by mesh (gemma2: 4).
+CASES = {
+    "llama": {"num_attention_heads": 8, "num_key_value_heads": 8},
+    "qwen3": {"num_attention_heads": 8, "num_key_value_heads": 2},
+    "gemma2": {"num_attention_heads": 8, "num_key_value_heads": 4},
+    "gpt2": {"n_head": 8},
+    "mixtral": {"num_attention_heads": 8, "num_key_value_heads": 8},
+    "gpt_neox": {"num_attention_heads": 8},  # no rules: the structural fallback
+}
+MESHES = [(1, 8), (2, 4), (8, 1)]
+PROMPTS = [[1, 5, 9, 23, 42, 7], [1, 30, 31, 32, 33, 34]]
+NEW_TOKENS = 6
+
+
+def _cli(argv: list[str]) -> int:
+    from hfjax.cli import launch, shard_plan
+
+    parser = argparse.ArgumentParser(prog="hfjax")
+    subparsers = parser.add_subparsers(dest="command")
+    commands = {"shard-plan": shard_plan, "launch": launch}
+    for command in commands.values():
+        command.add_parser(subparsers)
+    args = parser.parse_args(argv)
+    return commands[args.command].run(args)
+
+
+# ---- the child process: 8 simulated devices ---------------------------------------
+
+
+def _child(out: pathlib.Path) -> None:
+    import jax
+    import numpy as np
+
+    import hfjax
+    from hfjax import _sharding, testing
+
+    assert jax.device_count() == 8, jax.devices()
+    records = []
+    ids = np.array(PROMPTS, np.int32)
+    for family, overrides in CASES.items():
+        path = testing.save_tiny_checkpoint(family, out / family, **overrides)
+        reference = hfjax.load(path)
+        want_logits = np.asarray(reference(ids).logits)
+        want_tokens = np.asarray(reference.generate(ids, max_new_tokens=NEW_TOKENS, do_sample=False)).tolist()
+        meshes = MESHES if family in ("llama", "gpt2") else MESHES[:2]
+        for data, model_size in meshes:
+            record = {"family": family, "mesh": [data, model_size]}
+            try:
+                mesh = _sharding.make_mesh(data=data, model=model_size)
+                model = hfjax.load(path, mesh=mesh)
+                plan = _sharding.plan(model, mesh)
+                record["max_diff"] = float(np.abs(np.asarray(model(ids).logits) - want_logits).max())
+                got = np.asarray(model.generate(ids, max_new_tokens=NEW_TOKENS, do_sample=False)).tolist()
+                record["tokens"], record["want_tokens"] = got, want_tokens
+                record["split"] = sum("model" in spec for spec in plan.values())
+                record["bad_shards"] = _bad_shards(model.params, plan, model_size)
+                record["kv_cache"] = _kv_cache_shards(model, ids)
+                config = model.config.get_text_config()
+                record["kv_heads"] = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+            except Exception:  # recorded, so one case's failure is reported by its own test
+                record["error"] = traceback.format_exc()
+            records.append(record)
+            (out / "records.json").write_text(json.dumps(records))
+
+
+def _bad_shards(params, plan, model_size: int) -> list[str]:
+    # Every shard of a weight split over "model" holds 1/model_size of it; others hold all of it.
+    bad = []
+    for name, array in params.items():
+        expected = array.size // model_size if "model" in plan[name] else array.size
+        if array.sharding.spec != plan[name] and not (len(plan[name]) == 0 and array.sharding.is_fully_replicated):
+            bad.append(f"{name}: spec {array.sharding.spec}, plan {plan[name]}")
+        for shard in array.addressable_shards:
+            if shard.data.size != expected:
+                bad.append(f"{name}: shard of {shard.data.size} elements, expected {expected} of {array.size}")
+    return bad
+
+
+def _kv_cache_shards(model, ids) -> list[list[int]]:
+    # The shard shapes of the KV cache the compiled prefill returns ([B, KV heads, L, D]
+    # blocks, then the full shape), caught by wrapping the engine's prefill program.
+    import jax
+
+    generator = model._generator
+    programs, caught = generator._prefill_program, []
+
+    def catching(*key):
+        program = programs(*key)
+        return lambda *args: caught.append(program(*args)) or caught[-1]
+
+    generator._prefill_program = catching
+    try:
+        model.generate(ids, max_new_tokens=2, do_sample=False)
+    finally:
+        generator._prefill_program = programs
+    leaves = [leaf for leaf in jax.tree_util.tree_leaves(caught[-1]["cache"]) if leaf.ndim == 4]
+    return [list(leaf.sharding.shard_shape(leaf.shape)) + list(leaf.shape) for leaf in leaves]
+
+
+# ---- the tests ----------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def records(tmp_path_factory):
+    out = tmp_path_factory.mktemp("sharding")
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu")
+    result = subprocess.run([sys.executable, __file__, str(out)], env=env, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-4000:]
+    return {(r["family"], tuple(r["mesh"])): r for r in json.loads((out / "records.json").read_text())}
+
+
+def _cases():
+    for family in CASES:
+        for mesh in MESHES if family in ("llama", "gpt2") else MESHES[:2]:
+            yield pytest.param(family, mesh, id=f"{family}-{mesh[0]}x{mesh[1]}")
+
+
+@pytest.mark.parametrize("family,mesh", list(_cases()))
+def test_sharded_model_matches_one_device(records, family, mesh):
+    from hfjax.tolerances import DEFAULT
+
+    record = records[(family, mesh)]
+    assert "error" not in record, record.get("error")
+    assert record["max_diff"] <= DEFAULT.atol, f"logits differ by {record['max_diff']} (tolerance {DEFAULT.atol})"
+    assert record["tokens"] == record["want_tokens"]
+    assert record["bad_shards"] == []
+    if mesh[1] > 1:
+        assert record["split"] > 0
+    if mesh[1] > 1 and record["kv_heads"] >= mesh[1]:
+        # The KV cache follows the key/value projections: split over heads.
+        assert record["kv_cache"], "the prefill returned no [B, heads, L, D] cache arrays"
+        for shard_and_full in record["kv_cache"]:
+            block, full = shard_and_full[:4], shard_and_full[4:]
+            assert block[1] == full[1] // mesh[1], f"KV cache block {block} of {full}"
+
+
+def test_head_count_error_names_heads_and_mesh():
+    import jax
+
+    from hfjax import _sharding, testing
+
+    config = testing.tiny_config("llama", num_attention_heads=8, num_key_value_heads=8)
+    with pytest.raises(_sharding.ShardingError, match=r"num_attention_heads=8 .* size 3 \(mesh data=1, model=3\)"):
+        _sharding.plan(config, jax.sharding.AbstractMesh((1, 3), ("data", "model")))
+    config = testing.tiny_config("llama", hidden_size=96, num_attention_heads=12, num_key_value_heads=6, head_dim=8)
+    with pytest.raises(_sharding.ShardingError, match=r"num_key_value_heads=6 .* size 4"):
+        _sharding.plan(config, jax.sharding.AbstractMesh((1, 4), ("data", "model")))
+
+
+def test_fewer_kv_heads_than_devices_replicates_them():
+    import jax
+    from jax.sharding import PartitionSpec as P
+
+    from hfjax import _sharding, testing
+
+    config = testing.tiny_config("llama", num_attention_heads=8, num_key_value_heads=2)
+    plan = _sharding.plan(config, jax.sharding.AbstractMesh((1, 8), ("data", "model")))
+    assert plan["model.layers.0.self_attn.k_proj.weight"] == P()
+    assert plan["model.layers.0.self_attn.q_proj.weight"] == P("model", None)
+    assert any("num_key_value_heads=2" in note for note in plan.notes)
+
+
+def test_gpt2_conv1d_weights_are_split_in_their_layout():
+    import jax
+    from jax.sharding import PartitionSpec as P
+
+    from hfjax import _sharding, testing
+
+    plan = _sharding.plan(testing.tiny_config("gpt2", n_head=8), jax.sharding.AbstractMesh((1, 8), ("data", "model")))
+    assert plan["transformer.h.0.attn.c_attn.weight"] == P(None, "model")  # [in, out]: split out
+    assert plan["transformer.h.0.mlp.c_proj.weight"] == P("model", None)  # [in, out]: split in
+    assert plan["transformer.h.0.mlp.c_proj.bias"] == P()
+
+
+def test_fallback_places_a_family_without_rules():
+    import jax
+    from jax.sharding import PartitionSpec as P
+
+    from hfjax import _sharding, testing
+
+    plan = _sharding.plan(testing.tiny_config("gpt_neox", num_attention_heads=8), jax.sharding.AbstractMesh((1, 8), ("data", "model")))
+    layer = "gpt_neox.layers.0"
+    assert plan[f"{layer}.attention.query_key_value.weight"] == P("model", None)
+    assert plan[f"{layer}.attention.dense.weight"] == P(None, "model")
+    assert plan[f"{layer}.mlp.dense_h_to_4h.weight"] == P("model", None)
+    assert plan[f"{layer}.mlp.dense_4h_to_h.weight"] == P(None, "model")
+    assert plan["gpt_neox.embed_in.weight"] == P("model", None)
+    assert plan["lm_head.weight"] == P("model", None)
+
+
+def test_shard_plan_cli(checkpoint, capsys):
+    path = checkpoint("llama", num_attention_heads=8, num_key_value_heads=8)
+    assert _cli(["shard-plan", "--model", str(path), "--model-parallel", "8"]) == 0
+    out = capsys.readouterr().out
+    assert "model.layers.0.self_attn.q_proj.weight" in out and "P('model', None)" in out
+    # 512 x 64 float32 embedding over 8 devices: 16,384 bytes each.
+    assert "model.embed_tokens.weight" in out and "16,384" in out
+    assert "total per device:" in out
+    assert _cli(["shard-plan", "--model", str(path), "--model-parallel", "3"]) == 1
+    assert "num_attention_heads=8" in capsys.readouterr().err
+
+
+def test_two_processes_give_one_device_tokens(checkpoint, tmp_path, capfd):
+    import numpy as np
+
+    import hfjax
+
+    path = checkpoint("llama", num_attention_heads=8, num_key_value_heads=8)
+    want = np.asarray(hfjax.load(path).generate(np.array(PROMPTS, np.int32), max_new_tokens=NEW_TOKENS, do_sample=False)).tolist()
+    script = tmp_path / "run.py"
+    script.write_text(
+        "import sys, json, numpy as np, jax, hfjax\n"
+        "from hfjax import _sharding\n"
+        "assert jax.process_count() == 2 and jax.device_count() == 8\n"
+        "model = hfjax.load(sys.argv[1], mesh=_sharding.make_mesh(data=2, model=4))\n"
+        f"out = model.generate(np.array({PROMPTS}, np.int32), max_new_tokens={NEW_TOKENS}, do_sample=False)\n"
+        "print('TOKENS', json.dumps(np.asarray(out).tolist()))\n"
+    )
+    code = _cli(["launch", "--nproc", "2", "--devices-per-proc", "4", "--", str(script), str(path)])
+    out = capfd.readouterr().out
+    assert code == 0, out[-4000:]
+    tokens = [json.loads(line.split("TOKENS", 1)[1]) for line in out.splitlines() if "TOKENS" in line]
+    assert tokens == [want, want]
+
+
+if __name__ == "__main__":
+    _child(pathlib.Path(sys.argv[1]))
