@@ -1,0 +1,584 @@
+"""Decode benchmark: hfjax's compiled `generate` against PyTorch and the memory-bandwidth ceiling.
+
+    python benchmarks/decode.py                 # 20M and 150M Llama, prompts 16/512, batch 1/8, 128 tokens
+    python benchmarks/decode.py --quick         # 20M only, prompt 16, 32 tokens, 1 run (~3 min on 2 cores)
+    python benchmarks/decode.py --gpu-llama-1b  # Llama-3.2-1B-shaped, bfloat16, on a GPU
+
+Methods, each timed on the same random-weight checkpoint and the same random prompts:
+  hfjax          model.generate: a compiled prefill, then the whole decode loop as one XLA while_loop
+  hand_recipe    the public recipe: a Python loop around a jitted one-token step (hfjax.jit of the
+                 transformers model, a StaticCache as a pytree), one host round trip per token
+  torch_dynamic  transformers generate, PyTorch eager, dynamic cache
+  torch_static   transformers generate, PyTorch eager, cache_implementation="static"
+  torch_compile  transformers generate with cache_implementation="static" and a CompileConfig
+                 (fullgraph=True): transformers torch.compiles the decode step
+
+Every method generates exactly --new-tokens tokens (min_new_tokens = max_new_tokens) greedily.
+Decode tokens/s is (new tokens - 1) / (total - time to first token), per sequence; "total"
+multiplies by the batch. Figures are medians over --runs runs after a warm-up call.
+
+The PyTorch baselines run in subprocesses that never import JAX: torch's OpenMP threads run up
+to 30x slower beside JAX's CPU runtime. Cold and warm time to first token are measured in two
+more subprocesses sharing one fresh HFJAX_CACHE_DIR. The last line on stdout is one JSON object;
+progress goes to stderr.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import pathlib
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+# Llama shapes with random weights. Untied embeddings (Llama's default) unless stated.
+SIZES = {
+    "20m": dict(hidden_size=256, intermediate_size=768, num_hidden_layers=8, num_attention_heads=8,
+                num_key_value_heads=4, head_dim=32, vocab_size=32000),
+    "150m": dict(hidden_size=768, intermediate_size=3072, num_hidden_layers=12, num_attention_heads=12,
+                 num_key_value_heads=4, head_dim=64, vocab_size=32000),
+    "llama-1b": dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
+                     num_key_value_heads=8, head_dim=64, vocab_size=128256, tie_word_embeddings=True, rope_theta=500000.0),
+}
+METHODS = ("hfjax", "hand_recipe", "torch_dynamic", "torch_static", "torch_compile")
+TORCH_METHODS = ("torch_dynamic", "torch_static", "torch_compile")
+FULL = dict(sizes="20m,150m", prompts="16,512", batches="1,8", new_tokens=128, runs=3)
+QUICK = dict(sizes="20m", prompts="16", batches="1,8", new_tokens=32, runs=1)
+GPU = dict(sizes="llama-1b", prompts="16,128", batches="1", new_tokens=128, runs=3)
+GPU_SKIPPED = ("hand_recipe", "torch_dynamic")
+TARGETS = dict(over_torch_static=2.5, over_torch_compile=2.0, fraction_of_ceiling=0.85, warm_ttft_s=0.5,
+               batch8_over_batch1=5.0, gpu_fraction_of_ceiling=0.80)
+_WARMUP_TOKENS = 4  # eager warm-up length; compiled paths warm up at full length (their shapes depend on it)
+_WORKER_TIMEOUT_S = 3600
+
+
+def log(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)
+
+
+# ---------------------------------------------------------------- timing records
+
+
+@dataclasses.dataclass(frozen=True)
+class Timing:
+    """One generate call. Seconds from the call to the first new token on the host, and to the end."""
+
+    time_to_first_token: float
+    total: float
+    new_tokens: int
+
+    @property
+    def decode_tokens_per_s(self) -> float:  # per sequence
+        return (self.new_tokens - 1) / (self.total - self.time_to_first_token)
+
+
+def summarize(timings: list[Timing], batch: int) -> dict:
+    per_sequence = statistics.median(t.decode_tokens_per_s for t in timings)
+    return {
+        "decode_tokens_per_s": per_sequence,
+        "decode_tokens_per_s_total": per_sequence * batch,
+        "time_to_first_token_s": statistics.median(t.time_to_first_token for t in timings),
+        "total_s": statistics.median(t.total for t in timings),
+        "new_tokens": timings[0].new_tokens,
+        "runs": len(timings),
+    }
+
+
+def prompt_ids(batch: int, length: int, vocab_size: int, seed: int = 0):
+    """int64 [batch, length] random token ids above the special tokens, the same in every process."""
+    import numpy as np
+
+    return np.random.default_rng(seed).integers(8, vocab_size, (batch, length), dtype=np.int64)
+
+
+def common_prefix(a, b) -> int:
+    """The fewest leading new tokens that agree, over the rows of two [B, T] arrays."""
+    import numpy as np
+
+    a, b = np.asarray(a), np.asarray(b)
+    agree = np.cumprod(a == b, axis=1).sum(axis=1)
+    return int(agree.min())
+
+
+# ---------------------------------------------------------------- PyTorch worker (no JAX here)
+
+
+def torch_worker(args) -> dict:
+    """transformers generate in this process; runs in a subprocess that never imports JAX."""
+    import torch
+    import transformers
+
+    torch.set_num_threads(args.torch_threads)
+    device = "cuda" if args.gpu else "cpu"
+    dtype = getattr(torch, args.dtype)
+    model = transformers.AutoModelForCausalLM.from_pretrained(args.checkpoint, dtype=dtype).to(device).eval()
+    ids = torch.as_tensor(prompt_ids(args.batch, args.prompt, model.config.vocab_size)).to(device)
+    options = dict(attention_mask=torch.ones_like(ids), do_sample=False, pad_token_id=0)
+    if args.method != "torch_dynamic":
+        options["cache_implementation"] = "static"
+    if args.method == "torch_compile":
+        compile_config = transformers.CompileConfig(fullgraph=True)
+        # generate compiles on accelerators only unless told otherwise; CPU is what we measure here.
+        compile_config._compile_all_devices = True
+        options["compile_config"] = compile_config
+
+    def sync():
+        if device == "cuda":
+            torch.cuda.synchronize()
+
+    class FirstToken:  # transformers' streamer interface: put(prompt), put(token) per step, end()
+        def __init__(self):
+            self.calls, self.first = 0, None
+
+        def put(self, value):
+            self.calls += 1
+            if self.calls == 2:
+                self.first = time.perf_counter()
+
+        def end(self):
+            pass
+
+    def once(n: int) -> tuple[Timing, object]:
+        streamer = FirstToken()
+        sync()
+        start = time.perf_counter()
+        with torch.inference_mode():
+            out = model.generate(ids, max_new_tokens=n, min_new_tokens=n, streamer=streamer, **options)
+        sync()
+        end = time.perf_counter()
+        return Timing(streamer.first - start, end - start, out.shape[1] - args.prompt), out
+
+    compiled = args.method == "torch_compile"
+    try:
+        first, _ = once(args.new_tokens if compiled else _WARMUP_TOKENS)
+        results = [once(args.new_tokens) for _ in range(args.runs)]
+    except Exception as error:  # reported in the JSON line (e.g. inductor failing on this machine)
+        return {"error": f"{type(error).__name__}: {str(error)[:800]}"}
+    summary = summarize([t for t, _ in results], args.batch)
+    summary["first_call_s"] = first.total
+    if compiled:
+        summary["compile_s"] = first.total - summary["total_s"]
+        summary["compile_mode"] = dict(fullgraph=True, mode=compile_config.mode, backend=compile_config.backend)
+    summary["tokens"] = results[0][1][:, args.prompt :].tolist()
+    return summary
+
+
+def run_worker(kind: str, env: dict, **flags) -> dict:
+    """Runs this file as a `--worker` subprocess and returns the JSON object it prints last."""
+    command = [sys.executable, __file__, "--worker", kind]
+    for name, value in flags.items():
+        if value is True:
+            command.append(f"--{name.replace('_', '-')}")
+        elif value not in (None, False):
+            command += [f"--{name.replace('_', '-')}", str(value)]
+    try:
+        done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=_WORKER_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        return {"error": f"worker {kind} timed out after {_WORKER_TIMEOUT_S} s"}
+    lines = done.stdout.strip().splitlines()
+    if done.returncode != 0 or not lines:
+        return {"error": f"worker {kind} exited with {done.returncode}: {done.stderr.strip()[-800:]}"}
+    return json.loads(lines[-1])
+
+
+# ---------------------------------------------------------------- JAX side
+
+
+def measure_bandwidth(gpu: bool) -> dict:
+    """Best bytes/s of jitted matrix-vector products over a few weight shapes.
+
+    W is in torch Linear's [out, in] layout. The product is written as a dot_general that
+    contracts W's last axis: XLA's CPU backend compiles `x @ W.T` by first copying W into
+    its transpose, which runs at a fraction of the bandwidth (1.5 vs 25 GB/s here).
+    """
+    import jax
+    import jax.numpy as jnp
+
+    dtype = jnp.bfloat16 if gpu else jnp.float32
+    # float32 W of 256-512 MiB on CPU; 0.5-1 GiB of bfloat16 on a GPU, repeated so launch cost fades.
+    shapes = [(16384, 16384), (32768, 16384)] if gpu else [(8192, 8192), (16384, 8192), (8192, 16384)]
+    repeats, rounds = (20, 5) if gpu else (1, 7)
+    products = {
+        "x @ W.T": jax.jit(lambda x, w: jax.lax.dot_general(x, w, (((1,), (1,)), ((), ())))),  # [1, in] -> [1, out]
+        "W @ x": jax.jit(lambda x, w: w @ x[0]),  # [out]
+    }
+    probes = []
+    for rows, cols in shapes:
+        w = jnp.ones((rows, cols), dtype)  # W: [out, in]
+        x = jnp.ones((1, cols), dtype)  # x: [1, in]
+        for name, product in products.items():
+            product(x, w).block_until_ready()
+            best = float("inf")
+            for _ in range(rounds):
+                start = time.perf_counter()
+                for _ in range(repeats):
+                    y = product(x, w)
+                y.block_until_ready()
+                best = min(best, (time.perf_counter() - start) / repeats)
+            probes.append({"product": name, "shape": [rows, cols], "dtype": str(w.dtype), "gb_per_s": w.nbytes / best / 1e9})
+        del w
+    return {"gb_per_s": max(p["gb_per_s"] for p in probes), "probes": probes}
+
+
+def weight_bytes(checkpoint: pathlib.Path, config, itemsize: int) -> dict:
+    """Parameter count and bytes of weights read per decoded token, from the checkpoint's tensors."""
+    import math
+
+    from safetensors import safe_open
+
+    shapes = {}
+    for file in sorted(checkpoint.glob("*.safetensors")):
+        with safe_open(file, framework="pt") as f:
+            shapes.update({name: f.get_slice(name).get_shape() for name in f.keys()})
+    params = sum(math.prod(s) for s in shapes.values())
+    embedding = math.prod(shapes["model.embed_tokens.weight"])
+    if config.tie_word_embeddings:
+        read = params  # the table is the LM head too, and read in full there
+        counted = "every weight once (the tied embedding table is read in full as the LM head)"
+    else:
+        read = params - embedding + config.hidden_size
+        counted = "every weight except the embedding table, of which one row (it is gathered); the LM head in full"
+    return {"params": params, "bytes_per_token": read * itemsize, "counted": counted + "; KV cache not counted"}
+
+
+def run_hfjax(model, ids, new_tokens: int, runs: int) -> tuple[dict, object]:
+    import jax
+    import numpy as np
+
+    def once() -> tuple[Timing, bool, jax.Array]:
+        out = jax.block_until_ready(model.generate(ids, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False))
+        stats = model.last_generation_stats
+        return Timing(stats.time_to_first_token, stats.total, stats.new_tokens), stats.compiled, out
+
+    first, _, _ = once()
+    results = [once() for _ in range(runs)]
+    summary = summarize([t for t, _, _ in results], ids.shape[0])
+    summary["first_call_s"] = first.total
+    summary["first_call_time_to_first_token_s"] = first.time_to_first_token
+    summary["compile_s"] = first.total - summary["total_s"]
+    summary["recompiled_in_timed_runs"] = any(compiled for _, compiled, _ in results)
+    return summary, np.asarray(results[0][2])[:, ids.shape[1] :]
+
+
+def run_hand_recipe(checkpoint, ids, new_tokens: int, runs: int, dtype: str) -> tuple[dict, object]:
+    """The write-ups' recipe, on transformers 5: jit one step with a StaticCache, loop in Python."""
+    import hfjax
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    import torch
+    import torchax.interop
+    import transformers
+
+    torch_model = transformers.AutoModelForCausalLM.from_pretrained(checkpoint, dtype=getattr(torch, dtype)).eval()
+    step = hfjax.jit(torch_model)
+    argmax = jax.jit(lambda logits: jnp.argmax(logits[:, -1], axis=-1).astype(jnp.int32)[:, None])  # [B, S, V] -> [B, 1]
+    pick = lambda logits: argmax(torchax.interop.jax_view(logits))  # the logits come back as torchax tensors
+    batch, length = ids.shape
+
+    def once(n: int) -> tuple[Timing, np.ndarray]:
+        cache = transformers.StaticCache(config=torch_model.config, max_cache_len=length + new_tokens)
+        start = time.perf_counter()
+        out = step(input_ids=ids, past_key_values=cache, use_cache=True)
+        tokens = [np.asarray(pick(out.logits))]  # [B, 1] on the host: the recipe's round trip per token
+        first = time.perf_counter()
+        for _ in range(n - 1):
+            out = step(input_ids=tokens[-1], past_key_values=cache, use_cache=True)
+            tokens.append(np.asarray(pick(out.logits)))
+        end = time.perf_counter()
+        return Timing(first - start, end - start, n), np.concatenate(tokens, axis=1)
+
+    first, _ = once(_WARMUP_TOKENS)
+    results = [once(new_tokens) for _ in range(runs)]
+    summary = summarize([t for t, _ in results], batch)
+    summary["first_call_s"] = first.total
+    summary["programs_compiled"] = step.compile_count
+    return summary, results[0][1]
+
+
+def ttft_worker(args) -> dict:
+    """Time to first token of the first generate call in a fresh process (HFJAX_CACHE_DIR set by the caller)."""
+    start = time.perf_counter()
+    import hfjax
+
+    imported = time.perf_counter()
+    model = hfjax.load(args.checkpoint, dtype=args.dtype)
+    loaded = time.perf_counter()
+    ids = prompt_ids(args.batch, args.prompt, model.config.vocab_size).astype("int32")
+    model.generate(ids, max_new_tokens=args.new_tokens, min_new_tokens=args.new_tokens, do_sample=False)
+    stats = model.last_generation_stats
+    return {
+        "time_to_first_token_s": stats.time_to_first_token,
+        "first_generate_total_s": stats.total,
+        "import_s": imported - start,
+        "load_s": loaded - imported,
+        "cache_entries": len(list(pathlib.Path(os.environ["HFJAX_CACHE_DIR"]).iterdir())),
+    }
+
+
+# ---------------------------------------------------------------- the run
+
+
+def device_info() -> dict:
+    import jax
+    import torch
+    import transformers
+
+    return {
+        "jax_backend": jax.default_backend(),
+        "jax_devices": [str(d.device_kind) for d in jax.devices()],
+        "cpu_count": os.cpu_count(),
+        "load_average": list(os.getloadavg()),
+        "versions": {"jax": jax.__version__, "torch": torch.__version__, "transformers": transformers.__version__},
+    }
+
+
+def benchmark(args, work: pathlib.Path, envs: dict[str, dict]) -> dict:
+    import hfjax
+    import jax
+    from hfjax import testing
+
+    dtype = "bfloat16" if args.gpu_llama_1b else "float32"
+    itemsize = 2 if dtype == "bfloat16" else 4
+    methods = [m for m in METHODS if m not in args.skip]
+    report = {"benchmark": "decode", "device": device_info(), "dtype": dtype, "new_tokens": args.new_tokens,
+              "runs": args.runs, "methods": methods, "models": {}, "results": [],
+              "torch_settings": {"threads": args.torch_threads, "OMP_WAIT_POLICY": envs["torch"].get("OMP_WAIT_POLICY")}}
+    log(f"device: {report['device']}")
+    probes = [measure_bandwidth(args.gpu_llama_1b)]
+    log(f"bandwidth probe: {probes[0]['gb_per_s']:.1f} GB/s")
+
+    for size in args.sizes:
+        checkpoint = testing.save_tiny_checkpoint("llama", work / size, dtype=dtype, max_position_embeddings=4096,
+                                                  **SIZES[size])
+        model = hfjax.load(checkpoint, dtype=dtype)
+        info = weight_bytes(checkpoint, model.config, itemsize)
+        report["models"][size] = info
+        log(f"{size}: {info['params']:,} parameters, {info['bytes_per_token'] / 1e6:.1f} MB read per token")
+        for prompt in args.prompts:
+            for batch in args.batches:
+                config = dict(size=size, prompt=prompt, batch=batch)
+                ids = prompt_ids(batch, prompt, model.config.vocab_size).astype("int32")
+                reference = None
+                for method in methods:
+                    log(f"  {size} prompt {prompt} batch {batch}: {method} ...")
+                    if method == "hfjax":
+                        row, reference = run_hfjax(model, jax.numpy.asarray(ids), args.new_tokens, args.runs)
+                    elif method == "hand_recipe":
+                        row, tokens = run_hand_recipe(checkpoint, ids, args.new_tokens, args.runs, dtype)
+                        row["common_prefix_with_hfjax"] = None if reference is None else common_prefix(tokens, reference)
+                    else:
+                        row = run_worker("torch", envs["torch"], checkpoint=checkpoint, method=method, prompt=prompt,
+                                         batch=batch, new_tokens=args.new_tokens, runs=args.runs, dtype=dtype,
+                                         gpu=args.gpu_llama_1b, torch_threads=args.torch_threads)
+                        tokens = row.pop("tokens", None)
+                        if tokens is not None and reference is not None:
+                            row["common_prefix_with_hfjax"] = common_prefix(tokens, reference)
+                    report["results"].append({**config, "method": method, **row})
+                    log("    " + _describe(row))
+        del model
+
+    if "hfjax" in methods:
+        report["time_to_first_token_new_process"] = _new_process_ttft(args, work, envs["ttft"], dtype)
+    probes.append(measure_bandwidth(args.gpu_llama_1b))
+    report["bandwidth_probes"] = [probe for p in probes for probe in p["probes"]]
+    report["bandwidth_gb_per_s"] = max(p["gb_per_s"] for p in probes)
+    report["bandwidth_gb_per_s_median_probe"] = statistics.median(p["gb_per_s"] for p in report["bandwidth_probes"])
+    log(f"bandwidth: {report['bandwidth_gb_per_s']:.1f} GB/s (best of {len(report['bandwidth_probes'])} probes)")
+    _add_ceilings(report)
+    report["ratios"] = _ratios(report)
+    report["batch8_over_batch1"] = _batch_scaling(report)
+    report["targets"] = _targets(report, args)
+    return report
+
+
+def _new_process_ttft(args, work: pathlib.Path, env: dict, dtype: str) -> dict:
+    """Cold, then warm: two fresh processes sharing one new persistent compilation cache (env's HFJAX_CACHE_DIR)."""
+    size, prompt = _largest(args.sizes), args.prompts[0]
+    flags = dict(checkpoint=work / size, prompt=prompt, batch=1, new_tokens=args.new_tokens, dtype=dtype)
+    result = {"size": size, "prompt": prompt, "batch": 1}
+    for label in ("cold", "warm"):
+        result[label] = run_worker("ttft", env, **flags)
+        log(f"time to first token in a new process, {label} cache: {result[label]}")
+    return result
+
+
+def _largest(sizes: list[str]) -> str:
+    return max(sizes, key=list(SIZES).index)
+
+
+def _describe(row: dict) -> str:
+    if "error" in row:
+        return f"error: {row['error']}"
+    text = (f"{row['decode_tokens_per_s']:.1f} tok/s per sequence, {row['decode_tokens_per_s_total']:.1f} total, "
+            f"ttft {row['time_to_first_token_s'] * 1e3:.0f} ms, total {row['total_s']:.2f} s")
+    if "compile_s" in row:
+        text += f", compile {row['compile_s']:.1f} s"
+    return text
+
+
+def _find(report: dict, size: str, prompt: int, batch: int, method: str) -> dict | None:
+    for row in report["results"]:
+        if (row["size"], row["prompt"], row["batch"], row["method"]) == (size, prompt, batch, method):
+            return row if "error" not in row else None
+    return None
+
+
+def _add_ceilings(report: dict) -> None:
+    bandwidth = report["bandwidth_gb_per_s"] * 1e9
+    for size, info in report["models"].items():
+        info["ceiling_tokens_per_s"] = bandwidth / info["bytes_per_token"]
+    for row in report["results"]:
+        if row["batch"] == 1 and "error" not in row:
+            row["fraction_of_ceiling"] = row["decode_tokens_per_s"] / report["models"][row["size"]]["ceiling_tokens_per_s"]
+
+
+def _ratios(report: dict) -> dict:
+    """hfjax's decode tokens/s over each baseline's, per configuration."""
+    ratios = {}
+    for row in report["results"]:
+        if row["method"] != "hfjax" or "error" in row:
+            continue
+        key = f"{row['size']}/p{row['prompt']}/b{row['batch']}"
+        ratios[key] = {}
+        for method in report["methods"]:
+            other = _find(report, row["size"], row["prompt"], row["batch"], method)
+            if method != "hfjax" and other is not None:
+                ratios[key][f"over_{method}"] = row["decode_tokens_per_s"] / other["decode_tokens_per_s"]
+    return ratios
+
+
+def _batch_scaling(report: dict) -> dict:
+    """hfjax's total decode throughput at the largest batch over batch 1, per model and prompt."""
+    scaling = {}
+    for row in report["results"]:
+        if row["method"] == "hfjax" and row["batch"] == 1 and "error" not in row:
+            larger = [r for r in report["results"] if r["method"] == "hfjax" and "error" not in r
+                      and (r["size"], r["prompt"]) == (row["size"], row["prompt"]) and r["batch"] > 1]
+            for other in larger:
+                scaling[f"{row['size']}/p{row['prompt']}/b{other['batch']}"] = (
+                    other["decode_tokens_per_s_total"] / row["decode_tokens_per_s_total"])
+    return scaling
+
+
+def _targets(report: dict, args) -> dict:
+    """The issue's targets as booleans next to the figures, for the largest model at batch 1, first prompt."""
+    size, prompt = _largest(args.sizes), args.prompts[0]
+    key = f"{size}/p{prompt}/b1"
+
+    def check(value, bound: float, above: bool = True) -> dict:
+        if value is None:
+            return {"value": None, "met": None}
+        return {"value": value, "min" if above else "max": bound, "met": value >= bound if above else value < bound}
+
+    hfjax_row = _find(report, size, prompt, 1, "hfjax") or {}
+    ratios = report["ratios"].get(key, {})
+    targets = {"config": key}
+    if args.gpu_llama_1b:
+        targets["hfjax_fraction_of_ceiling"] = check(hfjax_row.get("fraction_of_ceiling"), TARGETS["gpu_fraction_of_ceiling"])
+        for method in ("torch_static", "torch_compile"):
+            targets[f"{method}_fraction_of_ceiling"] = (_find(report, size, prompt, 1, method) or {}).get("fraction_of_ceiling")
+        return targets
+    targets["over_torch_static"] = check(ratios.get("over_torch_static"), TARGETS["over_torch_static"])
+    targets["over_torch_compile"] = check(ratios.get("over_torch_compile"), TARGETS["over_torch_compile"])
+    targets["fraction_of_ceiling"] = check(hfjax_row.get("fraction_of_ceiling"), TARGETS["fraction_of_ceiling"])
+    warm = report.get("time_to_first_token_new_process", {}).get("warm", {}).get("time_to_first_token_s")
+    targets["warm_time_to_first_token_s"] = check(warm, TARGETS["warm_ttft_s"], above=False)
+    targets["batch8_over_batch1"] = check(report["batch8_over_batch1"].get(f"{size}/p{prompt}/b8"),
+                                          TARGETS["batch8_over_batch1"])
+    return targets
+
+
+# ---------------------------------------------------------------- command line
+
+
+def parse_args(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="20m only, prompt 16, batch 1 and 8, 32 new tokens, 1 run")
+    parser.add_argument("--sizes", help=f"models, comma-separated, of {', '.join(SIZES)} (default {FULL['sizes']})")
+    parser.add_argument("--prompts", help=f"prompt lengths, comma-separated (default {FULL['prompts']})")
+    parser.add_argument("--batches", help=f"batch sizes, comma-separated (default {FULL['batches']})")
+    parser.add_argument("--new-tokens", type=int, help=f"tokens generated per sequence (default {FULL['new_tokens']})")
+    parser.add_argument("--runs", type=int, help=f"timed runs after the warm-up; medians are reported (default {FULL['runs']})")
+    parser.add_argument("--skip", default="", help=f"methods to leave out, comma-separated, of {', '.join(METHODS)}")
+    parser.add_argument("--torch-threads", type=int, default=os.cpu_count(),
+                        help="torch.set_num_threads for the PyTorch baselines (default: the core count)")
+    parser.add_argument("--torch-omp-wait-policy", choices=("PASSIVE", "ACTIVE", "unset"), default="PASSIVE",
+                        help="OMP_WAIT_POLICY of the PyTorch baselines' processes (default PASSIVE: spinning OpenMP "
+                             "threads slow torch several-fold when other processes share the cores)")
+    parser.add_argument("--device-info", action="store_true", help="print the device and versions as JSON and exit")
+    parser.add_argument("--gpu-llama-1b", action="store_true",
+                        help="Llama-3.2-1B-shaped model in bfloat16 on the GPU: hfjax vs torch static and torch.compile")
+    # Used when this file runs itself as a subprocess.
+    parser.add_argument("--worker", choices=("torch", "ttft"), help=argparse.SUPPRESS)
+    parser.add_argument("--checkpoint", help=argparse.SUPPRESS)
+    parser.add_argument("--method", choices=TORCH_METHODS, help=argparse.SUPPRESS)
+    parser.add_argument("--prompt", type=int, help=argparse.SUPPRESS)
+    parser.add_argument("--batch", type=int, help=argparse.SUPPRESS)
+    parser.add_argument("--dtype", default="float32", help=argparse.SUPPRESS)
+    parser.add_argument("--gpu", action="store_true", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.worker:
+        return args
+    defaults = GPU if args.gpu_llama_1b else QUICK if args.quick else FULL
+    for name, value in defaults.items():
+        if getattr(args, name) is None:
+            setattr(args, name, value)
+    args.sizes = _choices("--sizes", args.sizes, SIZES)
+    args.prompts = [int(p) for p in args.prompts.split(",")]
+    args.batches = [int(b) for b in args.batches.split(",")]
+    args.skip = _choices("--skip", args.skip, METHODS) if args.skip else []
+    if args.gpu_llama_1b:
+        args.skip = sorted(set(args.skip) | set(GPU_SKIPPED))
+    return args
+
+
+def _choices(flag: str, text: str, allowed) -> list[str]:
+    values = [v.strip() for v in text.split(",") if v.strip()]
+    unknown = [v for v in values if v not in allowed]
+    if unknown:
+        raise SystemExit(f"{flag}: unknown {', '.join(map(repr, unknown))}; choose from {', '.join(allowed)}")
+    return values
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
+    if args.worker == "torch":
+        print(json.dumps(torch_worker(args)))
+        return
+    if args.worker == "ttft":
+        print(json.dumps(ttft_worker(args)))
+        return
+    if args.device_info:
+        print(json.dumps(device_info()))
+        return
+    if args.gpu_llama_1b:
+        # JAX would otherwise take 75% of GPU memory up front, leaving PyTorch's worker too little.
+        os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+    with tempfile.TemporaryDirectory(prefix="hfjax-decode-") as tmp:
+        work = pathlib.Path(tmp)
+        # Workers get the environment as it is now, before hfjax sets OMP_WAIT_POLICY for this process.
+        envs = {
+            "ttft": {**os.environ, "HFJAX_CACHE_DIR": str(work / "xla-cache-ttft")},
+            "torch": {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(work / "inductor-cache")},
+        }
+        if args.torch_omp_wait_policy != "unset":
+            envs["torch"]["OMP_WAIT_POLICY"] = args.torch_omp_wait_policy
+        # A fresh compilation cache, so the compile times measured here are cold ones.
+        os.environ["HFJAX_CACHE_DIR"] = str(work / "xla-cache")
+        if args.gpu_llama_1b:
+            import jax
+
+            if jax.default_backend() != "gpu":
+                raise SystemExit(f"--gpu-llama-1b needs JAX with a GPU backend; this JAX runs on {jax.default_backend()!r}")
+        report = benchmark(args, work, envs)
+    print(json.dumps(report))
+
+
+if __name__ == "__main__":
+    main()
