@@ -285,6 +285,16 @@ def test_empty_prompts_raise(loaded):
         model.generate(np.ones((2, 3), np.int32), np.array([[1, 1, 1], [0, 0, 0]]))
 
 
+def test_an_op_without_lowering_is_named_with_its_module(checkpoint, monkeypatch):
+    model = hfjax.load(checkpoint("llama"))  # its own programs: none traced yet
+    operators = hfjax._env.env()._ops
+    for op in (torch.ops.aten.rsqrt.default, torch.ops.aten.rsqrt):
+        if op in operators:
+            monkeypatch.delitem(operators, op)
+    with pytest.raises(hfjax.UnsupportedOpError, match=r"aten::rsqrt.*input_layernorm \(LlamaRMSNorm\)"):
+        model.generate(np.array([[1, 5, 6]]), max_new_tokens=3)
+
+
 def test_generate_on_a_classifier_says_what_to_load(checkpoint):
     model = hfjax.load(checkpoint("llama", task="text-classification"))
     with pytest.raises(ValueError, match="task='text-classification'"):

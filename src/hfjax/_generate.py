@@ -18,6 +18,7 @@ How the model keeps its past is chosen per architecture (`_cache_kind`):
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import inspect
 import time
@@ -102,27 +103,22 @@ def resolve_settings(model, prompt_length: int, generation_config=None, **overri
     if pad is None:
         pad = eos[0] if eos else 0
     do_sample = bool(values["do_sample"])
-    sampling = SamplingConfig(
-        do_sample=do_sample,
-        temperature=_number(values["temperature"], 1.0),
-        top_k=int(values["top_k"] or 0) if do_sample else 0,
-        top_p=_number(values["top_p"], 1.0) if do_sample else 1.0,
-        min_p=_number(values["min_p"], 0.0) if do_sample else 0.0,
-        repetition_penalty=_number(values["repetition_penalty"], 1.0),
-    ) if do_sample else SamplingConfig(
-        do_sample=False, repetition_penalty=_number(values["repetition_penalty"], 1.0)
+    temperature = _number(values["temperature"], 1.0)
+    requested = dict(
+        temperature=temperature,
+        top_k=int(values["top_k"] or 0),
+        top_p=_number(values["top_p"], 1.0),
+        min_p=_number(values["min_p"], 0.0),
     )
-    if not do_sample:
+    penalty = _number(values["repetition_penalty"], 1.0)
+    if do_sample:
+        sampling = SamplingConfig(do_sample=True, repetition_penalty=penalty, **requested)
+    else:
         # transformers ignores sampling settings when do_sample=False; so do we, but we still
         # reject values that are invalid whatever the mode, so a typo does not pass silently.
-        temperature = _number(values["temperature"], 1.0)
-        SamplingConfig(
-            do_sample=True,
-            temperature=1.0 if temperature == 0 else temperature,  # 0 means greedy to transformers users
-            top_k=int(values["top_k"] or 0),
-            top_p=_number(values["top_p"], 1.0),
-            min_p=_number(values["min_p"], 0.0),
-        )
+        # Temperature 0 means greedy to transformers users.
+        SamplingConfig(do_sample=True, **{**requested, "temperature": 1.0 if temperature == 0 else temperature})
+        sampling = SamplingConfig(do_sample=False, repetition_penalty=penalty)
     if (values.get("num_beams") or 1) > 1:
         raise ValueError(
             f"num_beams={values['num_beams']}: beam search is not supported by hfjax's generate; "
@@ -203,6 +199,7 @@ class Generator:
         self.last_stats = GenerationStats()
         self._takes_positions = _accepts(self.module, "position_ids")
         self._takes_logits_to_keep = _accepts(self.module, "logits_to_keep")
+        self._module_names = {id(m): n for n, m in model.module.named_modules()}
 
     # -- the host side ----------------------------------------------------------
 
@@ -409,8 +406,12 @@ class Generator:
         new_cache = out.past_key_values if self.kind == "static" else _own_cache(out)
         return _env.to_jax(new_cache), _env.to_jax(out.logits)[:, -1].astype(jnp.float32)
 
+    @contextlib.contextmanager
     def _bound(self, params):
-        return _compile.bound(self.module, params, self.model.aliases, _env.env().prng_key)
+        # An op with no lowering is named, with the submodule that called it.
+        with _compile.explain_errors(self.module, self._module_names):
+            with _compile.bound(self.module, params, self.model.aliases, _env.env().prng_key) as environment:
+                yield environment
 
 
 def _static_cache(config, length: int):
