@@ -72,6 +72,7 @@ def test_generate_samples_with_the_given_settings_and_seed(llama, capsys):
         (["--temperature", "-1"], "temperature=-1.0 must be strictly positive"),
         (["--top-k", "-3"], "top_k=-3 is not a non-negative integer"),
         (["--max-new-tokens", "0"], "max_new_tokens=0 must be a positive integer"),
+        (["--model-parallel", "0"], "--model-parallel=0 must be at least 1"),
     ],
 )
 @pytest.mark.parametrize("command", ["generate", "chat"])
@@ -83,6 +84,15 @@ def test_bad_settings_are_one_line_on_stderr(checkpoint, capsys, command, flags,
     assert code == 2
     assert err.startswith(f"hfjax {command}: ") and message in err
     assert len(err.strip().splitlines()) == 1
+
+
+def test_a_mesh_larger_than_the_devices_is_one_line_on_stderr(checkpoint, capsys):
+    path = checkpoint("llama")
+    capsys.readouterr()  # writing the checkpoint shows a progress bar
+    code = cli.main(["generate", "--model", str(path), PROMPT, "--model-parallel", "3"])
+    err = capsys.readouterr().err
+    assert code == 1
+    assert "model=3" in err and "there are 1" in err and len(err.strip().splitlines()) == 1
 
 
 def test_generate_with_a_classifier_says_it_cannot_generate(checkpoint, capsys):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import os
 import subprocess
@@ -152,11 +153,11 @@ def test_prompt_lengths_in_one_bucket_share_programs(loaded):
         ids, mask = _batch(model, [prompt])
         assert ids.shape[1] <= 16
         model.generate(ids, mask, max_new_tokens=7)
-        counts.append(dict(model._generator.trace_counts))
+        counts.append(dict(model._generator.program_counts))
     assert counts[-1] == counts[0], "a new prompt length in the same bucket recompiled"
     ids, mask = _batch(model, ["a prompt well past sixteen tokens, so it lands in the next bucket up"])
     model.generate(ids, mask, max_new_tokens=7)
-    assert model._generator.trace_counts == {"prefill": counts[0]["prefill"] + 1, "decode": counts[0]["decode"] + 1}
+    assert model._generator.program_counts == {"prefill": counts[0]["prefill"] + 1, "decode": counts[0]["decode"] + 1}
 
 
 def test_budgets_in_one_buffer_length_share_programs(loaded):
@@ -166,9 +167,9 @@ def test_budgets_in_one_buffer_length_share_programs(loaded):
     for budget in (5, 9, 12):
         lengths.append(np.asarray(model.generate(ids, mask, max_new_tokens=budget, min_new_tokens=budget)).shape[1])
         if budget == 5:
-            counts = dict(model._generator.trace_counts)
+            counts = dict(model._generator.program_counts)
     assert lengths == [ids.shape[1] + 5, ids.shape[1] + 9, ids.shape[1] + 12]
-    assert model._generator.trace_counts == counts, "a new max_new_tokens recompiled"
+    assert model._generator.program_counts == counts, "a new max_new_tokens recompiled"
 
 
 def _shapes(model, ids, max_new_tokens: int) -> tuple:
@@ -182,18 +183,20 @@ def _shapes(model, ids, max_new_tokens: int) -> tuple:
 def test_decode_is_one_while_loop(loaded):
     model = loaded("llama")
     ids, mask = _batch(model, PROMPTS[:1])
-    model.generate(ids, mask, max_new_tokens=4)
-    generator = model._generator
+    generator = _generate.Generator(model)
+    generator._store = None  # trace here, rather than read the programs an earlier test stored
+    generator.generate(ids, mask, _generate.resolve_settings(model, ids.shape[1], max_new_tokens=4), seed=0)
     batch, size, total, settings = _shapes(model, ids, max_new_tokens=4)
-    program = generator._programs[("decode", batch, size, total, settings)]
-    state = generator._prefill_program(batch, size, total, settings)(
-        model.params, np.zeros((batch, size), np.int32), np.ones((batch, size), np.int32), jax.random.key(0), np.int32(4), np.int32(0)
-    )
-    text = program.lower(model.params, state, np.int32(4)).as_text()
-    main = text[text.index("func.func public @main") :]
-    main = main[: main.find("\n  func.func") % (len(main) + 1)]
-    assert main.count("stablehlo.while") == 1  # the PRNG's own loop lives in a private function
-    assert main.count("stablehlo.dot_general") > 0  # and the model runs inside the loop, not outside
+    key = ("decode", batch, size, total, settings)
+    prefill = generator._programs[("prefill", batch, size, total, settings)]
+    state = prefill(model.params, np.zeros((batch, size), np.int32), np.ones((batch, size), np.int32),
+                    jax.random.key_data(jax.random.key(0)), np.int32(4), np.int32(0))
+    decode = functools.partial(generator._decode_flat, program=key, layout=key[1:], offset=size, settings=settings,
+                               trace_prefill=None)
+    jaxpr = jax.make_jaxpr(decode)(model.params, state, np.int32(4))
+    loops = [eqn for eqn in jaxpr.eqns if eqn.primitive.name == "while"]
+    assert len(loops) == 1  # the whole decode is one loop, not one program call per token
+    assert "dot_general" in str(loops[0].params["body_jaxpr"])  # and the model runs inside it
 
 
 # -- streaming ---------------------------------------------------------------------
@@ -219,7 +222,7 @@ def test_streamer_receives_prompt_then_every_token_in_chunks(loaded):
     recorder = _Recorder()
     unstreamed = np.asarray(model.generate(ids, mask, max_new_tokens=20))
     generator = model._generator
-    decode_programs = generator.trace_counts["decode"]
+    decode_programs = generator.program_counts["decode"]
     key = ("decode", *_shapes(model, ids, max_new_tokens=20))
     decode, calls = generator._programs[key], []
     generator._programs[key] = lambda *args: calls.append(len(recorder.puts)) or decode(*args)
@@ -232,7 +235,7 @@ def test_streamer_receives_prompt_then_every_token_in_chunks(loaded):
     assert len(recorder.puts) == 1 + 20  # the prompt, then each token
     # 19 tokens after the prefill's first, in chunks; each chunk's tokens arrive before the next runs.
     assert calls == [2, 2 + _generate.STREAM_CHUNK, 2 + 2 * _generate.STREAM_CHUNK]
-    assert model._generator.trace_counts["decode"] == decode_programs  # chunks reuse the one decode program
+    assert model._generator.program_counts["decode"] == decode_programs  # chunks reuse the one decode program
 
 
 def test_text_streamer_prints_the_generated_text(loaded, capsys):
@@ -287,6 +290,7 @@ def test_empty_prompts_raise(loaded):
 
 def test_an_op_without_lowering_is_named_with_its_module(checkpoint, monkeypatch):
     model = hfjax.load(checkpoint("llama"))  # its own programs: none traced yet
+    monkeypatch.setattr(hfjax._programs, "directory", lambda: None)  # nor read from an earlier test's store
     operators = hfjax._env.env()._ops
     for op in (torch.ops.aten.rsqrt.default, torch.ops.aten.rsqrt):
         if op in operators:
@@ -304,18 +308,19 @@ def test_generate_on_a_classifier_says_what_to_load(checkpoint):
 # -- compilation cache across processes ---------------------------------------------
 
 _COLD_WARM = """
-import sys, numpy as np
+import json, sys, numpy as np
 from jax._src import monitoring
 hits = []
 monitoring.register_event_listener(lambda name, **kw: hits.append(name) if name.endswith("cache_hits") else None)
 import hfjax
 model = hfjax.load(sys.argv[1])
-model.generate(np.array([[1, 5, 6, 7]]), max_new_tokens=4)
-print(len(hits))
+tokens = np.asarray(model.generate(np.array([[1, 5, 6, 7]]), max_new_tokens=4)).tolist()
+generator = model._generator
+print(json.dumps(dict(hits=len(hits), traced=generator.trace_counts, loaded=generator.load_counts, tokens=tokens)))
 """
 
 
-def test_a_second_process_reuses_compiled_programs(checkpoint, tmp_path):
+def test_a_second_process_reuses_programs_without_tracing(checkpoint, tmp_path):
     env = {**os.environ, "HFJAX_CACHE_DIR": str(tmp_path / "xla")}
     runs = [
         subprocess.run([sys.executable, "-c", _COLD_WARM, str(checkpoint("llama"))], env=env, capture_output=True, text=True)
@@ -323,5 +328,36 @@ def test_a_second_process_reuses_compiled_programs(checkpoint, tmp_path):
     ]
     for run in runs:
         assert run.returncode == 0, run.stderr[-2000:]
-    cold, warm = (int(run.stdout.split()[-1]) for run in runs)
-    assert cold == 0 and warm >= 2  # prefill and the decode loop at least
+    cold, warm = (json.loads(run.stdout.splitlines()[-1]) for run in runs)
+    assert cold["hits"] == 0 and cold["traced"] == {"prefill": 1, "decode": 1} and cold["loaded"] == {"prefill": 0, "decode": 0}
+    # The second process reads both programs from disk (no tracing) and XLA's compiled code from JAX's cache.
+    assert warm["traced"] == {"prefill": 0, "decode": 0} and warm["loaded"] == {"prefill": 1, "decode": 1}
+    assert warm["hits"] >= 2
+    assert warm["tokens"] == cold["tokens"]
+
+
+def test_a_stored_prefill_without_its_decode_loop_still_generates(loaded, tmp_path):
+    # The decode loop needs the state's structure, which only tracing the prefill gives.
+    model = loaded("llama")
+    ids, mask = _batch(model, PROMPTS[:1])
+    expected = np.asarray(model.generate(ids, mask, max_new_tokens=6))
+    fresh = _generate.Generator(model)
+    decode_keys = [key for key in model._generator._programs if key[0] == "decode"]
+    for key in decode_keys:  # as if only the prefill had been written by an earlier process
+        path = fresh._store._path(key)
+        path.unlink(missing_ok=True)
+    model._generator = fresh
+    np.testing.assert_array_equal(np.asarray(model.generate(ids, mask, max_new_tokens=6)), expected)
+    assert fresh.load_counts["prefill"] == 1 and fresh.trace_counts == {"prefill": 1, "decode": 1}
+
+
+def test_an_unreadable_stored_program_is_traced_again(loaded):
+    model = loaded("llama")
+    ids, mask = _batch(model, PROMPTS[:1])
+    expected = np.asarray(model.generate(ids, mask, max_new_tokens=6))
+    fresh = _generate.Generator(model)
+    for key in model._generator._programs:
+        fresh._store._path(key).write_bytes(b"\x05\x00")  # truncated by a writer that was killed
+    model._generator = fresh
+    np.testing.assert_array_equal(np.asarray(model.generate(ids, mask, max_new_tokens=6)), expected)
+    assert fresh.load_counts == {"prefill": 0, "decode": 0} and fresh.trace_counts == {"prefill": 1, "decode": 1}

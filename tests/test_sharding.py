@@ -75,12 +75,32 @@ def _child(out: pathlib.Path) -> None:
                 record["split"] = sum("model" in spec for spec in plan.values())
                 record["bad_shards"] = _bad_shards(model.params, plan, model_size)
                 record["kv_cache"] = _kv_cache_shards(model, ids)
+                if family == "llama" and data > 1:
+                    # A batch that does not divide over "data" is padded for the mesh, then trimmed.
+                    odd = np.array(PROMPTS + PROMPTS[:1], np.int32)
+                    record["odd_batch_tokens"] = np.asarray(model.generate(odd, max_new_tokens=NEW_TOKENS, do_sample=False)).tolist()
+                    record["want_odd_batch_tokens"] = np.asarray(
+                        reference.generate(odd, max_new_tokens=NEW_TOKENS, do_sample=False)).tolist()
+                    record["cli"] = _cli_text(path, ["--data-parallel", str(data), "--model-parallel", str(model_size)])
+                    record["want_cli"] = _cli_text(path, [])
                 config = model.config.get_text_config()
                 record["kv_heads"] = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
             except Exception:  # recorded, so one case's failure is reported by its own test
                 record["error"] = traceback.format_exc()
             records.append(record)
             (out / "records.json").write_text(json.dumps(records))
+
+
+def _cli_text(path, flags: list[str]) -> str:
+    import contextlib
+    import io
+
+    from hfjax import cli
+
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        code = cli.main(["generate", "--model", str(path), "Hello there", "--max-new-tokens", "5", "--temperature", "0", *flags])
+    return f"exit {code}: {out.getvalue()}"
 
 
 def _bad_shards(params, plan, model_size: int) -> list[str]:
@@ -102,18 +122,20 @@ def _kv_cache_shards(model, ids) -> list[list[int]]:
     import jax
 
     generator = model._generator
-    programs, caught = generator._prefill_program, []
+    program, caught = generator._program, []
 
-    def catching(*key):
-        program = programs(*key)
-        return lambda *args: caught.append(program(*args)) or caught[-1]
+    def catching(key, *rest, **kwargs):
+        compiled = program(key, *rest, **kwargs)
+        if key[0] != "prefill":
+            return compiled
+        return lambda *args: caught.append(compiled(*args)) or caught[-1]
 
-    generator._prefill_program = catching
+    generator._program = catching
     try:
         model.generate(ids, max_new_tokens=2, do_sample=False)
     finally:
-        generator._prefill_program = programs
-    leaves = [leaf for leaf in jax.tree_util.tree_leaves(caught[-1]["cache"]) if leaf.ndim == 4]
+        generator._program = program
+    leaves = [leaf for leaf in caught[-1] if leaf.ndim == 4]  # the prefill's state, as a flat list
     return [list(leaf.sharding.shard_shape(leaf.shape)) + list(leaf.shape) for leaf in leaves]
 
 
@@ -152,6 +174,16 @@ def test_sharded_model_matches_one_device(records, family, mesh):
         for shard_and_full in record["kv_cache"]:
             block, full = shard_and_full[:4], shard_and_full[4:]
             assert block[1] == full[1] // mesh[1], f"KV cache block {block} of {full}"
+    if mesh[0] > 1:
+        # The batch is split over "data", and the KV cache with it.
+        assert record["kv_cache"], "the prefill returned no [B, heads, L, D] cache arrays"
+        for shard_and_full in record["kv_cache"]:
+            block, full = shard_and_full[:4], shard_and_full[4:]
+            assert block[0] == full[0] // mesh[0], f"KV cache block {block} of {full}"
+    if "want_odd_batch_tokens" in record:
+        assert record["odd_batch_tokens"] == record["want_odd_batch_tokens"]
+        # `hfjax generate --data-parallel D --model-parallel M` prints what one device prints.
+        assert record["cli"].startswith("exit 0: ") and record["cli"] == record["want_cli"]
 
 
 def test_head_count_error_names_heads_and_mesh():

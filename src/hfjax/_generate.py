@@ -8,6 +8,11 @@ Stages (gpt-fast's names):
                    has produced an EOS or the step limit is reached. Its state is donated,
                    so the cache is updated in place. A streamer runs it in chunks.
 
+Both programs carry their state as a flat list of arrays. With the compilation cache on
+(`hfjax.set_cache_dir`), each is also kept on disk as a `jax.export` blob (`_programs.py`),
+so a new process runs it without tracing the model again. On a mesh the batch is split over
+its "data" axis.
+
 How the model keeps its past is chosen per architecture (`_cache_kind`):
   "static"     transformers' own `StaticCache` (or `EncoderDecoderCache` of two for
                encoder-decoders), carried through the loop as a pytree;
@@ -20,6 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import inspect
 import time
 from typing import Any, Literal
@@ -29,7 +35,7 @@ import jax.numpy as jnp
 import numpy as np
 import torch
 
-from . import _compile, _env, _sampling
+from . import _compile, _env, _programs, _sampling
 from ._errors import HfjaxError
 from ._sampling import SamplingConfig
 
@@ -195,7 +201,15 @@ class Generator:
         self.encoder_decoder = bool(getattr(model.config, "is_encoder_decoder", False))
         self.kind: CacheKind = _cache_kind(model.module)
         self._programs: dict[tuple, Any] = {}
+        # Programs pass their state as a flat list of arrays, so that one read from disk needs no
+        # tracing: per layout key (batch, offset, total, settings) the state's tree structure
+        # (known once prefill is traced), and per program where the host's fields sit in the list.
+        self._treedefs: dict[tuple, Any] = {}
+        self._fields: dict[tuple, dict[str, int]] = {}
+        params_on_one_device = _programs.single_device(model.params)
+        self._store = _programs.ProgramStore(_programs.model_fingerprint(model)) if params_on_one_device else None
         self.trace_counts: dict[str, int] = {"prefill": 0, "decode": 0}
+        self.load_counts: dict[str, int] = {"prefill": 0, "decode": 0}  # read from disk, not traced
         self.last_stats = GenerationStats()
         self._takes_positions = _accepts(self.module, "position_ids")
         self._takes_logits_to_keep = _accepts(self.module, "logits_to_keep")
@@ -210,13 +224,16 @@ class Generator:
         ids, mask = np.asarray(input_ids), np.asarray(attention_mask)
         batch, length = ids.shape
         size = bucket(length)
+        # On a mesh the batch is split over "data": a batch that does not divide is padded
+        # with copies of its last row (which stop when it stops), dropped from the result.
+        rows = _round_up(batch, self._data_size())
         # Pad to the bucket with masked-out tokens: on the left for a decoder (its positions come
         # from the mask), on the right for an encoder (whose positions may not).
-        padded_ids = np.full((batch, size), settings.pad_token_id, np.int32)
-        padded_mask = np.zeros((batch, size), np.int32)
+        padded_ids = np.full((rows, size), settings.pad_token_id, np.int32)
+        padded_mask = np.zeros((rows, size), np.int32)
         columns = slice(0, length) if self.encoder_decoder else slice(size - length, size)
-        padded_ids[:, columns] = ids
-        padded_mask[:, columns] = mask
+        padded_ids[:, columns] = np.concatenate([ids, np.repeat(ids[-1:], rows - batch, axis=0)])
+        padded_mask[:, columns] = np.concatenate([mask, np.repeat(mask[-1:], rows - batch, axis=0)])
         # The token buffer holds the decoder's prompt (the padded prompt, or the decoder start
         # token of an encoder-decoder) and then the new tokens, from `offset` on.
         offset = 1 if self.encoder_decoder else size
@@ -229,29 +246,39 @@ class Generator:
         if streamer is not None:
             streamer.put(torch.as_tensor(ids.astype(np.int64)))
 
-        traces_before = sum(self.trace_counts.values())
-        state = self._prefill_program(batch, size, total, settings)(
-            self.model.params, jnp.asarray(padded_ids), jnp.asarray(padded_mask), jax.random.key(seed), jnp.int32(budget), jnp.int32(least)
-        )
-        first = np.asarray(state["sequence"])[:, offset]
+        prepared_before = self._prepared()
+        params = self.model.params
+        prefill_key = ("prefill", rows, size, total, settings)
+        decode_key = ("decode", rows, offset, total, settings)
+        layout = decode_key[1:]
+        prefill_args = (params, self._place(padded_ids), self._place(padded_mask),
+                        jax.random.key_data(jax.random.key(seed)), jnp.int32(budget), jnp.int32(least))
+        prefill_function = functools.partial(self._prefill_flat, program=prefill_key, layout=layout, total=total, settings=settings)
+        state = self._program(prefill_key, prefill_function, prefill_args)(*prefill_args)
+        fields = self._fields[prefill_key]  # the decode loop's state has the same structure
+        first = _host(state[fields["sequence"]])[:batch, offset]
         ttft = time.perf_counter() - start
         if streamer is not None:
             streamer.put(torch.as_tensor(first.astype(np.int64)))
-        decode = self._decode_program(batch, offset, total, settings)
         limit = budget
+        decode_function = functools.partial(
+            self._decode_flat, program=decode_key, layout=layout, offset=offset, settings=settings,
+            trace_prefill=lambda: jax.eval_shape(prefill_function, *prefill_args),
+        )
+        decode = self._program(decode_key, decode_function, (params, state, jnp.int32(limit)), donate=(1,))
         steps = 1
         if streamer is None:
-            state = decode(self.model.params, state, jnp.int32(limit))
-            steps = int(state["step"])
+            state = decode(params, state, jnp.int32(limit))
+            steps = int(_host(state[fields["step"]]))
         else:
-            while steps < limit and not bool(np.all(np.asarray(state["done"]))):
-                state = decode(self.model.params, state, jnp.int32(min(steps + STREAM_CHUNK, limit)))
-                now = int(state["step"])
-                for token in np.asarray(state["sequence"])[:, offset + steps : offset + now].T:
+            while steps < limit and not bool(np.all(_host(state[fields["done"]]))):
+                state = decode(params, state, jnp.int32(min(steps + STREAM_CHUNK, limit)))
+                now = int(_host(state[fields["step"]]))
+                for token in _host(state[fields["sequence"]])[:batch, offset + steps : offset + now].T:
                     streamer.put(torch.as_tensor(token.astype(np.int64)))
                 steps = now
             streamer.end()
-        sequence = np.asarray(state["sequence"])
+        sequence = _host(state[fields["sequence"]])[:batch]
         new = sequence[:, offset : offset + steps]
         prompt = sequence[:, :1] if self.encoder_decoder else ids
         out = np.concatenate([prompt.astype(np.int32), new], axis=1)
@@ -260,30 +287,75 @@ class Generator:
             new_tokens=steps,
             time_to_first_token=ttft,
             total=time.perf_counter() - start,
-            compiled=sum(self.trace_counts.values()) > traces_before,
+            compiled=self._prepared() > prepared_before,
         )
         return jnp.asarray(out)
 
-    def _prefill_program(self, batch: int, size: int, total: int, settings: GenerationSettings):
-        key = ("prefill", batch, size, total, settings)
-        if key not in self._programs:
-            self._programs[key] = jax.jit(
-                lambda p, i, m, k, b, n: self._prefill(p, i, m, k, b, n, total=total, settings=settings)
-            )
-        return self._programs[key]
+    def _data_size(self) -> int:
+        mesh = self.model.mesh
+        return 1 if mesh is None else dict(mesh.shape).get("data", 1)
 
-    def _decode_program(self, batch: int, offset: int, total: int, settings: GenerationSettings):
-        key = ("decode", batch, offset, total, settings)
-        if key not in self._programs:
-            self._programs[key] = jax.jit(
-                lambda p, s, n: self._decode_n_tokens(p, s, n, offset=offset, settings=settings), donate_argnums=1
-            )
-        return self._programs[key]
+    def _place(self, array: np.ndarray) -> jax.Array:
+        """[B, ...] host array -> device array; on a mesh, rows split over "data" (B divides it)."""
+        mesh = self.model.mesh
+        if mesh is None:
+            return jnp.asarray(array)
+        spec = jax.sharding.PartitionSpec("data") if self._data_size() > 1 else jax.sharding.PartitionSpec()
+        # Every process holds the whole batch and hands over the rows of its own devices.
+        return jax.make_array_from_callback(array.shape, jax.sharding.NamedSharding(mesh, spec), lambda index: array[index])
+
+    def _prepared(self) -> int:
+        return sum(self.trace_counts.values()) + sum(self.load_counts.values())
+
+    @property
+    def program_counts(self) -> dict[str, int]:
+        """Programs prepared per stage in this process, traced or read from disk."""
+        return {stage: self.trace_counts[stage] + self.load_counts[stage] for stage in self.trace_counts}
+
+    def _program(self, key: tuple, function, args: tuple, donate: tuple[int, ...] = ()):
+        """The compiled program for `key`: kept from an earlier call, read from disk, or traced now."""
+        if key in self._programs:
+            return self._programs[key]
+        store = self._store if _programs.directory() is not None else None
+        found = store.load(key) if store is not None else None
+        if found is not None:
+            exported, metadata = found
+            self.load_counts[key[0]] += 1
+            self._fields[key] = metadata["fields"]
+            program = jax.jit(exported.call, donate_argnums=donate)
+        elif store is not None:
+            exported = jax.export.export(jax.jit(function))(*args)
+            exported = store.save(key, exported, {"fields": self._fields[key]})
+            program = jax.jit(exported.call, donate_argnums=donate)
+        else:
+            program = jax.jit(function, donate_argnums=donate)
+        self._programs[key] = program
+        return program
+
+    # -- traced: flat state in and out ---------------------------------------------
+
+    def _prefill_flat(self, params, ids, mask, key, budget, least, *, program, layout, total, settings) -> list:
+        state = self._prefill(params, ids, mask, key, budget, least, total=total, settings=settings)
+        return self._flatten(state, program, layout)
+
+    def _decode_flat(self, params, leaves, limit, *, program, layout, offset, settings, trace_prefill) -> list:
+        if layout not in self._treedefs:
+            trace_prefill()  # its program came from disk: trace it abstractly for the state's structure
+        state = jax.tree_util.tree_unflatten(self._treedefs[layout], leaves)
+        state = self._decode_n_tokens(params, state, limit, offset=offset, settings=settings)
+        return self._flatten(state, program, layout)
+
+    def _flatten(self, state: dict, program: tuple, layout: tuple) -> list:
+        paths_and_leaves, treedef = jax.tree_util.tree_flatten_with_path(state)
+        self._treedefs[layout] = treedef
+        paths = [jax.tree_util.keystr(path) for path, _ in paths_and_leaves]
+        self._fields[program] = {name: paths.index(f"['{name}']") for name in ("sequence", "step", "done")}
+        return [leaf for _, leaf in paths_and_leaves]
 
     # -- traced: prefill ---------------------------------------------------------
 
     def _prefill(self, params, ids, mask, key, budget, least, *, total: int, settings: GenerationSettings) -> dict:
-        # ids, mask: [B, P] int32, left-padded; budget, least: int32 max_new_tokens and
+        # ids, mask: [B, P] int32, left-padded; key: uint32 PRNG key data; budget, least: int32 max_new_tokens and
         # min_new_tokens (arguments, so they do not recompile); total: the buffer and cache length L.
         self.trace_counts["prefill"] += 1
         batch, size = ids.shape
@@ -414,6 +486,15 @@ class Generator:
                 yield environment
 
 
+def _host(array: jax.Array) -> np.ndarray:
+    """The whole of `array` on this host, also when other processes hold some of its rows."""
+    if array.is_fully_addressable or array.is_fully_replicated:
+        return np.asarray(array)
+    from jax.experimental import multihost_utils
+
+    return np.asarray(multihost_utils.process_allgather(array, tiled=True))
+
+
 def _static_cache(config, length: int):
     """transformers' StaticCache of `length` slots in which every layer is a plain StaticLayer.
 
@@ -462,7 +543,7 @@ def _round_up(n: int, multiple: int) -> int:
 
 def _choose(state: dict, logits, offset: int, settings: GenerationSettings) -> dict:
     """Samples the next token of every row from `logits` [B, V] and appends it to the state."""
-    key, draw = jax.random.split(state["key"])
+    key, draw = jax.random.split(jax.random.wrap_key_data(state["key"]))
     if settings.eos_token_ids:
         eos = jnp.asarray(settings.eos_token_ids)
         blocked = jnp.zeros(logits.shape[-1], bool).at[eos].set(True) & (state["step"] < state["least"])
@@ -487,5 +568,5 @@ def _choose(state: dict, logits, offset: int, settings: GenerationSettings) -> d
         "seen": seen,
         "done": done,
         "step": state["step"] + 1,
-        "key": key,
+        "key": jax.random.key_data(key),
     }

@@ -26,10 +26,13 @@ class Model:
       tokenizer: the checkpoint's tokenizer, or None when it has no tokenizer files.
       task: the transformers pipeline task the model was loaded for.
       path: the local checkpoint directory.
+      mesh: the device mesh the weights are split over (`hfjax.load(mesh=...)`), or None.
+        `generate` splits the batch over its "data" axis.
     """
 
-    def __init__(self, module, params, aliases, *, config, tokenizer, task: str, path: pathlib.Path):
+    def __init__(self, module, params, aliases, *, config, tokenizer, task: str, path: pathlib.Path, mesh=None):
         self.module = module
+        self.mesh = mesh
         self.params = params
         self.config = config
         self.tokenizer = tokenizer
@@ -346,7 +349,7 @@ def load(
 
         shardings = _sharding.plan(module, mesh).shardings(mesh)
     params, aliases = _loading.load_weights(module, files, dtype, progress=progress, shardings=shardings)
-    return Model(module, params, aliases, config=config, tokenizer=_tokenizer(path), task=task, path=path)
+    return Model(module, params, aliases, config=config, tokenizer=_tokenizer(path), task=task, path=path, mesh=mesh)
 
 
 def _tokenizer(path: pathlib.Path):

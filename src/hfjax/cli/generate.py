@@ -36,6 +36,10 @@ def add_generation_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--seed", type=int, default=0, help="sampler seed: the same seed gives the same text (default 0)")
     parser.add_argument("--dtype", choices=_DTYPES, default=None, help="weights dtype (default: the checkpoint's)")
+    parser.add_argument("--model-parallel", type=int, default=1,
+                        help="split the weights over this many devices (tensor parallel; default 1)")
+    parser.add_argument("--data-parallel", type=int, default=1,
+                        help="split the batch over this many devices (default 1); data x model devices are used")
     parser.add_argument("--stats", action="store_true", help="print time to first token and tokens/s to stderr")
 
 
@@ -52,6 +56,9 @@ def generation_kwargs(args: argparse.Namespace) -> dict:
     from hfjax._sampling import SamplingConfig
 
     GenerationSettings(max_new_tokens=args.max_new_tokens)
+    for flag in ("model_parallel", "data_parallel"):
+        if getattr(args, flag) < 1:
+            raise ValueError(f"--{flag.replace('_', '-')}={getattr(args, flag)} must be at least 1")
     sampling = {name: getattr(args, name) for name in ("temperature", "top_k", "top_p") if getattr(args, name) is not None}
     do_sample = None
     if args.temperature == 0:
@@ -83,7 +90,10 @@ def prepare(args: argparse.Namespace, command: str):
 def _load_causal_lm(args: argparse.Namespace):
     import hfjax
 
-    model = hfjax.load(args.model, dtype=args.dtype)
+    mesh = None
+    if args.model_parallel > 1 or args.data_parallel > 1:
+        mesh = hfjax.make_mesh(data=args.data_parallel, model=args.model_parallel)
+    model = hfjax.load(args.model, dtype=args.dtype, mesh=mesh)
     if model.tokenizer is None:
         raise ValueError(f"the checkpoint at {args.model!r} has no tokenizer files, so text cannot be encoded")
     if model.task not in ("text-generation", "text2text-generation"):
