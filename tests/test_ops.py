@@ -465,6 +465,56 @@ def test_scaled_dot_product_attention_matches_torch(env, case, jit):
     assert torch.isfinite(actual).all()
 
 
+# -- convolution (channels-last) ----------------------------------------------------
+
+CONV_CASES = {
+    "2d": (torch.nn.Conv2d, dict(in_channels=6, out_channels=8, kernel_size=3, padding=1), (2, 6, 9, 7)),
+    "2d_strided_dilated_grouped": (
+        torch.nn.Conv2d, dict(in_channels=6, out_channels=4, kernel_size=3, stride=2, dilation=2, padding=2, groups=2),
+        (2, 6, 11, 10),
+    ),
+    "2d_no_bias_unbatched": (torch.nn.Conv2d, dict(in_channels=3, out_channels=5, kernel_size=(1, 3), bias=False), (3, 8, 8)),
+    "1d_depthwise": (torch.nn.Conv1d, dict(in_channels=4, out_channels=4, kernel_size=4, padding=3, groups=4), (2, 4, 10)),
+    "3d": (torch.nn.Conv3d, dict(in_channels=2, out_channels=3, kernel_size=2, stride=(1, 2, 1)), (1, 2, 5, 6, 4)),
+    "2d_transposed": (torch.nn.ConvTranspose2d, dict(in_channels=4, out_channels=3, kernel_size=3, stride=2), (2, 4, 5, 5)),
+}
+
+
+@jit_modes
+@pytest.mark.parametrize("case", CONV_CASES)
+def test_convolution_matches_torch(env, case, jit):
+    layer, kwargs, shape = CONV_CASES[case]
+    torch.manual_seed(SEED)
+    conv = layer(**kwargs).eval()
+    x = torch.randn(*shape)
+    weight, bias = conv.weight.detach(), None if conv.bias is None else conv.bias.detach()
+    expected = conv(x).detach()
+
+    def apply(x, weight, bias):
+        return torch.func.functional_call(conv, {"weight": weight, "bias": bias} if bias is not None else {"weight": weight}, (x,))
+
+    actual = _run(env, apply, x, weight, bias, jit=jit)
+    _assert_close(actual, expected, MATMUL_ATOL)
+
+
+def test_convolution_in_a_loop_runs_channels_last(env):
+    # XLA:CPU keeps a channels-first convolution channels-first inside a while loop (and runs
+    # its generic, ~80x slower convolution); the override hands it channels-last.
+    torch.manual_seed(SEED)
+    conv = torch.nn.Conv2d(4, 4, 3, padding=1).eval()
+    weight, bias = _to_jax(env, (conv.weight.detach(), conv.bias.detach()))
+
+    def body(_, x):
+        with env:
+            out = torch.nn.functional.conv2d(torchax.tensor.Tensor(x, env), weight, bias, padding=1)
+        return out.jax()
+
+    x = jax.numpy.ones((1, 4, 8, 8))
+    text = jax.jit(lambda x: jax.lax.fori_loop(0, 3, body, x)).lower(x).compile().as_text()
+    labels = [line.split("dim_labels=")[1].split(",")[0] for line in text.splitlines() if "dim_labels=" in line]
+    assert labels and all(label.startswith("b01f") for label in labels), labels
+
+
 PARITY_TESTS = {
     torch.ops.aten._grouped_mm.default: test_grouped_mm_matches_torch,
     torch.ops.aten.copy_: test_copy_matches_torch,
@@ -476,6 +526,7 @@ PARITY_TESTS = {
     torch.ops.aten.pow: test_integer_pow_matches_torch,
     torch.nn.functional.scaled_dot_product_attention: test_scaled_dot_product_attention_matches_torch,
     torch.ops.aten.scaled_dot_product_attention: test_scaled_dot_product_attention_matches_torch,
+    torch.ops.aten.convolution: test_convolution_matches_torch,
 }
 
 

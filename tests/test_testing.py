@@ -287,3 +287,14 @@ def test_docstring_examples_run():
     result = doctest.testmod(testing, optionflags=doctest.ELLIPSIS)
     assert result.attempted > 0
     assert result.failed == 0
+
+
+@pytest.mark.parametrize("first", ["hfjax._tiny_pipelines", "hfjax.testing"])
+def test_pipeline_factories_import_in_either_order(first):
+    # benchmarks/diffusion.py imports hfjax._tiny_pipelines before hfjax.testing.
+    import subprocess
+    import sys
+
+    code = f"import {first}; from hfjax.testing import save_tiny_pipeline; from hfjax._tiny_pipelines import SCHEDULERS"
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr[-2000:]

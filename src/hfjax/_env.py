@@ -80,6 +80,18 @@ def to_torch(tree):
     )
 
 
+def move_tensors(component) -> list[str]:
+    """Moves the tensor attributes of a plain object (a scheduler) into the torchax environment;
+    returns their names."""
+    environment = env()
+    moved = []
+    for name, value in vars(component).items():
+        if isinstance(value, torch.Tensor) and not isinstance(value, JaxTensor):
+            setattr(component, name, JaxTensor(to_jax(value), environment))
+            moved.append(name)
+    return moved
+
+
 def _torch_to_jax(t: torch.Tensor) -> jax.Array:
     t = t.detach()
     if t.device.type == "meta":

@@ -288,6 +288,53 @@ def _pow(x, y):
     return jnp.where(y < 0, negative_power, power)
 
 
+# -- convolution -----------------------------------------------------------------
+
+
+@override(
+    torch.ops.aten.convolution,
+    why="torchax convolves in torch's channels-first layout; outside loops XLA's CPU backend converts "
+    "that to channels-last itself, but inside a while loop (a whole diffusion loop) it keeps it and "
+    "runs its generic convolution, 80x slower",
+)
+def _convolution(input, weight, bias, stride, padding, dilation, transposed, output_padding, groups):
+    # input: [N, C, *spatial] (or [C, *spatial]); weight: [O, C / groups, *kernel] -> [N, O, *spatial']
+    if transposed:
+        return _torchax_lowering(torch.ops.aten.convolution)(
+            input, weight, bias, stride, padding, dilation, transposed, output_padding, groups
+        )
+    spatial = weight.ndim - 2
+    unbatched = input.ndim == spatial + 1
+    if unbatched:
+        input = input[None]
+    # Channels last, explicitly, in and out of every convolution: XLA cancels the transposes
+    # between neighbours, and convolves channels-last inside loops as well as outside.
+    to_last = (0, *range(2, spatial + 2), 1)
+    numbers = jax.lax.ConvDimensionNumbers(
+        lhs_spec=(0, spatial + 1, *range(1, spatial + 1)),
+        rhs_spec=(spatial + 1, spatial, *range(spatial)),
+        out_spec=(0, spatial + 1, *range(1, spatial + 1)),
+    )
+    out = jax.lax.conv_general_dilated(
+        jnp.transpose(input, to_last),
+        jnp.transpose(weight, (*range(2, spatial + 2), 1, 0)),  # [*kernel, C / groups, O]
+        window_strides=tuple(stride),
+        padding=[(p, p) for p in _per_dim(padding, spatial)],
+        rhs_dilation=tuple(_per_dim(dilation, spatial)),
+        dimension_numbers=numbers,
+        feature_group_count=groups,
+    )
+    out = jnp.transpose(out, (0, spatial + 1, *range(1, spatial + 1)))
+    if bias is not None:
+        out = out + bias.reshape((1, -1) + (1,) * spatial)
+    return out[0] if unbatched else out
+
+
+def _per_dim(values, count: int) -> list[int]:
+    values = list(values)
+    return values * count if len(values) == 1 else values
+
+
 # -- attention -----------------------------------------------------------------
 
 

@@ -18,8 +18,6 @@ from typing import Any, Callable, Literal
 
 import torch
 
-from .testing import _perturb_constant_parameters
-
 PipelineKind = Literal["stable-diffusion", "sdxl", "sd-img2img", "pixart", "sd3", "flux"]
 SchedulerName = Literal["pndm", "ddim", "euler", "euler-ancestral", "dpm-solver++", "flow-match-euler"]
 
@@ -249,8 +247,13 @@ def save_tiny_pipeline(
             if isinstance(component, torch.nn.Module):
                 # diffusers zero-initialises output layers (conv_out, final projections):
                 # without noise every denoiser would predict 0 and every image match.
-                _perturb_constant_parameters(component.eval(), std=0.02)
+                testing._perturb_constant_parameters(component.eval(), std=0.02)
     path = pathlib.Path(path)
     path.mkdir(parents=True, exist_ok=True)
     pipe.save_pretrained(path)
     return path
+
+
+# Last, and as a module: testing imports this module's names at its own end, so either module
+# may be imported first.
+from . import testing  # noqa: E402
