@@ -89,6 +89,45 @@ def _child(out: pathlib.Path) -> None:
                 record["error"] = traceback.format_exc()
             records.append(record)
             (out / "records.json").write_text(json.dumps(records))
+    records += _diffusion_records(out)
+    (out / "records.json").write_text(json.dumps(records))
+
+
+def _diffusion_records(out: pathlib.Path) -> list[dict]:
+    # A tiny Stable Diffusion pipeline on a (2, 4) mesh, per step and whole loop, against one device.
+    import jax
+    import numpy as np
+    import torch
+
+    import hfjax
+    from hfjax import testing
+
+    path = testing.save_tiny_pipeline("stable-diffusion", out / "sd")
+
+    def image(pipe):
+        return np.asarray(pipe("a red cat", num_inference_steps=3, height=32, width=32, output_type="np",
+                               generator=torch.Generator().manual_seed(0)).images)
+
+    want = image(hfjax.load_pipeline(path))
+    records = []
+    for whole_loop in (False, True):
+        record = {"family": "stable-diffusion" + ("-whole-loop" if whole_loop else ""), "mesh": [2, 4]}
+        try:
+            pipe = hfjax.load_pipeline(path, mesh=hfjax.make_mesh(data=2, model=4), whole_loop=whole_loop)
+            calls, program = [], pipe.unet._program
+
+            def spying(*args, **kwargs):
+                compiled, dynamic = program(*args, **kwargs)
+                calls.extend(str(x.sharding.spec) for x in dynamic if x.ndim == 4 and not isinstance(x, jax.core.Tracer))
+                return compiled, dynamic
+
+            object.__setattr__(pipe.unet, "_program", spying)
+            record["max_diff"] = float(np.abs(image(pipe) - want).max())
+            record["path"], record["latent_specs"] = pipe.hfjax_path, sorted(set(calls))
+        except Exception:
+            record["error"] = traceback.format_exc()
+        records.append(record)
+    return records
 
 
 def _cli_text(path, flags: list[str]) -> str:
@@ -184,6 +223,18 @@ def test_sharded_model_matches_one_device(records, family, mesh):
         assert record["odd_batch_tokens"] == record["want_odd_batch_tokens"]
         # `hfjax generate --data-parallel D --model-parallel M` prints what one device prints.
         assert record["cli"].startswith("exit 0: ") and record["cli"] == record["want_cli"]
+
+
+@pytest.mark.parametrize("family", ["stable-diffusion", "stable-diffusion-whole-loop"])
+def test_diffusion_pipeline_on_a_mesh_splits_images_over_data(records, family):
+    from hfjax.tolerances import DEFAULT
+
+    record = records[(family, (2, 4))]
+    assert "error" not in record, record.get("error")
+    assert record["max_diff"] <= DEFAULT.atol, f"images differ by {record['max_diff']} (tolerance {DEFAULT.atol})"
+    assert record["path"] == ("whole-loop" if family.endswith("whole-loop") else "per-step")
+    # The UNet's latents (the image and its guidance copy) arrive split over "data".
+    assert record["latent_specs"] == ["P('data',)"]
 
 
 def test_head_count_error_names_heads_and_mesh():

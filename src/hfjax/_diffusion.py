@@ -58,12 +58,42 @@ def _register_vae_outputs() -> None:
     register_stateful(vae.DiagonalGaussianDistribution)  # AutoencoderKLOutput.latent_dist
 
 
-def _compiled_component(name: str, module: torch.nn.Module) -> JittedModule:
+class _OnMesh:
+    """A compiled component on a device mesh: weights replicated on every device, and each
+    array argument's leading (batch) axis split over "data" where it divides."""
+
+    def _program(self, method: str, args: tuple, kwargs: dict):
+        program, dynamic = super()._program(method, args, kwargs)
+        return program, [_split_batch(x, self._mesh) for x in dynamic]
+
+
+class _JittedOnMesh(_OnMesh, JittedModule):
+    pass
+
+
+class _JittedVaeOnMesh(_OnMesh, _JittedVae):
+    pass
+
+
+def _split_batch(x: jax.Array, mesh) -> jax.Array:
+    data = dict(mesh.shape).get("data", 1)
+    split = data > 1 and x.ndim >= 1 and x.shape[0] % data == 0
+    spec = jax.sharding.PartitionSpec("data") if split else jax.sharding.PartitionSpec()
+    return jax.device_put(x, jax.sharding.NamedSharding(mesh, spec))
+
+
+def _compiled_component(name: str, module: torch.nn.Module, mesh=None) -> JittedModule:
     cls = type(module)
     if callable(getattr(cls, "decode", None)) and not name.startswith(_whole_loop.DENOISERS):
         methods = [m for m in ("decode", "encode") if callable(getattr(cls, m, None))]
-        return _JittedVae(module, methods)
-    return JittedModule(module, ("forward",))
+        component = (_JittedVae if mesh is None else _JittedVaeOnMesh)(module, methods)
+    else:
+        component = (JittedModule if mesh is None else _JittedOnMesh)(module, ("forward",))
+    if mesh is not None:
+        replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+        object.__setattr__(component, "params", jax.device_put(component.params, replicated))
+        object.__setattr__(component, "_mesh", mesh)
+    return component
 
 
 # ---- the pipeline class running on JAX --------------------------------------------
@@ -109,7 +139,7 @@ def _check_size(pipe, kwargs: dict) -> None:
 # ---- public API ------------------------------------------------------------------
 
 
-def to_jax(pipe, *, whole_loop: WholeLoop = False):
+def to_jax(pipe, *, whole_loop: WholeLoop = False, mesh=None):
     """Makes a diffusers pipeline run on JAX, its heavy parts compiled by XLA.
 
     Moves every nn.Module component's weights and every tensor held by other
@@ -125,6 +155,9 @@ def to_jax(pipe, *, whole_loop: WholeLoop = False):
         guidance, scheduler) as one XLA program where the pipeline and scheduler allow
         it, and fall back to per-step otherwise (True logs a warning, "auto" an info
         line). `pipe.hfjax_whole_loop` may be changed between calls.
+      mesh: a `jax.sharding.Mesh` with a "data" axis (see `hfjax.make_mesh`): the weights are
+        replicated on its devices and each compiled call's batch (images, and their
+        classifier-free-guidance copies) is split over "data" where it divides.
 
     Returns:
       `pipe`, now running on JAX; after each call `pipe.hfjax_path` is "per-step" or
@@ -143,6 +176,8 @@ def to_jax(pipe, *, whole_loop: WholeLoop = False):
         )
     if whole_loop not in _WHOLE_LOOP_VALUES:
         raise ValueError(f"hfjax.to_jax(whole_loop={whole_loop!r}): use one of {_WHOLE_LOOP_VALUES}")
+    if mesh is not None and not isinstance(mesh, jax.sharding.Mesh):
+        raise TypeError(f"hfjax.to_jax: mesh must be a jax.sharding.Mesh, got {type(mesh).__name__}")
     if getattr(type(pipe), "_hfjax_on_jax", False):
         return pipe
     _register_vae_outputs()
@@ -150,7 +185,7 @@ def to_jax(pipe, *, whole_loop: WholeLoop = False):
         if isinstance(component, torch.nn.Module):
             _move_module(component)
             # Past DiffusionPipeline.__setattr__, which would record JittedModule in model_index.json.
-            object.__setattr__(pipe, name, _compiled_component(name, component))
+            object.__setattr__(pipe, name, _compiled_component(name, component, mesh))
         elif component is not None and hasattr(component, "__dict__"):
             _env.move_tensors(component)
     pipe.__class__ = _on_jax_class(type(pipe))
@@ -174,7 +209,7 @@ def load_pipeline(
     Args:
       path_or_hub_id: a directory holding model_index.json, or a hub id "org/name".
       dtype: "float32", "bfloat16" or "float16"; default: the checkpoint's.
-      mesh: a `jax.sharding.Mesh`; accepted for API symmetry with `hfjax.load`.
+      mesh: a `jax.sharding.Mesh`: as for `to_jax`.
       whole_loop: as for `to_jax`.
 
     Returns:
@@ -185,8 +220,6 @@ def load_pipeline(
       >>> pipe("a cat", num_inference_steps=2, height=32, width=32).images[0].size
       (32, 32)
     """
-    import jax
-
     _loading.check_dtype(dtype)
     if mesh is not None and not isinstance(mesh, jax.sharding.Mesh):
         raise LoadError(f"hfjax.load_pipeline: mesh must be a jax.sharding.Mesh, got {type(mesh).__name__}")
@@ -196,7 +229,7 @@ def load_pipeline(
     torch_dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}.get(dtype)
     options = {"torch_dtype": torch_dtype} if torch_dtype else {}
     pipe = DiffusionPipeline.from_pretrained(path, **options)
-    return to_jax(pipe, whole_loop=whole_loop)
+    return to_jax(pipe, whole_loop=whole_loop, mesh=mesh)
 
 
 def _resolve(path_or_hub_id):

@@ -209,11 +209,19 @@ class _LoopDenoiser(JittedModule):
         return session.denoise(self, args, kwargs)
 
 
+@functools.cache
+def _looping(cls: type) -> type:
+    # The denoiser's own JittedModule class (placement on a mesh, say) under _LoopDenoiser.
+    return _LoopDenoiser if cls is JittedModule else type(f"_Looping{cls.__name__}", (_LoopDenoiser, cls), {})
+
+
 def install(pipe) -> None:
     for name in DENOISERS:
         denoiser = getattr(pipe, name, None)
         if isinstance(denoiser, JittedModule):
-            looped = _LoopDenoiser(denoiser.module, ("forward",), params=denoiser.params, aliases=denoiser._aliases)
+            looped = _looping(type(denoiser))(denoiser.module, ("forward",), params=denoiser.params, aliases=denoiser._aliases)
+            for attribute, value in vars(denoiser).items():  # what was set after construction (a mesh)
+                vars(looped).setdefault(attribute, value)
             object.__setattr__(pipe, name, looped)
             return
 
