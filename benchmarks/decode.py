@@ -189,73 +189,70 @@ def run_worker(kind: str, env: dict, **flags) -> dict:
 # ---------------------------------------------------------------- JAX side
 
 
-def measure_bandwidth(gpu: bool) -> dict:
-    """Best bytes/s of jitted matrix-vector products over a few weight shapes.
+_PRODUCTS = ("x @ W.T", "W @ x")
 
-    W is in torch Linear's [out, in] layout. The product is written as a dot_general that
-    contracts W's last axis: XLA's CPU backend compiles `x @ W.T` by first copying W into
-    its transpose, which runs at a fraction of the bandwidth (1.5 vs 25 GB/s here).
+
+class Probe:
+    """One jitted matrix-vector product over a weight W of `shape` in torch Linear's [out, in]
+    layout; calling it gives the best bytes/s of W read over `rounds` timings.
+
+    "x @ W.T" is written as a dot_general that contracts W's last axis: XLA's CPU backend
+    compiles a literal `x @ W.T` by first copying W into its transpose, which runs at a
+    fraction of the bandwidth (1.5 vs 25 GB/s here).
     """
-    import jax
-    import jax.numpy as jnp
 
-    dtype = jnp.bfloat16 if gpu else jnp.float32
-    # float32 W of 256-512 MiB on CPU; 0.5-1 GiB of bfloat16 on a GPU, repeated so launch cost fades.
+    def __init__(self, product: str, shape: tuple[int, int], dtype: str, gpu: bool):
+        import jax
+        import jax.numpy as jnp
+
+        rows, cols = shape
+        self.product, self.shape = product, [rows, cols]
+        self.w = jnp.ones((rows, cols), jnp.dtype(dtype))  # W: [out, in]
+        self.x = jnp.ones((1, cols), self.w.dtype)  # x: [1, in]
+        if product == "x @ W.T":
+            self.run = jax.jit(lambda x, w: jax.lax.dot_general(x, w, (((1,), (1,)), ((), ()))))  # [1, out]
+        else:
+            self.run = jax.jit(lambda x, w: w @ x[0])  # [out]
+        self.repeats = 20 if gpu else 1  # on a GPU, repeated so launch cost fades
+        self.run(self.x, self.w).block_until_ready()
+
+    def __call__(self, rounds: int) -> float:
+        best = float("inf")
+        for _ in range(rounds):
+            start = time.perf_counter()
+            for _ in range(self.repeats):
+                y = self.run(self.x, self.w)
+            y.block_until_ready()
+            best = min(best, (time.perf_counter() - start) / self.repeats)
+        return self.w.nbytes / best / 1e9
+
+    def describe(self, gb_per_s: float) -> dict:
+        return {"product": self.product, "shape": self.shape, "dtype": str(self.w.dtype), "gb_per_s": gb_per_s}
+
+
+def measure_bandwidth(gpu: bool) -> dict:
+    """Best bytes/s of jitted matrix-vector products over a few weight shapes (see `Probe`)."""
+    dtype = "bfloat16" if gpu else "float32"
+    # float32 W of 256-512 MiB on CPU; 0.5-1 GiB of bfloat16 on a GPU.
     shapes = [(16384, 16384), (32768, 16384)] if gpu else [(8192, 8192), (16384, 8192), (8192, 16384)]
-    repeats, rounds = (20, 5) if gpu else (1, 7)
-    products = {
-        "x @ W.T": jax.jit(lambda x, w: jax.lax.dot_general(x, w, (((1,), (1,)), ((), ())))),  # [1, in] -> [1, out]
-        "W @ x": jax.jit(lambda x, w: w @ x[0]),  # [out]
-    }
+    rounds = 5 if gpu else 7
     probes = []
-    for rows, cols in shapes:
-        w = jnp.ones((rows, cols), dtype)  # W: [out, in]
-        x = jnp.ones((1, cols), dtype)  # x: [1, in]
-        for name, product in products.items():
-            product(x, w).block_until_ready()
-            best = float("inf")
-            for _ in range(rounds):
-                start = time.perf_counter()
-                for _ in range(repeats):
-                    y = product(x, w)
-                y.block_until_ready()
-                best = min(best, (time.perf_counter() - start) / repeats)
-            probes.append({"product": name, "shape": [rows, cols], "dtype": str(w.dtype), "gb_per_s": w.nbytes / best / 1e9})
-        del w
+    for shape in shapes:
+        for product in _PRODUCTS:
+            probe = Probe(product, shape, dtype, gpu)
+            probes.append(probe.describe(probe(rounds)))
+            del probe  # one W held at a time
     return {"gb_per_s": max(p["gb_per_s"] for p in probes), "probes": probes}
 
 
-class AdjacentProbe:
+def adjacent_probe(best: dict, gpu: bool) -> Probe:
     """The best probe of `measure_bandwidth`, run again right before each timed hfjax run.
 
     The bandwidth this shared machine gives one process drifts by a third from minute to
     minute, so the fraction of the ceiling is also taken run by run against the bandwidth
     measured just before it, besides against the best probe of the whole benchmark.
     """
-
-    def __init__(self, best: dict, gpu: bool):
-        import jax
-        import jax.numpy as jnp
-
-        rows, cols = best["shape"]
-        self.w = jnp.ones((rows, cols), jnp.dtype(best["dtype"]))
-        self.x = jnp.ones((1, cols), self.w.dtype)
-        if best["product"] == "x @ W.T":
-            self.product = jax.jit(lambda x, w: jax.lax.dot_general(x, w, (((1,), (1,)), ((), ()))))
-        else:
-            self.product = jax.jit(lambda x, w: w @ x[0])
-        self.repeats = 20 if gpu else 1
-        self.product(self.x, self.w).block_until_ready()
-
-    def __call__(self, rounds: int = 3) -> float:
-        best = float("inf")
-        for _ in range(rounds):
-            start = time.perf_counter()
-            for _ in range(self.repeats):
-                y = self.product(self.x, self.w)
-            y.block_until_ready()
-            best = min(best, (time.perf_counter() - start) / self.repeats)
-        return self.w.nbytes / best / 1e9
+    return Probe(best["product"], best["shape"], best["dtype"], gpu)
 
 
 def weight_bytes(checkpoint: pathlib.Path, config, itemsize: int) -> dict:
@@ -279,7 +276,7 @@ def weight_bytes(checkpoint: pathlib.Path, config, itemsize: int) -> dict:
     return {"params": params, "bytes_per_token": read * itemsize, "counted": counted + "; KV cache not counted"}
 
 
-def run_hfjax(model, ids, new_tokens: int, runs: int, probe: AdjacentProbe | None = None) -> tuple[dict, object]:
+def run_hfjax(model, ids, new_tokens: int, runs: int, probe: Probe | None = None) -> tuple[dict, object]:
     import jax
     import numpy as np
 
@@ -292,7 +289,7 @@ def run_hfjax(model, ids, new_tokens: int, runs: int, probe: AdjacentProbe | Non
     results, adjacent = [], []
     for _ in range(runs):
         if probe is not None:
-            adjacent.append(probe())
+            adjacent.append(probe(rounds=3))
         results.append(once())
     summary = summarize([t for t, _, _ in results], ids.shape[0])
     if probe is not None:
@@ -392,7 +389,7 @@ def benchmark(args, work: pathlib.Path, envs: dict[str, dict]) -> dict:
     log(f"device: {report['device']}")
     probes = [measure_bandwidth(args.gpu_llama_1b)]
     log(f"bandwidth probe: {probes[0]['gb_per_s']:.1f} GB/s")
-    probe = AdjacentProbe(max(probes[0]["probes"], key=lambda p: p["gb_per_s"]), args.gpu_llama_1b)
+    probe = adjacent_probe(max(probes[0]["probes"], key=lambda p: p["gb_per_s"]), args.gpu_llama_1b)
 
     for size in args.sizes:
         checkpoint = testing.save_tiny_checkpoint("llama", work / size, dtype=dtype, max_position_embeddings=4096,

@@ -19,7 +19,7 @@ import jax
 import torch
 from torchax.tensor import Tensor as JaxTensor
 
-from . import _env, _loading, _whole_loop
+from . import _env, _loading, _sharding, _whole_loop
 from ._compile import JittedModule
 from ._errors import HfjaxError, LoadError
 
@@ -64,7 +64,7 @@ class _OnMesh:
 
     def _program(self, method: str, args: tuple, kwargs: dict):
         program, dynamic = super()._program(method, args, kwargs)
-        return program, [_split_batch(x, self._mesh) for x in dynamic]
+        return program, [jax.device_put(x, _sharding.batch_sharding(self._mesh, x.shape)) for x in dynamic]
 
 
 class _JittedOnMesh(_OnMesh, JittedModule):
@@ -73,13 +73,6 @@ class _JittedOnMesh(_OnMesh, JittedModule):
 
 class _JittedVaeOnMesh(_OnMesh, _JittedVae):
     pass
-
-
-def _split_batch(x: jax.Array, mesh) -> jax.Array:
-    data = dict(mesh.shape).get("data", 1)
-    split = data > 1 and x.ndim >= 1 and x.shape[0] % data == 0
-    spec = jax.sharding.PartitionSpec("data") if split else jax.sharding.PartitionSpec()
-    return jax.device_put(x, jax.sharding.NamedSharding(mesh, spec))
 
 
 def _compiled_component(name: str, module: torch.nn.Module, mesh=None) -> JittedModule:

@@ -35,7 +35,7 @@ import jax.numpy as jnp
 import numpy as np
 import torch
 
-from . import _compile, _env, _programs, _sampling
+from . import _compile, _env, _programs, _sampling, _sharding
 from ._errors import HfjaxError
 from ._sampling import SamplingConfig
 
@@ -226,7 +226,7 @@ class Generator:
         size = bucket(length)
         # On a mesh the batch is split over "data": a batch that does not divide is padded
         # with copies of its last row (which stop when it stops), dropped from the result.
-        rows = _round_up(batch, self._data_size())
+        rows = _round_up(batch, _sharding.data_size(self.model.mesh))
         # Pad to the bucket with masked-out tokens: on the left for a decoder (its positions come
         # from the mask), on the right for an encoder (whose positions may not).
         padded_ids = np.full((rows, size), settings.pad_token_id, np.int32)
@@ -291,18 +291,13 @@ class Generator:
         )
         return jnp.asarray(out)
 
-    def _data_size(self) -> int:
-        mesh = self.model.mesh
-        return 1 if mesh is None else dict(mesh.shape).get("data", 1)
-
     def _place(self, array: np.ndarray) -> jax.Array:
         """[B, ...] host array -> device array; on a mesh, rows split over "data" (B divides it)."""
         mesh = self.model.mesh
         if mesh is None:
             return jnp.asarray(array)
-        spec = jax.sharding.PartitionSpec("data") if self._data_size() > 1 else jax.sharding.PartitionSpec()
         # Every process holds the whole batch and hands over the rows of its own devices.
-        return jax.make_array_from_callback(array.shape, jax.sharding.NamedSharding(mesh, spec), lambda index: array[index])
+        return jax.make_array_from_callback(array.shape, _sharding.batch_sharding(mesh, array.shape), lambda index: array[index])
 
     def _prepared(self) -> int:
         return sum(self.trace_counts.values()) + sum(self.load_counts.values())

@@ -68,7 +68,7 @@ def model_fingerprint(model) -> dict:
         "class": f"{module.__module__}.{module.__qualname__}",
         "config": json.dumps(config, sort_keys=True, default=repr),
         "params": sorted((name, list(a.shape), str(a.dtype)) for name, a in model.params.items()),
-        "aliases": sorted(map(list, model.aliases.items())) if isinstance(model.aliases, dict) else repr(model.aliases),
+        "aliases": sorted(model.aliases.items()),
     }
 
 

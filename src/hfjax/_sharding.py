@@ -92,6 +92,18 @@ def _axis_sizes(mesh) -> dict[str, int]:
     return sizes
 
 
+def data_size(mesh) -> int:
+    """Devices along the mesh's "data" axis (1 without a mesh or without that axis)."""
+    return 1 if mesh is None else dict(mesh.shape).get("data", 1)
+
+
+def batch_sharding(mesh, shape: tuple[int, ...]) -> jax.sharding.NamedSharding:
+    """An array's leading (batch) axis split over "data" where it divides; else replicated."""
+    data = data_size(mesh)
+    split = data > 1 and len(shape) >= 1 and shape[0] % data == 0
+    return jax.sharding.NamedSharding(mesh, P("data") if split else P())
+
+
 # ---- the rules registry ----------------------------------------------------------
 
 _RULES: dict[str, dict[str, Role]] = {}
