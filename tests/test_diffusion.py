@@ -13,6 +13,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from torch.nn.utils import parametrize
 
 pytest.importorskip("diffusers")
 
@@ -129,6 +130,16 @@ def test_calls_after_the_first_do_not_recompile(on_jax):
     counts = {name: getattr(pipe, name).compile_count for name in ("unet", "text_encoder", "vae")}
     pipe(**{**_inputs(pipe, "stable-diffusion"), "prompt": "another prompt", "guidance_scale": 3.0})
     assert {name: getattr(pipe, name).compile_count for name in counts} == counts
+
+
+def test_convolution_weights_are_held_channels_last_on_cpu(on_jax):
+    # So the compiled UNet and VAE copy no weights per call (see _ops.store_convolutions_channels_last).
+    pipe = on_jax("stable-diffusion", "pndm")
+    for name in ("unet", "vae"):
+        convs = [m for m in pipe.components[name].module.modules() if isinstance(m, torch.nn.Conv2d)]
+        assert convs and all(parametrize.is_parametrized(conv, "weight") for conv in convs), name
+        held = convs[0].parametrizations.weight.original
+        assert held.shape == (*convs[0].kernel_size, convs[0].in_channels // convs[0].groups, convs[0].out_channels)
 
 
 def test_whole_loop_falls_back_per_step_and_says_why(on_jax, caplog):

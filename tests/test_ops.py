@@ -7,6 +7,8 @@ the override and compare their logits with the same model run by PyTorch.
 
 from __future__ import annotations
 
+import copy
+
 import jax
 import numpy as np
 import pytest
@@ -15,7 +17,8 @@ import torchax
 import transformers
 from torchax.interop import jax_jit
 
-from hfjax import _ops
+import hfjax
+from hfjax import _compile, _ops
 
 # fp32 GEMMs: XLA and ATen sum the same products in a different order.
 MATMUL_ATOL = 1e-5
@@ -465,6 +468,47 @@ def test_scaled_dot_product_attention_matches_torch(env, case, jit):
     assert torch.isfinite(actual).all()
 
 
+# -- linear (operands swapped for a few rows) -----------------------------------------
+
+LINEAR_CASES = {  # input shape; `_linear` swaps the product for 2-64 rows on the CPU
+    "one_row": (1, 1, 48),
+    "two_rows": (2, 48),
+    "eight_sequences_one_token": (8, 1, 48),
+    "sixty_four_rows": (4, 16, 48),
+    "sixty_five_rows": (65, 48),
+}
+
+
+@jit_modes
+@pytest.mark.parametrize("bias", [True, False], ids=["bias", "no_bias"])
+@pytest.mark.parametrize("case", LINEAR_CASES)
+def test_linear_matches_torch(env, case, bias, jit):
+    torch.manual_seed(SEED)
+    layer = torch.nn.Linear(48, 40, bias=bias).eval()
+    x = torch.randn(*LINEAR_CASES[case])
+    params = {name: p.detach() for name, p in layer.named_parameters()}
+
+    def apply(x, params):
+        return torch.func.functional_call(layer, params, (x,))
+
+    _assert_close(_run(env, apply, x, params, jit=jit), layer(x).detach(), MATMUL_ATOL)
+    _assert_close(_run(env, torch.ops.aten.linear, x, *params.values(), jit=jit), layer(x).detach(), MATMUL_ATOL)
+
+
+def test_linear_swaps_operands_only_for_a_few_rows_on_cpu(env):
+    weight = jax.numpy.ones((40, 48))
+
+    def program(rows):
+        def apply(x):
+            with env:
+                return torch.nn.functional.linear(torchax.tensor.Tensor(x, env), torchax.tensor.Tensor(weight, env)).jax()
+
+        return jax.jit(apply).lower(jax.numpy.ones((rows, 48))).as_text()
+
+    assert all("optimization_barrier" in program(rows) for rows in (2, 8, 64))
+    assert not any("optimization_barrier" in program(rows) for rows in (1, 65))
+
+
 # -- convolution (channels-last) ----------------------------------------------------
 
 CONV_CASES = {
@@ -515,6 +559,44 @@ def test_convolution_in_a_loop_runs_channels_last(env):
     assert labels and all(label.startswith("b01f") for label in labels), labels
 
 
+def _stored_copy(conv: torch.nn.Module) -> torch.nn.Module:
+    stored = copy.deepcopy(conv)
+    _ops.store_convolutions_channels_last(stored)
+    return stored
+
+
+@pytest.mark.parametrize("case", CONV_CASES)
+def test_convolution_weights_held_channels_last_match_torch(case):
+    layer, kwargs, shape = CONV_CASES[case]
+    torch.manual_seed(SEED)
+    conv = layer(**kwargs).eval()
+    x = torch.randn(*shape)
+    stored = _stored_copy(conv)
+    params, _ = _compile.module_state(stored)
+    if conv.transposed:
+        assert set(params) == set(dict(conv.named_parameters())), "transposed convolutions keep torch's layout"
+    else:
+        kernel = tuple(conv.weight.shape[2:])
+        assert params["parametrizations.weight.original"].shape == (*kernel, *conv.weight.shape[1::-1])
+    actual = hfjax.jit(stored)(x)
+    _assert_close(torch.from_numpy(np.array(actual)), conv(x).detach(), MATMUL_ATOL)
+
+
+def test_convolution_weights_held_channels_last_are_not_copied_per_call():
+    # The trace un-permutes the held weight and the lowering permutes it back: XLA folds the
+    # pair, so the compiled program transposes only the activations.
+    torch.manual_seed(SEED)
+    conv = torch.nn.Conv2d(8, 16, 3, padding=1).eval()
+    x = torch.randn(2, 8, 6, 6)
+
+    def transposes(module):
+        text = hfjax.jit(module).lower("forward", x).compile().as_text()
+        return sum(" transpose(" in line for line in text.splitlines())
+
+    assert transposes(_stored_copy(conv)) < transposes(conv)
+    assert _ops.store_convolutions_channels_last(_stored_copy(conv)) == 0, "a held weight is not held twice"
+
+
 PARITY_TESTS = {
     torch.ops.aten._grouped_mm.default: test_grouped_mm_matches_torch,
     torch.ops.aten.copy_: test_copy_matches_torch,
@@ -527,6 +609,8 @@ PARITY_TESTS = {
     torch.nn.functional.scaled_dot_product_attention: test_scaled_dot_product_attention_matches_torch,
     torch.ops.aten.scaled_dot_product_attention: test_scaled_dot_product_attention_matches_torch,
     torch.ops.aten.convolution: test_convolution_matches_torch,
+    torch.nn.functional.linear: test_linear_matches_torch,
+    torch.ops.aten.linear: test_linear_matches_torch,
 }
 
 

@@ -19,7 +19,7 @@ import jax
 import torch
 from torchax.tensor import Tensor as JaxTensor
 
-from . import _env, _loading, _sharding, _whole_loop
+from . import _env, _loading, _ops, _sharding, _whole_loop
 from ._compile import JittedModule
 from ._errors import HfjaxError, LoadError
 
@@ -176,6 +176,8 @@ def to_jax(pipe, *, whole_loop: WholeLoop = False, mesh=None):
     _register_vae_outputs()
     for name, component in pipe.components.items():
         if isinstance(component, torch.nn.Module):
+            if jax.default_backend() == "cpu":
+                _ops.store_convolutions_channels_last(component)
             _move_module(component)
             # Past DiffusionPipeline.__setattr__, which would record JittedModule in model_index.json.
             object.__setattr__(pipe, name, _compiled_component(name, component, mesh))

@@ -330,9 +330,79 @@ def _convolution(input, weight, bias, stride, padding, dilation, transposed, out
     return out[0] if unbatched else out
 
 
+class _ChannelsLastWeight(torch.nn.Module):
+    """A convolution weight held as [*kernel, C / groups, O], the order `_convolution` hands XLA;
+    the module still reads torch's [O, C / groups, *kernel]."""
+
+    def forward(self, stored):
+        # stored: [*kernel, C / groups, O] -> [O, C / groups, *kernel]
+        spatial = stored.ndim - 2
+        return stored.permute(spatial + 1, spatial, *range(spatial))
+
+    def right_inverse(self, weight):
+        # weight: [O, C / groups, *kernel] -> [*kernel, C / groups, O]
+        return weight.permute(*range(2, weight.ndim), 1, 0).contiguous()
+
+
+def store_convolutions_channels_last(module: torch.nn.Module) -> int:
+    """Keeps each convolution weight of a torch module (on the CPU, not yet moved) channels-last.
+
+    `_convolution` transposes its weight to [*kernel, C / groups, O] on every call; with the weight
+    held in that order the two transposes cancel and XLA's CPU backend copies no weights per call
+    (for a Stable Diffusion UNet, 65% of its parameters). Returns how many weights were re-held.
+    """
+    from torch.nn.utils import parametrize
+
+    count = 0
+    for conv in list(module.modules()):
+        weight = getattr(conv, "weight", None)
+        if (
+            not isinstance(conv, torch.nn.modules.conv._ConvNd)
+            or conv.transposed
+            or parametrize.is_parametrized(conv, "weight")
+            or not isinstance(weight, torch.Tensor)
+            or isinstance(weight, _TorchaxTensor)
+            or weight.device.type != "cpu"
+        ):
+            continue
+        parametrize.register_parametrization(conv, "weight", _ChannelsLastWeight())
+        count += 1
+    return count
+
+
 def _per_dim(values, count: int) -> list[int]:
     values = list(values)
     return values * count if len(values) == 1 else values
+
+
+# -- linear layers ---------------------------------------------------------------
+
+# Rows of activations (batch x tokens) for which `_linear` swaps the product's operands on
+# the CPU. Measured on 12 768x3072 layers: 8 rows 3.4 vs 4.8 ms, 64 rows 10.5 vs 12.4 ms,
+# 128 rows even, 512 rows 80 vs 65 ms (slower), 1 row 4.1 vs 2.1 ms (slower).
+_SWAPPED_ROWS = range(2, 65)
+
+
+def _linear(input, weight, bias=None):
+    # input: [..., K]; weight: [N, K] (torch's layout); bias: [N] -> [..., N]
+    rows = int(np.prod(input.shape[:-1], dtype=np.int64))
+    if weight.ndim == 2 and rows in _SWAPPED_ROWS and jax.default_backend() == "cpu":
+        # XLA:CPU multiplies a few rows by a transposed [N, K] weight ~1.4x slower than it
+        # multiplies the weight by a [K, rows] block; the barriers stop XLA from folding the
+        # small transposes back into the product.
+        block = jax.lax.optimization_barrier(input.reshape(rows, -1).T)  # [K, rows]
+        out = jax.lax.optimization_barrier(weight @ block).T.reshape(*input.shape[:-1], -1)
+    else:
+        out = jnp.einsum("...k,nk->...n", input, weight)
+    return out if bias is None else out + bias
+
+
+_LINEAR_WHY = (
+    "torchax multiplies activations by the transposed weight, which XLA:CPU runs ~1.4x slower "
+    "than the swapped product for 2-64 rows (batched decoding)"
+)
+override(torch.nn.functional.linear, why=_LINEAR_WHY)(_linear)
+override(torch.ops.aten.linear, why=_LINEAR_WHY)(_linear)
 
 
 # -- attention -----------------------------------------------------------------
