@@ -3,16 +3,18 @@
 from __future__ import annotations
 
 import re
+import warnings
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
+import torchax
 import transformers
 
 import hfjax
-from hfjax import testing, tolerances
+from hfjax import _env, testing, tolerances
 
 ATOL = tolerances.DEFAULT.atol
 
@@ -148,3 +150,19 @@ def test_transformers_value_checks_do_not_break_jit():
 
     report = _check.check_arch("prophetnet", eager=False, repeats=1)
     assert report.passed, report.table()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.int32, torch.bool])
+def test_a_tensor_moved_to_the_cpu_owns_its_memory(dtype):
+    # torchax's conversion wraps JAX's read-only buffer: writing into it changed the jax.Array.
+    environment = _env.env()
+    array = jax.numpy.arange(6).reshape(2, 3).astype(_env.to_jax(torch.zeros((), dtype=dtype)).dtype)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # torch warns when it wraps a read-only numpy array
+        with environment:
+            host = torchax.tensor.Tensor(array, environment).to("cpu")
+    assert host.device.type == "cpu" and host.dtype == dtype
+    expected = torch.from_numpy(np.array(array.astype(jax.numpy.float32))).to(dtype)
+    assert torch.equal(host, expected)
+    host.zero_()
+    assert np.array(array.astype(jax.numpy.float32)).tolist() == expected.float().tolist()

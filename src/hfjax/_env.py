@@ -21,9 +21,22 @@ def env() -> torchax.tensor.Environment:
     """The torchax environment, with hfjax's op overrides installed and pytrees registered."""
     environment = torchax.default_env()
     _ops.install(environment)
+    environment.j2t_copy = _to_cpu_tensors
     _pytrees.register_all()
     set_cache_dir(os.environ.get("HFJAX_CACHE_DIR", _DEFAULT_CACHE_DIR))
     return environment
+
+
+def _to_cpu_tensors(tree):
+    # `.to("cpu")` and `.cpu()` of a torchax tensor: a CPU tensor with memory of its own.
+    # torchax's own conversion wraps JAX's read-only host buffer, so torch code writing into
+    # the result (schedulers keep such tensors) would write into an immutable jax.Array.
+    def convert(x: jax.Array) -> torch.Tensor:
+        if x.dtype == jax.numpy.bfloat16:  # numpy's bfloat16 has no torch counterpart
+            return torch.from_numpy(np.array(x.astype(jax.numpy.float32))).to(torch.bfloat16)
+        return torch.from_numpy(np.array(x))
+
+    return torch.utils._pytree.tree_map_only(jax.Array, convert, tree)
 
 
 _DEFAULT_CACHE_DIR = str(pathlib.Path("~/.cache/hfjax/xla").expanduser())

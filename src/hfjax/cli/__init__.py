@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+import warnings
 
 from . import chat, check, classify, demo, generate, image, launch, shard_plan
 
@@ -18,6 +19,9 @@ def main(argv: list[str] | None = None) -> int:
     for name, command in _COMMANDS.items():
         command.add_parser(subparsers)
     args = parser.parse_args(argv)
+    # torchax runs JAX with 32-bit integers and floats by design; JAX's note on each 64-bit
+    # cast in the model code (with advice to enable x64) is noise on a terminal.
+    warnings.filterwarnings("ignore", message=r"Explicitly requested dtype (int|uint|float|complex)(64|128)")
     if args.command is None:
         parser.print_help()
         return 2
