@@ -317,7 +317,7 @@ def _convolution(input, weight, bias, stride, padding, dilation, transposed, out
     )
     out = jax.lax.conv_general_dilated(
         jnp.transpose(input, to_last),
-        jnp.transpose(weight, (*range(2, spatial + 2), 1, 0)),  # [*kernel, C / groups, O]
+        jnp.transpose(weight, _kernel_order(weight.ndim)),  # [*kernel, C / groups, O]
         window_strides=tuple(stride),
         padding=[(p, p) for p in _per_dim(padding, spatial)],
         rhs_dilation=tuple(_per_dim(dilation, spatial)),
@@ -330,18 +330,24 @@ def _convolution(input, weight, bias, stride, padding, dilation, transposed, out
     return out[0] if unbatched else out
 
 
+def _kernel_order(ndim: int) -> tuple[int, ...]:
+    # The axes of a torch weight [O, C / groups, *kernel] in the order XLA convolves with,
+    # [*kernel, C / groups, O]; shared by the lowering and the weights held in that order,
+    # whose two transposes XLA folds only while they agree.
+    return (*range(2, ndim), 1, 0)
+
+
 class _ChannelsLastWeight(torch.nn.Module):
     """A convolution weight held as [*kernel, C / groups, O], the order `_convolution` hands XLA;
     the module still reads torch's [O, C / groups, *kernel]."""
 
     def forward(self, stored):
         # stored: [*kernel, C / groups, O] -> [O, C / groups, *kernel]
-        spatial = stored.ndim - 2
-        return stored.permute(spatial + 1, spatial, *range(spatial))
+        return stored.permute(*np.argsort(_kernel_order(stored.ndim)).tolist())
 
     def right_inverse(self, weight):
         # weight: [O, C / groups, *kernel] -> [*kernel, C / groups, O]
-        return weight.permute(*range(2, weight.ndim), 1, 0).contiguous()
+        return weight.permute(*_kernel_order(weight.ndim)).contiguous()
 
 
 def store_convolutions_channels_last(module: torch.nn.Module) -> int:
