@@ -6,6 +6,7 @@ import dataclasses
 import functools
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -180,9 +181,9 @@ def _shapes(model, ids, max_new_tokens: int) -> tuple:
     return ids.shape[0], size, total, dataclasses.replace(settings, max_new_tokens=total - size, min_new_tokens=0)
 
 
-def test_decode_is_one_while_loop(loaded):
-    model = loaded("llama")
-    ids, mask = _batch(model, PROMPTS[:1])
+def _decode_program(model, prompts):
+    """(decode function, its arguments) of the engine's decode program for `prompts`."""
+    ids, mask = _batch(model, prompts)
     generator = _generate.Generator(model)
     generator._store = None  # trace here, rather than read the programs an earlier test stored
     generator.generate(ids, mask, _generate.resolve_settings(model, ids.shape[1], max_new_tokens=4), seed=0)
@@ -193,10 +194,26 @@ def test_decode_is_one_while_loop(loaded):
                     jax.random.key_data(jax.random.key(0)), np.int32(4), np.int32(0))
     decode = functools.partial(generator._decode_flat, program=key, layout=key[1:], offset=size, settings=settings,
                                trace_prefill=None)
-    jaxpr = jax.make_jaxpr(decode)(model.params, state, np.int32(4))
+    return decode, (model.params, state, np.int32(4))
+
+
+def test_decode_is_one_while_loop(loaded):
+    decode, args = _decode_program(loaded("llama"), PROMPTS[:1])
+    jaxpr = jax.make_jaxpr(decode)(*args)
     loops = [eqn for eqn in jaxpr.eqns if eqn.primitive.name == "while"]
     assert len(loops) == 1  # the whole decode is one loop, not one program call per token
     assert "dot_general" in str(loops[0].params["body_jaxpr"])  # and the model runs inside it
+
+
+@pytest.mark.parametrize("prompts", [PROMPTS[:1], PROMPTS[:2]], ids=["batch_1", "batch_2"])
+def test_decode_updates_the_cache_without_copying_it(loaded, prompts):
+    model = loaded("llama")
+    decode, args = _decode_program(model, prompts)
+    text = jax.jit(decode, donate_argnums=1).lower(*args).compile().as_text()
+    cache_sizes = {leaf.size for leaf in args[1] if leaf.ndim == 4}  # [B, H_kv, L, D] key and value layers
+    assert cache_sizes, "the state holds no cache layers"
+    copied = [int(np.prod([int(d) for d in dims.split(",") if d])) for dims in re.findall(r"= f32\[([\d,]*)\]\S* copy\(", text)]
+    assert not cache_sizes & set(copied), f"cache layers are copied every token: {sorted(copied)}"
 
 
 # -- streaming ---------------------------------------------------------------------

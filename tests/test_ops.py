@@ -449,13 +449,15 @@ def _attention_case(case: str):
         return q, k, v, dict(attn_mask=torch.zeros(2, 1, 5, 6).masked_fill(~padding, float("-inf")))
     if case == "causal":
         return q, k[:, :, :5], v[:, :, :5], dict(is_causal=True)
-    if case == "grouped_query":  # 4 query heads over 2 key/value heads
+    if case == "grouped_query":  # 4 query heads over 2 key/value heads: 10 rows per key/value head
         return q, k[:, :2], v[:, :2], dict(attn_mask=padding, enable_gqa=True, scale=0.3)
+    if case == "grouped_decode":  # one new token per row: 2 rows per key/value head, an empty one in row 0
+        return q[:, :, :1], k[:, :2], v[:, :2], dict(attn_mask=padding[:, :, :1], enable_gqa=True)
     raise ValueError(f"unknown case {case!r}")
 
 
 @jit_modes
-@pytest.mark.parametrize("case", ["bool_mask_with_empty_rows", "float_mask", "causal", "grouped_query"])
+@pytest.mark.parametrize("case", ["bool_mask_with_empty_rows", "float_mask", "causal", "grouped_query", "grouped_decode"])
 def test_scaled_dot_product_attention_matches_torch(env, case, jit):
     q, k, v, kwargs = _attention_case(case)
     expected = torch.nn.functional.scaled_dot_product_attention(q, k, v, **kwargs)
@@ -466,6 +468,54 @@ def test_scaled_dot_product_attention_matches_torch(env, case, jit):
     actual = _run(env, attention, q, k, v, mask, jit=jit)
     _assert_close(actual, expected, MATMUL_ATOL)
     assert torch.isfinite(actual).all()
+
+
+def test_attention_swaps_the_score_product_only_for_a_few_rows_on_cpu(env):
+    def program(heads, length):
+        q, k = jax.numpy.ones((1, heads, length, 8)), jax.numpy.ones((1, 2, 6, 8))
+
+        def apply(q, k):
+            with env:
+                q, k = torchax.tensor.Tensor(q, env), torchax.tensor.Tensor(k, env)
+                return torch.nn.functional.scaled_dot_product_attention(q, k, k, enable_gqa=True).jax()
+
+        return jax.jit(apply).lower(q, k).as_text()
+
+    # rows per key/value head = query heads per group x query length
+    assert all("optimization_barrier" in program(heads, length) for heads, length in ((2, 1), (8, 1), (4, 4)))
+    assert not any("optimization_barrier" in program(heads, length) for heads, length in ((2, 9), (4, 5)))
+
+
+# -- index_copy (transformers' static cache update) ----------------------------------
+
+INDEX_COPY_CASES = {  # (shape, dim, index): the update is made without the size-1 axes
+    "batch_one_cache": ((1, 3, 6, 4), 2, [4]),
+    "batch_one_prefill": ((1, 3, 6, 4), -2, [0, 1, 2]),
+    "batch_two_cache": ((2, 3, 6, 4), 2, [5, 1]),
+    "size_one_axis_indexed": ((3, 1, 4), 1, [0]),
+    "vector": ((7,), 0, [6, 0, 3]),
+}
+
+
+@jit_modes
+@pytest.mark.parametrize("case", INDEX_COPY_CASES)
+def test_index_copy_matches_torch(env, case, jit):
+    shape, dim, index = INDEX_COPY_CASES[case]
+    generator = torch.Generator().manual_seed(SEED)
+    x = torch.randn(*shape, generator=generator)
+    source_shape = list(shape)
+    source_shape[dim] = len(index)
+    source = torch.randn(*source_shape, generator=generator)
+    index = torch.tensor(index)
+
+    def in_place(x, index, source):
+        x.index_copy_(dim, index, source)
+        return x
+
+    expected = x.clone().index_copy_(dim, index, source)
+    _assert_close(_run(env, in_place, x, index, source, jit=jit), expected, EXACT)
+    functional = lambda x, index, source: torch.index_copy(x, dim, index, source)  # noqa: E731
+    _assert_close(_run(env, functional, x, index, source, jit=jit), expected, EXACT)
 
 
 # -- linear (operands swapped for a few rows) -----------------------------------------
@@ -611,6 +661,8 @@ PARITY_TESTS = {
     torch.ops.aten.convolution: test_convolution_matches_torch,
     torch.nn.functional.linear: test_linear_matches_torch,
     torch.ops.aten.linear: test_linear_matches_torch,
+    torch.ops.aten.index_copy: test_index_copy_matches_torch,
+    torch.ops.aten.index_copy_: test_index_copy_matches_torch,
 }
 
 

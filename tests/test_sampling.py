@@ -14,7 +14,7 @@ import torch
 import transformers
 
 from hfjax import testing, tolerances
-from hfjax._sampling import SamplingConfig, next_token, process_logits, seen_mask, update_seen
+from hfjax._sampling import SamplingConfig, first_argmax, next_token, process_logits, seen_mask, update_seen
 
 # Probabilities of float32 softmaxes of the same O(1) logits, processed by the same formulas.
 PROBS = tolerances.DEFAULT
@@ -150,6 +150,20 @@ def test_greedy_is_argmax_of_penalized_logits():
         got = jit_next(jnp.asarray(logits), seen, jax.random.key(seed), config=config)
         assert got.dtype == jnp.int32
         np.testing.assert_array_equal(np.asarray(got), expected)
+
+
+def test_first_argmax_matches_numpy_argmax_with_ties_nan_and_minus_inf():
+    rng = np.random.default_rng(6)
+    scores = rng.normal(0.0, 1.0, (6, VOCAB)).astype(np.float32)  # [6, V]
+    scores[1, [7, 30]] = 5.0  # a tie: the first wins
+    scores[2, [11, 20]] = np.nan  # a NaN wins, the first of them
+    scores[3] = -np.inf  # nothing allowed: index 0
+    scores[4, VOCAB - 1] = 9.0  # the last index
+    scores[5, :3] = np.inf  # +inf ties
+    got = jax.jit(first_argmax)(jnp.asarray(scores))
+    assert got.dtype == jnp.int32
+    np.testing.assert_array_equal(np.asarray(got), np.argmax(scores, axis=-1))
+    np.testing.assert_array_equal(np.asarray(got)[1:], [7, 11, 0, VOCAB - 1, 0])
 
 
 # Sampling: a vocabulary of 8 where temperature, top-k and top-p each change the distribution.

@@ -443,17 +443,26 @@ class Generator:
         def running(state):
             return (state["step"] < limit) & ~jnp.all(state["done"])
 
+        leaves, treedef = jax.tree_util.tree_flatten(state["cache"])
+        shapes = [jnp.shape(leaf) for leaf in leaves]
+
+        def unsqueezed(cache):
+            flat = jax.tree_util.tree_leaves(cache)
+            return jax.tree_util.tree_unflatten(treedef, [jnp.reshape(leaf, shape) for leaf, shape in zip(flat, shapes)])
+
         def step(state):
             slot = offset + state["step"] - 1  # where the last sampled token sits
+            state = {**state, "cache": unsqueezed(state["cache"])}
             with self._bound(params):
                 if self.kind == "recompute" and not self.encoder_decoder:
                     logits = self._recompute_logits(state["sequence"], state["mask"], slot)
                     cache = None
                 else:
                     cache, logits = self._decode_one_token(state, slot)
-            return _choose({**state, "cache": cache}, logits, offset, settings)
+            return _choose({**state, "cache": _squeezed(cache)}, logits, offset, settings)
 
-        return jax.lax.while_loop(running, step, state)
+        state = jax.lax.while_loop(running, step, {**state, "cache": _squeezed(state["cache"])})
+        return {**state, "cache": unsqueezed(state["cache"])}
 
     def _decode_one_token(self, state, slot):
         # token: [B, 1], the last sampled token; position: [B, 1]
@@ -479,6 +488,18 @@ class Generator:
         with _compile.explain_errors(self.module, self._module_names):
             with _compile.bound(self.module, params, self.model.aliases, _env.env().prng_key) as environment:
                 yield environment
+
+
+def _squeezed(cache):
+    """`cache` with the size-1 axes of its arrays dropped, the shape the decode loop carries.
+
+    XLA drops a batch of 1 from the attention's product, so the product reads each cache
+    layer without that axis. Carried with it, every layer was copied four times per token
+    (0.4 ms of a 150M model's 9 ms at 128 cache slots, more with longer prompts). Carried
+    without it, and updated without it (`_ops._index_copy`), the product reads the buffer
+    that the loop carries.
+    """
+    return jax.tree_util.tree_map(lambda leaf: jnp.squeeze(leaf) if jnp.ndim(leaf) else leaf, cache)
 
 
 def _host(array: jax.Array) -> np.ndarray:
