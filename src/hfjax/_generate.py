@@ -499,7 +499,7 @@ def _squeezed(cache):
     without it, and updated without it (`_ops._index_copy`), the product reads the buffer
     that the loop carries.
     """
-    return jax.tree_util.tree_map(lambda leaf: jnp.squeeze(leaf) if jnp.ndim(leaf) else leaf, cache)
+    return jax.tree_util.tree_map(jnp.squeeze, cache)
 
 
 def _host(array: jax.Array) -> np.ndarray:
