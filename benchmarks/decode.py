@@ -36,14 +36,15 @@ import sys
 import tempfile
 import time
 
+from shapes import LLAMA_1B
+
 # Llama shapes with random weights. Untied embeddings (Llama's default) unless stated.
 SIZES = {
     "20m": dict(hidden_size=256, intermediate_size=768, num_hidden_layers=8, num_attention_heads=8,
                 num_key_value_heads=4, head_dim=32, vocab_size=32000),
     "150m": dict(hidden_size=768, intermediate_size=3072, num_hidden_layers=12, num_attention_heads=12,
                  num_key_value_heads=4, head_dim=64, vocab_size=32000),
-    "llama-1b": dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
-                     num_key_value_heads=8, head_dim=64, vocab_size=128256, tie_word_embeddings=True, rope_theta=500000.0),
+    "llama-1b": LLAMA_1B,
 }
 METHODS = ("hfjax", "hand_recipe", "torch_dynamic", "torch_static", "torch_compile")
 TORCH_METHODS = ("torch_dynamic", "torch_static", "torch_compile")
@@ -427,9 +428,12 @@ def benchmark(args, work: pathlib.Path, envs: dict[str, dict]) -> dict:
         report["time_to_first_token_new_process"] = _new_process_ttft(args, work, envs["ttft"], dtype)
     probes.append(measure_bandwidth(args.gpu_llama_1b))
     report["bandwidth_probes"] = [probe for p in probes for probe in p["probes"]]
-    report["bandwidth_gb_per_s"] = max(p["gb_per_s"] for p in probes)
+    adjacent = [gb for row in report["results"] for gb in row.get("runs_adjacent_gb_per_s", [])]
+    # The best reading of the probe product, at the start, at the end or beside a timed run:
+    # a run that read faster than the start and end probes must not exceed its ceiling.
+    report["bandwidth_gb_per_s"] = max([p["gb_per_s"] for p in probes] + adjacent)
     report["bandwidth_gb_per_s_median_probe"] = statistics.median(p["gb_per_s"] for p in report["bandwidth_probes"])
-    log(f"bandwidth: {report['bandwidth_gb_per_s']:.1f} GB/s (best of {len(report['bandwidth_probes'])} probes)")
+    log(f"bandwidth: {report['bandwidth_gb_per_s']:.1f} GB/s (best of {len(report['bandwidth_probes']) + len(adjacent)} probes)")
     _add_ceilings(report)
     report["ratios"] = _ratios(report)
     report["batch8_over_batch1"] = _batch_scaling(report)

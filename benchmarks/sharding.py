@@ -27,6 +27,8 @@ import tempfile
 import threading
 import time
 
+from shapes import LLAMA_1B
+
 MESHES = [(1, 1), (1, 8), (2, 4), (8, 1)]
 SIZES = {
     "default": dict(hidden_size=512, intermediate_size=1536, num_hidden_layers=8, num_attention_heads=8,
@@ -34,8 +36,7 @@ SIZES = {
     "quick": dict(hidden_size=256, intermediate_size=768, num_hidden_layers=4, num_attention_heads=8,
                   num_key_value_heads=8, head_dim=32, vocab_size=8192),
     # Llama-3.2-1B, written in bfloat16 (2.5 GB): for peak host memory while loading only.
-    "1b": dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
-               num_key_value_heads=8, head_dim=64, vocab_size=128256, tie_word_embeddings=True, dtype="bfloat16"),
+    "1b": dict(LLAMA_1B, dtype="bfloat16"),
 }
 
 

@@ -51,13 +51,13 @@ def _worker(model_type: str, task: str) -> dict:
     import torch
 
     torch.set_num_threads(1)
-    from hfjax import _check, testing
+    from hfjax import _check, _tiny_families, testing
 
     result = {"model_type": model_type, "task": task, "status": "fail", "eager": None, "jit": None, "reason": ""}
     with tempfile.TemporaryDirectory(prefix=f"sweep-{model_type}-") as directory:
         try:
             path = testing.save_tiny_checkpoint(model_type, pathlib.Path(directory) / model_type, task=task)
-            auto_class = testing._TASK_AUTO_CLASSES[task]
+            auto_class = _tiny_families.TASK_AUTO_CLASSES[task]
             model = auto_class.from_pretrained(path, dtype=torch.float32).eval()
             arrays = _check._inputs(model.config, task, batch=2, seq_len=8, seed=0)  # the inputs check() uses
             inputs = {k: torch.from_numpy(v) if hasattr(v, "dtype") else v for k, v in arrays.items()}
@@ -173,7 +173,7 @@ def _write_report(out: pathlib.Path, results: list[dict], total: int, started: s
         "forward; those do not count against hfjax. Many of them are limits of the generic shrinker (a "
         "default config field sized for the full model, such as a per-layer list or a rotary dimension, that "
         "no longer fits 2 layers of width 64) or of the random inputs (no eos token for BART-style "
-        "classifiers), not bugs in transformers; a hand-tuned entry in `hfjax.testing._REGISTRY` fixes them.",
+        "classifiers), not bugs in transformers; a hand-tuned entry in `hfjax._tiny_families.REGISTRY` fixes them.",
         "",
     ]
     if partial:

@@ -10,7 +10,7 @@ import safetensors.torch
 import torch
 import transformers
 
-from hfjax import testing
+from hfjax import _tiny_families, testing
 from hfjax.testing import FAMILIES, save_tiny_checkpoint, tiny_config, tiny_tokenizer
 
 PROMPT = "The capital of France is"
@@ -26,7 +26,7 @@ _AUTO_CLASS = {
 
 
 def _kind(family: str) -> str:
-    return testing._REGISTRY[family].kind
+    return _tiny_families.REGISTRY[family].kind
 
 
 def _default_task(family: str) -> str:

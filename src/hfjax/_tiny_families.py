@@ -1,0 +1,339 @@
+"""The model families of `hfjax.testing`: tiny config sizes per transformers model_type.
+
+Hand-tuned entries in `REGISTRY`; any other model_type with a text head is shrunk from its
+config class's defaults by field name.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import difflib
+import functools
+from collections.abc import Mapping
+from typing import Any, Literal
+
+import transformers
+
+from ._tiny_tokenizer import BOS_ID, EOS_ID, MAX_POSITIONS, PAD_ID, VOCAB_SIZE
+
+Kind = Literal["causal", "encoder", "seq2seq"]
+
+TASK_AUTO_CLASSES: dict[str, type] = {
+    "text-generation": transformers.AutoModelForCausalLM,
+    "text-classification": transformers.AutoModelForSequenceClassification,
+    "feature-extraction": transformers.AutoModel,
+    "text2text-generation": transformers.AutoModelForSeq2SeqLM,
+}
+DEFAULT_TASK: dict[str, str] = {
+    "causal": "text-generation",
+    "encoder": "feature-extraction",
+    "seq2seq": "text2text-generation",
+}
+KIND_TASKS: dict[str, tuple[str, ...]] = {
+    "causal": ("text-generation", "text-classification", "feature-extraction"),
+    "encoder": ("text-classification", "feature-extraction"),
+    "seq2seq": ("text2text-generation", "text-classification", "feature-extraction"),
+}
+
+_HIDDEN, _HEADS, _KV_HEADS, _HEAD_DIM, _INTERMEDIATE, _LAYERS = 64, 4, 2, 16, 128, 2
+_SLIDING_WINDOW = 64
+_TOKEN_IDS = {"pad_token_id": PAD_ID, "bos_token_id": BOS_ID, "eos_token_id": EOS_ID}
+_MHA = {
+    "hidden_size": _HIDDEN,
+    "intermediate_size": _INTERMEDIATE,
+    "num_hidden_layers": _LAYERS,
+    "num_attention_heads": _HEADS,
+    "max_position_embeddings": MAX_POSITIONS,
+}
+_GQA = {**_MHA, "num_key_value_heads": _KV_HEADS}
+_GQA_HEAD_DIM = {**_GQA, "head_dim": _HEAD_DIM}
+# GPT-2 and GPT-J name the same sizes differently.
+_GPT2_NAMES = {
+    "n_embd": _HIDDEN,
+    "n_inner": _INTERMEDIATE,
+    "n_layer": _LAYERS,
+    "n_head": _HEADS,
+    "n_positions": MAX_POSITIONS,
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class Family:
+    """How to make one family's transformers config tiny."""
+
+    kind: Kind
+    config: Mapping[str, Any]
+    # GenerationConfig fields beyond the token ids (transformers 5 configs drop these).
+    generation: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+    # False for families built by the generic shrinker: they may use any task that
+    # transformers has a model class for, whatever their kind.
+    curated: bool = True
+
+
+# One entry per family: the keyword arguments, beyond token ids and vocab size, that make
+# its transformers config tiny. Adding a family is adding a line here.
+REGISTRY: dict[str, Family] = {
+    "llama": Family("causal", _GQA_HEAD_DIM),
+    "mistral": Family("causal", {**_GQA_HEAD_DIM, "sliding_window": _SLIDING_WINDOW}),
+    "mixtral": Family(
+        "causal", {**_GQA_HEAD_DIM, "intermediate_size": 64, "num_local_experts": 4, "num_experts_per_tok": 2}
+    ),
+    "qwen2": Family("causal", _GQA),
+    "qwen3": Family("causal", _GQA_HEAD_DIM),
+    "qwen3_moe": Family(
+        "causal", {**_GQA_HEAD_DIM, "moe_intermediate_size": 64, "num_experts": 4, "num_experts_per_tok": 2}
+    ),
+    "gemma": Family("causal", _GQA_HEAD_DIM),
+    # Gemma 2 alternates sliding and global layers; 2 layers give one of each.
+    "gemma2": Family(
+        "causal", {**_GQA_HEAD_DIM, "query_pre_attn_scalar": _HEAD_DIM, "sliding_window": _SLIDING_WINDOW}
+    ),
+    # Gemma 3's default pattern has 5 sliding layers per global one; 2 layers would have
+    # no global layer, so alternate them.
+    "gemma3_text": Family(
+        "causal",
+        {
+            **_GQA_HEAD_DIM,
+            "query_pre_attn_scalar": _HEAD_DIM,
+            "sliding_window": _SLIDING_WINDOW,
+            "sliding_window_pattern": 2,
+        },
+    ),
+    "phi": Family("causal", _GQA),
+    "phi3": Family("causal", {**_GQA, "original_max_position_embeddings": MAX_POSITIONS}),
+    "gpt2": Family("causal", _GPT2_NAMES),
+    "gpt_neox": Family("causal", _MHA),
+    "gptj": Family("causal", {**_GPT2_NAMES, "rotary_dim": _HEAD_DIM // 2}),
+    # Falcon-7B layout (multi-query attention, parallel attention and MLP), the default.
+    "falcon": Family(
+        "causal",
+        {
+            "hidden_size": _HIDDEN,
+            "ffn_hidden_size": _INTERMEDIATE,
+            "num_hidden_layers": _LAYERS,
+            "num_attention_heads": _HEADS,
+            "max_position_embeddings": MAX_POSITIONS,
+        },
+    ),
+    "opt": Family(
+        "causal",
+        {
+            "hidden_size": _HIDDEN,
+            "ffn_dim": _INTERMEDIATE,
+            "word_embed_proj_dim": _HIDDEN,
+            "num_hidden_layers": _LAYERS,
+            "num_attention_heads": _HEADS,
+            "max_position_embeddings": MAX_POSITIONS,
+        },
+    ),
+    "bloom": Family("causal", {"hidden_size": _HIDDEN, "n_layer": _LAYERS, "n_head": _HEADS}),
+    "olmo": Family("causal", _GQA),
+    # Multi-head latent attention (one key/value head per query head); layer 0 is dense
+    # and layer 1 mixture-of-experts, with 4 routed experts in 2 groups and 1 shared.
+    "deepseek_v3": Family(
+        "causal",
+        {
+            **_GQA,
+            "num_key_value_heads": _HEADS,
+            "q_lora_rank": 32,
+            "kv_lora_rank": 32,
+            "qk_rope_head_dim": 8,
+            "qk_nope_head_dim": 8,
+            "v_head_dim": _HEAD_DIM,
+            "moe_intermediate_size": 32,
+            "n_routed_experts": 4,
+            "n_shared_experts": 1,
+            "num_experts_per_tok": 2,
+            "n_group": 2,
+            "topk_group": 1,
+            "first_k_dense_replace": 1,
+        },
+    ),
+    "mamba": Family("causal", {"hidden_size": _HIDDEN, "state_size": 16, "num_hidden_layers": _LAYERS, "expand": 2}),
+    # One recurrent block and one local-attention block.
+    "recurrent_gemma": Family(
+        "causal",
+        {
+            "hidden_size": _HIDDEN,
+            "intermediate_size": _INTERMEDIATE,
+            "num_hidden_layers": _LAYERS,
+            "num_attention_heads": _HEADS,
+            "num_key_value_heads": _KV_HEADS,
+            "lru_width": _HIDDEN,
+            "attention_window_size": _SLIDING_WINDOW,
+            "block_types": ["recurrent", "attention"],
+        },
+    ),
+    "bert": Family("encoder", _MHA),
+    # RoBERTa numbers positions from pad_token_id + 1, so it needs extra position rows
+    # to take 256 tokens (as roberta-base has 514 for 512).
+    "roberta": Family("encoder", {**_MHA, "max_position_embeddings": MAX_POSITIONS + 2}),
+    # Layer 0 global attention, layer 1 local (sliding) attention.
+    "modernbert": Family(
+        "encoder", {**_MHA, "local_attention": _SLIDING_WINDOW, "cls_token_id": BOS_ID, "sep_token_id": EOS_ID}
+    ),
+    "t5": Family(
+        "seq2seq",
+        {
+            "d_model": _HIDDEN,
+            "d_kv": _HEAD_DIM,
+            "d_ff": _INTERMEDIATE,
+            "num_layers": _LAYERS,
+            "num_decoder_layers": _LAYERS,
+            "num_heads": _HEADS,
+            "decoder_start_token_id": PAD_ID,
+        },
+    ),
+    "bart": Family(
+        "seq2seq",
+        {
+            "d_model": _HIDDEN,
+            "encoder_layers": _LAYERS,
+            "decoder_layers": _LAYERS,
+            "encoder_attention_heads": _HEADS,
+            "decoder_attention_heads": _HEADS,
+            "encoder_ffn_dim": _INTERMEDIATE,
+            "decoder_ffn_dim": _INTERMEDIATE,
+            "max_position_embeddings": MAX_POSITIONS,
+            "decoder_start_token_id": EOS_ID,
+            "forced_eos_token_id": EOS_ID,
+        },
+        # As facebook/bart-large: decoding starts with eos, then bos is forced.
+        generation={"forced_bos_token_id": BOS_ID},
+    ),
+}
+
+FAMILIES: tuple[str, ...] = tuple(REGISTRY)
+"""Model families with a hand-tuned tiny checkpoint, named by their transformers `model_type`.
+
+Any other `model_type` with a causal-LM, seq2seq-LM or sequence-classification model class
+also works: `tiny_config` then shrinks the config class's defaults by field name."""
+
+GENERATION_FAMILIES: tuple[str, ...] = tuple(name for name, spec in REGISTRY.items() if spec.kind != "encoder")
+"""The families that generate text: causal LMs and encoder-decoders."""
+
+
+# Generic shrinking: a config field with one of these names, where the model_type's config
+# class has it, gets this value. Names are those the config stores, not attribute aliases.
+_GENERIC_SIZES: dict[str, int] = {
+    **dict.fromkeys(("hidden_size", "d_model", "n_embd", "dim"), _HIDDEN),
+    **dict.fromkeys(
+        ("num_hidden_layers", "n_layer", "num_layers", "num_decoder_layers", "encoder_layers", "decoder_layers"),
+        _LAYERS,
+    ),
+    **dict.fromkeys(
+        ("num_attention_heads", "n_head", "num_heads", "encoder_attention_heads", "decoder_attention_heads"),
+        _HEADS,
+    ),
+    **dict.fromkeys(("head_dim", "d_kv"), _HEAD_DIM),
+    **dict.fromkeys(
+        ("intermediate_size", "ffn_dim", "d_ff", "n_inner", "encoder_ffn_dim", "decoder_ffn_dim"), _INTERMEDIATE
+    ),
+    "vocab_size": VOCAB_SIZE,
+    **dict.fromkeys(("max_position_embeddings", "n_positions"), MAX_POSITIONS),
+    **dict.fromkeys(("num_experts", "num_local_experts", "n_routed_experts"), 4),
+    "num_experts_per_tok": 2,
+    "moe_intermediate_size": 64,
+}
+
+
+def _generic_overrides(defaults: Mapping[str, Any]) -> dict[str, Any]:
+    # `defaults` is a config's to_dict(); nested configs (text_config, vision_config, ...)
+    # are shrunk the same way and passed back as dicts carrying their model_type.
+    overrides: dict[str, Any] = {key: value for key, value in _GENERIC_SIZES.items() if key in defaults}
+    heads, kv_heads = defaults.get("num_attention_heads"), defaults.get("num_key_value_heads")
+    if kv_heads is not None:
+        # Keep multi-head attention where the default is MHA; otherwise 2 groups of 2.
+        overrides["num_key_value_heads"] = _HEADS if kv_heads == heads else _KV_HEADS
+    for key, value in defaults.items():
+        if isinstance(value, dict) and "model_type" in value:
+            overrides[key] = {"model_type": value["model_type"], **_generic_overrides(value)}
+    if "text_config" in overrides:
+        overrides["text_config"].update(_TOKEN_IDS)
+    return overrides
+
+
+def _text_model_types() -> dict[str, Kind]:
+    # model_type -> kind, for model types with a text head; seq2seq wins over causal
+    # (bart has both), causal over classification-only encoders.
+    from transformers.models.auto import modeling_auto
+
+    kinds: dict[str, Kind] = dict.fromkeys(modeling_auto.MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING_NAMES, "encoder")
+    kinds.update(dict.fromkeys(modeling_auto.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES, "causal"))
+    kinds.update(dict.fromkeys(modeling_auto.MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING_NAMES, "seq2seq"))
+    return kinds
+
+
+@functools.lru_cache(maxsize=None)
+def _generic_family(model_type: str) -> Family | None:
+    kind = _text_model_types().get(model_type)
+    if kind is None or model_type not in transformers.CONFIG_MAPPING:
+        return None
+    defaults = transformers.CONFIG_MAPPING[model_type]().to_dict()
+    return Family(kind, _generic_overrides(defaults), curated=False)
+
+
+def family_spec(family: str) -> Family:
+    """The hand-tuned or generic `Family` of a model_type; ValueError with the close names if none."""
+    if family in REGISTRY:
+        return REGISTRY[family]
+    generic = _generic_family(family) if isinstance(family, str) else None
+    if generic is not None:
+        return generic
+    if isinstance(family, str) and family in transformers.CONFIG_MAPPING:
+        raise ValueError(
+            f"Unknown model family {family!r}: it is a transformers model_type, but has no text-generation, "
+            "text2text-generation or text-classification model class, so it has no tiny text checkpoint."
+        )
+    close = difflib.get_close_matches(str(family), FAMILIES, n=1)
+    hint = f" Did you mean {close[0]!r}?" if close else ""
+    raise ValueError(
+        f"Unknown model family {family!r}.{hint} Use a transformers model_type; hand-tuned families: "
+        f"{', '.join(FAMILIES)}."
+    )
+
+
+def auto_class_name(auto_class: type, config: transformers.PretrainedConfig) -> str | None:
+    mapping = auto_class._model_mapping
+    return mapping[type(config)].__name__ if type(config) in mapping else None
+
+
+def tiny_config(family: str, **overrides: Any) -> transformers.PretrainedConfig:
+    """Builds a tiny transformers config for a model family.
+
+    Sizes: hidden 64, 2 layers, 4 attention heads of dimension 16, 2 key/value heads where
+    the family has grouped-query attention, MLP width 128, 256 positions, and the tiny
+    tokenizer's 512-token vocabulary with pad=0, bos=1, eos=2. Word-embedding tying and
+    everything else keep the family's defaults. `architectures` names the class for the
+    family's default task (causal LM, encoder model, or seq2seq LM).
+
+    Args:
+        family: a transformers `model_type`. Names in `FAMILIES` use hand-tuned sizes;
+            any other model_type with a text head starts from its config class's defaults
+            with the usual size fields (hidden size, layers, heads, MLP width, experts,
+            vocabulary, positions, and those of nested configs) set to the sizes above.
+        **overrides: config fields to set instead of the tiny defaults, for example
+            `num_hidden_layers=4` or `tie_word_embeddings=False`.
+
+    Returns:
+        The config, of the family's config class.
+
+    Raises:
+        ValueError: if `family` is not a transformers model_type with a causal-LM,
+            seq2seq-LM or sequence-classification model class.
+
+    Example:
+        >>> config = tiny_config("llama", num_hidden_layers=3)
+        >>> config.hidden_size, config.num_hidden_layers, config.architectures
+        (64, 3, ['LlamaForCausalLM'])
+    """
+    spec = family_spec(family)
+    # A deep copy, as config classes may change nested dicts and lists they are given.
+    kwargs = {"vocab_size": VOCAB_SIZE, **_TOKEN_IDS, **copy.deepcopy(dict(spec.config)), **overrides}
+    config = transformers.AutoConfig.for_model(family, **kwargs)
+    if "architectures" not in overrides:
+        name = auto_class_name(TASK_AUTO_CLASSES[DEFAULT_TASK[spec.kind]], config)
+        config.architectures = [name]
+    return config
+
