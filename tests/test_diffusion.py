@@ -10,6 +10,9 @@ generator in both, matches too. Images are compared by PSNR against the one boun
 
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import numpy as np
 import pytest
 import torch
@@ -188,3 +191,14 @@ def test_cli_writes_a_png_of_the_asked_size(saved, tmp_path, capsys):
     assert "time per image" in printed
     with Image.open(out) as png:
         assert png.format == "PNG" and png.size == (32, 48)
+
+
+def test_cli_output_has_no_notes_about_missing_packages(saved, tmp_path):
+    # A user's first run: a new process, so transformers' once-only notes fire if they would.
+    command = [sys.executable, "-m", "hfjax.cli", "image", "--model", str(saved("stable-diffusion", "pndm")),
+               "a red cat", "--steps", "1", "--out", str(tmp_path / "cat.png")]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr
+    assert "wrote" in result.stdout
+    for note in ("accelerate", "torchvision"):
+        assert note not in result.stderr, result.stderr

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import logging
 import sys
 import warnings
 
@@ -22,6 +23,12 @@ def main(argv: list[str] | None = None) -> int:
     # torchax runs JAX with 32-bit integers and floats by design; JAX's note on each 64-bit
     # cast in the model code (with advice to enable x64) is noise on a terminal.
     warnings.filterwarnings("ignore", message=r"Explicitly requested dtype (int|uint|float|complex)(64|128)")
+    # diffusers' pipelines import transformers' CLIP image processors; without torchvision
+    # transformers substitutes their PIL versions, which is what a pipeline run needs, and
+    # says so on every run.
+    logging.getLogger("transformers.utils.import_utils").addFilter(
+        lambda record: "requires torchvision (not installed); falling back" not in record.getMessage()
+    )
     if args.command is None:
         parser.print_help()
         return 2
