@@ -22,7 +22,7 @@ pytest.importorskip("diffusers")
 
 import diffusers  # noqa: E402
 
-from hfjax import _diffusion, tolerances  # noqa: E402
+from hfjax import JittedModule, _diffusion, tolerances  # noqa: E402
 from hfjax._tiny_pipelines import save_tiny_pipeline  # noqa: E402
 
 STEPS = 3
@@ -202,3 +202,23 @@ def test_cli_output_has_no_notes_about_missing_packages(saved, tmp_path):
     assert "wrote" in result.stdout
     for note in ("accelerate", "torchvision"):
         assert note not in result.stderr, result.stderr
+
+
+@pytest.mark.parametrize("kind", ["stable-diffusion", "sdxl", "sd3", "pixart", "flux"])
+def test_save_pretrained_after_to_jax_writes_the_same_pipeline(saved, on_jax, tmp_path, kind):
+    path = saved(kind)
+    pipe = on_jax(kind)
+    pipe.save_pretrained(tmp_path / "saved")
+    original = diffusers.DiffusionPipeline.from_pretrained(path)
+    reloaded = diffusers.DiffusionPipeline.from_pretrained(tmp_path / "saved")
+    for name, module in original.components.items():
+        if not isinstance(module, torch.nn.Module):
+            continue
+        expected, written = module.state_dict(), getattr(reloaded, name).state_dict()
+        assert expected.keys() == written.keys(), name
+        for key, tensor in expected.items():
+            torch.testing.assert_close(written[key], tensor, rtol=0, atol=0, msg=f"{name}.{key}")
+    # The pipeline still runs on JAX after saving.
+    assert all(not isinstance(pipe.components[name], torch.nn.Module) or isinstance(getattr(pipe, name), JittedModule)
+               for name in pipe.components)
+    assert pipe(**_inputs(pipe, kind)).images.shape[1:3] == (SIZE, SIZE)

@@ -75,6 +75,25 @@ class _JittedVaeOnMesh(_OnMesh, _JittedVae):
     pass
 
 
+def _torch_copy(component: JittedModule) -> torch.nn.Module:
+    """A torch module on the CPU like the one `component` compiles, holding its current weights
+    in torch's layout (convolution weights back from channels-last), for `save_pretrained`."""
+    module = component.module
+    state = dict(component.params)
+    state.update({alias: state[canonical] for alias, canonical in component._aliases.items()})
+    state = _env.env().j2t_copy(state)
+    held = ".parametrizations.weight.original"
+    for name in [n for n in state if n.endswith(held)]:
+        state[name.removesuffix(held) + ".weight"] = _ops._ChannelsLastWeight()(state.pop(name))
+    cls = type(module)
+    with torch.device("meta"):  # no random init: every weight is assigned below
+        fresh = cls.from_config(module.config) if hasattr(cls, "from_config") else cls(module.config)
+    missing, _ = fresh.load_state_dict(state, strict=False, assign=True)
+    if missing:
+        raise PipelineError(f"save_pretrained: hfjax holds no weights for {type(module).__name__}'s {missing[:5]}")
+    return fresh.eval()
+
+
 def _compiled_component(name: str, module: torch.nn.Module, mesh=None) -> JittedModule:
     cls = type(module)
     if callable(getattr(cls, "decode", None)) and not name.startswith(_whole_loop.DENOISERS):
@@ -105,7 +124,22 @@ def _on_jax_class(cls: type) -> type:
         logger.info("hfjax: %s ran on JAX, %s", cls.__name__, session.describe())
         return out
 
-    return type(cls.__name__, (cls,), {"__call__": __call__, "__module__": cls.__module__, "_hfjax_on_jax": True})
+    @functools.wraps(cls.save_pretrained)
+    def save_pretrained(self, save_directory, *args, **kwargs):
+        # diffusers saves only the component classes it knows, so the compiled ones are
+        # swapped for torch copies of their weights while it writes.
+        compiled = {name: value for name, value in vars(self).items() if isinstance(value, JittedModule)}
+        try:
+            for name, component in compiled.items():
+                object.__setattr__(self, name, _torch_copy(component))
+            return cls.save_pretrained(self, save_directory, *args, **kwargs)
+        finally:
+            for name, component in compiled.items():
+                object.__setattr__(self, name, component)
+
+    namespace = {"__call__": __call__, "save_pretrained": save_pretrained, "__module__": cls.__module__,
+                 "_hfjax_on_jax": True}
+    return type(cls.__name__, (cls,), namespace)
 
 
 def _size_multiple(pipe) -> int:
@@ -153,7 +187,8 @@ def to_jax(pipe, *, whole_loop: WholeLoop = False, mesh=None):
         classifier-free-guidance copies) is split over "data" where it divides.
 
     Returns:
-      `pipe`, now running on JAX; after each call `pipe.hfjax_path` is "per-step" or
+      `pipe`, now running on JAX (`save_pretrained` still writes a diffusers pipeline,
+      with the weights it holds); after each call `pipe.hfjax_path` is "per-step" or
       "whole-loop", the path that call took (also logged to the "hfjax" logger).
 
     Example:
