@@ -12,6 +12,13 @@ from . import chat, check, classify, demo, generate, image, launch, shard_plan
 _COMMANDS = {"demo": demo, "check": check, "generate": generate, "chat": chat, "classify": classify, "image": image, "shard-plan": shard_plan, "launch": launch}
 
 
+def _no_torchvision_fallback_note(record: logging.LogRecord) -> bool:
+    # diffusers' pipelines import transformers' CLIP image processors; without torchvision
+    # transformers substitutes their PIL versions, which is what a pipeline run needs, and
+    # says so on every run.
+    return "requires torchvision (not installed); falling back" not in record.getMessage()
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="hfjax", description="Run Hugging Face PyTorch models on JAX and XLA, unchanged."
@@ -23,12 +30,7 @@ def main(argv: list[str] | None = None) -> int:
     # torchax runs JAX with 32-bit integers and floats by design; JAX's note on each 64-bit
     # cast in the model code (with advice to enable x64) is noise on a terminal.
     warnings.filterwarnings("ignore", message=r"Explicitly requested dtype (int|uint|float|complex)(64|128)")
-    # diffusers' pipelines import transformers' CLIP image processors; without torchvision
-    # transformers substitutes their PIL versions, which is what a pipeline run needs, and
-    # says so on every run.
-    logging.getLogger("transformers.utils.import_utils").addFilter(
-        lambda record: "requires torchvision (not installed); falling back" not in record.getMessage()
-    )
+    logging.getLogger("transformers.utils.import_utils").addFilter(_no_torchvision_fallback_note)  # addFilter skips repeats
     if args.command is None:
         parser.print_help()
         return 2
