@@ -217,13 +217,16 @@ def bound(module: torch.nn.Module, params: dict, aliases: dict[str, str], prng_k
     Yields the torchax environment, whose `prng_key` holds the key after the torch code ran.
     """
     environment = _env.env()
-    state = _env.to_torch(dict(params))
-    for alias, canonical in aliases.items():
-        state[alias] = state[canonical]
+    state = with_aliases(_env.to_torch(dict(params)), aliases)
     tracing = isinstance(prng_key, jax.core.Tracer)
     with environment, environment.override_property(prng=prng_key), _value_checks_off(tracing):
         with stateless._reparametrize_module(module, state, tie_weights=False, strict=False):
             yield environment
+
+
+def with_aliases(state: dict, aliases: dict[str, str]) -> dict:
+    """`state` plus every tied name, holding the same value as its canonical name."""
+    return {**state, **{alias: state[canonical] for alias, canonical in aliases.items()}}
 
 
 @contextlib.contextmanager

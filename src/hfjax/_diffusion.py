@@ -19,7 +19,7 @@ import jax
 import torch
 from torchax.tensor import Tensor as JaxTensor
 
-from . import _env, _loading, _ops, _sharding, _whole_loop
+from . import _compile, _env, _loading, _ops, _sharding, _whole_loop
 from ._compile import JittedModule
 from ._errors import HfjaxError, LoadError
 
@@ -79,9 +79,7 @@ def _torch_copy(component: JittedModule) -> torch.nn.Module:
     """A torch module on the CPU like the one `component` compiles, holding its current weights
     in torch's layout (convolution weights back from channels-last), for `save_pretrained`."""
     module = component.module
-    state = dict(component.params)
-    state.update({alias: state[canonical] for alias, canonical in component._aliases.items()})
-    state = _env.env().j2t_copy(state)
+    state = _env.env().j2t_copy(_compile.with_aliases(component.params, component._aliases))
     held = ".parametrizations.weight.original"
     for name in [n for n in state if n.endswith(held)]:
         state[name.removesuffix(held) + ".weight"] = _ops._ChannelsLastWeight()(state.pop(name))
