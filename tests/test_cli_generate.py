@@ -54,6 +54,23 @@ def test_generate_streams_the_greedy_text_of_model_generate(llama, capsys, monke
     assert "time to first token" in captured.err and "tokens/s" in captured.err
 
 
+def test_generate_decodes_a_beam_search_checkpoint_greedily_with_its_other_settings(checkpoint, capsys, tmp_path):
+    import json
+    import shutil
+
+    path = shutil.copytree(checkpoint("llama"), tmp_path / "llama")
+    config = json.loads((path / "generation_config.json").read_text())
+    (path / "generation_config.json").write_text(json.dumps({**config, "num_beams": 4, "no_repeat_ngram_size": 1}))
+    model = hfjax.load(path)
+    ids = model.tokenizer(PROMPT, return_tensors="np")["input_ids"]
+    expected = _new_text(model, ids, max_new_tokens=24, do_sample=False, num_beams=1)
+    assert expected != _new_text(model, ids, max_new_tokens=24, do_sample=False, num_beams=1, no_repeat_ngram_size=0)
+    code = cli.main(["generate", "--model", str(path), PROMPT, "--max-new-tokens", "24", "--temperature", "0"])
+    captured = capsys.readouterr()
+    assert code == 0, captured.err
+    assert captured.out == expected + "\n"
+
+
 def test_generate_samples_with_the_given_settings_and_seed(llama, capsys):
     path, model = llama
     ids = model.tokenizer(PROMPT, return_tensors="np")["input_ids"]

@@ -17,7 +17,7 @@ import torch
 import transformers
 
 import hfjax
-from hfjax import _generate, testing
+from hfjax import _generate, _settings, testing
 
 PROMPTS = ["Hello there, how are you doing today?", "Hi", "The quick brown fox"]
 NEW_TOKENS = 12
@@ -106,6 +106,94 @@ def test_repetition_penalty_matches_transformers(loaded):
     np.testing.assert_array_equal(actual, expected)
 
 
+def _decoder_length(model, ids) -> int:
+    """The length transformers counts max_length and min_length from: the decoder's input."""
+    return 1 if model.task == "text2text-generation" else ids.shape[1]
+
+
+# Settings that change a plain greedy run, built from its new tokens [B, T], the decoder's input
+# length and the tokens the checkpoint forces (which transformers refuses to suppress).
+CONSTRAINTS = {
+    "no_repeat_ngram_size": lambda new, start, forced: dict(no_repeat_ngram_size=2),
+    "bad_words_ids": lambda new, start, forced: dict(bad_words_ids=[[int(new[0, 2])], [int(new[1, 2]), int(new[1, 3])]]),
+    "sequence_bias": lambda new, start, forced: dict(
+        sequence_bias={(int(new[2, 2]),): -5.0, (int(new[0, 2]), int(new[0, 3])): -9.0}
+    ),
+    "suppress_tokens": lambda new, start, forced: dict(suppress_tokens=sorted({int(t) for t in new[:, 2:5].flat} - forced)),
+    "begin_suppress_tokens": lambda new, start, forced: dict(begin_suppress_tokens=sorted({int(t) for t in new[:2, :2].flat})),
+    "min_length": lambda new, start, forced: dict(min_length=start + 6, eos_token_id=int(new[0, 2])),
+    "max_length": lambda new, start, forced: dict(max_length=start + 5, max_new_tokens=None),
+}
+
+
+# bart's tiny checkpoint decodes nothing but its forced first token, which transformers refuses
+# to suppress (tested below); t5 covers suppress_tokens for encoder-decoders.
+@pytest.mark.parametrize(
+    "name, family",
+    [(name, family) for name in CONSTRAINTS for family in ("llama", "t5", "bart") if (name, family) != ("suppress_tokens", "bart")],
+)
+def test_token_constraints_match_transformers(loaded, family, name):
+    model = loaded(family)
+    ids, mask = _batch(model)
+    plain = _torch_generate(model, ids, mask, max_new_tokens=NEW_TOKENS)
+    start = _decoder_length(model, ids)
+    config = model.generation_config
+    forced = {config.forced_bos_token_id, config.forced_eos_token_id}
+    settings = {"max_new_tokens": NEW_TOKENS, **CONSTRAINTS[name](plain[:, start:], start, forced)}
+    expected = _torch_generate(model, ids, mask, **settings)
+    assert not np.array_equal(expected, plain)  # the setting changes this output
+    actual = np.asarray(model.generate(ids, mask, **settings))
+    np.testing.assert_array_equal(actual, expected)
+
+
+def test_suppressing_a_forced_token_is_refused_as_transformers_refuses_it(loaded):
+    model = loaded("bart")
+    ids, mask = _batch(model)
+    with pytest.raises(ValueError, match="forced_bos_token_id"):
+        _torch_generate(model, ids, mask, max_new_tokens=4, suppress_tokens=[1])
+    with pytest.raises(ValueError, match=r"suppress_tokens=\[1\] suppresses forced_bos_token_id=1"):
+        model.generate(ids, mask, max_new_tokens=4, suppress_tokens=[1])
+
+
+def test_decoder_start_token_id_is_taken_from_the_call(loaded):
+    model = loaded("bart")
+    ids, mask = _batch(model)
+    expected = _torch_generate(model, ids, mask, max_new_tokens=6, decoder_start_token_id=5)
+    assert (expected[:, 0] == 5).all()
+    np.testing.assert_array_equal(np.asarray(model.generate(ids, mask, max_new_tokens=6, decoder_start_token_id=5)), expected)
+
+
+def test_num_return_sequences_gives_adjacent_draws_per_prompt(loaded):
+    model = loaded("llama")
+    ids, mask = _batch(model)
+    settings = dict(max_new_tokens=8, do_sample=True, top_k=0, temperature=2.0, seed=3)
+    out = np.asarray(model.generate(ids, mask, num_return_sequences=2, **settings))
+    repeated = np.asarray(model.generate(np.repeat(ids, 2, axis=0), np.repeat(mask, 2, axis=0), **settings))
+    np.testing.assert_array_equal(out, repeated)  # transformers' order: each prompt's copies side by side
+    assert out.shape[0] == 6 and not np.array_equal(out[0], out[1])  # the copies are separate draws
+    texts = model.generate_text(PROMPTS[0], num_return_sequences=3, **settings)
+    assert isinstance(texts, list) and len(texts) == 3
+    with pytest.raises(ValueError, match="num_return_sequences=2.*greedy"):
+        model.generate(ids, mask, num_return_sequences=2, max_new_tokens=4)
+    with pytest.raises(ValueError, match="num_return_sequences"):  # transformers refuses it too
+        _torch_generate(model, ids, mask, num_return_sequences=2, max_new_tokens=4)
+
+
+def test_checkpoint_settings_are_carried_out_or_named(checkpoint, tmp_path):
+    import shutil
+
+    path = shutil.copytree(checkpoint("llama"), tmp_path / "llama")
+    config = json.loads((path / "generation_config.json").read_text())
+    (path / "generation_config.json").write_text(json.dumps({**config, "num_beams": 4, "no_repeat_ngram_size": 2}))
+    model = hfjax.load(path)
+    ids, mask = _batch(model)
+    with pytest.raises(ValueError, match=r"num_beams=4 \(from .*generation_config.json\) asks for beam search.*num_beams=1"):
+        model.generate(ids, mask, max_new_tokens=NEW_TOKENS)
+    expected = _torch_generate(model, ids, mask, max_new_tokens=NEW_TOKENS, num_beams=1)  # applies the n-gram ban
+    assert not np.array_equal(expected, _torch_generate(model, ids, mask, max_new_tokens=NEW_TOKENS, num_beams=1, no_repeat_ngram_size=0))
+    np.testing.assert_array_equal(np.asarray(model.generate(ids, mask, max_new_tokens=NEW_TOKENS, num_beams=1)), expected)
+
+
 def test_checkpoint_generation_config_gives_the_defaults(checkpoint, tmp_path):
     import shutil
 
@@ -177,7 +265,7 @@ def _shapes(model, ids, max_new_tokens: int) -> tuple:
     """(batch, prompt bucket, buffer length, settings): what the engine keys its programs by."""
     size = _generate.bucket(ids.shape[1])
     total = -(-(size + max_new_tokens) // _generate._CACHE_MULTIPLE) * _generate._CACHE_MULTIPLE
-    settings = _generate.resolve_settings(model, ids.shape[1], max_new_tokens=max_new_tokens)
+    settings = _settings.resolve(model, ids.shape[1], max_new_tokens=max_new_tokens)
     return ids.shape[0], size, total, dataclasses.replace(settings, max_new_tokens=total - size, min_new_tokens=0)
 
 
@@ -186,12 +274,12 @@ def _decode_program(model, prompts):
     ids, mask = _batch(model, prompts)
     generator = _generate.Generator(model)
     generator._store = None  # trace here, rather than read the programs an earlier test stored
-    generator.generate(ids, mask, _generate.resolve_settings(model, ids.shape[1], max_new_tokens=4), seed=0)
+    generator.generate(ids, mask, _settings.resolve(model, ids.shape[1], max_new_tokens=4), seed=0)
     batch, size, total, settings = _shapes(model, ids, max_new_tokens=4)
     key = ("decode", batch, size, total, settings)
     prefill = generator._programs[("prefill", batch, size, total, settings)]
     state = prefill(model.params, np.zeros((batch, size), np.int32), np.ones((batch, size), np.int32),
-                    jax.random.key_data(jax.random.key(0)), np.int32(4), np.int32(0))
+                    jax.random.key_data(jax.random.key(0)), np.int32(4), np.int32(0), np.int32(0))
     decode = functools.partial(generator._decode_flat, program=key, layout=key[1:], offset=size, settings=settings,
                                trace_prefill=None)
     return decode, (model.params, state, np.int32(4))
@@ -285,16 +373,36 @@ def test_generate_text(loaded):
         (dict(temperature=-0.5, do_sample=True), r"temperature=-0\.5"),
         (dict(temperature=-0.5), r"temperature=-0\.5"),
         (dict(max_new_tokens=0), r"max_new_tokens=0"),
-        (dict(num_beams=4), r"num_beams=4"),
+        (dict(num_beams=4), r"num_beams=4 asks for beam search"),
+        (dict(do_sample=True, typical_p=0.5), r"typical_p=0\.5 asks for typical sampling"),
+        (dict(output_scores=True), r"output_scores=True asks for returning scores"),
+        (dict(max_length=3), r"max_length=3 counts the prompt's \d+ tokens"),
+        (dict(no_repeat_ngram_size=-1), r"no_repeat_ngram_size=-1 must be an integer >= 0"),
+        (dict(bad_words_ids=[[5, -1]]), r"bad_words_ids=\[\[5, -1\]\]: \[5, -1\] is not a non-empty list of token ids"),
+        (dict(bad_words_ids=[[100000]]), r"token id 100000 is outside the vocabulary of"),
+        (dict(sequence_bias={(5,): "high"}), r"the bias 'high' is not a number"),
+        (dict(suppress_tokens="5"), r"suppress_tokens='5' must be a token id or a list"),
+        (dict(logits_processor=[]), r"does not take logits_processor"),
     ],
 )
 def test_bad_settings_raise_one_clear_error(loaded, kwargs, match):
     model = loaded("llama")
     ids, mask = _batch(model, PROMPTS[:1])
-    num_beams = kwargs.pop("num_beams", None)
-    config = transformers.GenerationConfig(num_beams=num_beams) if num_beams else None
     with pytest.raises(ValueError, match=match):
-        model.generate(ids, mask, generation_config=config, **kwargs)
+        model.generate(ids, mask, **kwargs)
+
+
+def test_settings_from_a_generation_config_are_named_as_such(loaded):
+    model = loaded("llama")
+    ids, mask = _batch(model, PROMPTS[:1])
+    with pytest.raises(ValueError, match=r"num_beams=4 \(from generation_config\).*pass num_beams=1"):
+        model.generate(ids, mask, generation_config=transformers.GenerationConfig(num_beams=4))
+
+
+def test_an_unknown_setting_is_a_type_error_that_lists_the_known_ones(loaded):
+    model = loaded("llama")
+    with pytest.raises(TypeError, match=r"unexpected keyword argument 'max_tokens'.*max_new_tokens"):
+        model.generate(np.ones((1, 3), np.int32), max_tokens=4)
 
 
 def test_empty_prompts_raise(loaded):

@@ -14,7 +14,16 @@ import torch
 import transformers
 
 from hfjax import testing, tolerances
-from hfjax._sampling import SamplingConfig, first_argmax, next_token, process_logits, seen_mask, update_seen
+from hfjax._sampling import (
+    SamplingConfig,
+    first_argmax,
+    ngram_bans,
+    next_token,
+    process_logits,
+    seen_mask,
+    sequence_bias,
+    update_seen,
+)
 
 # Probabilities of float32 softmaxes of the same O(1) logits, processed by the same formulas.
 PROBS = tolerances.DEFAULT
@@ -295,3 +304,65 @@ def test_bad_arrays_name_argument_and_shape():
         seen_mask(ids, jnp.ones((1, 2), jnp.int32), VOCAB)
     with pytest.raises(ValueError, match=r"input_ids has shape \(3,\)"):
         seen_mask(ids[0], None, VOCAB)
+
+
+# -- processors that read the tokens so far ------------------------------------------
+
+
+def _buffer(input_ids: np.ndarray, lead: int, tail: int) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """input_ids [B, S] placed in a wider buffer as the decode loop holds them: `lead` foreign
+    columns before (bucket padding), `tail` unwritten ones after. -> (buffer, start, end)."""
+    batch, length = input_ids.shape
+    buffer = np.full((batch, lead + length + tail), 7, np.int32)  # 7: a token that also occurs inside
+    buffer[:, lead : lead + length] = input_ids
+    return jnp.asarray(buffer), jnp.int32(lead), jnp.int32(lead + length)
+
+
+def _repetitive_history(seed: int) -> np.ndarray:
+    """[3, 16] int64 ids from a 6-token alphabet whose last 4 tokens also occur earlier, so that
+    every n-gram size up to 4 bans a token; row 2 starts with pads."""
+    ids = np.random.default_rng(seed).integers(5, 11, (3, 16))
+    ids[:, 6:10] = ids[:, 12:]
+    ids[2, :4] = PAD
+    return ids
+
+
+@pytest.mark.parametrize("size", [1, 2, 3, 4])
+@pytest.mark.parametrize("seed", [0, 1])
+def test_ngram_bans_match_transformers(size, seed):
+    input_ids = _repetitive_history(seed)
+    scores = np.random.default_rng(seed).standard_normal((3, VOCAB)).astype(np.float32)
+    expected = transformers.NoRepeatNGramLogitsProcessor(size)(torch.from_numpy(input_ids), torch.from_numpy(scores))
+    buffer, start, end = _buffer(input_ids, lead=5, tail=9)
+    banned = jax.jit(ngram_bans, static_argnums=(3, 4))(buffer, start, end, size, VOCAB)
+    actual = np.where(np.asarray(banned), -np.inf, scores)
+    assert np.isinf(expected.numpy()).any()  # the history repeats, so something is banned
+    np.testing.assert_array_equal(actual, expected.numpy())
+
+
+def test_columns_before_the_row_are_not_part_of_it():
+    input_ids = np.array([[5, 5]])
+    buffer, start, end = _buffer(input_ids, lead=4, tail=4)  # the lead is 7, 7, 7, 7
+    assert not np.asarray(ngram_bans(buffer, start, end, 3, VOCAB)).any()  # (7, 5, 5) is not in the row
+    assert np.asarray(ngram_bans(buffer, start, end, 2, VOCAB))[0, 5]
+    bias = np.asarray(sequence_bias(buffer, start, end, (((7, 5, 5, 20), 1.0), ((5, 5, 21), 2.0)), VOCAB))
+    assert bias[0, 20] == 0 and bias[0, 21] == 2  # transformers skips a prefix longer than the row
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_sequence_bias_and_bad_words_match_transformers(seed):
+    input_ids = _repetitive_history(seed)
+    scores = np.random.default_rng(seed).standard_normal((3, VOCAB)).astype(np.float32)
+    # Sequences ending as some rows end, of every prefix length up to 3, and a single token.
+    tails = [tuple(int(t) for t in input_ids[row, -k:]) for row, k in ((0, 1), (1, 2), (2, 3))]
+    biases = {(12,): 1.5, (*tails[0], 13): -2.0, (*tails[1], 14): 3.0, (*tails[2], 15): -0.5, (9, 9, 9, 16): 4.0}
+    bad = [[17], [*tails[1], 18], [9, 19]]
+    scores_t = torch.from_numpy(scores)
+    ids_t = torch.from_numpy(input_ids)
+    expected = transformers.SequenceBiasLogitsProcessor(sequence_bias=[[list(k), v] for k, v in biases.items()])(ids_t, scores_t)
+    expected = transformers.NoBadWordsLogitsProcessor(bad, eos_token_id=None)(ids_t, expected).numpy()
+    entries = tuple(biases.items()) + tuple((tuple(ids), -np.inf) for ids in bad)
+    buffer, start, end = _buffer(input_ids, lead=3, tail=5)
+    actual = scores + np.asarray(sequence_bias(buffer, start, end, entries, VOCAB))
+    assert not np.array_equal(expected, scores + np.asarray(sequence_bias(buffer, start, end, entries[:1], VOCAB)))
+    np.testing.assert_allclose(actual, expected, rtol=0, atol=1e-6)

@@ -37,32 +37,13 @@ import torch
 
 from . import _compile, _env, _programs, _sampling, _sharding
 from ._errors import HfjaxError
-from ._sampling import SamplingConfig
+from ._settings import GenerationSettings
 
 CacheKind = Literal["static", "state", "recompute"]
 
 _MIN_BUCKET = 16
 _CACHE_MULTIPLE = 64  # cache lengths are rounded up to this, so nearby budgets share programs
 STREAM_CHUNK = 8  # decode steps per host round trip when streaming
-
-
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class GenerationSettings:
-    """Everything that shapes a generation program. Hashable: it is a static jit argument."""
-
-    max_new_tokens: int
-    min_new_tokens: int = 0
-    eos_token_ids: tuple[int, ...] = ()
-    pad_token_id: int = 0
-    forced_bos_token_id: int | None = None  # the first new token (BART-style checkpoints)
-    forced_eos_token_ids: tuple[int, ...] = ()  # forced as the last token of the budget
-    sampling: SamplingConfig = SamplingConfig()
-
-    def __post_init__(self):
-        if not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 1:
-            raise ValueError(f"max_new_tokens={self.max_new_tokens!r} must be a positive integer, e.g. max_new_tokens=32")
-        if not isinstance(self.min_new_tokens, int) or self.min_new_tokens < 0:
-            raise ValueError(f"min_new_tokens={self.min_new_tokens!r} must be an integer >= 0")
 
 
 @dataclasses.dataclass
@@ -79,94 +60,6 @@ class GenerationStats:
     def tokens_per_second(self) -> float:
         decode = self.total - self.time_to_first_token
         return (self.new_tokens - 1) / decode if self.new_tokens > 1 and decode > 0 else float("nan")
-
-
-_UNSET = object()
-
-
-def resolve_settings(model, prompt_length: int, generation_config=None, **overrides) -> GenerationSettings:
-    """Merges the checkpoint's generation_config.json, a `generation_config` and keyword
-    overrides (transformers' names) into `GenerationSettings`."""
-    defaults = model.generation_config
-    if generation_config is not None:
-        merged = defaults.to_dict()
-        merged.update({k: v for k, v in generation_config.to_diff_dict().items()})
-        defaults = type(defaults).from_dict(merged)
-    values = {k: getattr(defaults, k, None) for k in _GENERATION_ARGS}
-    values.update({k: v for k, v in overrides.items() if v is not None})
-    max_new_tokens = values["max_new_tokens"]
-    if max_new_tokens is None:
-        max_length = values.get("max_length") or 20
-        max_new_tokens = max_length - prompt_length
-        if max_new_tokens < 1:
-            raise ValueError(
-                f"the prompt has {prompt_length} tokens and generation_config.max_length={max_length} leaves no room "
-                "for new tokens; pass max_new_tokens=N"
-            )
-    eos = values["eos_token_id"]
-    eos = () if eos is None else (int(eos),) if isinstance(eos, (int, np.integer)) else tuple(int(e) for e in eos)
-    pad = values["pad_token_id"]
-    if pad is None:
-        pad = eos[0] if eos else 0
-    do_sample = bool(values["do_sample"])
-    temperature = _number(values["temperature"], 1.0)
-    requested = dict(
-        temperature=temperature,
-        top_k=int(values["top_k"] or 0),
-        top_p=_number(values["top_p"], 1.0),
-        min_p=_number(values["min_p"], 0.0),
-    )
-    penalty = _number(values["repetition_penalty"], 1.0)
-    if do_sample:
-        sampling = SamplingConfig(do_sample=True, repetition_penalty=penalty, **requested)
-    else:
-        # transformers ignores sampling settings when do_sample=False; so do we, but we still
-        # reject values that are invalid whatever the mode, so a typo does not pass silently.
-        # Temperature 0 means greedy to transformers users.
-        SamplingConfig(do_sample=True, **{**requested, "temperature": 1.0 if temperature == 0 else temperature})
-        sampling = SamplingConfig(do_sample=False, repetition_penalty=penalty)
-    if (values.get("num_beams") or 1) > 1:
-        raise ValueError(
-            f"num_beams={values['num_beams']}: beam search is not supported by hfjax's generate; "
-            "use greedy or sampling (num_beams=1)"
-        )
-    forced_eos = values["forced_eos_token_id"]
-    forced_eos = () if forced_eos is None else (forced_eos,) if isinstance(forced_eos, int) else tuple(forced_eos)
-    return GenerationSettings(
-        max_new_tokens=int(max_new_tokens),
-        forced_bos_token_id=values["forced_bos_token_id"],
-        forced_eos_token_ids=forced_eos,
-        min_new_tokens=int(values["min_new_tokens"] or 0),
-        eos_token_ids=eos,
-        pad_token_id=int(pad),
-        sampling=sampling,
-    )
-
-
-_GENERATION_ARGS = (
-    "max_new_tokens",
-    "max_length",
-    "min_new_tokens",
-    "do_sample",
-    "temperature",
-    "top_k",
-    "top_p",
-    "min_p",
-    "repetition_penalty",
-    "eos_token_id",
-    "pad_token_id",
-    "forced_bos_token_id",
-    "forced_eos_token_id",
-    "num_beams",
-)
-
-
-def _number(value, default: float) -> float:
-    if value is None:
-        return default
-    if isinstance(value, bool) or not isinstance(value, (int, float, np.number)):
-        return value  # SamplingConfig names the bad value
-    return float(value)
 
 
 def bucket(length: int) -> int:
@@ -222,6 +115,9 @@ class Generator:
         (for encoder-decoders [B, 1 + T]: the decoder start token, then the new tokens)."""
         start = time.perf_counter()
         ids, mask = np.asarray(input_ids), np.asarray(attention_mask)
+        if settings.num_return_sequences > 1:  # each prompt's copies side by side, as transformers orders them
+            ids, mask = (np.repeat(a, settings.num_return_sequences, axis=0) for a in (ids, mask))
+            settings = dataclasses.replace(settings, num_return_sequences=1)
         batch, length = ids.shape
         size = bucket(length)
         # On a mesh the batch is split over "data": a batch that does not divide is padded
@@ -237,6 +133,9 @@ class Generator:
         # The token buffer holds the decoder's prompt (the padded prompt, or the decoder start
         # token of an encoder-decoder) and then the new tokens, from `offset` on.
         offset = 1 if self.encoder_decoder else size
+        # Where each row starts as transformers sees it (its input_ids, pads included), for
+        # the processors that read the tokens so far.
+        first_column = 0 if self.encoder_decoder else size - length
         total = _round_up(offset + settings.max_new_tokens, _CACHE_MULTIPLE)
         budget = settings.max_new_tokens
         # Programs depend on the buffer length, not on the exact budget, which is an argument:
@@ -252,7 +151,7 @@ class Generator:
         decode_key = ("decode", rows, offset, total, settings)
         layout = decode_key[1:]
         prefill_args = (params, self._place(padded_ids), self._place(padded_mask),
-                        jax.random.key_data(jax.random.key(seed)), jnp.int32(budget), jnp.int32(least))
+                        jax.random.key_data(jax.random.key(seed)), jnp.int32(budget), jnp.int32(least), jnp.int32(first_column))
         prefill_function = functools.partial(self._prefill_flat, program=prefill_key, layout=layout, total=total, settings=settings)
         state = self._program(prefill_key, prefill_function, prefill_args)(*prefill_args)
         fields = self._fields[prefill_key]  # the decode loop's state has the same structure
@@ -329,8 +228,8 @@ class Generator:
 
     # -- traced: flat state in and out ---------------------------------------------
 
-    def _prefill_flat(self, params, ids, mask, key, budget, least, *, program, layout, total, settings) -> list:
-        state = self._prefill(params, ids, mask, key, budget, least, total=total, settings=settings)
+    def _prefill_flat(self, params, ids, mask, key, budget, least, first_column, *, program, layout, total, settings) -> list:
+        state = self._prefill(params, ids, mask, key, budget, least, first_column, total=total, settings=settings)
         return self._flatten(state, program, layout)
 
     def _decode_flat(self, params, leaves, limit, *, program, layout, offset, settings, trace_prefill) -> list:
@@ -349,13 +248,14 @@ class Generator:
 
     # -- traced: prefill ---------------------------------------------------------
 
-    def _prefill(self, params, ids, mask, key, budget, least, *, total: int, settings: GenerationSettings) -> dict:
+    def _prefill(self, params, ids, mask, key, budget, least, first_column, *, total: int, settings: GenerationSettings) -> dict:
         # ids, mask: [B, P] int32, left-padded; key: uint32 PRNG key data; budget, least: int32 max_new_tokens and
-        # min_new_tokens (arguments, so they do not recompile); total: the buffer and cache length L.
+        # min_new_tokens; first_column: int32, where transformers' rows start in the buffer (all three arguments,
+        # so they do not recompile); total: the buffer and cache length L.
         self.trace_counts["prefill"] += 1
         batch, size = ids.shape
         if self.encoder_decoder:
-            prompt = jnp.full((batch, 1), self.config.decoder_start_token_id, jnp.int32)
+            prompt = jnp.full((batch, 1), settings.decoder_start_token_id, jnp.int32)
             prompt_mask = jnp.ones_like(prompt)
         else:
             prompt, prompt_mask = ids, mask
@@ -382,6 +282,7 @@ class Generator:
             "key": key,
             "budget": budget,
             "least": least,
+            "first_column": first_column,
         }
         return _choose(state, logits, offset, settings)
 
@@ -542,14 +443,32 @@ def _own_cache_argument(module, cache) -> dict:
     return {name: cache}
 
 
-def _forced(logits, step, budget, settings: GenerationSettings):
-    # logits: [B, V]; a forced token is the only one left possible, as transformers' forced-token processors do.
-    vocab = jnp.arange(logits.shape[-1])
+def _processed(logits, state: dict, end, settings: GenerationSettings):
+    """`logits` [B, V] after transformers' processors that come before repetition penalty and
+    sampling, in its order. The rows so far are `state["sequence"]`'s columns [first_column, end)."""
+    step, vocab_size = state["step"], logits.shape[-1]
+    vocab = jnp.arange(vocab_size)
+    sequence, first = state["sequence"], state["first_column"]
+    if settings.sequence_bias:  # transformers' first processor; bad_words_ids are -inf biases
+        logits = logits + _sampling.sequence_bias(sequence, first, end, settings.sequence_bias, vocab_size)
+    if settings.no_repeat_ngram_size:
+        logits = jnp.where(_sampling.ngram_bans(sequence, first, end, settings.no_repeat_ngram_size, vocab_size), -jnp.inf, logits)
+    if settings.eos_token_ids:  # min_new_tokens and min_length
+        held = jnp.isin(vocab, jnp.asarray(settings.eos_token_ids)) & (step < state["least"])
+        logits = jnp.where(held[None, :], -jnp.inf, logits)
+    # As transformers' forced-token processors: the forced token scores 0 and every other -inf,
+    # whatever the processors before had done to them.
     if settings.forced_bos_token_id is not None:
-        logits = jnp.where((step == 0) & (vocab != settings.forced_bos_token_id)[None, :], -jnp.inf, logits)
+        forced = jnp.where(vocab == settings.forced_bos_token_id, 0.0, -jnp.inf)
+        logits = jnp.where(step == 0, forced[None, :], logits)
     if settings.forced_eos_token_ids:
-        last = step == budget - 1
-        logits = jnp.where(last & ~jnp.isin(vocab, jnp.asarray(settings.forced_eos_token_ids))[None, :], -jnp.inf, logits)
+        forced = jnp.where(jnp.isin(vocab, jnp.asarray(settings.forced_eos_token_ids)), 0.0, -jnp.inf)
+        logits = jnp.where(step == state["budget"] - 1, forced[None, :], logits)
+    if settings.suppress_tokens:
+        logits = jnp.where(jnp.isin(vocab, jnp.asarray(settings.suppress_tokens))[None, :], -jnp.inf, logits)
+    if settings.begin_suppress_tokens:
+        at_begin = (step == settings.begin_suppress_step) & jnp.isin(vocab, jnp.asarray(settings.begin_suppress_tokens))
+        logits = jnp.where(at_begin[None, :], -jnp.inf, logits)
     return logits
 
 
@@ -560,11 +479,7 @@ def _round_up(n: int, multiple: int) -> int:
 def _choose(state: dict, logits, offset: int, settings: GenerationSettings) -> dict:
     """Samples the next token of every row from `logits` [B, V] and appends it to the state."""
     key, draw = jax.random.split(jax.random.wrap_key_data(state["key"]))
-    if settings.eos_token_ids:
-        eos = jnp.asarray(settings.eos_token_ids)
-        blocked = jnp.zeros(logits.shape[-1], bool).at[eos].set(True) & (state["step"] < state["least"])
-        logits = jnp.where(blocked[None, :], -jnp.inf, logits)
-    logits = _forced(logits, state["step"], state["budget"], settings)
+    logits = _processed(logits, state, offset + state["step"], settings)
     token = _sampling.next_token(logits, state["seen"], draw, settings.sampling).astype(jnp.int32)  # [B]
     token = jnp.where(state["done"], settings.pad_token_id, token)
     slot = offset + state["step"]

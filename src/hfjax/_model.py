@@ -99,6 +99,7 @@ class Model:
         generation_config=None,
         seed: int = 0,
         streamer=None,
+        **settings,
     ) -> jax.Array:
         """Generates tokens, as transformers' `generate` does, with the whole decode loop compiled.
 
@@ -107,17 +108,24 @@ class Model:
         left-padded with an `attention_mask`; each row gets what that prompt alone would.
         `seed` seeds the in-program sampler: the same seed gives the same tokens.
         `streamer` follows transformers' streamer interface (`put`, `end`), e.g. `TextStreamer`.
+        `settings`: other transformers generation settings, of which hfjax carries out
+        `max_length`, `min_length`, `no_repeat_ngram_size`, `bad_words_ids`, `sequence_bias`,
+        `suppress_tokens`, `begin_suppress_tokens`, `forced_bos_token_id`,
+        `forced_eos_token_id`, `decoder_start_token_id` and `num_return_sequences`; one that
+        would change the tokens and that it cannot carry out (`num_beams=4`, `typical_p`,
+        `output_scores`, ...) raises a ValueError that names it.
 
         Returns:
-          int32 jax.Array [B, S + T] (for encoder-decoders [B, 1 + T], starting with the
-          decoder start token): the prompt as given, then the new tokens, padded with
-          `pad_token_id` after a row has produced EOS. T <= max_new_tokens.
+          int32 jax.Array [B * num_return_sequences, S + T] (for encoder-decoders
+          [.., 1 + T], starting with the decoder start token): the prompt as given, then the
+          new tokens, padded with `pad_token_id` after a row has produced EOS.
+          T <= max_new_tokens. A prompt's `num_return_sequences` rows are adjacent.
 
         Example:
           >>> batch = model.tokenizer(["Hi", "Hello there"], padding=True, return_tensors="np")
           >>> model.generate(batch["input_ids"], batch["attention_mask"], max_new_tokens=16)
         """
-        from . import _generate
+        from . import _generate, _settings
 
         if self.task not in ("text-generation", "text2text-generation"):
             raise ValueError(
@@ -125,7 +133,7 @@ class Model:
                 "LM (hfjax.load(path, task='text-generation'))"
             )
         ids, mask = _prompt_arrays(input_ids, attention_mask)
-        settings = _generate.resolve_settings(
+        resolved = _settings.resolve(
             self,
             ids.shape[1],
             generation_config,
@@ -139,16 +147,18 @@ class Model:
             repetition_penalty=repetition_penalty,
             eos_token_id=eos_token_id,
             pad_token_id=pad_token_id,
+            **settings,
         )
-        self._check_context(mask, settings.max_new_tokens)
+        self._check_context(mask, resolved.max_new_tokens)
         if self._generator is None:
             self._generator = _generate.Generator(self)
-        return self._generator.generate(ids, mask, settings, seed=seed, streamer=streamer)
+        return self._generator.generate(ids, mask, resolved, seed=seed, streamer=streamer)
 
     def generate_text(self, prompts: str | list[str], **kwargs) -> str | list[str]:
         """Text in, text out: tokenizes (left-padded), generates, and decodes the new tokens only.
 
-        Keyword arguments are those of `generate`.
+        Keyword arguments are those of `generate`. Returns one text per prompt, or, with
+        `num_return_sequences=n`, a list of n texts per prompt, side by side in one list.
 
         Example:
           >>> model.generate_text("The capital of France is", max_new_tokens=8)
@@ -162,7 +172,7 @@ class Model:
         out = np.asarray(self.generate(encoded["input_ids"], encoded["attention_mask"], **kwargs))
         start = 1 if getattr(self.config, "is_encoder_decoder", False) else encoded["input_ids"].shape[1]
         texts = self.tokenizer.batch_decode(out[:, start:], skip_special_tokens=True)
-        return texts[0] if single else texts
+        return texts[0] if single and len(texts) == 1 else texts
 
     def classify(
         self, texts: str | list[str], labels: list[str] | None = None, *, template: str | None = None

@@ -22,7 +22,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-__all__ = ["SamplingConfig", "process_logits", "next_token", "first_argmax", "seen_mask", "update_seen"]
+__all__ = [
+    "SamplingConfig", "process_logits", "next_token", "first_argmax", "seen_mask", "update_seen", "sequence_bias", "ngram_bans",
+]
 
 
 def _real(name: str, value, fix: str) -> float:
@@ -256,3 +258,73 @@ def update_seen(seen: jax.Array, tokens: jax.Array) -> jax.Array:
         >>> seen = update_seen(seen, next_token(logits, seen, key, config))
     """
     return seen.at[jnp.arange(seen.shape[0]), tokens].set(True)
+
+
+# -- processors that read the tokens so far ------------------------------------------
+#
+# The token buffer `sequence` [B, L] holds each row as transformers' input_ids would: the
+# columns [start, end) of every row, with start and end traced int32 scalars.
+
+
+def sequence_bias(
+    sequence: jax.Array, start: jax.Array, end: jax.Array, biases: tuple[tuple[tuple[int, ...], float], ...], vocab_size: int
+) -> jax.Array:
+    """What transformers' sequence_bias (and bad_words_ids, as biases of -inf) add to the scores.
+
+    Args:
+        sequence, start, end: the tokens so far (see above).
+        biases: ((token ids, bias), ...); the bias goes to the last id when the row ends
+            with the others. Static.
+        vocab_size: V.
+
+    Returns:
+        [B, V] float32 to add to the scores.
+
+    Example:
+        >>> scores = scores + sequence_bias(sequence, start, end, (((5,), -jnp.inf), ((3, 4), 2.0)), vocab)
+    """
+    batch = sequence.shape[0]
+    single = np.zeros(vocab_size, np.float32)
+    by_length: dict[int, list] = {}
+    for ids, value in biases:
+        if len(ids) == 1:
+            single[ids[0]] += value
+        else:
+            by_length.setdefault(len(ids) - 1, []).append((ids, value))
+    bias = jnp.broadcast_to(jnp.asarray(single), (batch, vocab_size))  # [B, V]
+    for length, group in by_length.items():
+        prefixes = jnp.asarray([ids[:-1] for ids, _ in group], sequence.dtype)  # [G, length]
+        tail = jax.lax.dynamic_slice_in_dim(sequence, end - length, length, axis=1)  # [B, length]
+        hit = jnp.all(tail[:, None, :] == prefixes[None], axis=-1) & (end - start >= length)  # [B, G]
+        values = jnp.asarray([value for _, value in group], jnp.float32)  # [G]
+        last = np.asarray([ids[-1] for ids, _ in group])  # [G]
+        bias = bias.at[:, last].add(jnp.where(hit, values, 0.0))
+    return bias
+
+
+def ngram_bans(sequence: jax.Array, start: jax.Array, end: jax.Array, size: int, vocab_size: int) -> jax.Array:
+    """The tokens that would repeat an n-gram of the row, as transformers' no_repeat_ngram_size bans.
+
+    A window of `size` tokens inside [start, end) whose first size - 1 tokens equal the
+    row's last size - 1 tokens bans its last token.
+
+    Returns:
+        [B, V] bool, True for banned tokens.
+
+    Example:
+        >>> scores = jnp.where(ngram_bans(sequence, start, end, 3, vocab), -jnp.inf, scores)
+    """
+    batch, length = sequence.shape
+    windows = length - size + 1
+    if windows < 1:
+        return jnp.zeros((batch, vocab_size), bool)
+    suffix = jax.lax.dynamic_slice_in_dim(sequence, end - (size - 1), size - 1, axis=1)  # [B, size - 1]
+    first = jnp.arange(windows)  # [W] each window's first column
+    match = jnp.broadcast_to((first >= start) & (first + size <= end), (batch, windows))  # [B, W]
+    for i in range(size - 1):
+        match = match & (sequence[:, i : i + windows] == suffix[:, i : i + 1])
+    last = sequence[:, size - 1 :]  # [B, W]
+    # Unmatched windows (and ids past the logits) mark a spare column, dropped at the end.
+    banned = jnp.where(match & (last >= 0) & (last < vocab_size), last, vocab_size)
+    rows = jnp.arange(batch)[:, None]
+    return jnp.zeros((batch, vocab_size + 1), bool).at[rows, banned].set(True)[:, :vocab_size]

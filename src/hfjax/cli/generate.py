@@ -17,7 +17,8 @@ def add_parser(subparsers) -> None:
         "generate",
         help="continue a prompt with a causal LM, streaming the text",
         description="Tokenizes PROMPT, generates with the whole decode loop compiled, and streams the new text "
-        "to stdout. Settings not given come from the checkpoint's generation_config.json.",
+        "to stdout. Settings not given come from the checkpoint's generation_config.json, except beam search "
+        "(num_beams): one streamed answer is decoded greedily or by sampling.",
     )
     parser.add_argument("--model", required=True, help="checkpoint directory or hub id")
     parser.add_argument("prompt", help="the text to continue")
@@ -47,12 +48,13 @@ def generation_kwargs(args: argparse.Namespace) -> dict:
     """Keyword arguments of `Model.generate` from the flags, checked before the model loads.
 
     --temperature, --top-k or --top-p turn sampling on, --temperature 0 turns it off, and
-    with none of them the checkpoint's generation_config decides.
+    with none of them the checkpoint's generation_config decides. Its num_beams is
+    overridden: the commands stream one answer, which beam search cannot do.
 
     Raises:
       ValueError: for a setting out of range, naming the flag's value.
     """
-    from hfjax._generate import GenerationSettings
+    from hfjax._settings import GenerationSettings
     from hfjax._sampling import SamplingConfig
 
     GenerationSettings(max_new_tokens=args.max_new_tokens)
@@ -68,7 +70,7 @@ def generation_kwargs(args: argparse.Namespace) -> dict:
         do_sample = True
     if sampling:
         SamplingConfig(do_sample=bool(do_sample), **sampling)
-    return dict(max_new_tokens=args.max_new_tokens, do_sample=do_sample, seed=args.seed, **sampling)
+    return dict(max_new_tokens=args.max_new_tokens, do_sample=do_sample, num_beams=1, seed=args.seed, **sampling)
 
 
 def prepare(args: argparse.Namespace, command: str):

@@ -1,0 +1,334 @@
+"""Generation settings: transformers' `generate` arguments and generation_config.json, merged
+and checked on the host into one frozen `GenerationSettings`.
+
+Precedence is transformers': keyword arguments, then a `generation_config` passed to the
+call, then the checkpoint's generation_config.json. A setting that changes which tokens
+transformers would produce is either carried out in the compiled program or refused with
+an error that names it and where it came from; none is dropped silently. Settings that
+only shape transformers' own machinery (`use_cache`, `cache_implementation`, the beam-only
+`length_penalty` while `num_beams` is 1, ...) are accepted and have no effect here.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+import numbers
+
+import numpy as np
+
+from ._sampling import SamplingConfig
+
+# (token ids, bias): the bias is added to the last id's score when the sequence so far ends
+# with the other ids (transformers' sequence_bias; bad_words_ids are biases of -inf).
+SequenceBias = tuple[tuple[int, ...], float]
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class GenerationSettings:
+    """Everything that shapes a generation program. Hashable: it is a static jit argument."""
+
+    max_new_tokens: int
+    min_new_tokens: int = 0
+    eos_token_ids: tuple[int, ...] = ()
+    pad_token_id: int = 0
+    decoder_start_token_id: int | None = None  # encoder-decoders: the decoder's first token
+    forced_bos_token_id: int | None = None  # the first new token (BART-style checkpoints)
+    forced_eos_token_ids: tuple[int, ...] = ()  # forced as the last token of the budget
+    sequence_bias: tuple[SequenceBias, ...] = ()
+    no_repeat_ngram_size: int = 0
+    suppress_tokens: tuple[int, ...] = ()
+    begin_suppress_tokens: tuple[int, ...] = ()
+    begin_suppress_step: int = 0  # the new token at which begin_suppress_tokens apply
+    num_return_sequences: int = 1  # rows per prompt; the host repeats the prompts
+    sampling: SamplingConfig = SamplingConfig()
+
+    def __post_init__(self):
+        if not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens={self.max_new_tokens!r} must be a positive integer, e.g. max_new_tokens=32")
+        if not isinstance(self.min_new_tokens, int) or self.min_new_tokens < 0:
+            raise ValueError(f"min_new_tokens={self.min_new_tokens!r} must be an integer >= 0")
+
+
+# transformers' arguments that hfjax carries out, read from the merged settings.
+_SUPPORTED = (
+    "max_new_tokens",
+    "max_length",
+    "min_new_tokens",
+    "min_length",
+    "do_sample",
+    "temperature",
+    "top_k",
+    "top_p",
+    "min_p",
+    "repetition_penalty",
+    "no_repeat_ngram_size",
+    "bad_words_ids",
+    "sequence_bias",
+    "suppress_tokens",
+    "begin_suppress_tokens",
+    "eos_token_id",
+    "pad_token_id",
+    "decoder_start_token_id",
+    "forced_bos_token_id",
+    "forced_eos_token_id",
+    "num_return_sequences",
+)
+
+
+def _set(value) -> bool:
+    return value is not None and value is not False
+
+
+def _sampling_only(test):
+    return lambda value, sampling: sampling and test(value)
+
+
+# transformers' settings that would change the tokens and that hfjax does not carry out:
+# name -> (whether the value is in effect, given do_sample; what it asks for; the value that turns it off).
+_UNSUPPORTED = {
+    "num_beams": (lambda v, s: v is not None and v > 1, "beam search", 1),
+    "force_words_ids": (lambda v, s: _set(v), "constrained beam search", None),
+    "constraints": (lambda v, s: _set(v), "constrained beam search", None),
+    "penalty_alpha": (lambda v, s: v is not None and v > 0, "contrastive search", None),
+    "dola_layers": (lambda v, s: _set(v), "DoLa decoding", None),
+    "guidance_scale": (lambda v, s: v is not None and v != 1, "classifier-free guidance", None),
+    "encoder_repetition_penalty": (lambda v, s: v is not None and v != 1, "a repetition penalty on the encoder's tokens", 1.0),
+    "encoder_no_repeat_ngram_size": (lambda v, s: v is not None and v > 0, "n-gram bans from the encoder's tokens", 0),
+    "exponential_decay_length_penalty": (lambda v, s: _set(v), "an EOS boost that grows with length", None),
+    "remove_invalid_values": (lambda v, s: bool(v), "replacing inf and NaN scores", False),
+    "watermarking_config": (lambda v, s: _set(v), "watermarking", None),
+    "typical_p": (_sampling_only(lambda v: v is not None and v < 1), "typical sampling", 1.0),
+    "epsilon_cutoff": (_sampling_only(lambda v: v is not None and 0 < v < 1), "epsilon sampling", 0.0),
+    "eta_cutoff": (_sampling_only(lambda v: v is not None and 0 < v < 1), "eta sampling", 0.0),
+    "top_h": (_sampling_only(_set), "top-H sampling", None),
+    "token_healing": (lambda v, s: bool(v), "token healing", False),
+    "stop_strings": (lambda v, s: _set(v), "stopping at strings (pass their token ids as eos_token_id)", None),
+    "max_time": (lambda v, s: _set(v), "a time limit", None),
+    "prompt_lookup_num_tokens": (lambda v, s: _set(v), "prompt-lookup assisted decoding", None),
+    "assistant_early_exit": (lambda v, s: _set(v), "self-speculative decoding", None),
+    "return_dict_in_generate": (lambda v, s: bool(v), "outputs other than the token ids", False),
+    "output_scores": (lambda v, s: bool(v), "returning scores", False),
+    "output_logits": (lambda v, s: bool(v), "returning logits", False),
+    "output_attentions": (lambda v, s: bool(v), "returning attentions", False),
+    "output_hidden_states": (lambda v, s: bool(v), "returning hidden states", False),
+}
+
+# transformers' `generate` arguments that are not generation settings; hfjax takes none of them.
+_CALL_ONLY = (
+    "logits_processor",
+    "stopping_criteria",
+    "prefix_allowed_tokens_fn",
+    "synced_gpus",
+    "assistant_model",
+    "assistant_tokenizer",
+    "tokenizer",
+    "negative_prompt_ids",
+    "negative_prompt_attention_mask",
+    "custom_generate",
+    "use_model_defaults",
+)
+
+
+@functools.cache
+def _setting_names() -> frozenset[str]:
+    from transformers import GenerationConfig
+
+    return frozenset(GenerationConfig().to_dict())
+
+
+def check_names(names) -> None:
+    """Raises for a keyword that transformers' `generate` would not take as a setting, or that
+    hfjax cannot take (its callbacks, an assistant model)."""
+    for name in names:
+        if name in _CALL_ONLY:
+            raise ValueError(
+                f"Model.generate({name}=...): hfjax compiles the whole decode loop and does not call back into Python "
+                f"per token, so it does not take {name}; the settings it takes: {', '.join(_SUPPORTED)}"
+            )
+        if name not in _setting_names():
+            raise TypeError(
+                f"Model.generate() got an unexpected keyword argument {name!r}; it takes transformers' generation "
+                f"settings, of which hfjax carries out: {', '.join(_SUPPORTED)}"
+            )
+
+
+def resolve(model, prompt_length: int, generation_config=None, **overrides) -> GenerationSettings:
+    """Merges the checkpoint's generation_config.json, a `generation_config` and keyword
+    overrides (transformers' names) into `GenerationSettings`.
+
+    `prompt_length` is the width of the (padded) input_ids, from which transformers counts
+    `max_length` and `min_length` in a decoder; an encoder-decoder's decoder starts from 1 token.
+    """
+    check_names(overrides)
+    values, where = _merged(model, generation_config, overrides)
+    do_sample = values.get("do_sample")
+    if not isinstance(do_sample, (bool, np.bool_)) and do_sample is not None:
+        raise ValueError(f"do_sample={do_sample!r}{where('do_sample')} is not a bool; pass True to sample or False for greedy decoding")
+    do_sample = bool(do_sample)
+    for name, (in_effect, what, off) in _UNSUPPORTED.items():
+        if in_effect(values.get(name), do_sample):
+            fix = f"leave {name} out" if where(name) == "" else f"pass {name}={off!r} to override it"
+            raise ValueError(f"{name}={values[name]!r}{where(name)} asks for {what}, which hfjax's generate does not do; {fix}")
+
+    def count(name: str, least: int, default: int = 0) -> int:
+        value = values.get(name)
+        value = default if value is None else value
+        if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < least:
+            raise ValueError(f"{name}={value!r}{where(name)} must be an integer >= {least}")
+        return int(value)
+
+    def token_ids(name: str) -> tuple[int, ...]:
+        return _token_ids(name, values.get(name), where(name))
+
+    decoder_length = 1 if getattr(model.config, "is_encoder_decoder", False) else prompt_length
+    max_new_tokens = values.get("max_new_tokens")
+    if max_new_tokens is None:
+        max_length = count("max_length", least=1, default=20)
+        max_new_tokens = max_length - decoder_length
+        if max_new_tokens < 1:
+            raise ValueError(
+                f"max_length={max_length}{where('max_length')} counts the prompt's {decoder_length} tokens and leaves "
+                f"no room for new tokens; pass max_new_tokens=N, or max_length above {decoder_length}"
+            )
+    eos = token_ids("eos_token_id")
+    pad = values.get("pad_token_id")
+    if pad is None:
+        pad = eos[0] if eos else 0
+    forced_bos = values.get("forced_bos_token_id")
+    decoder_start = values.get("decoder_start_token_id")
+    if decoder_start is None:
+        decoder_start = getattr(model.config, "decoder_start_token_id", None)
+    suppressed = token_ids("suppress_tokens")
+    forced_eos = token_ids("forced_eos_token_id")
+    for name, forced in (("forced_bos_token_id", () if forced_bos is None else (forced_bos,)), ("forced_eos_token_id", forced_eos)):
+        if forced and set(forced) <= set(suppressed):
+            # transformers refuses this too: every score would be -inf at the forced step.
+            raise ValueError(
+                f"suppress_tokens={list(suppressed)}{where('suppress_tokens')} suppresses {name}="
+                f"{forced[0] if len(forced) == 1 else list(forced)}{where(name)}, the only token allowed where it is forced; "
+                "remove it from one of them"
+            )
+    count_returned = count("num_return_sequences", least=1, default=1)
+    if count_returned > 1 and not do_sample:
+        raise ValueError(
+            f"num_return_sequences={count_returned}{where('num_return_sequences')}: greedy decoding returns the same "
+            "sequence each time; pass do_sample=True to draw several, or num_return_sequences=1"
+        )
+    vocab = getattr(model.config.get_text_config(decoder=True), "vocab_size", None)
+    return GenerationSettings(
+        max_new_tokens=max_new_tokens,
+        # transformers blocks EOS until both minimums are met: they are one limit on new tokens.
+        min_new_tokens=max(count("min_new_tokens", least=0), count("min_length", least=0) - decoder_length),
+        eos_token_ids=eos,
+        pad_token_id=int(pad),
+        decoder_start_token_id=None if decoder_start is None else int(decoder_start),
+        forced_bos_token_id=forced_bos,
+        forced_eos_token_ids=forced_eos,
+        sequence_bias=(
+            _sequence_bias(values.get("sequence_bias"), where("sequence_bias"), vocab)
+            + _bad_words(values.get("bad_words_ids"), where("bad_words_ids"), vocab, eos)
+        ),
+        no_repeat_ngram_size=count("no_repeat_ngram_size", least=0),
+        suppress_tokens=suppressed,
+        begin_suppress_tokens=token_ids("begin_suppress_tokens"),
+        # transformers suppresses them when the decoder's input is as long as it started,
+        # one token later when a forced first token follows a 1-token decoder input.
+        begin_suppress_step=1 if decoder_length == 1 and forced_bos is not None else 0,
+        num_return_sequences=count_returned,
+        sampling=_sampling(values, do_sample),
+    )
+
+
+def _merged(model, generation_config, overrides: dict):
+    """(settings by name, where(name) -> " (from ...)" or "" for an argument), in transformers' precedence."""
+    defaults = model.generation_config
+    sources = {}
+    if generation_config is not None:
+        given = generation_config.to_diff_dict()
+        sources.update(dict.fromkeys(given, " (from generation_config)"))
+        defaults = type(defaults).from_dict({**defaults.to_dict(), **given})
+    values = defaults.to_dict()
+    given = {k: v for k, v in overrides.items() if v is not None}
+    sources.update(dict.fromkeys(given, ""))
+    values.update(given)
+    checkpoint = f" (from {model.path}/generation_config.json)"
+    return values, lambda name: sources.get(name, checkpoint)
+
+
+def _sampling(values: dict, do_sample: bool) -> SamplingConfig:
+    temperature = _number(values.get("temperature"), 1.0)
+    requested = dict(
+        temperature=temperature,
+        top_k=values.get("top_k") or 0,
+        top_p=_number(values.get("top_p"), 1.0),
+        min_p=_number(values.get("min_p"), 0.0),
+    )
+    penalty = _number(values.get("repetition_penalty"), 1.0)
+    if do_sample:
+        return SamplingConfig(do_sample=True, repetition_penalty=penalty, **requested)
+    # transformers ignores sampling settings when do_sample=False; so do we, but we still
+    # reject values that are invalid whatever the mode, so a typo does not pass silently.
+    # Temperature 0 means greedy to transformers users.
+    SamplingConfig(do_sample=True, **{**requested, "temperature": 1.0 if temperature == 0 else temperature})
+    return SamplingConfig(do_sample=False, repetition_penalty=penalty)
+
+
+def _number(value, default: float) -> float:
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, (int, float, np.number)):
+        return value  # SamplingConfig names the bad value
+    return float(value)
+
+
+def _token_ids(name: str, value, where: str) -> tuple[int, ...]:
+    if value is None:
+        return ()
+    ids = [value] if isinstance(value, numbers.Integral) else value
+    if isinstance(ids, (str, bytes)) or not all(isinstance(i, numbers.Integral) and not isinstance(i, bool) and i >= 0 for i in ids):
+        raise ValueError(f"{name}={value!r}{where} must be a token id or a list of token ids (integers >= 0)")
+    return tuple(int(i) for i in ids)
+
+
+def _sequences(name: str, sequences, where: str, vocab: int | None) -> list[tuple[int, ...]]:
+    example = "[[12], [7, 9]]"
+    if not isinstance(sequences, (list, tuple)) or not sequences:
+        raise ValueError(f"{name}={sequences!r}{where} must be a non-empty list of token id lists, e.g. {example}")
+    out = []
+    for ids in sequences:
+        if (
+            not isinstance(ids, (list, tuple))
+            or not ids
+            or not all(isinstance(i, numbers.Integral) and not isinstance(i, bool) and i >= 0 for i in ids)
+        ):
+            raise ValueError(f"{name}={sequences!r}{where}: {ids!r} is not a non-empty list of token ids, e.g. {example}")
+        if vocab is not None and max(ids) >= vocab:
+            raise ValueError(f"{name}={sequences!r}{where}: token id {max(ids)} is outside the vocabulary of {vocab}")
+        out.append(tuple(int(i) for i in ids))
+    return out
+
+
+def _sequence_bias(bias, where: str, vocab: int | None) -> tuple[SequenceBias, ...]:
+    if bias is None:
+        return ()
+    pairs = list(bias.items()) if isinstance(bias, dict) else bias
+    shape = "{(token ids): bias} or [[[token ids], bias], ...]"
+    if not isinstance(pairs, (list, tuple)) or not all(isinstance(p, (list, tuple)) and len(p) == 2 for p in pairs):
+        raise ValueError(f"sequence_bias={bias!r}{where} must be {shape}")
+    sequences = _sequences("sequence_bias", [list(ids) for ids, _ in pairs], where, vocab)
+    values = [value for _, value in pairs]
+    for value in values:
+        if isinstance(value, bool) or not isinstance(value, numbers.Real) or math.isnan(value):
+            raise ValueError(f"sequence_bias={bias!r}{where}: the bias {value!r} is not a number; it must be {shape}")
+    # transformers keeps one bias per sequence, the last one given.
+    return tuple(dict(zip(sequences, (float(v) for v in values))).items())
+
+
+def _bad_words(bad_words, where: str, vocab: int | None, eos: tuple[int, ...]) -> tuple[SequenceBias, ...]:
+    if bad_words is None:
+        return ()
+    sequences = _sequences("bad_words_ids", bad_words, where, vocab)
+    # As transformers does: an EOS token alone is not banned, so rows can still end.
+    return tuple(dict.fromkeys((ids, -math.inf) for ids in sequences if not (len(ids) == 1 and ids[0] in eos)))
