@@ -184,14 +184,66 @@ def test_checkpoint_settings_are_carried_out_or_named(checkpoint, tmp_path):
 
     path = shutil.copytree(checkpoint("llama"), tmp_path / "llama")
     config = json.loads((path / "generation_config.json").read_text())
-    (path / "generation_config.json").write_text(json.dumps({**config, "num_beams": 4, "no_repeat_ngram_size": 2}))
+    summarizer = {"num_beams": 4, "no_repeat_ngram_size": 2, "length_penalty": 2.0, "early_stopping": True, "min_length": 20}
+    (path / "generation_config.json").write_text(json.dumps({**config, **summarizer}))
     model = hfjax.load(path)
     ids, mask = _batch(model)
-    with pytest.raises(ValueError, match=r"num_beams=4 \(from .*generation_config.json\) asks for beam search.*num_beams=1"):
+    expected = _torch_generate(model, ids, mask, max_new_tokens=NEW_TOKENS)  # beam search, as the checkpoint asks
+    assert not np.array_equal(expected, _torch_generate(model, ids, mask, max_new_tokens=NEW_TOKENS, num_beams=1))
+    np.testing.assert_array_equal(np.asarray(model.generate(ids, mask, max_new_tokens=NEW_TOKENS)), expected)
+    (path / "generation_config.json").write_text(json.dumps({**config, "do_sample": True, "typical_p": 0.5}))
+    model = hfjax.load(path)
+    with pytest.raises(ValueError, match=r"typical_p=0\.5 \(from .*generation_config.json\) asks for typical sampling.*typical_p=1\.0"):
         model.generate(ids, mask, max_new_tokens=NEW_TOKENS)
-    expected = _torch_generate(model, ids, mask, max_new_tokens=NEW_TOKENS, num_beams=1)  # applies the n-gram ban
-    assert not np.array_equal(expected, _torch_generate(model, ids, mask, max_new_tokens=NEW_TOKENS, num_beams=1, no_repeat_ngram_size=0))
-    np.testing.assert_array_equal(np.asarray(model.generate(ids, mask, max_new_tokens=NEW_TOKENS, num_beams=1)), expected)
+
+
+# Beam search settings, each with an EOS that some beams produce, so that beams end early.
+BEAMS = {
+    "plain": dict(num_beams=3),
+    "two_returned_early_stopping": dict(num_beams=4, num_return_sequences=2, length_penalty=2.0, early_stopping=True),
+    "never_stop_early": dict(num_beams=3, early_stopping="never", length_penalty=0.5),
+    "short_favoured_min_new_tokens": dict(num_beams=2, length_penalty=-1.0, min_new_tokens=4, no_repeat_ngram_size=3),
+}
+
+
+@pytest.mark.parametrize("family", ["llama", "gpt2", "recurrent_gemma", "t5", "bart"])
+@pytest.mark.parametrize("name", BEAMS)
+def test_beam_search_matches_transformers(loaded, family, name):
+    model = loaded(family)
+    ids, mask = _batch(model)
+    start = _decoder_length(model, ids)
+    beams = BEAMS[name]["num_beams"]
+    plain = _torch_generate(model, ids, mask, max_new_tokens=NEW_TOKENS, num_beams=beams, num_return_sequences=beams)
+    # EOS tokens that beams produce as their third token, and that are not forced.
+    forced = {model.generation_config.forced_bos_token_id, model.generation_config.forced_eos_token_id}
+    eos = sorted({int(t) for t in plain[:, start + 2]} - forced)[:3]
+    settings = dict(max_new_tokens=NEW_TOKENS, pad_token_id=7, **BEAMS[name])
+    if family == "recurrent_gemma":
+        # transformers' beam search does not reorder recurrent_gemma's recurrent state between
+        # beams; without its cache it reruns each beam, as hfjax does for this model.
+        settings["use_cache"] = False
+    expected = _torch_generate(model, ids, mask, eos_token_id=eos, **settings)
+    assert not np.array_equal(expected, _torch_generate(model, ids, mask, **settings))  # the beams that ended count
+    settings["eos_token_id"] = eos
+    actual = np.asarray(model.generate(ids, mask, **settings))
+    np.testing.assert_array_equal(actual, expected)
+
+
+def test_beam_search_refuses_what_it_cannot_do(loaded):
+    model = loaded("llama")
+    ids, mask = _batch(model)
+    with pytest.raises(ValueError, match=r"num_beams=2 with a streamer"):
+        model.generate(ids[:1], mask[:1], max_new_tokens=4, num_beams=2, streamer=transformers.TextStreamer(model.tokenizer))
+    with pytest.raises(ValueError, match=r"num_beams=2 asks for beam sampling"):
+        model.generate(ids, mask, max_new_tokens=4, num_beams=2, do_sample=True)
+    with pytest.raises(ValueError, match=r"num_return_sequences=3.*returns 2 sequences per prompt"):
+        model.generate(ids, mask, max_new_tokens=4, num_beams=2, num_return_sequences=3)
+    with pytest.raises(ValueError, match=r"early_stopping='sometimes' must be True, False or 'never'"):
+        model.generate(ids, mask, max_new_tokens=4, num_beams=2, early_stopping="sometimes")
+    with pytest.raises(ValueError, match=r"num_beams=2: MambaForCausalLM keeps a recurrent state"):
+        mamba = loaded("mamba")
+        mamba_ids, mamba_mask = _batch(mamba)
+        mamba.generate(mamba_ids, mamba_mask, max_new_tokens=4, num_beams=2)
 
 
 def test_checkpoint_generation_config_gives_the_defaults(checkpoint, tmp_path):
@@ -373,7 +425,7 @@ def test_generate_text(loaded):
         (dict(temperature=-0.5, do_sample=True), r"temperature=-0\.5"),
         (dict(temperature=-0.5), r"temperature=-0\.5"),
         (dict(max_new_tokens=0), r"max_new_tokens=0"),
-        (dict(num_beams=4), r"num_beams=4 asks for beam search"),
+        (dict(num_beams=4, do_sample=True), r"num_beams=4 asks for beam sampling"),
         (dict(do_sample=True, typical_p=0.5), r"typical_p=0\.5 asks for typical sampling"),
         (dict(output_scores=True), r"output_scores=True asks for returning scores"),
         (dict(max_length=3), r"max_length=3 counts the prompt's \d+ tokens"),
@@ -395,8 +447,8 @@ def test_bad_settings_raise_one_clear_error(loaded, kwargs, match):
 def test_settings_from_a_generation_config_are_named_as_such(loaded):
     model = loaded("llama")
     ids, mask = _batch(model, PROMPTS[:1])
-    with pytest.raises(ValueError, match=r"num_beams=4 \(from generation_config\).*pass num_beams=1"):
-        model.generate(ids, mask, generation_config=transformers.GenerationConfig(num_beams=4))
+    with pytest.raises(ValueError, match=r"num_beams=4 \(from generation_config\) asks for beam sampling.*pass num_beams=1"):
+        model.generate(ids, mask, generation_config=transformers.GenerationConfig(num_beams=4, do_sample=True))
 
 
 def test_an_unknown_setting_is_a_type_error_that_lists_the_known_ones(loaded):

@@ -81,6 +81,10 @@ def _child(out: pathlib.Path) -> None:
                     record["odd_batch_tokens"] = np.asarray(model.generate(odd, max_new_tokens=NEW_TOKENS, do_sample=False)).tolist()
                     record["want_odd_batch_tokens"] = np.asarray(
                         reference.generate(odd, max_new_tokens=NEW_TOKENS, do_sample=False)).tolist()
+                    # Beam search: 3 prompts x 2 beams split over "data", the cache reordered across devices.
+                    beams = dict(max_new_tokens=NEW_TOKENS, num_beams=2, num_return_sequences=2)
+                    record["beam_tokens"] = np.asarray(model.generate(odd, **beams)).tolist()
+                    record["want_beam_tokens"] = np.asarray(reference.generate(odd, **beams)).tolist()
                     record["cli"] = _cli_text(path, ["--data-parallel", str(data), "--model-parallel", str(model_size)])
                     record["want_cli"] = _cli_text(path, [])
                 config = model.config.get_text_config()
@@ -221,6 +225,7 @@ def test_sharded_model_matches_one_device(records, family, mesh):
             assert block[0] == full[0] // mesh[0], f"KV cache block {block} of {full}"
     if "want_odd_batch_tokens" in record:
         assert record["odd_batch_tokens"] == record["want_odd_batch_tokens"]
+        assert record["beam_tokens"] == record["want_beam_tokens"]
         # `hfjax generate --data-parallel D --model-parallel M` prints what one device prints.
         assert record["cli"].startswith("exit 0: ") and record["cli"] == record["want_cli"]
 

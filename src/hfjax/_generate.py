@@ -27,6 +27,7 @@ import contextlib
 import dataclasses
 import functools
 import inspect
+import math
 import time
 from typing import Any, Literal
 
@@ -35,7 +36,7 @@ import jax.numpy as jnp
 import numpy as np
 import torch
 
-from . import _compile, _env, _programs, _sampling, _sharding
+from . import _beam, _compile, _env, _programs, _sampling, _sharding
 from ._errors import HfjaxError
 from ._settings import GenerationSettings
 
@@ -111,25 +112,38 @@ class Generator:
     # -- the host side ----------------------------------------------------------
 
     def generate(self, input_ids, attention_mask, settings: GenerationSettings, *, seed: int, streamer=None):
-        """Returns int32 [B, S + T]: the prompt as given, then up to max_new_tokens new tokens
-        (for encoder-decoders [B, 1 + T]: the decoder start token, then the new tokens)."""
+        """Returns int32 [B * num_return_sequences, S + T]: the prompt as given, then up to
+        max_new_tokens new tokens (for encoder-decoders [.., 1 + T]: the decoder start token,
+        then the new tokens)."""
         start = time.perf_counter()
         ids, mask = np.asarray(input_ids), np.asarray(attention_mask)
-        if settings.num_return_sequences > 1:  # each prompt's copies side by side, as transformers orders them
-            ids, mask = (np.repeat(a, settings.num_return_sequences, axis=0) for a in (ids, mask))
-            settings = dataclasses.replace(settings, num_return_sequences=1)
-        batch, length = ids.shape
-        size = bucket(length)
-        # On a mesh the batch is split over "data": a batch that does not divide is padded
-        # with copies of its last row (which stop when it stops), dropped from the result.
-        rows = _round_up(batch, _sharding.data_size(self.model.mesh))
+        prompts, length = ids.shape
+        beam = settings.beam
+        if beam is not None and streamer is not None:
+            raise ValueError(f"num_beams={beam.num_beams} with a streamer: beam search knows its answer only at the end; "
+                             "stream with num_beams=1")
+        if beam is not None and self.kind == "state":
+            raise ValueError(f"num_beams={beam.num_beams}: {type(self.module).__name__} keeps a recurrent state that "
+                             "hfjax does not reorder between beams; use num_beams=1")
+        # Rows per prompt, side by side as transformers orders them: its beams, or its samples.
+        per_prompt = beam.num_beams if beam is not None else settings.num_return_sequences
+        returned = settings.num_return_sequences
+        # On a mesh the rows are split over "data": prompts that do not divide are padded with
+        # copies of the last one (which stop when it stops), dropped from the result.
+        data = _sharding.data_size(self.model.mesh)
+        padded_prompts = _round_up(prompts, data // math.gcd(data, per_prompt))
+        rows = padded_prompts * per_prompt
+        # A model run without a cache may not mask left pads (recurrent_gemma's recurrence reads
+        # them): its prompt gets no more pads than the caller gave, so each length compiles anew.
+        size = length if self.kind == "recompute" else bucket(length)
         # Pad to the bucket with masked-out tokens: on the left for a decoder (its positions come
         # from the mask), on the right for an encoder (whose positions may not).
         padded_ids = np.full((rows, size), settings.pad_token_id, np.int32)
         padded_mask = np.zeros((rows, size), np.int32)
         columns = slice(0, length) if self.encoder_decoder else slice(size - length, size)
-        padded_ids[:, columns] = np.concatenate([ids, np.repeat(ids[-1:], rows - batch, axis=0)])
-        padded_mask[:, columns] = np.concatenate([mask, np.repeat(mask[-1:], rows - batch, axis=0)])
+        for target, source in ((padded_ids, ids), (padded_mask, mask)):
+            source = np.concatenate([source, np.repeat(source[-1:], padded_prompts - prompts, axis=0)])
+            target[:, columns] = np.repeat(source, per_prompt, axis=0)
         # The token buffer holds the decoder's prompt (the padded prompt, or the decoder start
         # token of an encoder-decoder) and then the new tokens, from `offset` on.
         offset = 1 if self.encoder_decoder else size
@@ -141,7 +155,8 @@ class Generator:
         # Programs depend on the buffer length, not on the exact budget, which is an argument:
         # budgets that round to the same buffer share their compiled programs.
         least = settings.min_new_tokens
-        settings = dataclasses.replace(settings, max_new_tokens=total - offset, min_new_tokens=0)
+        settings = dataclasses.replace(settings, max_new_tokens=total - offset, min_new_tokens=0, num_return_sequences=1)
+        batch = prompts * per_prompt  # the rows the caller sees, without beam search
         if streamer is not None:
             streamer.put(torch.as_tensor(ids.astype(np.int64)))
 
@@ -177,10 +192,18 @@ class Generator:
                     streamer.put(torch.as_tensor(token.astype(np.int64)))
                 steps = now
             streamer.end()
-        sequence = _host(state[fields["sequence"]])[:batch]
-        new = sequence[:, offset : offset + steps]
-        prompt = sequence[:, :1] if self.encoder_decoder else ids
-        out = np.concatenate([prompt.astype(np.int32), new], axis=1)
+        if beam is None:
+            sequence = _host(state[fields["sequence"]])[:batch]
+            prompt = np.repeat(ids, per_prompt, axis=0)
+        else:
+            # Each prompt's best finished sequences, best first, as long as the longest returned one.
+            finished = _host(state[fields["finished"]]).reshape(padded_prompts, per_prompt, total)
+            sequence = finished[:prompts, :returned].reshape(prompts * returned, total)
+            steps = int(_host(state[fields["finished_length"]])[:prompts, :returned].max())
+            prompt = np.repeat(ids, returned, axis=0)
+        if self.encoder_decoder:
+            prompt = sequence[:, :1]
+        out = np.concatenate([prompt.astype(np.int32), sequence[:, offset : offset + steps]], axis=1)
         self.last_stats = GenerationStats(
             prompt_tokens=int(mask.sum()),
             new_tokens=steps,
@@ -243,7 +266,9 @@ class Generator:
         paths_and_leaves, treedef = jax.tree_util.tree_flatten_with_path(state)
         self._treedefs[layout] = treedef
         paths = [jax.tree_util.keystr(path) for path, _ in paths_and_leaves]
-        self._fields[program] = {name: paths.index(f"['{name}']") for name in ("sequence", "step", "done")}
+        wanted = {name: f"['{name}']" for name in ("sequence", "step", "done")}
+        wanted.update({name: f"['beams']['{name}']" for name in ("finished", "finished_length")})
+        self._fields[program] = {name: paths.index(path) for name, path in wanted.items() if path in paths}
         return [leaf for _, leaf in paths_and_leaves]
 
     # -- traced: prefill ---------------------------------------------------------
@@ -260,7 +285,8 @@ class Generator:
         else:
             prompt, prompt_mask = ids, mask
         offset = prompt.shape[1]
-        sequence = jnp.full((batch, total), settings.pad_token_id, jnp.int32).at[:, :offset].set(prompt)
+        fill = settings.pad_token_id if settings.beam is None else settings.beam.fill_token_id
+        sequence = jnp.full((batch, total), fill, jnp.int32).at[:, :offset].set(prompt)
         full_mask = jnp.zeros((batch, total), jnp.int32).at[:, :offset].set(prompt_mask)
         encoder = None
         with self._bound(params):
@@ -283,6 +309,7 @@ class Generator:
             "budget": budget,
             "least": least,
             "first_column": first_column,
+            "beams": None if settings.beam is None else _beam.initial(batch // settings.beam.num_beams, settings.beam, sequence),
         }
         return _choose(state, logits, offset, settings)
 
@@ -478,6 +505,8 @@ def _round_up(n: int, multiple: int) -> int:
 
 def _choose(state: dict, logits, offset: int, settings: GenerationSettings) -> dict:
     """Samples the next token of every row from `logits` [B, V] and appends it to the state."""
+    if settings.beam is not None:
+        return _choose_beams(state, logits, offset, settings)
     key, draw = jax.random.split(jax.random.wrap_key_data(state["key"]))
     logits = _processed(logits, state, offset + state["step"], settings)
     token = _sampling.next_token(logits, state["seen"], draw, settings.sampling).astype(jnp.int32)  # [B]
@@ -500,4 +529,32 @@ def _choose(state: dict, logits, offset: int, settings: GenerationSettings) -> d
         "done": done,
         "step": state["step"] + 1,
         "key": jax.random.key_data(key),
+    }
+
+
+def _choose_beams(state: dict, logits, offset: int, settings: GenerationSettings) -> dict:
+    """One beam search step from `logits` [B*K, V]; the cache and `seen` follow the new beams' parents."""
+    end = offset + state["step"]
+    # transformers' beam search processes log-probabilities, not logits.
+    log_probs = _processed(jax.nn.log_softmax(logits, axis=-1), state, end, settings)
+    log_probs = _sampling.process_logits(log_probs, state["seen"], settings.sampling)
+    beams, sequence, parents, keep_going = _beam.step(
+        state["beams"], log_probs, state["sequence"], end, state["step"], state["budget"], settings.eos_token_ids, settings.beam
+    )
+    rows = parents.shape[0]
+    cache = jax.tree_util.tree_map(lambda leaf: leaf[parents] if jnp.ndim(leaf) and leaf.shape[0] == rows else leaf, state["cache"])
+    seen = state["seen"]
+    if seen is not None:
+        seen = _sampling.update_seen(seen[parents], jax.lax.dynamic_index_in_dim(sequence, end, axis=1, keepdims=False))
+    mask = jax.lax.dynamic_update_slice_in_dim(state["mask"], jnp.ones((rows, 1), state["mask"].dtype), end, axis=1)
+    return {
+        **state,
+        "cache": cache,
+        "sequence": sequence,
+        "mask": mask,
+        "next_position": state["next_position"] + 1,
+        "seen": seen,
+        "beams": beams,
+        "done": jnp.broadcast_to(~keep_going, state["done"].shape),
+        "step": state["step"] + 1,
     }

@@ -111,15 +111,17 @@ class Model:
         `settings`: other transformers generation settings, of which hfjax carries out
         `max_length`, `min_length`, `no_repeat_ngram_size`, `bad_words_ids`, `sequence_bias`,
         `suppress_tokens`, `begin_suppress_tokens`, `forced_bos_token_id`,
-        `forced_eos_token_id`, `decoder_start_token_id` and `num_return_sequences`; one that
-        would change the tokens and that it cannot carry out (`num_beams=4`, `typical_p`,
-        `output_scores`, ...) raises a ValueError that names it.
+        `forced_eos_token_id`, `decoder_start_token_id`, `num_return_sequences` and beam
+        search (`num_beams`, `length_penalty`, `early_stopping`); one that would change the
+        tokens and that it cannot carry out (beam sampling, `typical_p`, `output_scores`, ...)
+        raises a ValueError that names it.
 
         Returns:
           int32 jax.Array [B * num_return_sequences, S + T] (for encoder-decoders
           [.., 1 + T], starting with the decoder start token): the prompt as given, then the
           new tokens, padded with `pad_token_id` after a row has produced EOS.
-          T <= max_new_tokens. A prompt's `num_return_sequences` rows are adjacent.
+          T <= max_new_tokens. A prompt's `num_return_sequences` rows are adjacent (with beam
+          search, its best finished beams, best first).
 
         Example:
           >>> batch = model.tokenizer(["Hi", "Hello there"], padding=True, return_tensors="np")

@@ -18,6 +18,7 @@ import numbers
 
 import numpy as np
 
+from ._beam import BeamSettings
 from ._sampling import SamplingConfig
 
 # (token ids, bias): the bias is added to the last id's score when the sequence so far ends
@@ -41,7 +42,8 @@ class GenerationSettings:
     suppress_tokens: tuple[int, ...] = ()
     begin_suppress_tokens: tuple[int, ...] = ()
     begin_suppress_step: int = 0  # the new token at which begin_suppress_tokens apply
-    num_return_sequences: int = 1  # rows per prompt; the host repeats the prompts
+    num_return_sequences: int = 1  # rows returned per prompt
+    beam: BeamSettings | None = None  # beam search, or None for greedy decoding and sampling
     sampling: SamplingConfig = SamplingConfig()
 
     def __post_init__(self):
@@ -74,6 +76,9 @@ _SUPPORTED = (
     "forced_bos_token_id",
     "forced_eos_token_id",
     "num_return_sequences",
+    "num_beams",
+    "length_penalty",
+    "early_stopping",
 )
 
 
@@ -88,7 +93,8 @@ def _sampling_only(test):
 # transformers' settings that would change the tokens and that hfjax does not carry out:
 # name -> (whether the value is in effect, given do_sample; what it asks for; the value that turns it off).
 _UNSUPPORTED = {
-    "num_beams": (lambda v, s: v is not None and v > 1, "beam search", 1),
+    "num_beams": (lambda v, s: s and v is not None and v > 1, "beam sampling (do_sample=False gives beam search)", 1),
+    "num_beam_groups": (lambda v, s: v is not None and v > 1, "group beam search", 1),
     "force_words_ids": (lambda v, s: _set(v), "constrained beam search", None),
     "constraints": (lambda v, s: _set(v), "constrained beam search", None),
     "penalty_alpha": (lambda v, s: v is not None and v > 0, "contrastive search", None),
@@ -211,10 +217,12 @@ def resolve(model, prompt_length: int, generation_config=None, **overrides) -> G
                 "remove it from one of them"
             )
     count_returned = count("num_return_sequences", least=1, default=1)
-    if count_returned > 1 and not do_sample:
+    num_beams = count("num_beams", least=1, default=1)
+    if count_returned > num_beams and not do_sample:
+        choices = "num_beams >= num_return_sequences" if num_beams > 1 else "do_sample=True to draw several, or num_beams"
         raise ValueError(
-            f"num_return_sequences={count_returned}{where('num_return_sequences')}: greedy decoding returns the same "
-            "sequence each time; pass do_sample=True to draw several, or num_return_sequences=1"
+            f"num_return_sequences={count_returned}{where('num_return_sequences')}: greedy decoding returns "
+            f"{num_beams} sequence{'s' if num_beams > 1 else ''} per prompt; pass {choices}, or num_return_sequences=1"
         )
     vocab = getattr(model.config.get_text_config(decoder=True), "vocab_size", None)
     return GenerationSettings(
@@ -237,8 +245,23 @@ def resolve(model, prompt_length: int, generation_config=None, **overrides) -> G
         # one token later when a forced first token follows a 1-token decoder input.
         begin_suppress_step=1 if decoder_length == 1 and forced_bos is not None else 0,
         num_return_sequences=count_returned,
+        beam=None if num_beams == 1 else _beam_settings(values, where, num_beams, pad, eos),
         sampling=_sampling(values, do_sample),
     )
+
+
+def _beam_settings(values: dict, where, num_beams: int, pad: int, eos: tuple[int, ...]) -> BeamSettings:
+    penalty = values.get("length_penalty")
+    penalty = 1.0 if penalty is None else penalty
+    if isinstance(penalty, bool) or not isinstance(penalty, numbers.Real) or not math.isfinite(penalty):
+        raise ValueError(f"length_penalty={penalty!r}{where('length_penalty')} is not a finite number; pass e.g. 1.0")
+    early = values.get("early_stopping")
+    early = False if early is None else early
+    if early not in (True, False, "never"):
+        raise ValueError(f"early_stopping={early!r}{where('early_stopping')} must be True, False or 'never'")
+    # transformers fills a finished sequence with the pad token, or with EOS where the pad token is 0.
+    fill = (pad or eos[0]) if eos else -1
+    return BeamSettings(num_beams=num_beams, length_penalty=float(penalty), early_stopping=early, fill_token_id=fill)
 
 
 def _merged(model, generation_config, overrides: dict):
