@@ -201,7 +201,9 @@ def test_checkpoint_settings_are_carried_out_or_named(checkpoint, tmp_path):
 BEAMS = {
     "plain": dict(num_beams=3),
     "two_returned_early_stopping": dict(num_beams=4, num_return_sequences=2, length_penalty=2.0, early_stopping=True),
-    "never_stop_early": dict(num_beams=3, early_stopping="never", length_penalty=0.5),
+    "never_stop_early_repetition_penalty": dict(
+        num_beams=3, early_stopping="never", length_penalty=0.5, repetition_penalty=2.0
+    ),
     "short_favoured_min_new_tokens": dict(num_beams=2, length_penalty=-1.0, min_new_tokens=4, no_repeat_ngram_size=3),
 }
 

@@ -127,7 +127,9 @@ def step(beams: dict, log_probs, sequence, end, step_index, budget, eos: tuple[i
         "scores": scores,
         "finished": jnp.take_along_axis(merged_sequences, best[:, :, None], axis=1).reshape(rows, length),
         "finished_scores": finished_scores,
-        "finished_length": jnp.take_along_axis(jnp.concatenate([beams["finished_length"], new_lengths], axis=1), best, axis=1),
+        "finished_length": jnp.take_along_axis(
+            jnp.concatenate([beams["finished_length"], new_lengths], axis=1), best, axis=1
+        ),
         "is_finished": is_finished,
     }
 

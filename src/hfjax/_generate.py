@@ -166,7 +166,8 @@ class Generator:
         decode_key = ("decode", rows, offset, total, settings)
         layout = decode_key[1:]
         prefill_args = (params, self._place(padded_ids), self._place(padded_mask),
-                        jax.random.key_data(jax.random.key(seed)), jnp.int32(budget), jnp.int32(least), jnp.int32(first_column))
+                        jax.random.key_data(jax.random.key(seed)), jnp.int32(budget), jnp.int32(least),
+                        jnp.int32(first_column))
         prefill_function = functools.partial(self._prefill_flat, program=prefill_key, layout=layout, total=total, settings=settings)
         state = self._program(prefill_key, prefill_function, prefill_args)(*prefill_args)
         fields = self._fields[prefill_key]  # the decode loop's state has the same structure
@@ -251,7 +252,8 @@ class Generator:
 
     # -- traced: flat state in and out ---------------------------------------------
 
-    def _prefill_flat(self, params, ids, mask, key, budget, least, first_column, *, program, layout, total, settings) -> list:
+    def _prefill_flat(self, params, ids, mask, key, budget, least, first_column, *, program, layout, total,
+                      settings) -> list:
         state = self._prefill(params, ids, mask, key, budget, least, first_column, total=total, settings=settings)
         return self._flatten(state, program, layout)
 
@@ -273,7 +275,8 @@ class Generator:
 
     # -- traced: prefill ---------------------------------------------------------
 
-    def _prefill(self, params, ids, mask, key, budget, least, first_column, *, total: int, settings: GenerationSettings) -> dict:
+    def _prefill(self, params, ids, mask, key, budget, least, first_column, *, total: int,
+                 settings: GenerationSettings) -> dict:
         # ids, mask: [B, P] int32, left-padded; key: uint32 PRNG key data; budget, least: int32 max_new_tokens and
         # min_new_tokens; first_column: int32, where transformers' rows start in the buffer (all three arguments,
         # so they do not recompile); total: the buffer and cache length L.
@@ -309,7 +312,8 @@ class Generator:
             "budget": budget,
             "least": least,
             "first_column": first_column,
-            "beams": None if settings.beam is None else _beam.initial(batch // settings.beam.num_beams, settings.beam, sequence),
+            "beams": None if settings.beam is None else _beam.initial(batch // settings.beam.num_beams, settings.beam,
+                                                                      sequence),
         }
         return _choose(state, logits, offset, settings)
 
@@ -479,7 +483,8 @@ def _processed(logits, state: dict, end, settings: GenerationSettings):
     if settings.sequence_bias:  # transformers' first processor; bad_words_ids are -inf biases
         logits = logits + _sampling.sequence_bias(sequence, first, end, settings.sequence_bias, vocab_size)
     if settings.no_repeat_ngram_size:
-        logits = jnp.where(_sampling.ngram_bans(sequence, first, end, settings.no_repeat_ngram_size, vocab_size), -jnp.inf, logits)
+        banned = _sampling.ngram_bans(sequence, first, end, settings.no_repeat_ngram_size, vocab_size)
+        logits = jnp.where(banned, -jnp.inf, logits)
     if settings.eos_token_ids:  # min_new_tokens and min_length
         held = jnp.isin(vocab, jnp.asarray(settings.eos_token_ids)) & (step < state["least"])
         logits = jnp.where(held[None, :], -jnp.inf, logits)
@@ -542,7 +547,10 @@ def _choose_beams(state: dict, logits, offset: int, settings: GenerationSettings
         state["beams"], log_probs, state["sequence"], end, state["step"], state["budget"], settings.eos_token_ids, settings.beam
     )
     rows = parents.shape[0]
-    cache = jax.tree_util.tree_map(lambda leaf: leaf[parents] if jnp.ndim(leaf) and leaf.shape[0] == rows else leaf, state["cache"])
+    def follow(leaf):  # the cache's rows are the beams: each takes its parent's
+        return leaf[parents] if jnp.ndim(leaf) and leaf.shape[0] == rows else leaf
+
+    cache = jax.tree_util.tree_map(follow, state["cache"])
     seen = state["seen"]
     if seen is not None:
         seen = _sampling.update_seen(seen[parents], jax.lax.dynamic_index_in_dim(sequence, end, axis=1, keepdims=False))

@@ -171,7 +171,9 @@ def resolve(model, prompt_length: int, generation_config=None, **overrides) -> G
     values, where = _merged(model, generation_config, overrides)
     do_sample = values.get("do_sample")
     if not isinstance(do_sample, (bool, np.bool_)) and do_sample is not None:
-        raise ValueError(f"do_sample={do_sample!r}{where('do_sample')} is not a bool; pass True to sample or False for greedy decoding")
+        raise ValueError(
+            f"do_sample={do_sample!r}{where('do_sample')} is not a bool; pass True to sample or False for greedy decoding"
+        )
     do_sample = bool(do_sample)
     for name, (in_effect, what, off) in _UNSUPPORTED.items():
         if in_effect(values.get(name), do_sample):
@@ -208,7 +210,8 @@ def resolve(model, prompt_length: int, generation_config=None, **overrides) -> G
         decoder_start = getattr(model.config, "decoder_start_token_id", None)
     suppressed = token_ids("suppress_tokens")
     forced_eos = token_ids("forced_eos_token_id")
-    for name, forced in (("forced_bos_token_id", () if forced_bos is None else (forced_bos,)), ("forced_eos_token_id", forced_eos)):
+    forced_tokens = {"forced_bos_token_id": () if forced_bos is None else (forced_bos,), "forced_eos_token_id": forced_eos}
+    for name, forced in forced_tokens.items():
         if forced and set(forced) <= set(suppressed):
             # transformers refuses this too: every score would be -inf at the forced step.
             raise ValueError(
@@ -310,9 +313,13 @@ def _token_ids(name: str, value, where: str) -> tuple[int, ...]:
     if value is None:
         return ()
     ids = [value] if isinstance(value, numbers.Integral) else value
-    if isinstance(ids, (str, bytes)) or not all(isinstance(i, numbers.Integral) and not isinstance(i, bool) and i >= 0 for i in ids):
+    if isinstance(ids, (str, bytes)) or not all(_is_token_id(i) for i in ids):
         raise ValueError(f"{name}={value!r}{where} must be a token id or a list of token ids (integers >= 0)")
     return tuple(int(i) for i in ids)
+
+
+def _is_token_id(value) -> bool:
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool) and value >= 0
 
 
 def _sequences(name: str, sequences, where: str, vocab: int | None) -> list[tuple[int, ...]]:
@@ -324,7 +331,7 @@ def _sequences(name: str, sequences, where: str, vocab: int | None) -> list[tupl
         if (
             not isinstance(ids, (list, tuple))
             or not ids
-            or not all(isinstance(i, numbers.Integral) and not isinstance(i, bool) and i >= 0 for i in ids)
+            or not all(_is_token_id(i) for i in ids)
         ):
             raise ValueError(f"{name}={sequences!r}{where}: {ids!r} is not a non-empty list of token ids, e.g. {example}")
         if vocab is not None and max(ids) >= vocab:
