@@ -415,6 +415,28 @@ def test_generate_text(loaded):
     assert model.generate_text(PROMPTS[0], max_new_tokens=6) == expected[0]
 
 
+def test_generate_text_puts_conversations_through_the_chat_template(loaded, checkpoint):
+    model = loaded("llama")
+    conversations = [
+        [{"role": "user", "content": "Hi"}],
+        [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "The quick brown fox"}],
+    ]
+    expected = []
+    for conversation in conversations:  # each alone, through transformers in PyTorch
+        text = model.tokenizer.apply_chat_template(conversation, add_generation_prompt=True, tokenize=False)
+        ids = model.tokenizer(text, add_special_tokens=False, return_tensors="np")["input_ids"]
+        out = _torch_generate(model, ids, np.ones_like(ids), max_new_tokens=6)
+        expected.append(model.tokenizer.decode(out[0, ids.shape[1] :], skip_special_tokens=True))
+    assert model.generate_text(conversations, max_new_tokens=6) == expected
+    assert model.generate_text(conversations[1], max_new_tokens=6) == expected[1]
+    with pytest.raises(ValueError, match="mix texts and conversations"):
+        model.generate_text([PROMPTS[0], conversations[0]], max_new_tokens=6)
+    plain = hfjax.load(checkpoint("llama"))
+    plain.tokenizer.chat_template = None
+    with pytest.raises(ValueError, match="has no chat template"):
+        plain.generate_text(conversations[0], max_new_tokens=6)
+
+
 # -- bad input -----------------------------------------------------------------------
 
 

@@ -156,21 +156,39 @@ class Model:
             self._generator = _generate.Generator(self)
         return self._generator.generate(ids, mask, resolved, seed=seed, streamer=streamer)
 
-    def generate_text(self, prompts: str | list[str], **kwargs) -> str | list[str]:
+    def generate_text(self, prompts, **kwargs) -> str | list[str]:
         """Text in, text out: tokenizes (left-padded), generates, and decodes the new tokens only.
 
+        `prompts`: a text, a conversation (a list of {"role": ..., "content": ...} messages,
+        put through the tokenizer's chat template with the assistant's turn opened, as
+        transformers' text-generation pipeline does), or a list of either.
         Keyword arguments are those of `generate`. Returns one text per prompt, or, with
         `num_return_sequences=n`, a list of n texts per prompt, side by side in one list.
 
         Example:
           >>> model.generate_text("The capital of France is", max_new_tokens=8)
+          >>> model.generate_text([{"role": "user", "content": "Hi!"}], max_new_tokens=32)
         """
         if self.tokenizer is None:
             raise LoadError(f"Model.generate_text: the checkpoint at {str(self.path)!r} has no tokenizer files; use generate(input_ids)")
-        single = isinstance(prompts, str)
+        single = isinstance(prompts, str) or _is_conversation(prompts)
         batch = [prompts] if single else list(prompts)
+        conversations = [_is_conversation(prompt) for prompt in batch]
+        if any(conversations):
+            if not all(conversations):
+                raise ValueError(
+                    "Model.generate_text: prompts mix texts and conversations; pass a list of texts or a list of "
+                    "conversations (each a list of {'role': ..., 'content': ...} messages)"
+                )
+            if not self.tokenizer.chat_template:
+                raise ValueError(
+                    f"Model.generate_text: the tokenizer at {str(self.path)!r} has no chat template, so a conversation "
+                    "cannot be put into text; pass the prompt as text"
+                )
+            batch = [self.tokenizer.apply_chat_template(c, add_generation_prompt=True, tokenize=False) for c in batch]
         self.tokenizer.padding_side = "left"
-        encoded = self.tokenizer(batch, padding=True, return_tensors="np")
+        # A chat template writes its own BOS.
+        encoded = self.tokenizer(batch, padding=True, return_tensors="np", add_special_tokens=not any(conversations))
         out = np.asarray(self.generate(encoded["input_ids"], encoded["attention_mask"], **kwargs))
         start = 1 if getattr(self.config, "is_encoder_decoder", False) else encoded["input_ids"].shape[1]
         texts = self.tokenizer.batch_decode(out[:, start:], skip_special_tokens=True)
@@ -370,3 +388,11 @@ def _tokenizer(path: pathlib.Path):
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(path)
+
+
+def _is_conversation(prompt) -> bool:
+    return (
+        isinstance(prompt, (list, tuple))
+        and len(prompt) > 0
+        and all(isinstance(message, dict) and "role" in message for message in prompt)
+    )
