@@ -17,7 +17,7 @@ import torch
 import transformers
 
 import hfjax
-from hfjax import _generate, _settings, testing
+from hfjax import _generate, _settings, testing, tolerances
 
 PROMPTS = ["Hello there, how are you doing today?", "Hi", "The quick brown fox"]
 NEW_TOKENS = 12
@@ -144,6 +144,48 @@ def test_token_constraints_match_transformers(loaded, family, name):
     assert not np.array_equal(expected, plain)  # the setting changes this output
     actual = np.asarray(model.generate(ids, mask, **settings))
     np.testing.assert_array_equal(actual, expected)
+
+
+def _torch_output(model, ids, mask, **kwargs):
+    with torch.no_grad():
+        return _torch_model(model).generate(
+            torch.as_tensor(ids).long(), attention_mask=torch.as_tensor(mask).long(), **kwargs
+        )
+
+
+def _assert_scores_equal(actual, expected, tolerance):
+    # -inf (a filtered token) must be -inf on both sides; finite scores within the tolerance.
+    actual, expected = np.asarray(actual), expected.numpy()
+    np.testing.assert_array_equal(np.isneginf(actual), np.isneginf(expected))
+    finite = np.isfinite(expected)
+    np.testing.assert_allclose(actual[finite], expected[finite], rtol=0, atol=tolerance.atol)
+
+
+@pytest.mark.parametrize("family", ["llama", "bart"])
+def test_return_dict_in_generate_gives_transformers_scores_and_logits(loaded, family):
+    model = loaded(family)
+    ids, mask = _batch(model)
+    tolerance = tolerances.for_family(model.config.model_type)
+    greedy = dict(max_new_tokens=6, return_dict_in_generate=True, output_scores=True, output_logits=True,
+                  repetition_penalty=1.3, no_repeat_ngram_size=1)
+    expected = _torch_output(model, ids, mask, **greedy)
+    actual = model.generate(ids, mask, **greedy)
+    assert type(actual) is type(expected)
+    np.testing.assert_array_equal(np.asarray(actual.sequences), expected.sequences.numpy())
+    assert len(actual.scores) == len(expected.scores) == len(actual.logits) == len(expected.logits)
+    for mine, theirs in zip(actual.scores + actual.logits, expected.scores + expected.logits):
+        _assert_scores_equal(mine, theirs, tolerance)
+    assert np.isneginf(np.asarray(actual.scores[-1])).any()  # the ban on repeats shows in the processed scores
+    # Sampled tokens differ from PyTorch's draws, so only the first token's scores compare; top-k leaves -inf.
+    sampled = dict(max_new_tokens=2, return_dict_in_generate=True, output_scores=True, do_sample=True, top_k=5,
+                   temperature=0.7)
+    expected = _torch_output(model, ids, mask, **sampled)
+    actual = model.generate(ids, mask, seed=0, **sampled)
+    _assert_scores_equal(actual.scores[0], expected.scores[0], tolerance)
+    kept = np.isfinite(np.asarray(actual.scores[0])).sum(axis=1)
+    assert actual.logits is None and ((kept >= 1) & (kept <= 5)).all()  # top-k (bart forces its first token)
+    plain = model.generate(ids, mask, max_new_tokens=2, output_scores=True)  # as in transformers: ids only
+    assert isinstance(plain, jax.Array)
 
 
 def test_suppressing_a_forced_token_is_refused_as_transformers_refuses_it(loaded):
@@ -451,7 +493,8 @@ def test_generate_text_puts_conversations_through_the_chat_template(loaded, chec
         (dict(max_new_tokens=0), r"max_new_tokens=0"),
         (dict(num_beams=4, do_sample=True), r"num_beams=4 asks for beam sampling"),
         (dict(do_sample=True, typical_p=0.5), r"typical_p=0\.5 asks for typical sampling"),
-        (dict(output_scores=True), r"output_scores=True asks for returning scores"),
+        (dict(output_hidden_states=True), r"output_hidden_states=True asks for returning hidden states"),
+        (dict(num_beams=2, return_dict_in_generate=True, output_scores=True), r"output_scores=True with num_beams=2"),
         (dict(max_length=3), r"max_length=3 counts the prompt's \d+ tokens"),
         (dict(no_repeat_ngram_size=-1), r"no_repeat_ngram_size=-1 must be an integer >= 0"),
         (dict(bad_words_ids=[[5, -1]]), r"bad_words_ids=\[\[5, -1\]\]: \[5, -1\] is not a non-empty list of token ids"),

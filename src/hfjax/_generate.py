@@ -204,7 +204,9 @@ class Generator:
             prompt = np.repeat(ids, returned, axis=0)
         if self.encoder_decoder:
             prompt = sequence[:, :1]
-        out = np.concatenate([prompt.astype(np.int32), sequence[:, offset : offset + steps]], axis=1)
+        out = jnp.asarray(np.concatenate([prompt.astype(np.int32), sequence[:, offset : offset + steps]], axis=1))
+        if settings.return_dict_in_generate:
+            out = self._output(out, state, fields, batch, steps, beams=beam is not None)
         self.last_stats = GenerationStats(
             prompt_tokens=int(mask.sum()),
             new_tokens=steps,
@@ -212,7 +214,20 @@ class Generator:
             total=time.perf_counter() - start,
             compiled=self._prepared() > prepared_before,
         )
-        return jnp.asarray(out)
+        return out
+
+    def _output(self, sequences, state, fields, batch: int, steps: int, *, beams: bool):
+        """transformers' Generate*Output for return_dict_in_generate: the sequences, and per new
+        token the [B, V] raw logits and processed scores that output_logits / output_scores asked for."""
+        from transformers.generation import utils
+
+        kept = {}
+        for name in ("logits", "scores"):
+            if name in fields:
+                values = jnp.asarray(_host(state[fields[name]])[:batch, :steps])  # [B, T, V]
+                kept[name] = tuple(values[:, t] for t in range(steps))
+        kind = f"Generate{'Beam' if beams else ''}{'EncoderDecoder' if self.encoder_decoder else 'DecoderOnly'}Output"
+        return getattr(utils, kind)(sequences=sequences, **kept)
 
     def _place(self, array: np.ndarray) -> jax.Array:
         """[B, ...] host array -> device array; on a mesh, rows split over "data" (B divides it)."""
@@ -268,7 +283,7 @@ class Generator:
         paths_and_leaves, treedef = jax.tree_util.tree_flatten_with_path(state)
         self._treedefs[layout] = treedef
         paths = [jax.tree_util.keystr(path) for path, _ in paths_and_leaves]
-        wanted = {name: f"['{name}']" for name in ("sequence", "step", "done")}
+        wanted = {name: f"['{name}']" for name in ("sequence", "step", "done", "logits", "scores")}
         wanted.update({name: f"['beams']['{name}']" for name in ("finished", "finished_length")})
         self._fields[program] = {name: paths.index(path) for name, path in wanted.items() if path in paths}
         return [leaf for _, leaf in paths_and_leaves]
@@ -312,6 +327,9 @@ class Generator:
             "budget": budget,
             "least": least,
             "first_column": first_column,
+            # The buffers of return_dict_in_generate: raw logits and processed scores of every new token.
+            "logits": jnp.zeros((batch, total - offset, logits.shape[-1]), jnp.float32) if settings.output_logits else None,
+            "scores": jnp.zeros((batch, total - offset, logits.shape[-1]), jnp.float32) if settings.output_scores else None,
             "beams": None if settings.beam is None else _beam.initial(batch // settings.beam.num_beams, settings.beam,
                                                                       sequence),
         }
@@ -508,13 +526,25 @@ def _round_up(n: int, multiple: int) -> int:
     return -(-n // multiple) * multiple
 
 
+def _kept(state: dict, logits, scores) -> dict:
+    """`state` with this step's raw logits and processed scores [B, V] written into the
+    [B, T, V] buffers that return_dict_in_generate asked for (None where it did not)."""
+    kept = {}
+    for name, values in (("logits", logits), ("scores", scores)):
+        if state[name] is not None:
+            kept[name] = jax.lax.dynamic_update_slice_in_dim(state[name], values[:, None, :], state["step"], axis=1)
+    return {**state, **kept}
+
+
 def _choose(state: dict, logits, offset: int, settings: GenerationSettings) -> dict:
     """Samples the next token of every row from `logits` [B, V] and appends it to the state."""
     if settings.beam is not None:
         return _choose_beams(state, logits, offset, settings)
     key, draw = jax.random.split(jax.random.wrap_key_data(state["key"]))
-    logits = _processed(logits, state, offset + state["step"], settings)
-    token = _sampling.next_token(logits, state["seen"], draw, settings.sampling).astype(jnp.int32)  # [B]
+    scores = _sampling.process_logits(_processed(logits, state, offset + state["step"], settings), state["seen"],
+                                      settings.sampling)  # [B, V]
+    state = _kept(state, logits, scores)
+    token = _sampling.pick(scores, draw, settings.sampling).astype(jnp.int32)  # [B]
     token = jnp.where(state["done"], settings.pad_token_id, token)
     slot = offset + state["step"]
     sequence = jax.lax.dynamic_update_slice_in_dim(state["sequence"], token[:, None], slot, axis=1)
@@ -547,6 +577,7 @@ def _choose_beams(state: dict, logits, offset: int, settings: GenerationSettings
         state["beams"], log_probs, state["sequence"], end, state["step"], state["budget"], settings.eos_token_ids, settings.beam
     )
     rows = parents.shape[0]
+
     def follow(leaf):  # the cache's rows are the beams: each takes its parent's
         return leaf[parents] if jnp.ndim(leaf) and leaf.shape[0] == rows else leaf
 

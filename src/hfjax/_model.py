@@ -100,7 +100,7 @@ class Model:
         seed: int = 0,
         streamer=None,
         **settings,
-    ) -> jax.Array:
+    ):
         """Generates tokens, as transformers' `generate` does, with the whole decode loop compiled.
 
         Args mirror transformers' `generate`; unset ones come from `generation_config`, then from
@@ -112,16 +112,19 @@ class Model:
         `max_length`, `min_length`, `no_repeat_ngram_size`, `bad_words_ids`, `sequence_bias`,
         `suppress_tokens`, `begin_suppress_tokens`, `forced_bos_token_id`,
         `forced_eos_token_id`, `decoder_start_token_id`, `num_return_sequences` and beam
-        search (`num_beams`, `length_penalty`, `early_stopping`); one that would change the
-        tokens and that it cannot carry out (beam sampling, `typical_p`, `output_scores`, ...)
-        raises a ValueError that names it.
+        search (`num_beams`, `length_penalty`, `early_stopping`), and
+        `return_dict_in_generate` with `output_scores` / `output_logits`; one that would change
+        the output and that it cannot carry out (beam sampling, `typical_p`,
+        `output_attentions`, ...) raises a ValueError that names it.
 
         Returns:
           int32 jax.Array [B * num_return_sequences, S + T] (for encoder-decoders
           [.., 1 + T], starting with the decoder start token): the prompt as given, then the
           new tokens, padded with `pad_token_id` after a row has produced EOS.
           T <= max_new_tokens. A prompt's `num_return_sequences` rows are adjacent (with beam
-          search, its best finished beams, best first).
+          search, its best finished beams, best first). With return_dict_in_generate=True,
+          transformers' Generate*Output of jax.Arrays: `sequences` as above, and `scores` /
+          `logits` as tuples of T [rows, V] arrays where asked for.
 
         Example:
           >>> batch = model.tokenizer(["Hi", "Hello there"], padding=True, return_tensors="np")

@@ -23,7 +23,8 @@ import jax.numpy as jnp
 import numpy as np
 
 __all__ = [
-    "SamplingConfig", "process_logits", "next_token", "first_argmax", "seen_mask", "update_seen", "sequence_bias", "ngram_bans",
+    "SamplingConfig", "process_logits", "next_token", "pick", "first_argmax", "seen_mask", "update_seen", "sequence_bias",
+    "ngram_bans",
 ]
 
 
@@ -187,7 +188,12 @@ def next_token(logits: jax.Array, seen: jax.Array | None, key: jax.Array, config
         >>> key = jax.random.key(0)
         >>> token = next_token(logits, None, key, SamplingConfig(do_sample=True, top_k=50))  # [B]
     """
-    scores = process_logits(logits, seen, config)  # [B, V]
+    return pick(process_logits(logits, seen, config), key, config)
+
+
+def pick(scores: jax.Array, key: jax.Array, config: SamplingConfig) -> jax.Array:
+    """The next token of every row from processed scores [B, V] (`process_logits`'s): their
+    argmax, or a draw from their softmax. Returns [B] int32."""
     if config.do_sample:
         # The Gumbel-max draw that jax.random.categorical makes, with the faster argmax below.
         scores = scores + jax.random.gumbel(key, scores.shape, scores.dtype)

@@ -44,6 +44,9 @@ class GenerationSettings:
     begin_suppress_step: int = 0  # the new token at which begin_suppress_tokens apply
     num_return_sequences: int = 1  # rows returned per prompt
     beam: BeamSettings | None = None  # beam search, or None for greedy decoding and sampling
+    return_dict_in_generate: bool = False  # a Generate*Output instead of the token ids
+    output_scores: bool = False  # keep each new token's processed scores
+    output_logits: bool = False  # keep each new token's raw logits
     sampling: SamplingConfig = SamplingConfig()
 
     def __post_init__(self):
@@ -79,6 +82,9 @@ _SUPPORTED = (
     "num_beams",
     "length_penalty",
     "early_stopping",
+    "return_dict_in_generate",
+    "output_scores",
+    "output_logits",
 )
 
 
@@ -114,9 +120,6 @@ _UNSUPPORTED = {
     "max_time": (lambda v, s: _set(v), "a time limit", None),
     "prompt_lookup_num_tokens": (lambda v, s: _set(v), "prompt-lookup assisted decoding", None),
     "assistant_early_exit": (lambda v, s: _set(v), "self-speculative decoding", None),
-    "return_dict_in_generate": (lambda v, s: bool(v), "outputs other than the token ids", False),
-    "output_scores": (lambda v, s: bool(v), "returning scores", False),
-    "output_logits": (lambda v, s: bool(v), "returning logits", False),
     "output_attentions": (lambda v, s: bool(v), "returning attentions", False),
     "output_hidden_states": (lambda v, s: bool(v), "returning hidden states", False),
 }
@@ -228,7 +231,18 @@ def resolve(model, prompt_length: int, generation_config=None, **overrides) -> G
             f"{num_beams} sequence{'s' if num_beams > 1 else ''} per prompt; pass {choices}, or num_return_sequences=1"
         )
     vocab = getattr(model.config.get_text_config(decoder=True), "vocab_size", None)
+    as_dict = bool(values.get("return_dict_in_generate"))
+    # As in transformers, scores and logits are kept only for a returned dict.
+    kept = {name: as_dict and bool(values.get(name)) for name in ("output_scores", "output_logits")}
+    if num_beams > 1 and any(kept.values()):
+        name = next(name for name, on in kept.items() if on)
+        raise ValueError(
+            f"{name}=True{where(name)} with num_beams={num_beams}: hfjax keeps scores and logits for greedy decoding and "
+            "sampling only; pass num_beams=1, or leave it out"
+        )
     return GenerationSettings(
+        return_dict_in_generate=as_dict,
+        **kept,
         max_new_tokens=max_new_tokens,
         # transformers blocks EOS until both minimums are met: they are one limit on new tokens.
         min_new_tokens=max(count("min_new_tokens", least=0), count("min_length", least=0) - decoder_length),
