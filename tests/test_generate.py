@@ -47,12 +47,16 @@ def _torch_model(model):
     return auto.from_pretrained(model.path).eval()
 
 
-def _torch_generate(model, ids, mask, **kwargs):
+def _torch_output(model, ids, mask, **kwargs):
+    """transformers' generate in PyTorch, as it returns: token ids, or a Generate*Output."""
     with torch.no_grad():
-        out = _torch_model(model).generate(
+        return _torch_model(model).generate(
             torch.as_tensor(ids).long(), attention_mask=torch.as_tensor(mask).long(), **kwargs
         )
-    return out.numpy()
+
+
+def _torch_generate(model, ids, mask, **kwargs):
+    return _torch_output(model, ids, mask, **kwargs).numpy()
 
 
 @pytest.mark.parametrize("family", testing.GENERATION_FAMILIES)
@@ -144,13 +148,6 @@ def test_token_constraints_match_transformers(loaded, family, name):
     assert not np.array_equal(expected, plain)  # the setting changes this output
     actual = np.asarray(model.generate(ids, mask, **settings))
     np.testing.assert_array_equal(actual, expected)
-
-
-def _torch_output(model, ids, mask, **kwargs):
-    with torch.no_grad():
-        return _torch_model(model).generate(
-            torch.as_tensor(ids).long(), attention_mask=torch.as_tensor(mask).long(), **kwargs
-        )
 
 
 def _assert_scores_equal(actual, expected, tolerance):

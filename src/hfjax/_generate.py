@@ -548,22 +548,24 @@ def _choose(state: dict, logits, offset: int, settings: GenerationSettings) -> d
     token = jnp.where(state["done"], settings.pad_token_id, token)
     slot = offset + state["step"]
     sequence = jax.lax.dynamic_update_slice_in_dim(state["sequence"], token[:, None], slot, axis=1)
-    mask = jax.lax.dynamic_update_slice_in_dim(state["mask"], jnp.ones_like(token)[:, None], slot, axis=1)
     done = state["done"]
     if settings.eos_token_ids:
         done = done | jnp.isin(token, jnp.asarray(settings.eos_token_ids))
-    seen = state["seen"]
-    if seen is not None:
-        seen = _sampling.update_seen(seen, token)
+    return _advanced(state, sequence, token, slot, state["seen"], done=done, key=jax.random.key_data(key))
+
+
+def _advanced(state: dict, sequence, token, slot, seen, **changes) -> dict:
+    """`state` once `token` [B] sits at column `slot` of `sequence` [B, L]: attended to, at the
+    next position, in the rows' `seen` tokens [B, V] (or None), one step on; plus `changes`."""
+    mask = jax.lax.dynamic_update_slice_in_dim(state["mask"], jnp.ones_like(token)[:, None], slot, axis=1)
     return {
         **state,
+        **changes,
         "sequence": sequence,
         "mask": mask,
         "next_position": state["next_position"] + 1,
-        "seen": seen,
-        "done": done,
+        "seen": None if seen is None else _sampling.update_seen(seen, token),
         "step": state["step"] + 1,
-        "key": jax.random.key_data(key),
     }
 
 
@@ -581,19 +583,11 @@ def _choose_beams(state: dict, logits, offset: int, settings: GenerationSettings
     def follow(leaf):  # the cache's rows are the beams: each takes its parent's
         return leaf[parents] if jnp.ndim(leaf) and leaf.shape[0] == rows else leaf
 
-    cache = jax.tree_util.tree_map(follow, state["cache"])
-    seen = state["seen"]
-    if seen is not None:
-        seen = _sampling.update_seen(seen[parents], jax.lax.dynamic_index_in_dim(sequence, end, axis=1, keepdims=False))
-    mask = jax.lax.dynamic_update_slice_in_dim(state["mask"], jnp.ones((rows, 1), state["mask"].dtype), end, axis=1)
-    return {
-        **state,
-        "cache": cache,
-        "sequence": sequence,
-        "mask": mask,
-        "next_position": state["next_position"] + 1,
-        "seen": seen,
-        "beams": beams,
-        "done": jnp.broadcast_to(~keep_going, state["done"].shape),
-        "step": state["step"] + 1,
-    }
+    token = jax.lax.dynamic_index_in_dim(sequence, end, axis=1, keepdims=False)  # [B*K] each beam's new token
+    seen = None if state["seen"] is None else state["seen"][parents]
+    return _advanced(
+        state, sequence, token, end, seen,
+        cache=jax.tree_util.tree_map(follow, state["cache"]),
+        beams=beams,
+        done=jnp.broadcast_to(~keep_going, state["done"].shape),
+    )

@@ -342,11 +342,7 @@ def _sequences(name: str, sequences, where: str, vocab: int | None) -> list[tupl
         raise ValueError(f"{name}={sequences!r}{where} must be a non-empty list of token id lists, e.g. {example}")
     out = []
     for ids in sequences:
-        if (
-            not isinstance(ids, (list, tuple))
-            or not ids
-            or not all(_is_token_id(i) for i in ids)
-        ):
+        if not isinstance(ids, (list, tuple)) or not ids or not all(_is_token_id(i) for i in ids):
             raise ValueError(f"{name}={sequences!r}{where}: {ids!r} is not a non-empty list of token ids, e.g. {example}")
         if vocab is not None and max(ids) >= vocab:
             raise ValueError(f"{name}={sequences!r}{where}: token id {max(ids)} is outside the vocabulary of {vocab}")
