@@ -5,7 +5,7 @@
     python benchmarks/decode.py --gpu-llama-1b  # Llama-3.2-1B-shaped, bfloat16, on a GPU
 
 Methods, each timed on the same random-weight checkpoint and the same random prompts:
-  hfjax          model.generate: a compiled prefill, then the whole decode loop as one XLA while_loop
+  hfjax          model.generate: a compiled prefill, then the whole decode loop as one XLA program (while_loops)
   hand_recipe    the public recipe: a Python loop around a jitted one-token step (hfjax.jit of the
                  transformers model, a StaticCache as a pytree), one host round trip per token
   torch_dynamic  transformers generate, PyTorch eager, dynamic cache

@@ -325,6 +325,40 @@ def test_sampling_with_top_k_1_is_greedy(loaded):
     np.testing.assert_array_equal(sampled, greedy)
 
 
+# -- long answers: the decode loop attends over growing windows of the cache ---------
+
+LONG = 70  # new tokens: a 16-token prompt bucket and 70 tokens fill a 128-slot cache, read in windows of 64 and 128
+WINDOWED_FAMILIES = [f for f in testing.GENERATION_FAMILIES if f not in ("mamba", "recurrent_gemma", "t5", "bart")]
+
+
+@pytest.mark.parametrize("family", WINDOWED_FAMILIES)
+def test_long_greedy_answers_cross_cache_windows_like_transformers(loaded, family):
+    model = loaded(family)
+    ids, mask = _batch(model)
+    # Sliding-window families (window 64) also mask by distance once the answer passes 64 tokens.
+    expected = _torch_generate(model, ids, mask, max_new_tokens=LONG, min_new_tokens=LONG)
+    actual = np.asarray(model.generate(ids, mask, max_new_tokens=LONG, min_new_tokens=LONG))
+    np.testing.assert_array_equal(actual, expected)
+    assert model._generator._windows(_generate.bucket(ids.shape[1]), 128) == (64, 128)
+
+
+def test_long_beam_search_crosses_cache_windows_like_transformers(loaded):
+    model = loaded("llama")
+    ids, mask = _batch(model)
+    settings = dict(max_new_tokens=LONG, min_new_tokens=LONG, num_beams=3, repetition_penalty=2.0)
+    expected = _torch_generate(model, ids, mask, **settings)
+    np.testing.assert_array_equal(np.asarray(model.generate(ids, mask, **settings)), expected)
+
+
+def test_a_streamed_long_answer_is_the_windowed_one(loaded):
+    model = loaded("llama")
+    ids, mask = _batch(model, PROMPTS[:1])
+    recorder = _Recorder()
+    settings = dict(max_new_tokens=LONG, min_new_tokens=LONG)
+    streamed = np.asarray(model.generate(ids, mask, streamer=recorder, **settings))
+    np.testing.assert_array_equal(streamed, np.asarray(model.generate(ids, mask, **settings)))
+
+
 # -- programs: one prefill per bucket, one decode loop -------------------------------
 
 
@@ -362,19 +396,20 @@ def _shapes(model, ids, max_new_tokens: int) -> tuple:
     return ids.shape[0], size, total, dataclasses.replace(settings, max_new_tokens=total - size, min_new_tokens=0)
 
 
-def _decode_program(model, prompts):
+def _decode_program(model, prompts, max_new_tokens=4):
     """(decode function, its arguments) of the engine's decode program for `prompts`."""
     ids, mask = _batch(model, prompts)
     generator = _generate.Generator(model)
     generator._store = None  # trace here, rather than read the programs an earlier test stored
-    generator.generate(ids, mask, _settings.resolve(model, ids.shape[1], max_new_tokens=4), seed=0)
-    batch, size, total, settings = _shapes(model, ids, max_new_tokens=4)
-    key = ("decode", batch, size, total, settings)
+    generator.generate(ids, mask, _settings.resolve(model, ids.shape[1], max_new_tokens=max_new_tokens), seed=0)
+    batch, size, total, settings = _shapes(model, ids, max_new_tokens=max_new_tokens)
+    windows = generator._windows(size, total)
+    key = ("decode", batch, size, total, settings, windows)
     prefill = generator._programs[("prefill", batch, size, total, settings)]
     state = prefill(model.params, np.zeros((batch, size), np.int32), np.ones((batch, size), np.int32),
                     jax.random.key_data(jax.random.key(0)), np.int32(4), np.int32(0), np.int32(0))
-    decode = functools.partial(generator._decode_flat, program=key, layout=key[1:], offset=size, settings=settings,
-                               trace_prefill=None)
+    decode = functools.partial(generator._decode_flat, program=key, layout=key[1:-1], offset=size, settings=settings,
+                               windows=windows, trace_prefill=None)
     return decode, (model.params, state, np.int32(4))
 
 
@@ -386,13 +421,25 @@ def test_decode_is_one_while_loop(loaded):
     assert "dot_general" in str(loops[0].params["body_jaxpr"])  # and the model runs inside it
 
 
-@pytest.mark.parametrize("prompts", [PROMPTS[:1], PROMPTS[:2]], ids=["batch_1", "batch_2"])
-def test_decode_updates_the_cache_without_copying_it(loaded, prompts):
+def test_a_long_answer_decodes_in_one_loop_per_cache_window(loaded):
+    decode, args = _decode_program(loaded("llama"), PROMPTS[:2], max_new_tokens=LONG)
+    loops = [eqn for eqn in jax.make_jaxpr(decode)(*args).eqns if eqn.primitive.name == "while"]
+    # Each loop carries the cache layers ([B, H_kv, slots, D]) of its window, and runs the model.
+    slots = [{var.aval.shape[2] for var in loop.invars if var.aval.ndim == 4} for loop in loops]
+    assert slots == [{64}, {128}]
+    assert all("dot_general" in str(loop.params["body_jaxpr"]) for loop in loops)
+
+
+@pytest.mark.parametrize("prompts, new_tokens", [(PROMPTS[:1], 4), (PROMPTS[:2], 4), (PROMPTS[:2], LONG)],
+                         ids=["batch_1", "batch_2", "batch_2_windows"])
+def test_decode_updates_the_cache_without_copying_it(loaded, prompts, new_tokens):
     model = loaded("llama")
-    decode, args = _decode_program(model, prompts)
+    decode, args = _decode_program(model, prompts, max_new_tokens=new_tokens)
     text = jax.jit(decode, donate_argnums=1).lower(*args).compile().as_text()
-    cache_sizes = {leaf.size for leaf in args[1] if leaf.ndim == 4}  # [B, H_kv, L, D] key and value layers
-    assert cache_sizes, "the state holds no cache layers"
+    full = [leaf.shape for leaf in args[1] if leaf.ndim == 4]  # [B, H_kv, L, D] key and value layers
+    assert full, "the state holds no cache layers"
+    windows = decode.keywords["windows"]  # cache lengths attended in turn: each is carried through a loop
+    cache_sizes = {int(np.prod(shape[:2] + (slots,) + shape[3:])) for shape in full for slots in windows}
     copied = [int(np.prod([int(d) for d in dims.split(",") if d])) for dims in re.findall(r"= f32\[([\d,]*)\]\S* copy\(", text)]
     assert not cache_sizes & set(copied), f"cache layers are copied every token: {sorted(copied)}"
 
@@ -421,7 +468,8 @@ def test_streamer_receives_prompt_then_every_token_in_chunks(loaded):
     unstreamed = np.asarray(model.generate(ids, mask, max_new_tokens=20))
     generator = model._generator
     decode_programs = generator.program_counts["decode"]
-    key = ("decode", *_shapes(model, ids, max_new_tokens=20))
+    shapes = _shapes(model, ids, max_new_tokens=20)
+    key = ("decode", *shapes, (shapes[2],))  # streamed: the whole cache, one window
     decode, calls = generator._programs[key], []
     generator._programs[key] = lambda *args: calls.append(len(recorder.puts)) or decode(*args)
     streamed = np.asarray(model.generate(ids, mask, max_new_tokens=20, streamer=recorder))

@@ -485,7 +485,7 @@ def _index_copy(x, dim, index, source):
         return source.reshape(())
     dim = dim % x.ndim
     # The update is made on x without its size-1 axes (a batch of 1): the shape in which the
-    # decode loop carries the cache (`_generate._squeezed`) and XLA's attention product reads
+    # decode loop carries the cache (`_caches.squeezed`) and XLA's attention product reads
     # it, so both read the buffer the update writes. Made on the full shape, XLA fused a second
     # copy of the update into the reshape the product reads, and copied every cache layer four
     # times per token.

@@ -1,6 +1,6 @@
 """Choosing the next token from the last position's logits, the way transformers does.
 
-The decode loop calls these pure-JAX functions inside one jitted `jax.lax.while_loop`, so
+The decode loop calls these pure-JAX functions inside its jitted `jax.lax.while_loop`s, so
 nothing here branches in Python on array values; `SamplingConfig` is a static argument.
 
 transformers builds its processors in `GenerationMixin._get_logits_processor`; for the
