@@ -188,9 +188,9 @@ class Model:
                     f"Model.generate_text: the tokenizer at {str(self.path)!r} has no chat template, so a conversation "
                     "cannot be put into text; pass the prompt as text"
                 )
-            batch = [self.tokenizer.apply_chat_template(c, add_generation_prompt=True, tokenize=False) for c in batch]
+            batch = [chat_prompt(self.tokenizer, conversation) for conversation in batch]
         self.tokenizer.padding_side = "left"
-        # A chat template writes its own BOS.
+        # A chat prompt holds its own BOS.
         encoded = self.tokenizer(batch, padding=True, return_tensors="np", add_special_tokens=not any(conversations))
         out = np.asarray(self.generate(encoded["input_ids"], encoded["attention_mask"], **kwargs))
         start = 1 if getattr(self.config, "is_encoder_decoder", False) else encoded["input_ids"].shape[1]
@@ -391,6 +391,12 @@ def _tokenizer(path: pathlib.Path):
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(path)
+
+
+def chat_prompt(tokenizer, conversation: list[dict]) -> str:
+    """`conversation` (role/content messages) as prompt text: the tokenizer's chat template with
+    the assistant's turn opened. Tokenize it without special tokens: the template writes its own BOS."""
+    return tokenizer.apply_chat_template(conversation, add_generation_prompt=True, tokenize=False)
 
 
 def _is_conversation(prompt) -> bool:

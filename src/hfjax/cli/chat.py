@@ -26,7 +26,7 @@ def add_parser(subparsers) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from hfjax._model import _context_length
+    from hfjax._model import _context_length, chat_prompt
 
     prepared = prepare(args, "chat")
     if isinstance(prepared, int):
@@ -58,8 +58,7 @@ def run(args: argparse.Namespace) -> int:
         if not line:
             continue
         messages.append({"role": "user", "content": line})
-        text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-        encoded = tokenizer(text, add_special_tokens=False, return_tensors="np")  # the template has BOS
+        encoded = tokenizer(chat_prompt(tokenizer, messages), add_special_tokens=False, return_tensors="np")
         prompt_length = encoded["input_ids"].shape[1]
         room = kwargs["max_new_tokens"] if context is None else min(kwargs["max_new_tokens"], context - prompt_length)
         if room < 1:
