@@ -8,6 +8,9 @@ the override and compare their logits with the same model run by PyTorch.
 from __future__ import annotations
 
 import copy
+import os
+import platform
+import shutil
 
 import jax
 import numpy as np
@@ -18,7 +21,7 @@ import transformers
 from torchax.interop import jax_jit
 
 import hfjax
-from hfjax import _compile, _ops
+from hfjax import _compile, _cpu_kernels, _ops
 
 # fp32 GEMMs: XLA and ATen sum the same products in a different order.
 MATMUL_ATOL = 1e-5
@@ -555,8 +558,45 @@ def test_linear_swaps_operands_only_for_a_few_rows_on_cpu(env):
 
         return jax.jit(apply).lower(jax.numpy.ones((rows, 48))).as_text()
 
-    assert all("optimization_barrier" in program(rows) for rows in (2, 8, 64))
-    assert not any("optimization_barrier" in program(rows) for rows in (1, 65))
+    kernel = _cpu_kernels.library() is not None  # 2-8 rows go to hfjax's CPU kernel where it is built
+    assert all(("hfjax_rows_times_weight" in program(rows)) == kernel for rows in (2, 8))
+    assert all(("optimization_barrier" in program(rows)) != kernel for rows in (2, 8))
+    assert all("optimization_barrier" in program(rows) for rows in (9, 64))
+    assert not any("optimization_barrier" in program(rows) or "hfjax_rows_times_weight" in program(rows) for rows in (1, 65))
+
+
+# -- hfjax's CPU kernel for a few rows times a weight (_cpu_kernels.cc) ---------------
+
+
+def _kernel_buildable() -> bool:
+    return (
+        platform.system() == "Linux" and platform.machine() == "x86_64" and "avx512f" in _cpu_kernels._cpu_flags()
+        and (os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")) is not None
+        and os.environ.get("HFJAX_CPU_KERNELS", "1") != "0"
+    )
+
+
+def test_cpu_kernel_is_built_where_the_machine_can_build_it():
+    assert (_cpu_kernels.library() is not None) == _kernel_buildable()
+
+
+# rows x K x N: K not a multiple of 16 (the masked tail), N odd (the last single row), N too
+# small to split between threads, and the 150M benchmark model's shapes.
+KERNEL_SHAPES = [(rows, 48, 40) for rows in range(1, 9)] + [(3, 771, 7), (8, 13, 1), (5, 64, 301), (8, 768, 3072), (2, 3072, 768)]
+
+
+@pytest.mark.parametrize("shape", KERNEL_SHAPES, ids=lambda s: "x".join(map(str, s)))
+def test_cpu_kernel_matches_a_float64_product(shape):
+    if _cpu_kernels.library() is None:  # nothing to compare on this machine; the test above says why
+        assert not _kernel_buildable()
+        return
+    rows, k, n = shape
+    rng = np.random.default_rng(rows * 7 + k + n)
+    x, weight = rng.standard_normal((rows, k), np.float32), rng.standard_normal((n, k), np.float32)
+    expected = x.astype(np.float64) @ weight.astype(np.float64).T
+    got = np.asarray(jax.jit(_cpu_kernels.rows_times_weight)(x, weight))
+    assert got.shape == (rows, n)
+    np.testing.assert_allclose(got, expected, rtol=0, atol=MATMUL_ATOL * np.sqrt(k))
 
 
 # -- convolution (channels-last) ----------------------------------------------------

@@ -38,7 +38,7 @@ import jax.numpy as jnp
 import numpy as np
 import torch
 
-from . import _beam, _caches, _compile, _env, _programs, _sampling, _sharding
+from . import _beam, _caches, _compile, _cpu_kernels, _env, _programs, _sampling, _sharding
 from ._errors import HfjaxError
 from ._settings import GenerationSettings
 
@@ -262,7 +262,8 @@ class Generator:
             self._fields[key] = metadata["fields"]
             program = jax.jit(exported.call, donate_argnums=donate)
         elif store is not None:
-            exported = jax.export.export(jax.jit(function))(*args)
+            kernels = [jax.export.DisabledSafetyCheck.custom_call(target) for target in _cpu_kernels.TARGETS]
+            exported = jax.export.export(jax.jit(function), disabled_checks=kernels)(*args)
             exported = store.save(key, exported, {"fields": self._fields[key]})
             program = jax.jit(exported.call, donate_argnums=donate)
         else:

@@ -23,6 +23,8 @@ import tempfile
 
 import jax
 
+from . import _cpu_kernels
+
 _SUFFIX = ".hfjax-program"  # JAX's cache only lists its own "*-cache" files
 _HEADER_BYTES = 8  # little-endian length of the JSON metadata that precedes the blob
 
@@ -65,6 +67,8 @@ def model_fingerprint(model) -> dict:
         "versions": _versions(),
         "backend": jax.default_backend(),
         "device_kind": jax.devices()[0].device_kind,
+        # Built and registered here, before a program that calls it is read back from disk.
+        "cpu_kernels": _cpu_kernels.library() if jax.default_backend() == "cpu" else None,
         "class": f"{module.__module__}.{module.__qualname__}",
         "config": json.dumps(config, sort_keys=True, default=repr),
         "params": sorted((name, list(a.shape), str(a.dtype)) for name, a in model.params.items()),
