@@ -14,9 +14,7 @@
 #include <algorithm>
 #include <atomic>
 #include <cstdint>
-#include <functional>
 #include <memory>
-#include <string>
 
 #include "xla/ffi/api/ffi.h"
 
@@ -75,27 +73,25 @@ constexpr ChunkFunction kChunkFunctions[kMaxRows + 1] = {
     nullptr,          MultiplyChunk<1>, MultiplyChunk<2>, MultiplyChunk<3>, MultiplyChunk<4>,
     MultiplyChunk<5>, MultiplyChunk<6>, MultiplyChunk<7>, MultiplyChunk<8>};
 
-// Units of one product, shared by the calling thread and the pool's threads. A helper that
-// starts after the caller has claimed every unit finds none left; it holds its own reference.
+// One product, shared by the calling thread and the pool's threads, which claim its chunks
+// in turn. A helper that starts after the caller has claimed every chunk finds none left;
+// it holds its own reference, so the job outlives the call.
 struct Job {
-  std::function<void(int64_t)> run;  // runs one unit
-  int64_t units = 0;
+  ChunkFunction multiply;
+  const float* x;
+  const float* w;
+  float* out;
+  int64_t k_size, n_size, chunk_rows, chunks;
   std::atomic<int64_t> next{0};
   std::atomic<int64_t> finished{0};
 };
 
 void Work(Job& job) {
-  for (int64_t unit; (unit = job.next.fetch_add(1, std::memory_order_relaxed)) < job.units;) {
-    job.run(unit);
+  for (int64_t chunk; (chunk = job.next.fetch_add(1, std::memory_order_relaxed)) < job.chunks;) {
+    const int64_t begin = chunk * job.chunk_rows;
+    job.multiply(job.x, job.w, job.out, job.k_size, job.n_size, begin, std::min(job.n_size, begin + job.chunk_rows));
     job.finished.fetch_add(1, std::memory_order_release);
   }
-}
-
-void RunOnThreads(ffi::ThreadPool& pool, std::shared_ptr<Job> job) {
-  const int64_t helpers = std::min<int64_t>(pool.num_threads(), job->units) - 1;
-  for (int64_t i = 0; i < helpers; ++i) pool.Schedule([job] { Work(*job); });
-  Work(*job);
-  while (job->finished.load(std::memory_order_acquire) < job->units) _mm_pause();
 }
 
 // x [R, K] times a torch Linear weight w [N, K] -> [R, N], for 1 to 8 rows.
@@ -106,18 +102,20 @@ ffi::Error RowsTimesWeight(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::B
   if (x_dims.size() != 2 || w_dims.size() != 2 || x_dims[1] != w_dims[1] || x_dims[0] < 1 || x_dims[0] > kMaxRows) {
     return ffi::Error::InvalidArgument("hfjax_rows_times_weight takes x [1-8, K] and a weight [N, K]");
   }
-  const int64_t rows = x_dims[0], n_size = w_dims[0], k_size = w_dims[1];
-  // One contiguous chunk of the weight per thread: each streams its part from start to end.
-  const int64_t split = std::max<int64_t>(1, std::min<int64_t>(pool.num_threads(), n_size / kLeastRows));
-  const int64_t chunk_rows = (n_size / split + 1) / 2 * 2;
   auto job = std::make_shared<Job>();
-  job->units = (n_size + chunk_rows - 1) / chunk_rows;
-  job->run = [=, multiply = kChunkFunctions[rows], xs = x.typed_data(), ws = w.typed_data(),
-              os = out->typed_data()](int64_t unit) {
-    const int64_t begin = unit * chunk_rows;
-    multiply(xs, ws, os, k_size, n_size, begin, std::min(n_size, begin + chunk_rows));
-  };
-  RunOnThreads(pool, job);
+  job->multiply = kChunkFunctions[x_dims[0]];
+  job->x = x.typed_data();
+  job->w = w.typed_data();
+  job->out = out->typed_data();
+  job->k_size = w_dims[1];
+  job->n_size = w_dims[0];
+  // One contiguous chunk of the weight per thread: each streams its part from start to end.
+  const int64_t split = std::max<int64_t>(1, std::min<int64_t>(pool.num_threads(), job->n_size / kLeastRows));
+  job->chunk_rows = (job->n_size / split + 1) / 2 * 2;
+  job->chunks = (job->n_size + job->chunk_rows - 1) / job->chunk_rows;
+  for (int64_t i = 1; i < job->chunks; ++i) pool.Schedule([job] { Work(*job); });
+  Work(*job);
+  while (job->finished.load(std::memory_order_acquire) < job->chunks) _mm_pause();
   return ffi::Error::Success();
 }
 

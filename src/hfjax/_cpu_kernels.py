@@ -30,7 +30,8 @@ import warnings
 import jax
 import jax.numpy as jnp
 
-TARGETS = {"hfjax_rows_times_weight": "HfjaxRowsTimesWeight"}  # XLA custom-call target: the library's symbol
+TARGET = "hfjax_rows_times_weight"  # the XLA custom-call target
+_SYMBOL = "HfjaxRowsTimesWeight"  # its handler in the built library
 ROWS = range(2, 9)  # activation rows it multiplies; one row is XLA's own matrix-vector product
 _SOURCE = pathlib.Path(__file__).with_name("_cpu_kernels.cc")
 _FLAGS = ("-O3", "-march=native", "-shared", "-fPIC", "-std=c++17", "-w")
@@ -50,12 +51,24 @@ def _kernel_dir() -> pathlib.Path:
     return pathlib.Path(cache) / "hfjax" / "kernels"
 
 
-def _build(compiler: str, path: pathlib.Path) -> None:
+def compiler() -> str | None:
+    """The C++ compiler that builds the kernel, where this machine can run it (Linux on x86-64
+    with AVX-512, not turned off by HFJAX_CPU_KERNELS=0); None elsewhere."""
+    if os.environ.get("HFJAX_CPU_KERNELS", "1") == "0":
+        return None
+    if platform.system() != "Linux" or platform.machine() not in ("x86_64", "AMD64"):
+        return None
+    if "avx512f" not in _cpu_flags():
+        return None
+    return os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
+
+
+def _build(command: str, path: pathlib.Path) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.NamedTemporaryFile(dir=path.parent, suffix=".so.tmp", delete=False) as f:
         temporary = pathlib.Path(f.name)
     try:
-        subprocess.run([compiler, *_FLAGS, f"-I{jax.ffi.include_dir()}", str(_SOURCE), "-o", str(temporary)],
+        subprocess.run([command, *_FLAGS, f"-I{jax.ffi.include_dir()}", str(_SOURCE), "-o", str(temporary)],
                        check=True, capture_output=True, text=True)
         os.replace(temporary, path)  # atomic: another process loads all of it or builds its own
     finally:
@@ -65,30 +78,24 @@ def _build(compiler: str, path: pathlib.Path) -> None:
 @functools.cache
 def library() -> str | None:
     """Digest of the kernel registered with XLA in this process, or None where it is not used."""
-    if os.environ.get("HFJAX_CPU_KERNELS", "1") == "0":
-        return None
-    if platform.system() != "Linux" or platform.machine() not in ("x86_64", "AMD64"):
-        return None
-    flags = _cpu_flags()
-    compiler = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
-    if "avx512f" not in flags or compiler is None:
+    command = compiler()
+    if command is None:
         return None
     digest = hashlib.sha256()
-    for part in (_SOURCE.read_bytes(), importlib.metadata.version("jaxlib").encode(), compiler.encode(),
-                 " ".join(_FLAGS).encode(), " ".join(sorted(flags)).encode()):
+    for part in (_SOURCE.read_bytes(), importlib.metadata.version("jaxlib").encode(), command.encode(),
+                 " ".join(_FLAGS).encode(), " ".join(sorted(_cpu_flags())).encode()):
         digest.update(part)
     name = f"rows-{digest.hexdigest()[:20]}.so"
     path = _kernel_dir() / name
     try:
         if not path.is_file():
             try:
-                _build(compiler, path)
+                _build(command, path)
             except OSError:  # an unwritable cache: build for this process only
                 path = pathlib.Path(tempfile.mkdtemp(prefix="hfjax-kernels-")) / name
-                _build(compiler, path)
-        loaded = ctypes.cdll.LoadLibrary(str(path))
-        for target, symbol in TARGETS.items():
-            jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(getattr(loaded, symbol)), platform="cpu")
+                _build(command, path)
+        handler = getattr(ctypes.cdll.LoadLibrary(str(path)), _SYMBOL)
+        jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(handler), platform="cpu")
     except (OSError, AttributeError, subprocess.CalledProcessError) as error:
         detail = getattr(error, "stderr", None) or error
         warnings.warn(f"hfjax: the CPU kernel for batched decoding did not build ({detail}); "
@@ -98,7 +105,7 @@ def library() -> str | None:
 
 
 def usable(*arrays: jax.Array) -> bool:
-    """Whether the kernels take float32 `arrays` here: on a single CPU device, once built."""
+    """Whether the kernel takes float32 `arrays` here: on a single CPU device, once built."""
     return (
         all(a.dtype == jnp.float32 for a in arrays)
         and jax.default_backend() == "cpu"
@@ -110,4 +117,4 @@ def usable(*arrays: jax.Array) -> bool:
 def rows_times_weight(rows: jax.Array, weight: jax.Array) -> jax.Array:
     """rows [R, K] @ weight [N, K].T -> [R, N] for R <= 8, float32, through the kernel."""
     result = jax.ShapeDtypeStruct((rows.shape[0], weight.shape[0]), jnp.float32)
-    return jax.ffi.ffi_call("hfjax_rows_times_weight", result, vmap_method="sequential")(rows, weight)
+    return jax.ffi.ffi_call(TARGET, result, vmap_method="sequential")(rows, weight)
