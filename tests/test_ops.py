@@ -456,11 +456,20 @@ def _attention_case(case: str):
         return q, k[:, :2], v[:, :2], dict(attn_mask=padding, enable_gqa=True, scale=0.3)
     if case == "grouped_decode":  # one new token per row: 2 rows per key/value head, an empty one in row 0
         return q[:, :, :1], k[:, :2], v[:, :2], dict(attn_mask=padding[:, :, :1], enable_gqa=True)
+    if case == "decode_odd_sizes":  # batch 1, 8 rows over one key/value head, 37 slots, head sizes 40 and 24
+        mask = torch.rand(1, 1, 1, 37, generator=generator) > 0.3
+        return randn(1, 8, 1, 40), randn(1, 1, 37, 40), randn(1, 1, 37, 24), dict(attn_mask=mask, enable_gqa=True)
+    if case == "mask_per_head":  # a different mask for each query head
+        mask = torch.rand(2, 4, 1, 6, generator=generator) > 0.4
+        return q[:, :, :1], k, v, dict(attn_mask=mask)
     raise ValueError(f"unknown case {case!r}")
 
 
 @jit_modes
-@pytest.mark.parametrize("case", ["bool_mask_with_empty_rows", "float_mask", "causal", "grouped_query", "grouped_decode"])
+@pytest.mark.parametrize(
+    "case", ["bool_mask_with_empty_rows", "float_mask", "causal", "grouped_query", "grouped_decode", "decode_odd_sizes",
+             "mask_per_head"]
+)
 def test_scaled_dot_product_attention_matches_torch(env, case, jit):
     q, k, v, kwargs = _attention_case(case)
     expected = torch.nn.functional.scaled_dot_product_attention(q, k, v, **kwargs)
@@ -473,20 +482,35 @@ def test_scaled_dot_product_attention_matches_torch(env, case, jit):
     assert torch.isfinite(actual).all()
 
 
-def test_attention_swaps_the_score_product_only_for_a_few_rows_on_cpu(env):
-    def program(heads, length):
-        q, k = jax.numpy.ones((1, heads, length, 8)), jax.numpy.ones((1, 2, 6, 8))
+def _attention_program(env, heads: int, length: int, mask=None) -> str:
+    q, k = jax.numpy.ones((1, heads, length, 8)), jax.numpy.ones((1, 2, 6, 8))
 
-        def apply(q, k):
-            with env:
-                q, k = torchax.tensor.Tensor(q, env), torchax.tensor.Tensor(k, env)
-                return torch.nn.functional.scaled_dot_product_attention(q, k, k, enable_gqa=True).jax()
+    def apply(q, k):
+        with env:
+            q, k = torchax.tensor.Tensor(q, env), torchax.tensor.Tensor(k, env)
+            m = None if mask is None else torchax.tensor.Tensor(mask, env)
+            return torch.nn.functional.scaled_dot_product_attention(q, k, k, attn_mask=m, enable_gqa=True).jax()
 
-        return jax.jit(apply).lower(q, k).as_text()
+    return jax.jit(apply).lower(q, k).as_text()
 
-    # rows per key/value head = query heads per group x query length
-    assert all("optimization_barrier" in program(heads, length) for heads, length in ((2, 1), (8, 1), (4, 4)))
-    assert not any("optimization_barrier" in program(heads, length) for heads, length in ((2, 9), (4, 5)))
+
+# (query heads, query length) over 2 key/value heads: 1, 4 and 8 query rows per key/value head, then 9 and 10
+FEW_ROWS, MANY_ROWS = ((2, 1), (8, 1), (4, 4)), ((2, 9), (4, 5))
+
+
+def test_attention_of_a_few_rows_runs_in_the_cpu_kernel_where_it_is_built(env):
+    kernel = _cpu_kernels.library() is not None
+    assert all((_cpu_kernels.ATTENTION in _attention_program(env, *shape)) == kernel for shape in FEW_ROWS)
+    assert all(("optimization_barrier" in _attention_program(env, *shape)) != kernel for shape in FEW_ROWS)
+    assert not any(_cpu_kernels.ATTENTION in _attention_program(env, *shape) for shape in MANY_ROWS)
+    per_head = jax.numpy.ones((1, 2, 1, 6), bool)  # a mask that differs between heads stays with XLA
+    assert _cpu_kernels.ATTENTION not in _attention_program(env, 2, 1, per_head)
+
+
+def test_attention_swaps_the_score_product_only_for_a_few_rows_without_the_kernel(env, monkeypatch):
+    monkeypatch.setattr(_cpu_kernels, "usable", lambda *arrays: False)
+    assert all("optimization_barrier" in _attention_program(env, *shape) for shape in FEW_ROWS)
+    assert not any("optimization_barrier" in _attention_program(env, *shape) for shape in MANY_ROWS)
 
 
 # -- index_copy (transformers' static cache update) ----------------------------------
@@ -559,10 +583,10 @@ def test_linear_swaps_operands_only_for_a_few_rows_on_cpu(env):
         return jax.jit(apply).lower(jax.numpy.ones((rows, 48))).as_text()
 
     kernel = _cpu_kernels.library() is not None  # 2-8 rows go to hfjax's CPU kernel where it is built
-    assert all((_cpu_kernels.TARGET in program(rows)) == kernel for rows in (2, 8))
+    assert all((_cpu_kernels.PRODUCT in program(rows)) == kernel for rows in (2, 8))
     assert all(("optimization_barrier" in program(rows)) != kernel for rows in (2, 8))
     assert all("optimization_barrier" in program(rows) for rows in (9, 64))
-    assert not any("optimization_barrier" in program(rows) or _cpu_kernels.TARGET in program(rows) for rows in (1, 65))
+    assert not any("optimization_barrier" in program(rows) or _cpu_kernels.PRODUCT in program(rows) for rows in (1, 65))
 
 
 # -- hfjax's CPU kernel for a few rows times a weight (_cpu_kernels.cc) ---------------
@@ -593,6 +617,41 @@ def test_cpu_kernel_matches_a_float64_product(shape):
     got = np.asarray(jax.jit(_cpu_kernels.rows_times_weight)(x, weight))
     assert got.shape == (rows, n)
     np.testing.assert_allclose(got, expected, rtol=0, atol=MATMUL_ATOL * np.sqrt(k))
+
+
+# batch x key/value heads x query rows x slots x head size x value head size, query length:
+# head sizes not a multiple of 16 (masked tails), slots not a multiple of 16, one slot, 1-8
+# rows, and the 150M benchmark model at batch 8 (split between threads).
+ATTENTION_SHAPES = [(1, 2, rows, 37, 40, 24, 1) for rows in range(1, 9)] + [
+    (2, 3, 4, 1, 16, 16, 1), (3, 2, 6, 50, 64, 64, 2), (8, 4, 3, 192, 64, 64, 1), (1, 1, 8, 300, 128, 80, 4)]
+
+
+@pytest.mark.parametrize("shape", ATTENTION_SHAPES, ids=lambda s: "x".join(map(str, s)))
+def test_cpu_attention_kernel_matches_float64_attention(shape):
+    if _cpu_kernels.library() is None:  # nothing to compare on this machine; see the build test
+        assert _cpu_kernels.compiler() is None
+        return
+    batch, heads, rows, slots, depth, value_depth, length = shape
+    rng = np.random.default_rng(sum(shape))
+    q = rng.standard_normal((batch, heads, rows, depth), np.float32)
+    k = rng.standard_normal((batch, heads, slots, depth), np.float32)
+    v = rng.standard_normal((batch, heads, slots, value_depth), np.float32)
+    bias = np.where(rng.random((batch, length, slots)) < 0.25, -np.inf, 0.0).astype(np.float32)
+    bias[:, :, 0] = rng.standard_normal((batch, length))  # a float mask value in every row
+    if batch > 1:
+        bias[1] = -np.inf  # a sequence whose queries may attend to nothing: zeros, as torch gives
+    scale = 0.7 / np.sqrt(depth)
+    scores = np.einsum("bhrd,bhsd->bhrs", q.astype(np.float64), k.astype(np.float64)) * scale
+    scores = scores + bias[:, None, np.arange(rows) % length]  # query row r reads bias row r % L
+    top = scores.max(-1, keepdims=True)
+    weights = np.exp(scores - np.where(np.isfinite(top), top, 0.0))
+    total = weights.sum(-1, keepdims=True)
+    expected = np.einsum("bhrs,bhsd->bhrd", weights / np.where(total > 0, total, 1.0), v.astype(np.float64))
+    got = np.asarray(jax.jit(_cpu_kernels.decode_attention, static_argnums=4)(q, k, v, bias, scale))
+    assert got.shape == expected.shape
+    np.testing.assert_allclose(got, expected, rtol=0, atol=MATMUL_ATOL)
+    if batch > 1:
+        assert not got[1].any()
 
 
 # -- convolution (channels-last) ----------------------------------------------------

@@ -168,8 +168,6 @@ def _bad_shards(params, plan, model_size: int) -> list[str]:
 def _kv_cache_shards(model, ids) -> list[list[int]]:
     # The shard shapes of the KV cache the compiled prefill returns ([B, KV heads, L, D]
     # blocks, then the full shape), caught by wrapping the engine's prefill program.
-    import jax
-
     generator = model._generator
     program, caught = generator._program, []
 

@@ -1,16 +1,17 @@
-"""hfjax's CPU kernel for batched decoding, built on first use with the host's C++ compiler.
+"""hfjax's CPU kernels for decoding, built on first use with the host's C++ compiler.
 
-Decoding a batch multiplies a few rows of activations (one per sequence) by every Linear
-weight. XLA:CPU gives such products to a general matrix-multiply library that packs the
-weight into tiles first; `_cpu_kernels.cc` reads the weight once, straight through. At 8
-rows it multiplies 12 768x3072 weights in 2.3-2.5 ms where XLA took 3.0-3.1 ms, and the
-batch-8 decode step of a 150M Llama is 7-14% faster (benchmarks/README.md).
+Decoding multiplies a few rows of activations (one per sequence) by every Linear weight, and
+attends with one new token per sequence over the cache. XLA:CPU gives the small products to
+a general matrix-multiply library (YNNPACK) that packs a weight into tiles first, and runs
+attention as two such products with seven fusions between them. `_cpu_kernels.cc` reads a
+weight once, straight through (at 8 rows, 12 768x3072 weights in 2.3-2.5 ms where XLA took
+3.0-3.1 ms), and attends in one pass over the cache (benchmarks/README.md).
 
-The kernel is an XLA FFI custom call (`jax.ffi`). `library()` compiles it once per machine
+The kernels are XLA FFI custom calls (`jax.ffi`). `library()` compiles them once per machine
 into ~/.cache/hfjax/kernels (g++ or $CXX, -march=native, the FFI headers that jaxlib ships),
-loads it and registers it with XLA. Without Linux on x86-64 with AVX-512, without a
-compiler, or with HFJAX_CPU_KERNELS=0, it returns None and XLA's own product is used; so
-it does under a mesh of several devices, where the custom call could not be partitioned.
+loads them and registers them with XLA. Without Linux on x86-64 with AVX-512, without a
+compiler, or with HFJAX_CPU_KERNELS=0, it returns None and XLA's own operations are used; so
+they are under a mesh of several devices, where a custom call could not be partitioned.
 """
 
 from __future__ import annotations
@@ -29,10 +30,13 @@ import warnings
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
-TARGET = "hfjax_rows_times_weight"  # the XLA custom-call target
-_SYMBOL = "HfjaxRowsTimesWeight"  # its handler in the built library
-ROWS = range(2, 9)  # activation rows it multiplies; one row is XLA's own matrix-vector product
+PRODUCT = "hfjax_rows_times_weight"  # XLA custom-call targets
+ATTENTION = "hfjax_decode_attention"
+TARGETS = {PRODUCT: "HfjaxRowsTimesWeight", ATTENTION: "HfjaxDecodeAttention"}  # -> handlers in the library
+ROWS = range(2, 9)  # activation rows the product takes; one row is XLA's own matrix-vector product
+QUERY_ROWS = range(1, 9)  # query rows per key/value head that attention takes (heads per group x tokens)
 _SOURCE = pathlib.Path(__file__).with_name("_cpu_kernels.cc")
 _FLAGS = ("-O3", "-march=native", "-shared", "-fPIC", "-std=c++17", "-w")
 
@@ -94,8 +98,9 @@ def library() -> str | None:
             except OSError:  # an unwritable cache: build for this process only
                 path = pathlib.Path(tempfile.mkdtemp(prefix="hfjax-kernels-")) / name
                 _build(command, path)
-        handler = getattr(ctypes.cdll.LoadLibrary(str(path)), _SYMBOL)
-        jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(handler), platform="cpu")
+        built = ctypes.cdll.LoadLibrary(str(path))
+        for target, symbol in TARGETS.items():
+            jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(getattr(built, symbol)), platform="cpu")
     except (OSError, AttributeError, subprocess.CalledProcessError) as error:
         detail = getattr(error, "stderr", None) or error
         warnings.warn(f"hfjax: the CPU kernel for batched decoding did not build ({detail}); "
@@ -117,4 +122,18 @@ def usable(*arrays: jax.Array) -> bool:
 def rows_times_weight(rows: jax.Array, weight: jax.Array) -> jax.Array:
     """rows [R, K] @ weight [N, K].T -> [R, N] for R <= 8, float32, through the kernel."""
     result = jax.ShapeDtypeStruct((rows.shape[0], weight.shape[0]), jnp.float32)
-    return jax.ffi.ffi_call(TARGET, result, vmap_method="sequential")(rows, weight)
+    return jax.ffi.ffi_call(PRODUCT, result, vmap_method="sequential")(rows, weight)
+
+
+def decode_attention(query, key, value, bias, scale: float) -> jax.Array:
+    """Attention of a few query rows per key/value head, float32, through the kernel.
+
+    query [B, H, R, D] (R in QUERY_ROWS); key and value [B, H, S, D] and [B, H, S, Dv] in any
+    shape with those elements (the decode loop carries a batch of 1 without its size-1 axes,
+    and reshaping it back would make XLA copy the cache); bias [B, L, S], added to the scores
+    of query row r from its row r % L (-inf where a row may not look) -> [B, H, R, Dv].
+    """
+    batch, heads, rows, _ = query.shape
+    value_depth = value.size // (batch * heads * bias.shape[-1])
+    result = jax.ShapeDtypeStruct((batch, heads, rows, value_depth), jnp.float32)
+    return jax.ffi.ffi_call(ATTENTION, result, vmap_method="sequential")(query, key, value, bias, scale=np.float32(scale))

@@ -262,8 +262,8 @@ class Generator:
             self._fields[key] = metadata["fields"]
             program = jax.jit(exported.call, donate_argnums=donate)
         elif store is not None:
-            kernel = jax.export.DisabledSafetyCheck.custom_call(_cpu_kernels.TARGET)
-            exported = jax.export.export(jax.jit(function), disabled_checks=[kernel])(*args)
+            kernels = [jax.export.DisabledSafetyCheck.custom_call(target) for target in _cpu_kernels.TARGETS]
+            exported = jax.export.export(jax.jit(function), disabled_checks=kernels)(*args)
             exported = store.save(key, exported, {"fields": self._fields[key]})
             program = jax.jit(exported.call, donate_argnums=donate)
         else:

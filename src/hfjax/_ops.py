@@ -419,10 +419,44 @@ override(torch.ops.aten.linear, why=_LINEAR_WHY)(_linear)
 
 
 # Query rows per key/value head (query heads per group x query length) up to which `_sdpa`
-# computes the scores as key @ query.T on the CPU: decoding, where the 150M benchmark model
-# has 3 rows. There, batch 8 spends 0.79 instead of 1.06 ms a token on the scores, and
+# computes the scores as key @ query.T on the CPU, where hfjax's attention kernel does not
+# run (not built, or not float32): decoding, where the 150M benchmark model has 3 rows. There, batch 8 spends 0.79 instead of 1.06 ms a token on the scores, and
 # batch 1 no longer copies 12 transposed key caches a token.
 _SWAPPED_SCORE_ROWS = 8
+
+
+def _kernel_takes(query, key, value, attn_mask, rows: int) -> bool:
+    """Whether hfjax's CPU attention kernel takes this attention: a few float32 query rows per
+    key/value head (decoding), keys and values per sequence, a mask the same for every head."""
+    batch = query.shape[:-3]
+    return (
+        rows in _cpu_kernels.QUERY_ROWS
+        and key.shape[:-3] == batch
+        and value.shape[:-3] == batch
+        and (attn_mask is None or attn_mask.ndim < 3 or attn_mask.shape[-3] == 1)
+        and _cpu_kernels.usable(query, key, value)
+    )
+
+
+def _kernel_attention(grouped, key, value, attn_mask, is_causal: bool, scale: float):
+    # grouped: [..., Hkv, G, L, D] -> [..., Hkv, G, L, Dv]
+    *batch, kv_heads, groups, length, depth = grouped.shape
+    kv_length = key.shape[-2]
+    sequences = int(np.prod(batch, dtype=np.int64))
+    # One [L, S] bias per sequence, added to the scores: 0 where a query may look, -inf where not.
+    allowed = jnp.tril(jnp.ones((length, kv_length), bool)) if is_causal else jnp.ones((length, kv_length), bool)
+    bias = jnp.where(allowed, 0.0, -jnp.inf).astype(jnp.float32)
+    if attn_mask is not None:
+        mask = jnp.broadcast_to(attn_mask, (*batch, 1, length, kv_length)).reshape(sequences, length, kv_length)
+        bias = jnp.where(mask, bias, -jnp.inf) if mask.dtype == jnp.bool_ else bias + mask.astype(jnp.float32)
+    bias = jnp.broadcast_to(bias, (sequences, length, kv_length))
+    # Keys and values go in without their size-1 axes: the shape in which the decode loop
+    # carries a batch of 1 (`_caches.squeezed`); in [1, H, S, D], XLA copied each cache layer
+    # into a second buffer for the call on every token.
+    unit_free = lambda x: x.reshape([n for n in x.shape if n != 1] or [1])  # noqa: E731
+    query = grouped.reshape(sequences, kv_heads, groups * length, depth)
+    out = _cpu_kernels.decode_attention(query, unit_free(key), unit_free(value), bias, scale)
+    return out.reshape(*batch, kv_heads, groups, length, -1)
 
 
 def _sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
@@ -440,6 +474,11 @@ def _sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, sca
     # Query heads are grouped over their key/value head, so shared keys are read once (no repeat).
     grouped = query.reshape(*batch, kv_heads, groups, length, depth)
     rows = groups * length
+    if _kernel_takes(query, key, value, attn_mask, rows):
+        # Decoding on the CPU: scores, softmax and values in one pass over each head's cache,
+        # where XLA ran two small products through YNNPACK and seven fusions between them.
+        out = _kernel_attention(grouped, key, value, attn_mask, is_causal, scale)
+        return out.reshape(*batch, heads, length, value.shape[-1])
     if rows <= _SWAPPED_SCORE_ROWS and jax.default_backend() == "cpu":
         # Decoding: a few query rows per key/value head. XLA:CPU multiplies them by the keys
         # fastest as key @ query.T, reading the cache as it lies; query @ key.T transposed
