@@ -103,8 +103,8 @@ def library() -> str | None:
             jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(getattr(built, symbol)), platform="cpu")
     except (OSError, AttributeError, subprocess.CalledProcessError) as error:
         detail = getattr(error, "stderr", None) or error
-        warnings.warn(f"hfjax: the CPU kernel for batched decoding did not build ({detail}); "
-                      "XLA's matrix product is used instead", stacklevel=2)
+        warnings.warn(f"hfjax: the CPU kernels for decoding did not build ({detail}); "
+                      "XLA's own products and attention are used instead", stacklevel=2)
         return None
     return digest.hexdigest()
 
