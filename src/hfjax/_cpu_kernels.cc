@@ -19,6 +19,7 @@
 #include <atomic>
 #include <cstdint>
 #include <memory>
+#include <utility>
 
 #include "xla/ffi/api/ffi.h"
 
@@ -77,25 +78,30 @@ constexpr ChunkFunction kChunkFunctions[kMaxRows + 1] = {
     nullptr,          MultiplyChunk<1>, MultiplyChunk<2>, MultiplyChunk<3>, MultiplyChunk<4>,
     MultiplyChunk<5>, MultiplyChunk<6>, MultiplyChunk<7>, MultiplyChunk<8>};
 
-// One product, shared by the calling thread and the pool's threads, which claim its chunks
-// in turn. A helper that starts after the caller has claimed every chunk finds none left;
-// it holds its own reference, so the job outlives the call.
-struct Job {
-  ChunkFunction multiply;
-  const float* x;
-  const float* w;
-  float* out;
-  int64_t k_size, n_size, chunk_rows, chunks;
+// Runs body(chunk) for chunks 0 .. chunks - 1 on the calling thread and chunks - 1 helpers
+// from the pool, which claim chunks in turn. A helper that starts after the caller has
+// claimed every chunk finds none left; it holds its own reference, so the state outlives the call.
+template <typename Body>
+struct Shared {
+  Shared(Body body, int64_t chunks) : body(std::move(body)), chunks(chunks) {}
+  void Work() {
+    for (int64_t chunk; (chunk = next.fetch_add(1, std::memory_order_relaxed)) < chunks;) {
+      body(chunk);
+      finished.fetch_add(1, std::memory_order_release);
+    }
+  }
+  Body body;
+  int64_t chunks;
   std::atomic<int64_t> next{0};
   std::atomic<int64_t> finished{0};
 };
 
-void Work(Job& job) {
-  for (int64_t chunk; (chunk = job.next.fetch_add(1, std::memory_order_relaxed)) < job.chunks;) {
-    const int64_t begin = chunk * job.chunk_rows;
-    job.multiply(job.x, job.w, job.out, job.k_size, job.n_size, begin, std::min(job.n_size, begin + job.chunk_rows));
-    job.finished.fetch_add(1, std::memory_order_release);
-  }
+template <typename Body>
+void RunChunks(ffi::ThreadPool& pool, int64_t chunks, Body body) {
+  auto shared = std::make_shared<Shared<Body>>(std::move(body), chunks);
+  for (int64_t i = 1; i < chunks; ++i) pool.Schedule([shared] { shared->Work(); });
+  shared->Work();
+  while (shared->finished.load(std::memory_order_acquire) < chunks) _mm_pause();
 }
 
 // x [R, K] times a torch Linear weight w [N, K] -> [R, N], for 1 to 8 rows.
@@ -106,20 +112,18 @@ ffi::Error RowsTimesWeight(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::B
   if (x_dims.size() != 2 || w_dims.size() != 2 || x_dims[1] != w_dims[1] || x_dims[0] < 1 || x_dims[0] > kMaxRows) {
     return ffi::Error::InvalidArgument("hfjax_rows_times_weight takes x [1-8, K] and a weight [N, K]");
   }
-  auto job = std::make_shared<Job>();
-  job->multiply = kChunkFunctions[x_dims[0]];
-  job->x = x.typed_data();
-  job->w = w.typed_data();
-  job->out = out->typed_data();
-  job->k_size = w_dims[1];
-  job->n_size = w_dims[0];
+  const ChunkFunction multiply = kChunkFunctions[x_dims[0]];
+  const float* rows = x.typed_data();
+  const float* weight = w.typed_data();
+  float* result = out->typed_data();
+  const int64_t k_size = w_dims[1], n_size = w_dims[0];
   // One contiguous chunk of the weight per thread: each streams its part from start to end.
-  const int64_t split = std::max<int64_t>(1, std::min<int64_t>(pool.num_threads(), job->n_size / kLeastRows));
-  job->chunk_rows = (job->n_size / split + 1) / 2 * 2;
-  job->chunks = (job->n_size + job->chunk_rows - 1) / job->chunk_rows;
-  for (int64_t i = 1; i < job->chunks; ++i) pool.Schedule([job] { Work(*job); });
-  Work(*job);
-  while (job->finished.load(std::memory_order_acquire) < job->chunks) _mm_pause();
+  const int64_t split = std::max<int64_t>(1, std::min<int64_t>(pool.num_threads(), n_size / kLeastRows));
+  const int64_t chunk_rows = (n_size / split + 1) / 2 * 2;
+  RunChunks(pool, (n_size + chunk_rows - 1) / chunk_rows, [=](int64_t chunk) {
+    const int64_t begin = chunk * chunk_rows;
+    multiply(rows, weight, result, k_size, n_size, begin, std::min(n_size, begin + chunk_rows));
+  });
   return ffi::Error::Success();
 }
 
@@ -250,24 +254,6 @@ constexpr HeadFunction kHeadFunctions[kMaxQueryRows + 1] = {
     nullptr,       AttendHead<1>, AttendHead<2>, AttendHead<3>, AttendHead<4>,
     AttendHead<5>, AttendHead<6>, AttendHead<7>, AttendHead<8>};
 
-struct AttentionJob {
-  Attention a;
-  HeadFunction attend;
-  int64_t tasks_per_chunk, tasks, chunks;
-  std::atomic<int64_t> next{0};
-  std::atomic<int64_t> finished{0};
-};
-
-void Attend(AttentionJob& job) {
-  std::unique_ptr<float[]> scores;
-  for (int64_t chunk; (chunk = job.next.fetch_add(1, std::memory_order_relaxed)) < job.chunks;) {
-    if (!scores) scores.reset(new float[job.a.rows * job.a.slots]);
-    const int64_t begin = chunk * job.tasks_per_chunk;
-    for (int64_t task = begin; task < std::min(job.tasks, begin + job.tasks_per_chunk); ++task) job.attend(job.a, task, scores.get());
-    job.finished.fetch_add(1, std::memory_order_release);
-  }
-}
-
 // Decoding attention: q [B, H, R, D], k [B, H, S, D], v [B, H, S, Dv], bias [B, L, S] (0 or
 // -inf, or a float mask; query row r reads bias row r % L) -> [B, H, R, Dv], for R <= 8.
 ffi::Error DecodeAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k,
@@ -287,18 +273,16 @@ ffi::Error DecodeAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::B
         "hfjax_decode_attention takes q [B, H, 1-8, D], k [B, H, S, D], v [B, H, S, Dv] and bias [B, L, S]");
   }
   const int64_t value_depth = v.element_count() / (tasks * slots);
-  auto job = std::make_shared<AttentionJob>();
-  job->a = Attention{q.typed_data(), k.typed_data(), v.typed_data(), bias.typed_data(), out->typed_data(),
-                     qd[1], qd[2], bd[1], slots, qd[3], value_depth, scale};
-  job->attend = kHeadFunctions[qd[2]];
-  job->tasks = tasks;
+  const Attention a{q.typed_data(), k.typed_data(), v.typed_data(), bias.typed_data(), out->typed_data(),
+                    qd[1], qd[2], bd[1], slots, qd[3], value_depth, scale};
+  const HeadFunction attend = kHeadFunctions[qd[2]];
   const int64_t bytes = tasks * slots * (qd[3] + value_depth) * 4;
-  const int64_t split = bytes < kLeastBytes ? 1 : std::max<int64_t>(1, std::min<int64_t>(pool.num_threads(), job->tasks));
-  job->tasks_per_chunk = (job->tasks + split - 1) / split;
-  job->chunks = (job->tasks + job->tasks_per_chunk - 1) / job->tasks_per_chunk;
-  for (int64_t i = 1; i < job->chunks; ++i) pool.Schedule([job] { Attend(*job); });
-  Attend(*job);
-  while (job->finished.load(std::memory_order_acquire) < job->chunks) _mm_pause();
+  const int64_t split = bytes < kLeastBytes ? 1 : std::max<int64_t>(1, std::min<int64_t>(pool.num_threads(), tasks));
+  const int64_t per_chunk = (tasks + split - 1) / split;
+  RunChunks(pool, (tasks + per_chunk - 1) / per_chunk, [=](int64_t chunk) {
+    std::unique_ptr<float[]> scores(new float[a.rows * a.slots]);
+    for (int64_t task = chunk * per_chunk; task < std::min(tasks, (chunk + 1) * per_chunk); ++task) attend(a, task, scores.get());
+  });
   return ffi::Error::Success();
 }
 

@@ -420,8 +420,9 @@ override(torch.ops.aten.linear, why=_LINEAR_WHY)(_linear)
 
 # Query rows per key/value head (query heads per group x query length) up to which `_sdpa`
 # computes the scores as key @ query.T on the CPU, where hfjax's attention kernel does not
-# run (not built, or not float32): decoding, where the 150M benchmark model has 3 rows. There, batch 8 spends 0.79 instead of 1.06 ms a token on the scores, and
-# batch 1 no longer copies 12 transposed key caches a token.
+# run (not built, or not float32): decoding, where the 150M benchmark model has 3 rows.
+# There, batch 8 spends 0.79 instead of 1.06 ms a token on the scores, and batch 1 no longer
+# copies 12 transposed key caches a token.
 _SWAPPED_SCORE_ROWS = 8
 
 
@@ -450,12 +451,11 @@ def _kernel_attention(grouped, key, value, attn_mask, is_causal: bool, scale: fl
         mask = jnp.broadcast_to(attn_mask, (*batch, 1, length, kv_length)).reshape(sequences, length, kv_length)
         bias = jnp.where(mask, bias, -jnp.inf) if mask.dtype == jnp.bool_ else bias + mask.astype(jnp.float32)
     bias = jnp.broadcast_to(bias, (sequences, length, kv_length))
-    # Keys and values go in without their size-1 axes: the shape in which the decode loop
-    # carries a batch of 1 (`_caches.squeezed`); in [1, H, S, D], XLA copied each cache layer
-    # into a second buffer for the call on every token.
-    unit_free = lambda x: x.reshape([n for n in x.shape if n != 1] or [1])  # noqa: E731
+    # Keys and values go in squeezed, as the decode loop carries a batch of 1
+    # (`_caches.squeezed`); in [1, H, S, D], XLA copied each cache layer into a second buffer
+    # for the call on every token.
     query = grouped.reshape(sequences, kv_heads, groups * length, depth)
-    out = _cpu_kernels.decode_attention(query, unit_free(key), unit_free(value), bias, scale)
+    out = _cpu_kernels.decode_attention(query, jnp.squeeze(key), jnp.squeeze(value), bias, scale)
     return out.reshape(*batch, kv_heads, groups, length, -1)
 
 
