@@ -7,6 +7,7 @@ the override and compare their logits with the same model run by PyTorch.
 
 from __future__ import annotations
 
+import concurrent.futures
 import copy
 import os
 import platform
@@ -582,11 +583,12 @@ def test_linear_swaps_operands_only_for_a_few_rows_on_cpu(env):
 
         return jax.jit(apply).lower(jax.numpy.ones((rows, 48))).as_text()
 
-    kernel = _cpu_kernels.library() is not None  # 2-8 rows go to hfjax's CPU kernel where it is built
-    assert all((_cpu_kernels.PRODUCT in program(rows)) == kernel for rows in (2, 8))
+    kernel = _cpu_kernels.library() is not None  # 1-8 rows go to hfjax's CPU kernel where it is built
+    assert all((_cpu_kernels.PRODUCT in program(rows)) == kernel for rows in (1, 2, 8))
     assert all(("optimization_barrier" in program(rows)) != kernel for rows in (2, 8))
+    assert "optimization_barrier" not in program(1)  # without the kernel, XLA's matrix-vector product
     assert all("optimization_barrier" in program(rows) for rows in (9, 64))
-    assert not any("optimization_barrier" in program(rows) or _cpu_kernels.PRODUCT in program(rows) for rows in (1, 65))
+    assert not any("optimization_barrier" in program(rows) or _cpu_kernels.PRODUCT in program(rows) for rows in (65,))
 
 
 # -- hfjax's CPU kernel for a few rows times a weight (_cpu_kernels.cc) ---------------
@@ -600,9 +602,11 @@ def test_cpu_kernel_is_built_where_the_machine_can_build_it():
     assert (_cpu_kernels.library() is not None) == (_cpu_kernels.compiler() is not None)
 
 
-# rows x K x N: K not a multiple of 16 (the masked tail), N odd (the last single row), N too
-# small to split between threads, and the 150M benchmark model's shapes.
-KERNEL_SHAPES = [(rows, 48, 40) for rows in range(1, 9)] + [(3, 771, 7), (8, 13, 1), (5, 64, 301), (8, 768, 3072), (2, 3072, 768)]
+# rows x K x N: K not a multiple of 16 (the masked tail), N not a multiple of the weight rows
+# taken at once (single rows at the end of a thread's chunk), N too small to split between
+# threads, and the 150M benchmark model's shapes.
+KERNEL_SHAPES = [(rows, 48, 40) for rows in range(1, 9)] + [
+    (3, 771, 7), (8, 13, 1), (5, 64, 301), (1, 100, 1001), (2, 33, 263), (8, 768, 3072), (2, 3072, 768), (1, 768, 3072)]
 
 
 @pytest.mark.parametrize("shape", KERNEL_SHAPES, ids=lambda s: "x".join(map(str, s)))
@@ -617,6 +621,27 @@ def test_cpu_kernel_matches_a_float64_product(shape):
     got = np.asarray(jax.jit(_cpu_kernels.rows_times_weight)(x, weight))
     assert got.shape == (rows, n)
     np.testing.assert_allclose(got, expected, rtol=0, atol=MATMUL_ATOL * np.sqrt(k))
+
+
+def test_cpu_kernel_products_from_several_threads_at_once_get_their_own_results():
+    # Callers share the kernel's helper threads: a caller whose helper is busy with another
+    # product finishes its own alone, and no caller may see another's chunks.
+    if _cpu_kernels.library() is None:  # nothing to compare on this machine; see the build test
+        assert _cpu_kernels.compiler() is None
+        return
+    rng = np.random.default_rng(11)
+    cases = [(rng.standard_normal((rows, 96), np.float32), rng.standard_normal((4001, 96), np.float32)) for rows in (1, 3, 8, 1)]
+    expected = [x.astype(np.float64) @ weight.astype(np.float64).T for x, weight in cases]
+    product = jax.jit(_cpu_kernels.rows_times_weight)
+
+    def run(case):
+        return [np.asarray(product(*case)) for _ in range(40)]
+
+    with concurrent.futures.ThreadPoolExecutor(len(cases)) as pool:
+        results = list(pool.map(run, cases))
+    for got, want in zip(results, expected):
+        for one in got:
+            np.testing.assert_allclose(one, want, rtol=0, atol=MATMUL_ATOL * np.sqrt(96))
 
 
 # batch x key/value heads x query rows x slots x head size x value head size, query length:

@@ -5,10 +5,9 @@
 // sum_k x[r, k] * w[n, k], for 1 to 8 rows and a row-major [N, K] weight. XLA:CPU hands such
 // products to a general matrix-multiply library, which copies ("packs") the weight into tiles
 // before multiplying: at 8 rows that ran at ~37 GB/s of weight here, against ~55-80 GB/s for
-// one row. This kernel reads each weight row once, straight from memory, keeps a pair of
-// weight rows times every activation row in AVX-512 registers, and prefetches the rows ahead.
-// The weight is cut into one contiguous chunk per XLA intra-op thread. Threads claim chunks,
-// so the caller finishes the product alone if no helper runs.
+// one row. This kernel reads each weight row once, straight from memory, and keeps 2-8 weight
+// rows times every activation row in AVX-512 registers. The weight is cut into one contiguous
+// chunk per core, run by the caller and hfjax's own helper threads (below).
 //
 // DecodeAttention: a few query rows per key/value head against its cache, in one pass (below).
 
@@ -20,6 +19,14 @@
 #include <cstdint>
 #include <memory>
 #include <utility>
+#include <chrono>
+#include <thread>
+#include <vector>
+
+#include <linux/futex.h>
+#include <sched.h>
+#include <sys/syscall.h>
+#include <unistd.h>
 
 #include "xla/ffi/api/ffi.h"
 
@@ -27,50 +34,88 @@ namespace ffi = xla::ffi;
 
 namespace {
 
-constexpr int64_t kMaxRows = 8;     // activation rows; kMaxRows x 2 accumulators fit the 32 registers
-constexpr int64_t kAhead = 16;      // weight rows prefetched ahead of the pair being multiplied
+constexpr int64_t kMaxRows = 8;     // activation rows
+constexpr int64_t kAhead = 16;      // weight rows prefetched ahead, for 5 or more activation rows
 constexpr int64_t kLeastRows = 64;  // weight rows below which a product is not split between threads
 
-// Weight rows [n, n + kPair) times the kRows activation rows, into out[:, n:n + kPair].
-template <int kRows, int kPair>
+// totals[i] = the sum of v[i]'s 16 lanes, for i < kCount: 16 vectors at a time through a
+// tree of shuffles and adds (45 instructions), where one horizontal sum each takes 8.
+template <int kCount>
+inline void SumLanes(const __m512* v, float* totals) {
+  for (int base = 0; base < kCount; base += 16) {
+    auto at = [&](int i) { return base + i < kCount ? v[base + i] : _mm512_setzero_ps(); };
+    __m512 q[4];
+    for (int g = 0; g < 4; ++g) {  // q[g], per 128-bit block: the block's sums of v[4g .. 4g + 3]
+      const __m512 a = at(4 * g), b = at(4 * g + 1), c = at(4 * g + 2), d = at(4 * g + 3);
+      const __m512 ab = _mm512_add_ps(_mm512_unpacklo_ps(a, b), _mm512_unpackhi_ps(a, b));
+      const __m512 cd = _mm512_add_ps(_mm512_unpacklo_ps(c, d), _mm512_unpackhi_ps(c, d));
+      q[g] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(_mm512_castps_pd(ab), _mm512_castps_pd(cd))),
+                           _mm512_castpd_ps(_mm512_unpackhi_pd(_mm512_castps_pd(ab), _mm512_castps_pd(cd))));
+    }
+    const __m512 q01 = _mm512_add_ps(_mm512_shuffle_f32x4(q[0], q[1], _MM_SHUFFLE(2, 0, 2, 0)),
+                                     _mm512_shuffle_f32x4(q[0], q[1], _MM_SHUFFLE(3, 1, 3, 1)));
+    const __m512 q23 = _mm512_add_ps(_mm512_shuffle_f32x4(q[2], q[3], _MM_SHUFFLE(2, 0, 2, 0)),
+                                     _mm512_shuffle_f32x4(q[2], q[3], _MM_SHUFFLE(3, 1, 3, 1)));
+    const __m512 all = _mm512_add_ps(_mm512_shuffle_f32x4(q01, q23, _MM_SHUFFLE(2, 0, 2, 0)),
+                                     _mm512_shuffle_f32x4(q01, q23, _MM_SHUFFLE(3, 1, 3, 1)));
+    const int count = kCount - base < 16 ? kCount - base : 16;
+    _mm512_mask_storeu_ps(totals + base, static_cast<__mmask16>((1u << count) - 1), all);
+  }
+}
+
+// Weight rows [n, n + kAtOnce) times the kRows activation rows, into out[:, n:n + kAtOnce].
+template <int kRows, int kAtOnce, bool kPrefetch>
 inline void MultiplyRows(const float* x, const float* w, float* out, int64_t k_size, int64_t n_size,
                          int64_t n) {
-  __m512 sums[kPair][kRows];
-  for (int p = 0; p < kPair; ++p)
+  __m512 sums[kAtOnce][kRows];
+  for (int p = 0; p < kAtOnce; ++p)
     for (int r = 0; r < kRows; ++r) sums[p][r] = _mm512_setzero_ps();
   const float* rows = w + n * k_size;
-  const bool prefetch = n + kAhead + kPair <= n_size;
+  const bool prefetch = kPrefetch && n + kAhead + kAtOnce <= n_size;
   const int64_t whole = k_size / 16 * 16;
   for (int64_t k = 0; k < whole; k += 16) {
-    __m512 weights[kPair];
-    for (int p = 0; p < kPair; ++p) {
+    __m512 weights[kAtOnce];
+    for (int p = 0; p < kAtOnce; ++p) {
       if (prefetch) _mm_prefetch(reinterpret_cast<const char*>(rows + (kAhead + p) * k_size + k), _MM_HINT_T0);
       weights[p] = _mm512_loadu_ps(rows + p * k_size + k);
     }
     for (int r = 0; r < kRows; ++r) {
       const __m512 activations = _mm512_loadu_ps(x + r * k_size + k);
-      for (int p = 0; p < kPair; ++p) sums[p][r] = _mm512_fmadd_ps(weights[p], activations, sums[p][r]);
+      for (int p = 0; p < kAtOnce; ++p) sums[p][r] = _mm512_fmadd_ps(weights[p], activations, sums[p][r]);
     }
   }
   if (whole < k_size) {  // the last k_size % 16 columns, under a mask
     const __mmask16 mask = static_cast<__mmask16>((1u << (k_size - whole)) - 1);
-    __m512 weights[kPair];
-    for (int p = 0; p < kPair; ++p) weights[p] = _mm512_maskz_loadu_ps(mask, rows + p * k_size + whole);
+    __m512 weights[kAtOnce];
+    for (int p = 0; p < kAtOnce; ++p) weights[p] = _mm512_maskz_loadu_ps(mask, rows + p * k_size + whole);
     for (int r = 0; r < kRows; ++r) {
       const __m512 activations = _mm512_maskz_loadu_ps(mask, x + r * k_size + whole);
-      for (int p = 0; p < kPair; ++p) sums[p][r] = _mm512_fmadd_ps(weights[p], activations, sums[p][r]);
+      for (int p = 0; p < kAtOnce; ++p) sums[p][r] = _mm512_fmadd_ps(weights[p], activations, sums[p][r]);
     }
   }
-  for (int r = 0; r < kRows; ++r)
-    for (int p = 0; p < kPair; ++p) out[r * n_size + n + p] = _mm512_reduce_add_ps(sums[p][r]);
+  if constexpr (kRows == 1) {
+    for (int p = 0; p < kAtOnce; ++p) out[n + p] = _mm512_reduce_add_ps(sums[p][0]);
+  } else {
+    float totals[kAtOnce * kRows];  // totals[p * kRows + r]: the sum of sums[p][r]'s lanes
+    SumLanes<kAtOnce * kRows>(&sums[0][0], totals);
+    for (int r = 0; r < kRows; ++r)
+      for (int p = 0; p < kAtOnce; ++p) out[r * n_size + n + p] = totals[p * kRows + r];
+  }
 }
 
+// Weight rows at once: as many as keep ~20 accumulators in the 32 registers. With 1-4
+// activation rows the cores have time to spare per weight byte; more weight rows then keep
+// more loads in flight, and the hardware prefetcher does better alone (8 rows at once read a
+// 150M model's weights at ~95% of a plain read, where a pair with prefetching read ~82%).
+// With 5-8 the multiplying dominates, and prefetching pays.
 template <int kRows>
 void MultiplyChunk(const float* x, const float* w, float* out, int64_t k_size, int64_t n_size, int64_t begin,
                    int64_t end) {
+  constexpr int kAtOnce = std::clamp(20 / kRows, 2, 8);
+  constexpr bool kPrefetch = kRows >= 5;
   int64_t n = begin;
-  for (; n + 2 <= end; n += 2) MultiplyRows<kRows, 2>(x, w, out, k_size, n_size, n);
-  if (n < end) MultiplyRows<kRows, 1>(x, w, out, k_size, n_size, n);
+  for (; n + kAtOnce <= end; n += kAtOnce) MultiplyRows<kRows, kAtOnce, kPrefetch>(x, w, out, k_size, n_size, n);
+  for (; n < end; ++n) MultiplyRows<kRows, 1, kPrefetch>(x, w, out, k_size, n_size, n);
 }
 
 using ChunkFunction = void (*)(const float*, const float*, float*, int64_t, int64_t, int64_t, int64_t);
@@ -78,13 +123,88 @@ constexpr ChunkFunction kChunkFunctions[kMaxRows + 1] = {
     nullptr,          MultiplyChunk<1>, MultiplyChunk<2>, MultiplyChunk<3>, MultiplyChunk<4>,
     MultiplyChunk<5>, MultiplyChunk<6>, MultiplyChunk<7>, MultiplyChunk<8>};
 
-// Runs body(chunk) for chunks 0 .. chunks - 1 on the calling thread and chunks - 1 helpers
-// from the pool, which claim chunks in turn. A helper that starts after the caller has
-// claimed every chunk finds none left; it holds its own reference, so the state outlives the call.
+// -- helper threads ------------------------------------------------------------------------
+//
+// A decoding step is ~85 products of 0.8-10 MB each, every one split between the cores. With
+// XLA's intra-op pool, whose threads sleep between them, the caller read much of each weight
+// alone while a helper woke, at one core's share of the bandwidth (half of it, when the
+// machine gives each core its own). The kernels keep their own helpers instead: each spins
+// for kSpin after its last chunk, yielding its core to any other thread that wants it, before
+// it sleeps on a futex; so within a step each product starts on every core at once.
+
+constexpr auto kSpin = std::chrono::microseconds(1000);
+constexpr int64_t kMaxHelpers = 63;
+
+struct Task {
+  virtual void Work() = 0;
+  std::atomic<int> helped{0};  // helpers that took the task and are done with it
+};
+
+class Helper {
+ public:
+  Helper() { std::thread([this] { Run(); }).detach(); }
+
+  // Hands `task` over unless the helper has one waiting already.
+  bool Offer(Task* task) {
+    Task* none = nullptr;
+    if (!slot_.compare_exchange_strong(none, task)) return false;
+    if (sleeping_.exchange(0) == 1) syscall(SYS_futex, &sleeping_, FUTEX_WAKE_PRIVATE, 1, nullptr, nullptr, 0);
+    return true;
+  }
+
+  // Takes `task` back; false if the helper has taken it (and will count itself in task->helped).
+  bool Withdraw(Task* task) { return slot_.compare_exchange_strong(task, nullptr); }
+
+ private:
+  void Run() {
+    for (;;) {
+      Task* task = Next();
+      task->Work();
+      task->helped.fetch_add(1, std::memory_order_release);  // the caller may free the task from here on
+    }
+  }
+
+  Task* Next() {
+    for (;;) {
+      const auto until = std::chrono::steady_clock::now() + kSpin;
+      do {
+        for (int i = 0; i < 64; ++i) {
+          if (slot_.load(std::memory_order_relaxed) != nullptr) {
+            Task* task = slot_.exchange(nullptr);
+            if (task != nullptr) return task;
+          }
+          _mm_pause();
+        }
+        sched_yield();
+      } while (std::chrono::steady_clock::now() < until);
+      sleeping_.store(1);
+      if (slot_.load() == nullptr) syscall(SYS_futex, &sleeping_, FUTEX_WAIT_PRIVATE, 1, nullptr, nullptr, 0);
+      sleeping_.store(0);
+    }
+  }
+
+  std::atomic<Task*> slot_{nullptr};
+  std::atomic<int> sleeping_{0};  // the futex word: 1 while the helper sleeps or is about to
+};
+
+// One helper per core this process may run on, but the caller's; started on first use and
+// kept for the process.
+std::vector<Helper>& Helpers() {
+  static auto* helpers = [] {
+    cpu_set_t cores;
+    const int64_t count = sched_getaffinity(0, sizeof(cores), &cores) == 0 ? CPU_COUNT(&cores) : 1;
+    return new std::vector<Helper>(std::clamp<int64_t>(count, 1, kMaxHelpers + 1) - 1);
+  }();
+  return *helpers;
+}
+
+// Runs body(chunk) for chunks 0 .. chunks - 1 on the calling thread and up to chunks - 1
+// helpers, which claim chunks in turn. A helper that comes late finds none left, and the
+// caller finishes alone when no helper is free (or exists, as in a forked child).
 template <typename Body>
-struct Shared {
-  Shared(Body body, int64_t chunks) : body(std::move(body)), chunks(chunks) {}
-  void Work() {
+struct Chunks : Task {
+  Chunks(Body body, int64_t chunks) : body(std::move(body)), chunks(chunks) {}
+  void Work() override {
     for (int64_t chunk; (chunk = next.fetch_add(1, std::memory_order_relaxed)) < chunks;) {
       body(chunk);
       finished.fetch_add(1, std::memory_order_release);
@@ -96,16 +216,24 @@ struct Shared {
   std::atomic<int64_t> finished{0};
 };
 
+int64_t Threads() { return static_cast<int64_t>(Helpers().size()) + 1; }
+
 template <typename Body>
-void RunChunks(ffi::ThreadPool& pool, int64_t chunks, Body body) {
-  auto shared = std::make_shared<Shared<Body>>(std::move(body), chunks);
-  for (int64_t i = 1; i < chunks; ++i) pool.Schedule([shared] { shared->Work(); });
-  shared->Work();
-  while (shared->finished.load(std::memory_order_acquire) < chunks) _mm_pause();
+void RunChunks(int64_t chunks, Body body) {
+  Chunks<Body> task(std::move(body), chunks);
+  auto& helpers = Helpers();
+  const int64_t wanted = std::min<int64_t>(chunks - 1, helpers.size());
+  bool offered[kMaxHelpers] = {};
+  for (int64_t i = 0; i < wanted; ++i) offered[i] = helpers[i].Offer(&task);
+  task.Work();
+  int taken = 0;
+  for (int64_t i = 0; i < wanted; ++i) taken += offered[i] && !helpers[i].Withdraw(&task);
+  while (task.finished.load(std::memory_order_acquire) < chunks || task.helped.load(std::memory_order_acquire) < taken)
+    _mm_pause();
 }
 
 // x [R, K] times a torch Linear weight w [N, K] -> [R, N], for 1 to 8 rows.
-ffi::Error RowsTimesWeight(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> w,
+ffi::Error RowsTimesWeight(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> w,
                            ffi::ResultBuffer<ffi::F32> out) {
   const auto x_dims = x.dimensions();
   const auto w_dims = w.dimensions();
@@ -118,9 +246,9 @@ ffi::Error RowsTimesWeight(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::B
   float* result = out->typed_data();
   const int64_t k_size = w_dims[1], n_size = w_dims[0];
   // One contiguous chunk of the weight per thread: each streams its part from start to end.
-  const int64_t split = std::max<int64_t>(1, std::min<int64_t>(pool.num_threads(), n_size / kLeastRows));
-  const int64_t chunk_rows = (n_size / split + 1) / 2 * 2;
-  RunChunks(pool, (n_size + chunk_rows - 1) / chunk_rows, [=](int64_t chunk) {
+  const int64_t split = std::max<int64_t>(1, std::min<int64_t>(Threads(), n_size / kLeastRows));
+  const int64_t chunk_rows = (n_size / split + 7) / 8 * 8;
+  RunChunks((n_size + chunk_rows - 1) / chunk_rows, [=](int64_t chunk) {
     const int64_t begin = chunk * chunk_rows;
     multiply(rows, weight, result, k_size, n_size, begin, std::min(n_size, begin + chunk_rows));
   });
@@ -256,7 +384,7 @@ constexpr HeadFunction kHeadFunctions[kMaxQueryRows + 1] = {
 
 // Decoding attention: q [B, H, R, D], k [B, H, S, D], v [B, H, S, Dv], bias [B, L, S] (0 or
 // -inf, or a float mask; query row r reads bias row r % L) -> [B, H, R, Dv], for R <= 8.
-ffi::Error DecodeAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k,
+ffi::Error DecodeAttention(ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k,
                            ffi::Buffer<ffi::F32> v, ffi::Buffer<ffi::F32> bias, ffi::ResultBuffer<ffi::F32> out,
                            float scale) {
   // Keys and values come in any shape with B x H x S x D elements: the decode loop carries a
@@ -277,9 +405,9 @@ ffi::Error DecodeAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::B
                     qd[1], qd[2], bd[1], slots, qd[3], value_depth, scale};
   const HeadFunction attend = kHeadFunctions[qd[2]];
   const int64_t bytes = tasks * slots * (qd[3] + value_depth) * 4;
-  const int64_t split = bytes < kLeastBytes ? 1 : std::max<int64_t>(1, std::min<int64_t>(pool.num_threads(), tasks));
+  const int64_t split = bytes < kLeastBytes ? 1 : std::max<int64_t>(1, std::min<int64_t>(Threads(), tasks));
   const int64_t per_chunk = (tasks + split - 1) / split;
-  RunChunks(pool, (tasks + per_chunk - 1) / per_chunk, [=](int64_t chunk) {
+  RunChunks((tasks + per_chunk - 1) / per_chunk, [=](int64_t chunk) {
     std::unique_ptr<float[]> scores(new float[a.rows * a.slots]);
     for (int64_t task = chunk * per_chunk; task < std::min(tasks, (chunk + 1) * per_chunk); ++task) attend(a, task, scores.get());
   });
@@ -290,14 +418,12 @@ ffi::Error DecodeAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::B
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(HfjaxRowsTimesWeight, RowsTimesWeight,
                               ffi::Ffi::Bind()
-                                  .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>());
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(HfjaxDecodeAttention, DecodeAttention,
                               ffi::Ffi::Bind()
-                                  .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()

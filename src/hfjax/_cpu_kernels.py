@@ -5,7 +5,9 @@ attends with one new token per sequence over the cache. XLA:CPU gives the small 
 a general matrix-multiply library (YNNPACK) that packs a weight into tiles first, and runs
 attention as two such products with seven fusions between them. `_cpu_kernels.cc` reads a
 weight once, straight through (at 8 rows, 12 768x3072 weights in 2.3-2.5 ms where XLA took
-3.0-3.1 ms), and attends in one pass over the cache (benchmarks/README.md).
+3.0-3.1 ms), and attends in one pass over the cache. Its own helper threads stay awake
+between the ~85 products of a decoding step, so each product starts on every core at once,
+where XLA's pool wakes a sleeping thread for each (benchmarks/README.md).
 
 The kernels are XLA FFI custom calls (`jax.ffi`). `library()` compiles them once per machine
 into ~/.cache/hfjax/kernels (g++ or $CXX, -march=native, the FFI headers that jaxlib ships),
@@ -35,7 +37,7 @@ import numpy as np
 PRODUCT = "hfjax_rows_times_weight"  # XLA custom-call targets
 ATTENTION = "hfjax_decode_attention"
 TARGETS = {PRODUCT: "HfjaxRowsTimesWeight", ATTENTION: "HfjaxDecodeAttention"}  # -> handlers in the library
-ROWS = range(2, 9)  # activation rows the product takes; one row is XLA's own matrix-vector product
+ROWS = range(1, 9)  # activation rows the product takes (batch x new tokens)
 QUERY_ROWS = range(1, 9)  # query rows per key/value head that attention takes (heads per group x tokens)
 _SOURCE = pathlib.Path(__file__).with_name("_cpu_kernels.cc")
 _FLAGS = ("-O3", "-march=native", "-shared", "-fPIC", "-std=c++17", "-w")

@@ -10,9 +10,12 @@ conversion rules, one target tensor at a time.
 from __future__ import annotations
 
 import contextlib
+import ctypes
+import functools
 import json
 import os
 import pathlib
+import platform
 import re
 from typing import Literal
 
@@ -269,7 +272,47 @@ def load_weights(
             params[name] = _torch_to_jax(tensor)
             if shardings is not None:
                 params[name] = _place(np.asarray(params[name]), _sharding_for(shardings, name))
+    _huge_pages(params.values())
     return params, aliases
+
+
+# ---- 2 MB pages for weights in host memory -----------------------------------------
+
+_HUGE_PAGE = 2 << 20
+_MADV_COLLAPSE = 25  # Linux 6.1 and later
+
+
+@functools.cache
+def _madvise():
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    return libc.madvise
+
+
+def _huge_pages(arrays) -> int:
+    """Moves CPU weights into 2 MB pages, where Linux lets a process ask for it (MADV_COLLAPSE);
+    returns the bytes moved.
+
+    Decoding reads every weight once per token. On 4 KB pages that is a page-table walk every
+    4 KB; on 2 MB pages the 150M benchmark model decodes 6% faster at batch 1 and 8% at batch
+    8 (benchmarks/README.md). XLA allocates with 4 KB pages, and the collapse keeps addresses
+    and contents, so it is safe on live buffers. Elsewhere (another OS or accelerator, an older
+    kernel, transparent huge pages turned off, HFJAX_HUGE_PAGES=0) it does nothing.
+    """
+    if platform.system() != "Linux" or os.environ.get("HFJAX_HUGE_PAGES", "1") == "0":
+        return 0
+    moved = 0
+    for array in arrays:
+        for shard in getattr(array, "addressable_shards", ()):
+            buffer = shard.data
+            if buffer.device.platform != "cpu" or buffer.nbytes < _HUGE_PAGE:
+                continue
+            start = buffer.unsafe_buffer_pointer()
+            first = -(-start // _HUGE_PAGE) * _HUGE_PAGE  # whole 2 MB pages inside the buffer
+            last = (start + buffer.nbytes) // _HUGE_PAGE * _HUGE_PAGE
+            if last > first and _madvise()(first, last - first, _MADV_COLLAPSE) == 0:
+                moved += last - first  # refused for memory XLA does not own (a mapped file, say)
+    return moved
 
 
 # ---- sharded reads (hfjax._sharding decides the shardings) ----------------------

@@ -394,7 +394,7 @@ _SWAPPED_ROWS = range(2, 65)
 def _linear(input, weight, bias=None):
     # input: [..., K]; weight: [N, K] (torch's layout); bias: [N] -> [..., N]
     rows = int(np.prod(input.shape[:-1], dtype=np.int64))
-    if rows in _cpu_kernels.ROWS and weight.ndim == 2 and _cpu_kernels.usable(input, weight):  # batched decoding
+    if rows in _cpu_kernels.ROWS and weight.ndim == 2 and _cpu_kernels.usable(input, weight):  # decoding
         out = _cpu_kernels.rows_times_weight(input.reshape(rows, -1), weight).reshape(*input.shape[:-1], -1)
     elif weight.ndim == 2 and rows in _SWAPPED_ROWS and jax.default_backend() == "cpu":
         # XLA:CPU multiplies a few rows by a transposed [N, K] weight ~1.4x slower than it
