@@ -609,7 +609,7 @@ hits = []
 monitoring.register_event_listener(lambda name, **kw: hits.append(name) if name.endswith("cache_hits") else None)
 import hfjax
 model = hfjax.load(sys.argv[1])
-tokens = np.asarray(model.generate(np.array([[1, 5, 6, 7], [2, 8, 6, 7]]), max_new_tokens=4)).tolist()  # 2 rows: the CPU kernel
+tokens = np.asarray(model.generate(np.array([[1, 5, 6, 7], [2, 8, 6, 7]]), max_new_tokens=4)).tolist()  # stored programs call the CPU kernels
 generator = model._generator
 print(json.dumps(dict(hits=len(hits), traced=generator.trace_counts, loaded=generator.load_counts, tokens=tokens)))
 """

@@ -134,7 +134,7 @@ def test_errors_are_one_clear_line(tmp_path, checkpoint):
 def _huge_bytes_around(address: int) -> int:
     """AnonHugePages of the mapping of this process that holds `address`, in bytes."""
     found, huge = False, 0
-    for line in open("/proc/self/smaps"):
+    for line in pathlib.Path("/proc/self/smaps").read_text().splitlines():
         head = line.split()[0]
         if "-" in head and not head.endswith(":"):
             low, high = (int(part, 16) for part in head.split("-"))

@@ -588,7 +588,7 @@ def test_linear_swaps_operands_only_for_a_few_rows_on_cpu(env):
     assert all(("optimization_barrier" in program(rows)) != kernel for rows in (2, 8))
     assert "optimization_barrier" not in program(1)  # without the kernel, XLA's matrix-vector product
     assert all("optimization_barrier" in program(rows) for rows in (9, 64))
-    assert not any("optimization_barrier" in program(rows) or _cpu_kernels.PRODUCT in program(rows) for rows in (65,))
+    assert "optimization_barrier" not in program(65) and _cpu_kernels.PRODUCT not in program(65)
 
 
 # -- hfjax's CPU kernel for a few rows times a weight (_cpu_kernels.cc) ---------------
@@ -602,6 +602,15 @@ def test_cpu_kernel_is_built_where_the_machine_can_build_it():
     assert (_cpu_kernels.library() is not None) == (_cpu_kernels.compiler() is not None)
 
 
+def _cpu_kernel_built() -> bool:
+    """Whether the kernels run here; where they do not, the build test above says why, and
+    there is nothing to compare."""
+    if _cpu_kernels.library() is None:
+        assert _cpu_kernels.compiler() is None
+        return False
+    return True
+
+
 # rows x K x N: K not a multiple of 16 (the masked tail), N not a multiple of the weight rows
 # taken at once (single rows at the end of a thread's chunk), N too small to split between
 # threads, and the 150M benchmark model's shapes.
@@ -611,8 +620,7 @@ KERNEL_SHAPES = [(rows, 48, 40) for rows in range(1, 9)] + [
 
 @pytest.mark.parametrize("shape", KERNEL_SHAPES, ids=lambda s: "x".join(map(str, s)))
 def test_cpu_kernel_matches_a_float64_product(shape):
-    if _cpu_kernels.library() is None:  # nothing to compare on this machine; the test above says why
-        assert _cpu_kernels.compiler() is None
+    if not _cpu_kernel_built():
         return
     rows, k, n = shape
     rng = np.random.default_rng(rows * 7 + k + n)
@@ -626,8 +634,7 @@ def test_cpu_kernel_matches_a_float64_product(shape):
 def test_cpu_kernel_products_from_several_threads_at_once_get_their_own_results():
     # Callers share the kernel's helper threads: a caller whose helper is busy with another
     # product finishes its own alone, and no caller may see another's chunks.
-    if _cpu_kernels.library() is None:  # nothing to compare on this machine; see the build test
-        assert _cpu_kernels.compiler() is None
+    if not _cpu_kernel_built():
         return
     rng = np.random.default_rng(11)
     cases = [(rng.standard_normal((rows, 96), np.float32), rng.standard_normal((4001, 96), np.float32)) for rows in (1, 3, 8, 1)]
@@ -653,8 +660,7 @@ ATTENTION_SHAPES = [(1, 2, rows, 37, 40, 24, 1) for rows in range(1, 9)] + [
 
 @pytest.mark.parametrize("shape", ATTENTION_SHAPES, ids=lambda s: "x".join(map(str, s)))
 def test_cpu_attention_kernel_matches_float64_attention(shape):
-    if _cpu_kernels.library() is None:  # nothing to compare on this machine; see the build test
-        assert _cpu_kernels.compiler() is None
+    if not _cpu_kernel_built():
         return
     batch, heads, rows, slots, depth, value_depth, length = shape
     rng = np.random.default_rng(sum(shape))

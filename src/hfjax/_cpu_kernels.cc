@@ -14,13 +14,13 @@
 #include <immintrin.h>
 
 #include <algorithm>
-#include <cmath>
 #include <atomic>
+#include <chrono>
+#include <cmath>
 #include <cstdint>
 #include <memory>
-#include <utility>
-#include <chrono>
 #include <thread>
+#include <utility>
 #include <vector>
 
 #include <linux/futex.h>
@@ -37,6 +37,10 @@ namespace {
 constexpr int64_t kMaxRows = 8;     // activation rows
 constexpr int64_t kAhead = 16;      // weight rows prefetched ahead, for 5 or more activation rows
 constexpr int64_t kLeastRows = 64;  // weight rows below which a product is not split between threads
+
+inline __mmask16 TailMask(int64_t count) {  // the first `count` (<= 16) lanes
+  return static_cast<__mmask16>((1u << count) - 1);
+}
 
 // totals[i] = the sum of v[i]'s 16 lanes, for i < kCount: 16 vectors at a time through a
 // tree of shuffles and adds (45 instructions), where one horizontal sum each takes 8.
@@ -59,7 +63,7 @@ inline void SumLanes(const __m512* v, float* totals) {
     const __m512 all = _mm512_add_ps(_mm512_shuffle_f32x4(q01, q23, _MM_SHUFFLE(2, 0, 2, 0)),
                                      _mm512_shuffle_f32x4(q01, q23, _MM_SHUFFLE(3, 1, 3, 1)));
     const int count = kCount - base < 16 ? kCount - base : 16;
-    _mm512_mask_storeu_ps(totals + base, static_cast<__mmask16>((1u << count) - 1), all);
+    _mm512_mask_storeu_ps(totals + base, TailMask(count), all);
   }
 }
 
@@ -85,7 +89,7 @@ inline void MultiplyRows(const float* x, const float* w, float* out, int64_t k_s
     }
   }
   if (whole < k_size) {  // the last k_size % 16 columns, under a mask
-    const __mmask16 mask = static_cast<__mmask16>((1u << (k_size - whole)) - 1);
+    const __mmask16 mask = TailMask(k_size - whole);
     __m512 weights[kAtOnce];
     for (int p = 0; p < kAtOnce; ++p) weights[p] = _mm512_maskz_loadu_ps(mask, rows + p * k_size + whole);
     for (int r = 0; r < kRows; ++r) {
@@ -287,10 +291,6 @@ inline __m512 ExpNonPositive(__m512 x) {
   return _mm512_maskz_mov_ps(normal, _mm512_scalef_ps(p, n));
 }
 
-inline __mmask16 TailMask(int64_t count) {  // the first `count` (< 16) lanes
-  return static_cast<__mmask16>((1u << count) - 1);
-}
-
 struct Attention {
   const float *q, *k, *v, *bias;  // [B, H, R, D], [B, H, S, D], [B, H, S, Dv], [B, L, S]
   float* out;                     // [B, H, R, Dv]
@@ -357,7 +357,7 @@ void AttendHead(const Attention& a, int64_t task, float* scores) {
     __mmask16 masks[kChunks];
     for (int c = 0; c < kChunks; ++c) {
       const int64_t lanes = std::max<int64_t>(0, std::min<int64_t>(16, width - 16 * c));
-      masks[c] = lanes == 16 ? static_cast<__mmask16>(0xFFFF) : TailMask(lanes);
+      masks[c] = TailMask(lanes);
     }
     __m512 sums[kRows][kChunks];
     for (int r = 0; r < kRows; ++r)

@@ -310,8 +310,9 @@ def _huge_pages(arrays) -> int:
             start = buffer.unsafe_buffer_pointer()
             first = -(-start // _HUGE_PAGE) * _HUGE_PAGE  # whole 2 MB pages inside the buffer
             last = (start + buffer.nbytes) // _HUGE_PAGE * _HUGE_PAGE
+            # Linux refuses memory that XLA does not own (a numpy buffer an array aliases, say).
             if last > first and _madvise()(first, last - first, _MADV_COLLAPSE) == 0:
-                moved += last - first  # refused for memory XLA does not own (a mapped file, say)
+                moved += last - first
     return moved
 
 
