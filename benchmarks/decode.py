@@ -16,6 +16,8 @@ Methods, each timed on the same random-weight checkpoint and the same random pro
 Every method generates exactly --new-tokens tokens (min_new_tokens = max_new_tokens) greedily.
 Decode tokens/s is (new tokens - 1) / (total - time to first token), per sequence; "total"
 multiplies by the batch. Figures are medians over --runs runs after a warm-up call.
+batch8_over_batch1 is the median ratio over --pairs pairs of hfjax runs at batch 8 and batch
+1 timed in turn: this machine's bandwidth can change state between configurations.
 
 The PyTorch baselines run in subprocesses that never import JAX: torch's OpenMP threads run up
 to 30x slower beside JAX's CPU runtime. Cold and warm time to first token are measured in two
@@ -631,6 +633,8 @@ def parse_args(argv=None):
     args.skip = _choices("--skip", args.skip, METHODS) if args.skip else []
     if args.num_beams < 1:
         raise SystemExit(f"--num-beams={args.num_beams} must be at least 1")
+    if args.pairs < 1:
+        raise SystemExit(f"--pairs={args.pairs} must be at least 1")
     if args.num_beams > 1:
         args.skip = sorted(set(args.skip) | {"hand_recipe"})
     if args.gpu_llama_1b:
