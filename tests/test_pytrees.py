@@ -17,7 +17,7 @@ import transformers
 from transformers.utils import ModelOutput
 
 import hfjax
-from hfjax import _pytrees, testing
+from hfjax import _pytrees
 
 
 
@@ -29,8 +29,7 @@ def _import_all_model_modules():
             importlib.import_module(f"transformers.models.{info.name}.modeling_{info.name}")
         except Exception:  # optional backends (vision, audio) missing here: those classes are not installed
             continue
-    import diffusers  # noqa: F401
-    import diffusers.models  # noqa: F401
+    importlib.import_module("diffusers.models")  # defines diffusers' output classes
     from diffusers.utils import BaseOutput
 
     return BaseOutput
