@@ -281,24 +281,27 @@ def weight_bytes(checkpoint: pathlib.Path, config, itemsize: int) -> dict:
     return {"params": params, "bytes_per_token": read * itemsize, "counted": counted + "; KV cache not counted"}
 
 
-def run_hfjax(model, ids, new_tokens: int, runs: int, probe: Probe | None = None, num_beams: int = 1) -> tuple[dict, object]:
+def generate_timed(model, ids, new_tokens: int, num_beams: int = 1) -> tuple[Timing, bool, object]:
+    """One hfjax `generate` of exactly `new_tokens` tokens: its timing, whether it compiled, its output."""
     import jax
+
+    out = jax.block_until_ready(model.generate(ids, max_new_tokens=new_tokens, min_new_tokens=new_tokens,
+                                               do_sample=False, num_beams=num_beams))
+    stats = model.last_generation_stats
+    # With beams, as for transformers (which streams no beam search), tokens/s include the prefill.
+    first = 0.0 if num_beams > 1 else stats.time_to_first_token
+    return Timing(first, stats.total, stats.new_tokens), stats.compiled, out
+
+
+def run_hfjax(model, ids, new_tokens: int, runs: int, probe: Probe | None = None, num_beams: int = 1) -> tuple[dict, object]:
     import numpy as np
 
-    def once() -> tuple[Timing, bool, jax.Array]:
-        out = jax.block_until_ready(model.generate(ids, max_new_tokens=new_tokens, min_new_tokens=new_tokens,
-                                                   do_sample=False, num_beams=num_beams))
-        stats = model.last_generation_stats
-        # With beams, as for transformers (which streams no beam search), tokens/s include the prefill.
-        first = 0.0 if num_beams > 1 else stats.time_to_first_token
-        return Timing(first, stats.total, stats.new_tokens), stats.compiled, out
-
-    first, _, _ = once()
+    first, _, _ = generate_timed(model, ids, new_tokens, num_beams)
     results, adjacent = [], []
     for _ in range(runs):
         if probe is not None:
             adjacent.append(probe(rounds=3))
-        results.append(once())
+        results.append(generate_timed(model, ids, new_tokens, num_beams))
     summary = summarize([t for t, _, _ in results], ids.shape[0])
     if probe is not None:
         summary["runs_decode_tokens_per_s"] = [t.decode_tokens_per_s for t, _, _ in results]
@@ -321,10 +324,8 @@ def alternate_batches(model, prompt: int, batch: int, new_tokens: int, pairs: in
     ids = {b: jax.numpy.asarray(prompt_ids(b, prompt, model.config.vocab_size).astype("int32")) for b in (1, batch)}
 
     def total_tokens_per_s(b: int) -> float:
-        jax.block_until_ready(model.generate(ids[b], max_new_tokens=new_tokens, min_new_tokens=new_tokens,
-                                             do_sample=False))
-        stats = model.last_generation_stats
-        return b * Timing(stats.time_to_first_token, stats.total, stats.new_tokens).decode_tokens_per_s
+        timing, _, _ = generate_timed(model, ids[b], new_tokens)
+        return b * timing.decode_tokens_per_s
 
     ratios = []
     for pair in range(pairs):
