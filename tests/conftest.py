@@ -1,22 +1,44 @@
-"""Shared fixtures: tiny checkpoints are written once per session and reused."""
+"""Shared fixtures and markers: tiny checkpoints are written once per session and reused.
+
+Markers:
+  backend(name)  the test asserts something only true on one JAX backend (e.g. XLA:CPU's program
+                 text); skipped on the others
+  cpu_hook       the test asserts what the CPU's hook (hfjax.cpu) does; skipped where the generic
+                 engine runs (another backend, HFJAX_CPU_KERNELS=0, or no hfjax.cpu)
+"""
 
 from __future__ import annotations
 
 import os
 import tempfile
 
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # see hfjax/__init__.py
-
+# torch's OpenMP threads spin while they wait; beside JAX's CPU runtime in one process on a
+# 2-core machine that slows torch down ~30x. This is the tests' process, not hfjax's doing.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # Compiled programs go to a cache of this session, not the user's ~/.cache/hfjax.
 os.environ.setdefault("HFJAX_CACHE_DIR", tempfile.mkdtemp(prefix="hfjax-test-xla-"))
 
-import pytest
-import torch
+import jax  # noqa: E402
+import pytest  # noqa: E402
+import torch  # noqa: E402
 
-from hfjax import testing
+from hfjax import _backend, testing  # noqa: E402
 
 torch.set_num_threads(2)
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "backend(name): runs only on that JAX backend (jax.default_backend())")
+    config.addinivalue_line("markers", "cpu_hook: runs only where the CPU's hook (hfjax.cpu) is active")
+
+
+def pytest_runtest_setup(item):
+    for marker in item.iter_markers("backend"):
+        if jax.default_backend() != marker.args[0]:
+            pytest.skip(f"asserts what only the {marker.args[0]} backend does; this is {jax.default_backend()}")
+    if item.get_closest_marker("cpu_hook") is not None and _backend.active().name != "cpu":
+        pytest.skip(f"asserts what the CPU's hook does; the active hook is {_backend.active()!r}")
 
 
 @pytest.fixture(scope="session")

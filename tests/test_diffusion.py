@@ -1,6 +1,6 @@
 """Diffusers pipelines on JAX: the same image as diffusers in PyTorch, from the same latents.
 
-Tiny pipelines (hfjax._tiny_pipelines) are saved to disk and loaded through
+Tiny pipelines (hfjax.testing.save_tiny_pipeline) are saved to disk and loaded through
 `DiffusionPipeline.from_pretrained`, once by diffusers for the reference and once by
 `hfjax.load_pipeline`. Both get the same starting latents (or init image) and a
 generator seeded alike, so Euler ancestral's per-step noise, drawn on the CPU from that
@@ -22,8 +22,9 @@ pytest.importorskip("diffusers")
 
 import diffusers  # noqa: E402
 
-from hfjax import JittedModule, _diffusion, tolerances  # noqa: E402
-from hfjax._tiny_pipelines import save_tiny_pipeline  # noqa: E402
+import hfjax  # noqa: E402
+from hfjax import JittedModule, tolerances  # noqa: E402
+from hfjax.testing import save_tiny_pipeline  # noqa: E402
 
 STEPS = 3
 SIZE = 32  # pixels
@@ -50,7 +51,7 @@ def on_jax(saved):
 
     def make(kind: str, scheduler: str | None = None):
         if (kind, scheduler) not in loaded:
-            pipe = _diffusion.load_pipeline(saved(kind, scheduler))
+            pipe = hfjax.load_pipeline(saved(kind, scheduler))
             pipe.set_progress_bar_config(disable=True)
             loaded[kind, scheduler] = pipe
         return loaded[kind, scheduler]
@@ -135,8 +136,9 @@ def test_calls_after_the_first_do_not_recompile(on_jax):
     assert {name: getattr(pipe, name).compile_count for name in counts} == counts
 
 
+@pytest.mark.cpu_hook
 def test_convolution_weights_are_held_channels_last_on_cpu(on_jax):
-    # So the compiled UNet and VAE copy no weights per call (see _ops.store_convolutions_channels_last).
+    # So the compiled UNet and VAE copy no weights per call (hfjax.cpu's store_convolutions_channels_last).
     pipe = on_jax("stable-diffusion", "pndm")
     for name in ("unet", "vae"):
         convs = [m for m in pipe.components[name].module.modules() if isinstance(m, torch.nn.Conv2d)]
@@ -156,13 +158,13 @@ def test_whole_loop_falls_back_per_step_and_says_why(on_jax, caplog):
 
 def test_to_jax_rejects_what_is_not_a_pipeline():
     unet = torch.nn.Linear(2, 2)
-    with pytest.raises(TypeError, match=r"hfjax.to_jax expects a diffusers pipeline .* got Linear; .*hfjax.jit"):
-        _diffusion.to_jax(unet)
+    with pytest.raises(hfjax.PipelineError, match=r"hfjax.to_jax expects a diffusers pipeline .* got Linear; .*hfjax.jit"):
+        hfjax.to_jax(unet)
 
 
 def test_a_size_the_vae_cannot_take_is_one_clear_line(on_jax):
     pipe = on_jax("stable-diffusion", "pndm")
-    with pytest.raises(_diffusion.PipelineError) as error:
+    with pytest.raises(hfjax.PipelineError) as error:
         pipe("a cat", height=33, width=32, num_inference_steps=2)
     message = str(error.value)
     assert "\n" not in message
@@ -170,8 +172,8 @@ def test_a_size_the_vae_cannot_take_is_one_clear_line(on_jax):
 
 
 def test_load_pipeline_names_a_directory_without_model_index(tmp_path):
-    with pytest.raises(_diffusion.LoadError, match="no model_index.json"):
-        _diffusion.load_pipeline(tmp_path)
+    with pytest.raises(hfjax.LoadError, match="no model_index.json"):
+        hfjax.load_pipeline(tmp_path)
 
 
 def test_cli_writes_a_png_of_the_asked_size(saved, tmp_path, capsys):

@@ -17,7 +17,8 @@ import torch
 import transformers
 
 import hfjax
-from hfjax import _cpu_kernels, _generate, _settings, testing, tolerances
+from hfjax import _backend, _buckets, testing, tolerances
+from hfjax.generation import _engine, _planning, _settings
 
 PROMPTS = ["Hello there, how are you doing today?", "Hi", "The quick brown fox"]
 NEW_TOKENS = 12
@@ -339,7 +340,7 @@ def test_long_greedy_answers_cross_cache_windows_like_transformers(loaded, famil
     expected = _torch_generate(model, ids, mask, max_new_tokens=LONG, min_new_tokens=LONG)
     actual = np.asarray(model.generate(ids, mask, max_new_tokens=LONG, min_new_tokens=LONG))
     np.testing.assert_array_equal(actual, expected)
-    assert model._generator._windows(_generate.bucket(ids.shape[1]), 128) == (64, 128)
+    assert _planning.windows(_buckets.bucket(ids.shape[1]), 128) == (64, 128)
 
 
 def test_long_beam_search_crosses_cache_windows_like_transformers(loaded):
@@ -390,8 +391,8 @@ def test_budgets_in_one_buffer_length_share_programs(loaded):
 
 def _shapes(model, ids, max_new_tokens: int) -> tuple:
     """(batch, prompt bucket, buffer length, settings): what the engine keys its programs by."""
-    size = _generate.bucket(ids.shape[1])
-    total = -(-(size + max_new_tokens) // _generate._CACHE_MULTIPLE) * _generate._CACHE_MULTIPLE
+    size = _buckets.bucket(ids.shape[1])
+    total = _buckets.round_up(size + max_new_tokens, _planning.CACHE_MULTIPLE)
     settings = _settings.resolve(model, ids.shape[1], max_new_tokens=max_new_tokens)
     return ids.shape[0], size, total, dataclasses.replace(settings, max_new_tokens=total - size, min_new_tokens=0)
 
@@ -399,24 +400,24 @@ def _shapes(model, ids, max_new_tokens: int) -> tuple:
 def _decode_program(model, prompts, max_new_tokens=4):
     """(decode function, its arguments) of the engine's decode program for `prompts`."""
     ids, mask = _batch(model, prompts)
-    generator = _generate.Generator(model)
-    generator._store = None  # trace here, rather than read the programs an earlier test stored
+    generator = _engine.Generator(model)
+    generator.programs._fingerprint = None  # trace here, rather than read the programs an earlier test stored
     generator.generate(ids, mask, _settings.resolve(model, ids.shape[1], max_new_tokens=max_new_tokens), seed=0)
     batch, size, total, settings = _shapes(model, ids, max_new_tokens=max_new_tokens)
-    windows = generator._windows(size, total)
-    key = ("decode", batch, size, total, settings, windows)
-    prefill = generator._programs[("prefill", batch, size, total, settings)]
+    windows = _planning.windows(size, total)
+    layout = (batch, size, total, settings)
+    prefill = generator.programs._programs[("prefill", batch, size, total, settings)].run
     state = prefill(model.params, np.zeros((batch, size), np.int32), np.ones((batch, size), np.int32),
                     jax.random.key_data(jax.random.key(0)), np.int32(4), np.int32(0), np.int32(0))
-    decode = functools.partial(generator._decode_flat, program=key, layout=key[1:-1], offset=size, settings=settings,
+    decode = functools.partial(generator._decode_flat, layout=layout, offset=size, settings=settings,
                                windows=windows, trace_prefill=None)
     return decode, (model.params, state, np.int32(4))
 
 
 def _runs_the_model(loop) -> bool:
-    """Whether a while loop's body multiplies by the weights: XLA's product, or hfjax's CPU kernels."""
+    """Whether a while loop's body multiplies by the weights: XLA's product, or the backend's own kernels."""
     body = str(loop.params["body_jaxpr"])
-    return "dot_general" in body or any(target in body for target in _cpu_kernels.TARGETS)
+    return "dot_general" in body or any(target in body for target in _backend.active().custom_calls())
 
 
 def test_decode_is_one_while_loop(loaded):
@@ -436,6 +437,7 @@ def test_a_long_answer_decodes_in_one_loop_per_cache_window(loaded):
     assert all(_runs_the_model(loop) for loop in loops)
 
 
+@pytest.mark.cpu_hook  # the layout the CPU's hook carries the cache in, and XLA:CPU's program text
 @pytest.mark.parametrize("prompts, new_tokens", [(PROMPTS[:1], 4), (PROMPTS[:2], 4), (PROMPTS[:2], LONG)],
                          ids=["batch_1", "batch_2", "batch_2_windows"])
 def test_decode_updates_the_cache_without_copying_it(loaded, prompts, new_tokens):
@@ -476,8 +478,9 @@ def test_streamer_receives_prompt_then_every_token_in_chunks(loaded):
     decode_programs = generator.program_counts["decode"]
     shapes = _shapes(model, ids, max_new_tokens=20)
     key = ("decode", *shapes, (shapes[2],))  # streamed: the whole cache, one window
-    decode, calls = generator._programs[key], []
-    generator._programs[key] = lambda *args: calls.append(len(recorder.puts)) or decode(*args)
+    program, calls = generator.programs._programs[key], []
+    decode = program.run
+    program.run = lambda *args: calls.append(len(recorder.puts)) or decode(*args)
     streamed = np.asarray(model.generate(ids, mask, max_new_tokens=20, streamer=recorder))
     assert recorder.ended
     np.testing.assert_array_equal(recorder.puts[0], ids)
@@ -486,7 +489,7 @@ def test_streamer_receives_prompt_then_every_token_in_chunks(loaded):
     np.testing.assert_array_equal(streamed, unstreamed)
     assert len(recorder.puts) == 1 + 20  # the prompt, then each token
     # 19 tokens after the prefill's first, in chunks; each chunk's tokens arrive before the next runs.
-    assert calls == [2, 2 + _generate.STREAM_CHUNK, 2 + 2 * _generate.STREAM_CHUNK]
+    assert calls == [2, 2 + _engine.STREAM_CHUNK, 2 + 2 * _engine.STREAM_CHUNK]
     assert model._generator.program_counts["decode"] == decode_programs  # chunks reuse the one decode program
 
 
@@ -585,7 +588,7 @@ def test_empty_prompts_raise(loaded):
 
 def test_an_op_without_lowering_is_named_with_its_module(checkpoint, monkeypatch):
     model = hfjax.load(checkpoint("llama"))  # its own programs: none traced yet
-    monkeypatch.setattr(hfjax._programs, "directory", lambda: None)  # nor read from an earlier test's store
+    monkeypatch.setattr(hfjax._compilation_cache, "directory", lambda: None)  # nor read from an earlier test's store
     operators = hfjax._env.env()._ops
     for op in (torch.ops.aten.rsqrt.default, torch.ops.aten.rsqrt):
         if op in operators:
@@ -631,16 +634,15 @@ def test_a_second_process_reuses_programs_without_tracing(checkpoint, tmp_path):
     assert warm["tokens"] == cold["tokens"]
 
 
-def test_a_stored_prefill_without_its_decode_loop_still_generates(loaded, tmp_path):
+def test_a_stored_prefill_without_its_decode_loop_still_generates(loaded):
     # The decode loop needs the state's structure, which only tracing the prefill gives.
     model = loaded("llama")
     ids, mask = _batch(model, PROMPTS[:1])
     expected = np.asarray(model.generate(ids, mask, max_new_tokens=6))
-    fresh = _generate.Generator(model)
-    decode_keys = [key for key in model._generator._programs if key[0] == "decode"]
+    fresh = _engine.Generator(model)
+    decode_keys = [key for key in model._generator.programs.keys() if key[0] == "decode"]
     for key in decode_keys:  # as if only the prefill had been written by an earlier process
-        path = fresh._store._path(key)
-        path.unlink(missing_ok=True)
+        fresh.programs.path(key).unlink(missing_ok=True)
     model._generator = fresh
     np.testing.assert_array_equal(np.asarray(model.generate(ids, mask, max_new_tokens=6)), expected)
     assert fresh.load_counts["prefill"] == 1 and fresh.trace_counts == {"prefill": 1, "decode": 1}
@@ -650,9 +652,9 @@ def test_an_unreadable_stored_program_is_traced_again(loaded):
     model = loaded("llama")
     ids, mask = _batch(model, PROMPTS[:1])
     expected = np.asarray(model.generate(ids, mask, max_new_tokens=6))
-    fresh = _generate.Generator(model)
-    for key in model._generator._programs:
-        fresh._store._path(key).write_bytes(b"\x05\x00")  # truncated by a writer that was killed
+    fresh = _engine.Generator(model)
+    for key in model._generator.programs.keys():
+        fresh.programs.path(key).write_bytes(b"\x05\x00")  # truncated by a writer that was killed
     model._generator = fresh
     np.testing.assert_array_equal(np.asarray(model.generate(ids, mask, max_new_tokens=6)), expected)
     assert fresh.load_counts == {"prefill": 0, "decode": 0} and fresh.trace_counts == {"prefill": 1, "decode": 1}

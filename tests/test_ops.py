@@ -1,76 +1,41 @@
-"""Parity tests for hfjax's op overrides (src/hfjax/_ops.py).
+"""Parity tests for hfjax's generic op overrides (src/hfjax/_ops.py).
 
 Each override runs through torchax, eagerly and under `jax.jit`, and is compared with the
 same op run by PyTorch on the CPU. Model-level tests run tiny Hugging Face models that hit
-the override and compare their logits with the same model run by PyTorch.
+the override and compare their logits with the same model run by PyTorch. The CPU's own
+overrides (`hfjax.cpu`) are tested in test_cpu.py.
 """
 
 from __future__ import annotations
 
-import concurrent.futures
-import copy
 import os
-import platform
-import shutil
 
 import jax
 import numpy as np
 import pytest
 import torch
-import torchax
 import transformers
-from torchax.interop import jax_jit
+from op_helpers import ATTENTION_CASES, SEED, check_attention, environment, jit_modes, run, to_cpu, to_jax
+from op_helpers import assert_close as _assert_close
 
 import hfjax
-from hfjax import _compile, _cpu_kernels, _ops
+from hfjax import _ops
+from hfjax.tolerances import DEFAULT, EXACT, MATMUL, SCHEDULE
 
-# fp32 GEMMs: XLA and ATen sum the same products in a different order.
-MATMUL_ATOL = 1e-5
-# Logits of a whole tiny fp32 model: reordered reductions compound over its layers.
-LOGITS_ATOL = 1e-4
-# Copies, index searches, boolean reductions and integer math must match bit for bit.
-EXACT = 0.0
-# A noise schedule computed in float32 by jax against float64 numpy in diffusers.
-SCHEDULE_RTOL = 1e-5
-
-SEED = 0
+LOGITS = DEFAULT
 
 
 @pytest.fixture(scope="module")
 def env():
-    environment = torchax.default_env()
-    _ops.install(environment)
-    return environment
-
-
-def _to_jax(env, value):
-    # value: a CPU tensor, or a pytree of them
-    with env:
-        return torch.utils._pytree.tree_map_only(torch.Tensor, lambda t: t.to("jax"), value)
-
-
-def _to_cpu(value):
-    # value: torchax Tensors or Views (CPU tensors pass through), or a pytree of them
-    def to_cpu(t):
-        return t if t.device.type == "cpu" else torch.from_numpy(np.array(t.jax()))
-
-    return torch.utils._pytree.tree_map_only(torch.Tensor, to_cpu, value)
+    return environment(backend=None)
 
 
 def _run(env, fn, *cpu_args, jit: bool):
-    """Runs `fn` on torchax copies of `cpu_args`, eagerly or under jax.jit; returns CPU tensors."""
-    args = _to_jax(env, cpu_args)
-    with env:
-        out = jax_jit(fn)(*args) if jit else fn(*args)
-    return _to_cpu(out)
+    return run(env, fn, *cpu_args, jit=jit)
 
 
-def _assert_close(actual, expected, atol, rtol=0.0):
-    assert actual.shape == expected.shape, f"shape {tuple(actual.shape)} != {tuple(expected.shape)}"
-    torch.testing.assert_close(actual, expected, atol=atol, rtol=rtol, check_dtype=False)
-
-
-jit_modes = pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
+def _to_cpu(value):
+    return to_cpu(value)
 
 
 # -- aten::_grouped_mm ---------------------------------------------------------
@@ -101,7 +66,7 @@ def test_grouped_mm_matches_torch(env, layout, jit):
     mat_a, mat_b, offs, valid = _grouped_mm_case(layout)
     expected = torch._grouped_mm(mat_a, mat_b, offs=offs)
     actual = _run(env, lambda a, b, o: torch._grouped_mm(a, b, offs=o), mat_a, mat_b, offs, jit=jit)
-    _assert_close(actual[valid], expected[valid], MATMUL_ATOL)
+    _assert_close(actual[valid], expected[valid], MATMUL)
 
 
 def test_grouped_mm_zeroes_rows_past_last_offset(env):
@@ -143,7 +108,7 @@ def test_mixtral_logits_match_torch_under_jit(env):
         with env:
             model.to("jax")
         actual = _run(env, lambda ids: model(ids).logits, input_ids, jit=True)
-    _assert_close(actual, expected, LOGITS_ATOL)
+    _assert_close(actual, expected, LOGITS)
 
 
 # -- aten::copy_ ---------------------------------------------------------------
@@ -202,7 +167,7 @@ def test_copy_matches_torch(env, copy, jit):
 
 def test_copy_from_cpu_tensor_and_to_cpu_tensor(env):
     host = torch.arange(8.0).reshape(2, 4)
-    device = _to_jax(env, torch.zeros(4, 4))
+    device = to_jax(env, torch.zeros(4, 4))
     with env:
         device[1:3].copy_(host)  # View <- CPU tensor
         back = torch.zeros(2, 4)
@@ -245,7 +210,7 @@ def test_mamba_cached_decode_logits_match_torch(env, jit):
             model.to("jax")
         actual = _run(env, prefill_then_decode, prompt, next_token, jit=jit)
     for got, want in zip(actual, expected, strict=True):
-        _assert_close(got, want, LOGITS_ATOL)
+        _assert_close(got, want, LOGITS)
 
 
 # -- aten::_is_all_true, aten::_is_any_true ------------------------------------
@@ -285,6 +250,19 @@ def test_check_tensor_all_raises_like_torch(env, name):
     with env:
         raises_on_jax = _check_tensor_all_raises(x.to("jax"))
     assert raises_on_jax == _check_tensor_all_raises(x)
+
+
+def test_a_check_inside_a_jit_trace_is_taken_to_hold_without_touching_the_environment(env):
+    # Inside a trace the checked value is not known: the check is taken to hold (as with
+    # TRANSFORMERS_DISABLE_TORCH_CHECK=1), and no environment variable is set to get there.
+    before = dict(os.environ)
+
+    def checked(x):
+        torch._check_tensor_all_with(ValueError, x > 0, lambda: "bad positions")
+        return x * 2
+
+    _assert_close(_run(env, checked, torch.ones(3), jit=True), torch.full((3,), 2.0), EXACT)
+    assert dict(os.environ) == before
 
 
 # -- aten::searchsorted.Tensor, aten::searchsorted.Scalar ----------------------
@@ -356,7 +334,7 @@ def test_dpm_solver_set_timesteps_matches_torch(env):
         assert actual.lambda_t.device.type == "jax", "the test must search a jax tensor"
         actual.set_timesteps(10)
     _assert_close(_to_cpu(actual.timesteps), expected.timesteps, EXACT)
-    _assert_close(_to_cpu(actual.sigmas), expected.sigmas, EXACT, rtol=SCHEDULE_RTOL)
+    _assert_close(_to_cpu(actual.sigmas), expected.sigmas, SCHEDULE)
 
 
 # -- Tensor.__getitem__ with tensor slice bounds -------------------------------
@@ -431,7 +409,7 @@ def test_blt_logits_match_torch_with_x64(env):
             with env:
                 model.to("jax")
             actual = _run(env, lambda ids: model(ids, use_cache=False).logits, input_ids, jit=False)
-    _assert_close(actual, expected, LOGITS_ATOL)
+    _assert_close(actual, expected, LOGITS)
 
 
 # -- the registry --------------------------------------------------------------
@@ -439,338 +417,10 @@ def test_blt_logits_match_torch_with_x64(env):
 # -- scaled_dot_product_attention ----------------------------------------------------
 
 
-def _attention_case(case: str):
-    """(query, key, value, kwargs) for torch's scaled_dot_product_attention."""
-    generator = torch.Generator().manual_seed(SEED)
-    randn = lambda *shape: torch.randn(*shape, generator=generator)  # noqa: E731
-    q, k, v = randn(2, 4, 5, 8), randn(2, 4, 6, 8), randn(2, 4, 6, 8)
-    padding = torch.ones(2, 1, 5, 6, dtype=torch.bool)
-    padding[0, :, :, :3] = False  # row 0: three padded keys ...
-    padding[0, :, 0] = False  # ... and a query that may attend to nothing (torch gives zeros)
-    if case == "bool_mask_with_empty_rows":
-        return q, k, v, dict(attn_mask=padding)
-    if case == "float_mask":
-        return q, k, v, dict(attn_mask=torch.zeros(2, 1, 5, 6).masked_fill(~padding, float("-inf")))
-    if case == "causal":
-        return q, k[:, :, :5], v[:, :, :5], dict(is_causal=True)
-    if case == "grouped_query":  # 4 query heads over 2 key/value heads: 10 rows per key/value head
-        return q, k[:, :2], v[:, :2], dict(attn_mask=padding, enable_gqa=True, scale=0.3)
-    if case == "grouped_decode":  # one new token per row: 2 rows per key/value head, an empty one in row 0
-        return q[:, :, :1], k[:, :2], v[:, :2], dict(attn_mask=padding[:, :, :1], enable_gqa=True)
-    if case == "decode_odd_sizes":  # batch 1, 8 rows over one key/value head, 37 slots, head sizes 40 and 24
-        mask = torch.rand(1, 1, 1, 37, generator=generator) > 0.3
-        return randn(1, 8, 1, 40), randn(1, 1, 37, 40), randn(1, 1, 37, 24), dict(attn_mask=mask, enable_gqa=True)
-    if case == "mask_per_head":  # a different mask for each query head
-        mask = torch.rand(2, 4, 1, 6, generator=generator) > 0.4
-        return q[:, :, :1], k, v, dict(attn_mask=mask)
-    raise ValueError(f"unknown case {case!r}")
-
-
 @jit_modes
-@pytest.mark.parametrize(
-    "case", ["bool_mask_with_empty_rows", "float_mask", "causal", "grouped_query", "grouped_decode", "decode_odd_sizes",
-             "mask_per_head"]
-)
+@pytest.mark.parametrize("case", ATTENTION_CASES)
 def test_scaled_dot_product_attention_matches_torch(env, case, jit):
-    q, k, v, kwargs = _attention_case(case)
-    expected = torch.nn.functional.scaled_dot_product_attention(q, k, v, **kwargs)
-    mask = kwargs.pop("attn_mask", None)
-    attention = lambda q, k, v, mask: torch.nn.functional.scaled_dot_product_attention(  # noqa: E731
-        q, k, v, attn_mask=mask, **kwargs
-    )
-    actual = _run(env, attention, q, k, v, mask, jit=jit)
-    _assert_close(actual, expected, MATMUL_ATOL)
-    assert torch.isfinite(actual).all()
-
-
-def _attention_program(env, heads: int, length: int, mask=None) -> str:
-    q, k = jax.numpy.ones((1, heads, length, 8)), jax.numpy.ones((1, 2, 6, 8))
-
-    def apply(q, k):
-        with env:
-            q, k = torchax.tensor.Tensor(q, env), torchax.tensor.Tensor(k, env)
-            m = None if mask is None else torchax.tensor.Tensor(mask, env)
-            return torch.nn.functional.scaled_dot_product_attention(q, k, k, attn_mask=m, enable_gqa=True).jax()
-
-    return jax.jit(apply).lower(q, k).as_text()
-
-
-# (query heads, query length) over 2 key/value heads: 1, 4 and 8 query rows per key/value head, then 9 and 10
-FEW_ROWS, MANY_ROWS = ((2, 1), (8, 1), (4, 4)), ((2, 9), (4, 5))
-
-
-def test_attention_of_a_few_rows_runs_in_the_cpu_kernel_where_it_is_built(env):
-    kernel = _cpu_kernels.library() is not None
-    assert all((_cpu_kernels.ATTENTION in _attention_program(env, *shape)) == kernel for shape in FEW_ROWS)
-    assert all(("optimization_barrier" in _attention_program(env, *shape)) != kernel for shape in FEW_ROWS)
-    assert not any(_cpu_kernels.ATTENTION in _attention_program(env, *shape) for shape in MANY_ROWS)
-    per_head = jax.numpy.ones((1, 2, 1, 6), bool)  # a mask that differs between heads stays with XLA
-    assert _cpu_kernels.ATTENTION not in _attention_program(env, 2, 1, per_head)
-
-
-def test_attention_swaps_the_score_product_only_for_a_few_rows_without_the_kernel(env, monkeypatch):
-    monkeypatch.setattr(_cpu_kernels, "usable", lambda *arrays: False)
-    assert all("optimization_barrier" in _attention_program(env, *shape) for shape in FEW_ROWS)
-    assert not any("optimization_barrier" in _attention_program(env, *shape) for shape in MANY_ROWS)
-
-
-# -- index_copy (transformers' static cache update) ----------------------------------
-
-INDEX_COPY_CASES = {  # (shape, dim, index): the update is made without the size-1 axes
-    "batch_one_cache": ((1, 3, 6, 4), 2, [4]),
-    "batch_one_prefill": ((1, 3, 6, 4), -2, [0, 1, 2]),
-    "batch_two_cache": ((2, 3, 6, 4), 2, [5, 1]),
-    "size_one_axis_indexed": ((3, 1, 4), 1, [0]),
-    "vector": ((7,), 0, [6, 0, 3]),
-}
-
-
-@jit_modes
-@pytest.mark.parametrize("case", INDEX_COPY_CASES)
-def test_index_copy_matches_torch(env, case, jit):
-    shape, dim, index = INDEX_COPY_CASES[case]
-    generator = torch.Generator().manual_seed(SEED)
-    x = torch.randn(*shape, generator=generator)
-    source_shape = list(shape)
-    source_shape[dim] = len(index)
-    source = torch.randn(*source_shape, generator=generator)
-    index = torch.tensor(index)
-
-    def in_place(x, index, source):
-        x.index_copy_(dim, index, source)
-        return x
-
-    expected = x.clone().index_copy_(dim, index, source)
-    _assert_close(_run(env, in_place, x, index, source, jit=jit), expected, EXACT)
-    functional = lambda x, index, source: torch.index_copy(x, dim, index, source)  # noqa: E731
-    _assert_close(_run(env, functional, x, index, source, jit=jit), expected, EXACT)
-
-
-# -- linear (operands swapped for a few rows) -----------------------------------------
-
-LINEAR_CASES = {  # input shape; `_linear` swaps the product for 2-64 rows on the CPU
-    "one_row": (1, 1, 48),
-    "two_rows": (2, 48),
-    "eight_sequences_one_token": (8, 1, 48),
-    "sixty_four_rows": (4, 16, 48),
-    "sixty_five_rows": (65, 48),
-}
-
-
-@jit_modes
-@pytest.mark.parametrize("bias", [True, False], ids=["bias", "no_bias"])
-@pytest.mark.parametrize("case", LINEAR_CASES)
-def test_linear_matches_torch(env, case, bias, jit):
-    torch.manual_seed(SEED)
-    layer = torch.nn.Linear(48, 40, bias=bias).eval()
-    x = torch.randn(*LINEAR_CASES[case])
-    params = {name: p.detach() for name, p in layer.named_parameters()}
-
-    def apply(x, params):
-        return torch.func.functional_call(layer, params, (x,))
-
-    _assert_close(_run(env, apply, x, params, jit=jit), layer(x).detach(), MATMUL_ATOL)
-    _assert_close(_run(env, torch.ops.aten.linear, x, *params.values(), jit=jit), layer(x).detach(), MATMUL_ATOL)
-
-
-def test_linear_swaps_operands_only_for_a_few_rows_on_cpu(env):
-    weight = jax.numpy.ones((40, 48))
-
-    def program(rows):
-        def apply(x):
-            with env:
-                return torch.nn.functional.linear(torchax.tensor.Tensor(x, env), torchax.tensor.Tensor(weight, env)).jax()
-
-        return jax.jit(apply).lower(jax.numpy.ones((rows, 48))).as_text()
-
-    kernel = _cpu_kernels.library() is not None  # 1-8 rows go to hfjax's CPU kernel where it is built
-    assert all((_cpu_kernels.PRODUCT in program(rows)) == kernel for rows in (1, 2, 8))
-    assert all(("optimization_barrier" in program(rows)) != kernel for rows in (2, 8))
-    assert "optimization_barrier" not in program(1)  # without the kernel, XLA's matrix-vector product
-    assert all("optimization_barrier" in program(rows) for rows in (9, 64))
-    assert "optimization_barrier" not in program(65) and _cpu_kernels.PRODUCT not in program(65)
-
-
-# -- hfjax's CPU kernel for a few rows times a weight (_cpu_kernels.cc) ---------------
-
-
-def test_cpu_kernel_is_built_where_the_machine_can_build_it():
-    can_run = platform.system() == "Linux" and platform.machine() == "x86_64" and "avx512f" in _cpu_kernels._cpu_flags()
-    has_compiler = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
-    if can_run and has_compiler and os.environ.get("HFJAX_CPU_KERNELS", "1") != "0":
-        assert _cpu_kernels.compiler() is not None
-    assert (_cpu_kernels.library() is not None) == (_cpu_kernels.compiler() is not None)
-
-
-def _cpu_kernel_built() -> bool:
-    """Whether the kernels run here; where they do not, the build test above says why, and
-    there is nothing to compare."""
-    if _cpu_kernels.library() is None:
-        assert _cpu_kernels.compiler() is None
-        return False
-    return True
-
-
-# rows x K x N: K not a multiple of 16 (the masked tail), N not a multiple of the weight rows
-# taken at once (single rows at the end of a thread's chunk), N too small to split between
-# threads, and the 150M benchmark model's shapes.
-KERNEL_SHAPES = [(rows, 48, 40) for rows in range(1, 9)] + [
-    (3, 771, 7), (8, 13, 1), (5, 64, 301), (1, 100, 1001), (2, 33, 263), (8, 768, 3072), (2, 3072, 768), (1, 768, 3072)]
-
-
-@pytest.mark.parametrize("shape", KERNEL_SHAPES, ids=lambda s: "x".join(map(str, s)))
-def test_cpu_kernel_matches_a_float64_product(shape):
-    if not _cpu_kernel_built():
-        return
-    rows, k, n = shape
-    rng = np.random.default_rng(rows * 7 + k + n)
-    x, weight = rng.standard_normal((rows, k), np.float32), rng.standard_normal((n, k), np.float32)
-    expected = x.astype(np.float64) @ weight.astype(np.float64).T
-    got = np.asarray(jax.jit(_cpu_kernels.rows_times_weight)(x, weight))
-    assert got.shape == (rows, n)
-    np.testing.assert_allclose(got, expected, rtol=0, atol=MATMUL_ATOL * np.sqrt(k))
-
-
-def test_cpu_kernel_products_from_several_threads_at_once_get_their_own_results():
-    # Callers share the kernel's helper threads: a caller whose helper is busy with another
-    # product finishes its own alone, and no caller may see another's chunks.
-    if not _cpu_kernel_built():
-        return
-    rng = np.random.default_rng(11)
-    cases = [(rng.standard_normal((rows, 96), np.float32), rng.standard_normal((4001, 96), np.float32)) for rows in (1, 3, 8, 1)]
-    expected = [x.astype(np.float64) @ weight.astype(np.float64).T for x, weight in cases]
-    product = jax.jit(_cpu_kernels.rows_times_weight)
-
-    def run(case):
-        return [np.asarray(product(*case)) for _ in range(40)]
-
-    with concurrent.futures.ThreadPoolExecutor(len(cases)) as pool:
-        results = list(pool.map(run, cases))
-    for got, want in zip(results, expected):
-        for one in got:
-            np.testing.assert_allclose(one, want, rtol=0, atol=MATMUL_ATOL * np.sqrt(96))
-
-
-# batch x key/value heads x query rows x slots x head size x value head size, query length:
-# head sizes not a multiple of 16 (masked tails), slots not a multiple of 16, one slot, 1-8
-# rows, and the 150M benchmark model at batch 8 (split between threads).
-ATTENTION_SHAPES = [(1, 2, rows, 37, 40, 24, 1) for rows in range(1, 9)] + [
-    (2, 3, 4, 1, 16, 16, 1), (3, 2, 6, 50, 64, 64, 2), (8, 4, 3, 192, 64, 64, 1), (1, 1, 8, 300, 128, 80, 4)]
-
-
-@pytest.mark.parametrize("shape", ATTENTION_SHAPES, ids=lambda s: "x".join(map(str, s)))
-def test_cpu_attention_kernel_matches_float64_attention(shape):
-    if not _cpu_kernel_built():
-        return
-    batch, heads, rows, slots, depth, value_depth, length = shape
-    rng = np.random.default_rng(sum(shape))
-    q = rng.standard_normal((batch, heads, rows, depth), np.float32)
-    k = rng.standard_normal((batch, heads, slots, depth), np.float32)
-    v = rng.standard_normal((batch, heads, slots, value_depth), np.float32)
-    bias = np.where(rng.random((batch, length, slots)) < 0.25, -np.inf, 0.0).astype(np.float32)
-    bias[:, :, 0] = rng.standard_normal((batch, length))  # a float mask value in every row
-    if batch > 1:
-        bias[1] = -np.inf  # a sequence whose queries may attend to nothing: zeros, as torch gives
-    scale = 0.7 / np.sqrt(depth)
-    scores = np.einsum("bhrd,bhsd->bhrs", q.astype(np.float64), k.astype(np.float64)) * scale
-    scores = scores + bias[:, None, np.arange(rows) % length]  # query row r reads bias row r % L
-    top = scores.max(-1, keepdims=True)
-    weights = np.exp(scores - np.where(np.isfinite(top), top, 0.0))
-    total = weights.sum(-1, keepdims=True)
-    expected = np.einsum("bhrs,bhsd->bhrd", weights / np.where(total > 0, total, 1.0), v.astype(np.float64))
-    got = np.asarray(jax.jit(_cpu_kernels.decode_attention, static_argnums=4)(q, k, v, bias, scale))
-    assert got.shape == expected.shape
-    np.testing.assert_allclose(got, expected, rtol=0, atol=MATMUL_ATOL)
-    if batch > 1:
-        assert not got[1].any()
-
-
-# -- convolution (channels-last) ----------------------------------------------------
-
-CONV_CASES = {
-    "2d": (torch.nn.Conv2d, dict(in_channels=6, out_channels=8, kernel_size=3, padding=1), (2, 6, 9, 7)),
-    "2d_strided_dilated_grouped": (
-        torch.nn.Conv2d, dict(in_channels=6, out_channels=4, kernel_size=3, stride=2, dilation=2, padding=2, groups=2),
-        (2, 6, 11, 10),
-    ),
-    "2d_no_bias_unbatched": (torch.nn.Conv2d, dict(in_channels=3, out_channels=5, kernel_size=(1, 3), bias=False), (3, 8, 8)),
-    "1d_depthwise": (torch.nn.Conv1d, dict(in_channels=4, out_channels=4, kernel_size=4, padding=3, groups=4), (2, 4, 10)),
-    "3d": (torch.nn.Conv3d, dict(in_channels=2, out_channels=3, kernel_size=2, stride=(1, 2, 1)), (1, 2, 5, 6, 4)),
-    "2d_transposed": (torch.nn.ConvTranspose2d, dict(in_channels=4, out_channels=3, kernel_size=3, stride=2), (2, 4, 5, 5)),
-}
-
-
-@jit_modes
-@pytest.mark.parametrize("case", CONV_CASES)
-def test_convolution_matches_torch(env, case, jit):
-    layer, kwargs, shape = CONV_CASES[case]
-    torch.manual_seed(SEED)
-    conv = layer(**kwargs).eval()
-    x = torch.randn(*shape)
-    weight, bias = conv.weight.detach(), None if conv.bias is None else conv.bias.detach()
-    expected = conv(x).detach()
-
-    def apply(x, weight, bias):
-        return torch.func.functional_call(conv, {"weight": weight, "bias": bias} if bias is not None else {"weight": weight}, (x,))
-
-    actual = _run(env, apply, x, weight, bias, jit=jit)
-    _assert_close(actual, expected, MATMUL_ATOL)
-
-
-def test_convolution_in_a_loop_runs_channels_last(env):
-    # XLA:CPU keeps a channels-first convolution channels-first inside a while loop (and runs
-    # its generic, ~80x slower convolution); the override hands it channels-last.
-    torch.manual_seed(SEED)
-    conv = torch.nn.Conv2d(4, 4, 3, padding=1).eval()
-    weight, bias = _to_jax(env, (conv.weight.detach(), conv.bias.detach()))
-
-    def body(_, x):
-        with env:
-            out = torch.nn.functional.conv2d(torchax.tensor.Tensor(x, env), weight, bias, padding=1)
-        return out.jax()
-
-    x = jax.numpy.ones((1, 4, 8, 8))
-    text = jax.jit(lambda x: jax.lax.fori_loop(0, 3, body, x)).lower(x).compile().as_text()
-    labels = [line.split("dim_labels=")[1].split(",")[0] for line in text.splitlines() if "dim_labels=" in line]
-    assert labels and all(label.startswith("b01f") for label in labels), labels
-
-
-def _stored_copy(conv: torch.nn.Module) -> torch.nn.Module:
-    stored = copy.deepcopy(conv)
-    _ops.store_convolutions_channels_last(stored)
-    return stored
-
-
-@pytest.mark.parametrize("case", CONV_CASES)
-def test_convolution_weights_held_channels_last_match_torch(case):
-    layer, kwargs, shape = CONV_CASES[case]
-    torch.manual_seed(SEED)
-    conv = layer(**kwargs).eval()
-    x = torch.randn(*shape)
-    stored = _stored_copy(conv)
-    params, _ = _compile.module_state(stored)
-    if conv.transposed:
-        assert set(params) == set(dict(conv.named_parameters())), "transposed convolutions keep torch's layout"
-    else:
-        kernel = tuple(conv.weight.shape[2:])
-        assert params["parametrizations.weight.original"].shape == (*kernel, *conv.weight.shape[1::-1])
-    actual = hfjax.jit(stored)(x)
-    _assert_close(torch.from_numpy(np.array(actual)), conv(x).detach(), MATMUL_ATOL)
-
-
-def test_convolution_weights_held_channels_last_are_not_copied_per_call():
-    # The trace un-permutes the held weight and the lowering permutes it back: XLA folds the
-    # pair, so the compiled program transposes only the activations.
-    torch.manual_seed(SEED)
-    conv = torch.nn.Conv2d(8, 16, 3, padding=1).eval()
-    x = torch.randn(2, 8, 6, 6)
-
-    def transposes(module):
-        text = hfjax.jit(module).lower("forward", x).compile().as_text()
-        return sum(" transpose(" in line for line in text.splitlines())
-
-    assert transposes(_stored_copy(conv)) < transposes(conv)
-    assert _ops.store_convolutions_channels_last(_stored_copy(conv)) == 0, "a held weight is not held twice"
+    check_attention(env, case, jit)
 
 
 PARITY_TESTS = {
@@ -784,23 +434,48 @@ PARITY_TESTS = {
     torch.ops.aten.pow: test_integer_pow_matches_torch,
     torch.nn.functional.scaled_dot_product_attention: test_scaled_dot_product_attention_matches_torch,
     torch.ops.aten.scaled_dot_product_attention: test_scaled_dot_product_attention_matches_torch,
-    torch.ops.aten.convolution: test_convolution_matches_torch,
-    torch.nn.functional.linear: test_linear_matches_torch,
-    torch.ops.aten.linear: test_linear_matches_torch,
-    torch.ops.aten.index_copy: test_index_copy_matches_torch,
-    torch.ops.aten.index_copy_: test_index_copy_matches_torch,
 }
 
 
-def test_every_override_has_a_reason_and_a_parity_test():
-    registered = _ops.overrides()
+def test_every_generic_override_has_a_reason_and_a_parity_test():
+    registered = {entry.op: entry for entry in _ops.registered() if entry.backend is None}
     assert set(registered) == set(PARITY_TESTS), (
         f"overrides without a parity test: {set(registered) - set(PARITY_TESTS)}; "
         f"tests of overrides that no longer exist: {set(PARITY_TESTS) - set(registered)}"
     )
-    assert all(entry.why for entry in registered.values())
+    assert all(entry.why.strip() for entry in registered.values())
 
 
-def test_install_puts_every_override_into_the_environment(env):
-    for op, entry in _ops.overrides().items():
+def test_install_puts_every_generic_override_into_the_environment(env):
+    for op, entry in _ops.overrides(None).items():
         assert env._ops[op].func is entry.impl, f"{op} is not installed"
+
+
+def test_hfjax_uses_an_environment_of_its_own():
+    import torchax
+
+    from hfjax import _env
+
+    assert _env.env() is not torchax.default_env()
+    default_ops = torchax.default_env()._ops
+    assert all(default_ops.get(op) is None or default_ops[op].func is not entry.impl for op, entry in _ops.overrides(None).items())
+
+
+def test_an_override_registered_later_reaches_hfjax_environment(monkeypatch):
+    from hfjax import _env
+
+    op = torch.ops.aten.erfinv.default
+
+    @hfjax.override_op(op, why="a test: registered after the environment was made")
+    def erfinv(x):
+        return jax.scipy.special.erfinv(x)
+
+    try:
+        assert _env.env()._ops[op].func is erfinv
+    finally:
+        _ops._OVERRIDES.pop((op, None))
+
+
+def test_an_override_without_a_reason_is_refused():
+    with pytest.raises(ValueError, match="why="):
+        hfjax.override_op(torch.ops.aten.erfinv.default, why=" ")

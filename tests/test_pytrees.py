@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
+import importlib.util
 import pkgutil
 import subprocess
 import sys
@@ -21,7 +22,9 @@ from hfjax import _pytrees
 
 
 
-def _import_all_model_modules():
+def _import_all_model_modules() -> list[type]:
+    """Imports every transformers model module (and diffusers' models, where installed); returns
+    the output base classes whose subclasses they define."""
     import transformers.models as models
 
     for info in pkgutil.iter_modules(models.__path__):
@@ -29,10 +32,13 @@ def _import_all_model_modules():
             importlib.import_module(f"transformers.models.{info.name}.modeling_{info.name}")
         except Exception:  # optional backends (vision, audio) missing here: those classes are not installed
             continue
-    importlib.import_module("diffusers.models")  # defines diffusers' output classes
-    from diffusers.utils import BaseOutput
+    bases = [ModelOutput]
+    if importlib.util.find_spec("diffusers") is not None:
+        importlib.import_module("diffusers.models")  # defines diffusers' output classes
+        from diffusers.utils import BaseOutput
 
-    return BaseOutput
+        bases.append(BaseOutput)
+    return bases
 
 
 def _subclasses(base):
@@ -46,8 +52,7 @@ def _subclasses(base):
 
 
 def _output_classes():
-    base_output = _import_all_model_modules()
-    classes = _subclasses(ModelOutput) + _subclasses(base_output)
+    classes = [cls for base in _import_all_model_modules() for cls in _subclasses(base)]
     return [c for c in classes if dataclasses.is_dataclass(c)]
 
 
@@ -64,6 +69,7 @@ def test_every_installed_output_type_round_trips_through_jit():
     assert len(classes) > 300, f"expected hundreds of output classes, found {len(classes)}"
     identity = jax.jit(lambda tree: tree)
     for cls in classes:
+        hfjax.register_pytree(cls)
         assert cls in hfjax._pytrees.registered_classes(), f"{cls.__qualname__} is not registered"
         obj, values = _filled(cls)
         back = identity(obj)
@@ -79,6 +85,7 @@ def test_every_installed_output_type_round_trips_through_jit():
 def test_none_loss_does_not_shift_logits():
     logits = jnp.arange(6.0).reshape(1, 2, 3)
     out = transformers.modeling_outputs.CausalLMOutputWithPast(logits=logits)
+    hfjax.register_pytree(out)
     back = jax.jit(lambda o: o)(out)
     assert back.loss is None
     np.testing.assert_array_equal(back.logits, logits)
@@ -88,30 +95,47 @@ def test_none_loss_does_not_shift_logits():
 
 _DIFFUSERS_AFTER_HFJAX = """
 import sys
-import hfjax, jax, jax.numpy as jnp
+import hfjax, jax, jax.numpy as jnp, torch
 assert "diffusers" not in sys.modules
 import diffusers.models.autoencoders.vae as vae
-back = jax.jit(lambda o: o)(vae.DecoderOutput(sample=jnp.ones((1, 3, 2, 2))))
-assert isinstance(back, vae.DecoderOutput) and back.commit_loss is None
+
+class Decoder(torch.nn.Module):
+    def forward(self, x):
+        return vae.DecoderOutput(sample=x * 2)
+
+back = hfjax.jit(Decoder())(jnp.ones((1, 3, 2, 2)))
+assert isinstance(back, vae.DecoderOutput) and back.commit_loss is None and float(back.sample.sum()) == 24
 print("ok")
 """
 
 
-def test_diffusers_imported_after_hfjax_is_registered():
+def test_diffusers_imported_after_hfjax_is_registered_when_first_met():
+    pytest.importorskip("diffusers")
     # A fresh process: in this one another test may have imported diffusers first.
     result = subprocess.run([sys.executable, "-c", _DIFFUSERS_AFTER_HFJAX], capture_output=True, text=True)
     assert result.returncode == 0 and result.stdout.strip() == "ok", result.stderr[-2000:]
 
 
-def test_output_class_defined_after_import_is_registered():
+def test_output_class_defined_after_import_is_registered_when_first_met():
     @dataclasses.dataclass
     class LateOutput(ModelOutput):
         loss: torch.Tensor | None = None
         scores: torch.Tensor | None = None
 
-    back = jax.jit(lambda o: o)(LateOutput(scores=jnp.ones(3)))
+    class Scorer(torch.nn.Module):
+        def forward(self, x):
+            return LateOutput(scores=x * 2)
+
+    assert LateOutput not in hfjax._pytrees.registered_classes()
+    back = hfjax.jit(Scorer())(jnp.ones(3))
     assert isinstance(back, LateOutput) and back.loss is None
-    np.testing.assert_array_equal(back.scores, np.ones(3))
+    np.testing.assert_array_equal(back.scores, np.full(3, 2.0))
+    assert LateOutput in hfjax._pytrees.registered_classes()
+
+
+def test_register_pytree_names_what_it_cannot_register():
+    with pytest.raises(TypeError, match=r"register_pytree\(int\).*register_stateful"):
+        hfjax.register_pytree(int)
 
 
 def _leaves_equal(a, b):

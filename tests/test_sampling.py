@@ -1,4 +1,4 @@
-"""hfjax._sampling against transformers' own logits processors, run by PyTorch on the CPU."""
+"""hfjax.generation._sampling against transformers' own logits processors, run by PyTorch on the CPU."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ import torch
 import transformers
 
 from hfjax import testing, tolerances
-from hfjax._sampling import (
+from hfjax.generation._sampling import (
     SamplingConfig,
     first_argmax,
     ngram_bans,
@@ -365,4 +365,4 @@ def test_sequence_bias_and_bad_words_match_transformers(seed):
     buffer, start, end = _buffer(input_ids, lead=3, tail=5)
     actual = scores + np.asarray(sequence_bias(buffer, start, end, entries, VOCAB))
     assert not np.array_equal(expected, scores + np.asarray(sequence_bias(buffer, start, end, entries[:1], VOCAB)))
-    np.testing.assert_allclose(actual, expected, rtol=0, atol=1e-6)
+    np.testing.assert_allclose(actual, expected, rtol=0, atol=tolerances.BIASES.atol)

@@ -53,7 +53,7 @@ def _child(out: pathlib.Path) -> None:
     import numpy as np
 
     import hfjax
-    from hfjax import _sharding, testing
+    from hfjax import parallel, testing
 
     assert jax.device_count() == 8, jax.devices()
     records = []
@@ -67,9 +67,9 @@ def _child(out: pathlib.Path) -> None:
         for data, model_size in meshes:
             record = {"family": family, "mesh": [data, model_size]}
             try:
-                mesh = _sharding.make_mesh(data=data, model=model_size)
+                mesh = parallel.make_mesh(data=data, model=model_size)
                 model = hfjax.load(path, mesh=mesh)
-                plan = _sharding.plan(model, mesh)
+                plan = parallel.plan(model, mesh)
                 record["max_diff"] = float(np.abs(np.asarray(model(ids).logits) - want_logits).max())
                 got = np.asarray(model.generate(ids, max_new_tokens=NEW_TOKENS, do_sample=False)).tolist()
                 record["tokens"], record["want_tokens"] = got, want_tokens
@@ -168,20 +168,24 @@ def _bad_shards(params, plan, model_size: int) -> list[str]:
 def _kv_cache_shards(model, ids) -> list[list[int]]:
     # The shard shapes of the KV cache the compiled prefill returns ([B, KV heads, L, D]
     # blocks, then the full shape), caught by wrapping the engine's prefill program.
-    generator = model._generator
-    program, caught = generator._program, []
+    from hfjax.generation import _engine
+
+    generator = model._generator or _engine.Generator(model)
+    model._generator = generator
+    get, caught = generator.programs.get, []
 
     def catching(key, *rest, **kwargs):
-        compiled = program(key, *rest, **kwargs)
-        if key[0] != "prefill":
-            return compiled
-        return lambda *args: caught.append(compiled(*args)) or caught[-1]
+        program = get(key, *rest, **kwargs)
+        if key[0] == "prefill":
+            run = program.run
+            program.run = lambda *args: caught.append(run(*args)) or caught[-1]
+        return program
 
-    generator._program = catching
+    generator.programs.get = catching
     try:
         model.generate(ids, max_new_tokens=2, do_sample=False)
     finally:
-        generator._program = program
+        del generator.programs.get
     leaves = [leaf for leaf in caught[-1] if leaf.ndim == 4]  # the prefill's state, as a flat list
     return [list(leaf.sharding.shard_shape(leaf.shape)) + list(leaf.shape) for leaf in leaves]
 
@@ -251,24 +255,25 @@ def test_diffusion_pipeline_on_a_mesh_splits_images_over_data(records, family):
 def test_head_count_error_names_heads_and_mesh():
     import jax
 
-    from hfjax import _sharding, testing
+    import hfjax
+    from hfjax import parallel, testing
 
     config = testing.tiny_config("llama", num_attention_heads=8, num_key_value_heads=8)
-    with pytest.raises(_sharding.ShardingError, match=r"num_attention_heads=8 .* size 3 \(mesh data=1, model=3\)"):
-        _sharding.plan(config, jax.sharding.AbstractMesh((1, 3), ("data", "model")))
+    with pytest.raises(hfjax.ShardingError, match=r"num_attention_heads=8 .* size 3 \(mesh data=1, model=3\)"):
+        parallel.plan(config, jax.sharding.AbstractMesh((1, 3), ("data", "model")))
     config = testing.tiny_config("llama", hidden_size=96, num_attention_heads=12, num_key_value_heads=6, head_dim=8)
-    with pytest.raises(_sharding.ShardingError, match=r"num_key_value_heads=6 .* size 4"):
-        _sharding.plan(config, jax.sharding.AbstractMesh((1, 4), ("data", "model")))
+    with pytest.raises(hfjax.ShardingError, match=r"num_key_value_heads=6 .* size 4"):
+        parallel.plan(config, jax.sharding.AbstractMesh((1, 4), ("data", "model")))
 
 
 def test_fewer_kv_heads_than_devices_replicates_them():
     import jax
     from jax.sharding import PartitionSpec as P
 
-    from hfjax import _sharding, testing
+    from hfjax import parallel, testing
 
     config = testing.tiny_config("llama", num_attention_heads=8, num_key_value_heads=2)
-    plan = _sharding.plan(config, jax.sharding.AbstractMesh((1, 8), ("data", "model")))
+    plan = parallel.plan(config, jax.sharding.AbstractMesh((1, 8), ("data", "model")))
     assert plan["model.layers.0.self_attn.k_proj.weight"] == P()
     assert plan["model.layers.0.self_attn.q_proj.weight"] == P("model", None)
     assert any("num_key_value_heads=2" in note for note in plan.notes)
@@ -278,9 +283,9 @@ def test_gpt2_conv1d_weights_are_split_in_their_layout():
     import jax
     from jax.sharding import PartitionSpec as P
 
-    from hfjax import _sharding, testing
+    from hfjax import parallel, testing
 
-    plan = _sharding.plan(testing.tiny_config("gpt2", n_head=8), jax.sharding.AbstractMesh((1, 8), ("data", "model")))
+    plan = parallel.plan(testing.tiny_config("gpt2", n_head=8), jax.sharding.AbstractMesh((1, 8), ("data", "model")))
     assert plan["transformer.h.0.attn.c_attn.weight"] == P(None, "model")  # [in, out]: split out
     assert plan["transformer.h.0.mlp.c_proj.weight"] == P("model", None)  # [in, out]: split in
     assert plan["transformer.h.0.mlp.c_proj.bias"] == P()
@@ -290,9 +295,9 @@ def test_fallback_places_a_family_without_rules():
     import jax
     from jax.sharding import PartitionSpec as P
 
-    from hfjax import _sharding, testing
+    from hfjax import parallel, testing
 
-    plan = _sharding.plan(testing.tiny_config("gpt_neox", num_attention_heads=8), jax.sharding.AbstractMesh((1, 8), ("data", "model")))
+    plan = parallel.plan(testing.tiny_config("gpt_neox", num_attention_heads=8), jax.sharding.AbstractMesh((1, 8), ("data", "model")))
     layer = "gpt_neox.layers.0"
     assert plan[f"{layer}.attention.query_key_value.weight"] == P("model", None)
     assert plan[f"{layer}.attention.dense.weight"] == P(None, "model")
@@ -324,9 +329,10 @@ def test_two_processes_give_one_device_tokens(checkpoint, tmp_path, capfd):
     script = tmp_path / "run.py"
     script.write_text(
         "import sys, json, numpy as np, jax, hfjax\n"
-        "from hfjax import _sharding\n"
+        "from hfjax import parallel\n"
+        "hfjax.distributed.initialize()  # hfjax launch has joined the run already: nothing more to do\n"
         "assert jax.process_count() == 2 and jax.device_count() == 8\n"
-        "model = hfjax.load(sys.argv[1], mesh=_sharding.make_mesh(data=2, model=4))\n"
+        "model = hfjax.load(sys.argv[1], mesh=parallel.make_mesh(data=2, model=4))\n"
         f"out = model.generate(np.array({PROMPTS}, np.int32), max_new_tokens={NEW_TOKENS}, do_sample=False)\n"
         "print('TOKENS', json.dumps(np.asarray(out).tolist()))\n"
     )

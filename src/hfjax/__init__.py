@@ -1,53 +1,56 @@
 """hfjax: run Hugging Face PyTorch models on JAX and XLA, unchanged.
 
 Public API:
-    load            read a checkpoint into jax.Arrays and return a runnable model
-    jit             compile a torch module's methods with XLA, weights as arguments
-    JittedModule    what `jit` returns
-    Model           what `load` returns
-    register_stateful  register a model's own cache class as a pytree
-    to_jax          run a diffusers pipeline on JAX, heavy parts compiled
-    load_pipeline   DiffusionPipeline.from_pretrained + to_jax
-    set_cache_dir   where compiled XLA programs are kept between processes
-    make_mesh       a ("data", "model") device mesh for hfjax.load(path, mesh=...)
-    testing         tiny checkpoint factories (hfjax.testing)
+    load                read a checkpoint (a path or hub id) into jax.Arrays: a `Model`
+    Model               generate, classify, embed, a compiled forward; `Model.from_module(m)`
+    jit                 compile a torch module's methods with XLA, weights as arguments
+    JittedModule        what `jit` returns
+    to_jax              run a diffusers pipeline on JAX, heavy parts compiled
+    load_pipeline       DiffusionPipeline.from_pretrained + to_jax
+    make_mesh           a ("data", "model") device mesh for `load(path, mesh=...)`
+    distributed         `hfjax.distributed.initialize()`: join a multi-process run
+    set_cache_dir       keep compiled programs on disk between processes
+    register_pytree     register Hugging Face output / cache classes as JAX pytrees (hfjax's calls do it)
+    register_stateful   register a model's own cache class as a JAX pytree
+    override_op         register a JAX lowering for a torch op that torchax lacks
+    check               parity of a checkpoint against PyTorch
+    HfjaxError          base of LoadError, UnsupportedOpError, ShardingError, GenerationError, PipelineError
+
+Subpackages: `hfjax.generation` (the engine), `hfjax.parallel` (meshes, sharding rules),
+`hfjax.diffusion`, `hfjax.cpu` (the CPU's fast paths), `hfjax.testing` (tiny checkpoints),
+`hfjax.cli`. Importing hfjax changes nothing in the process (README.md lists what its calls do).
 """
 
-import os as _os
-import sys as _sys
-
-if "torch" not in _sys.modules:
-    # With JAX's CPU runtime in the same process, torch's OpenMP threads spinning
-    # while they wait slow torch down 30x on a 2-core machine; sleeping threads do not.
-    _os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
-
-from ._sharding import initialize_from_env as _initialize_from_env
-
-_initialize_from_env()  # joins a multi-process run when $HFJAX_COORDINATOR is set (hfjax launch)
-
+from ._check import check
+from ._compilation_cache import set_cache_dir
 from ._compile import JittedModule, jit
-from ._sharding import make_mesh
+from ._errors import GenerationError, HfjaxError, LoadError, PipelineError, ShardingError, UnsupportedOpError
 from ._model import Model, load
-from ._diffusion import load_pipeline, to_jax
-from ._env import set_cache_dir
-from ._env import env as _setup_env
-from ._errors import HfjaxError, LoadError, UnsupportedOpError
-from ._pytrees import register_stateful
-
-_setup_env()
+from ._ops import override as override_op
+from ._pytrees import register_pytree, register_stateful
+from ._version import __version__
+from .diffusion import load_pipeline, to_jax
+from .parallel import distributed, make_mesh
 
 __all__ = [
+    "GenerationError",
     "HfjaxError",
     "JittedModule",
     "LoadError",
+    "Model",
+    "PipelineError",
+    "ShardingError",
     "UnsupportedOpError",
+    "__version__",
+    "check",
+    "distributed",
     "jit",
     "load",
-    "Model",
-    "register_stateful",
     "load_pipeline",
     "make_mesh",
+    "override_op",
+    "register_pytree",
+    "register_stateful",
     "set_cache_dir",
     "to_jax",
 ]
-__version__ = "0.1.0"

@@ -13,8 +13,9 @@ import traceback
 import numpy as np
 import torch
 
-from . import tolerances
+from . import _tasks, tolerances
 from ._errors import HfjaxError, UnsupportedOpError
+from ._model import load
 
 
 @dataclasses.dataclass(frozen=True)
@@ -120,9 +121,6 @@ def check(
       >>> report = hfjax.check("./tiny-llama")
       >>> print(report.table())
     """
-    from . import _loading
-    from ._model import load
-
     path = pathlib.Path(path)
     try:
         model = load(path, task=task, dtype="float32")
@@ -134,7 +132,7 @@ def check(
     inputs = _inputs(config, task, batch=batch, seq_len=seq_len, seed=seed)
     torch_inputs = {k: torch.from_numpy(v) if isinstance(v, np.ndarray) else v for k, v in inputs.items()}
 
-    reference_model = _loading._auto_classes()[task].from_pretrained(path, dtype=torch.float32).eval()
+    reference_model = _tasks.auto_class(task).from_pretrained(path, dtype=torch.float32).eval()
     with torch.no_grad():
         reference, torch_seconds = _timed(lambda: reference_model(**torch_inputs), repeats)
     expected = _outputs_of(reference, task)

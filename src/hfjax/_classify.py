@@ -14,7 +14,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ._model import _context_length
+from ._buckets import bucket
+from ._loading import context_length
 
 DEFAULT_TEMPLATE = "Text: {text}\nQuestion: which of {labels} describes the text?\nAnswer:"
 _TEMPLATE_FIELDS = ("text", "labels")
@@ -58,7 +59,7 @@ def classify(
         return []
     labels = None if labels is None else _check_labels(labels)
     if model.tokenizer is None:
-        raise ValueError(f"classify: the checkpoint at {str(model.path)!r} has no tokenizer files, so texts cannot be encoded")
+        raise ValueError(f"classify: {model.source} has no tokenizer, so texts cannot be encoded")
     if batch_size < 1:
         raise ValueError(f"classify: batch_size should be >= 1. Got: {batch_size}")
     if model.task == "text-classification":
@@ -100,7 +101,7 @@ def label_log_likelihoods(
     scores = []
     for first in range(0, len(rows), batch_size):
         chunk = rows[first : first + batch_size]
-        ids, mask = _pad_rows(chunk, pad_id, batch_size, _context_length(model.config))
+        ids, mask = _pad_rows(chunk, pad_id, batch_size, context_length(model.config))
         weights = np.zeros(ids.shape, np.float32)  # 1 where a label token is predicted
         for i, (row, start) in enumerate(zip(chunk, spans[first : first + batch_size])):
             weights[i, start : len(row)] = 1.0
@@ -156,7 +157,7 @@ def _classify_with_head(model, texts: list[str], labels: list[str] | None, batch
         if pad_id is None:
             ids, mask = np.asarray(chunk, np.int32), np.ones((1, len(chunk[0])), np.int32)
         else:
-            ids, mask = _pad_rows(chunk, pad_id, batch_size, _context_length(model.config))
+            ids, mask = _pad_rows(chunk, pad_id, batch_size, context_length(model.config))
         out = model(jnp.asarray(ids), attention_mask=jnp.asarray(mask)).logits  # [B, num_labels]
         logits.append(np.asarray(out, np.float32)[: len(chunk)])
     logits = jnp.asarray(np.concatenate(logits))
@@ -168,8 +169,8 @@ def _classify_with_head(model, texts: list[str], labels: list[str] | None, batch
 def _pad_rows(rows: list[list[int]], pad_id: int, max_rows: int, limit: int | None) -> tuple[np.ndarray, np.ndarray]:
     # Right-pads to power-of-two lengths and row counts, so few shapes are compiled; extra
     # rows repeat the first one. Returns int32 ids and attention mask, both [B, L].
-    length = _bucket(max(len(row) for row in rows), smallest=16, limit=limit)
-    count = _bucket(len(rows), smallest=1, limit=max_rows)
+    length = bucket(max(len(row) for row in rows), smallest=16, limit=limit)
+    count = bucket(len(rows), smallest=1, limit=max_rows)
     ids = np.full((count, length), pad_id, np.int32)
     mask = np.zeros((count, length), np.int32)
     for i in range(count):
@@ -179,15 +180,8 @@ def _pad_rows(rows: list[list[int]], pad_id: int, max_rows: int, limit: int | No
     return ids, mask
 
 
-def _bucket(n: int, *, smallest: int, limit: int | None) -> int:
-    size = smallest
-    while size < n:
-        size *= 2
-    return max(n, min(size, limit)) if limit else size
-
-
 def _check_lengths(model, rows: list[list[int]], texts: list[str], *, per_text: int) -> None:
-    limit = _context_length(model.config)
+    limit = context_length(model.config)
     for i, row in enumerate(rows):
         if limit and len(row) > limit:
             text = texts[i // per_text]

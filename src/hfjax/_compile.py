@@ -12,7 +12,6 @@ from __future__ import annotations
 import collections
 import contextlib
 import dataclasses
-import os
 import sys
 from typing import Any, Callable, Sequence
 
@@ -22,7 +21,7 @@ from torch.nn.utils import stateless
 from torchax.tensor import OperatorNotFound
 from torchax.tensor import Tensor as JaxTensor
 
-from . import _env, _pytrees
+from . import _backend, _env, _pytrees
 from ._errors import UnsupportedOpError
 
 
@@ -83,7 +82,8 @@ class JittedModule(torch.nn.Module):
                     f"hfjax.jit(methods=...): {type(module).__name__} has no method {name!r}; "
                     f"pass names of its methods, e.g. methods=('forward',)"
                 )
-        _env.env()
+        _env.env()  # made before anything is traced or compiled ($HFJAX_CACHE_DIR applies from here)
+        _backend.active().prepare()
         if params is None:
             params, aliases = module_state(module)
         object.__setattr__(self, "module", module)
@@ -125,18 +125,17 @@ class JittedModule(torch.nn.Module):
     def lower(self, method: str, *args, **kwargs) -> jax.stages.Lowered:
         """Lowers `method` for these arguments without running it (to inspect the program)."""
         program, dynamic = self._program(method, args, kwargs)
-        return program.jitted.lower(self.params, dynamic, _env.env().prng_key)
+        return program.jitted.lower(self.params, dynamic, _env.prng_key())
 
     # -- calling ---------------------------------------------------------------
 
     def _call(self, method: str, args: tuple, kwargs: dict, *, compiled: bool):
         torch_world = any(isinstance(x, JaxTensor) for x in jax.tree_util.tree_leaves((args, kwargs)))
         program, dynamic = self._program(method, args, kwargs)
-        environment = _env.env()
         with self._explain_errors():
             run = program.jitted if compiled else program.traced
-            out_arrays, new_inputs, key = run(self.params, dynamic, environment.prng_key)
-        environment.prng_key = key
+            out_arrays, new_inputs, key = run(self.params, dynamic, _env.prng_key())
+        _env.set_prng_key(key)
         originals = _stateful_inputs(args, kwargs)
         for original, new in zip(originals, _env.to_torch(new_inputs)):
             _pytrees.assign_state(original, new)
@@ -218,8 +217,7 @@ def bound(module: torch.nn.Module, params: dict, aliases: dict[str, str], prng_k
     """
     environment = _env.env()
     state = with_aliases(_env.to_torch(dict(params)), aliases)
-    tracing = isinstance(prng_key, jax.core.Tracer)
-    with environment, environment.override_property(prng=prng_key), _value_checks_off(tracing):
+    with environment, environment.override_property(prng=prng_key):
         with stateless._reparametrize_module(module, state, tie_weights=False, strict=False):
             yield environment
 
@@ -227,24 +225,6 @@ def bound(module: torch.nn.Module, params: dict, aliases: dict[str, str], prng_k
 def with_aliases(state: dict, aliases: dict[str, str]) -> dict:
     """`state` plus every tied name, holding the same value as its canonical name."""
     return {**state, **{alias: state[canonical] for alias, canonical in aliases.items()}}
-
-
-@contextlib.contextmanager
-def _value_checks_off(tracing: bool):
-    # transformers' torch_compilable_check reads a traced bool with .item(), which a
-    # jit trace cannot do; its documented switch turns those value checks off.
-    if not tracing:
-        yield
-        return
-    previous = os.environ.get("TRANSFORMERS_DISABLE_TORCH_CHECK")
-    os.environ["TRANSFORMERS_DISABLE_TORCH_CHECK"] = "1"
-    try:
-        yield
-    finally:
-        if previous is None:
-            del os.environ["TRANSFORMERS_DISABLE_TORCH_CHECK"]
-        else:
-            os.environ["TRANSFORMERS_DISABLE_TORCH_CHECK"] = previous
 
 
 def _check_hashable(method: str, path, leaf) -> None:

@@ -1,10 +1,14 @@
-"""The one torchax environment hfjax runs torch code in, and conversions to and from it."""
+"""hfjax's own torchax environment, and conversions between torch tensors and jax.Arrays.
+
+torchax runs torch ops through an `Environment` (its op table, PRNG key and settings). hfjax
+keeps one of its own, made on first use, so that its op lowerings never change torchax's default
+environment, which other code in the process may use.
+"""
 
 from __future__ import annotations
 
 import functools
 import os
-import pathlib
 
 import jax
 import numpy as np
@@ -13,18 +17,31 @@ import torchax
 from torchax.tensor import Tensor as JaxTensor
 from torchax.tensor import View as JaxView
 
-from . import _ops, _pytrees
+from . import _backend, _compilation_cache, _ops, _pytrees
 
 
 @functools.cache
 def env() -> torchax.tensor.Environment:
-    """The torchax environment, with hfjax's op overrides installed and pytrees registered."""
-    environment = torchax.default_env()
-    _ops.install(environment)
+    """hfjax's torchax environment: torchax's lowerings, then hfjax's overrides for this backend."""
+    environment = torchax.tensor.Environment()
+    _ops.install(environment, backend=_backend.active().name)
     environment.j2t_copy = _to_cpu_tensors
-    _pytrees.register_all()
-    set_cache_dir(os.environ.get("HFJAX_CACHE_DIR", _DEFAULT_CACHE_DIR))
+    if os.environ.get(_compilation_cache.VARIABLE):
+        _compilation_cache.set_cache_dir(os.environ[_compilation_cache.VARIABLE])
     return environment
+
+
+def prng_key() -> jax.Array:
+    """The environment's current PRNG key, as a concrete array even when asked inside a trace
+    (torchax makes each thread's first key lazily, which inside a trace would be a tracer)."""
+    with jax.ensure_compile_time_eval():
+        return env().prng_key
+
+
+def set_prng_key(key: jax.Array) -> None:
+    """Keeps `key` as the environment's PRNG key, unless it is a tracer (a call inside a trace)."""
+    if not isinstance(key, jax.core.Tracer):
+        env().prng_key = key
 
 
 def _to_cpu_tensors(tree):
@@ -39,32 +56,6 @@ def _to_cpu_tensors(tree):
     return torch.utils._pytree.tree_map_only(jax.Array, convert, tree)
 
 
-_DEFAULT_CACHE_DIR = str(pathlib.Path("~/.cache/hfjax/xla").expanduser())
-_OFF = ("", "0", "off", "none")
-
-
-def set_cache_dir(path: str | os.PathLike | None) -> pathlib.Path | None:
-    """Keeps compiled XLA programs on disk under `path`, so a later process skips compiling.
-
-    hfjax turns this on at import, under $HFJAX_CACHE_DIR (default ~/.cache/hfjax/xla;
-    HFJAX_CACHE_DIR=off turns it off). Pass None to turn it off in this process.
-
-    Returns:
-      The cache directory, or None when off.
-    """
-    if path is None or str(path).lower() in _OFF:
-        jax.config.update("jax_enable_compilation_cache", False)
-        return None
-    directory = pathlib.Path(path).expanduser()
-    directory.mkdir(parents=True, exist_ok=True)
-    jax.config.update("jax_enable_compilation_cache", True)
-    jax.config.update("jax_compilation_cache_dir", str(directory))
-    # Every program counts: a 0.2 s compile repeated at each start is what we want to skip.
-    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
-    jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
-    return directory
-
-
 def is_array(x) -> bool:
     return isinstance(x, (jax.Array, torch.Tensor, np.ndarray))
 
@@ -77,7 +68,7 @@ def to_jax(tree):
         if isinstance(x, (JaxTensor, JaxView)):
             return x.jax()
         if isinstance(x, torch.Tensor):
-            return _torch_to_jax(x)
+            return torch_to_jax(x)
         if isinstance(x, np.ndarray):
             return jax.numpy.asarray(x)
         return x
@@ -86,7 +77,7 @@ def to_jax(tree):
 
 
 def to_torch(tree):
-    """Wraps every jax.Array (or tracer) in `tree` as a torchax tensor."""
+    """Wraps every jax.Array (or tracer) in `tree` as a torchax tensor of hfjax's environment."""
     environment = env()
     return jax.tree_util.tree_map(
         lambda x: JaxTensor(x, environment) if isinstance(x, (jax.Array, jax.core.Tracer)) else x, tree
@@ -94,7 +85,7 @@ def to_torch(tree):
 
 
 def move_tensors(component) -> list[str]:
-    """Moves the tensor attributes of a plain object (a scheduler) into the torchax environment;
+    """Moves the tensor attributes of a plain object (a scheduler) into hfjax's environment;
     returns their names."""
     environment = env()
     moved = []
@@ -105,7 +96,8 @@ def move_tensors(component) -> list[str]:
     return moved
 
 
-def _torch_to_jax(t: torch.Tensor) -> jax.Array:
+def torch_to_jax(t: torch.Tensor) -> jax.Array:
+    """A CPU (or meta: an error) torch tensor's values as a jax.Array of the same dtype."""
     t = t.detach()
     if t.device.type == "meta":
         raise ValueError(

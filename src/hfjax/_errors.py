@@ -1,10 +1,25 @@
-"""Errors hfjax raises for the person who called it: each names the value and the fix."""
+"""The errors hfjax raises for the person who called it: each names the argument, the value and the fix.
+
+    HfjaxError
+     ├── LoadError          a checkpoint, or an argument of loading it (task, dtype), cannot be used
+     ├── UnsupportedOpError a torch op the model calls has no JAX lowering
+     ├── ShardingError      a model cannot be split over the mesh as asked, or `mesh=` is not a mesh
+     ├── GenerationError    generation settings or prompts that cannot be carried out
+     └── PipelineError      a diffusion pipeline call that cannot run as given
+
+Each also derives from the builtin error a caller would expect (ValueError, NotImplementedError),
+so `except ValueError` keeps working.
+"""
 
 from __future__ import annotations
 
 
 class HfjaxError(Exception):
     """Base class of hfjax's own errors."""
+
+
+class LoadError(HfjaxError, ValueError):
+    """A checkpoint could not be found, read or matched to a model class, or a loading argument is invalid."""
 
 
 class UnsupportedOpError(HfjaxError, NotImplementedError):
@@ -15,9 +30,17 @@ class UnsupportedOpError(HfjaxError, NotImplementedError):
         where = f", called from {caller}" if caller else ""
         super().__init__(
             f"{model} calls the torch op {op}{where}, which has no JAX lowering in torchax or hfjax. "
-            "Add one with @hfjax._ops.override, or report it with this message."
+            "Add one with @hfjax.override_op(op, why=...), or report it with this message."
         )
 
 
-class LoadError(HfjaxError, ValueError):
-    """A checkpoint could not be found, read or matched to a model class."""
+class ShardingError(HfjaxError, ValueError):
+    """A model cannot be split over the mesh as asked (heads do not divide, bad mesh)."""
+
+
+class GenerationError(HfjaxError, ValueError):
+    """Generation settings or prompts that hfjax cannot carry out as given."""
+
+
+class PipelineError(HfjaxError, ValueError):
+    """A diffusion pipeline call hfjax cannot run as given (bad size, wrong object)."""

@@ -9,15 +9,10 @@ conversion rules, one target tensor at a time.
 
 from __future__ import annotations
 
-import contextlib
-import ctypes
-import functools
 import json
 import os
 import pathlib
-import platform
 import re
-from typing import Literal
 
 import jax
 import jax.numpy as jnp
@@ -25,12 +20,9 @@ import numpy as np
 import torch
 from safetensors import safe_open
 
+from . import _dtypes, _env, _tasks
 from ._errors import LoadError
 
-Task = Literal["text-generation", "text-classification", "feature-extraction", "text2text-generation"]
-TASKS: tuple[str, ...] = Task.__args__
-DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
-_TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 _HUB_FILES = ["*.json", "*.safetensors", "*.model", "*.txt", "*.jinja", "1_Pooling/*"]
 _PROGRESS_BYTES = 64 * 2**20  # show a progress bar above this checkpoint size
 
@@ -83,77 +75,62 @@ def read_config(path: pathlib.Path):
         ) from None
 
 
-def _auto_classes():
-    import transformers
-
-    return {
-        "text-generation": transformers.AutoModelForCausalLM,
-        "text-classification": transformers.AutoModelForSequenceClassification,
-        "feature-extraction": transformers.AutoModel,
-        "text2text-generation": transformers.AutoModelForSeq2SeqLM,
-    }
-
-
-def infer_task(config) -> str:
-    from transformers.models.auto import modeling_auto as names
-
-    tables = {
-        "text-generation": names.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES,
-        "text2text-generation": names.MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING_NAMES,
-        "text-classification": names.MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING_NAMES,
-        "feature-extraction": names.MODEL_MAPPING_NAMES,
-    }
-    for arch in config.architectures or ():
-        for task, table in tables.items():
-            if arch in table.values():
-                return task
-    for task, table in tables.items():
-        if config.model_type in table:
-            return task
-    raise LoadError(
-        f"hfjax.load: cannot tell the task of architectures={config.architectures} (model_type {config.model_type!r}); "
-        f"pass task= one of {TASKS}"
-    )
-
-
-def check_dtype(dtype: str | None) -> str | None:
-    if dtype is not None and dtype not in DTYPES:
-        raise LoadError(f"hfjax.load: dtype={dtype!r} is not supported; use one of {tuple(DTYPES)} or None (the checkpoint's)")
-    return dtype
-
-
-@contextlib.contextmanager
-def _parameters_on_meta():
-    # Parameters go to the meta device as they are registered, so building the
-    # module allocates no weight memory and runs no real initialisation; buffers
-    # (rotary frequencies, position ids) stay real.
-    original = torch.nn.Module.register_parameter
-
-    def register_parameter(self, name, param):
-        if param is not None and param.device.type != "meta":
-            param = torch.nn.Parameter(param.to("meta"), requires_grad=param.requires_grad)
-        original(self, name, param)
-
-    torch.nn.Module.register_parameter = register_parameter
-    try:
-        yield
-    finally:
-        torch.nn.Module.register_parameter = original
+def context_length(config) -> int | None:
+    """The most tokens a model's positions allow (config.max_position_embeddings or its aliases)."""
+    for name in ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length"):
+        value = getattr(config, name, None)
+        if isinstance(value, int) and value > 0:
+            return value
+    return None
 
 
 def build_skeleton(config, task: str, dtype: str | None) -> torch.nn.Module:
-    """The HF module for `config` and `task`, parameters on meta, buffers real, in eval mode."""
-    auto = _auto_classes()[task]
-    torch_dtype = _TORCH_DTYPES[dtype] if dtype else torch.float32
+    """The HF module for `config` and `task`: parameters on the meta device (no memory, no random
+    init), buffers real, in eval mode.
+
+    The module is built on the meta device, then its buffers get real values the way transformers'
+    own `from_pretrained` gives them: moved to the CPU and set by the model's `_init_weights`, with
+    every parameter marked as initialized so that none is touched.
+    """
+    auto = _tasks.auto_class(task)
+    torch_dtype = _dtypes.torch_dtype(dtype) if dtype else torch.float32
     try:
-        with _parameters_on_meta():
+        with torch.device("meta"):
             module = auto.from_config(config, dtype=torch_dtype)
     except ValueError as error:
         raise LoadError(
             f"hfjax.load: task={task!r} has no model class for model_type {config.model_type!r} ({error}); "
-            f"pick another task from {TASKS}"
+            f"pick another task from {_tasks.TASKS}"
         ) from None
+    _materialize_buffers(module)
     return module.eval()
+
+
+def _materialize_buffers(module: torch.nn.Module) -> None:
+    # A buffer the model's _init_weights does not set keeps its sentinel and goes back to the meta
+    # device: then the checkpoint must hold it (`load_weights` says so), and no garbage is used.
+    for parameter in module.parameters():
+        parameter._is_hf_initialized = True
+    made = []
+    for submodule in module.modules():
+        for name, buffer in list(submodule._buffers.items()):
+            if buffer is not None and buffer.device.type == "meta":
+                submodule._buffers[name] = torch.full_like(buffer, _sentinel(buffer.dtype), device="cpu")
+                made.append((submodule, name))
+    module.initialize_weights()
+    for parameter in module.parameters():
+        del parameter._is_hf_initialized
+    for submodule, name in made:
+        buffer = submodule._buffers[name]
+        if buffer.numel() and buffer.dtype != torch.bool and bool((buffer.isnan() | (buffer == _sentinel(buffer.dtype))).all()):
+            submodule._buffers[name] = buffer.to("meta")
+
+
+def _sentinel(dtype: torch.dtype):
+    # What an unset buffer holds: NaN, or the smallest integer (bool buffers are left False).
+    if dtype.is_floating_point:
+        return float("nan")
+    return False if dtype == torch.bool else torch.iinfo(dtype).min
 
 
 # ---- weights -------------------------------------------------------------------
@@ -173,12 +150,12 @@ def weight_files(path: pathlib.Path) -> list[pathlib.Path]:
     return found
 
 
-def _checkpoint_dtype(files: list[pathlib.Path]) -> str:
+def checkpoint_dtype(files: list[pathlib.Path]) -> str:
+    """The dtype of the checkpoint's first floating weight ("float32" when it has none)."""
     with safe_open(files[0], framework="np") as f:
         for key in f.keys():
-            dtype = f.get_slice(key).get_dtype()
-            name = {"F32": "float32", "BF16": "bfloat16", "F16": "float16"}.get(dtype)
-            if name:
+            name = _dtypes.SAFETENSORS.get(f.get_slice(key).get_dtype())
+            if name in _dtypes.NAMES:
                 return name
     return "float32"
 
@@ -202,7 +179,7 @@ def load_weights(
     from transformers.conversion_mapping import get_model_conversion_mapping
     from transformers.core_model_loading import WeightConverter, WeightRenaming, rename_source_key
 
-    target = DTYPES[dtype]
+    target = _dtypes.jax_dtype(dtype)
     expected = {}
     aliases, seen = {}, {}
     for name, tensor in list(module.named_parameters(remove_duplicate=False)) + list(
@@ -252,7 +229,7 @@ def load_weights(
     for first_name, (converter, sources) in grouped.items():
         for name, value in _convert_group(module, converter, first_name, sources).items():
             if name in expected:
-                params[name] = _cast(_torch_to_jax(value), target, expected[name])
+                params[name] = _cast(_env.torch_to_jax(value), target, expected[name])
                 if shardings is not None:
                     # Tensors built by transformers' conversions (per-expert weights fused into
                     # one) are assembled whole on the host first, then split to the devices.
@@ -264,59 +241,18 @@ def load_weights(
     if missing:
         shown = ", ".join(missing[:8]) + (f" and {len(missing) - 8} more" if len(missing) > 8 else "")
         raise LoadError(
-            f"hfjax.load: the checkpoint has no weights for {len(missing)} parameters of {type(module).__name__}: {shown}; "
+            f"hfjax.load: the checkpoint has no weights for {len(missing)} parameters or buffers of {type(module).__name__}: {shown}; "
             "the checkpoint was saved for another architecture or task (pass task=...)"
         )
     for name, tensor in expected.items():
         if name not in params:  # real buffers the checkpoint does not store (rotary frequencies, ...)
-            params[name] = _torch_to_jax(tensor)
+            params[name] = _env.torch_to_jax(tensor)
             if shardings is not None:
                 params[name] = _place(np.asarray(params[name]), _sharding_for(shardings, name))
-    _huge_pages(params.values())
     return params, aliases
 
 
-# ---- 2 MB pages for weights in host memory -----------------------------------------
-
-_HUGE_PAGE = 2 << 20
-_MADV_COLLAPSE = 25  # Linux 6.1 and later
-
-
-@functools.cache
-def _madvise():
-    libc = ctypes.CDLL(None, use_errno=True)
-    libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-    return libc.madvise
-
-
-def _huge_pages(arrays) -> int:
-    """Moves CPU weights into 2 MB pages, where Linux lets a process ask for it (MADV_COLLAPSE);
-    returns the bytes moved.
-
-    Decoding reads every weight once per token. On 4 KB pages that is a page-table walk every
-    4 KB; on 2 MB pages the 150M benchmark model decodes 6% faster at batch 1 and 8% at batch
-    8 (benchmarks/README.md). XLA allocates with 4 KB pages, and the collapse keeps addresses
-    and contents, so it is safe on live buffers. Elsewhere (another OS or accelerator, an older
-    kernel, transparent huge pages turned off, HFJAX_HUGE_PAGES=0) it does nothing.
-    """
-    if platform.system() != "Linux" or os.environ.get("HFJAX_HUGE_PAGES", "1") == "0":
-        return 0
-    moved = 0
-    for array in arrays:
-        for shard in getattr(array, "addressable_shards", ()):
-            buffer = shard.data
-            if buffer.device.platform != "cpu" or buffer.nbytes < _HUGE_PAGE:
-                continue
-            start = buffer.unsafe_buffer_pointer()
-            first = -(-start // _HUGE_PAGE) * _HUGE_PAGE  # whole 2 MB pages inside the buffer
-            last = (start + buffer.nbytes) // _HUGE_PAGE * _HUGE_PAGE
-            # Linux refuses memory that XLA does not own (a numpy buffer an array aliases, say).
-            if last > first and _madvise()(first, last - first, _MADV_COLLAPSE) == 0:
-                moved += last - first
-    return moved
-
-
-# ---- sharded reads (hfjax._sharding decides the shardings) ----------------------
+# ---- sharded reads (hfjax.parallel decides the shardings) ----------------------
 
 
 def _sharding_for(shardings: dict, name: str) -> jax.sharding.NamedSharding:
@@ -373,13 +309,7 @@ def _convert_group(module, converter, first_name: str, sources: list) -> dict[st
 
 
 def _nbytes(slice_) -> int:
-    shape = slice_.get_shape()
-    size = 1
-    for d in shape:
-        size *= d
-    return size * {"F64": 8, "F32": 4, "BF16": 2, "F16": 2, "I64": 8, "I32": 4, "BOOL": 1, "U8": 1, "I8": 1}.get(
-        slice_.get_dtype(), 4
-    )
+    return int(np.prod(slice_.get_shape(), dtype=np.int64)) * _dtypes.itemsize(_dtypes.SAFETENSORS.get(slice_.get_dtype(), "float32"))
 
 
 def _cast(array, target, reference: torch.Tensor) -> jax.Array:
@@ -392,12 +322,6 @@ def _cast(array, target, reference: torch.Tensor) -> jax.Array:
     if jnp.issubdtype(array.dtype, jnp.floating) and reference.dtype.is_floating_point:
         return array.astype(target)
     return array
-
-
-def _torch_to_jax(tensor: torch.Tensor) -> jax.Array:
-    from ._env import _torch_to_jax as convert
-
-    return convert(tensor)
 
 
 def _progress(total_bytes: int, enabled: bool | None):

@@ -1,36 +1,38 @@
-"""`hfjax.load` and the `Model` it returns."""
+"""`hfjax.load`, `Model.from_module` and the `Model` they return."""
 
 from __future__ import annotations
 
-import json
 import os
 import pathlib
 
 import jax
-import jax.numpy as jnp
 import numpy as np
+import torch
 
-from . import _loading
-from ._compile import JittedModule
-from ._errors import LoadError
+from . import _backend, _classify, _dtypes, _embed, _loading, _tasks
+from ._compile import JittedModule, module_state
+from ._errors import GenerationError, LoadError
+from .generation import _engine, _planning, _settings
+from .parallel import _mesh, _rules
 
 
 class Model:
     """A Hugging Face model whose weights are jax.Arrays and whose forward runs compiled.
 
     Attributes:
-      module: the transformers module (its parameters live on the meta device; the
-        real weights are `params`).
+      module: the transformers module. Loaded from a checkpoint, its parameters live on the meta
+        device and the real weights are `params`; from `Model.from_module`, it is the module given.
       params: {parameter or buffer name: jax.Array}.
+      aliases: {tied parameter name: the name in `params` it shares}.
       config: the transformers config.
-      tokenizer: the checkpoint's tokenizer, or None when it has no tokenizer files.
+      tokenizer: the checkpoint's tokenizer, or None.
       task: the transformers pipeline task the model was loaded for.
-      path: the local checkpoint directory.
-      mesh: the device mesh the weights are split over (`hfjax.load(mesh=...)`), or None.
-        `generate` splits the batch over its "data" axis.
+      path: the local checkpoint directory, or None for a model built from a module in memory.
+      mesh: the device mesh the weights are split over (`mesh=`), or None. `generate` splits the
+        batch over its "data" axis.
     """
 
-    def __init__(self, module, params, aliases, *, config, tokenizer, task: str, path: pathlib.Path, mesh=None):
+    def __init__(self, module, params, aliases, *, config, tokenizer, task: str, path: pathlib.Path | None, mesh=None):
         self.module = module
         self.mesh = mesh
         self.params = params
@@ -43,10 +45,56 @@ class Model:
         self._generator = None
         self._generation_config = None
 
+    @classmethod
+    def from_module(cls, module: torch.nn.Module, tokenizer=None, *, task: str | None = None, dtype=None, mesh=None) -> Model:
+        """A `Model` of a transformers model already in memory: generate, classify and embed it on JAX.
+
+        The module's weights are copied into jax.Arrays (the module itself is not changed, and
+        keeps its own copy: call it in eval mode, as `from_pretrained` returns it).
+
+        Args:
+          module: a transformers `PreTrainedModel` (e.g. from `AutoModelForCausalLM.from_pretrained`).
+          tokenizer: its tokenizer, for `generate_text`, `classify` and `embed`.
+          task: as for `hfjax.load`; default: from the module's class.
+          dtype: cast floating weights to this dtype ("float32", "bfloat16", "float16", a torch or
+            jnp dtype); "auto" or None keeps the module's.
+          mesh: as for `hfjax.load`.
+
+        Example:
+          >>> torch_model = transformers.AutoModelForCausalLM.from_pretrained(path)
+          >>> model = hfjax.Model.from_module(torch_model, tokenizer)
+          >>> model.generate_text("Hello", max_new_tokens=8)
+        """
+        if not isinstance(module, torch.nn.Module) or not hasattr(module, "config"):
+            raise LoadError(
+                f"hfjax.Model.from_module: module is a {type(module).__name__}; pass a transformers model "
+                "(a torch.nn.Module with a .config), e.g. AutoModelForCausalLM.from_pretrained(path)"
+            )
+        task = _tasks.check(task, caller="hfjax.Model.from_module") or _tasks.of_module(module)
+        dtype = _dtypes.resolve(dtype, caller="hfjax.Model.from_module")
+        _mesh.check_mesh(mesh, caller="hfjax.Model.from_module")
+        backend = _backend.active()
+        backend.prepare()
+        params, aliases = module_state(module)
+        if dtype is not None:
+            target = _dtypes.jax_dtype(dtype)
+            params = {n: a.astype(target) if jax.numpy.issubdtype(a.dtype, jax.numpy.floating) else a for n, a in params.items()}
+        if mesh is not None:
+            shardings = _rules.plan(module, mesh).shardings(mesh)
+            replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+            params = {n: jax.device_put(a, shardings.get(n, replicated)) for n, a in params.items()}
+        backend.prepare_weights(params)
+        return cls(module, params, aliases, config=module.config, tokenizer=tokenizer, task=task, path=None, mesh=mesh)
+
     def __repr__(self):
         n = sum(int(np.prod(a.shape)) for a in self.params.values())
         dtypes = sorted({str(a.dtype) for a in self.params.values()})
         return f"hfjax.Model({type(self.module).__name__}, task={self.task!r}, params={n:,}, dtype={'/'.join(dtypes)})"
+
+    @property
+    def source(self) -> str:
+        """Where the model came from, for messages: its checkpoint directory, or the module's class."""
+        return f"the checkpoint at {str(self.path)!r}" if self.path else f"the {type(self.module).__name__} given"
 
     def __call__(self, input_ids=None, attention_mask=None, **kwargs):
         """Runs the compiled forward; returns the transformers output type with jax.Array fields.
@@ -71,12 +119,15 @@ class Model:
 
     @property
     def generation_config(self):
-        """The checkpoint's generation_config.json (transformers' GenerationConfig), else one made from config."""
+        """The checkpoint's generation_config.json (transformers' GenerationConfig); a module's own
+        `generation_config`; else one made from config."""
         if self._generation_config is None:
             from transformers import GenerationConfig
 
-            if (self.path / "generation_config.json").is_file():
+            if self.path is not None and (self.path / "generation_config.json").is_file():
                 self._generation_config = GenerationConfig.from_pretrained(self.path)
+            elif self.path is None and getattr(self.module, "generation_config", None) is not None:
+                self._generation_config = self.module.generation_config
             else:
                 self._generation_config = GenerationConfig.from_model_config(self.config)
         return self._generation_config
@@ -115,7 +166,7 @@ class Model:
         search (`num_beams`, `length_penalty`, `early_stopping`), and
         `return_dict_in_generate` with `output_scores` / `output_logits`; one that would change
         the output and that it cannot carry out (beam sampling, `typical_p`,
-        `output_attentions`, ...) raises a ValueError that names it.
+        `output_attentions`, ...) raises a GenerationError that names it.
 
         Returns:
           int32 jax.Array [B * num_return_sequences, S + T] (for encoder-decoders
@@ -130,14 +181,12 @@ class Model:
           >>> batch = model.tokenizer(["Hi", "Hello there"], padding=True, return_tensors="np")
           >>> model.generate(batch["input_ids"], batch["attention_mask"], max_new_tokens=16)
         """
-        from . import _generate, _settings
-
-        if self.task not in ("text-generation", "text2text-generation"):
-            raise ValueError(
+        if self.task not in _tasks.GENERATIVE:
+            raise GenerationError(
                 f"Model.generate: this model was loaded for task={self.task!r}; load a causal or sequence-to-sequence "
                 "LM (hfjax.load(path, task='text-generation'))"
             )
-        ids, mask = _prompt_arrays(input_ids, attention_mask)
+        ids, mask = _planning.prompt_arrays(input_ids, attention_mask)
         resolved = _settings.resolve(
             self,
             ids.shape[1],
@@ -156,7 +205,7 @@ class Model:
         )
         self._check_context(mask, resolved.max_new_tokens)
         if self._generator is None:
-            self._generator = _generate.Generator(self)
+            self._generator = _engine.Generator(self)
         return self._generator.generate(ids, mask, resolved, seed=seed, streamer=streamer)
 
     def generate_text(self, prompts, **kwargs) -> str | list[str]:
@@ -173,19 +222,22 @@ class Model:
           >>> model.generate_text([{"role": "user", "content": "Hi!"}], max_new_tokens=32)
         """
         if self.tokenizer is None:
-            raise LoadError(f"Model.generate_text: the checkpoint at {str(self.path)!r} has no tokenizer files; use generate(input_ids)")
+            raise LoadError(
+                f"Model.generate_text: {self.source} has no tokenizer; use generate(input_ids), or "
+                "hfjax.Model.from_module(module, tokenizer)"
+            )
         single = isinstance(prompts, str) or _is_conversation(prompts)
         batch = [prompts] if single else list(prompts)
         conversations = [_is_conversation(prompt) for prompt in batch]
         if any(conversations):
             if not all(conversations):
-                raise ValueError(
+                raise GenerationError(
                     "Model.generate_text: prompts mix texts and conversations; pass a list of texts or a list of "
                     "conversations (each a list of {'role': ..., 'content': ...} messages)"
                 )
             if not self.tokenizer.chat_template:
-                raise ValueError(
-                    f"Model.generate_text: the tokenizer at {str(self.path)!r} has no chat template, so a conversation "
+                raise GenerationError(
+                    f"Model.generate_text: the tokenizer of {self.source} has no chat template, so a conversation "
                     "cannot be put into text; pass the prompt as text"
                 )
             batch = [chat_prompt(self.tokenizer, conversation) for conversation in batch]
@@ -203,7 +255,7 @@ class Model:
         """Label probabilities per text: the classification head's softmax, or zero-shot with a causal LM.
 
         With a causal LM each label is scored as the continuation of `template` (a `{text}`
-        field, optionally `{labels}`) and `labels` is required; see `hfjax._classify.classify`.
+        field, optionally `{labels}`), and `labels` is required.
 
         Returns:
           one {label: probability} dict per text, keys in label order.
@@ -211,26 +263,7 @@ class Model:
         Example:
           >>> model.classify(["I loved it", "Terrible."], labels=["positive", "negative"])
         """
-        from ._classify import classify
-
-        return classify(self, texts, labels, template=template)
-
-    @property
-    def last_generation_stats(self):
-        """Timings of the last `generate` call: time_to_first_token, tokens_per_second, ..."""
-        return None if self._generator is None else self._generator.last_stats
-
-    def _check_context(self, mask: np.ndarray, max_new_tokens: int) -> None:
-        context = _context_length(self.config)
-        if context is None or getattr(self.config, "is_encoder_decoder", False):
-            return
-        longest = int(mask.sum(axis=1).max())
-        if longest + max_new_tokens > context:
-            raise ValueError(
-                f"Model.generate: the prompt has {longest} tokens and max_new_tokens={max_new_tokens}, "
-                f"{longest + max_new_tokens} in all, more than the model's context of {context} tokens "
-                f"(config.max_position_embeddings); shorten the prompt or pass max_new_tokens<={context - longest}"
-            )
+        return _classify.classify(self, texts, labels, template=template)
 
     def embed(self, texts: str | list[str], *, batch_size: int = 32) -> jax.Array:
         """Sentence embeddings, pooled and normalised as the checkpoint's sentence-transformers config says.
@@ -244,144 +277,72 @@ class Model:
           >>> model = hfjax.load("path/to/encoder", task="feature-extraction")
           >>> model.embed(["a cat", "a dog"]).shape  # (2, hidden)
         """
-        if self.tokenizer is None:
-            raise LoadError(f"Model.embed: the checkpoint at {str(self.path)!r} has no tokenizer files; pass token ids to model(...) instead")
-        if isinstance(texts, str):
-            texts = [texts]
-        pooling, normalize = _pooling_config(self.path)
-        chunks = []
-        for start in range(0, len(texts), batch_size):
-            batch = texts[start : start + batch_size]
-            encoded = self.tokenizer(batch, padding="max_length", truncation=True, max_length=self._bucket(batch), return_tensors="np")
-            out = self(jnp.asarray(encoded["input_ids"]), attention_mask=jnp.asarray(encoded["attention_mask"]))
-            hidden = out.last_hidden_state.astype(jnp.float32)  # [B, S, H]
-            chunks.append(_pool(hidden, jnp.asarray(encoded["attention_mask"]), pooling))
-        embeddings = jnp.concatenate(chunks)
-        if normalize:
-            embeddings = embeddings / jnp.maximum(jnp.linalg.norm(embeddings, axis=-1, keepdims=True), 1e-12)
-        return embeddings
+        return _embed.embed(self, texts, batch_size=batch_size)
 
-    def _bucket(self, texts: list[str]) -> int:
-        # Padding to a power of two keeps the number of compiled shapes small.
-        longest = max(len(ids) for ids in self.tokenizer(texts)["input_ids"])
-        limit = getattr(self.config, "max_position_embeddings", None) or self.tokenizer.model_max_length
-        bucket = 16
-        while bucket < longest:
-            bucket *= 2
-        return min(bucket, limit)
+    @property
+    def last_generation_stats(self):
+        """Timings of the last `generate` call: time_to_first_token, tokens_per_second, ..."""
+        return None if self._generator is None else self._generator.last_stats
 
-
-def _context_length(config) -> int | None:
-    for name in ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length"):
-        value = getattr(config, name, None)
-        if isinstance(value, int) and value > 0:
-            return value
-    return None
-
-
-def _prompt_arrays(input_ids, attention_mask) -> tuple[np.ndarray, np.ndarray]:
-    # Returns int32 [B, S] token ids and mask, from numpy, jax, torch or nested lists.
-    if input_ids is None:
-        raise ValueError("Model.generate: input_ids is required (int token ids of shape [batch, length])")
-    ids = np.asarray(input_ids.cpu() if hasattr(input_ids, "cpu") else input_ids)
-    if ids.ndim == 1:
-        ids = ids[None, :]
-    if ids.ndim != 2 or not np.issubdtype(ids.dtype, np.integer):
-        raise ValueError(f"Model.generate: input_ids must be integer token ids of shape [batch, length], got {ids.dtype} {ids.shape}")
-    if ids.shape[1] == 0:
-        raise ValueError("Model.generate: input_ids is empty (length 0); every prompt needs at least one token, e.g. the BOS token")
-    if attention_mask is None:
-        mask = np.ones_like(ids)
-    else:
-        mask = np.asarray(attention_mask.cpu() if hasattr(attention_mask, "cpu") else attention_mask)
-        mask = mask[None, :] if mask.ndim == 1 else mask
-        if mask.shape != ids.shape:
-            raise ValueError(f"Model.generate: attention_mask has shape {mask.shape}, input_ids {ids.shape}; they must match")
-    empty = np.flatnonzero(mask.sum(axis=1) == 0)
-    if empty.size:
-        raise ValueError(
-            f"Model.generate: prompt {int(empty[0])} is empty (its attention_mask has no 1s); every prompt needs at least one token"
-        )
-    return ids.astype(np.int32), mask.astype(np.int32)
-
-
-def _pooling_config(path: pathlib.Path) -> tuple[str, bool]:
-    modules_file = path / "modules.json"
-    if not modules_file.is_file():
-        return "mean", True
-    modules = json.loads(modules_file.read_text())
-    pooling, normalize = "mean", False
-    for entry in modules:
-        kind = entry.get("type", "")
-        if kind.endswith("Pooling"):
-            config = json.loads((path / entry["path"] / "config.json").read_text())
-            for mode in ("cls_token", "max_tokens", "mean_tokens", "lasttoken"):
-                if config.get(f"pooling_mode_{mode}"):
-                    pooling = {"cls_token": "cls", "max_tokens": "max", "mean_tokens": "mean", "lasttoken": "last"}[mode]
-                    break
-        if kind.endswith("Normalize"):
-            normalize = True
-    return pooling, normalize
-
-
-def _pool(hidden: jax.Array, mask: jax.Array, pooling: str) -> jax.Array:
-    # hidden: [B, S, H], mask: [B, S] -> [B, H]
-    mask = mask.astype(hidden.dtype)[..., None]
-    if pooling == "cls":
-        return hidden[:, 0]
-    if pooling == "max":
-        return jnp.max(jnp.where(mask > 0, hidden, -jnp.inf), axis=1)
-    if pooling == "last":
-        last = jnp.maximum(mask[..., 0].sum(axis=1).astype(jnp.int32) - 1, 0)
-        return hidden[jnp.arange(hidden.shape[0]), last]
-    return (hidden * mask).sum(axis=1) / jnp.maximum(mask.sum(axis=1), 1.0)
+    def _check_context(self, mask: np.ndarray, max_new_tokens: int) -> None:
+        context = _loading.context_length(self.config)
+        if context is None or getattr(self.config, "is_encoder_decoder", False):
+            return
+        longest = int(mask.sum(axis=1).max())
+        if longest + max_new_tokens > context:
+            raise GenerationError(
+                f"Model.generate: the prompt has {longest} tokens and max_new_tokens={max_new_tokens}, "
+                f"{longest + max_new_tokens} in all, more than the model's context of {context} tokens "
+                f"(config.max_position_embeddings); shorten the prompt or pass max_new_tokens<={context - longest}"
+            )
 
 
 def load(
-    path_or_hub_id: str | os.PathLike,
+    path_or_hub_id: str | os.PathLike | torch.nn.Module,
     *,
     task: str | None = None,
-    dtype: str | None = None,
+    dtype=None,
     mesh: jax.sharding.Mesh | None = None,
     progress: bool | None = None,
 ) -> Model:
     """Loads a Hugging Face checkpoint onto JAX.
 
     Args:
-      path_or_hub_id: a local checkpoint directory (config.json + *.safetensors), or a
-        hub id such as "org/name" where the Hugging Face Hub is reachable.
-      task: "text-generation", "text-classification", "feature-extraction" or
-        "text2text-generation"; default: inferred from config.architectures.
-      dtype: "float32", "bfloat16" or "float16"; default: the checkpoint's.
+      path_or_hub_id: a local checkpoint directory (config.json + *.safetensors), or a hub id
+        such as "org/name" where the Hugging Face Hub is reachable. A transformers model already
+        in memory is taken too (`Model.from_module`, which also takes its tokenizer).
+      task: "text-generation", "text2text-generation", "text-classification" or
+        "feature-extraction"; default: inferred from config.architectures.
+      dtype: "float32", "bfloat16" or "float16", or a torch / jnp dtype; "auto" or None: the
+        checkpoint's.
       mesh: a `jax.sharding.Mesh` with a "model" axis (see `hfjax.make_mesh`): each weight is
-        split over it as `hfjax._sharding.plan` says, read slice by slice into the devices.
+        split over it as `hfjax.parallel.plan` says, read slice by slice into the devices.
       progress: show a progress bar while reading weights (default: for large checkpoints).
 
     Returns:
-      A `Model`: call it for the compiled forward; `.params`, `.module`, `.config`,
-      `.tokenizer`, and `.embed(texts)` for feature extraction.
+      A `Model`: call it for the compiled forward; `generate`, `generate_text`, `classify`,
+      `embed`; `.params`, `.module`, `.config`, `.tokenizer`.
 
     Example:
       >>> model = hfjax.load("./tiny-llama")
       >>> model(jnp.array([[1, 2, 3]])).logits.shape
     """
-    _loading.check_dtype(dtype)
-    if task is not None and task not in _loading.TASKS:
-        raise LoadError(f"hfjax.load: task={task!r} is not supported; use one of {_loading.TASKS} or None (inferred)")
-    if mesh is not None and not isinstance(mesh, jax.sharding.Mesh):
-        raise LoadError(f"hfjax.load: mesh must be a jax.sharding.Mesh, got {type(mesh).__name__}")
+    if isinstance(path_or_hub_id, torch.nn.Module):
+        return Model.from_module(path_or_hub_id, task=task, dtype=dtype, mesh=mesh)
+    dtype = _dtypes.resolve(dtype, caller="hfjax.load")
+    task = _tasks.check(task, caller="hfjax.load")
+    _mesh.check_mesh(mesh, caller="hfjax.load")
     path = _loading.resolve(path_or_hub_id)
     config = _loading.read_config(path)
-    task = task or _loading.infer_task(config)
+    task = task or _tasks.infer(config)
     files = _loading.weight_files(path)
-    dtype = dtype or _loading._checkpoint_dtype(files)
+    dtype = dtype or _loading.checkpoint_dtype(files)
     module = _loading.build_skeleton(config, task, dtype)
-    shardings = None
-    if mesh is not None:
-        from . import _sharding
-
-        shardings = _sharding.plan(module, mesh).shardings(mesh)
+    backend = _backend.active()
+    backend.prepare()
+    shardings = None if mesh is None else _rules.plan(module, mesh).shardings(mesh)
     params, aliases = _loading.load_weights(module, files, dtype, progress=progress, shardings=shardings)
+    backend.prepare_weights(params)
     return Model(module, params, aliases, config=config, tokenizer=_tokenizer(path), task=task, path=path, mesh=mesh)
 
 

@@ -8,16 +8,16 @@ Three kinds of classes are registered as JAX pytree nodes, with no user action:
   and any other stateful object the model hands back: flattened by attribute, the
   array-holding attributes as children and everything else as static metadata.
 
-Classes that exist at import are registered then; classes created later (model
-modules are imported lazily) are caught by a hook on the base class and, as a last
-resort, by `register_tree`, which hfjax calls on every value it flattens.
+A class is registered the first time hfjax meets one of its objects at a jit boundary
+(`register_tree`, which hfjax calls on every value it flattens): importing hfjax registers
+nothing and wraps no class of transformers or diffusers. Registration is process-wide, as
+JAX's pytree registry is: README.md lists it under "What hfjax changes in your process".
 """
 
 from __future__ import annotations
 
 import collections
 import dataclasses
-import importlib.util
 import sys
 from typing import Any
 
@@ -242,71 +242,25 @@ def register_tree(tree) -> None:
                 register_tree(getattr(tree, name))
 
 
-def _all_subclasses(base: type):
-    stack = [base]
-    while stack:
-        cls = stack.pop()
-        yield cls
-        stack.extend(cls.__subclasses__())
+def register_pytree(value) -> None:
+    """Registers the Hugging Face output and cache classes in `value` as JAX pytrees.
 
+    `value` is an object (a `ModelOutput`, a `Cache`, or lists, tuples and dicts of them) or a
+    class. hfjax's own calls register what they meet; call this to pass such objects through a
+    `jax.jit` of your own first.
 
-def _hook_subclass_creation(base: type) -> None:
-    # Wraps base.__init_subclass__ so classes defined later (lazily imported model
-    # modules) are registered on creation. Output fields are read at flatten time,
-    # after @dataclass has run.
-    if getattr(base, "_hfjax_hooked", False):
+    Example:
+      >>> hfjax.register_pytree(transformers.modeling_outputs.CausalLMOutputWithPast)
+      >>> jax.jit(lambda out: out.logits)(out)
+    """
+    if isinstance(value, type):
+        if not register_class(value):
+            raise TypeError(
+                f"hfjax.register_pytree({value.__qualname__}): not a transformers ModelOutput / Cache or diffusers "
+                "BaseOutput class; for a model's own cache class use hfjax.register_stateful"
+            )
         return
-    original = base.__dict__.get("__init_subclass__")
-
-    def __init_subclass__(cls, **kwargs):
-        if original is not None:
-            original.__func__(cls, **kwargs)
-        else:
-            super(base, cls).__init_subclass__(**kwargs)
-        if _is_output(cls):
-            _register_output(cls)
-        else:
-            _register_state(cls)
-
-    base.__init_subclass__ = classmethod(__init_subclass__)
-    base._hfjax_hooked = True
-
-
-class _DiffusersImportHook:
-    """Hooks diffusers' BaseOutput as soon as diffusers is imported, if that happens after hfjax."""
-
-    _module = "diffusers.utils.outputs"
-
-    def find_spec(self, name, path, target=None):
-        if name != self._module:
-            return None
-        sys.meta_path.remove(self)
-        spec = importlib.util.find_spec(name)
-        if spec is None or spec.loader is None:
-            return spec
-        load = spec.loader.exec_module
-
-        def exec_module(module):
-            load(module)
-            _hook_subclass_creation(module.BaseOutput)
-
-        spec.loader.exec_module = exec_module
-        return spec
-
-
-def register_all() -> None:
-    """Registers every output and cache class that exists now and hooks future ones."""
-    if "diffusers" not in sys.modules and not any(isinstance(f, _DiffusersImportHook) for f in sys.meta_path):
-        sys.meta_path.insert(0, _DiffusersImportHook())
-    for base in _output_bases():
-        for cls in _all_subclasses(base):
-            if cls is not base:
-                _register_output(cls)
-        _hook_subclass_creation(base)
-    for base in _stateful_bases():
-        for cls in _all_subclasses(base):
-            _register_state(cls)
-        _hook_subclass_creation(base)
+    register_tree(value)
 
 
 def registered_classes() -> frozenset[type]:

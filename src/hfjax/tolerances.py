@@ -1,7 +1,8 @@
-"""The one table of numeric tolerances hfjax is held to against PyTorch.
+"""The one table of numeric tolerances hfjax is held to, each with its reason.
 
-Every parity check (tests, `hfjax check`, benchmarks) reads its bound from here.
-Values compare float32 outputs of tiny random models whose logits are O(1).
+Every parity check (tests, `hfjax check`, benchmarks) reads its bound from here. Values compare
+float32 outputs of tiny random models whose logits are O(1) against the same computation run by
+PyTorch (or numpy in float64).
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import dataclasses
 class Tolerance:
     atol: float
     why: str
+    rtol: float = 0.0
 
 
 DEFAULT = Tolerance(
@@ -29,8 +31,25 @@ BY_FAMILY: dict[str, Tolerance] = {
     "mamba2": Tolerance(5e-4, "chunked SSD scan sums in a different order"),
 }
 
+# Single ops against torch (or float64 numpy).
+MATMUL = Tolerance(1e-5, "one float32 product of O(1) values: XLA and ATen sum the same terms in another order")
+EXACT = Tolerance(0.0, "copies, index searches, boolean reductions and integer math have one right answer")
+SCHEDULE = Tolerance(
+    0.0, "a diffusion noise schedule in float32 (JAX) against float64 (numpy, in diffusers): float32's rounding", rtol=1e-5
+)
+BIASES = Tolerance(1e-6, "a few float32 additions of biases to O(1) scores, in another order than torch's")
+UNIT_NORM = Tolerance(1e-5, "an L2-normalised float32 vector's norm is 1 up to float32 rounding")
+PRINTED_4_DECIMALS = Tolerance(5.1e-5, "a probability printed with 4 decimals: half a unit of the last digit, and float32")
+JSON_FLOATS = Tolerance(1e-6, "probabilities written to JSON and read back: float32 values through Python floats")
+
 # Diffusion images are compared by PSNR, not elementwise.
 IMAGE_PSNR_DB = Tolerance(40.0, "images in [0, 1] from 20 steps; round-off compounds over steps, 40 dB is visually identical")
+
+
+def for_dot_products(length: int) -> Tolerance:
+    """MATMUL for float32 dot products of `length` terms against float64: the rounding of a sum
+    grows with the square root of its length."""
+    return Tolerance(MATMUL.atol * length**0.5, f"{MATMUL.why}; {length} terms: MATMUL x sqrt({length})")
 
 
 def for_family(model_type: str | None) -> Tolerance:

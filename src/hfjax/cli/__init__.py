@@ -1,15 +1,29 @@
-"""The `hfjax` command line: one module per subcommand, each with `add_parser` and `run`."""
+"""The `hfjax` command line: one module per subcommand, each with `add_parser` and `run`.
+
+    hfjax demo | check | generate | chat | classify | image | shard-plan | launch | build-kernels
+
+Unlike the library, the command line owns its process: it keeps compiled programs on disk
+($HFJAX_CACHE_DIR, default ~/.cache/hfjax/xla; "off" turns it off).
+
+Public names: `main`.
+"""
 
 from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 import warnings
 
-from . import chat, check, classify, demo, generate, image, launch, shard_plan
+from .. import _compilation_cache
+from .._compilation_cache import set_cache_dir
+from . import build_kernels, chat, check, classify, demo, generate, image, launch, shard_plan
 
-_COMMANDS = {"demo": demo, "check": check, "generate": generate, "chat": chat, "classify": classify, "image": image, "shard-plan": shard_plan, "launch": launch}
+__all__ = ["main"]
+
+_COMMANDS = {"demo": demo, "check": check, "generate": generate, "chat": chat, "classify": classify, "image": image, "shard-plan": shard_plan, "launch": launch,
+             "build-kernels": build_kernels}
 
 
 def _no_torchvision_fallback_note(record: logging.LogRecord) -> bool:
@@ -34,6 +48,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.command is None:
         parser.print_help()
         return 2
+    # The command line owns its process: compiled programs are kept between runs unless turned off.
+    set_cache_dir(os.environ.get(_compilation_cache.VARIABLE, str(_compilation_cache.DEFAULT)))
     try:
         return _COMMANDS[args.command].run(args)
     except KeyboardInterrupt:

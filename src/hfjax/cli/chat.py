@@ -26,7 +26,8 @@ def add_parser(subparsers) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from hfjax._model import _context_length, chat_prompt
+    from hfjax._loading import context_length
+    from hfjax._model import chat_prompt
 
     prepared = prepare(args, "chat")
     if isinstance(prepared, int):
@@ -36,7 +37,7 @@ def run(args: argparse.Namespace) -> int:
     if not tokenizer.chat_template:
         print(f"hfjax chat: the tokenizer of {args.model!r} has no chat template; use `hfjax generate` instead", file=sys.stderr)
         return 1
-    context = _context_length(model.config)
+    context = context_length(model.config)
     start = [{"role": "system", "content": args.system}] if args.system else []
     messages = list(start)
     interactive = sys.stdin.isatty()

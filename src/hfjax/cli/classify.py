@@ -27,7 +27,7 @@ def add_parser(subparsers) -> None:
         "--template",
         default=None,
         help="causal LM only: the prompt, with a {text} field and optionally {labels} "
-        "(default: hfjax._classify.DEFAULT_TEMPLATE)",
+        "(default: a question that lists the labels)",
     )
     parser.add_argument(
         "--dtype", choices=("float32", "bfloat16", "float16"), default=None, help="weights dtype (default: the checkpoint's)"
@@ -37,7 +37,6 @@ def add_parser(subparsers) -> None:
 
 def run(args: argparse.Namespace) -> int:
     import hfjax
-    from hfjax._classify import classify
 
     labels = None
     if args.labels is not None:
@@ -52,7 +51,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"hfjax classify: {error}", file=sys.stderr)
         return 1
     try:
-        results = classify(model, args.texts, labels, template=args.template)
+        results = model.classify(args.texts, labels, template=args.template)
     except ValueError as error:
         print(f"hfjax {error}", file=sys.stderr)  # the message starts with "classify: "
         return 1

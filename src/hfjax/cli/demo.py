@@ -29,7 +29,7 @@ def add_parser(subparsers) -> None:
 
 def run(args: argparse.Namespace) -> int:
     import hfjax
-    from hfjax import _check, testing
+    from hfjax import testing
 
     overrides = DEMO_CONFIG if args.family == "llama" else {}
     with tempfile.TemporaryDirectory(prefix="hfjax-demo-") as scratch:
@@ -42,7 +42,7 @@ def run(args: argparse.Namespace) -> int:
         if model.tokenizer is not None:
             ids = model.tokenizer(prompt, return_tensors="np")["input_ids"]
             print(f"prompt:     {prompt!r} -> {ids.shape[1]} tokens")
-        report = _check.check(path, batch=args.batch, seq_len=args.seq_len, repeats=5)
+        report = hfjax.check(path, batch=args.batch, seq_len=args.seq_len, repeats=5)
     print(report.table())
     jit_rows = [r for r in report.rows if r.path == "jit" and r.seconds]
     if report.torch_seconds and jit_rows:

@@ -9,7 +9,8 @@ import argparse
 import math
 import sys
 
-_DTYPES = ("float32", "bfloat16", "float16")
+from .. import _dtypes
+
 
 
 def add_parser(subparsers) -> None:
@@ -36,7 +37,7 @@ def add_generation_arguments(parser: argparse.ArgumentParser) -> None:
         "--top-p", type=float, default=None, help="sample from the most likely tokens whose probabilities add up to p, in (0, 1]"
     )
     parser.add_argument("--seed", type=int, default=0, help="sampler seed: the same seed gives the same text (default 0)")
-    parser.add_argument("--dtype", choices=_DTYPES, default=None, help="weights dtype (default: the checkpoint's)")
+    parser.add_argument("--dtype", choices=_dtypes.NAMES, default=None, help="weights dtype (default: the checkpoint's)")
     parser.add_argument("--model-parallel", type=int, default=1,
                         help="split the weights over this many devices (tensor parallel; default 1)")
     parser.add_argument("--data-parallel", type=int, default=1,
@@ -54,8 +55,8 @@ def generation_kwargs(args: argparse.Namespace) -> dict:
     Raises:
       ValueError: for a setting out of range, naming the flag's value.
     """
-    from hfjax._settings import GenerationSettings
-    from hfjax._sampling import SamplingConfig
+    from hfjax.generation._sampling import SamplingConfig
+    from hfjax.generation._settings import GenerationSettings
 
     GenerationSettings(max_new_tokens=args.max_new_tokens)
     for flag in ("model_parallel", "data_parallel"):

@@ -33,7 +33,7 @@ def add_parser(subparsers) -> None:
 def run(args: argparse.Namespace) -> int:
     import torch
 
-    from .._diffusion import load_pipeline
+    from ..diffusion import load_pipeline
     from .._errors import HfjaxError
 
     try:

@@ -1,13 +1,13 @@
 """`hfjax launch`: start N local processes of one multi-process JAX run (for testing multi-host).
 
-Each process gets the environment that `hfjax._sharding.initialize_from_env` reads:
+Each process gets the environment that `hfjax.distributed.initialize()` reads:
 
   HFJAX_COORDINATOR     127.0.0.1:PORT, process 0's coordinator (loopback)
   HFJAX_NUM_PROCESSES   N
   HFJAX_PROCESS_ID      0 .. N-1
   XLA_FLAGS             --xla_force_host_platform_device_count=D (D CPU devices each)
 
-and calls `jax.distributed.initialize` (gloo CPU collectives) before JAX starts, so
+and calls `hfjax.distributed.initialize()` (gloo CPU collectives) before JAX starts, so
 `jax.devices()` lists all N x D devices and a mesh over them spans the processes.
 """
 
@@ -20,16 +20,12 @@ import subprocess
 import sys
 import threading
 
-# Runs in each child: join the run before anything imports hfjax (whose import starts
-# JAX's backends), then run the hfjax subcommand or the script.
+# Runs in each child: join the run before anything starts JAX's backends (importing hfjax does
+# not), then run the hfjax subcommand or the script.
 _BOOTSTRAP = """
-import importlib.util, runpy, sys
-spec = importlib.util.find_spec("hfjax")
-path = spec.submodule_search_locations[0] + "/_sharding.py"
-module_spec = importlib.util.spec_from_file_location("_hfjax_sharding_bootstrap", path)
-module = importlib.util.module_from_spec(module_spec)
-module_spec.loader.exec_module(module)
-module.initialize_from_env()
+import runpy, sys
+import hfjax
+hfjax.distributed.initialize()
 argv = sys.argv[1:]
 if argv[0].endswith(".py"):
     sys.argv = argv

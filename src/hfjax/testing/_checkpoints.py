@@ -1,22 +1,4 @@
-"""Tiny random Hugging Face checkpoints for tests, demos and bug reports.
-
-Every factory here writes or returns exactly what a hub checkpoint holds, so code under
-test loads it through the same path a real model takes:
-
-    path = save_tiny_checkpoint("llama", tmp_path / "llama")
-    model = transformers.AutoModelForCausalLM.from_pretrained(path)
-
-A checkpoint directory holds config.json (with `architectures`), model.safetensors (or
-shards plus model.safetensors.index.json), generation_config.json for generative models,
-and tokenizer files (tokenizer.json, tokenizer_config.json, chat_template.jinja). The
-tokenizer is a byte-level BPE trained in-process on a short embedded English text, so no
-network access is needed. Models have 85k to 235k parameters: hidden size 64, 2 layers,
-4 attention heads of size 16 (2 key/value heads where the family has GQA).
-
-This module and the ones it builds on (`_tiny_families`, `_tiny_tokenizer`,
-`_tiny_pipelines`) depend on torch, transformers, tokenizers and diffusers only, not on
-the rest of hfjax.
-"""
+"""Tiny random Hugging Face checkpoints, written as `save_pretrained` lays them out."""
 
 from __future__ import annotations
 
@@ -27,30 +9,22 @@ from typing import Any, Literal
 import torch
 import transformers
 
-from . import _tiny_tokenizer
-from ._tiny_families import (
+from .. import _dtypes, _tasks
+from . import _tokenizer
+from ._families import (
     DEFAULT_TASK,
-    FAMILIES,
-    GENERATION_FAMILIES,
     KIND_TASKS,
-    TASK_AUTO_CLASSES,
     auto_class_name,
     family_spec,
     tiny_config,
 )
-from ._tiny_tokenizer import MAX_POSITIONS, VOCAB_SIZE
+from ._tokenizer import MAX_POSITIONS, VOCAB_SIZE
 
-__all__ = ["FAMILIES", "GENERATION_FAMILIES", "PIPELINE_KINDS", "SCHEDULERS", "save_tiny_pipeline", "tiny_config", "tiny_tokenizer", "save_tiny_checkpoint"]
 
-Task = Literal["text-generation", "text-classification", "feature-extraction", "text2text-generation"]
+Task = _tasks.Task
 Pooling = Literal["mean", "cls", "lasttoken"]
 DType = Literal["float32", "bfloat16", "float16"]
 
-_DTYPES: dict[str, torch.dtype] = {
-    "float32": torch.float32,
-    "bfloat16": torch.bfloat16,
-    "float16": torch.float16,
-}
 _POOLINGS: tuple[str, ...] = ("mean", "cls", "lasttoken")
 _ID2LABEL = {0: "negative", 1: "positive"}
 
@@ -78,7 +52,7 @@ def tiny_tokenizer(family: str | None = None) -> transformers.PreTrainedTokenize
         'The river ran quietly.'
     """
     kind = family_spec(family).kind if family is not None else None
-    return _tiny_tokenizer.build(kind, family)
+    return _tokenizer.build(kind, family)
 
 
 # ----------------------------------------------------------------------------- checkpoints
@@ -87,12 +61,12 @@ def tiny_tokenizer(family: str | None = None) -> transformers.PreTrainedTokenize
 def _tasks_for(family: str, config: transformers.PretrainedConfig) -> list[str]:
     # Tasks that fit the family's kind and for which transformers has a model class.
     spec = family_spec(family)
-    kind_tasks = KIND_TASKS[spec.kind] if spec.curated else tuple(TASK_AUTO_CLASSES)
-    return [task for task in kind_tasks if auto_class_name(TASK_AUTO_CLASSES[task], config) is not None]
+    kind_tasks = KIND_TASKS[spec.kind] if spec.curated else _tasks.TASKS
+    return [task for task in kind_tasks if auto_class_name(_tasks.auto_class(task), config) is not None]
 
 
 @torch.no_grad()
-def _perturb_constant_parameters(model: torch.nn.Module, std: float) -> None:
+def perturb_constant_parameters(model: torch.nn.Module, std: float) -> None:
     # Families initialise biases to 0 and norm scales (and Mamba's D) to 0 or 1. Adding
     # N(0, std) noise to every such constant tensor lets each parameter change the logits,
     # so a parity test fails if a bias is dropped or a norm offset is mishandled. Tensors
@@ -189,10 +163,10 @@ def save_tiny_checkpoint(
     if sentence_transformers and task is None:
         task = "feature-extraction"
     task = task or DEFAULT_TASK[spec.kind]
-    if task not in TASK_AUTO_CLASSES:
-        raise ValueError(f"Unknown task {task!r}. Use one of: {', '.join(TASK_AUTO_CLASSES)}.")
-    if dtype not in _DTYPES:
-        raise ValueError(f"Unknown dtype {dtype!r}. Use one of: {', '.join(_DTYPES)}.")
+    if task not in _tasks.TASKS:
+        raise ValueError(f"Unknown task {task!r}. Use one of: {', '.join(_tasks.TASKS)}.")
+    if dtype not in _dtypes.NAMES:
+        raise ValueError(f"Unknown dtype {dtype!r}. Use one of: {', '.join(_dtypes.NAMES)}.")
     if sentence_transformers and task != "feature-extraction":
         raise ValueError(
             f"sentence_transformers=True needs task='feature-extraction'. Got: task={task!r}. "
@@ -219,9 +193,9 @@ def save_tiny_checkpoint(
 
     with torch.random.fork_rng(devices=[]):  # leaves the caller's torch RNG state alone
         torch.manual_seed(seed)
-        model = TASK_AUTO_CLASSES[task].from_config(config)
-        _perturb_constant_parameters(model, std=0.02)
-    model = model.to(_DTYPES[dtype]).eval()
+        model = _tasks.auto_class(task).from_config(config)
+        perturb_constant_parameters(model, std=0.02)
+    model = model.to(_dtypes.torch_dtype(dtype)).eval()
     if model.can_generate():
         # pad, bos, eos and decoder start ids come from the config.
         model.generation_config = transformers.GenerationConfig.from_model_config(model.config)
@@ -236,5 +210,3 @@ def save_tiny_checkpoint(
         _write_sentence_transformers_files(path, model.config.get_text_config().hidden_size, pooling)
     return path
 
-
-from ._tiny_pipelines import PIPELINE_KINDS, SCHEDULERS, save_tiny_pipeline  # noqa: E402  (it builds on this module)

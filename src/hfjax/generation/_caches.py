@@ -1,12 +1,11 @@
-"""The decode loop's KV cache: transformers' StaticCache built for a traced loop, carried
-without size-1 axes, and cut into windows of its first slots."""
+"""The decode loop's KV cache: transformers' StaticCache built for a traced loop, and cut into
+windows of its first slots."""
 
 from __future__ import annotations
 
 import copy
 
 import jax
-import jax.numpy as jnp
 
 
 def static_cache(config, length: int):
@@ -60,15 +59,3 @@ def written_back(cache, cut):
         whole.max_cache_len = layer.max_cache_len
         full.layers.append(whole)
     return full
-
-
-def squeezed(cache):
-    """`cache` with the size-1 axes of its arrays dropped, the shape the decode loop carries.
-
-    XLA drops a batch of 1 from the attention's product, so the product reads each cache
-    layer without that axis. Carried with it, every layer was copied four times per token
-    (0.4 ms of a 150M model's 9 ms at 128 cache slots, more with longer prompts). Carried
-    without it, and updated without it (`_ops._index_copy`), the product reads the buffer
-    that the loop carries.
-    """
-    return jax.tree_util.tree_map(jnp.squeeze, cache)

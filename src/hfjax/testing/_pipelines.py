@@ -18,6 +18,8 @@ from typing import Any, Callable, Literal
 
 import torch
 
+from . import _checkpoints
+
 PipelineKind = Literal["stable-diffusion", "sdxl", "sd-img2img", "pixart", "sd3", "flux"]
 SchedulerName = Literal["pndm", "ddim", "euler", "euler-ancestral", "dpm-solver++", "flow-match-euler"]
 
@@ -85,7 +87,8 @@ def _clip_text_encoder(with_projection: bool = False, **overrides):
 def _t5_text_encoder_and_tokenizer():
     from transformers import T5EncoderModel
 
-    from .testing import tiny_config, tiny_tokenizer
+    from ._checkpoints import tiny_tokenizer
+    from ._families import tiny_config
 
     config = tiny_config("t5", d_model=32, d_kv=8, d_ff=37, num_layers=2, num_heads=4)
     tokenizer = tiny_tokenizer("t5")
@@ -247,13 +250,9 @@ def save_tiny_pipeline(
             if isinstance(component, torch.nn.Module):
                 # diffusers zero-initialises output layers (conv_out, final projections):
                 # without noise every denoiser would predict 0 and every image match.
-                testing._perturb_constant_parameters(component.eval(), std=0.02)
+                _checkpoints.perturb_constant_parameters(component.eval(), std=0.02)
     path = pathlib.Path(path)
     path.mkdir(parents=True, exist_ok=True)
     pipe.save_pretrained(path)
     return path
 
-
-# Last, and as a module: testing imports this module's names at its own end, so either module
-# may be imported first.
-from . import testing  # noqa: E402

@@ -19,18 +19,16 @@ import jax
 import torch
 from torchax.tensor import Tensor as JaxTensor
 
-from . import _compile, _env, _loading, _ops, _sharding, _whole_loop
-from ._compile import JittedModule
-from ._errors import HfjaxError, LoadError
+from .. import _backend, _compile, _dtypes, _env, _loading
+from .._compile import JittedModule
+from .._errors import LoadError, PipelineError
+from ..parallel import _mesh
+from . import _whole_loop
 
 logger = logging.getLogger("hfjax")
 
 WholeLoop = Literal[False, True, "auto"]
 _WHOLE_LOOP_VALUES = (False, True, "auto")
-
-
-class PipelineError(HfjaxError, ValueError):
-    """A diffusion pipeline call hfjax cannot run as given (bad size, wrong object)."""
 
 
 # ---- components ------------------------------------------------------------------
@@ -53,7 +51,7 @@ class _JittedVae(JittedModule):
 def _register_vae_outputs() -> None:
     from diffusers.models.autoencoders import vae
 
-    from ._pytrees import register_stateful
+    from .._pytrees import register_stateful
 
     register_stateful(vae.DiagonalGaussianDistribution)  # AutoencoderKLOutput.latent_dist
 
@@ -64,7 +62,7 @@ class _OnMesh:
 
     def _program(self, method: str, args: tuple, kwargs: dict):
         program, dynamic = super()._program(method, args, kwargs)
-        return program, [jax.device_put(x, _sharding.batch_sharding(self._mesh, x.shape)) for x in dynamic]
+        return program, [jax.device_put(x, _mesh.batch_sharding(self._mesh, x.shape)) for x in dynamic]
 
 
 class _JittedOnMesh(_OnMesh, JittedModule):
@@ -77,12 +75,16 @@ class _JittedVaeOnMesh(_OnMesh, _JittedVae):
 
 def _torch_copy(component: JittedModule) -> torch.nn.Module:
     """A torch module on the CPU like the one `component` compiles, holding its current weights
-    in torch's layout (convolution weights back from channels-last), for `save_pretrained`."""
+    in torch's own layout (parametrized weights evaluated), for `save_pretrained`."""
     module = component.module
     state = _env.env().j2t_copy(_compile.with_aliases(component.params, component._aliases))
     held = ".parametrizations.weight.original"
     for name in [n for n in state if n.endswith(held)]:
-        state[name.removesuffix(held) + ".weight"] = _ops._ChannelsLastWeight()(state.pop(name))
+        owner = name.removesuffix(held)
+        value = state.pop(name)
+        for parametrization in module.get_submodule(owner).parametrizations.weight:
+            value = parametrization(value)
+        state[owner + ".weight"] = value
     cls = type(module)
     with torch.device("meta"):  # no random init: every weight is assigned below
         fresh = cls.from_config(module.config) if hasattr(cls, "from_config") else cls(module.config)
@@ -193,24 +195,23 @@ def to_jax(pipe, *, whole_loop: WholeLoop = False, mesh=None):
       >>> pipe = hfjax.to_jax(diffusers.DiffusionPipeline.from_pretrained(path))
       >>> image = pipe("a cat", num_inference_steps=20).images[0]
     """
-    from diffusers import DiffusionPipeline
-
+    DiffusionPipeline = _diffusers().DiffusionPipeline
     if not isinstance(pipe, DiffusionPipeline):
         hint = "; for a single torch module use hfjax.jit(module)" if isinstance(pipe, torch.nn.Module) else ""
-        raise TypeError(
+        raise PipelineError(
             f"hfjax.to_jax expects a diffusers pipeline (a DiffusionPipeline), got {type(pipe).__name__}{hint}"
         )
     if whole_loop not in _WHOLE_LOOP_VALUES:
-        raise ValueError(f"hfjax.to_jax(whole_loop={whole_loop!r}): use one of {_WHOLE_LOOP_VALUES}")
-    if mesh is not None and not isinstance(mesh, jax.sharding.Mesh):
-        raise TypeError(f"hfjax.to_jax: mesh must be a jax.sharding.Mesh, got {type(mesh).__name__}")
+        raise PipelineError(f"hfjax.to_jax(whole_loop={whole_loop!r}): use one of {_WHOLE_LOOP_VALUES}")
+    _mesh.check_mesh(mesh, caller="hfjax.to_jax")
     if getattr(type(pipe), "_hfjax_on_jax", False):
         return pipe
     _register_vae_outputs()
+    backend = _backend.active()
+    backend.prepare()
     for name, component in pipe.components.items():
         if isinstance(component, torch.nn.Module):
-            if jax.default_backend() == "cpu":
-                _ops.store_convolutions_channels_last(component)
+            backend.prepare_module(component)
             _move_module(component)
             # Past DiffusionPipeline.__setattr__, which would record JittedModule in model_index.json.
             object.__setattr__(pipe, name, _compiled_component(name, component, mesh))
@@ -236,7 +237,7 @@ def load_pipeline(
 
     Args:
       path_or_hub_id: a directory holding model_index.json, or a hub id "org/name".
-      dtype: "float32", "bfloat16" or "float16"; default: the checkpoint's.
+      dtype: "float32", "bfloat16" or "float16" (or a torch / jnp dtype); "auto" or None: the checkpoint's.
       mesh: a `jax.sharding.Mesh`: as for `to_jax`.
       whole_loop: as for `to_jax`.
 
@@ -248,16 +249,23 @@ def load_pipeline(
       >>> pipe("a cat", num_inference_steps=2, height=32, width=32).images[0].size
       (32, 32)
     """
-    _loading.check_dtype(dtype)
-    if mesh is not None and not isinstance(mesh, jax.sharding.Mesh):
-        raise LoadError(f"hfjax.load_pipeline: mesh must be a jax.sharding.Mesh, got {type(mesh).__name__}")
+    dtype = _dtypes.resolve(dtype, caller="hfjax.load_pipeline")
+    _mesh.check_mesh(mesh, caller="hfjax.load_pipeline")
     path = _resolve(path_or_hub_id)
-    from diffusers import DiffusionPipeline
-
-    torch_dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}.get(dtype)
-    options = {"torch_dtype": torch_dtype} if torch_dtype else {}
+    DiffusionPipeline = _diffusers().DiffusionPipeline
+    options = {"torch_dtype": _dtypes.torch_dtype(dtype)} if dtype else {}
     pipe = DiffusionPipeline.from_pretrained(path, **options)
     return to_jax(pipe, whole_loop=whole_loop, mesh=mesh)
+
+
+def _diffusers():
+    try:
+        import diffusers
+    except ImportError:
+        raise ImportError(
+            "hfjax's diffusion pipelines need diffusers; install it with `pip install \"hfjax[diffusers]\"`"
+        ) from None
+    return diffusers
 
 
 def _resolve(path_or_hub_id):

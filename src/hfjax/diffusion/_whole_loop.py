@@ -28,8 +28,8 @@ import jax.numpy as jnp
 import torch
 from torchax.tensor import Tensor as JaxTensor
 
-from . import _compile, _env
-from ._compile import JittedModule
+from .. import _compile, _env
+from .._compile import JittedModule
 
 logger = logging.getLogger("hfjax")
 
@@ -457,5 +457,5 @@ def _call_denoiser(denoiser: JittedModule, params, kwargs: dict):
     # The denoiser's program, called with the weights the whole loop was given, so they
     # stay arguments of the outer program rather than constants folded into it.
     program, dynamic = denoiser._program("forward", (), kwargs)
-    out_arrays, _, _ = program.jitted(params, dynamic, _env.env().prng_key)
+    out_arrays, _, _ = program.jitted(params, dynamic, _env.prng_key())
     return _env.to_torch(_compile._merge(program.out_treedef, out_arrays, program.out_statics))

@@ -1,4 +1,4 @@
-"""Tensor and data parallelism: a ("data", "model") device mesh and a PartitionSpec per parameter.
+"""Tensor parallelism: a PartitionSpec for every parameter, from one registry of rules per family.
 
 Attention query/key/value and MLP up/gate projections are split by output features over
 "model" (column), attention output and MLP down projections by input features (row),
@@ -10,16 +10,12 @@ Rules come from one registry, `@rules(family, ...)`: a table of regexes on param
 to roles. Parameters no rule names (and families with no entry) are placed by a fallback
 that reads the module structure; it logs what it could not place and never replicates a
 large matrix without saying so.
-
-Multi-host: `initialize_from_env()` calls `jax.distributed.initialize` from the
-environment variables that `hfjax launch` sets (see `ENV_VARS`).
 """
 
 from __future__ import annotations
 
 import logging
 import math
-import os
 import re
 from collections.abc import Callable, Mapping
 from typing import Literal
@@ -27,81 +23,15 @@ from typing import Literal
 import jax
 from jax.sharding import PartitionSpec as P
 
+from .. import _dtypes
+from .._errors import ShardingError
+from ._mesh import axis_sizes
+
 logger = logging.getLogger("hfjax")
-
-try:
-    from ._errors import HfjaxError
-except ImportError:  # loaded by path, before the hfjax package (see initialize_from_env)
-    HfjaxError = Exception
-
-
-class ShardingError(ValueError, HfjaxError):
-    """A model cannot be split over the mesh as asked (heads do not divide, bad mesh)."""
-
 
 Role = Literal["column", "row", "vocab", "replicate", "q_heads", "kv_heads", "experts_column", "experts_row"]
 ROLES: tuple[str, ...] = Role.__args__
 _SMALL_BYTES = 1 << 20  # the fallback replicates matrices below this without a warning
-
-
-# ---- the mesh -------------------------------------------------------------------
-
-
-def make_mesh(data: int = 1, model: int | None = None, *, devices=None) -> jax.sharding.Mesh:
-    """A device mesh with axes ("data", "model"): data parallel over batch, tensor parallel over heads.
-
-    Args:
-      data: devices along "data" (the batch is split over it).
-      model: devices along "model" (weights are split over it); default: all the devices
-        `data` leaves.
-      devices: the devices to use; default `jax.devices()` (every process's, under
-        `jax.distributed`).
-
-    Returns:
-      A `jax.sharding.Mesh` of shape (data, model).
-
-    Example:
-      >>> mesh = hfjax.make_mesh(model=8)
-      >>> model = hfjax.load("./llama", mesh=mesh)
-    """
-    devices = list(jax.devices() if devices is None else devices)
-    count = len(devices)
-    if data < 1 or count % data:
-        raise ShardingError(f"make_mesh: data={data} does not divide the {count} devices; pass a divisor of {count}")
-    if model is None:
-        model = count // data
-    if data * model != count:
-        raise ShardingError(
-            f"make_mesh: data={data} x model={model} = {data * model} devices, but there are {count} "
-            f"({devices[0].platform}); pass data and model whose product is {count}, e.g. make_mesh(data={data}, model={count // data})"
-        )
-    # Auto axes: XLA's partitioner propagates the weights' shardings through the model
-    # (jax.make_mesh would make Explicit axes, under which a gather from a split
-    # embedding table needs an out_sharding that torch code cannot pass).
-    auto = (jax.sharding.AxisType.Auto,) * 2
-    return jax.make_mesh((data, model), ("data", "model"), axis_types=auto, devices=devices)
-
-
-def _axis_sizes(mesh) -> dict[str, int]:
-    sizes = dict(mesh.shape)
-    if "model" not in sizes:
-        raise ShardingError(
-            f"hfjax sharding: the mesh has axes {tuple(sizes)}; it needs a 'model' axis (and optionally 'data'); "
-            "build one with hfjax.make_mesh(data=..., model=...)"
-        )
-    return sizes
-
-
-def data_size(mesh) -> int:
-    """Devices along the mesh's "data" axis (1 without a mesh or without that axis)."""
-    return 1 if mesh is None else dict(mesh.shape).get("data", 1)
-
-
-def batch_sharding(mesh, shape: tuple[int, ...]) -> jax.sharding.NamedSharding:
-    """An array's leading (batch) axis split over "data" where it divides; else replicated."""
-    data = data_size(mesh)
-    split = data > 1 and len(shape) >= 1 and shape[0] % data == 0
-    return jax.sharding.NamedSharding(mesh, P("data") if split else P())
 
 
 # ---- the rules registry ----------------------------------------------------------
@@ -249,10 +179,10 @@ def plan(model_or_config, mesh, *, task: str | None = None, dtype: str | None = 
 
     Example:
       >>> mesh = jax.sharding.AbstractMesh((1, 8), ("data", "model"))
-      >>> print(hfjax._sharding.plan(config, mesh).table())
+      >>> print(hfjax.parallel.plan(config, mesh).table())
     """
     module = _as_module(model_or_config, task, dtype)
-    sizes = _axis_sizes(mesh)
+    sizes = axis_sizes(mesh)
     config = module.config.get_text_config(decoder=True) if hasattr(module.config, "get_text_config") else module.config
     notes: list[str] = []
     replicate_kv = _check_heads(config, sizes, notes)
@@ -422,10 +352,10 @@ def _as_module(model_or_config, task, dtype):
         return model_or_config
     if hasattr(model_or_config, "module") and isinstance(model_or_config.module, torch.nn.Module):
         return model_or_config.module
-    from . import _loading
+    from .. import _loading, _tasks
 
     config = model_or_config
-    return _loading.build_skeleton(config, task or _loading.infer_task(config), dtype or "float32")
+    return _loading.build_skeleton(config, task or _tasks.infer(config), dtype or "float32")
 
 
 def _named_tensors(module):
@@ -444,11 +374,8 @@ def _dtype_name(dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
-_ITEMSIZE = {"float64": 8, "float32": 4, "bfloat16": 2, "float16": 2, "int64": 8, "int32": 4, "bool": 1, "uint8": 1, "int8": 1}
-
-
 def _nbytes(shape: tuple[int, ...], dtype: str) -> int:
-    return math.prod(shape) * _ITEMSIZE.get(dtype, 4)
+    return math.prod(shape) * _dtypes.itemsize(dtype)
 
 
 def _split_factor(spec: P, sizes: Mapping[str, int]) -> int:
@@ -464,39 +391,3 @@ def _spec_text(spec: P) -> str:
     return "P(" + ", ".join(repr(e) if e is not None else "None" for e in spec) + ")" if len(spec) else "replicated"
 
 
-# ---- multi-host -----------------------------------------------------------------
-
-ENV_VARS = {
-    "HFJAX_COORDINATOR": "host:port of process 0's coordinator, e.g. 127.0.0.1:12355",
-    "HFJAX_NUM_PROCESSES": "how many processes take part",
-    "HFJAX_PROCESS_ID": "this process's index, 0 .. HFJAX_NUM_PROCESSES - 1",
-}
-
-
-def initialize_from_env() -> bool:
-    """Calls `jax.distributed.initialize` when $HFJAX_COORDINATOR is set (see `ENV_VARS`).
-
-    Must run before JAX initialises its backends (hfjax's import does): `hfjax launch`
-    runs it first in each process. On CPU it selects gloo collectives. Calling it again,
-    or after `jax.distributed.initialize`, does nothing.
-
-    Returns:
-      True when this process is (now) part of a multi-process run.
-    """
-    coordinator = os.environ.get("HFJAX_COORDINATOR")
-    if not coordinator:
-        return False
-    from jax._src import distributed
-
-    if distributed.global_state.client is not None:
-        return True
-    try:
-        count, index = int(os.environ["HFJAX_NUM_PROCESSES"]), int(os.environ["HFJAX_PROCESS_ID"])
-    except (KeyError, ValueError):
-        raise ShardingError(
-            f"hfjax: HFJAX_COORDINATOR={coordinator!r} is set, so HFJAX_NUM_PROCESSES and HFJAX_PROCESS_ID must be "
-            f"integers too; got {os.environ.get('HFJAX_NUM_PROCESSES')!r} and {os.environ.get('HFJAX_PROCESS_ID')!r}"
-        ) from None
-    jax.config.update("jax_cpu_collectives_implementation", "gloo")
-    jax.distributed.initialize(coordinator_address=coordinator, num_processes=count, process_id=index)
-    return True

@@ -22,6 +22,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from .._errors import GenerationError
+
 __all__ = [
     "SamplingConfig", "process_logits", "next_token", "pick", "first_argmax", "seen_mask", "update_seen", "sequence_bias",
     "ngram_bans",
@@ -30,7 +32,7 @@ __all__ = [
 
 def _real(name: str, value, fix: str) -> float:
     if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value):
-        raise ValueError(f"{name}={value!r} is not a finite number; {fix}")
+        raise GenerationError(f"{name}={value!r} is not a finite number; {fix}")
     return float(value)
 
 
@@ -65,35 +67,35 @@ class SamplingConfig:
 
     def __post_init__(self):
         if not isinstance(self.do_sample, (bool, np.bool_)):
-            raise ValueError(
+            raise GenerationError(
                 f"do_sample={self.do_sample!r} is not a bool; pass True to sample or False for greedy decoding"
             )
         temperature = _real("temperature", self.temperature, "pass a value such as 0.7, or 1.0 to leave logits unscaled")
         if temperature < 0 or (temperature == 0 and self.do_sample):
             greedy = " If you want greedy decoding, pass do_sample=False." if temperature == 0 else ""
-            raise ValueError(
+            raise GenerationError(
                 f"temperature={self.temperature!r} must be strictly positive when do_sample=True; "
                 f"pass a value such as 0.7, or 1.0 to leave logits unscaled.{greedy}"
             )
         if isinstance(self.top_k, bool) or not isinstance(self.top_k, numbers.Integral) or self.top_k < 0:
-            raise ValueError(
+            raise GenerationError(
                 f"top_k={self.top_k!r} is not a non-negative integer; pass a value such as 50, or 0 to turn top-k off"
             )
         top_p = _real("top_p", self.top_p, "pass a value in (0, 1] such as 0.9, or 1.0 to turn top-p off")
         if not 0 < top_p <= 1:
-            raise ValueError(
+            raise GenerationError(
                 f"top_p={self.top_p!r} is outside (0, 1]; pass a value such as 0.9, or 1.0 to turn top-p off"
             )
         min_p = _real("min_p", self.min_p, "pass a value in [0, 1] such as 0.05, or 0.0 to turn min-p off")
         if not 0 <= min_p <= 1:
-            raise ValueError(
+            raise GenerationError(
                 f"min_p={self.min_p!r} is outside [0, 1]; pass a value such as 0.05, or 0.0 to turn min-p off"
             )
         penalty = _real(
             "repetition_penalty", self.repetition_penalty, "pass a value such as 1.2, or 1.0 to turn the penalty off"
         )
         if penalty <= 0:
-            raise ValueError(
+            raise GenerationError(
                 f"repetition_penalty={self.repetition_penalty!r} must be strictly positive; "
                 "pass a value such as 1.2 (above 1 discourages repeats), or 1.0 to turn the penalty off"
             )
@@ -130,7 +132,7 @@ def process_logits(logits: jax.Array, seen: jax.Array | None, config: SamplingCo
         >>> scores = process_logits(logits, seen, config)  # [B, V]
     """
     if logits.ndim != 2:
-        raise ValueError(
+        raise GenerationError(
             f"logits has shape {tuple(logits.shape)}; pass the last position's logits as [batch, vocab], "
             "e.g. logits[:, -1, :]"
         )
@@ -138,7 +140,7 @@ def process_logits(logits: jax.Array, seen: jax.Array | None, config: SamplingCo
     if config.repetition_penalty != 1.0:
         if seen is None or seen.shape != logits.shape or seen.dtype != jnp.bool_:
             got = "None" if seen is None else f"{seen.dtype.name} {tuple(seen.shape)}"
-            raise ValueError(
+            raise GenerationError(
                 f"seen is {got} but repetition_penalty={config.repetition_penalty} needs a bool array of the "
                 f"logits' shape {tuple(logits.shape)}; build it with seen_mask(input_ids, attention_mask, vocab_size)"
             )
@@ -233,11 +235,11 @@ def seen_mask(input_ids: jax.Array, attention_mask: jax.Array | None, vocab_size
         Array([False, False, False, False, False,  True, False, False], dtype=bool)
     """
     if input_ids.ndim != 2:
-        raise ValueError(f"input_ids has shape {tuple(input_ids.shape)}; pass [batch, sequence] token ids")
+        raise GenerationError(f"input_ids has shape {tuple(input_ids.shape)}; pass [batch, sequence] token ids")
     if attention_mask is None:
         attended = jnp.ones(input_ids.shape, bool)  # [B, S]
     elif attention_mask.shape != input_ids.shape:
-        raise ValueError(
+        raise GenerationError(
             f"attention_mask has shape {tuple(attention_mask.shape)} but input_ids has {tuple(input_ids.shape)}; "
             "pass the mask of these ids, or None if there are no pads"
         )
@@ -248,7 +250,7 @@ def seen_mask(input_ids: jax.Array, attention_mask: jax.Array | None, vocab_size
         outside = np.asarray(attended & ~in_range)
         if outside.any():
             row, position = np.argwhere(outside)[0]
-            raise ValueError(
+            raise GenerationError(
                 f"input_ids[{row}, {position}]={int(input_ids[row, position])} is outside [0, vocab_size={vocab_size}); "
                 "pass the vocab_size of the model's logits, or mark that position as a pad in attention_mask"
             )

@@ -18,6 +18,7 @@ import numbers
 
 import numpy as np
 
+from .._errors import GenerationError
 from ._beam import BeamSettings
 from ._sampling import SamplingConfig
 
@@ -51,9 +52,9 @@ class GenerationSettings:
 
     def __post_init__(self):
         if not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 1:
-            raise ValueError(f"max_new_tokens={self.max_new_tokens!r} must be a positive integer, e.g. max_new_tokens=32")
+            raise GenerationError(f"max_new_tokens={self.max_new_tokens!r} must be a positive integer, e.g. max_new_tokens=32")
         if not isinstance(self.min_new_tokens, int) or self.min_new_tokens < 0:
-            raise ValueError(f"min_new_tokens={self.min_new_tokens!r} must be an integer >= 0")
+            raise GenerationError(f"min_new_tokens={self.min_new_tokens!r} must be an integer >= 0")
 
 
 # transformers' arguments that hfjax carries out, read from the merged settings.
@@ -152,7 +153,7 @@ def check_names(names) -> None:
     hfjax cannot take (its callbacks, an assistant model)."""
     for name in names:
         if name in _CALL_ONLY:
-            raise ValueError(
+            raise GenerationError(
                 f"Model.generate({name}=...): hfjax compiles the whole decode loop and does not call back into Python "
                 f"per token, so it does not take {name}; the settings it takes: {', '.join(_SUPPORTED)}"
             )
@@ -174,20 +175,20 @@ def resolve(model, prompt_length: int, generation_config=None, **overrides) -> G
     values, where = _merged(model, generation_config, overrides)
     do_sample = values.get("do_sample")
     if not isinstance(do_sample, (bool, np.bool_)) and do_sample is not None:
-        raise ValueError(
+        raise GenerationError(
             f"do_sample={do_sample!r}{where('do_sample')} is not a bool; pass True to sample or False for greedy decoding"
         )
     do_sample = bool(do_sample)
     for name, (in_effect, what, off) in _UNSUPPORTED.items():
         if in_effect(values.get(name), do_sample):
             fix = f"leave {name} out" if where(name) == "" else f"pass {name}={off!r} to override it"
-            raise ValueError(f"{name}={values[name]!r}{where(name)} asks for {what}, which hfjax's generate does not do; {fix}")
+            raise GenerationError(f"{name}={values[name]!r}{where(name)} asks for {what}, which hfjax's generate does not do; {fix}")
 
     def count(name: str, least: int, default: int = 0) -> int:
         value = values.get(name)
         value = default if value is None else value
         if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < least:
-            raise ValueError(f"{name}={value!r}{where(name)} must be an integer >= {least}")
+            raise GenerationError(f"{name}={value!r}{where(name)} must be an integer >= {least}")
         return int(value)
 
     def token_ids(name: str) -> tuple[int, ...]:
@@ -199,7 +200,7 @@ def resolve(model, prompt_length: int, generation_config=None, **overrides) -> G
         max_length = count("max_length", least=1, default=20)
         max_new_tokens = max_length - decoder_length
         if max_new_tokens < 1:
-            raise ValueError(
+            raise GenerationError(
                 f"max_length={max_length}{where('max_length')} counts the prompt's {decoder_length} tokens and leaves "
                 f"no room for new tokens; pass max_new_tokens=N, or max_length above {decoder_length}"
             )
@@ -217,7 +218,7 @@ def resolve(model, prompt_length: int, generation_config=None, **overrides) -> G
     for name, forced in forced_tokens.items():
         if forced and set(forced) <= set(suppressed):
             # transformers refuses this too: every score would be -inf at the forced step.
-            raise ValueError(
+            raise GenerationError(
                 f"suppress_tokens={list(suppressed)}{where('suppress_tokens')} suppresses {name}="
                 f"{forced[0] if len(forced) == 1 else list(forced)}{where(name)}, the only token allowed where it is forced; "
                 "remove it from one of them"
@@ -226,7 +227,7 @@ def resolve(model, prompt_length: int, generation_config=None, **overrides) -> G
     num_beams = count("num_beams", least=1, default=1)
     if count_returned > num_beams and not do_sample:
         choices = "num_beams >= num_return_sequences" if num_beams > 1 else "do_sample=True to draw several, or num_beams"
-        raise ValueError(
+        raise GenerationError(
             f"num_return_sequences={count_returned}{where('num_return_sequences')}: greedy decoding returns "
             f"{num_beams} sequence{'s' if num_beams > 1 else ''} per prompt; pass {choices}, or num_return_sequences=1"
         )
@@ -236,7 +237,7 @@ def resolve(model, prompt_length: int, generation_config=None, **overrides) -> G
     kept = {name: as_dict and bool(values.get(name)) for name in ("output_scores", "output_logits")}
     if num_beams > 1 and any(kept.values()):
         name = next(name for name, on in kept.items() if on)
-        raise ValueError(
+        raise GenerationError(
             f"{name}=True{where(name)} with num_beams={num_beams}: hfjax keeps scores and logits for greedy decoding and "
             "sampling only; pass num_beams=1, or leave it out"
         )
@@ -271,11 +272,11 @@ def _beam_settings(values: dict, where, num_beams: int, pad: int, eos: tuple[int
     penalty = values.get("length_penalty")
     penalty = 1.0 if penalty is None else penalty
     if isinstance(penalty, bool) or not isinstance(penalty, numbers.Real) or not math.isfinite(penalty):
-        raise ValueError(f"length_penalty={penalty!r}{where('length_penalty')} is not a finite number; pass e.g. 1.0")
+        raise GenerationError(f"length_penalty={penalty!r}{where('length_penalty')} is not a finite number; pass e.g. 1.0")
     early = values.get("early_stopping")
     early = False if early is None else early
     if early not in (True, False, "never"):
-        raise ValueError(f"early_stopping={early!r}{where('early_stopping')} must be True, False or 'never'")
+        raise GenerationError(f"early_stopping={early!r}{where('early_stopping')} must be True, False or 'never'")
     # transformers fills a finished sequence with the pad token, or with EOS where the pad token is 0.
     fill = (pad or eos[0]) if eos else -1
     return BeamSettings(num_beams=num_beams, length_penalty=float(penalty), early_stopping=early, fill_token_id=fill)
@@ -293,7 +294,7 @@ def _merged(model, generation_config, overrides: dict):
     given = {k: v for k, v in overrides.items() if v is not None}
     sources.update(dict.fromkeys(given, ""))
     values.update(given)
-    checkpoint = f" (from {model.path}/generation_config.json)"
+    checkpoint = f" (from {model.path}/generation_config.json)" if model.path else " (from the model's generation_config)"
     return values, lambda name: sources.get(name, checkpoint)
 
 
@@ -328,7 +329,7 @@ def _token_ids(name: str, value, where: str) -> tuple[int, ...]:
         return ()
     ids = [value] if isinstance(value, numbers.Integral) else value
     if isinstance(ids, (str, bytes)) or not all(_is_token_id(i) for i in ids):
-        raise ValueError(f"{name}={value!r}{where} must be a token id or a list of token ids (integers >= 0)")
+        raise GenerationError(f"{name}={value!r}{where} must be a token id or a list of token ids (integers >= 0)")
     return tuple(int(i) for i in ids)
 
 
@@ -339,13 +340,13 @@ def _is_token_id(value) -> bool:
 def _sequences(name: str, sequences, where: str, vocab: int | None) -> list[tuple[int, ...]]:
     example = "[[12], [7, 9]]"
     if not isinstance(sequences, (list, tuple)) or not sequences:
-        raise ValueError(f"{name}={sequences!r}{where} must be a non-empty list of token id lists, e.g. {example}")
+        raise GenerationError(f"{name}={sequences!r}{where} must be a non-empty list of token id lists, e.g. {example}")
     out = []
     for ids in sequences:
         if not isinstance(ids, (list, tuple)) or not ids or not all(_is_token_id(i) for i in ids):
-            raise ValueError(f"{name}={sequences!r}{where}: {ids!r} is not a non-empty list of token ids, e.g. {example}")
+            raise GenerationError(f"{name}={sequences!r}{where}: {ids!r} is not a non-empty list of token ids, e.g. {example}")
         if vocab is not None and max(ids) >= vocab:
-            raise ValueError(f"{name}={sequences!r}{where}: token id {max(ids)} is outside the vocabulary of {vocab}")
+            raise GenerationError(f"{name}={sequences!r}{where}: token id {max(ids)} is outside the vocabulary of {vocab}")
         out.append(tuple(int(i) for i in ids))
     return out
 
@@ -356,12 +357,12 @@ def _sequence_bias(bias, where: str, vocab: int | None) -> tuple[SequenceBias, .
     pairs = list(bias.items()) if isinstance(bias, dict) else bias
     shape = "{(token ids): bias} or [[[token ids], bias], ...]"
     if not isinstance(pairs, (list, tuple)) or not all(isinstance(p, (list, tuple)) and len(p) == 2 for p in pairs):
-        raise ValueError(f"sequence_bias={bias!r}{where} must be {shape}")
+        raise GenerationError(f"sequence_bias={bias!r}{where} must be {shape}")
     sequences = _sequences("sequence_bias", [list(ids) for ids, _ in pairs], where, vocab)
     values = [value for _, value in pairs]
     for value in values:
         if isinstance(value, bool) or not isinstance(value, numbers.Real) or math.isnan(value):
-            raise ValueError(f"sequence_bias={bias!r}{where}: the bias {value!r} is not a number; it must be {shape}")
+            raise GenerationError(f"sequence_bias={bias!r}{where}: the bias {value!r} is not a number; it must be {shape}")
     # transformers keeps one bias per sequence, the last one given.
     return tuple(dict(zip(sequences, (float(v) for v in values))).items())
 

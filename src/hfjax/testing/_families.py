@@ -15,16 +15,11 @@ from typing import Any, Literal
 
 import transformers
 
-from ._tiny_tokenizer import BOS_ID, EOS_ID, MAX_POSITIONS, PAD_ID, VOCAB_SIZE
+from .. import _tasks
+from ._tokenizer import BOS_ID, EOS_ID, MAX_POSITIONS, PAD_ID, VOCAB_SIZE
 
 Kind = Literal["causal", "encoder", "seq2seq"]
 
-TASK_AUTO_CLASSES: dict[str, type] = {
-    "text-generation": transformers.AutoModelForCausalLM,
-    "text-classification": transformers.AutoModelForSequenceClassification,
-    "feature-extraction": transformers.AutoModel,
-    "text2text-generation": transformers.AutoModelForSeq2SeqLM,
-}
 DEFAULT_TASK: dict[str, str] = {
     "causal": "text-generation",
     "encoder": "feature-extraction",
@@ -333,7 +328,7 @@ def tiny_config(family: str, **overrides: Any) -> transformers.PretrainedConfig:
     kwargs = {"vocab_size": VOCAB_SIZE, **_TOKEN_IDS, **copy.deepcopy(dict(spec.config)), **overrides}
     config = transformers.AutoConfig.for_model(family, **kwargs)
     if "architectures" not in overrides:
-        name = auto_class_name(TASK_AUTO_CLASSES[DEFAULT_TASK[spec.kind]], config)
+        name = auto_class_name(_tasks.auto_class(DEFAULT_TASK[spec.kind]), config)
         config.architectures = [name]
     return config
 

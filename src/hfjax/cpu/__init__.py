@@ -1,0 +1,78 @@
+"""Everything hfjax does only to run faster on XLA:CPU, behind the one hook the engine calls.
+
+`Cpu` is the CPU's `hfjax._backend.Backend`: the generic engine asks it at fixed points, and it
+
+- builds hfjax's decoding kernels (`_kernels.cc`, AVX-512) at load time, never inside a trace
+  (`prepare`; also `hfjax build-kernels`);
+- installs the CPU's op lowerings (`_ops.py`: kernels, operand swaps, channels-last convolutions);
+- moves loaded weights onto 2 MB pages (`_pages.py`);
+- holds diffusers' convolution weights channels-last (`prepare_module`);
+- carries the decode loop's cache without its size-1 axes (`loop_carry`).
+
+Deleting this package, or setting HFJAX_CPU_KERNELS=0, runs the generic engine on the CPU:
+every feature works, only slower. docs/architecture.md says what each part gains.
+
+Public names: `Cpu`, `build_kernels`, `kernels_status`.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from .._backend import Backend
+from . import _build, _ops, _pages
+
+__all__ = ["Cpu", "build_kernels", "kernels_status"]
+
+
+class Cpu(Backend):
+    """The CPU's hook."""
+
+    name = "cpu"
+
+    def prepare(self) -> None:
+        _build.build()
+
+    def prepare_weights(self, params) -> None:
+        _pages.huge_pages(params.values())
+
+    def prepare_module(self, module) -> None:
+        _ops.store_convolutions_channels_last(module)
+
+    def loop_carry(self, cache):
+        # XLA:CPU drops a batch of 1 from the attention's product, so the product reads each cache
+        # layer without that axis. Carried with it, every layer was copied four times per token
+        # (0.4 ms of a 150M model's 9 ms at 128 cache slots); carried without it, and updated
+        # without it (`_ops._index_copy`), the product reads the buffer the loop carries.
+        shapes = [jnp.shape(leaf) for leaf in jax.tree_util.tree_leaves(cache)]
+        treedef = jax.tree_util.tree_structure(cache)
+
+        def restore(carried):
+            leaves = jax.tree_util.tree_leaves(carried)
+            return jax.tree_util.tree_unflatten(treedef, [jnp.reshape(x, s) for x, s in zip(leaves, shapes)])
+
+        return jax.tree_util.tree_map(jnp.squeeze, cache), restore
+
+    def custom_calls(self) -> tuple[str, ...]:
+        return tuple(_build.TARGETS) if _build.built() is not None else ()
+
+    def fingerprint(self) -> str | None:
+        return _build.built()
+
+
+def build_kernels(timeout_s: float = _build.TIMEOUT_S) -> str | None:
+    """Builds and loads the CPU kernels now (they are otherwise built when a model is loaded).
+
+    Returns:
+      The library's digest, or None where they are not used; `kernels_status()` says why.
+    """
+    return _build.build(timeout_s)
+
+
+def kernels_status() -> str:
+    """One line: whether the CPU kernels are loaded in this process, and if not, why."""
+    if _build.built() is not None:
+        return f"loaded ({_build.built()[:12]}), for float32 on a single CPU device"
+    return f"not loaded: {_build.reason() or 'not built yet in this process (hfjax build-kernels)'}"
+

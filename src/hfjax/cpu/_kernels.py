@@ -1,0 +1,54 @@
+"""Calls into hfjax's CPU kernels for decoding (`_kernels.cc`), as XLA FFI custom calls.
+
+Decoding multiplies a few rows of activations (one per sequence) by every Linear weight, and
+attends with one new token per sequence over the cache. XLA:CPU gives the small products to a
+general matrix-multiply library that packs a weight into tiles first, and runs attention as two
+such products with seven fusions between them. The kernels read a weight once, straight
+through, and attend in one pass over the cache; their own helper threads start each product on
+every core at once (benchmarks/README.md has the figures).
+
+They are used once `_build.build()` has loaded them (at load time, never inside a trace), for
+float32 arrays on a single CPU device: a custom call cannot be partitioned over a mesh.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from . import _build
+
+PRODUCT, ATTENTION = _build.TARGETS
+ROWS = range(1, 9)  # activation rows the product takes (batch x new tokens)
+QUERY_ROWS = range(1, 9)  # query rows per key/value head that attention takes (heads per group x tokens)
+
+
+def usable(*arrays) -> bool:
+    """Whether the kernels take float32 `arrays` here: loaded, on a single CPU device."""
+    return (
+        all(a.dtype == jnp.float32 for a in arrays)
+        and _build.built() is not None
+        and jax.default_backend() == "cpu"
+        and jax.device_count() == 1
+    )
+
+
+def rows_times_weight(rows: jax.Array, weight: jax.Array) -> jax.Array:
+    """rows [R, K] @ weight [N, K].T -> [R, N] for R <= 8, float32, through the kernel."""
+    result = jax.ShapeDtypeStruct((rows.shape[0], weight.shape[0]), jnp.float32)
+    return jax.ffi.ffi_call(PRODUCT, result, vmap_method="sequential")(rows, weight)
+
+
+def decode_attention(query, key, value, bias, scale: float) -> jax.Array:
+    """Attention of a few query rows per key/value head, float32, through the kernel.
+
+    query [B, H, R, D] (R in QUERY_ROWS); key and value [B, H, S, D] and [B, H, S, Dv] in any
+    shape with those elements (the decode loop carries a batch of 1 without its size-1 axes,
+    and reshaping it back would make XLA copy the cache); bias [B, L, S], added to the scores
+    of query row r from its row r % L (-inf where a row may not look) -> [B, H, R, Dv].
+    """
+    batch, heads, rows, _ = query.shape
+    value_depth = value.size // (batch * heads * bias.shape[-1])
+    result = jax.ShapeDtypeStruct((batch, heads, rows, value_depth), jnp.float32)
+    return jax.ffi.ffi_call(ATTENTION, result, vmap_method="sequential")(query, key, value, bias, scale=np.float32(scale))

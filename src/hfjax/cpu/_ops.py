@@ -1,0 +1,247 @@
+"""Op lowerings that only help XLA:CPU, installed where the CPU hook is active (`backend="cpu"`).
+
+- convolutions run channels-last, with weights held in that layout (`store_convolutions_channels_last`);
+- a few rows times a Linear weight go to hfjax's kernel, or to a swapped product;
+- decoding attention goes to hfjax's kernel, or computes its scores as key @ query.T;
+- the static cache is updated without its size-1 axes, the layout the decode loop carries.
+
+Each has a parity test against torch in tests/cpu/test_cpu_ops.py.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import torch
+from torchax.ops import op_base
+from torchax.tensor import Tensor as _TorchaxTensor
+
+from .. import _ops
+from .._ops import override
+from . import _kernels
+
+# -- convolution -----------------------------------------------------------------
+
+
+@override(
+    torch.ops.aten.convolution,
+    backend="cpu",
+    why="torchax convolves in torch's channels-first layout; outside loops XLA's CPU backend converts "
+    "that to channels-last itself, but inside a while loop (a whole diffusion loop) it keeps it and "
+    "runs its generic convolution, 80x slower",
+)
+def _convolution(input, weight, bias, stride, padding, dilation, transposed, output_padding, groups):
+    # input: [N, C, *spatial] (or [C, *spatial]); weight: [O, C / groups, *kernel] -> [N, O, *spatial']
+    if transposed:
+        return _ops.torchax_lowering(torch.ops.aten.convolution)(
+            input, weight, bias, stride, padding, dilation, transposed, output_padding, groups
+        )
+    spatial = weight.ndim - 2
+    unbatched = input.ndim == spatial + 1
+    if unbatched:
+        input = input[None]
+    # Channels last, explicitly, in and out of every convolution: XLA cancels the transposes
+    # between neighbours, and convolves channels-last inside loops as well as outside.
+    to_last = (0, *range(2, spatial + 2), 1)
+    numbers = jax.lax.ConvDimensionNumbers(
+        lhs_spec=(0, spatial + 1, *range(1, spatial + 1)),
+        rhs_spec=(spatial + 1, spatial, *range(spatial)),
+        out_spec=(0, spatial + 1, *range(1, spatial + 1)),
+    )
+    out = jax.lax.conv_general_dilated(
+        jnp.transpose(input, to_last),
+        jnp.transpose(weight, _kernel_order(weight.ndim)),  # [*kernel, C / groups, O]
+        window_strides=tuple(stride),
+        padding=[(p, p) for p in _per_dim(padding, spatial)],
+        rhs_dilation=tuple(_per_dim(dilation, spatial)),
+        dimension_numbers=numbers,
+        feature_group_count=groups,
+    )
+    out = jnp.transpose(out, (0, spatial + 1, *range(1, spatial + 1)))
+    if bias is not None:
+        out = out + bias.reshape((1, -1) + (1,) * spatial)
+    return out[0] if unbatched else out
+
+
+def _kernel_order(ndim: int) -> tuple[int, ...]:
+    # The axes of a torch weight [O, C / groups, *kernel] in the order XLA convolves with,
+    # [*kernel, C / groups, O]; shared by the lowering and the weights held in that order,
+    # whose two transposes XLA folds only while they agree.
+    return (*range(2, ndim), 1, 0)
+
+
+class _ChannelsLastWeight(torch.nn.Module):
+    """A convolution weight held as [*kernel, C / groups, O], the order `_convolution` hands XLA;
+    the module still reads torch's [O, C / groups, *kernel]."""
+
+    def forward(self, stored):
+        # stored: [*kernel, C / groups, O] -> [O, C / groups, *kernel]
+        return stored.permute(*np.argsort(_kernel_order(stored.ndim)).tolist())
+
+    def right_inverse(self, weight):
+        # weight: [O, C / groups, *kernel] -> [*kernel, C / groups, O]
+        return weight.permute(*_kernel_order(weight.ndim)).contiguous()
+
+
+def store_convolutions_channels_last(module: torch.nn.Module) -> int:
+    """Keeps each convolution weight of a torch module (on the CPU, not yet moved) channels-last.
+
+    `_convolution` transposes its weight to [*kernel, C / groups, O] on every call; with the weight
+    held in that order the two transposes cancel and XLA's CPU backend copies no weights per call
+    (for a Stable Diffusion UNet, 65% of its parameters). Returns how many weights were re-held.
+    """
+    from torch.nn.utils import parametrize
+
+    count = 0
+    for conv in list(module.modules()):
+        weight = getattr(conv, "weight", None)
+        if (
+            not isinstance(conv, torch.nn.modules.conv._ConvNd)
+            or conv.transposed
+            or parametrize.is_parametrized(conv, "weight")
+            or not isinstance(weight, torch.Tensor)
+            or isinstance(weight, _TorchaxTensor)
+            or weight.device.type != "cpu"
+        ):
+            continue
+        parametrize.register_parametrization(conv, "weight", _ChannelsLastWeight())
+        count += 1
+    return count
+
+
+def _per_dim(values, count: int) -> list[int]:
+    values = list(values)
+    return values * count if len(values) == 1 else values
+
+
+# -- linear layers ---------------------------------------------------------------
+
+# Rows of activations (batch x tokens) for which `_linear` swaps the product's operands, where
+# the kernel does not take them; XLA:CPU runs the swapped product faster for 2-64 rows, even at
+# 128 and slower from there and at 1 row (benchmarks/README.md).
+_SWAPPED_ROWS = range(2, 65)
+
+
+def _linear(input, weight, bias=None):
+    # input: [..., K]; weight: [N, K] (torch's layout); bias: [N] -> [..., N]
+    rows = int(np.prod(input.shape[:-1], dtype=np.int64))
+    if rows in _kernels.ROWS and weight.ndim == 2 and _kernels.usable(input, weight):  # decoding
+        out = _kernels.rows_times_weight(input.reshape(rows, -1), weight).reshape(*input.shape[:-1], -1)
+    elif weight.ndim == 2 and rows in _SWAPPED_ROWS:
+        # The barriers stop XLA from folding the small transposes back into the product.
+        block = jax.lax.optimization_barrier(input.reshape(rows, -1).T)  # [K, rows]
+        out = jax.lax.optimization_barrier(weight @ block).T.reshape(*input.shape[:-1], -1)
+    else:
+        out = jnp.einsum("...k,nk->...n", input, weight)
+    return out if bias is None else out + bias
+
+
+_LINEAR_WHY = (
+    "a few rows (decoding) run in hfjax's kernel, which reads each weight once; without it, "
+    "XLA:CPU multiplies 2-64 rows by a transposed [N, K] weight ~1.4x slower than the swapped product"
+)
+override(torch.nn.functional.linear, why=_LINEAR_WHY, backend="cpu")(_linear)
+override(torch.ops.aten.linear, why=_LINEAR_WHY, backend="cpu")(_linear)
+
+
+# -- attention -----------------------------------------------------------------
+
+# Query rows per key/value head (query heads per group x query length) up to which scores are
+# computed as key @ query.T where the kernel does not run: decoding. XLA:CPU then reads the
+# cache as it lies, where query @ key.T transposed every layer's keys on every token.
+_SWAPPED_SCORE_ROWS = 8
+
+
+def _swapped_scores(grouped, key):
+    # grouped: [..., Hkv, G, L, D]; key: [..., Hkv, S, D] -> [..., Hkv, G, L, S]
+    *batch, kv_heads, groups, length, depth = grouped.shape
+    block = jax.lax.optimization_barrier(grouped.reshape(*batch, kv_heads, groups * length, depth))
+    flipped = jnp.einsum("...hsd,...hrd->...hsr", key, block, preferred_element_type=jnp.float32)
+    scores = jnp.swapaxes(jax.lax.optimization_barrier(flipped), -1, -2)
+    return scores.reshape(*batch, kv_heads, groups, length, key.shape[-2])
+
+
+def _kernel_takes(query, key, value, attn_mask, rows: int) -> bool:
+    """Whether the attention kernel takes this attention: a few float32 query rows per key/value
+    head (decoding), keys and values per sequence, a mask the same for every head."""
+    batch = query.shape[:-3]
+    return (
+        rows in _kernels.QUERY_ROWS
+        and key.shape[:-3] == batch
+        and value.shape[:-3] == batch
+        and (attn_mask is None or attn_mask.ndim < 3 or attn_mask.shape[-3] == 1)
+        and _kernels.usable(query, key, value)
+    )
+
+
+def _kernel_attention(grouped, key, value, attn_mask, is_causal: bool, scale: float):
+    # grouped: [..., Hkv, G, L, D] -> [..., Hkv, G, L, Dv]
+    *batch, kv_heads, groups, length, depth = grouped.shape
+    kv_length = key.shape[-2]
+    sequences = int(np.prod(batch, dtype=np.int64))
+    # One [L, S] bias per sequence, added to the scores: 0 where a query may look, -inf where not.
+    allowed = jnp.tril(jnp.ones((length, kv_length), bool)) if is_causal else jnp.ones((length, kv_length), bool)
+    bias = jnp.where(allowed, 0.0, -jnp.inf).astype(jnp.float32)
+    if attn_mask is not None:
+        mask = jnp.broadcast_to(attn_mask, (*batch, 1, length, kv_length)).reshape(sequences, length, kv_length)
+        bias = jnp.where(mask, bias, -jnp.inf) if mask.dtype == jnp.bool_ else bias + mask.astype(jnp.float32)
+    bias = jnp.broadcast_to(bias, (sequences, length, kv_length))
+    # Keys and values go in squeezed, as the decode loop carries a batch of 1 (`Cpu.loop_carry`);
+    # in [1, H, S, D], XLA copied each cache layer into a second buffer for the call on every token.
+    query = grouped.reshape(sequences, kv_heads, groups * length, depth)
+    out = _kernels.decode_attention(query, jnp.squeeze(key), jnp.squeeze(value), bias, scale)
+    return out.reshape(*batch, kv_heads, groups, length, -1)
+
+
+def _sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
+    # query: [..., Hq, L, D]; key: [..., Hkv, S, D]; value: [..., Hkv, S, Dv] -> [..., Hq, L, Dv]
+    _ops.check_no_dropout(dropout_p)
+    *batch, heads, length, depth = query.shape
+    kv_heads = key.shape[-3]
+    rows = heads // kv_heads * length if heads % kv_heads == 0 else 0
+    if rows and _kernel_takes(query, key, value, attn_mask, rows):
+        grouped = query.reshape(*batch, kv_heads, heads // kv_heads, length, depth)
+        scale = 1.0 / float(np.sqrt(depth)) if scale is None else scale
+        out = _kernel_attention(grouped, key, value, attn_mask, is_causal, scale)
+        return out.reshape(*batch, heads, length, value.shape[-1])
+    scores = _swapped_scores if 0 < rows <= _SWAPPED_SCORE_ROWS else _ops.grouped_scores
+    return _ops.attention(query, key, value, attn_mask, is_causal, scale, scores=scores)
+
+
+_SDPA_WHY = (
+    "decoding attention (a few query rows per key/value head) runs in hfjax's kernel, scores, "
+    "softmax and values in one pass over the cache; without it, the scores as key @ query.T"
+)
+override(torch.nn.functional.scaled_dot_product_attention, why=_SDPA_WHY, backend="cpu")(_sdpa)
+override(torch.ops.aten.scaled_dot_product_attention, why=_SDPA_WHY, backend="cpu")(_sdpa)
+
+
+# -- cache updates ---------------------------------------------------------------
+
+
+def _index_copy(x, dim, index, source):
+    # x: any shape; index: [N] positions along `dim`; source: x's shape with N at `dim`.
+    if x.ndim == 0:
+        return source.reshape(())
+    dim = dim % x.ndim
+    # The update is made on x without its size-1 axes (a batch of 1): the shape in which the
+    # decode loop carries the cache (`Cpu.loop_carry`) and XLA's attention product reads
+    # it, so both read the buffer the update writes. Made on the full shape, XLA fused a second
+    # copy of the update into the reshape the product reads, and copied every cache layer four
+    # times per token.
+    kept = [axis for axis, size in enumerate(x.shape) if size != 1 or axis == dim]
+    squeezed = x.reshape([x.shape[axis] for axis in kept])
+    update = source.reshape([source.shape[axis] for axis in kept])
+    where = (slice(None),) * kept.index(dim) + (index.reshape(-1),)
+    return squeezed.at[where].set(update).reshape(x.shape)
+
+
+_INDEX_COPY_WHY = (
+    "torchax decomposes index_copy_ (transformers' StaticCache.update) into a scatter on the full "
+    "[B, H, S, D] cache; at batch 1 XLA then copies each cache layer four times per decoded token"
+)
+override(torch.ops.aten.index_copy, why=_INDEX_COPY_WHY, backend="cpu")(_index_copy)
+override(torch.ops.aten.index_copy_, why=_INDEX_COPY_WHY, backend="cpu", is_jax_function=False, is_view_op=True)(
+    op_base.InplaceOp(torch.ops.aten.index_copy)
+)

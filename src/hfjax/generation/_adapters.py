@@ -1,0 +1,188 @@
+"""How each kind of model keeps its past while decoding: one adapter per cache kind.
+
+An adapter runs the model for the decode loop, inside a trace, with the weights bound
+(`hfjax._compile.bound`): `prefill` builds the past from the prompt and gives the first logits,
+`step` runs one new token against it. Arrays in and out are jax.Arrays (or tracers); logits are
+float32 [B, V].
+
+    StaticCacheAdapter      transformers' StaticCache, for decoders that support it
+    StateCacheAdapter       the model's own fixed-size cache (state-space models such as mamba)
+    EncoderDecoderAdapter   an EncoderDecoderCache of two static caches, and the encoder's output
+    RecomputeAdapter        no cache: the whole token buffer runs at every step (any causal model)
+
+`adapter_for(module)` picks one. A server's slots or a trainer's evaluation reuse the same
+adapters with the engine's state (`_state.DecodeState`).
+"""
+
+from __future__ import annotations
+
+import inspect
+
+import jax
+import jax.numpy as jnp
+import torch
+
+from .. import _env
+from .._errors import GenerationError
+from . import _caches
+
+
+def _accepts(module: torch.nn.Module, name: str) -> bool:
+    return name in inspect.signature(module.forward).parameters
+
+
+def _last_logits(out):
+    return _env.to_jax(out.logits)[:, -1].astype(jnp.float32)  # [B, V]
+
+
+class CacheAdapter:
+    """Runs a model for the decode loop; subclasses say how its past is kept."""
+
+    kind: str = ""
+    windowable = False  # the decode loop may attend over growing windows of the cache
+    reorders_beams = True  # beam search may reorder the past by each beam's parent
+    pads_prompts = True  # prompts may be left-padded to a bucket
+    encoder_decoder = False
+
+    def __init__(self, module: torch.nn.Module):
+        self.module = module
+        self.config = module.config
+        self.takes_positions = _accepts(module, "position_ids")
+        self.takes_logits_to_keep = _accepts(module, "logits_to_keep")
+
+    def prefill(self, ids, mask, sequence, full_mask, offset: int):
+        """(past, encoder output or None, logits [B, V]) after the prompt.
+
+        ids, mask: [B, P] the padded prompts; sequence, full_mask: [B, L] the token buffer and its
+        mask, holding what the decoder sees first in columns [0, offset) (the prompt, or the
+        decoder start token).
+        """
+        raise NotImplementedError
+
+    def step(self, state, token, slot, window: int):
+        """(past, logits [B, V]) after one token [B, 1] at buffer column `slot`; `window` is how
+        many cache slots attention reads."""
+        raise NotImplementedError
+
+    def _positions(self, kwargs: dict, positions) -> dict:
+        if self.takes_positions:
+            kwargs["position_ids"] = _env.to_torch(positions)
+        return kwargs
+
+
+class StaticCacheAdapter(CacheAdapter):
+    kind = "static"
+    windowable = True
+
+    def prefill(self, ids, mask, sequence, full_mask, offset: int):
+        cache = _caches.static_cache(self.config.get_text_config(decoder=True), sequence.shape[1])
+        kwargs = {"use_cache": True, "past_key_values": cache, "attention_mask": _env.to_torch(full_mask)}
+        if self.takes_logits_to_keep:
+            kwargs["logits_to_keep"] = 1
+        out = self.module(input_ids=_env.to_torch(ids), **self._positions(kwargs, _positions_of(mask)))
+        return _env.to_jax(out.past_key_values), None, _last_logits(out)
+
+    def step(self, state, token, slot, window: int):
+        kwargs = {
+            "use_cache": True,
+            "past_key_values": _env.to_torch(state.cache),
+            "attention_mask": _env.to_torch(state.mask[:, :window]),
+        }
+        out = self.module(input_ids=_env.to_torch(token), **self._positions(kwargs, state.next_position[:, None] - 1))
+        return _env.to_jax(out.past_key_values), _last_logits(out)
+
+
+class StateCacheAdapter(CacheAdapter):
+    kind = "state"
+    reorders_beams = False
+
+    def __init__(self, module):
+        super().__init__(module)
+        self.cache_argument = "cache_params" if _accepts(module, "cache_params") else "past_key_values"
+
+    def prefill(self, ids, mask, sequence, full_mask, offset: int):
+        kwargs = {"use_cache": True, "attention_mask": _env.to_torch(mask)}
+        if self.takes_logits_to_keep:
+            kwargs["logits_to_keep"] = 1
+        out = self.module(input_ids=_env.to_torch(ids), **self._positions(kwargs, _positions_of(mask)))
+        return _env.to_jax(_own_cache(out)), None, _last_logits(out)
+
+    def step(self, state, token, slot, window: int):
+        kwargs = {"use_cache": True, self.cache_argument: _env.to_torch(state.cache)}
+        out = self.module(input_ids=_env.to_torch(token), **self._positions(kwargs, state.next_position[:, None] - 1))
+        return _env.to_jax(_own_cache(out)), _last_logits(out)
+
+
+class EncoderDecoderAdapter(CacheAdapter):
+    kind = "encoder-decoder"
+    encoder_decoder = True
+
+    def prefill(self, ids, mask, sequence, full_mask, offset: int):
+        from transformers import EncoderDecoderCache
+
+        encoded = self.module.get_encoder()(input_ids=_env.to_torch(ids), attention_mask=_env.to_torch(mask))
+        config = self.config.get_text_config(decoder=True)
+        total = sequence.shape[1]
+        cache = EncoderDecoderCache(_caches.static_cache(config, total), _caches.static_cache(config, ids.shape[1]))
+        encoder = (_env.to_jax(encoded.last_hidden_state), mask)
+        out = self.module(**_decoder_inputs(encoder, sequence[:, :offset], full_mask, cache))
+        return _env.to_jax(out.past_key_values), encoder, _last_logits(out)
+
+    def step(self, state, token, slot, window: int):
+        out = self.module(**_decoder_inputs(state.encoder, token, state.mask, _env.to_torch(state.cache)))
+        return _env.to_jax(out.past_key_values), _last_logits(out)
+
+
+class RecomputeAdapter(CacheAdapter):
+    kind = "recompute"
+    pads_prompts = False
+
+    def prefill(self, ids, mask, sequence, full_mask, offset: int):
+        return None, None, self.logits_at(sequence, full_mask, offset - 1)
+
+    def step(self, state, token, slot, window: int):
+        return None, self.logits_at(state.sequence, state.mask, slot)
+
+    def logits_at(self, sequence, full_mask, index):
+        """Logits [B, V] at column `index` of the whole buffer sequence [B, L], run without a cache."""
+        kwargs = self._positions({"attention_mask": _env.to_torch(full_mask), "use_cache": False}, _positions_of(full_mask))
+        out = self.module(input_ids=_env.to_torch(sequence), **kwargs)
+        logits = _env.to_jax(out.logits)  # [B, L, V]
+        return jax.lax.dynamic_index_in_dim(logits, index, axis=1, keepdims=False).astype(jnp.float32)
+
+
+def adapter_for(module: torch.nn.Module) -> CacheAdapter:
+    """The adapter for a transformers generative model."""
+    if getattr(module.config, "is_encoder_decoder", False):
+        return EncoderDecoderAdapter(module)
+    if "mamba" in type(module).__name__.lower():
+        return StateCacheAdapter(module)
+    if not module._can_compile_fullgraph or not module._supports_default_dynamic_cache():
+        return RecomputeAdapter(module)
+    return StaticCacheAdapter(module)
+
+
+def _positions_of(mask):
+    # Positions count the tokens attended to so far: left pads do not move them.
+    return jnp.maximum(jnp.cumsum(mask, axis=1) - 1, 0)
+
+
+def _own_cache(out):
+    for field in ("past_key_values", "cache_params"):
+        if getattr(out, field, None) is not None:
+            return getattr(out, field)
+    raise GenerationError(f"{type(out).__name__} returned no cache (past_key_values / cache_params) with use_cache=True")
+
+
+def _decoder_inputs(encoder, token, decoder_mask, cache) -> dict:
+    from transformers.modeling_outputs import BaseModelOutput
+
+    hidden, encoder_mask = encoder  # [B, P, H], [B, P]
+    return dict(
+        encoder_outputs=BaseModelOutput(last_hidden_state=_env.to_torch(hidden)),
+        attention_mask=_env.to_torch(encoder_mask),
+        decoder_input_ids=_env.to_torch(token),
+        decoder_attention_mask=_env.to_torch(decoder_mask),
+        past_key_values=cache,
+        use_cache=True,
+    )

@@ -1,0 +1,337 @@
+"""The generation engine: prefill compiled per prompt-length bucket, then the whole decode loop as
+ONE XLA program of `while_loop`s with the choice of each token inside it.
+
+Stages (gpt-fast's names):
+  prefill          the prompt, padded to a bucket, fills the past (the adapter's cache) and the
+                   first new token is chosen;
+  decode_n_tokens  a `jax.lax.while_loop` over one-token steps that stops when every row has
+                   produced an EOS or the step limit is reached. Its state is donated, so the
+                   cache is updated in place. A streamer runs it in chunks. Unstreamed, a
+                   decoder's static cache is attended in growing windows (`_planning.windows`):
+                   one loop per window, in the same program.
+
+`Generator` drives the parts, each of which another front end (a server's slots, a trainer's
+evaluation) can drive too:
+  _planning.plan_batch   prompts padded and laid out (a pure function)
+  _adapters              how the model keeps its past: `prefill` and `step` per cache kind
+  _state.DecodeState     the loop's state, a pytree dataclass with named fields
+  _choose                transformers' logits processors, sampling, beam search steps
+  _programs.ProgramCache the compiled programs, in memory and on disk
+
+The backend's hook (`hfjax._backend.active()`) decides the layout the loop carries its cache in.
+On a mesh the batch is split over its "data" axis.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import functools
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import torch
+
+from .. import _backend, _compile, _env
+from .._errors import GenerationError
+from ..parallel import _mesh
+from . import _caches, _choose, _planning, _programs, _sampling
+from ._adapters import adapter_for
+from ._beam import initial as initial_beams
+from ._settings import GenerationSettings
+from ._state import DecodeState, field_slices, read
+
+STREAM_CHUNK = 8  # decode steps per host round trip when streaming
+
+
+@dataclasses.dataclass
+class GenerationStats:
+    """Timings of the last `generate` call (seconds), for --stats and benchmarks."""
+
+    prompt_tokens: int = 0
+    new_tokens: int = 0
+    time_to_first_token: float = 0.0
+    total: float = 0.0
+    compiled: bool = False
+
+    @property
+    def tokens_per_second(self) -> float:
+        decode = self.total - self.time_to_first_token
+        return (self.new_tokens - 1) / decode if self.new_tokens > 1 and decode > 0 else float("nan")
+
+
+class Generator:
+    """Compiled generation for one model (an object with `module`, `params`, `aliases`, `mesh`)."""
+
+    def __init__(self, model):
+        self.model = model
+        self.module = model.module
+        self.adapter = adapter_for(model.module)
+        self.backend = _backend.active()
+        on_one_device = _programs.single_device(model.params)
+        fingerprint = _programs.model_fingerprint(model.module, model.params, model.aliases) if on_one_device else None
+        self.programs = _programs.ProgramCache(fingerprint)
+        # Programs pass their state as a flat list of leaves. Per layout (rows, offset, total,
+        # settings): the state's tree structure (known once a prefill is traced) and where its
+        # named fields lie in the list.
+        self._treedefs: dict[tuple, jax.tree_util.PyTreeDef] = {}
+        self._slices: dict[tuple, dict] = {}
+        self.last_stats = GenerationStats()
+        self._module_names = {id(m): n for n, m in model.module.named_modules()}
+
+    @property
+    def trace_counts(self) -> dict[str, int]:
+        """Traces of the model per stage in this process (an abstract trace included)."""
+        return {stage: self.programs.traced[stage] for stage in ("prefill", "decode")}
+
+    @property
+    def load_counts(self) -> dict[str, int]:
+        """Programs read from disk per stage in this process."""
+        return {stage: self.programs.loaded[stage] for stage in ("prefill", "decode")}
+
+    @property
+    def program_counts(self) -> dict[str, int]:
+        """Programs prepared per stage in this process, traced or read from disk."""
+        return {stage: self.trace_counts[stage] + self.load_counts[stage] for stage in ("prefill", "decode")}
+
+    # -- the host side ----------------------------------------------------------
+
+    def generate(self, ids: np.ndarray, mask: np.ndarray, settings: GenerationSettings, *, seed: int, streamer=None):
+        """ids, mask: int32 [B, S], left-padded. Returns int32 [B * num_return_sequences, S + T]:
+        the prompt as given, then up to max_new_tokens new tokens (for encoder-decoders [.., 1 + T]:
+        the decoder start token, then the new tokens); or transformers' Generate*Output."""
+        start = time.perf_counter()
+        beam = settings.beam
+        if beam is not None and streamer is not None:
+            raise GenerationError(
+                f"num_beams={beam.num_beams} with a streamer: beam search knows its answer only at the end; "
+                "stream with num_beams=1"
+            )
+        if beam is not None and not self.adapter.reorders_beams:
+            raise GenerationError(
+                f"num_beams={beam.num_beams}: {type(self.module).__name__} keeps a recurrent state that hfjax does "
+                "not reorder between beams; use num_beams=1"
+            )
+        plan = _planning.plan_batch(
+            ids, mask, settings, encoder_decoder=self.adapter.encoder_decoder,
+            pad_to_bucket=self.adapter.pads_prompts, data_devices=_mesh.data_size(self.model.mesh),
+        )  # fmt: skip
+        compiled = _planning.program_settings(settings, plan)
+        batch = plan.prompts * plan.per_prompt  # the rows the caller sees, without beam search
+        if streamer is not None:
+            streamer.put(torch.as_tensor(ids.astype(np.int64)))
+
+        prepared_before = sum(self.program_counts.values())
+        params = self.model.params
+        layout = (plan.rows, plan.offset, plan.total, compiled)
+        # A streamer re-enters the decode program every few tokens: windows cut and written back
+        # at each entry would copy more than they save, so it attends over the whole cache.
+        windows = self._windows(plan) if streamer is None else (plan.total,)
+        prefill_args = (
+            params, self._place(plan.ids), self._place(plan.mask), jax.random.key_data(jax.random.key(seed)),
+            jnp.int32(settings.max_new_tokens), jnp.int32(settings.min_new_tokens), jnp.int32(plan.first_column),
+        )  # fmt: skip
+        prefill_function = functools.partial(self._prefill_flat, layout=layout, offset=plan.offset, settings=compiled)
+        prefill = self.programs.get(
+            ("prefill", plan.rows, plan.size, plan.total, compiled), prefill_function, prefill_args,
+            metadata=lambda: {"fields": self._slices[layout]},
+        )  # fmt: skip
+        leaves = prefill.run(*prefill_args)
+        fields = prefill.metadata["fields"]  # the decode loop's state has the same fields
+
+        def field(name: str) -> np.ndarray:
+            return _host(read(leaves, fields, name))
+
+        first = field("sequence")[:batch, plan.offset]
+        ttft = time.perf_counter() - start
+        if streamer is not None:
+            streamer.put(torch.as_tensor(first.astype(np.int64)))
+        limit = settings.max_new_tokens
+        decode_function = functools.partial(
+            self._decode_flat, layout=layout, offset=plan.offset, settings=compiled, windows=windows,
+            trace_prefill=lambda: jax.eval_shape(prefill_function, *prefill_args),
+        )  # fmt: skip
+        decode = self.programs.get(
+            ("decode", *layout, windows), decode_function, (params, leaves, jnp.int32(limit)),
+            metadata=lambda: {"fields": self._slices[layout]}, donate=(1,),
+        )  # fmt: skip
+        steps = 1
+        if streamer is None:
+            leaves = decode.run(params, leaves, jnp.int32(limit))
+            steps = int(field("step"))
+        else:
+            while steps < limit and not bool(np.all(field("done"))):
+                leaves = decode.run(params, leaves, jnp.int32(min(steps + STREAM_CHUNK, limit)))
+                now = int(field("step"))
+                for token in field("sequence")[:batch, plan.offset + steps : plan.offset + now].T:
+                    streamer.put(torch.as_tensor(token.astype(np.int64)))
+                steps = now
+            streamer.end()
+        returned = settings.num_return_sequences
+        if beam is None:
+            sequence = field("sequence")[:batch]
+            prompt = np.repeat(ids, plan.per_prompt, axis=0)
+        else:
+            # Each prompt's best finished sequences, best first, as long as the longest returned one.
+            finished = field("beams.finished").reshape(plan.padded_prompts, plan.per_prompt, plan.total)
+            sequence = finished[: plan.prompts, :returned].reshape(plan.prompts * returned, plan.total)
+            steps = int(field("beams.finished_length")[: plan.prompts, :returned].max())
+            prompt = np.repeat(ids, returned, axis=0)
+        if self.adapter.encoder_decoder:
+            prompt = sequence[:, :1]
+        new = sequence[:, plan.offset : plan.offset + steps]
+        out = jnp.asarray(np.concatenate([prompt.astype(np.int32), new], axis=1))
+        if settings.return_dict_in_generate:
+            out = self._output(out, field, batch, steps, beams=beam is not None)
+        self.last_stats = GenerationStats(
+            prompt_tokens=int(mask.sum()),
+            new_tokens=steps,
+            time_to_first_token=ttft,
+            total=time.perf_counter() - start,
+            compiled=sum(self.program_counts.values()) > prepared_before,
+        )
+        return out
+
+    def _output(self, sequences, field, batch: int, steps: int, *, beams: bool):
+        """transformers' Generate*Output for return_dict_in_generate: the sequences, and per new
+        token the [B, V] raw logits and processed scores that output_logits / output_scores asked for."""
+        from transformers.generation import utils
+
+        kept = {}
+        for name in ("logits", "scores"):
+            values = field(name)
+            if values is not None:
+                values = jnp.asarray(values[:batch, :steps])  # [B, T, V]
+                kept[name] = tuple(values[:, t] for t in range(steps))
+        encoder_decoder = "EncoderDecoder" if self.adapter.encoder_decoder else "DecoderOnly"
+        kind = f"Generate{'Beam' if beams else ''}{encoder_decoder}Output"
+        return getattr(utils, kind)(sequences=sequences, **kept)
+
+    def _place(self, array: np.ndarray) -> jax.Array:
+        """[B, ...] host array -> device array; on a mesh, rows split over "data" (B divides it)."""
+        mesh = self.model.mesh
+        if mesh is None:
+            return jnp.asarray(array)
+        # Every process holds the whole batch and hands over the rows of its own devices.
+        sharding = _mesh.batch_sharding(mesh, array.shape)
+        return jax.make_array_from_callback(array.shape, sharding, lambda index: array[index])
+
+    def _windows(self, plan: _planning.BatchPlan) -> tuple[int, ...]:
+        if not self.adapter.windowable:
+            return (plan.total,)
+        return _planning.windows(plan.offset, plan.total)
+
+    # -- traced: flat state in and out ---------------------------------------------
+
+    def _prefill_flat(self, params, ids, mask, key, budget, least, first_column, *, layout, offset, settings) -> list:
+        state = self._prefill(params, ids, mask, key, budget, least, first_column, offset=offset, settings=settings)
+        return self._flatten(state, layout)
+
+    def _decode_flat(self, params, leaves, limit, *, layout, offset, settings, windows, trace_prefill) -> list:
+        if layout not in self._treedefs:
+            trace_prefill()  # its program came from disk: trace it abstractly for the state's structure
+        state = jax.tree_util.tree_unflatten(self._treedefs[layout], leaves)
+        state = self._decode_n_tokens(params, state, limit, offset=offset, settings=settings, windows=windows)
+        return self._flatten(state, layout)
+
+    def _flatten(self, state: DecodeState, layout: tuple) -> list:
+        leaves, self._treedefs[layout] = jax.tree_util.tree_flatten(state)
+        self._slices[layout] = field_slices(state)
+        return leaves
+
+    # -- traced: prefill ---------------------------------------------------------
+
+    def _prefill(self, params, ids, mask, key, budget, least, first_column, *, offset: int,
+                 settings: GenerationSettings) -> DecodeState:
+        # ids, mask: [B, P] int32, padded; key: uint32 PRNG key data; budget, least: int32 max_new_tokens and
+        # min_new_tokens; first_column: int32, where transformers' rows start in the buffer (all arguments,
+        # so that they do not recompile).
+        self.programs.traced["prefill"] += 1
+        batch = ids.shape[0]
+        total = offset + settings.max_new_tokens
+        if self.adapter.encoder_decoder:
+            prompt = jnp.full((batch, 1), settings.decoder_start_token_id, jnp.int32)
+            prompt_mask = jnp.ones_like(prompt)
+        else:
+            prompt, prompt_mask = ids, mask
+        fill = settings.pad_token_id if settings.beam is None else settings.beam.fill_token_id
+        sequence = jnp.full((batch, total), fill, jnp.int32).at[:, :offset].set(prompt)
+        full_mask = jnp.zeros((batch, total), jnp.int32).at[:, :offset].set(prompt_mask)
+        with self._bound(params):
+            cache, encoder, logits = self.adapter.prefill(ids, mask, sequence, full_mask, offset)
+        vocab = logits.shape[-1]
+
+        def buffer(wanted: bool):  # return_dict_in_generate's raw logits or processed scores of each new token
+            return jnp.zeros((batch, total - offset, vocab), jnp.float32) if wanted else None
+
+        state = DecodeState(
+            cache=cache,
+            encoder=encoder,
+            sequence=sequence,
+            mask=full_mask,
+            next_position=jnp.sum(prompt_mask, axis=1).astype(jnp.int32),
+            seen=_sampling.seen_mask(prompt, prompt_mask, vocab) if _choose.needs_seen(settings) else None,
+            done=jnp.zeros((batch,), bool),
+            step=jnp.int32(0),
+            key=key,
+            budget=budget,
+            least=least,
+            first_column=first_column,
+            logits=buffer(settings.output_logits),
+            scores=buffer(settings.output_scores),
+            beams=None if settings.beam is None else initial_beams(batch // settings.beam.num_beams, settings.beam, sequence),
+        )
+        return _choose.choose(state, logits, offset, settings)
+
+    # -- traced: decode loop -----------------------------------------------------
+
+    def _decode_n_tokens(self, params, state: DecodeState, limit, *, offset: int, settings: GenerationSettings,
+                         windows: tuple[int, ...]) -> DecodeState:
+        self.programs.traced["decode"] += 1
+        if len(windows) > 1 and not _caches.windowable(state.cache):
+            windows = windows[-1:]
+        for window in windows[:-1]:
+            # The steps whose token's keys land in the window's slots: its columns [0, window).
+            # A window whose steps are over runs no step, and its slots go back unchanged.
+            full = state.cache
+            state = self._decode_loop(params, state.replace(cache=_caches.window(full, window)),
+                                      jnp.minimum(limit, window - offset + 1), offset=offset, settings=settings)
+            state = state.replace(cache=_caches.written_back(full, state.cache))
+        return self._decode_loop(params, state, limit, offset=offset, settings=settings)
+
+    def _decode_loop(self, params, state: DecodeState, limit, *, offset: int, settings: GenerationSettings) -> DecodeState:
+        window = _caches.slots(state.cache) or state.mask.shape[1]
+        carried, restore = self.backend.loop_carry(state.cache)
+
+        def running(state: DecodeState):
+            return (state.step < limit) & ~jnp.all(state.done)
+
+        def step(state: DecodeState) -> DecodeState:
+            slot = offset + state.step - 1  # where the last chosen token sits
+            token = jax.lax.dynamic_slice_in_dim(state.sequence, slot, 1, axis=1)  # [B, 1]
+            with self._bound(params):
+                cache, logits = self.adapter.step(state.replace(cache=restore(state.cache)), token, slot, window)
+            return _choose.choose(state.replace(cache=self.backend.loop_carry(cache)[0]), logits, offset, settings)
+
+        state = jax.lax.while_loop(running, step, state.replace(cache=carried))
+        return state.replace(cache=restore(state.cache))
+
+    @contextlib.contextmanager
+    def _bound(self, params):
+        # An op with no lowering is named, with the submodule that called it.
+        with _compile.explain_errors(self.module, self._module_names):
+            with _compile.bound(self.module, params, self.model.aliases, _env.prng_key()) as environment:
+                yield environment
+
+
+def _host(array: jax.Array | None) -> np.ndarray | None:
+    """The whole of `array` on this host, also when other processes hold some of its rows."""
+    if array is None:
+        return None
+    if array.is_fully_addressable or array.is_fully_replicated:
+        return np.asarray(array)
+    from jax.experimental import multihost_utils
+
+    return np.asarray(multihost_utils.process_allgather(array, tiled=True))

@@ -1,0 +1,20 @@
+"""Splitting a model over devices and processes.
+
+- `make_mesh(data, model)`: a ("data", "model") `jax.sharding.Mesh`;
+- `plan(model_or_config, mesh)`: the PartitionSpec of every parameter (a `Plan`; `plan.table()`
+  prints bytes per device), from the registry of per-family `rules`, else a structural fallback;
+- `rules(*families)`: the decorator that registers a family's table of parameter-name regexes
+  to roles (`ROLES`);
+- `distributed.initialize()`: joins a multi-process run (`hfjax launch` sets its variables).
+
+`hfjax.load(path, mesh=...)` applies the plan as it reads the weights; XLA's SPMD partitioner
+inserts the collectives.
+"""
+
+from __future__ import annotations
+
+from . import distributed
+from ._mesh import make_mesh
+from ._rules import ROLES, Plan, plan, rules
+
+__all__ = ["ROLES", "Plan", "distributed", "make_mesh", "plan", "rules"]

@@ -1,0 +1,37 @@
+"""Tiny random Hugging Face checkpoints and pipelines for tests, demos and bug reports.
+
+Every factory writes exactly what a hub checkpoint holds, so code under test loads it through
+the same path a real model takes:
+
+    path = save_tiny_checkpoint("llama", tmp_path / "llama")
+    model = transformers.AutoModelForCausalLM.from_pretrained(path)
+
+A checkpoint directory holds config.json (with `architectures`), model.safetensors (or shards
+plus model.safetensors.index.json), generation_config.json for generative models, and tokenizer
+files (tokenizer.json, tokenizer_config.json, chat_template.jinja). The tokenizer is a
+byte-level BPE trained in-process on a short embedded English text, so no network access is
+needed. Models have 85k to 235k parameters: hidden size 64, 2 layers, 4 attention heads of
+size 16 (2 key/value heads where the family has GQA).
+
+Parts: `_families.py` (tiny config sizes per model_type), `_tokenizer.py`, `_checkpoints.py`,
+`_pipelines.py` (diffusers pipelines). They depend on torch, transformers, tokenizers and
+diffusers, not on the rest of hfjax.
+
+Public names: `FAMILIES`, `GENERATION_FAMILIES`, `tiny_config`, `tiny_tokenizer`,
+`save_tiny_checkpoint`, `PIPELINE_KINDS`, `SCHEDULERS`, `save_tiny_pipeline`.
+"""
+
+from ._checkpoints import save_tiny_checkpoint, tiny_tokenizer
+from ._families import FAMILIES, GENERATION_FAMILIES, tiny_config
+from ._pipelines import PIPELINE_KINDS, SCHEDULERS, save_tiny_pipeline
+
+__all__ = [
+    "FAMILIES",
+    "GENERATION_FAMILIES",
+    "PIPELINE_KINDS",
+    "SCHEDULERS",
+    "save_tiny_checkpoint",
+    "save_tiny_pipeline",
+    "tiny_config",
+    "tiny_tokenizer",
+]

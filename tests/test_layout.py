@@ -1,0 +1,127 @@
+"""The package's layout: no import cycles, the CPU's fast paths only in hfjax.cpu, and every
+feature working without that package."""
+
+from __future__ import annotations
+
+import ast
+import importlib
+import pathlib
+import subprocess
+import sys
+
+import pytest
+
+import hfjax
+
+ROOT = pathlib.Path(hfjax.__file__).parent
+SUBPACKAGES = ("generation", "diffusion", "parallel", "cpu", "testing", "cli")
+
+
+def _module_name(path: pathlib.Path) -> str:
+    parts = ["hfjax", *path.relative_to(ROOT).with_suffix("").parts]
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _top_level_imports(path: pathlib.Path) -> set[str]:
+    """hfjax modules that `path` imports when it is itself imported (not inside functions)."""
+    name = _module_name(path)
+    package = name if path.name == "__init__.py" else name.rsplit(".", 1)[0]
+    found = set()
+    for node in ast.parse(path.read_text()).body:
+        if isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names if alias.name.startswith("hfjax"))
+        elif isinstance(node, ast.ImportFrom):
+            base = importlib.util.resolve_name("." * node.level + (node.module or ""), package) if node.level else node.module
+            if not base or not base.startswith("hfjax"):
+                continue
+            for alias in node.names:  # `from . import _x` imports the module hfjax._x
+                candidate = f"{base}.{alias.name}"
+                found.add(candidate if _exists(candidate) else base)
+    return {module for module in found if module != name}
+
+
+def _exists(module: str) -> bool:
+    relative = pathlib.Path(*module.split(".")[1:])
+    return (ROOT / relative).with_suffix(".py").is_file() or (ROOT / relative / "__init__.py").is_file()
+
+
+def test_there_is_no_import_cycle():
+    graph = {_module_name(path): _top_level_imports(path) for path in ROOT.rglob("*.py")}
+    # Importing a module imports its packages first; that edge is Python's, not a cycle of ours.
+    state, stack = {}, []
+
+    def visit(module):
+        state[module] = "open"
+        stack.append(module)
+        for target in sorted(graph.get(module, ())):
+            if state.get(target) == "open":
+                cycle = stack[stack.index(target) :] + [target]
+                if not all(later.startswith(earlier + ".") for earlier, later in zip(cycle, cycle[1:])):
+                    pytest.fail(f"import cycle: {' -> '.join(cycle)}")
+            elif target not in state:
+                visit(target)
+        stack.pop()
+        state[module] = "done"
+
+    for module in sorted(graph):
+        if module not in state:
+            visit(module)
+
+
+@pytest.mark.parametrize("package", SUBPACKAGES)
+def test_each_subpackage_says_what_it_holds_and_exports_it(package):
+    module = importlib.import_module(f"hfjax.{package}")
+    assert module.__doc__ and len(module.__doc__.strip().splitlines()) >= 3, f"hfjax.{package} has no docstring"
+    for name in getattr(module, "__all__", ()):
+        assert hasattr(module, name), f"hfjax.{package}.__all__ names {name!r}, which it does not define"
+
+
+def test_public_names_are_exported():
+    for name in hfjax.__all__:
+        assert hasattr(hfjax, name), name
+    assert issubclass(hfjax.ShardingError, hfjax.HfjaxError) and issubclass(hfjax.PipelineError, hfjax.HfjaxError)
+
+
+def test_only_the_backend_hook_reaches_into_hfjax_cpu():
+    reaching = []
+    for path in ROOT.rglob("*.py"):
+        if path.is_relative_to(ROOT / "cpu") or path.name in ("_backend.py", "build_kernels.py"):
+            continue
+        text = path.read_text()
+        if "from .cpu" in text or "from ..cpu" in text or "hfjax.cpu import" in text or "import hfjax.cpu" in text:
+            reaching.append(str(path.relative_to(ROOT)))
+    assert reaching == [], f"generic modules import hfjax.cpu: {reaching}"
+
+
+_WITHOUT_CPU_PACKAGE = r"""
+import importlib.abc, sys
+
+class NoCpu(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path, target=None):
+        if name == "hfjax.cpu" or name.startswith("hfjax.cpu."):
+            raise ImportError("hfjax.cpu deleted for this test")
+
+sys.meta_path.insert(0, NoCpu())
+import numpy as np, torch, transformers, hfjax
+from hfjax import _backend
+assert _backend.active().name is None, _backend.active()
+path = sys.argv[1]
+model = hfjax.load(path)
+model.tokenizer.padding_side = "left"
+batch = model.tokenizer(["Hello there, how are you?", "Hi"], padding=True, return_tensors="np")
+got = np.asarray(model.generate(batch["input_ids"], batch["attention_mask"], max_new_tokens=8, do_sample=False))
+reference = transformers.AutoModelForCausalLM.from_pretrained(path).eval()
+with torch.no_grad():
+    want = reference.generate(torch.as_tensor(batch["input_ids"]).long(), attention_mask=torch.as_tensor(batch["attention_mask"]).long(),
+                              max_new_tokens=8, do_sample=False).numpy()
+np.testing.assert_array_equal(got, want)
+report = hfjax.check(path)
+assert report.passed, report.table()
+print("ok")
+"""
+
+
+def test_every_feature_works_without_the_cpu_package(checkpoint):
+    result = subprocess.run([sys.executable, "-c", _WITHOUT_CPU_PACKAGE, str(checkpoint("llama"))],
+                            capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0 and result.stdout.strip().endswith("ok"), result.stderr[-3000:]
