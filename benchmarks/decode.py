@@ -42,10 +42,24 @@ from shapes import LLAMA_1B
 
 # Llama shapes with random weights. Untied embeddings (Llama's default) unless stated.
 SIZES = {
-    "20m": dict(hidden_size=256, intermediate_size=768, num_hidden_layers=8, num_attention_heads=8,
-                num_key_value_heads=4, head_dim=32, vocab_size=32000),
-    "150m": dict(hidden_size=768, intermediate_size=3072, num_hidden_layers=12, num_attention_heads=12,
-                 num_key_value_heads=4, head_dim=64, vocab_size=32000),
+    "20m": dict(
+        hidden_size=256,
+        intermediate_size=768,
+        num_hidden_layers=8,
+        num_attention_heads=8,
+        num_key_value_heads=4,
+        head_dim=32,
+        vocab_size=32000,
+    ),
+    "150m": dict(
+        hidden_size=768,
+        intermediate_size=3072,
+        num_hidden_layers=12,
+        num_attention_heads=12,
+        num_key_value_heads=4,
+        head_dim=64,
+        vocab_size=32000,
+    ),
     "llama-1b": LLAMA_1B,
 }
 METHODS = ("hfjax", "hand_recipe", "torch_dynamic", "torch_static", "torch_compile")
@@ -54,8 +68,14 @@ FULL = dict(sizes="20m,150m", prompts="16,512", batches="1,8", new_tokens=128, r
 QUICK = dict(sizes="20m", prompts="16", batches="1,8", new_tokens=32, runs=1, pairs=3)
 GPU = dict(sizes="llama-1b", prompts="16,128", batches="1", new_tokens=128, runs=3, pairs=3)
 GPU_SKIPPED = ("hand_recipe", "torch_dynamic")
-TARGETS = dict(over_torch_static=2.5, over_torch_compile=2.0, fraction_of_ceiling=0.85, warm_ttft_s=0.5,
-               batch8_over_batch1=5.0, gpu_fraction_of_ceiling=0.80)
+TARGETS = dict(
+    over_torch_static=2.5,
+    over_torch_compile=2.0,
+    fraction_of_ceiling=0.85,
+    warm_ttft_s=0.5,
+    batch8_over_batch1=5.0,
+    gpu_fraction_of_ceiling=0.80,
+)
 _WARMUP_TOKENS = 4  # eager warm-up length; compiled paths warm up at full length (their shapes depend on it)
 _WORKER_TIMEOUT_S = 3600
 
@@ -285,15 +305,18 @@ def generate_timed(model, ids, new_tokens: int, num_beams: int = 1) -> tuple[Tim
     """One hfjax `generate` of exactly `new_tokens` tokens: its timing, whether it compiled, its output."""
     import jax
 
-    out = jax.block_until_ready(model.generate(ids, max_new_tokens=new_tokens, min_new_tokens=new_tokens,
-                                               do_sample=False, num_beams=num_beams))
+    out = jax.block_until_ready(
+        model.generate(ids, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False, num_beams=num_beams)
+    )
     stats = model.last_generation_stats
     # With beams, as for transformers (which streams no beam search), tokens/s include the prefill.
     first = 0.0 if num_beams > 1 else stats.time_to_first_token
     return Timing(first, stats.total, stats.new_tokens), stats.compiled, out
 
 
-def run_hfjax(model, ids, new_tokens: int, runs: int, probe: Probe | None = None, num_beams: int = 1) -> tuple[dict, object]:
+def run_hfjax(
+    model, ids, new_tokens: int, runs: int, probe: Probe | None = None, num_beams: int = 1
+) -> tuple[dict, object]:
     import numpy as np
 
     first, _, _ = generate_timed(model, ids, new_tokens, num_beams)
@@ -336,7 +359,6 @@ def alternate_batches(model, prompt: int, batch: int, new_tokens: int, pairs: in
 
 def run_hand_recipe(checkpoint, ids, new_tokens: int, runs: int, dtype: str) -> tuple[dict, object]:
     """The write-ups' recipe, on transformers 5: jit one step with a StaticCache, loop in Python."""
-    import hfjax
     import jax
     import jax.numpy as jnp
     import numpy as np
@@ -344,10 +366,17 @@ def run_hand_recipe(checkpoint, ids, new_tokens: int, runs: int, dtype: str) -> 
     import torchax.interop
     import transformers
 
+    import hfjax
+
     torch_model = transformers.AutoModelForCausalLM.from_pretrained(checkpoint, dtype=getattr(torch, dtype)).eval()
     step = hfjax.jit(torch_model)
-    argmax = jax.jit(lambda logits: jnp.argmax(logits[:, -1], axis=-1).astype(jnp.int32)[:, None])  # [B, S, V] -> [B, 1]
-    pick = lambda logits: argmax(torchax.interop.jax_view(logits))  # the logits come back as torchax tensors
+    argmax = jax.jit(
+        lambda logits: jnp.argmax(logits[:, -1], axis=-1).astype(jnp.int32)[:, None]
+    )  # [B, S, V] -> [B, 1]
+
+    def pick(logits):  # the logits come back as torchax tensors
+        return argmax(torchax.interop.jax_view(logits))
+
     batch, length = ids.shape
 
     def once(n: int) -> tuple[Timing, np.ndarray]:
@@ -408,25 +437,36 @@ def device_info() -> dict:
 
 
 def benchmark(args, work: pathlib.Path, envs: dict[str, dict]) -> dict:
-    import hfjax
     import jax
+
+    import hfjax
     from hfjax import testing
 
     dtype = "bfloat16" if args.gpu_llama_1b else "float32"
     itemsize = 2 if dtype == "bfloat16" else 4
     methods = [m for m in METHODS if m not in args.skip]
-    report = {"benchmark": "decode", "device": device_info(), "dtype": dtype, "new_tokens": args.new_tokens,
-              "num_beams": args.num_beams,
-              "runs": args.runs, "methods": methods, "models": {}, "results": [], "batch_scaling_alternated": {},
-              "torch_settings": {"threads": args.torch_threads, "OMP_WAIT_POLICY": envs["torch"].get("OMP_WAIT_POLICY")}}
+    report = {
+        "benchmark": "decode",
+        "device": device_info(),
+        "dtype": dtype,
+        "new_tokens": args.new_tokens,
+        "num_beams": args.num_beams,
+        "runs": args.runs,
+        "methods": methods,
+        "models": {},
+        "results": [],
+        "batch_scaling_alternated": {},
+        "torch_settings": {"threads": args.torch_threads, "OMP_WAIT_POLICY": envs["torch"].get("OMP_WAIT_POLICY")},
+    }
     log(f"device: {report['device']}")
     probes = [measure_bandwidth(args.gpu_llama_1b)]
     log(f"bandwidth probe: {probes[0]['gb_per_s']:.1f} GB/s")
     probe = adjacent_probe(max(probes[0]["probes"], key=lambda p: p["gb_per_s"]), args.gpu_llama_1b)
 
     for size in args.sizes:
-        checkpoint = testing.save_tiny_checkpoint("llama", work / size, dtype=dtype, max_position_embeddings=4096,
-                                                  **SIZES[size])
+        checkpoint = testing.save_tiny_checkpoint(
+            "llama", work / size, dtype=dtype, max_position_embeddings=4096, **SIZES[size]
+        )
         model = hfjax.load(checkpoint, dtype=dtype)
         info = weight_bytes(checkpoint, model.config, itemsize)
         report["models"][size] = info
@@ -439,16 +479,34 @@ def benchmark(args, work: pathlib.Path, envs: dict[str, dict]) -> dict:
                 for method in methods:
                     log(f"  {size} prompt {prompt} batch {batch}: {method} ...")
                     if method == "hfjax":
-                        row, reference = run_hfjax(model, jax.numpy.asarray(ids), args.new_tokens, args.runs,
-                                                   probe if batch == 1 and args.num_beams == 1 else None, args.num_beams)
+                        row, reference = run_hfjax(
+                            model,
+                            jax.numpy.asarray(ids),
+                            args.new_tokens,
+                            args.runs,
+                            probe if batch == 1 and args.num_beams == 1 else None,
+                            args.num_beams,
+                        )
                     elif method == "hand_recipe":
                         row, tokens = run_hand_recipe(checkpoint, ids, args.new_tokens, args.runs, dtype)
-                        row["common_prefix_with_hfjax"] = None if reference is None else common_prefix(tokens, reference)
+                        row["common_prefix_with_hfjax"] = (
+                            None if reference is None else common_prefix(tokens, reference)
+                        )
                     else:
-                        row = run_worker("torch", envs["torch"], checkpoint=checkpoint, method=method, prompt=prompt,
-                                         batch=batch, new_tokens=args.new_tokens, runs=args.runs, dtype=dtype,
-                                         gpu=args.gpu_llama_1b, torch_threads=args.torch_threads,
-                                         num_beams=args.num_beams)
+                        row = run_worker(
+                            "torch",
+                            envs["torch"],
+                            checkpoint=checkpoint,
+                            method=method,
+                            prompt=prompt,
+                            batch=batch,
+                            new_tokens=args.new_tokens,
+                            runs=args.runs,
+                            dtype=dtype,
+                            gpu=args.gpu_llama_1b,
+                            torch_threads=args.torch_threads,
+                            num_beams=args.num_beams,
+                        )
                         tokens = row.pop("tokens", None)
                         if tokens is not None and reference is not None:
                             row["common_prefix_with_hfjax"] = common_prefix(tokens, reference)
@@ -459,8 +517,10 @@ def benchmark(args, work: pathlib.Path, envs: dict[str, dict]) -> dict:
                     log(f"  {size} prompt {prompt}: hfjax batch {batch} and batch 1 in turn, {args.pairs} pairs ...")
                     scaling = alternate_batches(model, prompt, batch, args.new_tokens, args.pairs)
                     report["batch_scaling_alternated"][f"{size}/p{prompt}/b{batch}"] = scaling
-                    log(f"    batch {batch} over batch 1: median {scaling['median']:.2f} "
-                        f"(pairs {', '.join(f'{r:.2f}' for r in scaling['pairs'])})")
+                    log(
+                        f"    batch {batch} over batch 1: median {scaling['median']:.2f} "
+                        f"(pairs {', '.join(f'{r:.2f}' for r in scaling['pairs'])})"
+                    )
         del model
 
     del probe
@@ -473,10 +533,14 @@ def benchmark(args, work: pathlib.Path, envs: dict[str, dict]) -> dict:
     # a run that read faster than the start and end probes must not exceed its ceiling.
     report["bandwidth_gb_per_s"] = max([p["gb_per_s"] for p in probes] + adjacent)
     report["bandwidth_gb_per_s_median_probe"] = statistics.median(p["gb_per_s"] for p in report["bandwidth_probes"])
-    log(f"bandwidth: {report['bandwidth_gb_per_s']:.1f} GB/s (best of {len(report['bandwidth_probes']) + len(adjacent)} probes)")
+    log(
+        f"bandwidth: {report['bandwidth_gb_per_s']:.1f} GB/s (best of {len(report['bandwidth_probes']) + len(adjacent)} probes)"
+    )
     _add_ceilings(report)
     report["ratios"] = _ratios(report)
-    report["batch8_over_batch1"] = {key: scaling["median"] for key, scaling in report["batch_scaling_alternated"].items()}
+    report["batch8_over_batch1"] = {
+        key: scaling["median"] for key, scaling in report["batch_scaling_alternated"].items()
+    }
     report["batch8_over_batch1_separate_runs"] = _batch_scaling(report)
     # The issue's targets are for greedy decoding.
     report["targets"] = _targets(report, args) if args.num_beams == 1 else None
@@ -501,8 +565,10 @@ def _largest(sizes: list[str]) -> str:
 def _describe(row: dict) -> str:
     if "error" in row:
         return f"error: {row['error']}"
-    text = (f"{row['decode_tokens_per_s']:.1f} tok/s per sequence, {row['decode_tokens_per_s_total']:.1f} total, "
-            f"ttft {row['time_to_first_token_s'] * 1e3:.0f} ms, total {row['total_s']:.2f} s")
+    text = (
+        f"{row['decode_tokens_per_s']:.1f} tok/s per sequence, {row['decode_tokens_per_s_total']:.1f} total, "
+        f"ttft {row['time_to_first_token_s'] * 1e3:.0f} ms, total {row['total_s']:.2f} s"
+    )
     if "compile_s" in row:
         text += f", compile {row['compile_s']:.1f} s"
     return text
@@ -517,7 +583,7 @@ def _find(report: dict, size: str, prompt: int, batch: int, method: str) -> dict
 
 def _add_ceilings(report: dict) -> None:
     bandwidth = report["bandwidth_gb_per_s"] * 1e9
-    for size, info in report["models"].items():
+    for info in report["models"].values():
         info["ceiling_tokens_per_s"] = bandwidth / info["bytes_per_token"]
     for row in report["results"]:
         if row["batch"] == 1 and "error" not in row:
@@ -527,7 +593,8 @@ def _add_ceilings(report: dict) -> None:
                 # Run by run: the bytes this run read per second over the bandwidth measured just before it.
                 row["fraction_of_adjacent_ceiling"] = statistics.median(
                     rate * info["bytes_per_token"] / (gb * 1e9)
-                    for rate, gb in zip(row["runs_decode_tokens_per_s"], row["runs_adjacent_gb_per_s"]))
+                    for rate, gb in zip(row["runs_decode_tokens_per_s"], row["runs_adjacent_gb_per_s"])
+                )
 
 
 def _ratios(report: dict) -> dict:
@@ -551,11 +618,18 @@ def _batch_scaling(report: dict) -> dict:
     scaling = {}
     for row in report["results"]:
         if row["method"] == "hfjax" and row["batch"] == 1 and "error" not in row:
-            larger = [r for r in report["results"] if r["method"] == "hfjax" and "error" not in r
-                      and (r["size"], r["prompt"]) == (row["size"], row["prompt"]) and r["batch"] > 1]
+            larger = [
+                r
+                for r in report["results"]
+                if r["method"] == "hfjax"
+                and "error" not in r
+                and (r["size"], r["prompt"]) == (row["size"], row["prompt"])
+                and r["batch"] > 1
+            ]
             for other in larger:
                 scaling[f"{row['size']}/p{row['prompt']}/b{other['batch']}"] = (
-                    other["decode_tokens_per_s_total"] / row["decode_tokens_per_s_total"])
+                    other["decode_tokens_per_s_total"] / row["decode_tokens_per_s_total"]
+                )
     return scaling
 
 
@@ -573,18 +647,25 @@ def _targets(report: dict, args) -> dict:
     ratios = report["ratios"].get(key, {})
     targets = {"config": key}
     if args.gpu_llama_1b:
-        targets["hfjax_fraction_of_ceiling"] = check(hfjax_row.get("fraction_of_ceiling"), TARGETS["gpu_fraction_of_ceiling"])
+        targets["hfjax_fraction_of_ceiling"] = check(
+            hfjax_row.get("fraction_of_ceiling"), TARGETS["gpu_fraction_of_ceiling"]
+        )
         for method in ("torch_static", "torch_compile"):
-            targets[f"{method}_fraction_of_ceiling"] = (_find(report, size, prompt, 1, method) or {}).get("fraction_of_ceiling")
+            targets[f"{method}_fraction_of_ceiling"] = (_find(report, size, prompt, 1, method) or {}).get(
+                "fraction_of_ceiling"
+            )
         return targets
     targets["over_torch_static"] = check(ratios.get("over_torch_static"), TARGETS["over_torch_static"])
     targets["over_torch_compile"] = check(ratios.get("over_torch_compile"), TARGETS["over_torch_compile"])
-    targets["fraction_of_ceiling"] = check(hfjax_row.get("fraction_of_adjacent_ceiling"), TARGETS["fraction_of_ceiling"])
+    targets["fraction_of_ceiling"] = check(
+        hfjax_row.get("fraction_of_adjacent_ceiling"), TARGETS["fraction_of_ceiling"]
+    )
     targets["fraction_of_ceiling"]["of_best_probe"] = hfjax_row.get("fraction_of_ceiling")
     warm = report.get("time_to_first_token_new_process", {}).get("warm", {}).get("time_to_first_token_s")
     targets["warm_time_to_first_token_s"] = check(warm, TARGETS["warm_ttft_s"], above=False)
-    targets["batch8_over_batch1"] = check(report["batch8_over_batch1"].get(f"{size}/p{prompt}/b8"),
-                                          TARGETS["batch8_over_batch1"])
+    targets["batch8_over_batch1"] = check(
+        report["batch8_over_batch1"].get(f"{size}/p{prompt}/b8"), TARGETS["batch8_over_batch1"]
+    )
     return targets
 
 
@@ -598,21 +679,42 @@ def parse_args(argv=None):
     parser.add_argument("--prompts", help=f"prompt lengths, comma-separated (default {FULL['prompts']})")
     parser.add_argument("--batches", help=f"batch sizes, comma-separated (default {FULL['batches']})")
     parser.add_argument("--new-tokens", type=int, help=f"tokens generated per sequence (default {FULL['new_tokens']})")
-    parser.add_argument("--runs", type=int, help=f"timed runs after the warm-up; medians are reported (default {FULL['runs']})")
-    parser.add_argument("--pairs", type=int, help="batch-1 and larger-batch hfjax runs timed in turn for the batch "
-                        f"scaling; the median ratio is reported (default {FULL['pairs']})")
+    parser.add_argument(
+        "--runs", type=int, help=f"timed runs after the warm-up; medians are reported (default {FULL['runs']})"
+    )
+    parser.add_argument(
+        "--pairs",
+        type=int,
+        help="batch-1 and larger-batch hfjax runs timed in turn for the batch "
+        f"scaling; the median ratio is reported (default {FULL['pairs']})",
+    )
     parser.add_argument("--skip", default="", help=f"methods to leave out, comma-separated, of {', '.join(METHODS)}")
-    parser.add_argument("--torch-threads", type=int, default=os.cpu_count(),
-                        help="torch.set_num_threads for the PyTorch baselines (default: the core count)")
-    parser.add_argument("--torch-omp-wait-policy", choices=("PASSIVE", "ACTIVE", "unset"), default="PASSIVE",
-                        help="OMP_WAIT_POLICY of the PyTorch baselines' processes (default PASSIVE: spinning OpenMP "
-                             "threads slow torch several-fold when other processes share the cores)")
-    parser.add_argument("--num-beams", type=int, default=1,
-                        help="beam search with this many beams (default 1: greedy); the hand recipe, which is greedy, "
-                        "is left out, and tokens/s include the prefill, as transformers streams no beam search")
+    parser.add_argument(
+        "--torch-threads",
+        type=int,
+        default=os.cpu_count(),
+        help="torch.set_num_threads for the PyTorch baselines (default: the core count)",
+    )
+    parser.add_argument(
+        "--torch-omp-wait-policy",
+        choices=("PASSIVE", "ACTIVE", "unset"),
+        default="PASSIVE",
+        help="OMP_WAIT_POLICY of the PyTorch baselines' processes (default PASSIVE: spinning OpenMP "
+        "threads slow torch several-fold when other processes share the cores)",
+    )
+    parser.add_argument(
+        "--num-beams",
+        type=int,
+        default=1,
+        help="beam search with this many beams (default 1: greedy); the hand recipe, which is greedy, "
+        "is left out, and tokens/s include the prefill, as transformers streams no beam search",
+    )
     parser.add_argument("--device-info", action="store_true", help="print the device and versions as JSON and exit")
-    parser.add_argument("--gpu-llama-1b", action="store_true",
-                        help="Llama-3.2-1B-shaped model in bfloat16 on the GPU: hfjax vs torch static and torch.compile")
+    parser.add_argument(
+        "--gpu-llama-1b",
+        action="store_true",
+        help="Llama-3.2-1B-shaped model in bfloat16 on the GPU: hfjax vs torch static and torch.compile",
+    )
     # Used when this file runs itself as a subprocess.
     parser.add_argument("--worker", choices=("torch", "ttft"), help=argparse.SUPPRESS)
     parser.add_argument("--checkpoint", help=argparse.SUPPRESS)
@@ -667,7 +769,7 @@ def main(argv=None) -> None:
         os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
     with tempfile.TemporaryDirectory(prefix="hfjax-decode-") as tmp:
         work = pathlib.Path(tmp)
-        # Workers get the environment as it is now, before hfjax sets OMP_WAIT_POLICY for this process.
+        # Workers get the environment as it is now, before this process sets OMP_WAIT_POLICY for itself.
         envs = {
             "ttft": {**os.environ, "HFJAX_CACHE_DIR": str(work / "xla-cache-ttft")},
             "torch": {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(work / "inductor-cache")},
@@ -676,11 +778,16 @@ def main(argv=None) -> None:
             envs["torch"]["OMP_WAIT_POLICY"] = args.torch_omp_wait_policy
         # A fresh compilation cache, so the compile times measured here are cold ones.
         os.environ["HFJAX_CACHE_DIR"] = str(work / "xla-cache")
+        # This process runs torch (model building, the hand recipe's module) beside JAX's CPU runtime:
+        # torch's OpenMP threads must sleep, not spin, while they wait (set before torch is imported).
+        os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
         if args.gpu_llama_1b:
             import jax
 
             if jax.default_backend() != "gpu":
-                raise SystemExit(f"--gpu-llama-1b needs JAX with a GPU backend; this JAX runs on {jax.default_backend()!r}")
+                raise SystemExit(
+                    f"--gpu-llama-1b needs JAX with a GPU backend; this JAX runs on {jax.default_backend()!r}"
+                )
         report = benchmark(args, work, envs)
     print(json.dumps(report))
 

@@ -28,8 +28,12 @@ SIZES = {
     "tiny": ({}, 32),
     "medium": (
         dict(
-            block_out_channels=(64, 128, 256), layers_per_block=2, cross_attention_dim=32, attention_head_dim=8,
-            norm_num_groups=32, sample_size=32,
+            block_out_channels=(64, 128, 256),
+            layers_per_block=2,
+            cross_attention_dim=32,
+            attention_head_dim=8,
+            norm_num_groups=32,
+            sample_size=32,
             down_block_types=("DownBlock2D", "CrossAttnDownBlock2D", "CrossAttnDownBlock2D"),
             up_block_types=("CrossAttnUpBlock2D", "CrossAttnUpBlock2D", "UpBlock2D"),
         ),
@@ -42,7 +46,7 @@ def build(size: str, path: pathlib.Path) -> pathlib.Path:
     import diffusers
     import torch
 
-    from hfjax._tiny_pipelines import save_tiny_pipeline
+    from hfjax.testing import save_tiny_pipeline
 
     overrides, _ = SIZES[size]
     save_tiny_pipeline("stable-diffusion", path, scheduler="euler")
@@ -80,7 +84,7 @@ def side(args) -> dict:
         n_params = sum(p.numel() for p in pipe.unet.parameters())
         modes = {"torch_eager": None}
     else:
-        from hfjax._diffusion import load_pipeline
+        from hfjax import load_pipeline
 
         pipe = load_pipeline(args.path)
         n_params = sum(int(a.size) for a in pipe.unet.params.values())
@@ -92,7 +96,11 @@ def side(args) -> dict:
 
         def call():
             images = pipe(
-                "a red cat", num_inference_steps=args.steps, height=pixels, width=pixels, output_type="np",
+                "a red cat",
+                num_inference_steps=args.steps,
+                height=pixels,
+                width=pixels,
+                output_type="np",
                 generator=torch.Generator().manual_seed(0),
             ).images
             assert images.shape == (1, pixels, pixels, 3)  # np output: the work is done
@@ -105,8 +113,18 @@ def side(args) -> dict:
 
 def _child(size: str, path: pathlib.Path, which: str, args) -> dict:
     command = [
-        sys.executable, __file__, "--child", which, "--size", size, "--path", str(path), "--steps", str(args.steps),
-        "--repeats", str(args.repeats),
+        sys.executable,
+        __file__,
+        "--child",
+        which,
+        "--size",
+        size,
+        "--path",
+        str(path),
+        "--steps",
+        str(args.steps),
+        "--repeats",
+        str(args.repeats),
     ]
     environment = {**os.environ, "OMP_WAIT_POLICY": "PASSIVE"}
     out = subprocess.run(command, capture_output=True, text=True, env=environment)
@@ -129,7 +147,13 @@ def main() -> None:
         print(json.dumps(side(args)))
         return
 
-    report = {"benchmark": "diffusion", "device": "cpu", "dtype": "float32", "steps": args.steps, "repeats": args.repeats}
+    report = {
+        "benchmark": "diffusion",
+        "device": "cpu",
+        "dtype": "float32",
+        "steps": args.steps,
+        "repeats": args.repeats,
+    }
     with tempfile.TemporaryDirectory(prefix="hfjax-bench-") as scratch:
         for size in args.sizes.split(","):
             path = build(size, pathlib.Path(scratch) / size)

@@ -31,10 +31,24 @@ from shapes import LLAMA_1B
 
 MESHES = [(1, 1), (1, 8), (2, 4), (8, 1)]
 SIZES = {
-    "default": dict(hidden_size=512, intermediate_size=1536, num_hidden_layers=8, num_attention_heads=8,
-                    num_key_value_heads=8, head_dim=64, vocab_size=32000),
-    "quick": dict(hidden_size=256, intermediate_size=768, num_hidden_layers=4, num_attention_heads=8,
-                  num_key_value_heads=8, head_dim=32, vocab_size=8192),
+    "default": dict(
+        hidden_size=512,
+        intermediate_size=1536,
+        num_hidden_layers=8,
+        num_attention_heads=8,
+        num_key_value_heads=8,
+        head_dim=64,
+        vocab_size=32000,
+    ),
+    "quick": dict(
+        hidden_size=256,
+        intermediate_size=768,
+        num_hidden_layers=4,
+        num_attention_heads=8,
+        num_key_value_heads=8,
+        head_dim=32,
+        vocab_size=8192,
+    ),
     # Llama-3.2-1B, written in bfloat16 (2.5 GB): for peak host memory while loading only.
     "1b": dict(LLAMA_1B, dtype="bfloat16"),
 }
@@ -49,9 +63,8 @@ def mesh_worker(path: str, data: int, model: int, new_tokens: int, runs: int) ->
     import numpy as np
 
     import hfjax
-    from hfjax import _sharding
 
-    mesh = _sharding.make_mesh(data=data, model=model) if data * model > 1 else None  # (1, 1): one device, no mesh
+    mesh = hfjax.make_mesh(data=data, model=model) if data * model > 1 else None  # (1, 1): one device, no mesh
     loaded = hfjax.load(path, mesh=mesh)
     device = jax.devices()[0]
     on_device = sum(s.data.nbytes for a in loaded.params.values() for s in a.addressable_shards if s.device == device)
@@ -63,8 +76,13 @@ def mesh_worker(path: str, data: int, model: int, new_tokens: int, runs: int) ->
         loaded.generate(ids, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False).block_until_ready()
         rates.append(loaded.last_generation_stats.tokens_per_second)
     rate = statistics.median(rates)
-    return {"mesh": [data, model], "batch": data, "param_bytes_device0": on_device,
-            "decode_tokens_per_s": rate, "decode_tokens_per_s_total": rate * data}
+    return {
+        "mesh": [data, model],
+        "batch": data,
+        "param_bytes_device0": on_device,
+        "decode_tokens_per_s": rate,
+        "decode_tokens_per_s_total": rate * data,
+    }
 
 
 def _rss_bytes() -> int:
@@ -79,7 +97,6 @@ def load_worker(path: str, how: str) -> dict:
         import transformers
     else:
         import hfjax
-        from hfjax import _sharding
     baseline = _rss_bytes()
     peak = [baseline]
     done = threading.Event()
@@ -100,7 +117,7 @@ def load_worker(path: str, how: str) -> dict:
             flat = tensor.detach().reshape(-1)
             flat[:: max(1, 4096 // flat.element_size())].float().sum()
     else:
-        mesh = _sharding.make_mesh(data=1, model=8) if how == "hfjax_sharded" else None
+        mesh = hfjax.make_mesh(data=1, model=8) if how == "hfjax_sharded" else None
         model = hfjax.load(path, mesh=mesh)
         for array in model.params.values():
             array.block_until_ready()
@@ -113,8 +130,13 @@ def load_worker(path: str, how: str) -> dict:
 
 def _run(kind: str, *args) -> dict:
     env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu")
-    out = subprocess.run([sys.executable, __file__, "--worker", kind, *map(str, args)], env=env,
-                         capture_output=True, text=True, check=False)
+    out = subprocess.run(
+        [sys.executable, __file__, "--worker", kind, *map(str, args)],
+        env=env,
+        capture_output=True,
+        text=True,
+        check=False,
+    )
     if out.returncode:
         raise RuntimeError(f"{kind} worker failed:\n{out.stderr[-3000:]}")
     return json.loads(out.stdout.strip().splitlines()[-1])
@@ -125,8 +147,12 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="a smaller model and 1 run")
     parser.add_argument("--runs", type=int, default=3, help="timed runs per mesh (median)")
     parser.add_argument("--new-tokens", type=int, default=32)
-    parser.add_argument("--load-size", choices=SIZES, default=None,
-                        help="the checkpoint whose loading is measured (default 1b; --quick: quick)")
+    parser.add_argument(
+        "--load-size",
+        choices=SIZES,
+        default=None,
+        help="the checkpoint whose loading is measured (default 1b; --quick: quick)",
+    )
     parser.add_argument("--worker", nargs="+", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
@@ -135,7 +161,7 @@ def main() -> None:
         print(json.dumps(result))
         return
 
-    from hfjax import _sharding, testing
+    from hfjax import parallel, testing
 
     size = "quick" if args.quick else "default"
     if args.load_size is None and not args.quick:
@@ -148,11 +174,11 @@ def main() -> None:
     import jax
 
     plans = {}
-    from hfjax import _loading
+    import transformers
 
-    config = _loading.read_config(path)
+    config = transformers.AutoConfig.from_pretrained(path)
     for data, model in MESHES:
-        plan = _sharding.plan(config, jax.sharding.AbstractMesh((data, model), ("data", "model")))
+        plan = parallel.plan(config, jax.sharding.AbstractMesh((data, model), ("data", "model")))
         plans[f"{data}x{model}"] = plan.total_bytes_per_device()
     meshes = []
     for data, model in MESHES:
@@ -167,16 +193,27 @@ def main() -> None:
     for how in ("hfjax_sharded", "hfjax_one_device", "transformers"):
         log(f"load {how} ({load_size}, {load_bytes / 2**20:.0f} MiB) ...")
         loads.append(_run("load", load_path, how))
-    report = {"benchmark": "sharding", "size": size, "checkpoint_bytes": checkpoint_bytes,
-              "load_size": load_size, "load_checkpoint_bytes": load_bytes,
-              "plan_bytes_per_device": plans, "meshes": meshes, "load": loads,
-              "note": "8 simulated CPU devices share the same cores: tokens/s are relative figures only"}
+    report = {
+        "benchmark": "sharding",
+        "size": size,
+        "checkpoint_bytes": checkpoint_bytes,
+        "load_size": load_size,
+        "load_checkpoint_bytes": load_bytes,
+        "plan_bytes_per_device": plans,
+        "meshes": meshes,
+        "load": loads,
+        "note": "8 simulated CPU devices share the same cores: tokens/s are relative figures only",
+    }
     for row in meshes:
-        log(f"  mesh {row['mesh']}: {row['param_bytes_device0'] / 2**20:.1f} MiB on device 0, batch {row['batch']}: "
-            f"{row['decode_tokens_per_s']:.1f} tok/s per sequence, {row['decode_tokens_per_s_total']:.1f} total")
+        log(
+            f"  mesh {row['mesh']}: {row['param_bytes_device0'] / 2**20:.1f} MiB on device 0, batch {row['batch']}: "
+            f"{row['decode_tokens_per_s']:.1f} tok/s per sequence, {row['decode_tokens_per_s_total']:.1f} total"
+        )
     for row in loads:
-        log(f"  load {row['how']}: peak RSS {row['peak_rss_bytes'] / 2**20:.0f} MiB, "
-            f"{row['rise_over_imports_bytes'] / 2**20:.0f} MiB over the imports, in {row['seconds']:.1f} s")
+        log(
+            f"  load {row['how']}: peak RSS {row['peak_rss_bytes'] / 2**20:.0f} MiB, "
+            f"{row['rise_over_imports_bytes'] / 2**20:.0f} MiB over the imports, in {row['seconds']:.1f} s"
+        )
     print(json.dumps(report))
 
 

@@ -3,7 +3,7 @@
 For each (model_type, task) in transformers' causal-LM, seq2seq-LM and
 sequence-classification auto mappings, a worker subprocess builds a tiny random checkpoint
 (`hfjax.testing.save_tiny_checkpoint`), checks that PyTorch runs it, then runs
-`hfjax._check.check` (eager and jit) and prints one JSON line. A crash or hang in one
+`hfjax.check` (eager and jit) and prints one JSON line. A crash or hang in one
 architecture costs only its own worker. Not part of CI: it takes about an hour on 2 cores.
 
     python scripts/sweep_coverage.py                      # full sweep, writes docs/coverage.md
@@ -51,13 +51,13 @@ def _worker(model_type: str, task: str) -> dict:
     import torch
 
     torch.set_num_threads(1)
-    from hfjax import _check, _tiny_families, testing
+    from hfjax import _check, _tasks, testing
 
     result = {"model_type": model_type, "task": task, "status": "fail", "eager": None, "jit": None, "reason": ""}
     with tempfile.TemporaryDirectory(prefix=f"sweep-{model_type}-") as directory:
         try:
             path = testing.save_tiny_checkpoint(model_type, pathlib.Path(directory) / model_type, task=task)
-            auto_class = _tiny_families.TASK_AUTO_CLASSES[task]
+            auto_class = _tasks.auto_class(task)
             model = auto_class.from_pretrained(path, dtype=torch.float32).eval()
             arrays = _check._inputs(model.config, task, batch=2, seq_len=8, seed=0)  # the inputs check() uses
             inputs = {k: torch.from_numpy(v) if hasattr(v, "dtype") else v for k, v in arrays.items()}
@@ -109,23 +109,42 @@ def _jobs_to_run(only: set[str] | None, tasks: list[str]) -> list[tuple[str, str
 
 
 def _run_worker(model_type: str, task: str, timeout: float) -> dict:
-    env = {**os.environ, "OMP_WAIT_POLICY": "PASSIVE", "OMP_NUM_THREADS": "1", "JAX_PLATFORMS": "cpu",
-           "TOKENIZERS_PARALLELISM": "false", "TRANSFORMERS_VERBOSITY": "error"}
+    env = {
+        **os.environ,
+        "OMP_WAIT_POLICY": "PASSIVE",
+        "OMP_NUM_THREADS": "1",
+        "JAX_PLATFORMS": "cpu",
+        "TOKENIZERS_PARALLELISM": "false",
+        "TRANSFORMERS_VERBOSITY": "error",
+    }
     command = [sys.executable, __file__, "--worker", model_type, "--task", task]
     start = time.perf_counter()
     try:
         done = subprocess.run(command, capture_output=True, text=True, timeout=timeout, env=env, cwd=_ROOT)
     except subprocess.TimeoutExpired:
-        return {"model_type": model_type, "task": task, "status": "timeout", "eager": None, "jit": None,
-                "reason": f"timeout after {timeout:.0f} s", "seconds": timeout}
+        return {
+            "model_type": model_type,
+            "task": task,
+            "status": "timeout",
+            "eager": None,
+            "jit": None,
+            "reason": f"timeout after {timeout:.0f} s",
+            "seconds": timeout,
+        }
     lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
     if lines:
         result = json.loads(lines[-1])
     else:  # the worker died without a result line: a segfault, OOM kill or import error
         tail = [line for line in done.stderr.splitlines() if line.strip()]
         reason = tail[-1] if tail else f"worker exited with code {done.returncode}"
-        result = {"model_type": model_type, "task": task, "status": "fail", "eager": None, "jit": None,
-                  "reason": _one_line(f"worker crashed (exit {done.returncode}): {reason}")}
+        result = {
+            "model_type": model_type,
+            "task": task,
+            "status": "fail",
+            "eager": None,
+            "jit": None,
+            "reason": _one_line(f"worker crashed (exit {done.returncode}): {reason}"),
+        }
     result["seconds"] = round(time.perf_counter() - start, 1)
     return result
 
@@ -168,18 +187,22 @@ def _write_report(out: pathlib.Path, results: list[dict], total: int, started: s
         "",
         "Each row is one tiny random checkpoint (`hfjax.testing.save_tiny_checkpoint`: hidden 64, 2 layers, "
         "4 heads; model types outside `hfjax.testing.FAMILIES` use the generic config shrinker) run by "
-        "`hfjax._check.check` (batch 2, 8 tokens) against PyTorch, eager and jit. "
+        "`hfjax.check` (batch 2, 8 tokens) against PyTorch, eager and jit. "
         "`pytorch-fails` means the tiny checkpoint could not be built or PyTorch itself could not run its "
         "forward; those do not count against hfjax. Many of them are limits of the generic shrinker (a "
         "default config field sized for the full model, such as a per-layer list or a rotary dimension, that "
         "no longer fits 2 layers of width 64) or of the random inputs (no eos token for BART-style "
-        "classifiers), not bugs in transformers; a hand-tuned entry in `hfjax._tiny_families.REGISTRY` fixes them.",
+        "classifiers), not bugs in transformers; a hand-tuned entry in `hfjax.testing._families.REGISTRY` fixes them.",
         "",
     ]
     if partial:
         lines += [f"**Partial: {len(results)} of {total} checks finished; the sweep was still running.**", ""]
-    lines += ["## Totals", "", "| task | pass | fail | pytorch-fails | timeout | pass rate among archs PyTorch runs |",
-              "|---|---:|---:|---:|---:|---:|"]
+    lines += [
+        "## Totals",
+        "",
+        "| task | pass | fail | pytorch-fails | timeout | pass rate among archs PyTorch runs |",
+        "|---|---:|---:|---:|---:|---:|",
+    ]
     for task in _TASK_MAPPINGS:
         counts = collections.Counter(r["status"] for r in results if r["task"] == task)
         if not counts:
@@ -198,11 +221,18 @@ def _write_report(out: pathlib.Path, results: list[dict], total: int, started: s
         for cause, archs in sorted(groups.items(), key=lambda item: (-len(item[1]), item[0])):
             lines.append(f"| {len(archs)} | {_escape(cause)} | {', '.join(sorted(archs))} |")
 
-    lines += ["", "## Per architecture", "", "| model_type | task | class | status | eager max\\|diff\\| | "
-              "jit max\\|diff\\| | s | reason |", "|---|---|---|---|---:|---:|---:|---|"]
+    lines += [
+        "",
+        "## Per architecture",
+        "",
+        "| model_type | task | class | status | eager max\\|diff\\| | jit max\\|diff\\| | s | reason |",
+        "|---|---|---|---|---:|---:|---:|---|",
+    ]
     for r in sorted(results, key=lambda r: (list(_TASK_MAPPINGS).index(r["task"]), r["model_type"])):
-        lines.append(f"| {r['model_type']} | {r['task']} | {r.get('arch', '')} | {r['status']} | {_fmt(r['eager'])} | "
-                     f"{_fmt(r['jit'])} | {r.get('seconds', '')} | {_escape(r['reason'])} |")
+        lines.append(
+            f"| {r['model_type']} | {r['task']} | {r.get('arch', '')} | {r['status']} | {_fmt(r['eager'])} | "
+            f"{_fmt(r['jit'])} | {r.get('seconds', '')} | {_escape(r['reason'])} |"
+        )
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text("\n".join(lines) + "\n")
 
@@ -215,8 +245,12 @@ def main() -> None:
     parser.add_argument("--timeout", type=float, default=120.0, help="seconds per check before it counts as timeout")
     parser.add_argument("--out", type=pathlib.Path, default=_ROOT / "docs" / "coverage.md", help="report to write")
     parser.add_argument("--jsonl", type=pathlib.Path, help="also append each result as a JSON line to this file")
-    parser.add_argument("--report-from", type=pathlib.Path, metavar="JSONL",
-                        help="run nothing: rewrite --out from the results a --jsonl file holds")
+    parser.add_argument(
+        "--report-from",
+        type=pathlib.Path,
+        metavar="JSONL",
+        help="run nothing: rewrite --out from the results a --jsonl file holds",
+    )
     parser.add_argument("--worker", metavar="MODEL_TYPE", help=argparse.SUPPRESS)
     args = parser.parse_args()
 
@@ -229,11 +263,14 @@ def main() -> None:
     jobs = _jobs_to_run(only, tasks)
     if not jobs:
         parser.error(f"no (model_type, task) matches --only={args.only!r} --task={args.task!r}")
-    started = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M")
+    started = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M")
     if args.report_from:
         results = [json.loads(line) for line in args.report_from.read_text().splitlines() if line.strip()]
-        command = "python scripts/sweep_coverage.py" + (f" --only {args.only}" if args.only else "") + (
-            f" --task {args.task}" if args.task else "")
+        command = (
+            "python scripts/sweep_coverage.py"
+            + (f" --only {args.only}" if args.only else "")
+            + (f" --task {args.task}" if args.task else "")
+        )
         _write_report(args.out, results, len(jobs), started, command)
         print(f"wrote {args.out} from {len(results)} results", file=sys.stderr)
         return
@@ -245,8 +282,12 @@ def main() -> None:
         for future in concurrent.futures.as_completed(futures):
             result = {**future.result(), "arch": futures[future]}
             results.append(result)
-            print(f"[{len(results)}/{len(jobs)}] {result['model_type']} {result['task']}: {result['status']} "
-                  f"({result['seconds']} s) {result['reason']}", file=sys.stderr, flush=True)
+            print(
+                f"[{len(results)}/{len(jobs)}] {result['model_type']} {result['task']}: {result['status']} "
+                f"({result['seconds']} s) {result['reason']}",
+                file=sys.stderr,
+                flush=True,
+            )
             if args.jsonl:
                 with args.jsonl.open("a") as f:
                     f.write(json.dumps(result) + "\n")

@@ -54,11 +54,15 @@ def test_a_mesh_that_is_not_a_mesh_is_the_same_error_everywhere(checkpoint, tmp_
     path = checkpoint("llama")
     calls = {
         "hfjax.load": lambda: hfjax.load(path, mesh="data=2"),
-        "hfjax.Model.from_module": lambda: hfjax.Model.from_module(transformers.AutoModelForCausalLM.from_pretrained(path), mesh=(2, 4)),
+        "hfjax.Model.from_module": lambda: hfjax.Model.from_module(
+            transformers.AutoModelForCausalLM.from_pretrained(path), mesh=(2, 4)
+        ),
         "hfjax.load_pipeline": lambda: hfjax.load_pipeline(tmp_path, mesh=[1, 8]),
     }
     for caller, call in calls.items():
-        with pytest.raises(hfjax.ShardingError, match=rf"{caller}: mesh=.* not a jax.sharding.Mesh; build one with hfjax.make_mesh"):
+        with pytest.raises(
+            hfjax.ShardingError, match=rf"{caller}: mesh=.* not a jax.sharding.Mesh; build one with hfjax.make_mesh"
+        ):
             call()
 
 
@@ -76,7 +80,10 @@ def test_dtype_auto_is_the_checkpoints(checkpoint):
 
 def test_a_dtype_that_is_not_one_names_the_allowed_ones(checkpoint):
     for bad in ("float8", torch.int8, jnp.int32):
-        with pytest.raises(hfjax.LoadError, match=r"hfjax.load: dtype=.* is not supported; use one of \('float32', 'bfloat16', 'float16'\)"):
+        with pytest.raises(
+            hfjax.LoadError,
+            match=r"hfjax.load: dtype=.* is not supported; use one of \('float32', 'bfloat16', 'float16'\)",
+        ):
             hfjax.load(checkpoint("llama"), dtype=bad)
 
 
@@ -96,9 +103,13 @@ def test_a_model_in_memory_generates_what_transformers_generates(in_memory):
     batch = tokenizer(PROMPTS, padding=True, return_tensors="pt")
     with torch.no_grad():
         want = module.generate(**batch, max_new_tokens=8, do_sample=False).numpy()
-    got = np.asarray(model.generate(batch["input_ids"].numpy(), batch["attention_mask"].numpy(), max_new_tokens=8, do_sample=False))
+    got = np.asarray(
+        model.generate(batch["input_ids"].numpy(), batch["attention_mask"].numpy(), max_new_tokens=8, do_sample=False)
+    )
     np.testing.assert_array_equal(got, want)
-    assert model.generate_text(PROMPTS[0], max_new_tokens=4) == tokenizer.decode(want[0, batch["input_ids"].shape[1] :][:4], skip_special_tokens=True)
+    assert model.generate_text(PROMPTS[0], max_new_tokens=4) == tokenizer.decode(
+        want[0, batch["input_ids"].shape[1] :][:4], skip_special_tokens=True
+    )
 
 
 def test_a_model_in_memory_keeps_its_own_weights_and_gives_its_logits(in_memory):
@@ -114,7 +125,9 @@ def test_load_of_a_module_is_from_module(in_memory):
     module, _, _ = in_memory
     model = hfjax.load(module, dtype="float32")
     assert isinstance(model, hfjax.Model) and model.tokenizer is None
-    with pytest.raises(hfjax.LoadError, match=r"generate_text: the LlamaForCausalLM given has no tokenizer.*from_module"):
+    with pytest.raises(
+        hfjax.LoadError, match=r"generate_text: the LlamaForCausalLM given has no tokenizer.*from_module"
+    ):
         model.generate_text("Hi", max_new_tokens=2)
 
 
@@ -140,7 +153,9 @@ def test_from_module_refuses_what_is_not_a_transformers_model():
 def test_distributed_initialize_names_a_missing_process_count(monkeypatch):
     monkeypatch.setenv("HFJAX_COORDINATOR", "127.0.0.1:1")
     monkeypatch.delenv("HFJAX_NUM_PROCESSES", raising=False)
-    with pytest.raises(hfjax.ShardingError, match=r"num_processes is needed too; pass num_processes= or set \$HFJAX_NUM_PROCESSES"):
+    with pytest.raises(
+        hfjax.ShardingError, match=r"num_processes is needed too; pass num_processes= or set \$HFJAX_NUM_PROCESSES"
+    ):
         hfjax.distributed.initialize()
     assert not hfjax.distributed.is_initialized()
     assert jax.process_count() == 1

@@ -117,14 +117,18 @@ def test_cli_prints_the_scores_of_classify(checkpoint, capsys):
         words = line.split()
         printed = dict(zip(words[::2], map(float, words[1::2])))
         assert list(printed) == sorted(scores, key=scores.get, reverse=True)  # best label first
-        np.testing.assert_allclose(list(printed.values()), [scores[k] for k in printed], atol=tolerances.PRINTED_4_DECIMALS.atol)
+        np.testing.assert_allclose(
+            list(printed.values()), [scores[k] for k in printed], atol=tolerances.PRINTED_4_DECIMALS.atol
+        )
 
     assert cli.main(["classify", "--model", str(path), "--labels", "positive,negative", "--json", *TEXTS[:2]]) == 0
     records = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
     assert [r["text"] for r in records] == TEXTS[:2]
     assert [r["label"] for r in records] == [max(s, key=s.get) for s in expected]
     for record, scores in zip(records, expected):
-        np.testing.assert_allclose(list(record["scores"].values()), list(scores.values()), atol=tolerances.JSON_FLOATS.atol)
+        np.testing.assert_allclose(
+            list(record["scores"].values()), list(scores.values()), atol=tolerances.JSON_FLOATS.atol
+        )
 
 
 def test_cli_head_model_needs_no_labels(checkpoint, capsys):

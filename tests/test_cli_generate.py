@@ -46,7 +46,9 @@ def test_generate_streams_the_greedy_text_of_model_generate(llama, capsys, monke
         original(self, text, stream_end)
 
     monkeypatch.setattr(transformers.TextStreamer, "on_finalized_text", record)
-    code = cli.main(["generate", "--model", str(path), PROMPT, "--max-new-tokens", "24", "--temperature", "0", "--stats"])
+    code = cli.main(
+        ["generate", "--model", str(path), PROMPT, "--max-new-tokens", "24", "--temperature", "0", "--stats"]
+    )
     captured = capsys.readouterr()
     assert code == 0, captured.err
     assert captured.out == expected + "\n"
@@ -136,7 +138,9 @@ def test_chat_reset_starts_a_new_conversation(llama, capsys, monkeypatch):
 def test_chat_keeps_the_history_and_ends_at_end_of_input(llama, capsys, monkeypatch):
     path, model = llama
     monkeypatch.setattr(sys, "stdin", io.StringIO("hi\nhello"))  # no /exit, no final newline
-    code = cli.main(["chat", "--model", str(path), "--system", "Be brief.", "--max-new-tokens", "10", "--temperature", "0"])
+    code = cli.main(
+        ["chat", "--model", str(path), "--system", "Be brief.", "--max-new-tokens", "10", "--temperature", "0"]
+    )
     captured = capsys.readouterr()
     assert code == 0, captured.err
     messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "hi"}]

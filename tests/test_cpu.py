@@ -6,25 +6,25 @@ from __future__ import annotations
 
 import concurrent.futures
 import copy
+import json
 import os
 import pathlib
 import platform
 import re
 import stat
 import sys
-import warnings
 
 import jax
 import numpy as np
 import pytest
 import torch
 import torchax
-from op_helpers import ATTENTION_CASES, SEED, check_attention, environment, jit_modes, run, to_jax
-from op_helpers import assert_close as _assert_close
 
 import hfjax
 from hfjax import _backend, _compile, _ops
-from hfjax.tolerances import DEFAULT, EXACT, MATMUL, for_dot_products
+from hfjax.tolerances import EXACT, MATMUL, for_dot_products
+from op_helpers import ATTENTION_CASES, SEED, check_attention, environment, jit_modes, run, to_jax
+from op_helpers import assert_close as _assert_close
 
 cpu = pytest.importorskip("hfjax.cpu", reason="hfjax.cpu is not installed: the generic engine runs on the CPU")
 from hfjax.cpu import _build, _kernels, _pages  # noqa: E402
@@ -124,7 +124,7 @@ def test_a_build_directory_owned_by_someone_else_is_not_used(fresh_build, monkey
 def test_a_library_that_differs_from_its_recorded_hash_is_not_loaded(tmp_path):
     library, record = tmp_path / "rows.so", tmp_path / "rows.json"
     library.write_bytes(b"\x7fELF built")
-    record.write_text('{"sha256": "%s"}' % _build._content_digest(library))
+    record.write_text(json.dumps({"sha256": _build._content_digest(library)}))
     assert _build._verified(library, record)
     library.write_bytes(b"\x7fELF changed")
     assert not _build._verified(library, record)
@@ -165,7 +165,9 @@ def test_linear_swaps_operands_only_for_a_few_rows(env):
     def program(rows):
         def apply(x):
             with env:
-                return torch.nn.functional.linear(torchax.tensor.Tensor(x, env), torchax.tensor.Tensor(weight, env)).jax()
+                return torch.nn.functional.linear(
+                    torchax.tensor.Tensor(x, env), torchax.tensor.Tensor(weight, env)
+                ).jax()
 
         return jax.jit(apply).lower(jax.numpy.ones((rows, 48))).as_text()
 
@@ -255,7 +257,15 @@ def test_index_copy_matches_torch(env, case, jit):
 # taken at once (single rows at the end of a thread's chunk), N too small to split between
 # threads, and the 150M benchmark model's shapes.
 KERNEL_SHAPES = [(rows, 48, 40) for rows in range(1, 9)] + [
-    (3, 771, 7), (8, 13, 1), (5, 64, 301), (1, 100, 1001), (2, 33, 263), (8, 768, 3072), (2, 3072, 768), (1, 768, 3072)]
+    (3, 771, 7),
+    (8, 13, 1),
+    (5, 64, 301),
+    (1, 100, 1001),
+    (2, 33, 263),
+    (8, 768, 3072),
+    (2, 3072, 768),
+    (1, 768, 3072),
+]
 
 
 @pytest.mark.parametrize("shape", KERNEL_SHAPES, ids=lambda s: "x".join(map(str, s)))
@@ -273,7 +283,10 @@ def test_products_from_several_threads_at_once_get_their_own_results(kernels):
     # Callers share the kernel's helper threads: a caller whose helper is busy with another
     # product finishes its own alone, and no caller may see another's chunks.
     rng = np.random.default_rng(11)
-    cases = [(rng.standard_normal((rows, 96), np.float32), rng.standard_normal((4001, 96), np.float32)) for rows in (1, 3, 8, 1)]
+    cases = [
+        (rng.standard_normal((rows, 96), np.float32), rng.standard_normal((4001, 96), np.float32))
+        for rows in (1, 3, 8, 1)
+    ]
     expected = [x.astype(np.float64) @ weight.astype(np.float64).T for x, weight in cases]
     product = jax.jit(_kernels.rows_times_weight)
 
@@ -291,7 +304,11 @@ def test_products_from_several_threads_at_once_get_their_own_results(kernels):
 # head sizes not a multiple of 16 (masked tails), slots not a multiple of 16, one slot, 1-8
 # rows, and the 150M benchmark model at batch 8 (split between threads).
 ATTENTION_SHAPES = [(1, 2, rows, 37, 40, 24, 1) for rows in range(1, 9)] + [
-    (2, 3, 4, 1, 16, 16, 1), (3, 2, 6, 50, 64, 64, 2), (8, 4, 3, 192, 64, 64, 1), (1, 1, 8, 300, 128, 80, 4)]
+    (2, 3, 4, 1, 16, 16, 1),
+    (3, 2, 6, 50, 64, 64, 2),
+    (8, 4, 3, 192, 64, 64, 1),
+    (1, 1, 8, 300, 128, 80, 4),
+]
 
 
 @pytest.mark.parametrize("shape", ATTENTION_SHAPES, ids=lambda s: "x".join(map(str, s)))
@@ -324,13 +341,26 @@ def test_attention_kernel_matches_float64_attention(kernels, shape):
 CONV_CASES = {
     "2d": (torch.nn.Conv2d, dict(in_channels=6, out_channels=8, kernel_size=3, padding=1), (2, 6, 9, 7)),
     "2d_strided_dilated_grouped": (
-        torch.nn.Conv2d, dict(in_channels=6, out_channels=4, kernel_size=3, stride=2, dilation=2, padding=2, groups=2),
+        torch.nn.Conv2d,
+        dict(in_channels=6, out_channels=4, kernel_size=3, stride=2, dilation=2, padding=2, groups=2),
         (2, 6, 11, 10),
     ),
-    "2d_no_bias_unbatched": (torch.nn.Conv2d, dict(in_channels=3, out_channels=5, kernel_size=(1, 3), bias=False), (3, 8, 8)),
-    "1d_depthwise": (torch.nn.Conv1d, dict(in_channels=4, out_channels=4, kernel_size=4, padding=3, groups=4), (2, 4, 10)),
+    "2d_no_bias_unbatched": (
+        torch.nn.Conv2d,
+        dict(in_channels=3, out_channels=5, kernel_size=(1, 3), bias=False),
+        (3, 8, 8),
+    ),
+    "1d_depthwise": (
+        torch.nn.Conv1d,
+        dict(in_channels=4, out_channels=4, kernel_size=4, padding=3, groups=4),
+        (2, 4, 10),
+    ),
     "3d": (torch.nn.Conv3d, dict(in_channels=2, out_channels=3, kernel_size=2, stride=(1, 2, 1)), (1, 2, 5, 6, 4)),
-    "2d_transposed": (torch.nn.ConvTranspose2d, dict(in_channels=4, out_channels=3, kernel_size=3, stride=2), (2, 4, 5, 5)),
+    "2d_transposed": (
+        torch.nn.ConvTranspose2d,
+        dict(in_channels=4, out_channels=3, kernel_size=3, stride=2),
+        (2, 4, 5, 5),
+    ),
 }
 
 
@@ -345,7 +375,9 @@ def test_convolution_matches_torch(env, case, jit):
     expected = conv(x).detach()
 
     def apply(x, weight, bias):
-        return torch.func.functional_call(conv, {"weight": weight, "bias": bias} if bias is not None else {"weight": weight}, (x,))
+        return torch.func.functional_call(
+            conv, {"weight": weight, "bias": bias} if bias is not None else {"weight": weight}, (x,)
+        )
 
     actual = run(env, apply, x, weight, bias, jit=jit)
     _assert_close(actual, expected, MATMUL)
@@ -405,8 +437,6 @@ def test_convolution_weights_held_channels_last_are_not_copied_per_call():
 
     assert transposes(_stored_copy(conv)) < transposes(conv)
     assert cpu_ops.store_convolutions_channels_last(_stored_copy(conv)) == 0, "a held weight is not held twice"
-
-
 
 
 PARITY_TESTS = {

@@ -5,10 +5,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import json
-import os
 import re
-import subprocess
-import sys
 
 import jax
 import numpy as np
@@ -16,6 +13,7 @@ import pytest
 import torch
 import transformers
 
+import background
 import hfjax
 from hfjax import _backend, _buckets, testing, tolerances
 from hfjax.generation import _engine, _planning, _settings
@@ -44,7 +42,11 @@ def _batch(model, prompts=PROMPTS):
 
 
 def _torch_model(model):
-    auto = transformers.AutoModelForSeq2SeqLM if model.task == "text2text-generation" else transformers.AutoModelForCausalLM
+    auto = (
+        transformers.AutoModelForSeq2SeqLM
+        if model.task == "text2text-generation"
+        else transformers.AutoModelForCausalLM
+    )
     return auto.from_pretrained(model.path).eval()
 
 
@@ -60,14 +62,27 @@ def _torch_generate(model, ids, mask, **kwargs):
     return _torch_output(model, ids, mask, **kwargs).numpy()
 
 
+# Models whose decode loop attends over cache windows: their answers are long enough to cross them.
+WINDOWED_FAMILIES = [f for f in testing.GENERATION_FAMILIES if f not in ("mamba", "recurrent_gemma", "t5", "bart")]
+LONG = 70  # new tokens: a 16-token prompt bucket and 70 tokens fill a 128-slot cache, read in windows of 64 and 128
+
+
 @pytest.mark.parametrize("family", testing.GENERATION_FAMILIES)
 def test_greedy_tokens_match_transformers(loaded, family):
     model = loaded(family)
     ids, mask = _batch(model)
     assert len(set(mask.sum(axis=1))) == 3  # three prompt lengths, left-padded
-    expected = _torch_generate(model, ids, mask, max_new_tokens=NEW_TOKENS, do_sample=False)
-    actual = np.asarray(model.generate(ids, mask, max_new_tokens=NEW_TOKENS, do_sample=False))
+    # Sliding-window families (window 64) also mask by distance once the answer passes 64 tokens.
+    new = (
+        dict(max_new_tokens=LONG, min_new_tokens=LONG)
+        if family in WINDOWED_FAMILIES
+        else dict(max_new_tokens=NEW_TOKENS)
+    )
+    expected = _torch_generate(model, ids, mask, do_sample=False, **new)
+    actual = np.asarray(model.generate(ids, mask, do_sample=False, **new))
     np.testing.assert_array_equal(actual, expected)
+    if family in WINDOWED_FAMILIES:
+        assert _planning.windows(_buckets.bucket(ids.shape[1]), 128) == (64, 128)
 
 
 @pytest.mark.parametrize("family", ["llama", "gemma2", "mamba"])
@@ -120,23 +135,33 @@ def _decoder_length(model, ids) -> int:
 # length and the tokens the checkpoint forces (which transformers refuses to suppress).
 CONSTRAINTS = {
     "no_repeat_ngram_size": lambda new, start, forced: dict(no_repeat_ngram_size=2),
-    "bad_words_ids": lambda new, start, forced: dict(bad_words_ids=[[int(new[0, 2])], [int(new[1, 2]), int(new[1, 3])]]),
+    "bad_words_ids": lambda new, start, forced: dict(
+        bad_words_ids=[[int(new[0, 2])], [int(new[1, 2]), int(new[1, 3])]]
+    ),
     "sequence_bias": lambda new, start, forced: dict(
         sequence_bias={(int(new[2, 2]),): -5.0, (int(new[0, 2]), int(new[0, 3])): -9.0}
     ),
-    "suppress_tokens": lambda new, start, forced: dict(suppress_tokens=sorted({int(t) for t in new[:, 2:5].flat} - forced)),
-    "begin_suppress_tokens": lambda new, start, forced: dict(begin_suppress_tokens=sorted({int(t) for t in new[:2, :2].flat})),
+    "suppress_tokens": lambda new, start, forced: dict(
+        suppress_tokens=sorted({int(t) for t in new[:, 2:5].flat} - forced)
+    ),
+    "begin_suppress_tokens": lambda new, start, forced: dict(
+        begin_suppress_tokens=sorted({int(t) for t in new[:2, :2].flat})
+    ),
     "min_length": lambda new, start, forced: dict(min_length=start + 6, eos_token_id=int(new[0, 2])),
     "max_length": lambda new, start, forced: dict(max_length=start + 5, max_new_tokens=None),
 }
 
 
-# bart's tiny checkpoint decodes nothing but its forced first token, which transformers refuses
-# to suppress (tested below); t5 covers suppress_tokens for encoder-decoders.
-@pytest.mark.parametrize(
-    "name, family",
-    [(name, family) for name in CONSTRAINTS for family in ("llama", "t5", "bart") if (name, family) != ("suppress_tokens", "bart")],
-)
+# Every constraint on a decoder; on encoder-decoders those that count from the decoder's own start
+# (lengths, the first step) or read its tokens. bart's tiny checkpoint decodes nothing but its
+# forced first token, which transformers refuses to suppress (tested below).
+CONSTRAINT_CASES = [(name, "llama") for name in CONSTRAINTS] + [
+    ("min_length", "t5"), ("max_length", "t5"), ("begin_suppress_tokens", "t5"), ("suppress_tokens", "t5"),
+    ("no_repeat_ngram_size", "bart"), ("sequence_bias", "bart"), ("bad_words_ids", "bart"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("name, family", CONSTRAINT_CASES)
 def test_token_constraints_match_transformers(loaded, family, name):
     model = loaded(family)
     ids, mask = _batch(model)
@@ -164,8 +189,14 @@ def test_return_dict_in_generate_gives_transformers_scores_and_logits(loaded, fa
     model = loaded(family)
     ids, mask = _batch(model)
     tolerance = tolerances.for_family(model.config.model_type)
-    greedy = dict(max_new_tokens=6, return_dict_in_generate=True, output_scores=True, output_logits=True,
-                  repetition_penalty=1.3, no_repeat_ngram_size=1)
+    greedy = dict(
+        max_new_tokens=6,
+        return_dict_in_generate=True,
+        output_scores=True,
+        output_logits=True,
+        repetition_penalty=1.3,
+        no_repeat_ngram_size=1,
+    )
     expected = _torch_output(model, ids, mask, **greedy)
     actual = model.generate(ids, mask, **greedy)
     assert type(actual) is type(expected)
@@ -175,8 +206,9 @@ def test_return_dict_in_generate_gives_transformers_scores_and_logits(loaded, fa
         _assert_scores_equal(mine, theirs, tolerance)
     assert np.isneginf(np.asarray(actual.scores[-1])).any()  # the ban on repeats shows in the processed scores
     # Sampled tokens differ from PyTorch's draws, so only the first token's scores compare; top-k leaves -inf.
-    sampled = dict(max_new_tokens=2, return_dict_in_generate=True, output_scores=True, do_sample=True, top_k=5,
-                   temperature=0.7)
+    sampled = dict(
+        max_new_tokens=2, return_dict_in_generate=True, output_scores=True, do_sample=True, top_k=5, temperature=0.7
+    )
     expected = _torch_output(model, ids, mask, **sampled)
     actual = model.generate(ids, mask, seed=0, **sampled)
     _assert_scores_equal(actual.scores[0], expected.scores[0], tolerance)
@@ -200,7 +232,9 @@ def test_decoder_start_token_id_is_taken_from_the_call(loaded):
     ids, mask = _batch(model)
     expected = _torch_generate(model, ids, mask, max_new_tokens=6, decoder_start_token_id=5)
     assert (expected[:, 0] == 5).all()
-    np.testing.assert_array_equal(np.asarray(model.generate(ids, mask, max_new_tokens=6, decoder_start_token_id=5)), expected)
+    np.testing.assert_array_equal(
+        np.asarray(model.generate(ids, mask, max_new_tokens=6, decoder_start_token_id=5)), expected
+    )
 
 
 def test_num_return_sequences_gives_adjacent_draws_per_prompt(loaded):
@@ -224,7 +258,13 @@ def test_checkpoint_settings_are_carried_out_or_named(checkpoint, tmp_path):
 
     path = shutil.copytree(checkpoint("llama"), tmp_path / "llama")
     config = json.loads((path / "generation_config.json").read_text())
-    summarizer = {"num_beams": 4, "no_repeat_ngram_size": 2, "length_penalty": 2.0, "early_stopping": True, "min_length": 20}
+    summarizer = {
+        "num_beams": 4,
+        "no_repeat_ngram_size": 2,
+        "length_penalty": 2.0,
+        "early_stopping": True,
+        "min_length": 20,
+    }
     (path / "generation_config.json").write_text(json.dumps({**config, **summarizer}))
     model = hfjax.load(path)
     ids, mask = _batch(model)
@@ -233,7 +273,9 @@ def test_checkpoint_settings_are_carried_out_or_named(checkpoint, tmp_path):
     np.testing.assert_array_equal(np.asarray(model.generate(ids, mask, max_new_tokens=NEW_TOKENS)), expected)
     (path / "generation_config.json").write_text(json.dumps({**config, "do_sample": True, "typical_p": 0.5}))
     model = hfjax.load(path)
-    with pytest.raises(ValueError, match=r"typical_p=0\.5 \(from .*generation_config.json\) asks for typical sampling.*typical_p=1\.0"):
+    with pytest.raises(
+        ValueError, match=r"typical_p=0\.5 \(from .*generation_config.json\) asks for typical sampling.*typical_p=1\.0"
+    ):
         model.generate(ids, mask, max_new_tokens=NEW_TOKENS)
 
 
@@ -248,8 +290,12 @@ BEAMS = {
 }
 
 
-@pytest.mark.parametrize("family", ["llama", "gpt2", "recurrent_gemma", "t5", "bart"])
-@pytest.mark.parametrize("name", BEAMS)
+# Every setting on llama, and the plain search on each other kind of past (a Conv1D model, a
+# recurrence rerun without a cache, two encoder-decoders): settings and families are independent.
+BEAM_CASES = [(name, "llama") for name in BEAMS] + [("plain", f) for f in ("gpt2", "recurrent_gemma", "t5", "bart")]
+
+
+@pytest.mark.parametrize("name, family", BEAM_CASES)
 def test_beam_search_matches_transformers(loaded, family, name):
     model = loaded(family)
     ids, mask = _batch(model)
@@ -275,7 +321,9 @@ def test_beam_search_refuses_what_it_cannot_do(loaded):
     model = loaded("llama")
     ids, mask = _batch(model)
     with pytest.raises(ValueError, match=r"num_beams=2 with a streamer"):
-        model.generate(ids[:1], mask[:1], max_new_tokens=4, num_beams=2, streamer=transformers.TextStreamer(model.tokenizer))
+        model.generate(
+            ids[:1], mask[:1], max_new_tokens=4, num_beams=2, streamer=transformers.TextStreamer(model.tokenizer)
+        )
     with pytest.raises(ValueError, match=r"num_beams=2 asks for beam sampling"):
         model.generate(ids, mask, max_new_tokens=4, num_beams=2, do_sample=True)
     with pytest.raises(ValueError, match=r"num_return_sequences=3.*returns 2 sequences per prompt"):
@@ -327,20 +375,6 @@ def test_sampling_with_top_k_1_is_greedy(loaded):
 
 
 # -- long answers: the decode loop attends over growing windows of the cache ---------
-
-LONG = 70  # new tokens: a 16-token prompt bucket and 70 tokens fill a 128-slot cache, read in windows of 64 and 128
-WINDOWED_FAMILIES = [f for f in testing.GENERATION_FAMILIES if f not in ("mamba", "recurrent_gemma", "t5", "bart")]
-
-
-@pytest.mark.parametrize("family", WINDOWED_FAMILIES)
-def test_long_greedy_answers_cross_cache_windows_like_transformers(loaded, family):
-    model = loaded(family)
-    ids, mask = _batch(model)
-    # Sliding-window families (window 64) also mask by distance once the answer passes 64 tokens.
-    expected = _torch_generate(model, ids, mask, max_new_tokens=LONG, min_new_tokens=LONG)
-    actual = np.asarray(model.generate(ids, mask, max_new_tokens=LONG, min_new_tokens=LONG))
-    np.testing.assert_array_equal(actual, expected)
-    assert _planning.windows(_buckets.bucket(ids.shape[1]), 128) == (64, 128)
 
 
 def test_long_beam_search_crosses_cache_windows_like_transformers(loaded):
@@ -407,10 +441,18 @@ def _decode_program(model, prompts, max_new_tokens=4):
     windows = _planning.windows(size, total)
     layout = (batch, size, total, settings)
     prefill = generator.programs._programs[("prefill", batch, size, total, settings)].run
-    state = prefill(model.params, np.zeros((batch, size), np.int32), np.ones((batch, size), np.int32),
-                    jax.random.key_data(jax.random.key(0)), np.int32(4), np.int32(0), np.int32(0))
-    decode = functools.partial(generator._decode_flat, layout=layout, offset=size, settings=settings,
-                               windows=windows, trace_prefill=None)
+    state = prefill(
+        model.params,
+        np.zeros((batch, size), np.int32),
+        np.ones((batch, size), np.int32),
+        jax.random.key_data(jax.random.key(0)),
+        np.int32(4),
+        np.int32(0),
+        np.int32(0),
+    )
+    decode = functools.partial(
+        generator._decode_flat, layout=layout, offset=size, settings=settings, windows=windows, trace_prefill=None
+    )
     return decode, (model.params, state, np.int32(4))
 
 
@@ -438,8 +480,11 @@ def test_a_long_answer_decodes_in_one_loop_per_cache_window(loaded):
 
 
 @pytest.mark.cpu_hook  # the layout the CPU's hook carries the cache in, and XLA:CPU's program text
-@pytest.mark.parametrize("prompts, new_tokens", [(PROMPTS[:1], 4), (PROMPTS[:2], 4), (PROMPTS[:2], LONG)],
-                         ids=["batch_1", "batch_2", "batch_2_windows"])
+@pytest.mark.parametrize(
+    "prompts, new_tokens",
+    [(PROMPTS[:1], 4), (PROMPTS[:2], 4), (PROMPTS[:2], LONG)],
+    ids=["batch_1", "batch_2", "batch_2_windows"],
+)
 def test_decode_updates_the_cache_without_copying_it(loaded, prompts, new_tokens):
     model = loaded("llama")
     decode, args = _decode_program(model, prompts, max_new_tokens=new_tokens)
@@ -448,7 +493,10 @@ def test_decode_updates_the_cache_without_copying_it(loaded, prompts, new_tokens
     assert full, "the state holds no cache layers"
     windows = decode.keywords["windows"]  # cache lengths attended in turn: each is carried through a loop
     cache_sizes = {int(np.prod(shape[:2] + (slots,) + shape[3:])) for shape in full for slots in windows}
-    copied = [int(np.prod([int(d) for d in dims.split(",") if d])) for dims in re.findall(r"= f32\[([\d,]*)\]\S* copy\(", text)]
+    copied = [
+        int(np.prod([int(d) for d in dims.split(",") if d]))
+        for dims in re.findall(r"= f32\[([\d,]*)\]\S* copy\(", text)
+    ]
     assert not cache_sizes & set(copied), f"cache layers are copied every token: {sorted(copied)}"
 
 
@@ -568,7 +616,9 @@ def test_bad_settings_raise_one_clear_error(loaded, kwargs, match):
 def test_settings_from_a_generation_config_are_named_as_such(loaded):
     model = loaded("llama")
     ids, mask = _batch(model, PROMPTS[:1])
-    with pytest.raises(ValueError, match=r"num_beams=4 \(from generation_config\) asks for beam sampling.*pass num_beams=1"):
+    with pytest.raises(
+        ValueError, match=r"num_beams=4 \(from generation_config\) asks for beam sampling.*pass num_beams=1"
+    ):
         model.generate(ids, mask, generation_config=transformers.GenerationConfig(num_beams=4, do_sample=True))
 
 
@@ -618,16 +668,39 @@ print(json.dumps(dict(hits=len(hits), traced=generator.trace_counts, loaded=gene
 """
 
 
-def test_a_second_process_reuses_programs_without_tracing(checkpoint, tmp_path):
-    env = {**os.environ, "HFJAX_CACHE_DIR": str(tmp_path / "xla")}
-    runs = [
-        subprocess.run([sys.executable, "-c", _COLD_WARM, str(checkpoint("llama"))], env=env, capture_output=True, text=True)
-        for _ in range(2)
-    ]
-    for run in runs:
-        assert run.returncode == 0, run.stderr[-2000:]
-    cold, warm = (json.loads(run.stdout.splitlines()[-1]) for run in runs)
-    assert cold["hits"] == 0 and cold["traced"] == {"prefill": 1, "decode": 1} and cold["loaded"] == {"prefill": 0, "decode": 0}
+# Two new processes, one after the other, with one compilation cache: cold, then warm.
+_TWO_PROCESSES = f"""
+import os, pathlib, subprocess, sys
+from hfjax import testing
+out = pathlib.Path(sys.argv[1])
+path = testing.save_tiny_checkpoint("llama", out / "llama")
+env = {{**os.environ, "HFJAX_CACHE_DIR": str(out / "xla")}}
+for run in ("cold", "warm"):
+    done = subprocess.run([sys.executable, "-c", {_COLD_WARM!r}, str(path)], env=env, capture_output=True, text=True)
+    print(run.upper(), done.returncode, done.stdout.splitlines()[-1] if done.returncode == 0 else done.stderr[-2000:])
+"""
+
+
+def start_in_background() -> None:
+    background.start("cold-warm", background.python(_TWO_PROCESSES), seconds=20)
+
+
+def test_a_second_process_reuses_programs_without_tracing():
+    job = background.finished("cold-warm", start_in_background)
+    assert job.returncode == 0, job.output[-4000:]
+    lines = {
+        line.split(" ", 1)[0]: line.split(" ", 2)[1:]
+        for line in job.output.splitlines()
+        if line.startswith(("COLD", "WARM"))
+    }
+    for run in ("COLD", "WARM"):
+        assert lines[run][0] == "0", job.output[-4000:]
+    cold, warm = (json.loads(lines[run][1]) for run in ("COLD", "WARM"))
+    assert (
+        cold["hits"] == 0
+        and cold["traced"] == {"prefill": 1, "decode": 1}
+        and cold["loaded"] == {"prefill": 0, "decode": 0}
+    )
     # The second process reads both programs from disk (no tracing) and XLA's compiled code from JAX's cache.
     assert warm["traced"] == {"prefill": 0, "decode": 0} and warm["loaded"] == {"prefill": 1, "decode": 1}
     assert warm["hits"] >= 2

@@ -4,8 +4,8 @@ the state a library could change before and after the import."""
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
+
+import background
 
 _SNAPSHOT = r"""
 import json, os, sys
@@ -42,20 +42,27 @@ print(json.dumps({key: [before[key], after[key]] for key in before if before[key
 """
 
 
+_BACKENDS_NOT_STARTED = """
+import hfjax
+from jax._src import xla_bridge
+assert not xla_bridge.backends_are_initialized()
+print(hfjax.distributed.is_initialized())
+"""
+
+
+def start_in_background() -> None:
+    background.start("import-snapshot", background.python(_SNAPSHOT), seconds=8)
+    background.start("import-backends", background.python(_BACKENDS_NOT_STARTED), seconds=5)
+
+
 def test_import_hfjax_changes_nothing_in_the_process():
-    result = subprocess.run([sys.executable, "-c", _SNAPSHOT], capture_output=True, text=True, timeout=300)
-    assert result.returncode == 0, result.stderr[-3000:]
-    changed = json.loads(result.stdout.splitlines()[-1])
+    job = background.finished("import-snapshot", start_in_background)
+    assert job.returncode == 0, job.output[-3000:]
+    changed = json.loads(job.output.strip().splitlines()[-1])
     assert changed == {}, f"import hfjax changed: {sorted(changed)}: {json.dumps(changed)[:3000]}"
 
 
 def test_import_hfjax_does_not_start_jax_so_a_process_can_still_join_a_run():
-    code = (
-        "import hfjax\n"
-        "from jax._src import xla_bridge\n"
-        "assert not xla_bridge.backends_are_initialized()\n"
-        "print(hfjax.distributed.is_initialized())\n"
-    )
-    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
-    assert result.returncode == 0, result.stderr[-3000:]
-    assert result.stdout.strip() == "False"
+    job = background.finished("import-backends", start_in_background)
+    assert job.returncode == 0, job.output[-3000:]
+    assert job.output.strip().splitlines()[-1] == "False"

@@ -3,9 +3,7 @@
 from __future__ import annotations
 
 import json
-import pathlib
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -74,7 +72,9 @@ def test_tasks(checkpoint, task):
     model = hfjax.load(path)
     assert model.task == task
     ids = np.array([[2, 7, 8, 9, 3]])
-    reference = (transformers.AutoModelForSequenceClassification if task == "text-classification" else transformers.AutoModel)
+    reference = (
+        transformers.AutoModelForSequenceClassification if task == "text-classification" else transformers.AutoModel
+    )
     torch_model = reference.from_pretrained(path).eval()
     with torch.no_grad():
         want = torch_model(torch.from_numpy(ids))[0].numpy()

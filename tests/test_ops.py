@@ -11,16 +11,15 @@ from __future__ import annotations
 import os
 
 import jax
-import numpy as np
 import pytest
 import torch
 import transformers
-from op_helpers import ATTENTION_CASES, SEED, check_attention, environment, jit_modes, run, to_cpu, to_jax
-from op_helpers import assert_close as _assert_close
 
 import hfjax
 from hfjax import _ops
 from hfjax.tolerances import DEFAULT, EXACT, MATMUL, SCHEDULE
+from op_helpers import ATTENTION_CASES, SEED, check_attention, environment, jit_modes, run, to_cpu, to_jax
+from op_helpers import assert_close as _assert_close
 
 LOGITS = DEFAULT
 
@@ -458,7 +457,10 @@ def test_hfjax_uses_an_environment_of_its_own():
 
     assert _env.env() is not torchax.default_env()
     default_ops = torchax.default_env()._ops
-    assert all(default_ops.get(op) is None or default_ops[op].func is not entry.impl for op, entry in _ops.overrides(None).items())
+    assert all(
+        default_ops.get(op) is None or default_ops[op].func is not entry.impl
+        for op, entry in _ops.overrides(None).items()
+    )
 
 
 def test_an_override_registered_later_reaches_hfjax_environment(monkeypatch):

@@ -6,8 +6,6 @@ import dataclasses
 import importlib
 import importlib.util
 import pkgutil
-import subprocess
-import sys
 
 import jax
 import jax.numpy as jnp
@@ -17,9 +15,9 @@ import torch
 import transformers
 from transformers.utils import ModelOutput
 
+import background
 import hfjax
 from hfjax import _pytrees
-
 
 
 def _import_all_model_modules() -> list[type]:
@@ -67,12 +65,12 @@ def _filled(cls):
 def test_every_installed_output_type_round_trips_through_jit():
     classes = _output_classes()
     assert len(classes) > 300, f"expected hundreds of output classes, found {len(classes)}"
-    identity = jax.jit(lambda tree: tree)
     for cls in classes:
         hfjax.register_pytree(cls)
         assert cls in hfjax._pytrees.registered_classes(), f"{cls.__qualname__} is not registered"
-        obj, values = _filled(cls)
-        back = identity(obj)
+    filled = [_filled(cls) for cls in classes]
+    returned = jax.jit(lambda objects: objects)([obj for obj, _ in filled])  # all of them through one program
+    for cls, (_, values), back in zip(classes, filled, returned):
         assert type(back) is cls
         for name, value in values.items():
             got = getattr(back, name)
@@ -109,11 +107,16 @@ print("ok")
 """
 
 
+def start_in_background() -> None:
+    if importlib.util.find_spec("diffusers") is not None:
+        background.start("diffusers-after-hfjax", background.python(_DIFFUSERS_AFTER_HFJAX), seconds=8)
+
+
 def test_diffusers_imported_after_hfjax_is_registered_when_first_met():
     pytest.importorskip("diffusers")
     # A fresh process: in this one another test may have imported diffusers first.
-    result = subprocess.run([sys.executable, "-c", _DIFFUSERS_AFTER_HFJAX], capture_output=True, text=True)
-    assert result.returncode == 0 and result.stdout.strip() == "ok", result.stderr[-2000:]
+    job = background.finished("diffusers-after-hfjax", start_in_background)
+    assert job.returncode == 0 and job.output.strip().splitlines()[-1] == "ok", job.output[-2000:]
 
 
 def test_output_class_defined_after_import_is_registered_when_first_met():
@@ -151,13 +154,25 @@ CACHE_CASES = [
     # (family, config overrides, cache factory, expected layer class names)
     ("llama", {}, lambda cfg: transformers.DynamicCache(config=cfg), {"DynamicLayer"}),
     ("llama", {}, lambda cfg: transformers.StaticCache(config=cfg, max_cache_len=16), {"StaticLayer"}),
-    ("mistral", {"sliding_window": 4}, lambda cfg: transformers.DynamicCache(config=cfg), {"DynamicSlidingWindowLayer"}),
-    ("gemma2", {}, lambda cfg: transformers.StaticCache(config=cfg, max_cache_len=16), {"StaticLayer", "StaticSlidingWindowLayer"}),
+    (
+        "mistral",
+        {"sliding_window": 4},
+        lambda cfg: transformers.DynamicCache(config=cfg),
+        {"DynamicSlidingWindowLayer"},
+    ),
+    (
+        "gemma2",
+        {},
+        lambda cfg: transformers.StaticCache(config=cfg, max_cache_len=16),
+        {"StaticLayer", "StaticSlidingWindowLayer"},
+    ),
     ("gemma2", {}, lambda cfg: transformers.DynamicCache(config=cfg), {"DynamicLayer", "DynamicSlidingWindowLayer"}),
 ]
 
 
-@pytest.mark.parametrize("family,overrides,make_cache,layer_names", CACHE_CASES, ids=lambda v: v if isinstance(v, str) else None)
+@pytest.mark.parametrize(
+    "family,overrides,make_cache,layer_names", CACHE_CASES, ids=lambda v: v if isinstance(v, str) else None
+)
 def test_cache_after_forward_round_trips(checkpoint, family, overrides, make_cache, layer_names):
     path = checkpoint(family, **overrides)
     model = hfjax.load(path)

@@ -1,11 +1,14 @@
 """Every example in README.md runs: the python blocks, the main job, and the check commands.
 
 The README writes its tiny checkpoints under /tmp/hfjax-readme, as a user copying it would; the
-tests run the same text with that directory moved into pytest's own temporary directory.
+tests run the same text with that directory moved into a temporary one. Like a user, they run it
+in a new process (`python tests/test_readme.py DIR`), which conftest.py starts beside the rest of
+the suite: it runs the python blocks, then each command, and writes what happened to DIR.
 """
 
 from __future__ import annotations
 
+import json
 import pathlib
 import re
 import shlex
@@ -14,37 +17,15 @@ import sys
 
 import pytest
 
+import background
+
 README = pathlib.Path(__file__).resolve().parent.parent / "README.md"
 README_DIR = "/tmp/hfjax-readme"
-
-
-@pytest.fixture(scope="module")
-def readme_dir(tmp_path_factory) -> str:
-    return str(tmp_path_factory.mktemp("hfjax-readme"))
 
 
 def _blocks(language: str, directory: str = README_DIR) -> list[str]:
     text = README.read_text().replace(README_DIR, directory)
     return re.findall(rf"```{language}\n(.*?)```", text, flags=re.S)
-
-
-@pytest.fixture(scope="module")
-def python_examples_ran(readme_dir):
-    """Runs the README's python blocks once; the command examples use the checkpoints they write."""
-    blocks = _blocks("python", readme_dir)
-    assert blocks, "README has no python example"
-    namespace = {"__name__": "__readme__"}
-    for code in blocks:
-        exec(compile(code, str(README), "exec"), namespace)
-    return namespace
-
-
-def test_python_examples_run(python_examples_ran, readme_dir):
-    # The tour ends with a model loaded and checkpoints on disk that the commands below use.
-    assert python_examples_ran["model"].tokenizer is not None
-    text = README.read_text().replace(README_DIR, readme_dir)
-    for path in re.findall(rf"--model ({re.escape(readme_dir)}\S+)", text):
-        assert any((pathlib.Path(path) / name).is_file() for name in ("config.json", "model_index.json")), path
 
 
 def _commands(directory: str = README_DIR) -> list[str]:
@@ -57,14 +38,64 @@ def _commands(directory: str = README_DIR) -> list[str]:
     return commands
 
 
+def _run_readme(directory: pathlib.Path) -> None:
+    """The child: the python blocks in this process, then each command in one of its own."""
+    record = {"python": None, "commands": []}
+    namespace = {"__name__": "__readme__"}
+    try:
+        for code in _blocks("python", str(directory)):
+            exec(compile(code, str(README), "exec"), namespace)
+        record["python"] = {"ok": True, "tokenizer": namespace["model"].tokenizer is not None}
+    except Exception as error:  # reported by test_python_examples_run
+        record["python"] = {"ok": False, "error": f"{type(error).__name__}: {error}"}
+    (directory / "record.json").write_text(json.dumps(record))
+    for command in _commands(str(directory)):
+        argv = shlex.split(command)
+        result = subprocess.run(
+            [sys.executable, "-m", "hfjax.cli", *argv[1:]], capture_output=True, text=True, timeout=900
+        )
+        record["commands"].append(
+            {"command": command, "code": result.returncode, "stdout": result.stdout, "stderr": result.stderr}
+        )
+        (directory / "record.json").write_text(json.dumps(record))
+
+
+def start_in_background() -> None:
+    background.start("readme", [sys.executable, __file__], seconds=100)
+
+
+@pytest.fixture(scope="module")
+def readme():
+    """(the directory the README ran in, what happened: its python blocks and each command)."""
+    child = background.finished("readme", start_in_background, timeout=1800)
+    assert child.returncode == 0, child.output[-4000:]
+    return child.directory, json.loads((child.directory / "record.json").read_text())
+
+
+def test_python_examples_run(readme):
+    directory, record = readme
+    assert record["python"]["ok"], record["python"].get("error")
+    # The tour ends with a model loaded and checkpoints on disk that the commands use.
+    assert record["python"]["tokenizer"]
+    text = README.read_text().replace(README_DIR, str(directory))
+    for path in re.findall(rf"--model ({re.escape(str(directory))}\S+)", text):
+        assert any((pathlib.Path(path) / name).is_file() for name in ("config.json", "model_index.json")), path
+
+
 def test_readme_has_the_main_job():
     assert "hfjax demo" in _commands()
 
 
 @pytest.mark.parametrize("index", range(len(_commands())), ids=[c.split(" --")[0] for c in _commands()])
-def test_command_runs(index, python_examples_ran, readme_dir):
-    argv = shlex.split(_commands(readme_dir)[index])
-    result = subprocess.run([sys.executable, "-m", "hfjax.cli", *argv[1:]], capture_output=True, text=True, timeout=900)
-    assert result.returncode == 0, result.stdout + result.stderr
-    if argv[1] == "demo":
-        assert "parity: PASS" in result.stdout
+def test_command_runs(index, readme):
+    directory, record = readme
+    assert len(record["commands"]) == len(_commands()), "the README's commands did not all run"
+    ran = record["commands"][index]
+    assert ran["command"] == _commands(str(directory))[index]
+    assert ran["code"] == 0, ran["stdout"] + ran["stderr"]
+    if ran["command"].startswith("hfjax demo"):
+        assert "parity: PASS" in ran["stdout"]
+
+
+if __name__ == "__main__":
+    _run_readme(pathlib.Path(sys.argv[1]))

@@ -17,8 +17,8 @@ from hfjax import testing, tolerances
 from hfjax.generation._sampling import (
     SamplingConfig,
     first_argmax,
-    ngram_bans,
     next_token,
+    ngram_bans,
     process_logits,
     seen_mask,
     sequence_bias,
@@ -86,9 +86,7 @@ CASES = {
     "tiny_top_p": SamplingConfig(do_sample=True, top_p=1e-9),
     "min_p": SamplingConfig(do_sample=True, min_p=0.05),
     "min_p_one": SamplingConfig(do_sample=True, min_p=1.0),
-    "all": SamplingConfig(
-        do_sample=True, temperature=0.7, top_k=5, top_p=0.9, min_p=0.05, repetition_penalty=1.3
-    ),
+    "all": SamplingConfig(do_sample=True, temperature=0.7, top_k=5, top_p=0.9, min_p=0.05, repetition_penalty=1.3),
     "top_k_top_p": SamplingConfig(do_sample=True, temperature=1.5, top_k=20, top_p=0.6),
     "top_p_min_p_penalty": SamplingConfig(do_sample=True, top_p=0.95, min_p=0.1, repetition_penalty=1.5),
     # transformers applies the warpers only when sampling; greedy keeps just the penalty.
@@ -359,7 +357,9 @@ def test_sequence_bias_and_bad_words_match_transformers(seed):
     bad = [[17], [*tails[1], 18], [9, 19]]
     scores_t = torch.from_numpy(scores)
     ids_t = torch.from_numpy(input_ids)
-    expected = transformers.SequenceBiasLogitsProcessor(sequence_bias=[[list(k), v] for k, v in biases.items()])(ids_t, scores_t)
+    expected = transformers.SequenceBiasLogitsProcessor(sequence_bias=[[list(k), v] for k, v in biases.items()])(
+        ids_t, scores_t
+    )
     expected = transformers.NoBadWordsLogitsProcessor(bad, eos_token_id=None)(ids_t, expected).numpy()
     entries = tuple(biases.items()) + tuple((tuple(ids), -np.inf) for ids in bad)
     buffer, start, end = _buffer(input_ids, lead=3, tail=5)

@@ -11,11 +11,12 @@ import argparse
 import json
 import os
 import pathlib
-import subprocess
 import sys
 import traceback
 
 import pytest
+
+import background
 
 # (family, overrides): 8 query heads divide every mesh; the key/value head counts cover
 # splitting the KV projections (8), replicating them (2 < 8) and both by mesh (gemma2: 4).
@@ -28,6 +29,10 @@ CASES = {
     "gpt_neox": {"num_attention_heads": 8},  # no rules: the structural fallback
 }
 MESHES = [(1, 8), (2, 4), (8, 1)]
+# llama takes every mesh; the others the meshes that show what differs for them: gemma2's 4
+# key/value heads replicated (1x8) and split (2x4), the others' rules or fallback over 8 devices.
+FAMILY_MESHES = {"llama": MESHES, "gpt2": MESHES[:1], "qwen3": MESHES[1:2], "gemma2": MESHES[:2],
+                 "mixtral": MESHES[:1], "gpt_neox": MESHES[:1]}  # fmt: skip
 PROMPTS = [[1, 5, 9, 23, 42, 7], [1, 30, 31, 32, 33, 34]]
 NEW_TOKENS = 6
 LONG_TOKENS = 70  # past the decode loop's first 64-slot cache window
@@ -63,8 +68,7 @@ def _child(out: pathlib.Path) -> None:
         reference = hfjax.load(path)
         want_logits = np.asarray(reference(ids).logits)
         want_tokens = np.asarray(reference.generate(ids, max_new_tokens=NEW_TOKENS, do_sample=False)).tolist()
-        meshes = MESHES if family in ("llama", "gpt2") else MESHES[:2]
-        for data, model_size in meshes:
+        for data, model_size in FAMILY_MESHES[family]:
             record = {"family": family, "mesh": [data, model_size]}
             try:
                 mesh = parallel.make_mesh(data=data, model=model_size)
@@ -84,9 +88,12 @@ def _child(out: pathlib.Path) -> None:
                 if family == "llama" and data > 1:
                     # A batch that does not divide over "data" is padded for the mesh, then trimmed.
                     odd = np.array(PROMPTS + PROMPTS[:1], np.int32)
-                    record["odd_batch_tokens"] = np.asarray(model.generate(odd, max_new_tokens=NEW_TOKENS, do_sample=False)).tolist()
+                    record["odd_batch_tokens"] = np.asarray(
+                        model.generate(odd, max_new_tokens=NEW_TOKENS, do_sample=False)
+                    ).tolist()
                     record["want_odd_batch_tokens"] = np.asarray(
-                        reference.generate(odd, max_new_tokens=NEW_TOKENS, do_sample=False)).tolist()
+                        reference.generate(odd, max_new_tokens=NEW_TOKENS, do_sample=False)
+                    ).tolist()
                     # Beam search: 3 prompts x 2 beams split over "data", the cache reordered across devices.
                     beams = dict(max_new_tokens=NEW_TOKENS, num_beams=2, num_return_sequences=2)
                     record["beam_tokens"] = np.asarray(model.generate(odd, **beams)).tolist()
@@ -115,8 +122,16 @@ def _diffusion_records(out: pathlib.Path) -> list[dict]:
     path = testing.save_tiny_pipeline("stable-diffusion", out / "sd")
 
     def image(pipe):
-        return np.asarray(pipe("a red cat", num_inference_steps=3, height=32, width=32, output_type="np",
-                               generator=torch.Generator().manual_seed(0)).images)
+        return np.asarray(
+            pipe(
+                "a red cat",
+                num_inference_steps=3,
+                height=32,
+                width=32,
+                output_type="np",
+                generator=torch.Generator().manual_seed(0),
+            ).images
+        )
 
     want = image(hfjax.load_pipeline(path))
     records = []
@@ -128,7 +143,9 @@ def _diffusion_records(out: pathlib.Path) -> list[dict]:
 
             def spying(*args, **kwargs):
                 compiled, dynamic = program(*args, **kwargs)
-                calls.extend(str(x.sharding.spec) for x in dynamic if x.ndim == 4 and not isinstance(x, jax.core.Tracer))
+                calls.extend(
+                    str(x.sharding.spec) for x in dynamic if x.ndim == 4 and not isinstance(x, jax.core.Tracer)
+                )
                 return compiled, dynamic
 
             object.__setattr__(pipe.unet, "_program", spying)
@@ -148,7 +165,9 @@ def _cli_text(path, flags: list[str]) -> str:
 
     out = io.StringIO()
     with contextlib.redirect_stdout(out):
-        code = cli.main(["generate", "--model", str(path), "Hello there", "--max-new-tokens", "5", "--temperature", "0", *flags])
+        code = cli.main(
+            ["generate", "--model", str(path), "Hello there", "--max-new-tokens", "5", "--temperature", "0", *flags]
+        )
     return f"exit {code}: {out.getvalue()}"
 
 
@@ -193,18 +212,25 @@ def _kv_cache_shards(model, ids) -> list[list[int]]:
 # ---- the tests ----------------------------------------------------------------------
 
 
+def start_in_background() -> None:
+    """Starts the 8-device child and the two-process run (conftest.py calls this after collection)."""
+    flags = f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count=8".strip()
+    background.start(
+        "sharding", [sys.executable, __file__], env={"XLA_FLAGS": flags, "JAX_PLATFORMS": "cpu"}, seconds=130
+    )
+    background.start("two-processes", background.python(_TWO_PROCESSES), seconds=15)
+
+
 @pytest.fixture(scope="module")
-def records(tmp_path_factory):
-    out = tmp_path_factory.mktemp("sharding")
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu")
-    result = subprocess.run([sys.executable, __file__, str(out)], env=env, capture_output=True, text=True, timeout=600)
-    assert result.returncode == 0, result.stderr[-4000:]
-    return {(r["family"], tuple(r["mesh"])): r for r in json.loads((out / "records.json").read_text())}
+def records():
+    child = background.finished("sharding", start_in_background)
+    assert child.returncode == 0, child.output[-4000:]
+    return {(r["family"], tuple(r["mesh"])): r for r in json.loads((child.directory / "records.json").read_text())}
 
 
 def _cases():
     for family in CASES:
-        for mesh in MESHES if family in ("llama", "gpt2") else MESHES[:2]:
+        for mesh in FAMILY_MESHES[family]:
             yield pytest.param(family, mesh, id=f"{family}-{mesh[0]}x{mesh[1]}")
 
 
@@ -297,7 +323,9 @@ def test_fallback_places_a_family_without_rules():
 
     from hfjax import parallel, testing
 
-    plan = parallel.plan(testing.tiny_config("gpt_neox", num_attention_heads=8), jax.sharding.AbstractMesh((1, 8), ("data", "model")))
+    plan = parallel.plan(
+        testing.tiny_config("gpt_neox", num_attention_heads=8), jax.sharding.AbstractMesh((1, 8), ("data", "model"))
+    )
     layer = "gpt_neox.layers.0"
     assert plan[f"{layer}.attention.query_key_value.weight"] == P("model", None)
     assert plan[f"{layer}.attention.dense.weight"] == P(None, "model")
@@ -319,28 +347,39 @@ def test_shard_plan_cli(checkpoint, capsys):
     assert "num_attention_heads=8" in capsys.readouterr().err
 
 
-def test_two_processes_give_one_device_tokens(checkpoint, tmp_path, capfd):
-    import numpy as np
+# Two processes of one jax.distributed run, through `hfjax launch`, against one device.
+_RUN = f"""
+import sys, json, numpy as np, jax, hfjax
+from hfjax import parallel
+hfjax.distributed.initialize()  # hfjax launch has joined the run already: nothing more to do
+assert jax.process_count() == 2 and jax.device_count() == 8
+model = hfjax.load(sys.argv[1], mesh=parallel.make_mesh(data=2, model=4))
+out = model.generate(np.array({PROMPTS}, np.int32), max_new_tokens={NEW_TOKENS}, do_sample=False)
+print('TOKENS', json.dumps(np.asarray(out).tolist()))
+"""
+_TWO_PROCESSES = f"""
+import json, pathlib, subprocess, sys
+import numpy as np
+import hfjax
+from hfjax import testing
+out = pathlib.Path(sys.argv[1])
+path = testing.save_tiny_checkpoint('llama', out / 'llama', num_attention_heads=8, num_key_value_heads=8)
+want = np.asarray(hfjax.load(path).generate(np.array({PROMPTS}, np.int32), max_new_tokens={NEW_TOKENS}, do_sample=False))
+(out / 'run.py').write_text({_RUN!r})
+command = [sys.executable, '-m', 'hfjax.cli', 'launch', '--nproc', '2', '--devices-per-proc', '4', '--', str(out / 'run.py'), str(path)]
+launched = subprocess.run(command, capture_output=True, text=True)
+print(launched.stdout, launched.stderr)
+tokens = [json.loads(line.split('TOKENS', 1)[1]) for line in launched.stdout.splitlines() if 'TOKENS' in line]
+print('RESULT', json.dumps(dict(code=launched.returncode, tokens=tokens, want=want.tolist())))
+"""
 
-    import hfjax
 
-    path = checkpoint("llama", num_attention_heads=8, num_key_value_heads=8)
-    want = np.asarray(hfjax.load(path).generate(np.array(PROMPTS, np.int32), max_new_tokens=NEW_TOKENS, do_sample=False)).tolist()
-    script = tmp_path / "run.py"
-    script.write_text(
-        "import sys, json, numpy as np, jax, hfjax\n"
-        "from hfjax import parallel\n"
-        "hfjax.distributed.initialize()  # hfjax launch has joined the run already: nothing more to do\n"
-        "assert jax.process_count() == 2 and jax.device_count() == 8\n"
-        "model = hfjax.load(sys.argv[1], mesh=parallel.make_mesh(data=2, model=4))\n"
-        f"out = model.generate(np.array({PROMPTS}, np.int32), max_new_tokens={NEW_TOKENS}, do_sample=False)\n"
-        "print('TOKENS', json.dumps(np.asarray(out).tolist()))\n"
-    )
-    code = _cli(["launch", "--nproc", "2", "--devices-per-proc", "4", "--", str(script), str(path)])
-    out = capfd.readouterr().out
-    assert code == 0, out[-4000:]
-    tokens = [json.loads(line.split("TOKENS", 1)[1]) for line in out.splitlines() if "TOKENS" in line]
-    assert tokens == [want, want]
+def test_two_processes_give_one_device_tokens():
+    job = background.finished("two-processes", start_in_background)
+    assert job.returncode == 0, job.output[-4000:]
+    result = json.loads(job.output.split("RESULT", 1)[1])
+    assert result["code"] == 0, job.output[-4000:]
+    assert result["tokens"] == [result["want"], result["want"]]
 
 
 if __name__ == "__main__":

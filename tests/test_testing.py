@@ -11,9 +11,7 @@ import safetensors.torch
 import torch
 import transformers
 
-from hfjax import testing
-from hfjax.testing import _families
-from hfjax.testing import FAMILIES, save_tiny_checkpoint, tiny_config, tiny_tokenizer
+from hfjax.testing import FAMILIES, _families, save_tiny_checkpoint, tiny_config, tiny_tokenizer
 
 PROMPT = "The capital of France is"
 # Exercises byte fallback, digits, contractions, repeated spaces and newlines.

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 import pathlib
 import statistics
@@ -145,7 +146,7 @@ def check(
                 start = time.perf_counter()
                 _block(fn(**inputs))
                 compile_seconds = time.perf_counter() - start
-            out, seconds = _timed(lambda: fn(**inputs), repeats if name == "jit" else 1)
+            out, seconds = _timed(functools.partial(fn, **inputs), repeats if name == "jit" else 1)
             got = _outputs_of(out, task)
             for field, want in expected.items():
                 diff = float(np.max(np.abs(got[field] - want))) if got[field].shape == want.shape else float("inf")
@@ -155,8 +156,15 @@ def check(
         except Exception as error:  # reported per path: the table must show every failure, not stop at the first
             last = traceback.extract_tb(error.__traceback__)[-1]
             rows.append(
-                CheckRow("-", name, None, atol, None, error=f"{type(error).__name__}: {str(error)[:200]} "
-                         f"[{pathlib.Path(last.filename).name}:{last.lineno}]")
+                CheckRow(
+                    "-",
+                    name,
+                    None,
+                    atol,
+                    None,
+                    error=f"{type(error).__name__}: {str(error)[:200]} "
+                    f"[{pathlib.Path(last.filename).name}:{last.lineno}]",
+                )
             )
     return CheckReport(str(path), config.model_type, task, tuple(rows), torch_seconds, compile_seconds)
 

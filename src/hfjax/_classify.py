@@ -192,7 +192,11 @@ def _check_lengths(model, rows: list[list[int]], texts: list[str], *, per_text: 
 
 
 def _pad_id(model) -> int:
-    for candidate in (model.config.get_text_config().pad_token_id, model.tokenizer.pad_token_id, model.tokenizer.eos_token_id):
+    for candidate in (
+        model.config.get_text_config().pad_token_id,
+        model.tokenizer.pad_token_id,
+        model.tokenizer.eos_token_id,
+    ):
         if candidate is not None:
             return int(candidate)
     return 0
@@ -200,7 +204,9 @@ def _pad_id(model) -> int:
 
 def _check_labels(labels: Sequence[str]) -> list[str]:
     if isinstance(labels, str):
-        raise ValueError(f"classify: labels should be a list of strings. Got the string {labels!r}; pass {labels.split(',')!r}")
+        raise ValueError(
+            f"classify: labels should be a list of strings. Got the string {labels!r}; pass {labels.split(',')!r}"
+        )
     labels = list(labels)
     if not labels:
         raise ValueError("classify: labels is empty; pass at least one label, e.g. labels=['positive', 'negative']")

@@ -13,7 +13,8 @@ import collections
 import contextlib
 import dataclasses
 import sys
-from typing import Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import jax
 import torch

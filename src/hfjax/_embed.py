@@ -50,7 +50,9 @@ def pooling_config(path: pathlib.Path | None) -> tuple[str, bool]:
             config = json.loads((path / entry["path"] / "config.json").read_text())
             for mode in ("cls_token", "max_tokens", "mean_tokens", "lasttoken"):
                 if config.get(f"pooling_mode_{mode}"):
-                    pooling = {"cls_token": "cls", "max_tokens": "max", "mean_tokens": "mean", "lasttoken": "last"}[mode]
+                    pooling = {"cls_token": "cls", "max_tokens": "max", "mean_tokens": "mean", "lasttoken": "last"}[
+                        mode
+                    ]
                     break
         if kind.endswith("Normalize"):
             normalize = True
@@ -68,5 +70,3 @@ def pool(hidden: jax.Array, mask: jax.Array, pooling: str) -> jax.Array:
         last = jnp.maximum(mask[..., 0].sum(axis=1).astype(jnp.int32) - 1, 0)
         return hidden[jnp.arange(hidden.shape[0]), last]
     return (hidden * mask).sum(axis=1) / jnp.maximum(mask.sum(axis=1), 1.0)
-
-

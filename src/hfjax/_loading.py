@@ -35,12 +35,16 @@ def resolve(path_or_hub_id: str | os.PathLike) -> pathlib.Path:
     path = pathlib.Path(path_or_hub_id).expanduser()
     if path.is_dir():
         if not (path / "config.json").is_file():
-            raise LoadError(f"hfjax.load: {str(path)!r} is a directory but holds no config.json; pass a checkpoint directory")
+            raise LoadError(
+                f"hfjax.load: {str(path)!r} is a directory but holds no config.json; pass a checkpoint directory"
+            )
         return path
     text = str(path_or_hub_id)
     looks_local = text.startswith((".", "/", "~")) or text.count("/") > 1 or path.suffix != ""
     if looks_local or not re.fullmatch(r"[\w.-]+(/[\w.-]+)?", text):
-        raise LoadError(f"hfjax.load: no checkpoint directory at {text!r}; pass an existing local path or a hub id like 'org/name'")
+        raise LoadError(
+            f"hfjax.load: no checkpoint directory at {text!r}; pass an existing local path or a hub id like 'org/name'"
+        )
     return _download(text)
 
 
@@ -51,7 +55,9 @@ def _download(repo_id: str) -> pathlib.Path:
     try:
         return pathlib.Path(snapshot_download(repo_id, allow_patterns=_HUB_FILES))
     except RepositoryNotFoundError:
-        raise LoadError(f"hfjax.load: {repo_id!r} is neither a local directory nor a model on the Hugging Face Hub") from None
+        raise LoadError(
+            f"hfjax.load: {repo_id!r} is neither a local directory nor a model on the Hugging Face Hub"
+        ) from None
     except (LocalEntryNotFoundError, OSError) as error:
         raise LoadError(
             f"hfjax.load: {repo_id!r} is not a local directory and the Hugging Face Hub could not be reached "
@@ -122,7 +128,11 @@ def _materialize_buffers(module: torch.nn.Module) -> None:
         del parameter._is_hf_initialized
     for submodule, name in made:
         buffer = submodule._buffers[name]
-        if buffer.numel() and buffer.dtype != torch.bool and bool((buffer.isnan() | (buffer == _sentinel(buffer.dtype))).all()):
+        if (
+            buffer.numel()
+            and buffer.dtype != torch.bool
+            and bool((buffer.isnan() | (buffer == _sentinel(buffer.dtype))).all())
+        ):
             submodule._buffers[name] = buffer.to("meta")
 
 
@@ -146,7 +156,9 @@ def weight_files(path: pathlib.Path) -> list[pathlib.Path]:
         return [single]
     found = sorted(path.glob("*.safetensors"))
     if not found:
-        raise LoadError(f"hfjax.load: {str(path)!r} holds no *.safetensors weights; save the model with safe_serialization")
+        raise LoadError(
+            f"hfjax.load: {str(path)!r} holds no *.safetensors weights; save the model with safe_serialization"
+        )
     return found
 
 
@@ -309,7 +321,9 @@ def _convert_group(module, converter, first_name: str, sources: list) -> dict[st
 
 
 def _nbytes(slice_) -> int:
-    return int(np.prod(slice_.get_shape(), dtype=np.int64)) * _dtypes.itemsize(_dtypes.SAFETENSORS.get(slice_.get_dtype(), "float32"))
+    return int(np.prod(slice_.get_shape(), dtype=np.int64)) * _dtypes.itemsize(
+        _dtypes.SAFETENSORS.get(slice_.get_dtype(), "float32")
+    )
 
 
 def _cast(array, target, reference: torch.Tensor) -> jax.Array:

@@ -46,7 +46,9 @@ class Model:
         self._generation_config = None
 
     @classmethod
-    def from_module(cls, module: torch.nn.Module, tokenizer=None, *, task: str | None = None, dtype=None, mesh=None) -> Model:
+    def from_module(
+        cls, module: torch.nn.Module, tokenizer=None, *, task: str | None = None, dtype=None, mesh=None
+    ) -> Model:
         """A `Model` of a transformers model already in memory: generate, classify and embed it on JAX.
 
         The module's weights are copied into jax.Arrays (the module itself is not changed, and
@@ -78,7 +80,10 @@ class Model:
         params, aliases = module_state(module)
         if dtype is not None:
             target = _dtypes.jax_dtype(dtype)
-            params = {n: a.astype(target) if jax.numpy.issubdtype(a.dtype, jax.numpy.floating) else a for n, a in params.items()}
+            params = {
+                n: a.astype(target) if jax.numpy.issubdtype(a.dtype, jax.numpy.floating) else a
+                for n, a in params.items()
+            }
         if mesh is not None:
             shardings = _rules.plan(module, mesh).shardings(mesh)
             replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
@@ -347,7 +352,9 @@ def load(
 
 
 def _tokenizer(path: pathlib.Path):
-    if not any((path / name).is_file() for name in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.txt")):
+    if not any(
+        (path / name).is_file() for name in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.txt")
+    ):
         return None
     from transformers import AutoTokenizer
 

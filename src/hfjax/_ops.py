@@ -56,7 +56,9 @@ def override(aten_op, *, why: str, backend: str | None = None, is_jax_function: 
       ...     return jax.scipy.special.erfinv(x)
     """
     if not isinstance(why, str) or not why.strip():
-        raise ValueError(f"override_op({aten_op}): why={why!r} must say what torchax lacks, e.g. why='torchax has no lowering'")
+        raise ValueError(
+            f"override_op({aten_op}): why={why!r} must say what torchax lacks, e.g. why='torchax has no lowering'"
+        )
 
     def register(impl: Callable) -> Callable:
         if (aten_op, backend) in _OVERRIDES:
@@ -131,9 +133,7 @@ def _grouped_mm(mat_a, mat_b, offs=None, bias=None, out_dtype=None):
             "add the bias to the result instead."
         )
     if mat_a.ndim not in (2, 3) or mat_b.ndim not in (2, 3):
-        raise ValueError(
-            f"torch._grouped_mm takes 2D or 3D operands; got mat_a {mat_a.shape} and mat_b {mat_b.shape}."
-        )
+        raise ValueError(f"torch._grouped_mm takes 2D or 3D operands; got mat_a {mat_a.shape} and mat_b {mat_b.shape}.")
     jagged = mat_a.ndim == 2 or mat_b.ndim == 2
     if jagged != (offs is not None):
         raise ValueError(
@@ -151,18 +151,14 @@ def _grouped_mm(mat_a, mat_b, offs=None, bias=None, out_dtype=None):
     if mat_b.ndim == 3:  # [M, K] rows grouped, @ [G, K, N] -> [M, N]
         out = jax.lax.ragged_dot(mat_a, mat_b, group_sizes, preferred_element_type=accumulate)
     elif mat_a.ndim == 3:  # [G, M, K] @ [K, N] columns grouped -> [M, N], computed transposed
-        out = jax.lax.ragged_dot(
-            mat_b.T, jnp.swapaxes(mat_a, 1, 2), group_sizes, preferred_element_type=accumulate
-        ).T
+        out = jax.lax.ragged_dot(mat_b.T, jnp.swapaxes(mat_a, 1, 2), group_sizes, preferred_element_type=accumulate).T
     else:  # [M, K] @ [K, N], K grouped -> [G, M, N]
         dims = jax.lax.RaggedDotDimensionNumbers(
             dot_dimension_numbers=(([1], [0]), ([], [])),
             lhs_ragged_dimensions=[1],
             rhs_group_dimensions=[],
         )
-        out = jax.lax.ragged_dot_general(
-            mat_a, mat_b, group_sizes, dims, preferred_element_type=accumulate
-        )
+        out = jax.lax.ragged_dot_general(mat_a, mat_b, group_sizes, dims, preferred_element_type=accumulate)
     return out.astype(result_dtype)
 
 
@@ -170,9 +166,7 @@ def _grouped_mm(mat_a, mat_b, offs=None, bias=None, out_dtype=None):
 
 
 def _broadcasts_to(shape: tuple[int, ...], target: tuple[int, ...]) -> bool:
-    return len(shape) <= len(target) and all(
-        s in (1, t) for s, t in zip(reversed(shape), reversed(target))
-    )
+    return len(shape) <= len(target) and all(s in (1, t) for s, t in zip(reversed(shape), reversed(target)))
 
 
 @override(
@@ -199,9 +193,7 @@ def _copy_(dst, src, non_blocking=False):
     if _broadcasts_to(value.shape, dst_shape):
         value = jnp.broadcast_to(value, dst_shape)
     elif isinstance(dst, View):
-        raise ValueError(
-            f"copy_: the source's shape {value.shape} does not broadcast to the view's {dst_shape}."
-        )
+        raise ValueError(f"copy_: the source's shape {value.shape} does not broadcast to the view's {dst_shape}.")
     # Else a Tensor dst takes src's shape, as in torchax's own copy_: torchax's sdpa fallback
     # relies on it when masked_fill_ grows an [L, S] bias to a [B, H, L, S] mask.
     if isinstance(dst, View):
@@ -277,8 +269,7 @@ def _searchsorted(sorted_sequence, values, *, out_int32=False, right=False, side
 
 override(
     torch.ops.aten.searchsorted.Tensor,
-    why="torchax's lowering rejects right=, side= and sorter= with a TypeError and handles only a "
-    "1D sorted_sequence",
+    why="torchax's lowering rejects right=, side= and sorter= with a TypeError and handles only a 1D sorted_sequence",
 )(_searchsorted)
 override(
     torch.ops.aten.searchsorted.Scalar,
@@ -359,7 +350,9 @@ def attention(query, key, value, attn_mask=None, is_causal=False, scale=None, *,
     *batch, heads, length, depth = query.shape
     kv_heads, kv_length = key.shape[-3], key.shape[-2]
     if heads % kv_heads:
-        raise ValueError(f"scaled_dot_product_attention: {heads} query heads do not divide into {kv_heads} key/value heads")
+        raise ValueError(
+            f"scaled_dot_product_attention: {heads} query heads do not divide into {kv_heads} key/value heads"
+        )
     groups = heads // kv_heads
     scale = 1.0 / float(np.sqrt(depth)) if scale is None else scale
     grouped = query.reshape(*batch, kv_heads, groups, length, depth)

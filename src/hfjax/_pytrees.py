@@ -63,9 +63,7 @@ def _register_output(cls: type) -> None:
     if cls in _registered:
         return
     _registered.add(cls)
-    jax.tree_util.register_pytree_with_keys(
-        cls, _flatten_output_with_keys, _output_unflattener(cls), _flatten_output
-    )
+    jax.tree_util.register_pytree_with_keys(cls, _flatten_output_with_keys, _output_unflattener(cls), _flatten_output)
 
 
 # ---- stateful objects (caches, cache layers): attributes ----------------------

@@ -22,7 +22,9 @@ _AUTO = {
 def check(task: str | None, *, caller: str) -> str | None:
     """`task` if it is one hfjax knows (None: to be inferred); else a LoadError naming `caller`."""
     if task is not None and task not in TASKS:
-        raise LoadError(f"{caller}: task={task!r} is not supported; use one of {TASKS}, or None to infer it from config.json")
+        raise LoadError(
+            f"{caller}: task={task!r} is not supported; use one of {TASKS}, or None to infer it from config.json"
+        )
     return task
 
 
@@ -61,6 +63,4 @@ def of_module(module) -> str:
             return task
     if getattr(module, "can_generate", lambda: False)():
         return "text2text-generation" if getattr(module.config, "is_encoder_decoder", False) else "text-generation"
-    raise LoadError(
-        f"hfjax.Model.from_module: cannot tell the task of a {name}; pass task= one of {TASKS}"
-    )
+    raise LoadError(f"hfjax.Model.from_module: cannot tell the task of a {name}; pass task= one of {TASKS}")

@@ -35,15 +35,21 @@ BY_FAMILY: dict[str, Tolerance] = {
 MATMUL = Tolerance(1e-5, "one float32 product of O(1) values: XLA and ATen sum the same terms in another order")
 EXACT = Tolerance(0.0, "copies, index searches, boolean reductions and integer math have one right answer")
 SCHEDULE = Tolerance(
-    0.0, "a diffusion noise schedule in float32 (JAX) against float64 (numpy, in diffusers): float32's rounding", rtol=1e-5
+    0.0,
+    "a diffusion noise schedule in float32 (JAX) against float64 (numpy, in diffusers): float32's rounding",
+    rtol=1e-5,
 )
 BIASES = Tolerance(1e-6, "a few float32 additions of biases to O(1) scores, in another order than torch's")
 UNIT_NORM = Tolerance(1e-5, "an L2-normalised float32 vector's norm is 1 up to float32 rounding")
-PRINTED_4_DECIMALS = Tolerance(5.1e-5, "a probability printed with 4 decimals: half a unit of the last digit, and float32")
+PRINTED_4_DECIMALS = Tolerance(
+    5.1e-5, "a probability printed with 4 decimals: half a unit of the last digit, and float32"
+)
 JSON_FLOATS = Tolerance(1e-6, "probabilities written to JSON and read back: float32 values through Python floats")
 
 # Diffusion images are compared by PSNR, not elementwise.
-IMAGE_PSNR_DB = Tolerance(40.0, "images in [0, 1] from 20 steps; round-off compounds over steps, 40 dB is visually identical")
+IMAGE_PSNR_DB = Tolerance(
+    40.0, "images in [0, 1] from 20 steps; round-off compounds over steps, 40 dB is visually identical"
+)
 
 
 def for_dot_products(length: int) -> Tolerance:

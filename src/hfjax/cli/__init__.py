@@ -22,8 +22,17 @@ from . import build_kernels, chat, check, classify, demo, generate, image, launc
 
 __all__ = ["main"]
 
-_COMMANDS = {"demo": demo, "check": check, "generate": generate, "chat": chat, "classify": classify, "image": image, "shard-plan": shard_plan, "launch": launch,
-             "build-kernels": build_kernels}
+_COMMANDS = {
+    "demo": demo,
+    "check": check,
+    "generate": generate,
+    "chat": chat,
+    "classify": classify,
+    "image": image,
+    "shard-plan": shard_plan,
+    "launch": launch,
+    "build-kernels": build_kernels,
+}
 
 
 def _no_torchvision_fallback_note(record: logging.LogRecord) -> bool:
@@ -38,13 +47,15 @@ def main(argv: list[str] | None = None) -> int:
         prog="hfjax", description="Run Hugging Face PyTorch models on JAX and XLA, unchanged."
     )
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND")
-    for name, command in _COMMANDS.items():
+    for command in _COMMANDS.values():
         command.add_parser(subparsers)
     args = parser.parse_args(argv)
     # torchax runs JAX with 32-bit integers and floats by design; JAX's note on each 64-bit
     # cast in the model code (with advice to enable x64) is noise on a terminal.
     warnings.filterwarnings("ignore", message=r"Explicitly requested dtype (int|uint|float|complex)(64|128)")
-    logging.getLogger("transformers.utils.import_utils").addFilter(_no_torchvision_fallback_note)  # addFilter skips repeats
+    logging.getLogger("transformers.utils.import_utils").addFilter(
+        _no_torchvision_fallback_note
+    )  # addFilter skips repeats
     if args.command is None:
         parser.print_help()
         return 2

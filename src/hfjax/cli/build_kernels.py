@@ -23,8 +23,10 @@ def run(args: argparse.Namespace) -> int:
         from hfjax import cpu
         from hfjax.cpu import _build
     except ImportError as error:
-        print(f"hfjax build-kernels: hfjax.cpu is not installed ({error}); the generic engine runs on the CPU",
-              file=sys.stderr)
+        print(
+            f"hfjax build-kernels: hfjax.cpu is not installed ({error}); the generic engine runs on the CPU",
+            file=sys.stderr,
+        )
         return 1
     if args.timeout <= 0:
         print(f"hfjax build-kernels: --timeout={args.timeout} must be > 0 seconds", file=sys.stderr)

@@ -35,7 +35,10 @@ def run(args: argparse.Namespace) -> int:
     model, kwargs = prepared
     tokenizer = model.tokenizer
     if not tokenizer.chat_template:
-        print(f"hfjax chat: the tokenizer of {args.model!r} has no chat template; use `hfjax generate` instead", file=sys.stderr)
+        print(
+            f"hfjax chat: the tokenizer of {args.model!r} has no chat template; use `hfjax generate` instead",
+            file=sys.stderr,
+        )
         return 1
     context = context_length(model.config)
     start = [{"role": "system", "content": args.system}] if args.system else []
@@ -84,7 +87,9 @@ def run(args: argparse.Namespace) -> int:
             messages.pop()
             print(f"hfjax chat: {error}", file=sys.stderr)
             continue
-        new = 1 if getattr(model.config, "is_encoder_decoder", False) else prompt_length  # after the decoder start token
+        new = (
+            1 if getattr(model.config, "is_encoder_decoder", False) else prompt_length
+        )  # after the decoder start token
         reply = tokenizer.decode(out[0, new:].tolist(), skip_special_tokens=True).strip()
         messages.append({"role": "assistant", "content": reply})
         turn += 1

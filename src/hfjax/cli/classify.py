@@ -30,7 +30,10 @@ def add_parser(subparsers) -> None:
         "(default: a question that lists the labels)",
     )
     parser.add_argument(
-        "--dtype", choices=("float32", "bfloat16", "float16"), default=None, help="weights dtype (default: the checkpoint's)"
+        "--dtype",
+        choices=("float32", "bfloat16", "float16"),
+        default=None,
+        help="weights dtype (default: the checkpoint's)",
     )
     parser.add_argument("--json", action="store_true", help="print one JSON object per text: text, label, scores")
 

@@ -11,7 +11,9 @@ import argparse
 import pathlib
 import tempfile
 
-DEMO_CONFIG = dict(hidden_size=256, intermediate_size=688, num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=4)
+DEMO_CONFIG = dict(
+    hidden_size=256, intermediate_size=688, num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=4
+)
 
 
 def add_parser(subparsers) -> None:
@@ -21,7 +23,9 @@ def add_parser(subparsers) -> None:
         description="Writes a small random Llama-shaped checkpoint (config.json, safetensors, tokenizer), "
         "loads it with hfjax.load, and compares hfjax against PyTorch on the same inputs.",
     )
-    parser.add_argument("--family", default="llama", help="model family to build (default llama; see hfjax.testing.FAMILIES)")
+    parser.add_argument(
+        "--family", default="llama", help="model family to build (default llama; see hfjax.testing.FAMILIES)"
+    )
     parser.add_argument("--out", default=None, help="directory to keep the checkpoint in (default: a temporary one)")
     parser.add_argument("--batch", type=int, default=1, help="batch size (default 1)")
     parser.add_argument("--seq-len", type=int, default=128, help="tokens per sequence (default 128)")
@@ -47,7 +51,9 @@ def run(args: argparse.Namespace) -> int:
     jit_rows = [r for r in report.rows if r.path == "jit" and r.seconds]
     if report.torch_seconds and jit_rows:
         speedup = report.torch_seconds / jit_rows[0].seconds
-        print(f"forward, batch {args.batch} x {args.seq_len} tokens: PyTorch {report.torch_seconds * 1e3:.1f} ms, "
-              f"hfjax {jit_rows[0].seconds * 1e3:.1f} ms ({speedup:.2f}x)")
+        print(
+            f"forward, batch {args.batch} x {args.seq_len} tokens: PyTorch {report.torch_seconds * 1e3:.1f} ms, "
+            f"hfjax {jit_rows[0].seconds * 1e3:.1f} ms ({speedup:.2f}x)"
+        )
     print("parity: " + ("PASS" if report.passed else "FAIL"))
     return 0 if report.passed else 1

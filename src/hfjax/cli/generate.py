@@ -12,7 +12,6 @@ import sys
 from .. import _dtypes
 
 
-
 def add_parser(subparsers) -> None:
     parser = subparsers.add_parser(
         "generate",
@@ -34,14 +33,29 @@ def add_generation_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--top-k", type=int, default=None, help="sample from the k most likely tokens")
     parser.add_argument(
-        "--top-p", type=float, default=None, help="sample from the most likely tokens whose probabilities add up to p, in (0, 1]"
+        "--top-p",
+        type=float,
+        default=None,
+        help="sample from the most likely tokens whose probabilities add up to p, in (0, 1]",
     )
-    parser.add_argument("--seed", type=int, default=0, help="sampler seed: the same seed gives the same text (default 0)")
-    parser.add_argument("--dtype", choices=_dtypes.NAMES, default=None, help="weights dtype (default: the checkpoint's)")
-    parser.add_argument("--model-parallel", type=int, default=1,
-                        help="split the weights over this many devices (tensor parallel; default 1)")
-    parser.add_argument("--data-parallel", type=int, default=1,
-                        help="split the batch over this many devices (default 1); data x model devices are used")
+    parser.add_argument(
+        "--seed", type=int, default=0, help="sampler seed: the same seed gives the same text (default 0)"
+    )
+    parser.add_argument(
+        "--dtype", choices=_dtypes.NAMES, default=None, help="weights dtype (default: the checkpoint's)"
+    )
+    parser.add_argument(
+        "--model-parallel",
+        type=int,
+        default=1,
+        help="split the weights over this many devices (tensor parallel; default 1)",
+    )
+    parser.add_argument(
+        "--data-parallel",
+        type=int,
+        default=1,
+        help="split the batch over this many devices (default 1); data x model devices are used",
+    )
     parser.add_argument("--stats", action="store_true", help="print time to first token and tokens/s to stderr")
 
 
@@ -62,7 +76,9 @@ def generation_kwargs(args: argparse.Namespace) -> dict:
     for flag in ("model_parallel", "data_parallel"):
         if getattr(args, flag) < 1:
             raise ValueError(f"--{flag.replace('_', '-')}={getattr(args, flag)} must be at least 1")
-    sampling = {name: getattr(args, name) for name in ("temperature", "top_k", "top_p") if getattr(args, name) is not None}
+    sampling = {
+        name: getattr(args, name) for name in ("temperature", "top_k", "top_p") if getattr(args, name) is not None
+    }
     do_sample = None
     if args.temperature == 0:
         do_sample = False

@@ -33,8 +33,8 @@ def add_parser(subparsers) -> None:
 def run(args: argparse.Namespace) -> int:
     import torch
 
-    from ..diffusion import load_pipeline
     from .._errors import HfjaxError
+    from ..diffusion import load_pipeline
 
     try:
         pipe = load_pipeline(args.model, dtype=args.dtype, whole_loop="auto" if args.whole_loop else False)

@@ -48,16 +48,27 @@ def add_parser(subparsers) -> None:
     parser.add_argument("--devices-per-proc", type=int, default=4, help="simulated CPU devices per process (default 4)")
     parser.add_argument("--port", type=int, default=None, help="coordinator port on 127.0.0.1 (default: a free one)")
     # dest "argv": the top-level parser already stores the subcommand's name in "command".
-    parser.add_argument("argv", metavar="COMMAND", nargs=argparse.REMAINDER, help="-- then an hfjax subcommand or a script.py, with arguments")
+    parser.add_argument(
+        "argv",
+        metavar="COMMAND",
+        nargs=argparse.REMAINDER,
+        help="-- then an hfjax subcommand or a script.py, with arguments",
+    )
 
 
 def run(args: argparse.Namespace) -> int:
     command = args.argv[1:] if args.argv[:1] == ["--"] else args.argv
     if not command:
-        print("hfjax launch: give the command after --, e.g. hfjax launch --nproc 2 -- generate --model PATH 'Hi'", file=sys.stderr)
+        print(
+            "hfjax launch: give the command after --, e.g. hfjax launch --nproc 2 -- generate --model PATH 'Hi'",
+            file=sys.stderr,
+        )
         return 2
     if args.nproc < 1 or args.devices_per_proc < 1:
-        print(f"hfjax launch: --nproc and --devices-per-proc must be >= 1, got {args.nproc} and {args.devices_per_proc}", file=sys.stderr)
+        print(
+            f"hfjax launch: --nproc and --devices-per-proc must be >= 1, got {args.nproc} and {args.devices_per_proc}",
+            file=sys.stderr,
+        )
         return 2
     port = args.port or _free_port()
     children = []
@@ -65,7 +76,13 @@ def run(args: argparse.Namespace) -> int:
         env = dict(os.environ)
         env.update(process_env(index, args.nproc, args.devices_per_proc, port))
         children.append(
-            subprocess.Popen([sys.executable, "-c", _BOOTSTRAP, *command], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+            subprocess.Popen(
+                [sys.executable, "-c", _BOOTSTRAP, *command],
+                env=env,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                text=True,
+            )
         )
     # One thread per child forwards its output, so no child blocks on a full pipe.
     threads = [threading.Thread(target=_forward, args=(i, c), daemon=True) for i, c in enumerate(children)]

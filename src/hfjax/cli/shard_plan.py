@@ -17,10 +17,14 @@ def add_parser(subparsers) -> None:
         "then the total per device. Needs no devices: the mesh is only a shape.",
     )
     parser.add_argument("--model", required=True, help="checkpoint directory or hub id")
-    parser.add_argument("--model-parallel", type=int, required=True, help="devices along the 'model' axis (tensor parallel)")
+    parser.add_argument(
+        "--model-parallel", type=int, required=True, help="devices along the 'model' axis (tensor parallel)"
+    )
     parser.add_argument("--data-parallel", type=int, default=1, help="devices along the 'data' axis (default 1)")
     parser.add_argument("--task", default=None, help="transformers pipeline task (default: from config.architectures)")
-    parser.add_argument("--dtype", choices=_dtypes.NAMES, default=None, help="weights dtype (default: the checkpoint's)")
+    parser.add_argument(
+        "--dtype", choices=_dtypes.NAMES, default=None, help="weights dtype (default: the checkpoint's)"
+    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -31,7 +35,10 @@ def run(args: argparse.Namespace) -> int:
     from ..parallel import plan
 
     if args.model_parallel < 1 or args.data_parallel < 1:
-        print(f"hfjax shard-plan: --model-parallel and --data-parallel must be >= 1, got {args.model_parallel} and {args.data_parallel}", file=sys.stderr)
+        print(
+            f"hfjax shard-plan: --model-parallel and --data-parallel must be >= 1, got {args.model_parallel} and {args.data_parallel}",
+            file=sys.stderr,
+        )
         return 2
     path = _loading.resolve(args.model)
     config = _loading.read_config(path)

@@ -75,4 +75,3 @@ def kernels_status() -> str:
     if _build.built() is not None:
         return f"loaded ({_build.built()[:12]}), for float32 on a single CPU device"
     return f"not loaded: {_build.reason() or 'not built yet in this process (hfjax build-kernels)'}"
-

@@ -82,8 +82,13 @@ def private_directory() -> pathlib.Path:
 def input_digest(command: str) -> str:
     """sha256 of everything the library is built from."""
     digest = hashlib.sha256()
-    for part in (SOURCE.read_bytes(), importlib.metadata.version("jaxlib").encode(), command.encode(),
-                 " ".join(FLAGS).encode(), " ".join(sorted(cpu_flags())).encode()):
+    for part in (
+        SOURCE.read_bytes(),
+        importlib.metadata.version("jaxlib").encode(),
+        command.encode(),
+        " ".join(FLAGS).encode(),
+        " ".join(sorted(cpu_flags())).encode(),
+    ):
         digest.update(part)
     return digest.hexdigest()
 
@@ -96,8 +101,13 @@ def _compile(command: str, library: pathlib.Path, record: pathlib.Path, timeout_
     with tempfile.NamedTemporaryFile(dir=library.parent, suffix=".so.tmp", delete=False) as f:
         temporary = pathlib.Path(f.name)
     try:
-        subprocess.run([command, *FLAGS, f"-I{jax.ffi.include_dir()}", str(SOURCE), "-o", str(temporary)],
-                       check=True, capture_output=True, text=True, timeout=timeout_s)
+        subprocess.run(
+            [command, *FLAGS, f"-I{jax.ffi.include_dir()}", str(SOURCE), "-o", str(temporary)],
+            check=True,
+            capture_output=True,
+            text=True,
+            timeout=timeout_s,
+        )
         content = _content_digest(temporary)
         os.replace(temporary, library)  # atomic: another process loads all of it or builds its own
         with tempfile.NamedTemporaryFile("w", dir=library.parent, suffix=".json.tmp", delete=False) as f:
@@ -167,6 +177,8 @@ def _build(timeout_s: float) -> dict:
 
 
 def _failed(why: str) -> dict:
-    warnings.warn(f"hfjax: the CPU kernels for decoding did not build ({why}); XLA's own products and "
-                  "attention are used instead", stacklevel=4)
+    warnings.warn(
+        f"hfjax: the CPU kernels for decoding did not build ({why}); XLA's own products and attention are used instead",
+        stacklevel=4,
+    )
     return {"reason": why}

@@ -51,4 +51,6 @@ def decode_attention(query, key, value, bias, scale: float) -> jax.Array:
     batch, heads, rows, _ = query.shape
     value_depth = value.size // (batch * heads * bias.shape[-1])
     result = jax.ShapeDtypeStruct((batch, heads, rows, value_depth), jnp.float32)
-    return jax.ffi.ffi_call(ATTENTION, result, vmap_method="sequential")(query, key, value, bias, scale=np.float32(scale))
+    return jax.ffi.ffi_call(ATTENTION, result, vmap_method="sequential")(
+        query, key, value, bias, scale=np.float32(scale)
+    )

@@ -43,5 +43,3 @@ def huge_pages(arrays) -> int:
             if last > first and _madvise()(first, last - first, _MADV_COLLAPSE) == 0:
                 moved += last - first
     return moved
-
-

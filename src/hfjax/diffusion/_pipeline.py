@@ -137,8 +137,12 @@ def _on_jax_class(cls: type) -> type:
             for name, component in compiled.items():
                 object.__setattr__(self, name, component)
 
-    namespace = {"__call__": __call__, "save_pretrained": save_pretrained, "__module__": cls.__module__,
-                 "_hfjax_on_jax": True}
+    namespace = {
+        "__call__": __call__,
+        "save_pretrained": save_pretrained,
+        "__module__": cls.__module__,
+        "_hfjax_on_jax": True,
+    }
     return type(cls.__name__, (cls,), namespace)
 
 
@@ -263,7 +267,7 @@ def _diffusers():
         import diffusers
     except ImportError:
         raise ImportError(
-            "hfjax's diffusion pipelines need diffusers; install it with `pip install \"hfjax[diffusers]\"`"
+            'hfjax\'s diffusion pipelines need diffusers; install it with `pip install "hfjax[diffusers]"`'
         ) from None
     return diffusers
 

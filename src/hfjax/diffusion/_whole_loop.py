@@ -21,7 +21,8 @@ import functools
 import inspect
 import logging
 import sys
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -131,11 +132,13 @@ class _LoopSession:
     def fall_back(self, reason: str) -> None:
         self.enabled, self.reason = False, reason
         message = "hfjax: %s runs per step: %s"
-        (logger.warning if self.pipe.hfjax_whole_loop is True else logger.info)(message, type(self.pipe).__name__, reason)
+        (logger.warning if self.pipe.hfjax_whole_loop is True else logger.info)(
+            message, type(self.pipe).__name__, reason
+        )
 
     # -- the pipeline's calls, intercepted ----------------------------------------
 
-    def denoise(self, denoiser: "_LoopDenoiser", args, kwargs):
+    def denoise(self, denoiser: _LoopDenoiser, args, kwargs):
         if self.trajectory is not None:
             return self.first_call[1]  # unused: scheduler.step answers from the trajectory
         out = JittedModule.forward(denoiser, *args, **kwargs)
@@ -178,7 +181,9 @@ def session(pipe, call_kwargs: dict):
             if callable(getattr(component, "step", None)):
                 for name in _SCHEDULER_METHODS:
                     if callable(getattr(type(component), name, None)):
-                        setattr(component, name, _intercept(getattr(component, name), getattr(session, name), component))
+                        setattr(
+                            component, name, _intercept(getattr(component, name), getattr(session, name), component)
+                        )
                         patched.append((component, name))
     token = _ACTIVE.set(session)
     try:
@@ -219,7 +224,9 @@ def install(pipe) -> None:
     for name in DENOISERS:
         denoiser = getattr(pipe, name, None)
         if isinstance(denoiser, JittedModule):
-            looped = _looping(type(denoiser))(denoiser.module, ("forward",), params=denoiser.params, aliases=denoiser._aliases)
+            looped = _looping(type(denoiser))(
+                denoiser.module, ("forward",), params=denoiser.params, aliases=denoiser._aliases
+            )
             for attribute, value in vars(denoiser).items():  # what was set after construction (a mesh)
                 vars(looped).setdefault(attribute, value)
             object.__setattr__(pipe, name, looped)
@@ -253,8 +260,13 @@ def _loop_shape(session: _LoopSession, scheduler, model_output, timestep, sample
     prediction = out[0]
     learned_sigma = prediction.ndim == 4 and prediction.shape[1] == 2 * sample.shape[1]
     return _LoopShape(
-        steps=steps, guidance=x.shape[0] == 2 * batch, scale_input=session.scaled, sample_name=sample_name,
-        timestep_divisor=divisor, timestep_batched=t_arg.ndim > 0, learned_sigma=learned_sigma,
+        steps=steps,
+        guidance=x.shape[0] == 2 * batch,
+        scale_input=session.scaled,
+        sample_name=sample_name,
+        timestep_divisor=divisor,
+        timestep_batched=t_arg.ndim > 0,
+        learned_sigma=learned_sigma,
     )
 
 
@@ -302,21 +314,48 @@ def _run_whole_loop(session, scheduler, model_output, timestep, sample, args, kw
     arguments = dict(session.first_call[0])
     arguments.pop(shape.sample_name), arguments.pop("timestep")
     cond_arrays, rebuild_cond, cond_key = _split_static(arguments)
-    step_arrays, rebuild_step, step_key = _split_static((args, {k: v for k, v in kwargs.items() if k not in ("generator", "return_dict")}))
+    step_arrays, rebuild_step, step_key = _split_static(
+        (args, {k: v for k, v in kwargs.items() if k not in ("generator", "return_dict")})
+    )
     generator = kwargs.get("generator")
-    statics = tuple(sorted((k, v) for k, v in vars(scheduler).items() if isinstance(v, (int, float, str, bool, type(None)))))
+    statics = tuple(
+        sorted((k, v) for k, v in vars(scheduler).items() if isinstance(v, (int, float, str, bool, type(None))))
+    )
     key = (
-        shape, cond_key, step_key, type(scheduler), statics, tuple(float(t) for t in timesteps),
-        tuple(sample.shape), str(sample.dtype), tuple(a.shape for a in cond_arrays),
+        shape,
+        cond_key,
+        step_key,
+        type(scheduler),
+        statics,
+        tuple(float(t) for t in timesteps),
+        tuple(sample.shape),
+        str(sample.dtype),
+        tuple(a.shape for a in cond_arrays),
     )
     programs = pipe.__dict__.setdefault("_hfjax_loops", {})
     if key not in programs:
-        programs[key] = _build_loop(shape, denoiser, scheduler, timesteps, rebuild_cond, rebuild_step, sample, model_output, step_arrays, generator)
+        programs[key] = _build_loop(
+            shape,
+            denoiser,
+            scheduler,
+            timesteps,
+            rebuild_cond,
+            rebuild_step,
+            sample,
+            model_output,
+            step_arrays,
+            generator,
+        )
     program = programs[key]
     noise = [_draw(shape_, kwargs_, generator) for shape_, kwargs_ in program.draws]
     trajectory = program.jitted(
-        denoiser.params, _env.to_jax(model_output), _env.to_jax(sample), cond_arrays, step_arrays,
-        jnp.float32(_guidance_scale(session)), noise,
+        denoiser.params,
+        _env.to_jax(model_output),
+        _env.to_jax(sample),
+        cond_arrays,
+        step_arrays,
+        jnp.float32(_guidance_scale(session)),
+        noise,
     )
     environment = _env.env()
     return [JaxTensor(trajectory[i], environment) for i in range(shape.steps)]
@@ -334,7 +373,18 @@ class _LoopProgram:
     draws: list  # (shape, randn_tensor kwargs) of each noise draw, in order
 
 
-def _build_loop(shape: _LoopShape, denoiser, scheduler, timesteps, rebuild_cond, rebuild_step, sample, model_output, step_arrays, generator) -> _LoopProgram:
+def _build_loop(
+    shape: _LoopShape,
+    denoiser,
+    scheduler,
+    timesteps,
+    rebuild_cond,
+    rebuild_step,
+    sample,
+    model_output,
+    step_arrays,
+    generator,
+) -> _LoopProgram:
     environment = _env.env()
     template = copy.copy(scheduler)
     vars(template).pop("step", None), vars(template).pop("scale_model_input", None)
@@ -343,7 +393,9 @@ def _build_loop(shape: _LoopShape, denoiser, scheduler, timesteps, rebuild_cond,
 
     # Discovery: run every scheduler call once, in order, with stand-in arrays, to learn
     # its state between calls, the arrays it carries, and the noise it draws.
-    calls = [("step", 0)] + [c for i in range(1, n) for c in ((("scale", i),) if shape.scale_input else ()) + (("step", i),)]
+    calls = [("step", 0)] + [
+        c for i in range(1, n) for c in ((("scale", i),) if shape.scale_input else ()) + (("step", i),)
+    ]
     boundaries, carried, draws, draw_counts = [], {}, [], []
 
     def stand_in(shape_, kwargs_):
@@ -378,7 +430,9 @@ def _build_loop(shape: _LoopShape, denoiser, scheduler, timesteps, rebuild_cond,
     try:
         jax.eval_shape(discover, _env.to_jax(sample), _env.to_jax(model_output), step_arrays)
     except _UNTRACEABLE as error:
-        raise _NotWholeLoop(f"{type(scheduler).__name__}'s arithmetic cannot be traced ({type(error).__name__})") from None
+        raise _NotWholeLoop(
+            f"{type(scheduler).__name__}'s arithmetic cannot be traced ({type(error).__name__})"
+        ) from None
     per_step = draw_counts[1 + (1 if shape.scale_input else 0) :: (2 if shape.scale_input else 1)]
     scale_counts = draw_counts[1::2] if shape.scale_input else []
     if any(scale_counts) or len(set(per_step)) > 1:
@@ -397,7 +451,13 @@ def _build_loop(shape: _LoopShape, denoiser, scheduler, timesteps, rebuild_cond,
                 if kind == "scale":
                     out = type(worker).scale_model_input(worker, JaxTensor(x, environment), t_values[i])
                 else:
-                    out = _scheduler_step(worker, JaxTensor(eps, environment), t_values[i], JaxTensor(x, environment), rebuild_step(step_args))
+                    out = _scheduler_step(
+                        worker,
+                        JaxTensor(eps, environment),
+                        t_values[i],
+                        JaxTensor(x, environment),
+                        rebuild_step(step_args),
+                    )
                 _, dynamic = _scheduler_state(worker)
             new = dict(carry)
             new.update({k_: v.astype(carried[k_].dtype) for k_, v in dynamic.items()})
@@ -431,7 +491,11 @@ def _build_loop(shape: _LoopShape, denoiser, scheduler, timesteps, rebuild_cond,
             if shape.timestep_batched:
                 t = jnp.broadcast_to(t, (x.shape[0],))
             with environment:
-                out = _call_denoiser(denoiser, params, {**cond, shape.sample_name: JaxTensor(x, environment), "timestep": JaxTensor(t, environment)})
+                out = _call_denoiser(
+                    denoiser,
+                    params,
+                    {**cond, shape.sample_name: JaxTensor(x, environment), "timestep": JaxTensor(t, environment)},
+                )
             eps = out[0].jax()
             if shape.guidance:
                 uncond, text = jnp.split(eps, 2)

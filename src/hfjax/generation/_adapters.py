@@ -145,7 +145,9 @@ class RecomputeAdapter(CacheAdapter):
 
     def logits_at(self, sequence, full_mask, index):
         """Logits [B, V] at column `index` of the whole buffer sequence [B, L], run without a cache."""
-        kwargs = self._positions({"attention_mask": _env.to_torch(full_mask), "use_cache": False}, _positions_of(full_mask))
+        kwargs = self._positions(
+            {"attention_mask": _env.to_torch(full_mask), "use_cache": False}, _positions_of(full_mask)
+        )
         out = self.module(input_ids=_env.to_torch(sequence), **kwargs)
         logits = _env.to_jax(out.logits)  # [B, L, V]
         return jax.lax.dynamic_index_in_dim(logits, index, axis=1, keepdims=False).astype(jnp.float32)
@@ -171,7 +173,9 @@ def _own_cache(out):
     for field in ("past_key_values", "cache_params"):
         if getattr(out, field, None) is not None:
             return getattr(out, field)
-    raise GenerationError(f"{type(out).__name__} returned no cache (past_key_values / cache_params) with use_cache=True")
+    raise GenerationError(
+        f"{type(out).__name__} returned no cache (past_key_values / cache_params) with use_cache=True"
+    )
 
 
 def _decoder_inputs(encoder, token, decoder_mask, cache) -> dict:

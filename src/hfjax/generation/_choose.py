@@ -62,8 +62,9 @@ def choose(state: DecodeState, logits, offset: int, settings: GenerationSettings
     if settings.beam is not None:
         return _choose_beams(state, logits, offset, settings)
     key, draw = jax.random.split(jax.random.wrap_key_data(state.key))
-    scores = _sampling.process_logits(processed(logits, state, offset + state.step, settings), state.seen,
-                                      settings.sampling)  # [B, V]
+    scores = _sampling.process_logits(
+        processed(logits, state, offset + state.step, settings), state.seen, settings.sampling
+    )  # [B, V]
     state = _kept(state, logits, scores)
     token = _sampling.pick(scores, draw, settings.sampling).astype(jnp.int32)  # [B]
     token = jnp.where(state.done, settings.pad_token_id, token)

@@ -243,8 +243,9 @@ class Generator:
 
     # -- traced: prefill ---------------------------------------------------------
 
-    def _prefill(self, params, ids, mask, key, budget, least, first_column, *, offset: int,
-                 settings: GenerationSettings) -> DecodeState:
+    def _prefill(
+        self, params, ids, mask, key, budget, least, first_column, *, offset: int, settings: GenerationSettings
+    ) -> DecodeState:
         # ids, mask: [B, P] int32, padded; key: uint32 PRNG key data; budget, least: int32 max_new_tokens and
         # min_new_tokens; first_column: int32, where transformers' rows start in the buffer (all arguments,
         # so that they do not recompile).
@@ -281,14 +282,17 @@ class Generator:
             first_column=first_column,
             logits=buffer(settings.output_logits),
             scores=buffer(settings.output_scores),
-            beams=None if settings.beam is None else initial_beams(batch // settings.beam.num_beams, settings.beam, sequence),
+            beams=None
+            if settings.beam is None
+            else initial_beams(batch // settings.beam.num_beams, settings.beam, sequence),
         )
         return _choose.choose(state, logits, offset, settings)
 
     # -- traced: decode loop -----------------------------------------------------
 
-    def _decode_n_tokens(self, params, state: DecodeState, limit, *, offset: int, settings: GenerationSettings,
-                         windows: tuple[int, ...]) -> DecodeState:
+    def _decode_n_tokens(
+        self, params, state: DecodeState, limit, *, offset: int, settings: GenerationSettings, windows: tuple[int, ...]
+    ) -> DecodeState:
         self.programs.traced["decode"] += 1
         if len(windows) > 1 and not _caches.windowable(state.cache):
             windows = windows[-1:]
@@ -296,12 +300,19 @@ class Generator:
             # The steps whose token's keys land in the window's slots: its columns [0, window).
             # A window whose steps are over runs no step, and its slots go back unchanged.
             full = state.cache
-            state = self._decode_loop(params, state.replace(cache=_caches.window(full, window)),
-                                      jnp.minimum(limit, window - offset + 1), offset=offset, settings=settings)
+            state = self._decode_loop(
+                params,
+                state.replace(cache=_caches.window(full, window)),
+                jnp.minimum(limit, window - offset + 1),
+                offset=offset,
+                settings=settings,
+            )
             state = state.replace(cache=_caches.written_back(full, state.cache))
         return self._decode_loop(params, state, limit, offset=offset, settings=settings)
 
-    def _decode_loop(self, params, state: DecodeState, limit, *, offset: int, settings: GenerationSettings) -> DecodeState:
+    def _decode_loop(
+        self, params, state: DecodeState, limit, *, offset: int, settings: GenerationSettings
+    ) -> DecodeState:
         window = _caches.slots(state.cache) or state.mask.shape[1]
         carried, restore = self.backend.loop_carry(state.cache)
 

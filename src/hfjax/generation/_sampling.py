@@ -25,7 +25,14 @@ import numpy as np
 from .._errors import GenerationError
 
 __all__ = [
-    "SamplingConfig", "process_logits", "next_token", "pick", "first_argmax", "seen_mask", "update_seen", "sequence_bias",
+    "SamplingConfig",
+    "process_logits",
+    "next_token",
+    "pick",
+    "first_argmax",
+    "seen_mask",
+    "update_seen",
+    "sequence_bias",
     "ngram_bans",
 ]
 
@@ -70,7 +77,9 @@ class SamplingConfig:
             raise GenerationError(
                 f"do_sample={self.do_sample!r} is not a bool; pass True to sample or False for greedy decoding"
             )
-        temperature = _real("temperature", self.temperature, "pass a value such as 0.7, or 1.0 to leave logits unscaled")
+        temperature = _real(
+            "temperature", self.temperature, "pass a value such as 0.7, or 1.0 to leave logits unscaled"
+        )
         if temperature < 0 or (temperature == 0 and self.do_sample):
             greedy = " If you want greedy decoding, pass do_sample=False." if temperature == 0 else ""
             raise GenerationError(
@@ -275,7 +284,11 @@ def update_seen(seen: jax.Array, tokens: jax.Array) -> jax.Array:
 
 
 def sequence_bias(
-    sequence: jax.Array, start: jax.Array, end: jax.Array, biases: tuple[tuple[tuple[int, ...], float], ...], vocab_size: int
+    sequence: jax.Array,
+    start: jax.Array,
+    end: jax.Array,
+    biases: tuple[tuple[tuple[int, ...], float], ...],
+    vocab_size: int,
 ) -> jax.Array:
     """What transformers' sequence_bias (and bad_words_ids, as biases of -inf) add to the scores.
 

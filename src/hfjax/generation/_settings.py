@@ -52,7 +52,9 @@ class GenerationSettings:
 
     def __post_init__(self):
         if not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 1:
-            raise GenerationError(f"max_new_tokens={self.max_new_tokens!r} must be a positive integer, e.g. max_new_tokens=32")
+            raise GenerationError(
+                f"max_new_tokens={self.max_new_tokens!r} must be a positive integer, e.g. max_new_tokens=32"
+            )
         if not isinstance(self.min_new_tokens, int) or self.min_new_tokens < 0:
             raise GenerationError(f"min_new_tokens={self.min_new_tokens!r} must be an integer >= 0")
 
@@ -107,7 +109,11 @@ _UNSUPPORTED = {
     "penalty_alpha": (lambda v, s: v is not None and v > 0, "contrastive search", None),
     "dola_layers": (lambda v, s: _set(v), "DoLa decoding", None),
     "guidance_scale": (lambda v, s: v is not None and v != 1, "classifier-free guidance", None),
-    "encoder_repetition_penalty": (lambda v, s: v is not None and v != 1, "a repetition penalty on the encoder's tokens", 1.0),
+    "encoder_repetition_penalty": (
+        lambda v, s: v is not None and v != 1,
+        "a repetition penalty on the encoder's tokens",
+        1.0,
+    ),
     "encoder_no_repeat_ngram_size": (lambda v, s: v is not None and v > 0, "n-gram bans from the encoder's tokens", 0),
     "exponential_decay_length_penalty": (lambda v, s: _set(v), "an EOS boost that grows with length", None),
     "remove_invalid_values": (lambda v, s: bool(v), "replacing inf and NaN scores", False),
@@ -182,7 +188,9 @@ def resolve(model, prompt_length: int, generation_config=None, **overrides) -> G
     for name, (in_effect, what, off) in _UNSUPPORTED.items():
         if in_effect(values.get(name), do_sample):
             fix = f"leave {name} out" if where(name) == "" else f"pass {name}={off!r} to override it"
-            raise GenerationError(f"{name}={values[name]!r}{where(name)} asks for {what}, which hfjax's generate does not do; {fix}")
+            raise GenerationError(
+                f"{name}={values[name]!r}{where(name)} asks for {what}, which hfjax's generate does not do; {fix}"
+            )
 
     def count(name: str, least: int, default: int = 0) -> int:
         value = values.get(name)
@@ -214,7 +222,10 @@ def resolve(model, prompt_length: int, generation_config=None, **overrides) -> G
         decoder_start = getattr(model.config, "decoder_start_token_id", None)
     suppressed = token_ids("suppress_tokens")
     forced_eos = token_ids("forced_eos_token_id")
-    forced_tokens = {"forced_bos_token_id": () if forced_bos is None else (forced_bos,), "forced_eos_token_id": forced_eos}
+    forced_tokens = {
+        "forced_bos_token_id": () if forced_bos is None else (forced_bos,),
+        "forced_eos_token_id": forced_eos,
+    }
     for name, forced in forced_tokens.items():
         if forced and set(forced) <= set(suppressed):
             # transformers refuses this too: every score would be -inf at the forced step.
@@ -226,7 +237,9 @@ def resolve(model, prompt_length: int, generation_config=None, **overrides) -> G
     count_returned = count("num_return_sequences", least=1, default=1)
     num_beams = count("num_beams", least=1, default=1)
     if count_returned > num_beams and not do_sample:
-        choices = "num_beams >= num_return_sequences" if num_beams > 1 else "do_sample=True to draw several, or num_beams"
+        choices = (
+            "num_beams >= num_return_sequences" if num_beams > 1 else "do_sample=True to draw several, or num_beams"
+        )
         raise GenerationError(
             f"num_return_sequences={count_returned}{where('num_return_sequences')}: greedy decoding returns "
             f"{num_beams} sequence{'s' if num_beams > 1 else ''} per prompt; pass {choices}, or num_return_sequences=1"
@@ -272,7 +285,9 @@ def _beam_settings(values: dict, where, num_beams: int, pad: int, eos: tuple[int
     penalty = values.get("length_penalty")
     penalty = 1.0 if penalty is None else penalty
     if isinstance(penalty, bool) or not isinstance(penalty, numbers.Real) or not math.isfinite(penalty):
-        raise GenerationError(f"length_penalty={penalty!r}{where('length_penalty')} is not a finite number; pass e.g. 1.0")
+        raise GenerationError(
+            f"length_penalty={penalty!r}{where('length_penalty')} is not a finite number; pass e.g. 1.0"
+        )
     early = values.get("early_stopping")
     early = False if early is None else early
     if early not in (True, False, "never"):
@@ -294,7 +309,9 @@ def _merged(model, generation_config, overrides: dict):
     given = {k: v for k, v in overrides.items() if v is not None}
     sources.update(dict.fromkeys(given, ""))
     values.update(given)
-    checkpoint = f" (from {model.path}/generation_config.json)" if model.path else " (from the model's generation_config)"
+    checkpoint = (
+        f" (from {model.path}/generation_config.json)" if model.path else " (from the model's generation_config)"
+    )
     return values, lambda name: sources.get(name, checkpoint)
 
 
@@ -344,9 +361,13 @@ def _sequences(name: str, sequences, where: str, vocab: int | None) -> list[tupl
     out = []
     for ids in sequences:
         if not isinstance(ids, (list, tuple)) or not ids or not all(_is_token_id(i) for i in ids):
-            raise GenerationError(f"{name}={sequences!r}{where}: {ids!r} is not a non-empty list of token ids, e.g. {example}")
+            raise GenerationError(
+                f"{name}={sequences!r}{where}: {ids!r} is not a non-empty list of token ids, e.g. {example}"
+            )
         if vocab is not None and max(ids) >= vocab:
-            raise GenerationError(f"{name}={sequences!r}{where}: token id {max(ids)} is outside the vocabulary of {vocab}")
+            raise GenerationError(
+                f"{name}={sequences!r}{where}: token id {max(ids)} is outside the vocabulary of {vocab}"
+            )
         out.append(tuple(int(i) for i in ids))
     return out
 
@@ -362,7 +383,9 @@ def _sequence_bias(bias, where: str, vocab: int | None) -> tuple[SequenceBias, .
     values = [value for _, value in pairs]
     for value in values:
         if isinstance(value, bool) or not isinstance(value, numbers.Real) or math.isnan(value):
-            raise GenerationError(f"sequence_bias={bias!r}{where}: the bias {value!r} is not a number; it must be {shape}")
+            raise GenerationError(
+                f"sequence_bias={bias!r}{where}: the bias {value!r} is not a number; it must be {shape}"
+            )
     # transformers keeps one bias per sequence, the last one given.
     return tuple(dict(zip(sequences, (float(v) for v in values))).items())
 

@@ -65,8 +65,6 @@ def batch_sharding(mesh, shape: tuple[int, ...]) -> jax.sharding.NamedSharding:
     return jax.sharding.NamedSharding(mesh, P("data") if split else P())
 
 
-
-
 def check_mesh(mesh, *, caller: str) -> None:
     """A ShardingError naming `caller` unless `mesh` is None or a `jax.sharding.Mesh`."""
     if mesh is not None and not isinstance(mesh, jax.sharding.Mesh):

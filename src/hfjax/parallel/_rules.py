@@ -146,10 +146,15 @@ class Plan(dict):
         """One line per parameter (spec, shape, dtype, bytes per device), then the total and notes."""
         mesh = " x ".join(f"{k}={v}" for k, v in self.axis_sizes.items())
         width = max((len(n) for n in self), default=4)
-        lines = [f"mesh: {mesh}", f"{'parameter':<{width}}  {'spec':<24} {'shape':<18} {'dtype':<9} {'bytes/device':>14}"]
+        lines = [
+            f"mesh: {mesh}",
+            f"{'parameter':<{width}}  {'spec':<24} {'shape':<18} {'dtype':<9} {'bytes/device':>14}",
+        ]
         for name, spec in self.items():
             shape = "x".join(map(str, self.shapes[name])) or "scalar"
-            lines.append(f"{name:<{width}}  {_spec_text(spec):<24} {shape:<18} {self.dtypes[name]:<9} {self.bytes_per_device(name):>14,}")
+            lines.append(
+                f"{name:<{width}}  {_spec_text(spec):<24} {shape:<18} {self.dtypes[name]:<9} {self.bytes_per_device(name):>14,}"
+            )
         total = sum(_nbytes(self.shapes[n], self.dtypes[n]) for n in self)
         lines.append(f"total per device: {self.total_bytes_per_device():,} bytes (of {total:,} in the whole model)")
         lines.extend(f"note: {note}" for note in self.notes)
@@ -186,9 +191,13 @@ def plan(model_or_config, mesh, *, task: str | None = None, dtype: str | None = 
     config = module.config.get_text_config(decoder=True) if hasattr(module.config, "get_text_config") else module.config
     notes: list[str] = []
     replicate_kv = _check_heads(config, sizes, notes)
-    table = _RULES.get(getattr(module.config, "model_type", None)) or _RULES.get(getattr(config, "model_type", None)) or {}
+    table = (
+        _RULES.get(getattr(module.config, "model_type", None)) or _RULES.get(getattr(config, "model_type", None)) or {}
+    )
     if not table:
-        notes.append(f"no sharding rules for model_type {getattr(module.config, 'model_type', None)!r}; the structural fallback placed every parameter")
+        notes.append(
+            f"no sharding rules for model_type {getattr(module.config, 'model_type', None)!r}; the structural fallback placed every parameter"
+        )
 
     specs, shapes, dtypes = {}, {}, {}
     unplaced = []
@@ -218,7 +227,10 @@ def plan(model_or_config, mesh, *, task: str | None = None, dtype: str | None = 
         logger.warning("hfjax: %s; add a @rules(%r) entry to split them", message, getattr(config, "model_type", None))
         notes.append(message)
     elif unplaced:
-        notes.append(f"{len(unplaced)} small matrices with no rule replicated: {', '.join(unplaced[:4])}" + (" ..." if len(unplaced) > 4 else ""))
+        notes.append(
+            f"{len(unplaced)} small matrices with no rule replicated: {', '.join(unplaced[:4])}"
+            + (" ..." if len(unplaced) > 4 else "")
+        )
     return Plan(specs, shapes=shapes, dtypes=dtypes, axis_sizes=sizes, notes=notes)
 
 
@@ -280,10 +292,14 @@ def _fit(spec: P, name: str, shape: tuple[int, ...], n: int, notes: list[str]) -
         if other != dim and shape[other] % n == 0:
             moved = [None] * len(shape)
             moved[other] = "model"
-            notes.append(f"{name}: dimension {dim} ({shape[dim]}) does not divide by {n}; split dimension {other} instead")
+            notes.append(
+                f"{name}: dimension {dim} ({shape[dim]}) does not divide by {n}; split dimension {other} instead"
+            )
             return P(*moved)
     notes.append(f"{name}: no dimension of {shape} divides by {n}; replicated")
-    logger.warning("hfjax: %s has shape %s, no dimension of which divides by 'model' size %d; it is replicated", name, shape, n)
+    logger.warning(
+        "hfjax: %s has shape %s, no dimension of which divides by 'model' size %d; it is replicated", name, shape, n
+    )
     return P()
 
 
@@ -381,7 +397,7 @@ def _nbytes(shape: tuple[int, ...], dtype: str) -> int:
 def _split_factor(spec: P, sizes: Mapping[str, int]) -> int:
     factor = 1
     for entry in spec:
-        for axis in (entry if isinstance(entry, tuple) else (entry,)):
+        for axis in entry if isinstance(entry, tuple) else (entry,):
             if axis is not None:
                 factor *= sizes[axis]
     return factor
@@ -389,5 +405,3 @@ def _split_factor(spec: P, sizes: Mapping[str, int]) -> int:
 
 def _spec_text(spec: P) -> str:
     return "P(" + ", ".join(repr(e) if e is not None else "None" for e in spec) + ")" if len(spec) else "replicated"
-
-

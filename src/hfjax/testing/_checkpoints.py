@@ -20,7 +20,6 @@ from ._families import (
 )
 from ._tokenizer import MAX_POSITIONS, VOCAB_SIZE
 
-
 Task = _tasks.Task
 Pooling = Literal["mean", "cls", "lasttoken"]
 DType = Literal["float32", "bfloat16", "float16"]
@@ -209,4 +208,3 @@ def save_tiny_checkpoint(
     if sentence_transformers:
         _write_sentence_transformers_files(path, model.config.get_text_config().hidden_size, pooling)
     return path
-

@@ -260,7 +260,7 @@ def _text_model_types() -> dict[str, Kind]:
     return kinds
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _generic_family(model_type: str) -> Family | None:
     kind = _text_model_types().get(model_type)
     if kind is None or model_type not in transformers.CONFIG_MAPPING:
@@ -331,4 +331,3 @@ def tiny_config(family: str, **overrides: Any) -> transformers.PretrainedConfig:
         name = auto_class_name(_tasks.auto_class(DEFAULT_TASK[spec.kind]), config)
         config.architectures = [name]
     return config
-

@@ -14,7 +14,8 @@ Flux, whose transformer packs 2x2 latent patches itself).
 from __future__ import annotations
 
 import pathlib
-from typing import Any, Callable, Literal
+from collections.abc import Callable
+from typing import Any, Literal
 
 import torch
 
@@ -33,7 +34,13 @@ SCHEDULERS: dict[str, tuple[str, dict[str, Any]]] = {
     "flow-match-euler": ("FlowMatchEulerDiscreteScheduler", {}),
 }
 # The noise schedule Stable Diffusion 1.x/2.x ships with, for the DDPM-family schedulers.
-_SD_SCHEDULE = {"beta_start": 0.00085, "beta_end": 0.012, "beta_schedule": "scaled_linear", "num_train_timesteps": 1000, "steps_offset": 1}
+_SD_SCHEDULE = {
+    "beta_start": 0.00085,
+    "beta_end": 0.012,
+    "beta_schedule": "scaled_linear",
+    "num_train_timesteps": 1000,
+    "steps_offset": 1,
+}
 
 _CLIP_MAX_LENGTH = 16  # tokens per prompt; CLIP checkpoints use 77, tiny ones need fewer
 _T5_MAX_LENGTH = 16
@@ -70,9 +77,18 @@ def _clip_config(**overrides):
     from transformers import CLIPTextConfig
 
     sizes = dict(
-        bos_token_id=0, eos_token_id=1, pad_token_id=1, vocab_size=600, hidden_size=32, intermediate_size=37,
-        num_attention_heads=4, num_hidden_layers=2, max_position_embeddings=_CLIP_MAX_LENGTH, projection_dim=32,
-        hidden_act="gelu", layer_norm_eps=1e-5,
+        bos_token_id=0,
+        eos_token_id=1,
+        pad_token_id=1,
+        vocab_size=600,
+        hidden_size=32,
+        intermediate_size=37,
+        num_attention_heads=4,
+        num_hidden_layers=2,
+        max_position_embeddings=_CLIP_MAX_LENGTH,
+        projection_dim=32,
+        hidden_act="gelu",
+        layer_norm_eps=1e-5,
     )
     return CLIPTextConfig(**{**sizes, **overrides})
 
@@ -103,8 +119,13 @@ def _vae(**overrides):
     from diffusers import AutoencoderKL
 
     sizes = dict(
-        block_out_channels=(8, 16), in_channels=3, out_channels=3, latent_channels=4, layers_per_block=1,
-        norm_num_groups=2, sample_size=32,
+        block_out_channels=(8, 16),
+        in_channels=3,
+        out_channels=3,
+        latent_channels=4,
+        layers_per_block=1,
+        norm_num_groups=2,
+        sample_size=32,
         down_block_types=("DownEncoderBlock2D", "DownEncoderBlock2D"),
         up_block_types=("UpDecoderBlock2D", "UpDecoderBlock2D"),
     )
@@ -114,8 +135,13 @@ def _vae(**overrides):
 def _flow_vae(latent_channels: int):
     # SD3 and Flux VAEs: no quant convs, a shift as well as a scale.
     return _vae(
-        block_out_channels=(8,), down_block_types=("DownEncoderBlock2D",), up_block_types=("UpDecoderBlock2D",),
-        latent_channels=latent_channels, use_quant_conv=False, use_post_quant_conv=False, shift_factor=0.0609,
+        block_out_channels=(8,),
+        down_block_types=("DownEncoderBlock2D",),
+        up_block_types=("UpDecoderBlock2D",),
+        latent_channels=latent_channels,
+        use_quant_conv=False,
+        use_post_quant_conv=False,
+        shift_factor=0.0609,
         scaling_factor=1.5035,
     )
 
@@ -127,9 +153,16 @@ def _unet(**overrides):
     from diffusers import UNet2DConditionModel
 
     sizes = dict(
-        block_out_channels=(16, 32), layers_per_block=1, sample_size=16, in_channels=4, out_channels=4,
-        down_block_types=("DownBlock2D", "CrossAttnDownBlock2D"), up_block_types=("CrossAttnUpBlock2D", "UpBlock2D"),
-        cross_attention_dim=32, attention_head_dim=8, norm_num_groups=4,
+        block_out_channels=(16, 32),
+        layers_per_block=1,
+        sample_size=16,
+        in_channels=4,
+        out_channels=4,
+        down_block_types=("DownBlock2D", "CrossAttnDownBlock2D"),
+        up_block_types=("CrossAttnUpBlock2D", "UpBlock2D"),
+        cross_attention_dim=32,
+        attention_head_dim=8,
+        norm_num_groups=4,
     )
     return UNet2DConditionModel(**{**sizes, **overrides})
 
@@ -139,8 +172,14 @@ def _stable_diffusion(scheduler, cls_name: str = "StableDiffusionPipeline"):
 
     cls = getattr(diffusers, cls_name)
     return cls(
-        vae=_vae(), text_encoder=_clip_text_encoder(), tokenizer=clip_tokenizer(), unet=_unet(), scheduler=scheduler,
-        safety_checker=None, feature_extractor=None, requires_safety_checker=False,
+        vae=_vae(),
+        text_encoder=_clip_text_encoder(),
+        tokenizer=clip_tokenizer(),
+        unet=_unet(),
+        scheduler=scheduler,
+        safety_checker=None,
+        feature_extractor=None,
+        requires_safety_checker=False,
     )
 
 
@@ -149,12 +188,21 @@ def _sdxl(scheduler):
 
     # The UNet's added embedding takes the pooled text (32) and 6 time ids of 8 each.
     unet = _unet(
-        cross_attention_dim=64, use_linear_projection=True, addition_embed_type="text_time",
-        addition_time_embed_dim=8, projection_class_embeddings_input_dim=80, transformer_layers_per_block=(1, 1),
+        cross_attention_dim=64,
+        use_linear_projection=True,
+        addition_embed_type="text_time",
+        addition_time_embed_dim=8,
+        projection_class_embeddings_input_dim=80,
+        transformer_layers_per_block=(1, 1),
     )
     return StableDiffusionXLPipeline(
-        vae=_vae(), text_encoder=_clip_text_encoder(), text_encoder_2=_clip_text_encoder(with_projection=True),
-        tokenizer=clip_tokenizer(), tokenizer_2=clip_tokenizer(), unet=unet, scheduler=scheduler,
+        vae=_vae(),
+        text_encoder=_clip_text_encoder(),
+        text_encoder_2=_clip_text_encoder(with_projection=True),
+        tokenizer=clip_tokenizer(),
+        tokenizer_2=clip_tokenizer(),
+        unet=unet,
+        scheduler=scheduler,
         force_zeros_for_empty_prompt=True,
     )
 
@@ -164,9 +212,21 @@ def _pixart(scheduler):
 
     text_encoder, tokenizer = _t5_text_encoder_and_tokenizer()
     transformer = PixArtTransformer2DModel(
-        sample_size=16, num_layers=2, patch_size=2, attention_head_dim=8, num_attention_heads=2, caption_channels=32,
-        in_channels=4, cross_attention_dim=16, out_channels=8, attention_bias=True, activation_fn="gelu-approximate",
-        num_embeds_ada_norm=1000, norm_type="ada_norm_single", norm_elementwise_affine=False, norm_eps=1e-6,
+        sample_size=16,
+        num_layers=2,
+        patch_size=2,
+        attention_head_dim=8,
+        num_attention_heads=2,
+        caption_channels=32,
+        in_channels=4,
+        cross_attention_dim=16,
+        out_channels=8,
+        attention_bias=True,
+        activation_fn="gelu-approximate",
+        num_embeds_ada_norm=1000,
+        norm_type="ada_norm_single",
+        norm_elementwise_affine=False,
+        norm_eps=1e-6,
     )
     return PixArtAlphaPipeline(
         tokenizer=tokenizer, text_encoder=text_encoder, vae=_vae(), transformer=transformer, scheduler=scheduler
@@ -179,14 +239,27 @@ def _sd3(scheduler):
     text_encoder_3, tokenizer_3 = _t5_text_encoder_and_tokenizer()
     # joint_attention_dim is the T5 and the (padded) CLIP hidden size; pooled = 2 x CLIP projection.
     transformer = SD3Transformer2DModel(
-        sample_size=32, patch_size=2, in_channels=4, num_layers=2, attention_head_dim=8, num_attention_heads=2,
-        caption_projection_dim=16, joint_attention_dim=32, pooled_projection_dim=64, out_channels=4,
+        sample_size=32,
+        patch_size=2,
+        in_channels=4,
+        num_layers=2,
+        attention_head_dim=8,
+        num_attention_heads=2,
+        caption_projection_dim=16,
+        joint_attention_dim=32,
+        pooled_projection_dim=64,
+        out_channels=4,
     )
     return StableDiffusion3Pipeline(
-        transformer=transformer, scheduler=scheduler, vae=_flow_vae(latent_channels=4),
-        text_encoder=_clip_text_encoder(with_projection=True), tokenizer=clip_tokenizer(),
-        text_encoder_2=_clip_text_encoder(with_projection=True), tokenizer_2=clip_tokenizer(),
-        text_encoder_3=text_encoder_3, tokenizer_3=tokenizer_3,
+        transformer=transformer,
+        scheduler=scheduler,
+        vae=_flow_vae(latent_channels=4),
+        text_encoder=_clip_text_encoder(with_projection=True),
+        tokenizer=clip_tokenizer(),
+        text_encoder_2=_clip_text_encoder(with_projection=True),
+        tokenizer_2=clip_tokenizer(),
+        text_encoder_3=text_encoder_3,
+        tokenizer_3=tokenizer_3,
     )
 
 
@@ -196,12 +269,24 @@ def _flux(scheduler):
     text_encoder_2, tokenizer_2 = _t5_text_encoder_and_tokenizer()
     # 1 latent channel, packed 2x2 into 4 transformer input channels; rope axes sum to the head size.
     transformer = FluxTransformer2DModel(
-        patch_size=1, in_channels=4, num_layers=1, num_single_layers=1, attention_head_dim=16, num_attention_heads=2,
-        joint_attention_dim=32, pooled_projection_dim=32, axes_dims_rope=(4, 4, 8),
+        patch_size=1,
+        in_channels=4,
+        num_layers=1,
+        num_single_layers=1,
+        attention_head_dim=16,
+        num_attention_heads=2,
+        joint_attention_dim=32,
+        pooled_projection_dim=32,
+        axes_dims_rope=(4, 4, 8),
     )
     return FluxPipeline(
-        scheduler=scheduler, vae=_flow_vae(latent_channels=1), text_encoder=_clip_text_encoder(),
-        tokenizer=clip_tokenizer(), text_encoder_2=text_encoder_2, tokenizer_2=tokenizer_2, transformer=transformer,
+        scheduler=scheduler,
+        vae=_flow_vae(latent_channels=1),
+        text_encoder=_clip_text_encoder(),
+        tokenizer=clip_tokenizer(),
+        text_encoder_2=text_encoder_2,
+        tokenizer_2=tokenizer_2,
+        transformer=transformer,
     )
 
 
@@ -255,4 +340,3 @@ def save_tiny_pipeline(
     path.mkdir(parents=True, exist_ok=True)
     pipe.save_pretrained(path)
     return path
-

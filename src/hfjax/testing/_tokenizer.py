@@ -126,4 +126,3 @@ def build(kind: str | None, family: str | None) -> transformers.PreTrainedTokeni
         model_max_length=MAX_POSITIONS,
         model_input_names=input_names,
     )
-

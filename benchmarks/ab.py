@@ -1,0 +1,181 @@
+"""A/B decode benchmark: hfjax's `generate` from two source trees (or settings), alternated in one run.
+
+    python benchmarks/ab.py --baseline efddf78               # this tree against a commit (a git worktree)
+    python benchmarks/ab.py --b-env HFJAX_CPU_KERNELS=0      # this tree, with and without the CPU hook
+    python benchmarks/ab.py --a-env CXX=/bin/false --busy 0,1  # kernels off (A) and on (B), alone and beside a busy process
+
+Each round runs A, then B, then B, then A (so neither side always runs first), each in a fresh
+process that loads the same checkpoint (the `150m` Llama shape of decode.py by default), warms
+up at the timed length, and times `--runs` greedy generates of exactly `--new-tokens` tokens at
+each batch size. Reported: per side and batch, the median decode tokens/s per sequence over all
+runs, and B over A (the median of the per-round ratios). `--busy 0,1` runs every round once
+alone and once with one single-threaded CPU-bound process beside each worker, and reports each
+side's tokens/s beside it over its tokens/s alone (the median of the per-round ratios): how much
+each gives up when another process wants the cores.
+
+The last line on stdout is one JSON object; progress goes to stderr.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import pathlib
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+SIZES = {  # the Llama shapes of benchmarks/decode.py
+    "20m": dict(hidden_size=256, intermediate_size=768, num_hidden_layers=8, num_attention_heads=8,
+                num_key_value_heads=4, head_dim=32, vocab_size=32000),
+    "150m": dict(hidden_size=768, intermediate_size=3072, num_hidden_layers=12, num_attention_heads=12,
+                 num_key_value_heads=4, head_dim=64, vocab_size=32000),
+}  # fmt: skip
+_BUSY = "import time\nwhile True:\n    sum(i * i for i in range(10000))\n"
+
+
+def log(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)
+
+
+def worker(args) -> dict:
+    """Times hfjax's generate in this process (whose sys.path holds the side's source tree)."""
+    import numpy as np
+
+    import hfjax
+
+    model = hfjax.load(args.checkpoint)
+    rates = {}
+    for batch in args.batches:
+        ids = np.random.default_rng(0).integers(8, model.config.vocab_size, (batch, args.prompt)).astype(np.int32)
+
+        generate(model, ids, args.new_tokens)  # compile, and warm up
+        rates[str(batch)] = [generate(model, ids, args.new_tokens) for _ in range(args.runs)]
+    return {"hfjax": str(pathlib.Path(hfjax.__file__).parent), "tokens_per_s": rates}
+
+
+def generate(model, ids, new_tokens: int) -> float:
+    """Decode tokens/s per sequence of one greedy generate of exactly `new_tokens` tokens."""
+    import jax
+
+    out = model.generate(ids, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False)
+    jax.block_until_ready(out)
+    return model.last_generation_stats.tokens_per_second
+
+
+def _side_env(source: pathlib.Path, extra: list[str]) -> dict:
+    env = {**os.environ, "PYTHONPATH": str(source), "OMP_WAIT_POLICY": "PASSIVE"}
+    env.pop("HFJAX_CACHE_DIR", None)
+    for item in extra:
+        name, _, value = item.partition("=")
+        env[name] = value
+    return env
+
+
+def _run_side(args, env: dict, busy: int) -> dict:
+    command = [sys.executable, __file__, "--worker", "--checkpoint", str(args.checkpoint), "--prompt", str(args.prompt),
+               "--new-tokens", str(args.new_tokens), "--runs", str(args.runs),
+               "--batches", ",".join(map(str, args.batches))]  # fmt: skip
+    others = [subprocess.Popen([sys.executable, "-c", _BUSY]) for _ in range(busy)]
+    try:
+        result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=3600)
+    finally:
+        for process in others:
+            process.kill()
+    if result.returncode != 0:
+        raise SystemExit(f"worker failed:\n{result.stderr[-4000:]}")
+    return json.loads(result.stdout.splitlines()[-1])
+
+
+def _checkout(revision: str, into: pathlib.Path) -> pathlib.Path:
+    subprocess.run(["git", "-C", str(ROOT), "worktree", "add", "--detach", str(into), revision],
+                   check=True, capture_output=True, text=True)  # fmt: skip
+    return into / "src"
+
+
+def _median_ratio(top: list[dict], bottom: list[dict], batch: str, rounds: int) -> tuple[float, list[float]]:
+    """Per round, the median of `top`'s two workers' runs over `bottom`'s; then their median."""
+    ratios = []
+    for index in range(rounds):
+        up = statistics.median(r for run in top[2 * index : 2 * index + 2] for r in run[batch])
+        down = statistics.median(r for run in bottom[2 * index : 2 * index + 2] for r in run[batch])
+        ratios.append(up / down)
+    return statistics.median(ratios), ratios
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--baseline", default=None, help="git revision of side A (default: this tree, like B)")
+    parser.add_argument("--a-env", action="append", default=[], help="NAME=VALUE for side A's processes")
+    parser.add_argument("--b-env", action="append", default=[], help="NAME=VALUE for side B's processes")
+    parser.add_argument("--size", choices=tuple(SIZES), default="150m", help="the Llama shape (default 150m)")
+    parser.add_argument("--batches", default="1,8", help="batch sizes (default 1,8)")
+    parser.add_argument("--prompt", type=int, default=16, help="prompt tokens (default 16)")
+    parser.add_argument("--new-tokens", type=int, default=128, help="new tokens per generate (default 128)")
+    parser.add_argument("--runs", type=int, default=3, help="timed generates per batch size and worker (default 3)")
+    parser.add_argument("--rounds", type=int, default=3, help="A-B-B-A rounds (default 3)")
+    parser.add_argument(
+        "--busy", default="0", help="CPU-bound processes beside each worker, one level or several: 0,1 (default 0)"
+    )
+    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--checkpoint", default=None, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    args.batches = [int(b) for b in str(args.batches).split(",")]
+    if args.worker:
+        print(json.dumps(worker(args)))
+        return
+    levels = [int(level) for level in args.busy.split(",")]
+    if args.rounds < 1 or args.runs < 1 or min(levels) < 0:
+        raise SystemExit(
+            f"--rounds={args.rounds} and --runs={args.runs} must be at least 1, --busy={args.busy} at least 0"
+        )
+
+    with tempfile.TemporaryDirectory(prefix="hfjax-ab-") as tmp:
+        work = pathlib.Path(tmp)
+        sys.path.insert(0, str(ROOT / "src"))
+        from hfjax import testing
+
+        args.checkpoint = testing.save_tiny_checkpoint("llama", work / args.size, **SIZES[args.size])
+        source_b = ROOT / "src"
+        source_a = _checkout(args.baseline, work / "baseline") if args.baseline else source_b
+        sides = {"A": _side_env(source_a, args.a_env), "B": _side_env(source_b, args.b_env)}
+        runs = {(side, level): [] for side in sides for level in levels}
+        start = time.perf_counter()
+        try:
+            for round_index in range(args.rounds):
+                for level in levels:
+                    for side in ("A", "B", "B", "A"):
+                        result = _run_side(args, sides[side], level)
+                        runs[side, level].append(result["tokens_per_s"])
+                        log(
+                            f"round {round_index + 1}/{args.rounds} busy {level} {side}: {json.dumps(result['tokens_per_s'])}"
+                        )
+        finally:
+            if args.baseline:
+                subprocess.run(["git", "-C", str(ROOT), "worktree", "remove", "--force", str(work / "baseline")],
+                               capture_output=True)  # fmt: skip
+
+    report = {"baseline": args.baseline or "this tree", "a_env": args.a_env, "b_env": args.b_env, "size": args.size,
+              "prompt": args.prompt, "new_tokens": args.new_tokens, "busy_levels": levels,
+              "seconds": round(time.perf_counter() - start, 1), "batches": {}}  # fmt: skip
+    for batch in map(str, args.batches):
+        entry = {}
+        for level in levels:
+            medians = {side: statistics.median(r for run in runs[side, level] for r in run[batch]) for side in sides}
+            b_over_a, per_round = _median_ratio(runs["B", level], runs["A", level], batch, args.rounds)
+            entry[f"busy_{level}"] = {"a_tokens_per_s": medians["A"], "b_tokens_per_s": medians["B"],
+                                      "b_over_a": b_over_a, "b_over_a_per_round": per_round}  # fmt: skip
+            if level != levels[0]:
+                for side in sides:
+                    kept, _ = _median_ratio(runs[side, level], runs[side, levels[0]], batch, args.rounds)
+                    entry[f"busy_{level}"][f"{side.lower()}_kept_of_busy_{levels[0]}"] = kept
+        report["batches"][batch] = entry
+    print(json.dumps(report))
+
+
+if __name__ == "__main__":
+    main()

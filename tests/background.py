@@ -1,0 +1,104 @@
+"""Processes that test modules start as soon as the suite is collected, so that they run beside
+the rest of it (one test process rarely keeps both of the suite's 2 cores busy).
+
+A module defines `start_in_background()`, which conftest.py calls once after collection, and
+which calls `start(name, argv, seconds=...)` for each of its jobs; a test then calls
+`finished(name, starter)`, which waits for the job (calling `starter` first if nothing has, as
+when one test runs alone). Jobs run one at a time, the longest first, on a thread of their own;
+a test that waits for a job that has not started yet starts it at once.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import pathlib
+import shutil
+import subprocess
+import sys
+import tempfile
+import threading
+from collections.abc import Callable
+
+
+@dataclasses.dataclass
+class Job:
+    argv: list[str]
+    env: dict
+    seconds: float  # about how long it takes: the longest run first
+    directory: pathlib.Path | None = None  # its scratch directory (its last argument), once started
+    process: subprocess.Popen | None = None
+    log: object = None
+
+
+@dataclasses.dataclass(frozen=True)
+class Finished:
+    returncode: int
+    output: str  # stdout and stderr, interleaved
+    directory: pathlib.Path
+
+
+_JOBS: dict[str, Job] = {}
+_LOCK = threading.Lock()
+_WAKE = threading.Event()
+_RUNNER: list[threading.Thread] = []
+
+
+def python(code: str) -> list[str]:
+    """argv of a new Python process running `code` (the job's directory is sys.argv[1])."""
+    return [sys.executable, "-c", code]
+
+
+def start(name: str, argv: list[str], *, seconds: float, env: dict | None = None) -> None:
+    """Queues job `name`, once: `argv` plus its scratch directory, its output to a file there."""
+    with _LOCK:
+        if name not in _JOBS:
+            _JOBS[name] = Job(argv, {**os.environ, **(env or {})}, seconds)
+        if not _RUNNER:
+            _RUNNER.append(threading.Thread(target=_run_queue, daemon=True))
+            _RUNNER[0].start()
+    _WAKE.set()
+
+
+def _launch(job: Job) -> None:  # with _LOCK held
+    job.directory = pathlib.Path(tempfile.mkdtemp(prefix="hfjax-test-job-"))
+    job.log = open(job.directory / "output.log", "w")  # a file, not a pipe: nobody reads the job until it ends
+    job.process = subprocess.Popen(
+        [*job.argv, str(job.directory)], stdout=job.log, stderr=subprocess.STDOUT, env=job.env
+    )
+
+
+def _run_queue() -> None:
+    while True:
+        with _LOCK:
+            waiting = [job for job in _JOBS.values() if job.process is None]
+            running = any(job.process.poll() is None for job in _JOBS.values() if job.process is not None)
+            if waiting and not running:
+                _launch(max(waiting, key=lambda job: job.seconds))
+        _WAKE.wait(timeout=0.5)
+        _WAKE.clear()
+
+
+def finished(name: str, starter: Callable[[], None], timeout: float = 900) -> Finished:
+    """Waits for job `name` (calling `starter` first if nothing queued it) and returns what it did."""
+    if name not in _JOBS:
+        starter()
+    job = _JOBS[name]
+    with _LOCK:
+        if job.process is None:
+            _launch(job)
+    try:
+        job.process.wait(timeout=timeout)
+    finally:
+        job.log.close()
+        _WAKE.set()
+    return Finished(job.process.returncode, (job.directory / "output.log").read_text(), job.directory)
+
+
+def clean_up() -> None:
+    with _LOCK:
+        for job in _JOBS.values():
+            if job.process is not None and job.process.poll() is None:
+                job.process.kill()
+            if job.directory is not None:
+                shutil.rmtree(job.directory, ignore_errors=True)
