@@ -28,13 +28,10 @@ import sys
 import tempfile
 import time
 
+from shapes import LLAMA_20M, LLAMA_150M
+
 ROOT = pathlib.Path(__file__).resolve().parent.parent
-SIZES = {  # the Llama shapes of benchmarks/decode.py
-    "20m": dict(hidden_size=256, intermediate_size=768, num_hidden_layers=8, num_attention_heads=8,
-                num_key_value_heads=4, head_dim=32, vocab_size=32000),
-    "150m": dict(hidden_size=768, intermediate_size=3072, num_hidden_layers=12, num_attention_heads=12,
-                 num_key_value_heads=4, head_dim=64, vocab_size=32000),
-}  # fmt: skip
+SIZES = {"20m": LLAMA_20M, "150m": LLAMA_150M}  # the Llama shapes of benchmarks/decode.py
 _BUSY = "import time\nwhile True:\n    sum(i * i for i in range(10000))\n"
 
 

@@ -38,28 +38,11 @@ import sys
 import tempfile
 import time
 
-from shapes import LLAMA_1B
+from shapes import LLAMA_1B, LLAMA_20M, LLAMA_150M
 
-# Llama shapes with random weights. Untied embeddings (Llama's default) unless stated.
 SIZES = {
-    "20m": dict(
-        hidden_size=256,
-        intermediate_size=768,
-        num_hidden_layers=8,
-        num_attention_heads=8,
-        num_key_value_heads=4,
-        head_dim=32,
-        vocab_size=32000,
-    ),
-    "150m": dict(
-        hidden_size=768,
-        intermediate_size=3072,
-        num_hidden_layers=12,
-        num_attention_heads=12,
-        num_key_value_heads=4,
-        head_dim=64,
-        vocab_size=32000,
-    ),
+    "20m": LLAMA_20M,
+    "150m": LLAMA_150M,
     "llama-1b": LLAMA_1B,
 }
 METHODS = ("hfjax", "hand_recipe", "torch_dynamic", "torch_static", "torch_compile")
