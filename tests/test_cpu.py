@@ -279,6 +279,30 @@ def test_product_kernel_matches_a_float64_product(kernels, shape):
     np.testing.assert_allclose(got, expected, rtol=0, atol=for_dot_products(k).atol)
 
 
+def test_gradients_through_the_kernels_are_those_of_the_same_operations_in_jnp(kernels):
+    # A training step on a few rows runs the kernels forward; their gradients come from jnp.
+    import jax.numpy as jnp
+
+    rng = np.random.default_rng(5)
+    x, weight = rng.standard_normal((3, 40), np.float32), rng.standard_normal((72, 40), np.float32)
+    got = jax.grad(lambda x, w: jnp.sum(jnp.sin(_kernels.rows_times_weight(x, w))), (0, 1))(x, weight)
+    expected = jax.grad(lambda x, w: jnp.sum(jnp.sin(x @ w.T)), (0, 1))(x, weight)
+    for g, e in zip(got, expected):
+        np.testing.assert_allclose(g, e, rtol=0, atol=for_dot_products(72).atol)
+    q = rng.standard_normal((2, 2, 4, 16), np.float32)
+    k, v = rng.standard_normal((2, 2, 10, 16), np.float32), rng.standard_normal((2, 2, 10, 16), np.float32)
+    bias = np.where(rng.uniform(size=(2, 2, 10)) < 0.2, -np.inf, 0.0).astype(np.float32)
+    bias[:, :, 0] = 0.0
+
+    def loss(attend):
+        return lambda *a: jnp.sum(jnp.sin(attend(*a, 0.25)))
+
+    got = jax.grad(loss(jax.jit(_kernels.decode_attention, static_argnums=4)), (0, 1, 2))(q, k, v, bias)
+    expected = jax.grad(loss(_kernels._attention_in_jnp), (0, 1, 2))(q, k, v, bias)
+    for g, e in zip(got, expected):
+        np.testing.assert_allclose(g, e, rtol=0, atol=for_dot_products(16).atol)
+
+
 def test_products_from_several_threads_at_once_get_their_own_results(kernels):
     # Callers share the kernel's helper threads: a caller whose helper is busy with another
     # product finishes its own alone, and no caller may see another's chunks.

@@ -51,8 +51,9 @@ def compiler() -> tuple[str | None, str]:
     """(the C++ compiler that builds the kernels, or None; why not, where None)."""
     if platform.system() != "Linux" or platform.machine() not in ("x86_64", "AMD64"):
         return None, f"the kernels are for Linux on x86-64, not {platform.system()} on {platform.machine()}"
-    if "avx512f" not in cpu_flags():
-        return None, "this CPU has no AVX-512 (avx512f), which the kernels are written in"
+    flags = cpu_flags()
+    if "avx512f" not in flags and not {"avx2", "fma"} <= flags:
+        return None, "this CPU has neither AVX-512 (avx512f) nor AVX2 with FMA, which the kernels are written for"
     found = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
     if not found:
         return None, "no C++ compiler was found (install g++ or set $CXX)"

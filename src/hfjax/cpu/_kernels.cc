@@ -1,13 +1,13 @@
-// hfjax's CPU kernels for decoding, XLA FFI custom calls built by _cpu_kernels.py with the
-// host's compiler (-march=native).
+// hfjax's CPU kernels for decoding, XLA FFI custom calls built by _build.py with the host's
+// compiler (-march=native): AVX-512 where the CPU has it, else AVX2 with FMA.
 //
 // RowsTimesWeight: a few rows of activations times a torch Linear weight, out[r, n] =
 // sum_k x[r, k] * w[n, k], for 1 to 8 rows and a row-major [N, K] weight. XLA:CPU hands such
 // products to a general matrix-multiply library, which copies ("packs") the weight into tiles
-// before multiplying: at 8 rows that ran at ~37 GB/s of weight here, against ~55-80 GB/s for
-// one row. This kernel reads each weight row once, straight from memory, and keeps 2-8 weight
-// rows times every activation row in AVX-512 registers. The weight is cut into one contiguous
-// chunk per core, run by the caller and hfjax's own helper threads (below).
+// before multiplying: at 8 rows that ran at ~37 GB/s of weight on an AVX-512 machine, against
+// ~55-80 GB/s for one row. This kernel reads each weight row once, straight from memory, and
+// keeps a few weight rows times every activation row in vector registers. The weight is cut
+// into contiguous chunks that the caller and hfjax's own helper threads (below) claim in turn.
 //
 // DecodeAttention: a few query rows per key/value head against its cache, in one pass (below).
 
@@ -25,6 +25,7 @@
 
 #include <linux/futex.h>
 #include <sched.h>
+#include <sys/resource.h>
 #include <sys/syscall.h>
 #include <unistd.h>
 
@@ -34,18 +35,54 @@ namespace ffi = xla::ffi;
 
 namespace {
 
-constexpr int64_t kMaxRows = 8;     // activation rows
-constexpr int64_t kAhead = 8;       // how far ahead, in weight rows, prefetching starts
-constexpr int64_t kLeastRows = 64;  // weight rows below which a product is not split between threads
+// -- vectors ------------------------------------------------------------------------------
+//
+// The kernels are written once against these few operations on a vector of kLanes floats:
+// AVX-512 (16 lanes, 32 registers) or AVX2 with FMA (8 lanes, 16 registers). A Tail is the
+// mask of a vector's first n lanes, for loads and stores past the end of a row.
 
-inline __mmask16 TailMask(int64_t count) {  // the first `count` (<= 16) lanes
-  return static_cast<__mmask16>((1u << count) - 1);
+#if defined(__AVX512F__)
+
+constexpr int kLanes = 16;
+constexpr int kRegisters = 32;
+using Vec = __m512;
+using Tail = __mmask16;
+
+inline Tail TailOf(int64_t count) { return static_cast<Tail>((1u << count) - 1); }  // count <= kLanes
+inline Vec Zero() { return _mm512_setzero_ps(); }
+inline Vec Set1(float x) { return _mm512_set1_ps(x); }
+inline Vec Load(const float* p) { return _mm512_loadu_ps(p); }
+inline Vec LoadTail(Tail tail, const float* p) { return _mm512_maskz_loadu_ps(tail, p); }
+inline void Store(float* p, Vec v) { _mm512_storeu_ps(p, v); }
+inline void StoreTail(Tail tail, float* p, Vec v) { _mm512_mask_storeu_ps(p, tail, v); }
+inline Vec Fma(Vec a, Vec b, Vec c) { return _mm512_fmadd_ps(a, b, c); }
+inline Vec Add(Vec a, Vec b) { return _mm512_add_ps(a, b); }
+inline Vec Sub(Vec a, Vec b) { return _mm512_sub_ps(a, b); }
+inline Vec Mul(Vec a, Vec b) { return _mm512_mul_ps(a, b); }
+inline Vec Max(Vec a, Vec b) { return _mm512_max_ps(a, b); }
+inline Vec MaxTail(Vec acc, Tail tail, Vec v) { return _mm512_mask_max_ps(acc, tail, acc, v); }
+inline Vec KeepTail(Tail tail, Vec v) { return _mm512_maskz_mov_ps(tail, v); }
+inline float ReduceAdd(Vec v) { return _mm512_reduce_add_ps(v); }
+inline float ReduceMax(Vec v) { return _mm512_reduce_max_ps(v); }
+
+// e^x for x <= 0 (scores less their maximum), to ~1 ulp: x = n ln2 + y with |y| <= ln2 / 2,
+// e^y by its Taylor series to y^7 (error < 1e-8), times 2^n. Below e^-87, the smallest normal
+// float, it gives 0: -inf (a masked slot) included.
+inline Vec Polynomial(Vec y);
+inline Vec ExpNonPositive(Vec x) {
+  const __mmask16 normal = _mm512_cmp_ps_mask(x, _mm512_set1_ps(-87.0f), _CMP_GE_OQ);
+  x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 y = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145751953125f), x);  // ln 2, high part
+  y = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.4286068203e-06f), y);          // ln 2, low part
+  return _mm512_maskz_mov_ps(normal, _mm512_scalef_ps(Polynomial(y), n));
 }
 
 // totals[i] = the sum of v[i]'s 16 lanes, for i < kCount: 16 vectors at a time through a
 // tree of shuffles and adds (45 instructions), where one horizontal sum each takes 8.
 template <int kCount>
-inline void SumLanes(const __m512* v, float* totals) {
+inline void SumLanes(const Vec* v, float* totals) {
   for (int base = 0; base < kCount; base += 16) {
     auto at = [&](int i) { return base + i < kCount ? v[base + i] : _mm512_setzero_ps(); };
     __m512 q[4];
@@ -63,42 +100,117 @@ inline void SumLanes(const __m512* v, float* totals) {
     const __m512 all = _mm512_add_ps(_mm512_shuffle_f32x4(q01, q23, _MM_SHUFFLE(2, 0, 2, 0)),
                                      _mm512_shuffle_f32x4(q01, q23, _MM_SHUFFLE(3, 1, 3, 1)));
     const int count = kCount - base < 16 ? kCount - base : 16;
-    _mm512_mask_storeu_ps(totals + base, TailMask(count), all);
+    _mm512_mask_storeu_ps(totals + base, TailOf(count), all);
   }
 }
+
+#elif defined(__AVX2__) && defined(__FMA__)
+
+constexpr int kLanes = 8;
+constexpr int kRegisters = 16;
+using Vec = __m256;
+using Tail = __m256i;  // -1 in the lanes to load or store, 0 elsewhere
+
+inline Tail TailOf(int64_t count) {  // count <= kLanes
+  return _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(count)), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+}
+inline Vec Zero() { return _mm256_setzero_ps(); }
+inline Vec Set1(float x) { return _mm256_set1_ps(x); }
+inline Vec Load(const float* p) { return _mm256_loadu_ps(p); }
+inline Vec LoadTail(Tail tail, const float* p) { return _mm256_maskload_ps(p, tail); }
+inline void Store(float* p, Vec v) { _mm256_storeu_ps(p, v); }
+inline void StoreTail(Tail tail, float* p, Vec v) { _mm256_maskstore_ps(p, tail, v); }
+inline Vec Fma(Vec a, Vec b, Vec c) { return _mm256_fmadd_ps(a, b, c); }
+inline Vec Add(Vec a, Vec b) { return _mm256_add_ps(a, b); }
+inline Vec Sub(Vec a, Vec b) { return _mm256_sub_ps(a, b); }
+inline Vec Mul(Vec a, Vec b) { return _mm256_mul_ps(a, b); }
+inline Vec Max(Vec a, Vec b) { return _mm256_max_ps(a, b); }
+inline Vec MaxTail(Vec acc, Tail tail, Vec v) {
+  return _mm256_blendv_ps(acc, _mm256_max_ps(acc, v), _mm256_castsi256_ps(tail));
+}
+inline Vec KeepTail(Tail tail, Vec v) { return _mm256_and_ps(v, _mm256_castsi256_ps(tail)); }
+inline float ReduceAdd(Vec v) {
+  __m128 sum = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  sum = _mm_add_ps(sum, _mm_movehl_ps(sum, sum));
+  return _mm_cvtss_f32(_mm_add_ss(sum, _mm_movehdup_ps(sum)));
+}
+inline float ReduceMax(Vec v) {
+  __m128 top = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  top = _mm_max_ps(top, _mm_movehl_ps(top, top));
+  return _mm_cvtss_f32(_mm_max_ss(top, _mm_movehdup_ps(top)));
+}
+
+inline Vec Polynomial(Vec y);
+inline Vec ExpNonPositive(Vec x) {  // as the AVX-512 version above; 2^n built in the exponent bits
+  const __m256 floor = _mm256_set1_ps(-87.0f);
+  const __m256 normal = _mm256_cmp_ps(x, floor, _CMP_GE_OQ);
+  x = _mm256_max_ps(x, floor);
+  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m256 y = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693145751953125f), x);
+  y = _mm256_fnmadd_ps(n, _mm256_set1_ps(1.4286068203e-06f), y);
+  const __m256i exponent = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_and_ps(_mm256_mul_ps(Polynomial(y), _mm256_castsi256_ps(exponent)), normal);
+}
+
+template <int kCount>
+inline void SumLanes(const Vec* v, float* totals) {
+  for (int i = 0; i < kCount; ++i) totals[i] = ReduceAdd(v[i]);
+}
+
+#else
+#error "hfjax's CPU kernels need AVX-512 or AVX2 with FMA (-march=native on such a CPU)"
+#endif
+
+inline Vec Polynomial(Vec y) {  // e^y for |y| <= ln2 / 2: Taylor to y^7
+  Vec p = Set1(1.0f / 5040);
+  p = Fma(p, y, Set1(1.0f / 720));
+  p = Fma(p, y, Set1(1.0f / 120));
+  p = Fma(p, y, Set1(1.0f / 24));
+  p = Fma(p, y, Set1(1.0f / 6));
+  p = Fma(p, y, Set1(0.5f));
+  p = Fma(p, y, Set1(1.0f));
+  return Fma(p, y, Set1(1.0f));
+}
+
+// -- a few rows times a weight ------------------------------------------------------------
+
+constexpr int64_t kMaxRows = 8;     // activation rows
+constexpr int64_t kAhead = 8;       // how far ahead, in weight rows, prefetching starts
+constexpr int64_t kLeastRows = 64;  // weight rows below which a product is not split between threads
 
 // Weight rows [n, n + kAtOnce) times the kRows activation rows, into out[:, n:n + kAtOnce].
 template <int kRows, int kAtOnce, bool kPrefetch>
 inline void MultiplyRows(const float* x, const float* w, float* out, int64_t k_size, int64_t n_size,
                          int64_t n) {
-  __m512 sums[kAtOnce][kRows];
+  Vec sums[kAtOnce][kRows];
   for (int p = 0; p < kAtOnce; ++p)
-    for (int r = 0; r < kRows; ++r) sums[p][r] = _mm512_setzero_ps();
+    for (int r = 0; r < kRows; ++r) sums[p][r] = Zero();
   const float* rows = w + n * k_size;
   const bool prefetch = kPrefetch && n + kAhead + 2 * kAtOnce <= n_size;
-  const int64_t whole = k_size / 16 * 16;
-  for (int64_t k = 0; k < whole; k += 16) {
+  const int64_t whole = k_size / kLanes * kLanes;
+  for (int64_t k = 0; k < whole; k += kLanes) {
     if (prefetch)
       for (int p = 0; p < 2 * kAtOnce; ++p)
         _mm_prefetch(reinterpret_cast<const char*>(rows + (kAhead + p) * k_size + k), _MM_HINT_T0);
-    __m512 weights[kAtOnce];
-    for (int p = 0; p < kAtOnce; ++p) weights[p] = _mm512_loadu_ps(rows + p * k_size + k);
+    Vec weights[kAtOnce];
+    for (int p = 0; p < kAtOnce; ++p) weights[p] = Load(rows + p * k_size + k);
     for (int r = 0; r < kRows; ++r) {
-      const __m512 activations = _mm512_loadu_ps(x + r * k_size + k);
-      for (int p = 0; p < kAtOnce; ++p) sums[p][r] = _mm512_fmadd_ps(weights[p], activations, sums[p][r]);
+      const Vec activations = Load(x + r * k_size + k);
+      for (int p = 0; p < kAtOnce; ++p) sums[p][r] = Fma(weights[p], activations, sums[p][r]);
     }
   }
-  if (whole < k_size) {  // the last k_size % 16 columns, under a mask
-    const __mmask16 mask = TailMask(k_size - whole);
-    __m512 weights[kAtOnce];
-    for (int p = 0; p < kAtOnce; ++p) weights[p] = _mm512_maskz_loadu_ps(mask, rows + p * k_size + whole);
+  if (whole < k_size) {  // the last k_size % kLanes columns, under a mask
+    const Tail tail = TailOf(k_size - whole);
+    Vec weights[kAtOnce];
+    for (int p = 0; p < kAtOnce; ++p) weights[p] = LoadTail(tail, rows + p * k_size + whole);
     for (int r = 0; r < kRows; ++r) {
-      const __m512 activations = _mm512_maskz_loadu_ps(mask, x + r * k_size + whole);
-      for (int p = 0; p < kAtOnce; ++p) sums[p][r] = _mm512_fmadd_ps(weights[p], activations, sums[p][r]);
+      const Vec activations = LoadTail(tail, x + r * k_size + whole);
+      for (int p = 0; p < kAtOnce; ++p) sums[p][r] = Fma(weights[p], activations, sums[p][r]);
     }
   }
   if constexpr (kRows == 1) {
-    for (int p = 0; p < kAtOnce; ++p) out[n + p] = _mm512_reduce_add_ps(sums[p][0]);
+    for (int p = 0; p < kAtOnce; ++p) out[n + p] = ReduceAdd(sums[p][0]);
   } else {
     float totals[kAtOnce * kRows];  // totals[p * kRows + r]: the sum of sums[p][r]'s lanes
     SumLanes<kAtOnce * kRows>(&sums[0][0], totals);
@@ -107,19 +219,17 @@ inline void MultiplyRows(const float* x, const float* w, float* out, int64_t k_s
   }
 }
 
-// Weight rows at once: as many as keep ~20 accumulators in the 32 registers. With 1-3
-// activation rows the cores have time to spare per weight byte, and 6-8 weight rows at once keep
-// enough loads in flight for the hardware prefetcher alone (a 150M model's weights read at ~95%
-// of a plain read). From 4 rows up the multiplying takes most of the time, and each step over k
-// also prefetches the same columns of the 2 x kAtOnce weight rows from kAhead rows on; so each
-// row is prefetched twice, kAtOnce rows apart. At 8 rows that streamed 1.16x faster than one
-// prefetch per row 16 rows ahead, and 1.2x faster than one 8 rows ahead (in a harness,
-// alternated with a plain read); a prefetch dropped while the core's miss buffers are full
-// presumably gets its second chance.
+// Weight rows at once: as many as keep ~20 accumulators in AVX-512's 32 registers (8 in AVX2's 16). With 1-3 activation rows the cores have time to spare per weight byte, and 6-8 weight rows
+// at once keep enough loads in flight for the hardware prefetcher alone (a 150M model's weights
+// read at ~95% of a plain read). From 4 rows up the multiplying takes most of the time, and each
+// step over k also prefetches the same columns of the 2 x kAtOnce weight rows from kAhead rows on;
+// so each row is prefetched twice, kAtOnce rows apart (at 8 rows, 1.16x faster than one prefetch
+// per row 16 rows ahead on an AVX-512 machine; benchmarks/README.md).
 template <int kRows>
 void MultiplyChunk(const float* x, const float* w, float* out, int64_t k_size, int64_t n_size, int64_t begin,
                    int64_t end) {
-  constexpr int kAtOnce = std::clamp(20 / kRows, 2, 8);
+  constexpr int kAccumulators = kLanes == 16 ? 20 : 8;
+  constexpr int kAtOnce = std::clamp(kAccumulators / kRows, kLanes == 16 ? 2 : 1, 8);
   constexpr bool kPrefetch = kRows >= 4;
   int64_t n = begin;
   for (; n + kAtOnce <= end; n += kAtOnce) MultiplyRows<kRows, kAtOnce, kPrefetch>(x, w, out, k_size, n_size, n);
@@ -135,17 +245,45 @@ constexpr ChunkFunction kChunkFunctions[kMaxRows + 1] = {
 //
 // A decoding step is ~85 products of 0.8-10 MB each, every one split between the cores. With
 // XLA's intra-op pool, whose threads sleep between them, the caller read much of each weight
-// alone while a helper woke, at one core's share of the bandwidth (half of it, when the
-// machine gives each core its own). The kernels keep their own helpers instead: each spins
-// for kSpin after its last chunk, yielding its core to any other thread that wants it, before
-// it sleeps on a futex; so within a step each product starts on every core at once.
+// alone while a helper woke, at one core's share of the bandwidth. The kernels keep their own
+// helpers instead, which stay awake for kSpin after a task, so within a step each product starts
+// on every core at once.
+//
+// They must not take cores that other processes want. A helper that was preempted since it last
+// slept (its involuntary context switches rose), or whose yield while spinning handed the core to
+// another thread, sleeps at once instead of spinning. The caller claims chunks as the helpers do,
+// so a helper that lost its core holds back one chunk at most, and the caller waits for that
+// chunk on a futex, not spinning, after a short while. And while the cores are contended (a
+// helper was preempted during a task, or the caller had to sleep for one), the caller runs the
+// products alone for kAlone before it asks the helpers again: beside a busy process, one thread
+// that keeps its core beats two that wait for each other's time slices.
 
 constexpr auto kSpin = std::chrono::microseconds(1000);
 constexpr int64_t kMaxHelpers = 63;
+constexpr int64_t kChunksPerThread = 4;
+constexpr auto kAlone = std::chrono::milliseconds(50);
+
+std::atomic<int64_t> alone_until{0};  // steady_clock nanoseconds: until then the caller works alone
+
+inline int64_t Now() { return std::chrono::steady_clock::now().time_since_epoch().count(); }
+inline void Contended() { alone_until.store(Now() + std::chrono::nanoseconds(kAlone).count(), std::memory_order_relaxed); }
+
+inline int64_t InvoluntarySwitches() {
+  rusage usage;
+  return getrusage(RUSAGE_THREAD, &usage) == 0 ? usage.ru_nivcsw : 0;
+}
+
+inline void FutexWait(std::atomic<int>* word, int value, const timespec* timeout = nullptr) {
+  syscall(SYS_futex, reinterpret_cast<int*>(word), FUTEX_WAIT_PRIVATE, value, timeout, nullptr, 0);
+}
+inline void FutexWake(std::atomic<int>* word) {
+  syscall(SYS_futex, reinterpret_cast<int*>(word), FUTEX_WAKE_PRIVATE, 1, nullptr, nullptr, 0);
+}
 
 struct Task {
   virtual void Work() = 0;
-  std::atomic<int> helped{0};  // helpers that took the task and are done with it
+  std::atomic<int> helped{0};    // helpers that took the task and are done with it
+  std::atomic<int> waiting{0};   // the caller sleeps on `helped` (futex word) until it changes
 };
 
 class Helper {
@@ -156,7 +294,7 @@ class Helper {
   bool Offer(Task* task) {
     Task* none = nullptr;
     if (!slot_.compare_exchange_strong(none, task)) return false;
-    if (sleeping_.exchange(0) == 1) syscall(SYS_futex, &sleeping_, FUTEX_WAKE_PRIVATE, 1, nullptr, nullptr, 0);
+    if (sleeping_.exchange(0) == 1) FutexWake(&sleeping_);
     return true;
   }
 
@@ -167,15 +305,23 @@ class Helper {
   void Run() {
     for (;;) {
       Task* task = Next();
+      const int64_t switches = InvoluntarySwitches();
       task->Work();
-      task->helped.fetch_add(1, std::memory_order_release);  // the caller may free the task from here on
+      if (InvoluntarySwitches() != switches) Contended();
+      const bool wake = task->waiting.load();  // read first: once `helped` counts this helper, the task may be gone
+      task->helped.fetch_add(1);
+      if (wake) FutexWake(&task->helped);  // an address only: no memory is read
     }
   }
 
+  // The next task: spinning for kSpin, yielding the core now and then, unless another thread
+  // wants this core (it preempted the helper while it ran its last task, or while it spins);
+  // then, or once the spin is over, sleeping until a task comes.
   Task* Next() {
-    for (;;) {
+    const int64_t before = InvoluntarySwitches();
+    if (before == switches_) {
       const auto until = std::chrono::steady_clock::now() + kSpin;
-      do {
+      for (int64_t round = 1; std::chrono::steady_clock::now() < until; ++round) {
         for (int i = 0; i < 64; ++i) {
           if (slot_.load(std::memory_order_relaxed) != nullptr) {
             Task* task = slot_.exchange(nullptr);
@@ -183,16 +329,23 @@ class Helper {
           }
           _mm_pause();
         }
-        sched_yield();
-      } while (std::chrono::steady_clock::now() < until);
+        sched_yield();  // a yield that hands the core over counts as an involuntary switch
+        if (round % 8 == 0 && InvoluntarySwitches() != before) break;
+      }
+    }
+    for (;;) {
+      switches_ = InvoluntarySwitches();
       sleeping_.store(1);
-      if (slot_.load() == nullptr) syscall(SYS_futex, &sleeping_, FUTEX_WAIT_PRIVATE, 1, nullptr, nullptr, 0);
+      if (slot_.load() == nullptr) FutexWait(&sleeping_, 1);
       sleeping_.store(0);
+      Task* task = slot_.exchange(nullptr);
+      if (task != nullptr) return task;
     }
   }
 
   std::atomic<Task*> slot_{nullptr};
   std::atomic<int> sleeping_{0};  // the futex word: 1 while the helper sleeps or is about to
+  int64_t switches_ = -1;         // the helper's involuntary context switches when it last went to sleep
 };
 
 // One helper per core this process may run on, but the caller's; started on first use and
@@ -213,15 +366,11 @@ template <typename Body>
 struct Chunks : Task {
   Chunks(Body body, int64_t chunks) : body(std::move(body)), chunks(chunks) {}
   void Work() override {
-    for (int64_t chunk; (chunk = next.fetch_add(1, std::memory_order_relaxed)) < chunks;) {
-      body(chunk);
-      finished.fetch_add(1, std::memory_order_release);
-    }
+    for (int64_t chunk; (chunk = next.fetch_add(1, std::memory_order_relaxed)) < chunks;) body(chunk);
   }
   Body body;
   int64_t chunks;
   std::atomic<int64_t> next{0};
-  std::atomic<int64_t> finished{0};
 };
 
 int64_t Threads() { return static_cast<int64_t>(Helpers().size()) + 1; }
@@ -230,14 +379,34 @@ template <typename Body>
 void RunChunks(int64_t chunks, Body body) {
   Chunks<Body> task(std::move(body), chunks);
   auto& helpers = Helpers();
-  const int64_t wanted = std::min<int64_t>(chunks - 1, helpers.size());
+  const bool alone = Now() < alone_until.load(std::memory_order_relaxed);
+  const int64_t wanted = alone ? 0 : std::min<int64_t>(chunks - 1, helpers.size());
   bool offered[kMaxHelpers] = {};
   for (int64_t i = 0; i < wanted; ++i) offered[i] = helpers[i].Offer(&task);
   task.Work();
   int taken = 0;
   for (int64_t i = 0; i < wanted; ++i) taken += offered[i] && !helpers[i].Withdraw(&task);
-  while (task.finished.load(std::memory_order_acquire) < chunks || task.helped.load(std::memory_order_acquire) < taken)
-    _mm_pause();
+  // Every chunk is claimed; wait for the helpers that took the task to finish theirs: spinning
+  // a little, then on the futex (its timeout covers a wake that the helper skipped because it
+  // read `waiting` just before the caller set it).
+  const timespec timeout{0, 200 * 1000};
+  for (int spins = 0; task.helped.load() < taken; ++spins) {
+    if (spins < 4096) {
+      _mm_pause();
+      continue;
+    }
+    if (spins == 4096) Contended();
+    task.waiting.store(1);
+    const int helped = task.helped.load();
+    if (helped < taken) FutexWait(&task.helped, helped, &timeout);
+  }
+}
+
+// Splits n rows into chunks of a multiple of 8 rows: kChunksPerThread per thread where there are
+// enough rows, so that a thread that lost its core holds back a small part of the product.
+inline int64_t ChunkRows(int64_t n_size) {
+  const int64_t chunks = std::max<int64_t>(1, std::min<int64_t>(Threads() * kChunksPerThread, n_size / kLeastRows));
+  return (n_size / chunks + 7) / 8 * 8;
 }
 
 // x [R, K] times a torch Linear weight w [N, K] -> [R, N], for 1 to 8 rows.
@@ -253,9 +422,7 @@ ffi::Error RowsTimesWeight(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> w,
   const float* weight = w.typed_data();
   float* result = out->typed_data();
   const int64_t k_size = w_dims[1], n_size = w_dims[0];
-  // One contiguous chunk of the weight per thread: each streams its part from start to end.
-  const int64_t split = std::max<int64_t>(1, std::min<int64_t>(Threads(), n_size / kLeastRows));
-  const int64_t chunk_rows = (n_size / split + 7) / 8 * 8;
+  const int64_t chunk_rows = ChunkRows(n_size);
   RunChunks((n_size + chunk_rows - 1) / chunk_rows, [=](int64_t chunk) {
     const int64_t begin = chunk * chunk_rows;
     multiply(rows, weight, result, k_size, n_size, begin, std::min(n_size, begin + chunk_rows));
@@ -274,27 +441,6 @@ ffi::Error RowsTimesWeight(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> w,
 constexpr int64_t kMaxQueryRows = 8;
 constexpr int64_t kLeastBytes = 256 << 10;  // keys and values below which attention is not split between threads
 
-// e^x for x <= 0 (scores less their maximum), to ~1 ulp: x = n ln2 + y with |y| <= ln2 / 2,
-// e^y by its Taylor series to y^7 (error < 1e-8), times 2^n. Below e^-87, the smallest normal
-// float, it gives 0: -inf (a masked slot) included.
-inline __m512 ExpNonPositive(__m512 x) {
-  const __mmask16 normal = _mm512_cmp_ps_mask(x, _mm512_set1_ps(-87.0f), _CMP_GE_OQ);
-  x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
-  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m512 y = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145751953125f), x);  // ln 2, high part
-  y = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.4286068203e-06f), y);          // ln 2, low part
-  __m512 p = _mm512_set1_ps(1.0f / 5040);
-  p = _mm512_fmadd_ps(p, y, _mm512_set1_ps(1.0f / 720));
-  p = _mm512_fmadd_ps(p, y, _mm512_set1_ps(1.0f / 120));
-  p = _mm512_fmadd_ps(p, y, _mm512_set1_ps(1.0f / 24));
-  p = _mm512_fmadd_ps(p, y, _mm512_set1_ps(1.0f / 6));
-  p = _mm512_fmadd_ps(p, y, _mm512_set1_ps(0.5f));
-  p = _mm512_fmadd_ps(p, y, _mm512_set1_ps(1.0f));
-  p = _mm512_fmadd_ps(p, y, _mm512_set1_ps(1.0f));
-  return _mm512_maskz_mov_ps(normal, _mm512_scalef_ps(p, n));
-}
-
 struct Attention {
   const float *q, *k, *v, *bias;  // [B, H, R, D], [B, H, S, D], [B, H, S, Dv], [B, L, S]
   float* out;                     // [B, H, R, Dv]
@@ -311,73 +457,70 @@ void AttendHead(const Attention& a, int64_t task, float* scores) {
   const float* v = a.v + task * s_size * dv_size;
   const float* bias = a.bias + b * a.length * s_size;
   float* out = a.out + task * kRows * dv_size;
-  const int64_t whole = d_size / 16 * 16;
-  const __mmask16 tail = TailMask(d_size - whole);
+  const int64_t whole = d_size / kLanes * kLanes;
+  const Tail tail = TailOf(d_size - whole);
   for (int64_t s = 0; s < s_size; ++s) {  // scores[r, s] = q[r] . k[s] * scale + bias[r % L, s]
     const float* key = k + s * d_size;
-    __m512 sums[kRows];
-    for (int r = 0; r < kRows; ++r) sums[r] = _mm512_setzero_ps();
-    for (int64_t d = 0; d < whole; d += 16) {
-      const __m512 keys = _mm512_loadu_ps(key + d);
-      for (int r = 0; r < kRows; ++r) sums[r] = _mm512_fmadd_ps(_mm512_loadu_ps(q + r * d_size + d), keys, sums[r]);
+    Vec sums[kRows];
+    for (int r = 0; r < kRows; ++r) sums[r] = Zero();
+    for (int64_t d = 0; d < whole; d += kLanes) {
+      const Vec keys = Load(key + d);
+      for (int r = 0; r < kRows; ++r) sums[r] = Fma(Load(q + r * d_size + d), keys, sums[r]);
     }
     if (whole < d_size) {
-      const __m512 keys = _mm512_maskz_loadu_ps(tail, key + whole);
-      for (int r = 0; r < kRows; ++r)
-        sums[r] = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(tail, q + r * d_size + whole), keys, sums[r]);
+      const Vec keys = LoadTail(tail, key + whole);
+      for (int r = 0; r < kRows; ++r) sums[r] = Fma(LoadTail(tail, q + r * d_size + whole), keys, sums[r]);
     }
     for (int r = 0; r < kRows; ++r)
-      scores[r * s_size + s] = _mm512_reduce_add_ps(sums[r]) * a.scale + bias[(r % a.length) * s_size + s];
+      scores[r * s_size + s] = ReduceAdd(sums[r]) * a.scale + bias[(r % a.length) * s_size + s];
   }
-  const int64_t s_whole = s_size / 16 * 16;
-  const __mmask16 s_tail = TailMask(s_size - s_whole);
+  const int64_t s_whole = s_size / kLanes * kLanes;
+  const Tail s_tail = TailOf(s_size - s_whole);
   float inverse[kRows];
   for (int r = 0; r < kRows; ++r) {  // softmax over each row; a row that may attend to nothing gives zeros
     float* row = scores + r * s_size;
-    __m512 top = _mm512_set1_ps(-INFINITY);
-    for (int64_t s = 0; s < s_whole; s += 16) top = _mm512_max_ps(top, _mm512_loadu_ps(row + s));
-    if (s_whole < s_size) top = _mm512_mask_max_ps(top, s_tail, top, _mm512_maskz_loadu_ps(s_tail, row + s_whole));
-    float most = _mm512_reduce_max_ps(top);
+    Vec top = Set1(-INFINITY);
+    for (int64_t s = 0; s < s_whole; s += kLanes) top = Max(top, Load(row + s));
+    if (s_whole < s_size) top = MaxTail(top, s_tail, LoadTail(s_tail, row + s_whole));
+    float most = ReduceMax(top);
     if (most == -INFINITY) most = 0.0f;  // all -inf: every weight is 0
-    const __m512 shift = _mm512_set1_ps(most);
-    __m512 total = _mm512_setzero_ps();
-    for (int64_t s = 0; s < s_whole; s += 16) {
-      const __m512 e = ExpNonPositive(_mm512_sub_ps(_mm512_loadu_ps(row + s), shift));
-      _mm512_storeu_ps(row + s, e);
-      total = _mm512_add_ps(total, e);
+    const Vec shift = Set1(most);
+    Vec total = Zero();
+    for (int64_t s = 0; s < s_whole; s += kLanes) {
+      const Vec e = ExpNonPositive(Sub(Load(row + s), shift));
+      Store(row + s, e);
+      total = Add(total, e);
     }
     if (s_whole < s_size) {
-      const __m512 e = _mm512_maskz_mov_ps(s_tail, ExpNonPositive(_mm512_sub_ps(_mm512_maskz_loadu_ps(s_tail, row + s_whole), shift)));
-      _mm512_mask_storeu_ps(row + s_whole, s_tail, e);
-      total = _mm512_add_ps(total, e);
+      const Vec e = KeepTail(s_tail, ExpNonPositive(Sub(LoadTail(s_tail, row + s_whole), shift)));
+      StoreTail(s_tail, row + s_whole, e);
+      total = Add(total, e);
     }
-    const float sum = _mm512_reduce_add_ps(total);
+    const float sum = ReduceAdd(total);
     inverse[r] = sum > 0.0f ? 1.0f / sum : 0.0f;
   }
-  constexpr int kChunks = kRows <= 4 ? 4 : 2;  // value columns per pass, in 16s: accumulators fit the registers
-  for (int64_t c0 = 0; c0 < dv_size; c0 += 16 * kChunks) {
-    const int64_t width = std::min<int64_t>(16 * kChunks, dv_size - c0);
-    const int chunks = static_cast<int>((width + 15) / 16);
-    __mmask16 masks[kChunks];
-    for (int c = 0; c < kChunks; ++c) {
-      const int64_t lanes = std::max<int64_t>(0, std::min<int64_t>(16, width - 16 * c));
-      masks[c] = TailMask(lanes);
-    }
-    __m512 sums[kRows][kChunks];
+  // Value columns per pass, in vectors: the kRows x kChunks accumulators fit the registers.
+  constexpr int kChunks = kLanes == 16 ? (kRows <= 4 ? 4 : 2) : (kRows <= 2 ? 4 : kRows <= 4 ? 2 : 1);
+  for (int64_t c0 = 0; c0 < dv_size; c0 += kLanes * kChunks) {
+    const int64_t width = std::min<int64_t>(kLanes * kChunks, dv_size - c0);
+    const int chunks = static_cast<int>((width + kLanes - 1) / kLanes);
+    Tail tails[kChunks];
+    for (int c = 0; c < kChunks; ++c) tails[c] = TailOf(std::max<int64_t>(0, std::min<int64_t>(kLanes, width - kLanes * c)));
+    Vec sums[kRows][kChunks];
     for (int r = 0; r < kRows; ++r)
-      for (int c = 0; c < kChunks; ++c) sums[r][c] = _mm512_setzero_ps();
+      for (int c = 0; c < kChunks; ++c) sums[r][c] = Zero();
     for (int64_t s = 0; s < s_size; ++s) {
       const float* value = v + s * dv_size + c0;
-      __m512 values[kChunks];
-      for (int c = 0; c < kChunks; ++c) values[c] = c < chunks ? _mm512_maskz_loadu_ps(masks[c], value + 16 * c) : _mm512_setzero_ps();
+      Vec values[kChunks];
+      for (int c = 0; c < kChunks; ++c) values[c] = c < chunks ? LoadTail(tails[c], value + kLanes * c) : Zero();
       for (int r = 0; r < kRows; ++r) {
-        const __m512 weight = _mm512_set1_ps(scores[r * s_size + s]);
-        for (int c = 0; c < kChunks; ++c) sums[r][c] = _mm512_fmadd_ps(weight, values[c], sums[r][c]);
+        const Vec weight = Set1(scores[r * s_size + s]);
+        for (int c = 0; c < kChunks; ++c) sums[r][c] = Fma(weight, values[c], sums[r][c]);
       }
     }
     for (int r = 0; r < kRows; ++r)
       for (int c = 0; c < chunks; ++c)
-        _mm512_mask_storeu_ps(out + r * dv_size + c0 + 16 * c, masks[c], _mm512_mul_ps(sums[r][c], _mm512_set1_ps(inverse[r])));
+        StoreTail(tails[c], out + r * dv_size + c0 + kLanes * c, Mul(sums[r][c], Set1(inverse[r])));
   }
 }
 

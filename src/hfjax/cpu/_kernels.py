@@ -13,6 +13,8 @@ float32 arrays on a single CPU device: a custom call cannot be partitioned over 
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -34,12 +36,30 @@ def usable(*arrays) -> bool:
     )
 
 
+# The kernels compute forward values only; their gradients (a training step on a few rows) are
+# those of the same operations written in jnp, which XLA runs.
+
+
+@jax.custom_vjp
 def rows_times_weight(rows: jax.Array, weight: jax.Array) -> jax.Array:
     """rows [R, K] @ weight [N, K].T -> [R, N] for R <= 8, float32, through the kernel."""
     result = jax.ShapeDtypeStruct((rows.shape[0], weight.shape[0]), jnp.float32)
     return jax.ffi.ffi_call(PRODUCT, result, vmap_method="sequential")(rows, weight)
 
 
+def _product_forward(rows, weight):
+    return rows_times_weight(rows, weight), (rows, weight)
+
+
+def _product_backward(saved, grad):
+    rows, weight = saved
+    return grad @ weight, grad.T @ rows
+
+
+rows_times_weight.defvjp(_product_forward, _product_backward)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
 def decode_attention(query, key, value, bias, scale: float) -> jax.Array:
     """Attention of a few query rows per key/value head, float32, through the kernel.
 
@@ -54,3 +74,26 @@ def decode_attention(query, key, value, bias, scale: float) -> jax.Array:
     return jax.ffi.ffi_call(ATTENTION, result, vmap_method="sequential")(
         query, key, value, bias, scale=np.float32(scale)
     )
+
+
+def _attention_in_jnp(query, key, value, bias, scale: float) -> jax.Array:
+    """What the attention kernel computes, in jnp (for its gradient)."""
+    batch, heads, rows, depth = query.shape
+    slots = bias.shape[-1]
+    key = key.reshape(batch, heads, slots, depth)
+    value = value.reshape(batch, heads, slots, -1)
+    row_bias = bias[:, np.arange(rows) % bias.shape[1]]  # [B, R, S]
+    scores = jnp.einsum("bhrd,bhsd->bhrs", query, key) * scale + row_bias[:, None]
+    return jnp.einsum("bhrs,bhsv->bhrv", jax.nn.softmax(scores, axis=-1), value)
+
+
+def _attention_forward(query, key, value, bias, scale):
+    return decode_attention(query, key, value, bias, scale), (query, key, value, bias)
+
+
+def _attention_backward(scale, saved, grad):
+    _, pullback = jax.vjp(lambda *arrays: _attention_in_jnp(*arrays, scale), *saved)
+    return pullback(grad)
+
+
+decode_attention.defvjp(_attention_forward, _attention_backward)
