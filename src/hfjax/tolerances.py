@@ -46,6 +46,20 @@ PRINTED_4_DECIMALS = Tolerance(
 )
 JSON_FLOATS = Tolerance(1e-6, "probabilities written to JSON and read back: float32 values through Python floats")
 
+# Training: the same steps taken by torch.optim and by hfjax's trainer (3 steps of tiny models).
+TRAINING_SGD = Tolerance(
+    1e-4,
+    "per-step losses, gradient norms and final logits after a few SGD steps: each step's gradient "
+    "differs from torch's by float32 rounding (~1e-7) and the rate multiplies it into the weights",
+    rtol=1e-4,
+)
+TRAINING_ADAMW = Tolerance(
+    1e-3,
+    "as TRAINING_SGD, with Adam: its update g / (sqrt(v) + eps) is ~lr in size whatever the gradient's, "
+    "so rounding in near-zero gradient entries becomes full-size differences in the weights",
+    rtol=1e-3,
+)
+
 # Diffusion images are compared by PSNR, not elementwise.
 IMAGE_PSNR_DB = Tolerance(
     40.0, "images in [0, 1] from 20 steps; round-off compounds over steps, 40 dB is visually identical"

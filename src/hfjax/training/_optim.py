@@ -117,7 +117,7 @@ def adamw(
       >>> opt = hfjax.training.adamw(linear_schedule(1e-4, total_steps=100), weight_decay=0.01,
       ...                            mask=hfjax.training.decay_mask(model.module))
     """
-    return optax.inject_hyperparams(optax.adamw)(
+    return optax.inject_hyperparams(optax.adamw, static_args=("mask",))(
         learning_rate=learning_rate, b1=b1, b2=b2, eps=eps, weight_decay=weight_decay, mask=mask
     )
 

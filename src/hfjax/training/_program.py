@@ -92,7 +92,7 @@ def step_function(
         zeros = jax.tree_util.tree_map(lambda a: jnp.zeros(a.shape, jnp.float32), trainable)
         (total, grads, key), _ = jax.lax.scan(accumulate, (jnp.float32(0), zeros, key), micro)
         grads = jax.tree_util.tree_map(lambda g: g / settings.accumulation_steps, grads)
-        norm = optax.global_norm(grads)
+        norm = optax.tree.norm(grads)
         if settings.max_grad_norm is not None:
             scale = jnp.minimum(1.0, settings.max_grad_norm / (norm + 1e-6))  # clip_grad_norm_'s formula
             grads = jax.tree_util.tree_map(lambda g: g * scale, grads)
