@@ -11,6 +11,7 @@ Public names:
     tokenize           JSONL / CSV / datasets.Dataset / list records -> Examples for a task
     BatchStream        padded, bucketed batches in a seeded shuffled order
     StepSettings       accumulation, clipping, compute dtype, remat, dropout of a step
+    plot_losses        the loss curve of `Trainer.history` as a PNG (matplotlib, or written with zlib)
 
 Parts: `_trainer.py` (Trainer), `_program.py` (the loss and the step as jitted functions),
 `_optim.py`, `_lora.py` (peft), `_data.py`, `_save.py` (atomic directories, checkpoints),
@@ -19,6 +20,7 @@ Parts: `_trainer.py` (Trainer), `_program.py` (the loss and the step as jitted f
 
 from ._data import BatchStream, Examples, tokenize
 from ._optim import adamw, cosine_schedule, decay_mask, linear_schedule, sgd
+from ._plot import loss_curve as plot_losses
 from ._program import StepSettings
 from ._trainer import Trainer
 
@@ -31,6 +33,7 @@ __all__ = [
     "cosine_schedule",
     "decay_mask",
     "linear_schedule",
+    "plot_losses",
     "sgd",
     "tokenize",
 ]

@@ -22,9 +22,10 @@ STATE_JSON = "trainer_state.json"
 
 
 @contextlib.contextmanager
-def atomic_directory(path: str | os.PathLike):
+def atomic_directory(path: str | os.PathLike, *, keep: tuple[str, ...] = ()):
     """Yields an empty scratch directory beside `path`; when the block ends without an error, it
-    becomes `path` (replacing what was there). A crash leaves `path` as it was, old or absent."""
+    becomes `path` (replacing what was there). A crash leaves `path` as it was, old or absent.
+    `keep`: entries of the old `path` moved (renamed) into the new one."""
     path = pathlib.Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     scratch = pathlib.Path(tempfile.mkdtemp(prefix=f".{path.name}.writing-", dir=path.parent))
@@ -33,6 +34,9 @@ def atomic_directory(path: str | os.PathLike):
     except BaseException:
         shutil.rmtree(scratch, ignore_errors=True)
         raise
+    for name in keep:
+        if (path / name).exists():
+            os.replace(path / name, scratch / name)
     if path.exists():
         old = path.parent / f".{path.name}.old-{os.getpid()}"
         os.replace(path, old)  # both renames are atomic; between them `path` is briefly absent

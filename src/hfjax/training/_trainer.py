@@ -42,6 +42,10 @@ class Trainer:
       remat: recompute each decoder layer in the backward pass (less memory, more compute).
       dropout: train with the model's dropout (training mode), as PyTorch's `model.train()`.
       seed: seeds dropout and LoRA's initialisation.
+      fully_sharded: on a model loaded with a mesh whose "data" axis has several devices, split
+        every weight and its optimizer state over "data" too (each keeps its "model" split), so a
+        data-parallel device holds a slice of them; XLA gathers them where the step needs them.
+        Without it the batch is split over "data" and the weights are copied on each of its devices.
 
     Example:
       >>> model = hfjax.load("./tiny-llama")
@@ -63,6 +67,7 @@ class Trainer:
         remat: bool = False,
         dropout: bool = True,
         seed: int = 0,
+        fully_sharded: bool = False,
     ):
         if not isinstance(model, Model):
             raise TrainingError(
@@ -103,7 +108,26 @@ class Trainer:
         master = jnp.float32 if compute_dtype is not None else None
         self.trainable = {n: params[n].astype(master) if master else params[n] for n in trainable_names}
         self.frozen = {n: a for n, a in params.items() if n not in self.trainable}
+        mesh = model.mesh
+        if fully_sharded:
+            if _mesh.data_size(mesh) < 2:
+                raise TrainingError(
+                    "hfjax.Trainer(fully_sharded=True): the model has no mesh with several devices on 'data'; load it "
+                    "with hfjax.load(path, mesh=hfjax.make_mesh(data=N, model=M)) and N > 1"
+                )
+            self.trainable = {n: jax.device_put(a, _mesh.split_over_data(a, mesh)) for n, a in self.trainable.items()}
+            self.frozen = {n: jax.device_put(a, _mesh.split_over_data(a, mesh)) for n, a in self.frozen.items()}
         self.opt_state = optimizer.init(self.trainable)
+        if mesh is not None:  # scalars of the optimizer (its step count) live on the mesh too
+            replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+            self.opt_state = jax.tree_util.tree_map(
+                lambda x: (
+                    x
+                    if isinstance(getattr(x, "sharding", None), jax.sharding.NamedSharding)
+                    else jax.device_put(x, replicated)
+                ),
+                self.opt_state,
+            )
         self.key = jax.random.PRNGKey(seed)
         self.step_count = 0
         self.history: list[dict] = []  # metrics of every step run so far (restored by `resume`)
@@ -207,12 +231,17 @@ class Trainer:
                     f"hfjax.Trainer.fit: the loss is {metrics['loss']} at step {self.step_count}; lower the learning "
                     "rate, set max_grad_norm, or check the data"
                 )
-            tokens += int(np.sum(batch["attention_mask"])) if "attention_mask" in batch else batch["input_ids"].size
+            if len(ran) == 0:
+                started = _now()  # tokens/s leaves out the first step, which compiles
+            else:
+                tokens += int(np.sum(batch["attention_mask"])) if "attention_mask" in batch else batch["input_ids"].size
             record = {"step": self.step_count, **metrics}
             last = self.step_count == steps
             if evaluation is not None and ((eval_every and self.step_count % eval_every == 0) or last):
                 record["eval_loss"] = self.evaluate(evaluation)
                 self.history[-1]["eval_loss"] = record["eval_loss"]
+                if bar is not None:
+                    bar.write(f"step {self.step_count}: eval loss {record['eval_loss']:.4f}")
             ran.append(record)
             if bar is not None:
                 bar.set_postfix(
@@ -245,13 +274,14 @@ class Trainer:
             self._stale = False
         return self._model
 
-    def save_pretrained(self, directory: str | os.PathLike) -> pathlib.Path:
+    def save_pretrained(self, directory: str | os.PathLike, *, keep: tuple[str, ...] = ()) -> pathlib.Path:
         """Writes the trained model: a transformers checkpoint (full fine-tuning), which
         `AutoModelFor...from_pretrained` loads, or a peft adapter (adapter_config.json,
         adapter_model.safetensors) that `peft.PeftModel.from_pretrained(base, directory)` loads.
-        Written whole or not at all. Returns the directory."""
+        Written whole or not at all; `keep` names entries of an existing `directory` to carry over
+        (the CLI keeps its "checkpoint"). Returns the directory."""
         model = self.model
-        with _save.atomic_directory(directory) as scratch:
+        with _save.atomic_directory(directory, keep=keep) as scratch:
             if self.lora is None:
                 _save.write_weights(scratch, model.module, model.params, model.aliases)
                 _save.write_model_files(
