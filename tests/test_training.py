@@ -215,3 +215,159 @@ def test_lora_matches_peft(checkpoint, tmp_path, family):
         np.testing.assert_allclose(logits, want_logits, atol=tolerance.atol, rtol=tolerance.rtol, err_msg=name)
     # The base model's weights were not trained.
     assert all(np.array_equal(np.asarray(model.params[n]), np.asarray(a)) for n, a in hfjax.load(path).params.items())
+
+
+# ---- schedules, decay, data: against transformers, no compiling ----------------------------
+
+
+@pytest.mark.parametrize("kind", ["linear", "cosine"])
+def test_schedules_match_transformers(kind):
+    made = {
+        "linear": transformers.get_linear_schedule_with_warmup,
+        "cosine": transformers.get_cosine_schedule_with_warmup,
+    }
+    optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=3e-4)
+    reference = made[kind](optimizer, num_warmup_steps=3, num_training_steps=10)
+    want = []
+    for _ in range(12):
+        want.append(reference.get_last_lr()[0])
+        optimizer.step()
+        reference.step()
+    schedule = {"linear": training.linear_schedule, "cosine": training.cosine_schedule}[kind]
+    got = [float(schedule(3e-4, warmup_steps=3, total_steps=10)(step)) for step in range(12)]
+    np.testing.assert_allclose(got, want, atol=tolerances.JSON_FLOATS.atol * 3e-4, rtol=1e-6)
+
+
+@pytest.mark.parametrize(
+    "family,task", [("llama", None), ("gpt2", None), ("gemma2", None), ("bert", "text-classification"), ("t5", None)]
+)
+def test_decay_mask_is_the_hf_trainers(checkpoint, family, task):
+    model = hfjax.load(checkpoint(family, task=task))
+    torch_model = AUTO[model.task].from_config(model.config)
+    names = {n for n, _ in torch_model.named_parameters()}  # a tied weight once, as the trainer holds it
+    want = (
+        set(transformers.trainer_pt_utils.get_parameter_names(torch_model, [torch.nn.LayerNorm], _HF_NO_DECAY)) & names
+    )
+    mask = training.decay_mask(model.module)({n: None for n, _ in model.module.named_parameters()})
+    assert {n for n, decayed in mask.items() if decayed} == want
+    assert any(not decayed for decayed in mask.values())
+
+
+def test_chat_labels_are_the_assistant_tokens_transformers_marks(checkpoint):
+    tokenizer = hfjax.load(checkpoint("llama")).tokenizer
+    # The same template with transformers' {% generation %} markers around each assistant turn:
+    # apply_chat_template(return_assistant_tokens_mask=True) marks those tokens (TRL's assistant_only_loss).
+    marked = tokenizer.chat_template.replace(
+        "<|{{ message['role'] }}|>\n{{ message['content'] }}{{ eos_token }}\n",
+        "<|{{ message['role'] }}|>\n{% if message['role'] == 'assistant' %}{% generation %}"
+        "{{ message['content'] }}{{ eos_token }}\n{% endgeneration %}{% else %}{{ message['content'] }}{{ eos_token }}\n{% endif %}",
+    )
+    assert marked != tokenizer.chat_template
+    messages = [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "What is the river?"},
+        {"role": "assistant", "content": "Water that runs to the sea."},
+        {"role": "user", "content": "And the mill?"},
+        {"role": "assistant", "content": "An old building by it."},
+    ]
+    reference = tokenizer.apply_chat_template(
+        messages, chat_template=marked, tokenize=True, return_dict=True, return_assistant_tokens_mask=True
+    )
+    row = training.tokenize(
+        [{"messages": messages}], tokenizer, task="text-generation", config=None, max_length=256
+    ).rows[0]
+    assert row["input_ids"] == list(reference["input_ids"])
+    want = [t if m else -100 for t, m in zip(reference["input_ids"], reference["assistant_masks"])]
+    assert row["labels"] == want and sum(reference["assistant_masks"]) > 0
+
+
+def test_data_files_become_bucketed_batches(checkpoint, tmp_path):
+    model = hfjax.load(checkpoint("bert", task="text-classification"))
+    (tmp_path / "train.csv").write_text("text,label\nthe river ran,0\nbread in the morning at the shop,1\nnews,1\n")
+    examples = training.tokenize(
+        tmp_path / "train.csv", model.tokenizer, task=model.task, config=model.config, max_length=64
+    )
+    batch = training.BatchStream(examples, 2, seed=0, max_length=64).batch(0)
+    assert batch["input_ids"].shape == (2, 16) and batch["labels"].shape == (2,)
+    assert batch["input_ids"].dtype == np.int32
+    lengths = {len(r["input_ids"]) for r in examples.rows}
+    assert set(batch["attention_mask"].sum(axis=1)) <= lengths
+
+    t5 = hfjax.load(checkpoint("t5"))
+    records = [{"source": "translate: the river " * 5, "target": "der Fluss"}]
+    batch = training.BatchStream(
+        training.tokenize(records, t5.tokenizer, task=t5.task, config=t5.config, max_length=64),
+        1,
+        seed=0,
+        max_length=64,
+    ).batch(0)
+    target = t5.tokenizer(text_target="der Fluss")["input_ids"]
+    assert batch["input_ids"].shape[1] in (16, 32, 64) and batch["labels"].shape == (1, 16)
+    assert list(batch["labels"][0, : len(target)]) == target and set(batch["labels"][0, len(target) :]) == {-100}
+
+
+def test_a_malformed_line_is_one_error_naming_file_and_line(checkpoint, tmp_path, capsys):
+    from hfjax import cli
+
+    data = tmp_path / "train.jsonl"
+    data.write_text('{"text": "fine"}\n\n{"text": "also fine"}\n{"text": broken}\n')
+    code = cli.main(
+        [
+            "finetune",
+            "--model",
+            str(checkpoint("llama")),
+            "--data",
+            str(data),
+            "--steps",
+            "1",
+            "--out",
+            str(tmp_path / "out"),
+        ]
+    )
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 1
+    assert err[-1].startswith(f"hfjax finetune: {data}:4: not valid JSON"), err
+    (tmp_path / "wrong.jsonl").write_text('{"prompt": "no text field"}\n')
+    with pytest.raises(hfjax.TrainingError, match=r"wrong\.jsonl:1: no field 'text'"):
+        training.tokenize(
+            tmp_path / "wrong.jsonl",
+            hfjax.load(checkpoint("llama")).tokenizer,
+            task="text-generation",
+            config=None,
+            max_length=8,
+        )
+    assert not (tmp_path / "out").exists()
+
+
+def test_bad_settings_name_the_argument(checkpoint):
+    model = hfjax.load(checkpoint("llama"))
+    with pytest.raises(hfjax.TrainingError, match=r"optimizer=.*got a SGD"):
+        hfjax.Trainer(model, torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.1))
+    with pytest.raises(hfjax.TrainingError, match=r"lora=.*got a dict"):
+        hfjax.Trainer(model, training.sgd(0.1), lora={"r": 4})
+    with pytest.raises(hfjax.TrainingError, match=r"accumulation_steps=0"):
+        hfjax.Trainer(model, training.sgd(0.1), accumulation_steps=0)
+    with pytest.raises(hfjax.TrainingError, match=r"fully_sharded=True"):
+        hfjax.Trainer(model, training.sgd(0.1), fully_sharded=True)
+
+
+def test_bfloat16_compute_keeps_float32_weights_and_compiles_once_per_shape(checkpoint):
+    run = Run("llama", optimizer="sgd", learning_rate=0.5)
+    path = checkpoint("llama")
+    model = hfjax.load(path)
+    data = batches(run, model.config, 2, length=8) + batches(run, model.config, 1, length=16)
+    want, _ = torch_reference(path, Run("llama", optimizer="sgd", learning_rate=0.5), data)
+    trainer = hfjax_trainer(model, run, compute_dtype="bfloat16")
+    got = [trainer.step(batch) for batch in data]
+    np.testing.assert_allclose(
+        [m["loss"] for m in got],
+        [m["loss"] for m in want],
+        atol=tolerances.TRAINING_BF16.atol,
+        rtol=tolerances.TRAINING_BF16.rtol,
+    )
+    assert {str(a.dtype) for a in trainer.trainable.values()} == {"float32"}
+    assert trainer.compile_count == 2  # two batch shapes
+    assert trainer.model.params["model.norm.weight"].dtype == np.float32  # the model's own dtype, updated
+    np.testing.assert_array_equal(
+        np.asarray(trainer.model.params["model.norm.weight"]), np.asarray(trainer.trainable["model.norm.weight"])
+    )
