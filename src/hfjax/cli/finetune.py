@@ -7,6 +7,9 @@ import pathlib
 import sys
 
 
+_PEFT_TASKS = {"text-generation": "CAUSAL_LM", "text-classification": "SEQ_CLS", "text2text-generation": "SEQ_2_SEQ_LM"}
+
+
 def add_parser(subparsers) -> None:
     parser = subparsers.add_parser(
         "finetune",
@@ -83,7 +86,9 @@ def run(args: argparse.Namespace) -> int:
 
             targets = args.lora_targets if args.lora_targets == "all-linear" else args.lora_targets.split(",")
             alpha = args.lora_alpha if args.lora_alpha is not None else 2 * args.lora_r
-            lora = peft.LoraConfig(r=args.lora_r, lora_alpha=alpha, target_modules=targets)
+            # peft's task type: for a classifier, it also trains the (new) head.
+            task_type = _PEFT_TASKS.get(model.task)
+            lora = peft.LoraConfig(r=args.lora_r, lora_alpha=alpha, target_modules=targets, task_type=task_type)
         schedule = training.linear_schedule(args.learning_rate, warmup_steps=args.warmup_steps, total_steps=args.steps)
         optimizer = training.adamw(schedule, weight_decay=args.weight_decay, mask=training.decay_mask(model.module))
         trainer = hfjax.Trainer(model, optimizer, lora=lora, max_grad_norm=args.max_grad_norm or None, seed=args.seed)
