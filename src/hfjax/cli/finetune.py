@@ -6,7 +6,6 @@ import argparse
 import pathlib
 import sys
 
-
 _PEFT_TASKS = {"text-generation": "CAUSAL_LM", "text-classification": "SEQ_CLS", "text2text-generation": "SEQ_2_SEQ_LM"}
 
 
