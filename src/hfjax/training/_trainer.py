@@ -143,7 +143,10 @@ class Trainer:
         evaluation = _program.loss_function(
             module, aliases, _program.StepSettings(compute_dtype=compute_dtype, dropout=False)
         )
-        self._loss = jax.jit(lambda trainable, frozen, batch: evaluation(trainable, frozen, self.key, batch)[0])
+        # No dropout in evaluation: the key is never drawn from.
+        self._loss = jax.jit(
+            lambda trainable, frozen, batch: evaluation(trainable, frozen, jax.random.PRNGKey(0), batch)[0]
+        )
 
     # -- training ----------------------------------------------------------------
 
