@@ -14,9 +14,11 @@ Public API:
     register_stateful   register a model's own cache class as a JAX pytree
     override_op         register a JAX lowering for a torch op that torchax lacks
     check               parity of a checkpoint against PyTorch
-    HfjaxError          base of LoadError, UnsupportedOpError, ShardingError, GenerationError, PipelineError
+    Trainer             full and LoRA fine-tuning with optax (`hfjax.training`; needs the `train` extra)
+    HfjaxError          base of LoadError, UnsupportedOpError, ShardingError, GenerationError, PipelineError,
+                        TrainingError
 
-Subpackages: `hfjax.generation` (the engine), `hfjax.parallel` (meshes, sharding rules),
+Subpackages: `hfjax.generation` (the engine), `hfjax.training` (imported when first used), `hfjax.parallel` (meshes, sharding rules),
 `hfjax.diffusion`, `hfjax.cpu` (the CPU's fast paths), `hfjax.testing` (tiny checkpoints),
 `hfjax.cli`. Importing hfjax changes nothing in the process (README.md lists what its calls do).
 """
@@ -24,7 +26,15 @@ Subpackages: `hfjax.generation` (the engine), `hfjax.parallel` (meshes, sharding
 from ._check import check
 from ._compilation_cache import set_cache_dir
 from ._compile import JittedModule, jit
-from ._errors import GenerationError, HfjaxError, LoadError, PipelineError, ShardingError, UnsupportedOpError
+from ._errors import (
+    GenerationError,
+    HfjaxError,
+    LoadError,
+    PipelineError,
+    ShardingError,
+    TrainingError,
+    UnsupportedOpError,
+)
 from ._model import Model, load
 from ._ops import override as override_op
 from ._pytrees import register_pytree, register_stateful
@@ -40,6 +50,8 @@ __all__ = [
     "Model",
     "PipelineError",
     "ShardingError",
+    "Trainer",
+    "TrainingError",
     "UnsupportedOpError",
     "__version__",
     "check",
@@ -54,3 +66,12 @@ __all__ = [
     "set_cache_dir",
     "to_jax",
 ]
+
+
+def __getattr__(name: str):
+    # hfjax.Trainer imports optax (the `train` extra) only when first used.
+    if name == "Trainer":
+        from .training import Trainer
+
+        return Trainer
+    raise AttributeError(f"module 'hfjax' has no attribute {name!r}")

@@ -46,6 +46,26 @@ PRINTED_4_DECIMALS = Tolerance(
 )
 JSON_FLOATS = Tolerance(1e-6, "probabilities written to JSON and read back: float32 values through Python floats")
 
+# Training: the same steps taken by torch.optim and by hfjax's trainer (3 steps of tiny models).
+TRAINING_SGD = Tolerance(
+    1e-4,
+    "per-step losses, gradient norms and final logits after a few SGD steps: each step's gradient "
+    "differs from torch's by float32 rounding (~1e-7) and the rate multiplies it into the weights",
+    rtol=1e-4,
+)
+TRAINING_ADAMW = Tolerance(
+    1e-3,
+    "as TRAINING_SGD, with Adam: its update g / (sqrt(v) + eps) is ~lr in size whatever the gradient's, "
+    "so rounding in near-zero gradient entries becomes full-size differences in the weights",
+    rtol=1e-3,
+)
+TRAINING_BF16 = Tolerance(
+    5e-2,
+    "losses of a bfloat16 forward and backward (float32 weights) against float32 torch: bfloat16 keeps "
+    "8 bits of mantissa, ~4e-3 relative per value, over a loss of ~6",
+    rtol=0.0,
+)
+
 # Diffusion images are compared by PSNR, not elementwise.
 IMAGE_PSNR_DB = Tolerance(
     40.0, "images in [0, 1] from 20 steps; round-off compounds over steps, 40 dB is visually identical"
