@@ -14,9 +14,10 @@ Public API:
     register_stateful   register a model's own cache class as a JAX pytree
     override_op         register a JAX lowering for a torch op that torchax lacks
     check               parity of a checkpoint against PyTorch
-    HfjaxError          base of LoadError, UnsupportedOpError, ShardingError, GenerationError, PipelineError
+    HfjaxError          base of LoadError, UnsupportedOpError, ShardingError, GenerationError, PipelineError,
+                        ServingError
 
-Subpackages: `hfjax.generation` (the engine), `hfjax.parallel` (meshes, sharding rules),
+Subpackages: `hfjax.generation` (the engine), `hfjax.serving` (continuous batching, `hfjax serve`), `hfjax.parallel` (meshes, sharding rules),
 `hfjax.diffusion`, `hfjax.cpu` (the CPU's fast paths), `hfjax.testing` (tiny checkpoints),
 `hfjax.cli`. Importing hfjax changes nothing in the process (README.md lists what its calls do).
 """
@@ -24,7 +25,15 @@ Subpackages: `hfjax.generation` (the engine), `hfjax.parallel` (meshes, sharding
 from ._check import check
 from ._compilation_cache import set_cache_dir
 from ._compile import JittedModule, jit
-from ._errors import GenerationError, HfjaxError, LoadError, PipelineError, ShardingError, UnsupportedOpError
+from ._errors import (
+    GenerationError,
+    HfjaxError,
+    LoadError,
+    PipelineError,
+    ServingError,
+    ShardingError,
+    UnsupportedOpError,
+)
 from ._model import Model, load
 from ._ops import override as override_op
 from ._pytrees import register_pytree, register_stateful
@@ -39,6 +48,7 @@ __all__ = [
     "LoadError",
     "Model",
     "PipelineError",
+    "ServingError",
     "ShardingError",
     "UnsupportedOpError",
     "__version__",

@@ -5,7 +5,8 @@
      ├── UnsupportedOpError a torch op the model calls has no JAX lowering
      ├── ShardingError      a model cannot be split over the mesh as asked, or `mesh=` is not a mesh
      ├── GenerationError    generation settings or prompts that cannot be carried out
-     └── PipelineError      a diffusion pipeline call that cannot run as given
+     ├── PipelineError      a diffusion pipeline call that cannot run as given
+     └── ServingError       a server or continuous-batching engine setting or request that cannot be served
 
 Each also derives from the builtin error a caller would expect (ValueError, NotImplementedError),
 so `except ValueError` keeps working.
@@ -44,3 +45,7 @@ class GenerationError(HfjaxError, ValueError):
 
 class PipelineError(HfjaxError, ValueError):
     """A diffusion pipeline call hfjax cannot run as given (bad size, wrong object)."""
+
+
+class ServingError(HfjaxError, ValueError):
+    """A continuous-batching engine or server setting, or a request to it, that cannot be served."""
