@@ -201,7 +201,7 @@ class Engine:
 
     def warm_up(self) -> None:
         """Prepares both programs with one short request, so the first client waits for no compile."""
-        self.generate([[self.eos[0] if self.eos else 0]], SamplingParams(max_tokens=2, temperature=0))
+        self.generate([[min(self.eos, default=0)]], SamplingParams(max_tokens=2, temperature=0))
 
     def stop(self, *, drain: bool = True, timeout: float | None = None) -> None:
         """Stops the thread: after finishing every queued and running request (drain), or at once."""
