@@ -262,6 +262,10 @@ class Engine:
     def generate(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams]) -> list[Event]:
         """Runs prompts (token ids) together and waits: one Event per prompt with all of its tokens and text."""
         params = params if isinstance(params, list) else [params] * len(prompts)
+        if len(params) != len(prompts):
+            raise ServingError(
+                f"Engine.generate: {len(prompts)} prompts and {len(params)} SamplingParams; pass one per prompt"
+            )
         results: list[list[Event]] = [[] for _ in prompts]
         done = threading.Semaphore(0)
 
@@ -300,7 +304,7 @@ class Engine:
                     self._prefill(min(prefilling, key=lambda r: r.arrived))
                 if any(r is not None and r.prefilled == len(r.prompt) and not r.finished for r in self._slots):
                     self._decode()
-        except BaseException as error:  # noqa: BLE001: handed to every waiting caller
+        except BaseException as error:  # noqa: BLE001 (handed to every waiting caller)
             self._error = error
             with self._lock:
                 for request in [*self._waiting, *filter(None, self._slots)]:
