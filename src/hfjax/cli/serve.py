@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
+import signal
 import sys
 
 from .. import _dtypes
@@ -46,6 +47,10 @@ def add_parser(subparsers) -> None:
     )
     parser.add_argument("--decode-steps", type=int, default=8, help="decode steps per chunk (default 8)")
     parser.add_argument("--prefill-chunk", type=int, default=64, help="prompt tokens per prefill chunk (default 64)")
+
+
+def _exit_cleanly(signum, frame):
+    sys.exit(0)
 
 
 def missing_extra() -> list[str]:
@@ -91,5 +96,8 @@ def run(args: argparse.Namespace) -> int:
     name = args.served_model_name or args.model
     app = build_app(model, served_model_name=name, engine=engine, api_key=args.api_key)
     print(f"hfjax serve: {name} on http://{args.host}:{args.port}", file=sys.stderr, flush=True)
+    # uvicorn shuts down gracefully on SIGTERM (no new connections, the answers in flight finished, the engine
+    # stopped), then raises the signal again under the handler it found: this one makes that an exit with 0.
+    signal.signal(signal.SIGTERM, _exit_cleanly)
     uvicorn.run(app, host=args.host, port=args.port, log_level="warning", timeout_graceful_shutdown=None)
     return 0

@@ -254,9 +254,13 @@ class Engine:
         return request
 
     def cancel(self, request: Request) -> None:
-        """Drops a request (its client left): its slot is free at the next chunk boundary."""
+        """Drops a request (its client left): at once from the queue, from a slot at the next chunk boundary."""
         with self._lock:
             request.cancelled = True
+            if request in self._waiting:
+                self._waiting.remove(request)
+                self.metrics.queue_depth = len(self._waiting)
+                self._finish(request, "cancelled")
             self._wake.notify_all()
 
     def generate(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams]) -> list[Event]:

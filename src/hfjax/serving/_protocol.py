@@ -232,8 +232,8 @@ def with_budget(generation: Generation, prompt_length: int, max_model_len: int) 
     if prompt_length >= max_model_len:
         raise invalid(
             generation.prompt_field,
-            f"the prompt has {prompt_length} tokens; max_model_len={max_model_len} leaves no room for an answer. "
-            "Shorten the prompt",
+            f"the prompt ({generation.prompt_field}) has {prompt_length} tokens; the server's max_model_len="
+            f"{max_model_len} leaves no room for an answer. Shorten the {generation.prompt_field}",
         )
     room = max_model_len - prompt_length
     if generation.max_tokens is not None and generation.max_tokens > room:
