@@ -17,6 +17,7 @@ import json
 import os
 import pathlib
 import re
+import shlex
 import shutil
 import signal
 import socket
@@ -38,7 +39,24 @@ pytest.importorskip("uvicorn", reason="the serve extra is not installed: pip ins
 openai = pytest.importorskip("openai", reason="the openai client is a test dependency: pip install openai")
 httpx = pytest.importorskip("httpx", reason="httpx is a test dependency: pip install httpx")
 
-NAME, ENCODER, KEY, LENGTH = "tiny-llama", "tiny-bert", "test-key", 128
+README = pathlib.Path(__file__).resolve().parent.parent / "README.md"
+README_DIR = "/tmp/hfjax-readme"
+
+
+def _readme_serve() -> tuple[str, str, str]:
+    """The README's Serve section: its `hfjax serve` line, its curl line and its python block."""
+    section = README.read_text().split("\n## Serve\n", 1)[1].split("\n## ", 1)[0]
+    lines = re.findall(r"```bash\n(.*?)```", section, flags=re.S)[0].splitlines()
+    serve = next(line for line in lines if line.startswith("hfjax serve"))
+    curl = next(line for line in lines if line.startswith("curl "))
+    return serve, curl, re.findall(r"```python\n(.*?)```", section, flags=re.S)[0]
+
+
+# The main server is the README's own command, so its examples run against it.
+_SERVE_FLAGS = shlex.split(_readme_serve()[0].rstrip(" &"))
+NAME = _SERVE_FLAGS[_SERVE_FLAGS.index("--served-model-name") + 1]
+LENGTH = int(_SERVE_FLAGS[_SERVE_FLAGS.index("--max-model-len") + 1])
+ENCODER, KEY = "tiny-bert", "test-key"
 SERVERS: dict[str, dict] = {}
 _DIRECTORY: list[pathlib.Path] = []
 
@@ -53,7 +71,7 @@ def _launch(name: str, checkpoint: pathlib.Path, *flags: str) -> None:
     port = _free_port()
     log = open(_DIRECTORY[0] / f"{name}.log", "w")
     env = {**os.environ, "OMP_WAIT_POLICY": "PASSIVE", "PYTHONPATH": os.pathsep.join(sys.path)}
-    argv = [sys.executable, "-m", "hfjax.cli", "serve", "--model", str(checkpoint), "--port", str(port), *flags]
+    argv = [sys.executable, "-m", "hfjax.cli", "serve", "--model", str(checkpoint), *flags, "--port", str(port)]
     process = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=env)
     SERVERS[name] = {"process": process, "url": f"http://127.0.0.1:{port}", "log": log, "checkpoint": checkpoint}
 
@@ -63,10 +81,14 @@ def start_in_background() -> None:
     if SERVERS:
         return
     _DIRECTORY.append(pathlib.Path(tempfile.mkdtemp(prefix="hfjax-serve-test-")))
-    llama = testing.save_tiny_checkpoint("llama", _DIRECTORY[0] / "llama")
+    model_flag = _SERVE_FLAGS.index("--model")
+    readme_path = _SERVE_FLAGS[model_flag + 1]
+    llama = testing.save_tiny_checkpoint("llama", readme_path.replace(README_DIR, str(_DIRECTORY[0])))
     bert = testing.save_tiny_checkpoint("bert", _DIRECTORY[0] / "bert", task="feature-extraction")
+    readme_flags = [f for i, f in enumerate(_SERVE_FLAGS[2:], 2) if i not in (model_flag, model_flag + 1)]
+    port = readme_flags.index("--port")
+    _launch("main", llama, *readme_flags[:port], *readme_flags[port + 2 :])
     common = ("--max-model-len", str(LENGTH), "--served-model-name", NAME)
-    _launch("main", llama, *common, "--max-batch", "8", "--max-queue", "64")
     _launch("small", llama, *common, "--max-batch", "1", "--max-queue", "1", "--api-key", KEY)
     _launch("encoder", bert, "--served-model-name", ENCODER)
     atexit.register(_stop_all)
@@ -467,3 +489,15 @@ def test_sigterm_finishes_the_answer_in_flight_and_exits_0(servers):
     assert server["process"].wait(timeout=60) == 0
     with pytest.raises(httpx.TransportError):
         httpx.get(servers["small"] + "/health", timeout=2)
+
+
+def test_the_readme_examples_run_against_its_server(servers):
+    _, curl, python = _readme_serve()
+    port = servers["main"].rsplit(":", 1)[1]
+    out = subprocess.run(curl.replace(":8000", f":{port}"), shell=True, capture_output=True, text=True, timeout=60)
+    answer = json.loads(out.stdout)
+    assert answer["object"] == "chat.completion" and answer["usage"]["completion_tokens"] >= 1, out.stdout
+    ran = subprocess.run(
+        [sys.executable, "-c", python.replace(":8000", f":{port}")], capture_output=True, text=True, timeout=60
+    )
+    assert ran.returncode == 0, ran.stderr
