@@ -205,18 +205,19 @@ def test_n_logprobs_seed_and_stop(client, expected):
     assert stopped == expected[2][: expected[2].index(stop)]
 
 
-def test_openai_completions_with_logprobs(client, model):
-    prompt = "The river ran quietly past the old mill"
-    want = model.generate_text(prompt, max_new_tokens=8, do_sample=False)
-    answer = client.completions.create(model=NAME, prompt=prompt, max_tokens=8, temperature=0, logprobs=3)
-    assert answer.choices[0].text == want
+def test_openai_completions_of_token_ids_with_logprobs(client, model, expected):
+    # The chat prompt as token ids: the completion continues it as the chat does.
+    text = model.tokenizer.apply_chat_template(CONVERSATIONS[4], add_generation_prompt=True, tokenize=False)
+    prompt = model.tokenizer(text, add_special_tokens=False)["input_ids"]
+    answer = client.completions.create(model=NAME, prompt=prompt, max_tokens=NEW_TOKENS, temperature=0, logprobs=3)
+    assert answer.choices[0].text == expected[4]
     logprobs = answer.choices[0].logprobs
     # usage counts an EOS token too; the answer's tokens (and their logprobs) stop before it.
     ended_by_eos = answer.choices[0].finish_reason == "stop"
     assert len(logprobs.tokens) == answer.usage.completion_tokens - ended_by_eos == len(logprobs.token_logprobs)
     assert all(len(top) <= 3 for top in logprobs.top_logprobs)
-    streamed = client.completions.create(model=NAME, prompt=prompt, max_tokens=8, temperature=0, stream=True)
-    assert "".join(c.choices[0].text for c in streamed) == want
+    streamed = client.completions.create(model=NAME, prompt=prompt, max_tokens=NEW_TOKENS, temperature=0, stream=True)
+    assert "".join(c.choices[0].text for c in streamed) == expected[4]
 
 
 def _torch_embeddings(path, texts):
@@ -423,7 +424,7 @@ def test_load_200_requests_from_32_clients_some_leaving_mid_stream(servers, mode
     assert delta("hfjax_time_to_first_token_seconds_count") == 200
 
 
-def test_the_chat_page_streams_an_answer_in_headless_chromium(servers, model, tmp_path):
+def test_the_chat_page_streams_an_answer_in_headless_chromium(servers, expected, tmp_path):
     webdriver = pytest.importorskip("selenium.webdriver", reason="selenium is a test dependency: pip install selenium")
     chromium = shutil.which("chromium") or shutil.which("chromium-browser")
     driver_path = shutil.which("chromedriver")
@@ -449,7 +450,8 @@ def test_the_chat_page_streams_an_answer_in_headless_chromium(servers, model, tm
         browser.get(servers["main"] + "/")
         WebDriverWait(browser, 30).until(lambda b: b.find_element(By.ID, "model").text == NAME)
         browser.find_element(By.ID, "temperature").send_keys("0")
-        browser.find_element(By.ID, "input").send_keys("Tell me about the river")
+        browser.find_element(By.ID, "max-tokens").send_keys(str(NEW_TOKENS))
+        browser.find_element(By.ID, "input").send_keys(CONVERSATIONS[5][0]["content"])
         browser.find_element(By.ID, "send").click()
         WebDriverWait(browser, 60).until(
             lambda b: b.find_elements(By.CSS_SELECTOR, ".assistant[data-done='true'], .error[data-done='true']")
@@ -460,10 +462,9 @@ def test_the_chat_page_streams_an_answer_in_headless_chromium(servers, model, tm
         browser.save_screenshot(str(tmp_path / "chat.png"))
     finally:
         browser.quit()
-    conversation = [{"role": "user", "content": "Tell me about the river"}]
-    room = LENGTH - _prompt_tokens(model, conversation)
+    assert len(CONVERSATIONS[5]) == 1
     assert "error" not in answer_class, answer_text
-    assert answer_text == model.generate_text(conversation, max_new_tokens=room, do_sample=False)
+    assert answer_text == expected[5]
     assert re.search(r"\d+ tokens, [\d.]+ tokens/s", stats), stats
     assert (tmp_path / "chat.png").read_bytes()[:4] == b"\x89PNG"
 
