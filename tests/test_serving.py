@@ -28,8 +28,9 @@ def model(checkpoint):
 
 @pytest.fixture(scope="module")
 def engine(model):
-    engine = Engine(model, max_batch=SLOTS, max_model_len=LENGTH, prefill_chunk=CHUNK, decode_steps=STEPS).start()
-    yield engine
+    engine = Engine(model, max_batch=SLOTS, max_model_len=LENGTH, prefill_chunk=CHUNK, decode_steps=STEPS)
+    engine.warm_up()
+    yield engine.start()
     engine.stop()
 
 
@@ -65,9 +66,9 @@ def test_greedy_answers_equal_generate_with_16_requests_in_4_slots(model, engine
 
 
 def test_programs_stay_fixed_over_50_requests_of_mixed_lengths_and_settings(model, engine):
-    engine.warm_up()
     before = dict(engine.program_counts)
-    assert before == {"prefill": 1, "decode": 1}
+    # warm_up prepared them all: a prefill chunk, and a decode chunk per row bucket (1, 2 and 4 rows).
+    assert engine.row_buckets == (1, 2, 4) and before == {"prefill": 1, "decode": 3}
     ids = _ids(model, [PROMPTS[i % len(PROMPTS)] for i in range(50)])
     params = [
         SamplingParams(

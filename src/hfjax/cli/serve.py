@@ -86,7 +86,6 @@ def run(args: argparse.Namespace) -> int:
             model, max_batch=args.max_batch, max_model_len=args.max_model_len, max_queue=args.max_queue,
             decode_steps=args.decode_steps, prefill_chunk=args.prefill_chunk,
         )  # fmt: skip
-        engine.start()
         engine.warm_up()
     elif model.task != "feature-extraction":
         print(

@@ -24,7 +24,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from .. import _loading
+from .. import _buckets, _loading
 from .._errors import GenerationError, ServingError
 from ..generation import _programs
 from . import _slots
@@ -194,14 +194,32 @@ class Engine:
     def start(self) -> Engine:
         """Allocates the cache and starts the engine thread (idempotent)."""
         if self._thread is None:
-            self._cache = self.slot_model.empty_cache()
+            if self._cache is None:
+                self._cache = self.slot_model.empty_cache()
             self._thread = threading.Thread(target=self._run, name="hfjax-engine", daemon=True)
             self._thread.start()
         return self
 
+    @property
+    def row_buckets(self) -> tuple[int, ...]:
+        """The row counts a decode chunk is compiled for: powers of two up to max_batch, and max_batch."""
+        return tuple(
+            sorted({_buckets.bucket(n, smallest=1, limit=self.max_batch) for n in range(1, self.max_batch + 1)})
+        )
+
     def warm_up(self) -> None:
-        """Prepares both programs with one short request, so the first client waits for no compile."""
-        self.generate([[min(self.eos, default=0)]], SamplingParams(max_tokens=2, temperature=0))
+        """Prepares every program (a prefill chunk, a decode chunk per row bucket) before `start`,
+        so that no request waits for a compile and none compiles afterwards."""
+        if self._thread is not None:
+            raise ServingError("Engine.warm_up: call it before start(), while no request is running")
+        if self._cache is None:
+            self._cache = self.slot_model.empty_cache()
+        probe = Request([min(self.eos, default=0)], SamplingParams(max_tokens=1), lambda event: None, None)
+        probe.slot = 0
+        self._prefill(probe, deliver=False)
+        self._tokens[:], self._positions[:] = 0, 0
+        for rows in self.row_buckets:
+            self._decode(rows=rows)
 
     def stop(self, *, drain: bool = True, timeout: float | None = None) -> None:
         """Stops the thread: after finishing every queued and running request (drain), or at once."""
@@ -351,17 +369,23 @@ class Engine:
             event = Event([], request.text.rest(), None, reason, len(request.prompt), request.generated)
         request.listener(event)
 
-    def _settings(self) -> tuple[jax.Array, jax.Array, jax.Array]:
-        return jnp.asarray(self._temperature), jnp.asarray(self._top_p), jnp.asarray(self._keys)
+    def _settings(self, requests) -> tuple[jax.Array, ...]:
+        want_logprobs = any(r is not None and r.params.logprobs is not None for r in requests)
+        return (
+            jnp.asarray(self._temperature),
+            jnp.asarray(self._top_p),
+            jnp.asarray(self._keys),
+            jnp.bool_(want_logprobs),
+        )
 
-    def _prefill(self, request: Request) -> None:
+    def _prefill(self, request: Request, *, deliver: bool = True) -> None:
         start = request.prefilled
         chunk = request.prompt[start : start + self.prefill_chunk]
         ids = np.zeros(self.prefill_chunk, np.int32)
         ids[: len(chunk)] = chunk
         args = (
             self.model.params, self._cache, jnp.int32(request.slot), jnp.asarray(ids), jnp.int32(start),
-            jnp.int32(len(chunk)), *self._settings(),
+            jnp.int32(len(chunk)), *self._settings([request]),
         )  # fmt: skip
         program = self.programs.get(
             ("prefill", self.max_batch, self.max_model_len, self.prefill_chunk),
@@ -369,7 +393,7 @@ class Engine:
         )  # fmt: skip
         self._cache, chosen = program.run(*args)
         request.prefilled += len(chunk)
-        if request.prefilled < len(request.prompt):
+        if request.prefilled < len(request.prompt) or not deliver:
             return
         token = int(np.asarray(chosen[0])[0, 0])
         self._tokens[request.slot] = token
@@ -377,18 +401,22 @@ class Engine:
         with self._lock:
             self._deliver(request, [np.asarray(c)[0] for c in chosen], 1)
 
-    def _decode(self) -> None:
+    def _decode(self, *, rows: int | None = None) -> None:
         active = np.array([r is not None and r.prefilled == len(r.prompt) and not r.finished for r in self._slots])
+        if rows is None:  # the fewest compiled rows that hold every decoding slot
+            rows = _buckets.bucket(int(np.flatnonzero(active).max()) + 1, smallest=1, limit=self.max_batch)
         args = (
             self.model.params, self._cache, jnp.asarray(self._tokens), jnp.asarray(self._positions),
-            jnp.asarray(active), *self._settings(),
+            jnp.asarray(active), *self._settings(self._slots),
         )  # fmt: skip
         program = self.programs.get(
-            ("decode", self.max_batch, self.max_model_len, self.decode_steps),
-            functools.partial(self._decode_program, steps=self.decode_steps), args, metadata=dict, donate=(1,),
+            ("decode", self.max_batch, self.max_model_len, self.decode_steps, rows),
+            functools.partial(self._decode_program, steps=self.decode_steps, rows=rows), args,
+            metadata=dict, donate=(1,),
         )  # fmt: skip
         self._cache, chosen = program.run(*args)
-        chosen = [np.asarray(c) for c in chosen]  # [S, K] ...
+        chosen = [np.asarray(c) for c in chosen]  # [rows, K] ...
+        chosen = [np.concatenate([c, np.zeros((self.max_batch - rows, *c.shape[1:]), c.dtype)]) for c in chosen]
         self._tokens = np.where(active, chosen[0][:, -1], self._tokens).astype(np.int32)
         self._positions = np.where(active, self._positions + self.decode_steps, self._positions).astype(np.int32)
         with self._lock:
@@ -444,16 +472,32 @@ class Engine:
 
     # -- traced: flat arguments, so that the programs can be kept on disk ------------------
 
-    def _prefill_program(self, params, cache, slot, ids, start, count, temperature, top_p, keys):
+    def _prefill_program(self, params, cache, slot, ids, start, count, temperature, top_p, keys, want_logprobs):
         self.programs.traced["prefill"] += 1
         settings = _slots.RowSettings(temperature, top_p, keys)
-        cache, chosen = self.slot_model.prefill_chunk(params, cache, slot, ids, start, count, settings)
+        cache, chosen = self.slot_model.prefill_chunk(params, cache, slot, ids, start, count, settings, want_logprobs)
         return cache, (chosen.token, chosen.logprob, chosen.top_token, chosen.top_logprob)
 
-    def _decode_program(self, params, cache, tokens, positions, active, temperature, top_p, keys, *, steps: int):
+    def _decode_program(
+        self,
+        params,
+        cache,
+        tokens,
+        positions,
+        active,
+        temperature,
+        top_p,
+        keys,
+        want_logprobs,
+        *,
+        steps: int,
+        rows: int,
+    ):
         self.programs.traced["decode"] += 1
         settings = _slots.RowSettings(temperature, top_p, keys)
-        cache, chosen = self.slot_model.decode_chunk(params, cache, tokens, positions, active, settings, steps=steps)
+        cache, chosen = self.slot_model.decode_chunk(
+            params, cache, tokens, positions, active, settings, want_logprobs, steps=steps, rows=rows
+        )
         return cache, (chosen.token, chosen.logprob, chosen.top_token, chosen.top_logprob)
 
 

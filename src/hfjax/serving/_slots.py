@@ -146,7 +146,7 @@ class SlotModel:
 
     # -- the two programs (traced) --------------------------------------------------
 
-    def prefill_chunk(self, params, cache, slot, ids, start, count, settings: RowSettings):
+    def prefill_chunk(self, params, cache, slot, ids, start, count, settings: RowSettings, want_logprobs):
         """One slot's prompt chunk ids [C] int32, its first `count` tokens real, at positions
         start..; returns (cache, Chosen [1, 1]) with the token that follows the last real one."""
         row = [tuple(jax.lax.dynamic_slice_in_dim(a, slot, 1, axis=0) for a in pair) for pair in cache]
@@ -158,12 +158,20 @@ class SlotModel:
             for pair, new in zip(cache, row)
         ]
         one = jax.tree_util.tree_map(lambda a: jax.lax.dynamic_slice_in_dim(a, slot, 1, axis=0), settings)
-        chosen = choose(logits[:, 0], one, (start + count - 1)[None])
+        chosen = choose(logits[:, 0], one, (start + count - 1)[None], want_logprobs)
         return cache, jax.tree_util.tree_map(lambda a: a[:, None], chosen)
 
-    def decode_chunk(self, params, cache, tokens, positions, active, settings: RowSettings, *, steps: int):
-        """`steps` decode steps of every slot. tokens, positions: [S] int32 each row's last token
-        and its position; active: [S] bool. Returns (cache, Chosen [S, steps])."""
+    def decode_chunk(
+        self, params, cache, tokens, positions, active, settings: RowSettings, want_logprobs, *, steps: int, rows: int
+    ):
+        """`steps` decode steps of the first `rows` slots (every decoding slot is among them: a
+        batch of 1 request does not pay for S rows). tokens, positions: [S] int32 each row's last
+        token and its position; active: [S] bool; want_logprobs: [] bool, whether any row reports
+        log-probabilities. Returns (cache, Chosen [rows, steps])."""
+        whole = cache
+        cache = [tuple(a[:rows] for a in pair) for pair in whole]
+        tokens, positions, active = tokens[:rows], positions[:rows], active[:rows]
+        settings = jax.tree_util.tree_map(lambda a: a[:rows], settings)
         write_nowhere = jnp.int32(self.length)
 
         def step(i, carry):
@@ -172,11 +180,10 @@ class SlotModel:
             write_at = jnp.where(active & (positions + i < write_nowhere), at, write_nowhere)
             with self.bound(params):
                 logits, cache = self.run(params, cache, tokens[:, None], at[:, None], write_at)
-            picked = choose(logits[:, 0], settings, at)
+            picked = choose(logits[:, 0], settings, at, want_logprobs)
             chosen = jax.tree_util.tree_map(lambda all_, one: all_.at[:, i].set(one), chosen, picked)
             return cache, picked.token, chosen
 
-        rows = tokens.shape[0]
         chosen = Chosen(
             token=jnp.zeros((rows, steps), jnp.int32),
             logprob=jnp.zeros((rows, steps), jnp.float32),
@@ -184,31 +191,54 @@ class SlotModel:
             top_logprob=jnp.zeros((rows, steps, TOP_LOGPROBS), jnp.float32),
         )
         cache, _, chosen = jax.lax.fori_loop(0, steps, step, (cache, tokens, chosen))
+        if rows < self.slots:
+            cache = [
+                tuple(jax.lax.dynamic_update_slice_in_dim(a, part, 0, axis=0) for a, part in zip(pair, parts))
+                for pair, parts in zip(whole, cache)
+            ]
         return cache, chosen
 
 
-def choose(logits, settings: RowSettings, positions) -> Chosen:
+def choose(logits, settings: RowSettings, positions, want_logprobs) -> Chosen:
     """Each row's next token from logits [R, V]: the argmax where temperature is 0, else a draw at
     its temperature from its top-p tokens, with a key from its seed and the position (so a
-    request's tokens depend on its seed, never on its neighbours). Returns Chosen [R]."""
-    temperature = settings.temperature[:, None]  # [R, 1]
-    scores = logits / jnp.where(temperature > 0, temperature, 1.0)
-    scores = _sampling._top_p(scores, settings.top_p[:, None])
+    request's tokens depend on its seed, never on its neighbours). Returns Chosen [R].
 
-    def noise(key_data, position):
-        key = jax.random.fold_in(jax.random.wrap_key_data(key_data), position)
-        return jax.random.gumbel(key, logits.shape[-1:], jnp.float32)
+    What no row needs is skipped at run time (`lax.cond`): the sort of top-p, the noise of
+    sampling, and the log-probabilities unless `want_logprobs` ([] bool).
+    """
+    greedy = _sampling.first_argmax(logits)  # [R]
+    sampling = settings.temperature > 0  # [R]
 
-    drawn = _sampling.first_argmax(scores + jax.vmap(noise)(settings.key, positions))
-    token = jnp.where(settings.temperature > 0, drawn, _sampling.first_argmax(logits))
-    logprobs = jax.nn.log_softmax(logits, axis=-1)  # [R, V]
-    top_logprob, top_token = jax.lax.top_k(logprobs, min(TOP_LOGPROBS, logits.shape[-1]))
-    return Chosen(
-        token=token,
-        logprob=jnp.take_along_axis(logprobs, token[:, None], axis=-1)[:, 0],
-        top_token=top_token.astype(jnp.int32),
-        top_logprob=top_logprob,
-    )
+    def drawn():
+        temperature = settings.temperature[:, None]  # [R, 1]
+        scores = logits / jnp.where(temperature > 0, temperature, 1.0)
+        top_p = settings.top_p[:, None]
+        scores = jax.lax.cond(
+            jnp.any(sampling & (settings.top_p < 1)), lambda: _sampling._top_p(scores, top_p), lambda: scores
+        )
+
+        def noise(key_data, position):
+            key = jax.random.fold_in(jax.random.wrap_key_data(key_data), position)
+            return jax.random.gumbel(key, logits.shape[-1:], jnp.float32)
+
+        picked = _sampling.first_argmax(scores + jax.vmap(noise)(settings.key, positions))
+        return jnp.where(sampling, picked, greedy)
+
+    token = jax.lax.cond(jnp.any(sampling), drawn, lambda: greedy)
+    rows, top = logits.shape[0], min(TOP_LOGPROBS, logits.shape[-1])
+
+    def logprobs():
+        every = jax.nn.log_softmax(logits, axis=-1)  # [R, V]
+        top_logprob, top_token = jax.lax.top_k(every, top)
+        chosen = jnp.take_along_axis(every, token[:, None], axis=-1)[:, 0]
+        return chosen, top_token.astype(jnp.int32), top_logprob
+
+    def none():
+        return jnp.zeros((rows,), jnp.float32), jnp.zeros((rows, top), jnp.int32), jnp.zeros((rows, top), jnp.float32)
+
+    logprob, top_token, top_logprob = jax.lax.cond(want_logprobs, logprobs, none)
+    return Chosen(token=token, logprob=logprob, top_token=top_token, top_logprob=top_logprob)
 
 
 def _accepts(module) -> set[str]:
