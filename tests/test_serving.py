@@ -67,8 +67,8 @@ def test_greedy_answers_equal_generate_with_16_requests_in_4_slots(model, engine
 
 def test_programs_stay_fixed_over_50_requests_of_mixed_lengths_and_settings(model, engine):
     before = dict(engine.program_counts)
-    # warm_up prepared them all: a prefill chunk, and a decode chunk per row bucket (1, 2 and 4 rows).
-    assert engine.row_buckets == (1, 2, 4) and before == {"prefill": 1, "decode": 3}
+    # warm_up prepared them all: a prefill chunk and a decode chunk per row bucket (1, 2 and 4 rows).
+    assert engine.prefill_buckets == engine.row_buckets == (1, 2, 4) and before == {"prefill": 3, "decode": 3}
     ids = _ids(model, [PROMPTS[i % len(PROMPTS)] for i in range(50)])
     params = [
         SamplingParams(

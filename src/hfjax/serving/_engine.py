@@ -117,6 +117,7 @@ class Engine:
         max_queue: requests waiting for a slot beyond which `submit` raises QueueFullError.
         decode_steps: decode steps per program call (a chunk); requests join and leave between chunks.
         prefill_chunk: prompt tokens per prefill call; a long prompt takes several, between decode chunks.
+        prefill_rows: prompts whose next chunk one prefill call reads together (the oldest first).
 
     Example:
         >>> engine = Engine(hfjax.load(path), max_batch=8)
@@ -133,12 +134,14 @@ class Engine:
         max_queue: int = 256,
         decode_steps: int = 8,
         prefill_chunk: int = 32,
+        prefill_rows: int = 4,
     ):
         context = _loading.context_length(model.module.config.get_text_config(decoder=True))
         if max_model_len is None:
             max_model_len = min(context or 2048, 2048)
         for name, value in (("max_batch", max_batch), ("max_model_len", max_model_len), ("max_queue", max_queue),
-                            ("decode_steps", decode_steps), ("prefill_chunk", prefill_chunk)):  # fmt: skip
+                            ("decode_steps", decode_steps), ("prefill_chunk", prefill_chunk),
+                            ("prefill_rows", prefill_rows)):  # fmt: skip
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ServingError(f"Engine: {name}={value!r}; pass a whole number >= 1")
         if context is not None and max_model_len > context:
@@ -153,6 +156,7 @@ class Engine:
         self.tokenizer = model.tokenizer
         self.max_batch, self.max_model_len, self.max_queue = max_batch, max_model_len, max_queue
         self.decode_steps, self.prefill_chunk = decode_steps, prefill_chunk
+        self.prefill_rows = min(prefill_rows, max_batch)
         self.eos = _eos_ids(model)
         self.metrics = Metrics(max_batch)
         self.slot_model = _slots.SlotModel(model, max_batch, max_model_len)
@@ -201,6 +205,13 @@ class Engine:
         return self
 
     @property
+    def prefill_buckets(self) -> tuple[int, ...]:
+        """The prompt counts a prefill chunk is compiled for: powers of two up to prefill_rows."""
+        return tuple(
+            sorted({_buckets.bucket(n, smallest=1, limit=self.prefill_rows) for n in range(1, self.prefill_rows + 1)})
+        )
+
+    @property
     def row_buckets(self) -> tuple[int, ...]:
         """The row counts a decode chunk is compiled for: powers of two up to max_batch, and max_batch."""
         return tuple(
@@ -216,7 +227,9 @@ class Engine:
             self._cache = self.slot_model.empty_cache()
         probe = Request([min(self.eos, default=0)], SamplingParams(max_tokens=1), lambda event: None, None)
         probe.slot = 0
-        self._prefill(probe, deliver=False)
+        for rows in self.prefill_buckets:
+            probe.prefilled = 0
+            self._prefill([probe], rows=rows, deliver=False)
         self._tokens[:], self._positions[:] = 0, 0
         for rows in self.row_buckets:
             self._decode(rows=rows)
@@ -323,7 +336,7 @@ class Engine:
                         continue
                 prefilling = [r for r in self._slots if r is not None and r.prefilled < len(r.prompt)]
                 if prefilling:
-                    self._prefill(min(prefilling, key=lambda r: r.arrived))
+                    self._prefill(sorted(prefilling, key=lambda r: r.arrived)[: self.prefill_rows])
                 if any(r is not None and r.prefilled == len(r.prompt) and not r.finished for r in self._slots):
                     self._decode()
         except BaseException as error:  # noqa: BLE001 (handed to every waiting caller)
@@ -378,28 +391,34 @@ class Engine:
             jnp.bool_(want_logprobs),
         )
 
-    def _prefill(self, request: Request, *, deliver: bool = True) -> None:
-        start = request.prefilled
-        chunk = request.prompt[start : start + self.prefill_chunk]
-        ids = np.zeros(self.prefill_chunk, np.int32)
-        ids[: len(chunk)] = chunk
+    def _prefill(self, requests: list[Request], *, rows: int | None = None, deliver: bool = True) -> None:
+        """The next prompt chunk of each request (at most prefill_rows of them) in one program."""
+        rows = rows or _buckets.bucket(len(requests), smallest=1, limit=self.prefill_rows)
+        slots = np.full(rows, self.max_batch, np.int32)  # padding rows: slot S, out of range
+        ids = np.zeros((rows, self.prefill_chunk), np.int32)
+        start, count = np.zeros(rows, np.int32), np.ones(rows, np.int32)
+        for i, request in enumerate(requests):
+            chunk = request.prompt[request.prefilled : request.prefilled + self.prefill_chunk]
+            slots[i], start[i], count[i] = request.slot, request.prefilled, len(chunk)
+            ids[i, : len(chunk)] = chunk
         args = (
-            self.model.params, self._cache, jnp.int32(request.slot), jnp.asarray(ids), jnp.int32(start),
-            jnp.int32(len(chunk)), *self._settings([request]),
+            self.model.params, self._cache, jnp.asarray(slots), jnp.asarray(ids), jnp.asarray(start),
+            jnp.asarray(count), *self._settings(requests),
         )  # fmt: skip
         program = self.programs.get(
-            ("prefill", self.max_batch, self.max_model_len, self.prefill_chunk),
+            ("prefill", self.max_batch, self.max_model_len, self.prefill_chunk, rows),
             self._prefill_program, args, metadata=dict, donate=(1,),
         )  # fmt: skip
         self._cache, chosen = program.run(*args)
-        request.prefilled += len(chunk)
-        if request.prefilled < len(request.prompt) or not deliver:
-            return
-        token = int(np.asarray(chosen[0])[0, 0])
-        self._tokens[request.slot] = token
-        self._positions[request.slot] = len(request.prompt)
-        with self._lock:
-            self._deliver(request, [np.asarray(c)[0] for c in chosen], 1)
+        chosen = [np.asarray(c) for c in chosen]  # [rows, 1] ...
+        for i, request in enumerate(requests):
+            request.prefilled += int(count[i])
+            if request.prefilled < len(request.prompt) or not deliver:
+                continue
+            self._tokens[request.slot] = int(chosen[0][i, 0])
+            self._positions[request.slot] = len(request.prompt)
+            with self._lock:
+                self._deliver(request, [c[i] for c in chosen], 1)
 
     def _decode(self, *, rows: int | None = None) -> None:
         active = np.array([r is not None and r.prefilled == len(r.prompt) and not r.finished for r in self._slots])
@@ -472,10 +491,10 @@ class Engine:
 
     # -- traced: flat arguments, so that the programs can be kept on disk ------------------
 
-    def _prefill_program(self, params, cache, slot, ids, start, count, temperature, top_p, keys, want_logprobs):
+    def _prefill_program(self, params, cache, slots, ids, start, count, temperature, top_p, keys, want_logprobs):
         self.programs.traced["prefill"] += 1
         settings = _slots.RowSettings(temperature, top_p, keys)
-        cache, chosen = self.slot_model.prefill_chunk(params, cache, slot, ids, start, count, settings, want_logprobs)
+        cache, chosen = self.slot_model.prefill_chunk(params, cache, slots, ids, start, count, settings, want_logprobs)
         return cache, (chosen.token, chosen.logprob, chosen.top_token, chosen.top_logprob)
 
     def _decode_program(

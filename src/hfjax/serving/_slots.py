@@ -119,7 +119,7 @@ class SlotModel:
                 yield
 
     def run(self, params, cache, ids, positions, write_at, keep=None):
-        """Logits [B, q, V] (or at the column `keep` [1] int32 only: [B, 1, V]) and the cache after
+        """Logits [B, q, V] (or at the columns `keep` [k] int32 only: [B, k, V]) and the cache after
         ids [B, q] at positions [B, q]; rows write their keys and values from column write_at [B]."""
         from transformers import StaticCache
 
@@ -140,25 +140,26 @@ class SlotModel:
         out = self.module(input_ids=_env.to_torch(ids), **kwargs)
         logits = _env.to_jax(out.logits).astype(jnp.float32)
         if keep is not None:
-            logits = jax.lax.dynamic_slice_in_dim(logits, keep[0], 1, axis=1)
+            logits = jnp.take(logits, keep, axis=1)
         cache = [(_env.to_jax(layer.keys), _env.to_jax(layer.values)) for layer in past.layers]
         return logits, cache
 
     # -- the two programs (traced) --------------------------------------------------
 
-    def prefill_chunk(self, params, cache, slot, ids, start, count, settings: RowSettings, want_logprobs):
-        """One slot's prompt chunk ids [C] int32, its first `count` tokens real, at positions
-        start..; returns (cache, Chosen [1, 1]) with the token that follows the last real one."""
-        row = [tuple(jax.lax.dynamic_slice_in_dim(a, slot, 1, axis=0) for a in pair) for pair in cache]
-        positions = (start + jnp.arange(ids.shape[0], dtype=jnp.int32))[None]  # [1, C]
+    def prefill_chunk(self, params, cache, slots, ids, start, count, settings: RowSettings, want_logprobs):
+        """Prompt chunks of P slots at once: ids [P, C] int32, row p's first count[p] tokens real, at
+        positions start[p]..; slots [P] int32 (S: a padding row, which reads zeros and writes
+        nowhere). Returns (cache, Chosen [P, 1]) with the token that follows each last real token."""
+        rows = [tuple(a.at[slots].get(mode="fill", fill_value=0) for a in pair) for pair in cache]
+        positions = start[:, None] + jnp.arange(ids.shape[1], dtype=jnp.int32)  # [P, C]
+        last = count - 1  # [P]
         with self.bound(params):
-            logits, row = self.run(params, row, ids[None], positions, start[None], keep=(count - 1)[None])
-        cache = [
-            tuple(jax.lax.dynamic_update_slice_in_dim(a, r, slot, axis=0) for a, r in zip(pair, new))
-            for pair, new in zip(cache, row)
-        ]
-        one = jax.tree_util.tree_map(lambda a: jax.lax.dynamic_slice_in_dim(a, slot, 1, axis=0), settings)
-        chosen = choose(logits[:, 0], one, (start + count - 1)[None], want_logprobs)
+            # Logits at every row's last index for every row ([P, P, V]); row p's own is on the diagonal.
+            logits, rows = self.run(params, rows, ids, positions, start, keep=last)
+        logits = logits[jnp.arange(ids.shape[0]), jnp.arange(ids.shape[0])] if logits.shape[1] > 1 else logits[:, 0]
+        cache = [tuple(a.at[slots].set(r, mode="drop") for a, r in zip(pair, new)) for pair, new in zip(cache, rows)]
+        mine = jax.tree_util.tree_map(lambda a: a.at[slots].get(mode="fill", fill_value=0), settings)
+        chosen = choose(logits, mine, start + last, want_logprobs)
         return cache, jax.tree_util.tree_map(lambda a: a[:, None], chosen)
 
     def decode_chunk(
