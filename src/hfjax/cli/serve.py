@@ -47,6 +47,9 @@ def add_parser(subparsers) -> None:
     )
     parser.add_argument("--decode-steps", type=int, default=8, help="decode steps per chunk (default 8)")
     parser.add_argument("--prefill-chunk", type=int, default=64, help="prompt tokens per prefill chunk (default 64)")
+    parser.add_argument(
+        "--prefill-rows", type=int, default=4, help="prompts read together in one prefill call (default 4)"
+    )
 
 
 def _exit_cleanly(signum, frame):
@@ -66,7 +69,16 @@ def run(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return 1
-    for flag in ("max_batch", "max_queue", "model_parallel", "data_parallel", "decode_steps", "prefill_chunk"):
+    flags = (
+        "max_batch",
+        "max_queue",
+        "model_parallel",
+        "data_parallel",
+        "decode_steps",
+        "prefill_chunk",
+        "prefill_rows",
+    )
+    for flag in flags:
         if getattr(args, flag) < 1:
             print(f"hfjax serve: --{flag.replace('_', '-')}={getattr(args, flag)} must be at least 1", file=sys.stderr)
             return 2
@@ -84,7 +96,7 @@ def run(args: argparse.Namespace) -> int:
     if model.task == "text-generation":
         engine = Engine(
             model, max_batch=args.max_batch, max_model_len=args.max_model_len, max_queue=args.max_queue,
-            decode_steps=args.decode_steps, prefill_chunk=args.prefill_chunk,
+            decode_steps=args.decode_steps, prefill_chunk=args.prefill_chunk, prefill_rows=args.prefill_rows,
         )  # fmt: skip
         engine.warm_up()
     elif model.task != "feature-extraction":
