@@ -173,3 +173,15 @@ def test_text_stream_holds_back_a_possible_stop_string_and_cuts_at_it():
     assert stream.add([ord(c) for c in "ab ST"]) == ("ab ", False)
     assert stream.add([ord(c) for c in "ay"]) == ("STay", False)
     assert stream.rest() == ""
+
+
+def test_a_prompt_starts_after_the_prefix_a_free_slot_holds_and_answers_the_same(model, engine):
+    system = " ".join(WORDS[:20])
+    first, second = _ids(model, [system + " What is", system + " Where did the children go"])
+    engine.generate([first], SamplingParams(max_tokens=5, temperature=0))
+    hits = engine.metrics.prefix_hit_tokens
+    got = engine.generate([second], SamplingParams(max_tokens=12, temperature=0))[0]
+    shared = next(i for i, (a, b) in enumerate(zip(first, second)) if a != b)
+    assert shared > CHUNK and engine.metrics.prefix_hit_tokens - hits == shared
+    assert got.token_ids == _generate_alone(model, [second], 12)[0][:12]
+    assert engine.program_counts == {"prefill": 3, "decode": 3}

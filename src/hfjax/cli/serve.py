@@ -48,6 +48,11 @@ def add_parser(subparsers) -> None:
     parser.add_argument("--decode-steps", type=int, default=8, help="decode steps per chunk (default 8)")
     parser.add_argument("--prefill-chunk", type=int, default=64, help="prompt tokens per prefill chunk (default 64)")
     parser.add_argument(
+        "--no-prefix-reuse",
+        action="store_true",
+        help="read every prompt whole, even when a free slot holds the keys of its first tokens",
+    )
+    parser.add_argument(
         "--prefill-rows", type=int, default=4, help="prompts read together in one prefill call (default 4)"
     )
 
@@ -97,6 +102,7 @@ def run(args: argparse.Namespace) -> int:
         engine = Engine(
             model, max_batch=args.max_batch, max_model_len=args.max_model_len, max_queue=args.max_queue,
             decode_steps=args.decode_steps, prefill_chunk=args.prefill_chunk, prefill_rows=args.prefill_rows,
+            prefix_reuse=not args.no_prefix_reuse,
         )  # fmt: skip
         engine.warm_up()
     elif model.task != "feature-extraction":

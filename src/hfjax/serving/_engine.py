@@ -118,6 +118,8 @@ class Engine:
         decode_steps: decode steps per program call (a chunk); requests join and leave between chunks.
         prefill_chunk: prompt tokens per prefill call; a long prompt takes several, between decode chunks.
         prefill_rows: prompts whose next chunk one prefill call reads together (the oldest first).
+        prefix_reuse: start a prompt in the free slot whose cache holds the longest prefix of it (a
+            system prompt, earlier turns of a chat), reading only the rest.
 
     Example:
         >>> engine = Engine(hfjax.load(path), max_batch=8)
@@ -135,6 +137,7 @@ class Engine:
         decode_steps: int = 8,
         prefill_chunk: int = 32,
         prefill_rows: int = 4,
+        prefix_reuse: bool = True,
     ):
         context = _loading.context_length(model.module.config.get_text_config(decoder=True))
         if max_model_len is None:
@@ -157,6 +160,7 @@ class Engine:
         self.max_batch, self.max_model_len, self.max_queue = max_batch, max_model_len, max_queue
         self.decode_steps, self.prefill_chunk = decode_steps, prefill_chunk
         self.prefill_rows = min(prefill_rows, max_batch)
+        self.prefix_reuse = prefix_reuse
         self.eos = _eos_ids(model)
         self.metrics = Metrics(max_batch)
         self.slot_model = _slots.SlotModel(model, max_batch, max_model_len)
@@ -168,6 +172,7 @@ class Engine:
         self.programs = _programs.ProgramCache(fingerprint)
         self._cache = None  # [(keys, values)] per layer, [S, heads, L, head_dim]
         self._slots: list[Request | None] = [None] * max_batch
+        self._cached: list[list[int]] = [[] for _ in range(max_batch)]  # token ids whose keys each row holds
         self._tokens = np.zeros(max_batch, np.int32)  # each slot's last token, not yet in its cache
         self._positions = np.zeros(max_batch, np.int32)  # that token's position
         self._temperature = np.zeros(max_batch, np.float32)
@@ -352,7 +357,14 @@ class Engine:
             if request.cancelled:
                 self._finish(request, "cancelled")
                 continue
-            slot = self._slots.index(None)
+            slot = self._free_slot(request.prompt)
+            if self.prefix_reuse:
+                # The row already holds the keys and values of the prompt's first tokens: start after
+                # them (at least the last prompt token runs, for the logits of the first new token).
+                reused = min(_common_prefix(self._cached[slot], request.prompt), len(request.prompt) - 1)
+                request.prefilled = reused
+                self.metrics.prefix_hit_tokens += reused
+            self._cached[slot] = []
             request.slot = slot
             self._slots[slot] = request
             params = request.params
@@ -362,6 +374,14 @@ class Engine:
             self._keys[slot] = _key_data(seed)
         self.metrics.queue_depth = len(self._waiting)
         self.metrics.running = self.running
+
+    def _free_slot(self, prompt: list[int]) -> int:
+        """The free slot whose cached tokens share the longest prefix with `prompt`; else the lowest
+        free slot (low slots keep decode chunks small)."""
+        free = [slot for slot, request in enumerate(self._slots) if request is None]
+        if not self.prefix_reuse:
+            return free[0]
+        return max(free, key=lambda slot: (_common_prefix(self._cached[slot], prompt), -slot))
 
     def _release_cancelled(self) -> None:
         for request in self._slots:
@@ -374,6 +394,10 @@ class Engine:
         request.finished = True
         if request.slot is not None:
             self._slots[request.slot] = None
+            # What the row's columns hold for certain: the prompt read so far and every new token fed
+            # back (all but the last kept one, which a chunk may or may not have run).
+            fed = request.text.ids[:-1] if request.prefilled == len(request.prompt) else []
+            self._cached[request.slot] = request.prompt[: request.prefilled] + fed
             self._positions[request.slot] = 0
             self._tokens[request.slot] = 0
         self.metrics.running = self.running
@@ -518,6 +542,15 @@ class Engine:
             params, cache, tokens, positions, active, settings, want_logprobs, steps=steps, rows=rows
         )
         return cache, (chosen.token, chosen.logprob, chosen.top_token, chosen.top_logprob)
+
+
+def _common_prefix(a: list[int], b: list[int]) -> int:
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
 
 
 def _key_data(seed: int) -> np.ndarray:

@@ -34,6 +34,7 @@ class Metrics:
         self.finished = {}  # {finish reason: count}
         self.prompt_tokens = 0
         self.generation_tokens = 0
+        self.prefix_hit_tokens = 0
         self.queue_depth = 0
         self.running = 0
         self.time_to_first_token = Histogram()
@@ -77,6 +78,10 @@ class Metrics:
             metric(
                 "hfjax_generation_tokens_total", "counter", "Tokens generated for finished requests.",
                 [("", self.generation_tokens)],
+            )  # fmt: skip
+            metric(
+                "hfjax_prefix_cache_hit_tokens_total", "counter", "Prompt tokens whose keys a slot held already.",
+                [("", self.prefix_hit_tokens)],
             )  # fmt: skip
             metric("hfjax_num_requests_waiting", "gauge", "Requests queued for a slot.", [("", self.queue_depth)])
             metric("hfjax_num_requests_running", "gauge", "Requests holding a slot.", [("", self.running)])
