@@ -67,13 +67,16 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_server(kind: str, checkpoint: pathlib.Path, port: int, args, logs: pathlib.Path) -> subprocess.Popen:
+def start_server(
+    kind: str, checkpoint: pathlib.Path, port: int, args, logs: pathlib.Path, flags=()
+) -> subprocess.Popen:
     env = {**os.environ, "OMP_WAIT_POLICY": "PASSIVE"}
     if kind == "hfjax":
         argv = [
             sys.executable, "-m", "hfjax.cli", "serve", "--model", str(checkpoint), "--port", str(port),
             "--max-batch", str(args.max_batch), "--max-model-len", str(args.max_model_len),
-            "--max-queue", "1024", "--served-model-name", "bench",
+            "--max-queue", "1024", "--served-model-name", "bench", "--prefill-chunk", str(args.prefill_chunk),
+            "--prefill-rows", str(args.prefill_rows), *flags,
         ]  # fmt: skip
     else:
         transformers_cli = shutil.which("transformers") or str(pathlib.Path(sys.executable).parent / "transformers")
@@ -82,7 +85,7 @@ def start_server(kind: str, checkpoint: pathlib.Path, port: int, args, logs: pat
             "--port", str(port), "--host", "127.0.0.1", "--log-level", "warning", str(checkpoint),
         ]  # fmt: skip
     log(f"starting {kind}: {' '.join(argv)}")
-    return subprocess.Popen(argv, stdout=open(logs / f"{kind}.log", "w"), stderr=subprocess.STDOUT, env=env)
+    return subprocess.Popen(argv, stdout=open(logs / f"{kind}.log", "a"), stderr=subprocess.STDOUT, env=env)
 
 
 async def wait_up(url: str, process: subprocess.Popen, timeout: float = 900) -> None:
@@ -124,7 +127,16 @@ async def one_request(http, url: str, model: str, prompt: str, new_tokens: int) 
     }
 
 
-async def run_level(url: str, model: str, prompt: str, new_tokens: int, concurrency: int, requests: int) -> dict:
+def prompt_text(index: int, tokens: int, prefix: int = 0) -> str:
+    """Request `index`'s prompt: `prefix` words every request shares, then words of its own."""
+    shared = [f"w{3 + (11 * i) % 997}" for i in range(prefix)]
+    own = [f"w{3 + (7 * i + 131 * index) % 30000}" for i in range(tokens - prefix)]
+    return " ".join(shared + own)
+
+
+async def run_level(
+    url: str, model: str, prompt_tokens: int, new_tokens: int, concurrency: int, requests: int, prefix: int = 0
+) -> dict:
     import httpx
 
     queue = asyncio.Queue()
@@ -134,7 +146,8 @@ async def run_level(url: str, model: str, prompt: str, new_tokens: int, concurre
 
     async def client(http):
         while not queue.empty():
-            queue.get_nowait()
+            index = queue.get_nowait()
+            prompt = prompt_text(index, prompt_tokens, prefix)
             results.append(await one_request(http, url, model, prompt, new_tokens))
 
     limits = httpx.Limits(max_connections=concurrency)
@@ -157,21 +170,30 @@ async def run_level(url: str, model: str, prompt: str, new_tokens: int, concurre
     }
 
 
-async def bench_server(kind: str, checkpoint, args, prompt: str, logs: pathlib.Path) -> list[dict]:
+async def bench_server(kind: str, checkpoint, args, logs: pathlib.Path, *, shared_prefix_only=False, flags=()):
     port = free_port()
     url = f"http://127.0.0.1:{port}"
-    process = start_server(kind, checkpoint, port, args, logs)
+    process = start_server(kind, checkpoint, port, args, logs, flags)
     try:
         await wait_up(url, process)
         model = "bench" if kind == "hfjax" else str(checkpoint)
-        await run_level(url, model, prompt, args.new_tokens, 1, 2)  # warm-up: first requests compile or load
+        await run_level(url, model, args.prompt_tokens, args.new_tokens, 1, 2)  # warm-up: the first requests
         levels = []
-        for concurrency in args.concurrency:
+        for concurrency in [] if shared_prefix_only else args.concurrency:
             requests = max(args.requests_per_client * concurrency, args.min_requests)
             log(f"  {kind}: concurrency {concurrency}, {requests} requests ...")
-            level = await run_level(url, model, prompt, args.new_tokens, concurrency, requests)
+            level = await run_level(url, model, args.prompt_tokens, args.new_tokens, concurrency, requests)
             log(f"    {json.dumps(level)}")
             levels.append(level)
+        if args.prefix_tokens:
+            # One client, prompts that share their first prefix_tokens words (a system prompt).
+            log(f"  {kind} {' '.join(flags)}: shared prefix of {args.prefix_tokens} tokens ...")
+            level = await run_level(
+                url, model, args.prefix_tokens + args.prompt_tokens, args.new_tokens, 1, args.min_requests,
+                prefix=args.prefix_tokens,
+            )  # fmt: skip
+            log(f"    {json.dumps(level)}")
+            levels.append({**level, "shared_prefix_tokens": args.prefix_tokens})
         return levels
     finally:
         process.send_signal(signal.SIGTERM)
@@ -205,7 +227,14 @@ def main() -> None:
     parser.add_argument("--requests-per-client", type=int, default=2)
     parser.add_argument("--min-requests", type=int, default=8)
     parser.add_argument("--max-batch", type=int, default=16, help="hfjax serve's slots")
-    parser.add_argument("--max-model-len", type=int, default=128, help="hfjax serve's cache columns per slot")
+    parser.add_argument("--max-model-len", type=int, default=256, help="hfjax serve's cache columns per slot")
+    parser.add_argument("--prefill-chunk", type=int, default=32, help="hfjax serve's prompt tokens per prefill call")
+    parser.add_argument("--prefill-rows", type=int, default=8, help="hfjax serve's prompts per prefill call")
+    parser.add_argument(
+        "--prefix-tokens", type=int, default=128,
+        help="also time one client whose prompts share this many first tokens, hfjax with and without prefix "
+        "reuse (0: skip)",
+    )  # fmt: skip
     parser.add_argument("--servers", nargs="+", default=["hfjax", "transformers"], choices=["hfjax", "transformers"])
     parser.add_argument("--runs", type=int, default=3, help="timed Model.generate runs for the reference")
     parser.add_argument("--quick", action="store_true", help="concurrency 1 and 4 only")
@@ -215,14 +244,24 @@ def main() -> None:
     work = pathlib.Path(tempfile.mkdtemp(prefix="hfjax-bench-serve-"))
     try:
         checkpoint = write_checkpoint(args.size, work / args.size)
-        prompt = " ".join(f"w{3 + (7 * i) % 500}" for i in range(args.prompt_tokens))
         report = {
             "size": args.size, "dtype": "float32", "prompt_tokens": args.prompt_tokens, "new_tokens": args.new_tokens,
-            "hfjax_max_batch": args.max_batch, "hfjax_max_model_len": args.max_model_len, "servers": {},
+            "hfjax_max_batch": args.max_batch, "hfjax_max_model_len": args.max_model_len,
+            "hfjax_prefill_chunk": args.prefill_chunk, "hfjax_prefill_rows": args.prefill_rows, "servers": {},
         }  # fmt: skip
         for kind in args.servers:
-            report["servers"][kind] = asyncio.run(bench_server(kind, checkpoint, args, prompt, work))
+            report["servers"][kind] = asyncio.run(bench_server(kind, checkpoint, args, work))
+        if args.prefix_tokens and "hfjax" in args.servers:
+            without = asyncio.run(
+                bench_server("hfjax", checkpoint, args, work, shared_prefix_only=True, flags=("--no-prefix-reuse",))
+            )
+            with_reuse = report["servers"]["hfjax"].pop()
+            report["hfjax_shared_prefix"] = {"reuse": with_reuse, "no_reuse": without[0]}
+            report["hfjax_shared_prefix_ttft_p50_saved_s"] = without[0]["ttft_p50_s"] - with_reuse["ttft_p50_s"]
+        if "transformers" in args.servers and args.prefix_tokens:
+            report["transformers_shared_prefix"] = report["servers"]["transformers"].pop()
         log("Model.generate at batch 1 ...")
+        prompt = prompt_text(0, args.prompt_tokens)
         report["model_generate_batch_1"] = generate_reference(checkpoint, prompt, args.new_tokens, args.runs)
         levels = {k: {lvl["concurrency"]: lvl for lvl in v} for k, v in report["servers"].items()}
         if "hfjax" in levels and "transformers" in levels:
