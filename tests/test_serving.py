@@ -185,3 +185,14 @@ def test_a_prompt_starts_after_the_prefix_a_free_slot_holds_and_answers_the_same
     assert shared > CHUNK and engine.metrics.prefix_hit_tokens - hits == shared
     assert got.token_ids == _generate_alone(model, [second], 12)[0][:12]
     assert engine.program_counts == {"prefill": 3, "decode": 3}
+
+
+def test_serve_without_the_extra_says_what_to_install(monkeypatch, capsys):
+    import importlib.util
+
+    from hfjax.cli import main
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "uvicorn" else real(name, *a))
+    assert main(["serve", "--model", "unused"]) == 1
+    assert 'pip install "hfjax[serve]"' in capsys.readouterr().err

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import inspect
 
 import jax
 import jax.numpy as jnp
@@ -243,8 +244,6 @@ def choose(logits, settings: RowSettings, positions, want_logprobs) -> Chosen:
 
 
 def _accepts(module) -> set[str]:
-    import inspect
-
     return set(inspect.signature(module.forward).parameters)
 
 
