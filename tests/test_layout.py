@@ -13,7 +13,7 @@ import background
 import hfjax
 
 ROOT = pathlib.Path(hfjax.__file__).parent
-SUBPACKAGES = ("generation", "diffusion", "parallel", "cpu", "testing", "cli", "training")
+SUBPACKAGES = ("generation", "serving", "diffusion", "parallel", "cpu", "testing", "cli", "training")
 
 
 def _module_name(path: pathlib.Path) -> str:

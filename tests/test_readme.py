@@ -25,6 +25,8 @@ README_DIR = "/tmp/hfjax-readme"
 
 def _blocks(language: str, directory: str = README_DIR) -> list[str]:
     text = README.read_text().replace(README_DIR, directory)
+    # The Serve section's examples need a live server: tests/test_serve.py runs them against one.
+    text = re.sub(r"\n## Serve\n.*?(?=\n## )", "\n", text, flags=re.S)
     return re.findall(rf"```{language}\n(.*?)```", text, flags=re.S)
 
 

@@ -16,9 +16,9 @@ Public API:
     check               parity of a checkpoint against PyTorch
     Trainer             full and LoRA fine-tuning with optax (`hfjax.training`; needs the `train` extra)
     HfjaxError          base of LoadError, UnsupportedOpError, ShardingError, GenerationError, PipelineError,
-                        TrainingError
+                        TrainingError, ServingError
 
-Subpackages: `hfjax.generation` (the engine), `hfjax.training` (imported when first used), `hfjax.parallel` (meshes, sharding rules),
+Subpackages: `hfjax.generation` (the engine), `hfjax.serving` (continuous batching, `hfjax serve`), `hfjax.training` (imported when first used), `hfjax.parallel` (meshes, sharding rules),
 `hfjax.diffusion`, `hfjax.cpu` (the CPU's fast paths), `hfjax.testing` (tiny checkpoints),
 `hfjax.cli`. Importing hfjax changes nothing in the process (README.md lists what its calls do).
 """
@@ -31,6 +31,7 @@ from ._errors import (
     HfjaxError,
     LoadError,
     PipelineError,
+    ServingError,
     ShardingError,
     TrainingError,
     UnsupportedOpError,
@@ -49,6 +50,7 @@ __all__ = [
     "LoadError",
     "Model",
     "PipelineError",
+    "ServingError",
     "ShardingError",
     "Trainer",
     "TrainingError",

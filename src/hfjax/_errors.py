@@ -6,7 +6,8 @@
      ├── ShardingError      a model cannot be split over the mesh as asked, or `mesh=` is not a mesh
      ├── GenerationError    generation settings or prompts that cannot be carried out
      ├── PipelineError      a diffusion pipeline call that cannot run as given
-     └── TrainingError      a trainer setting, training data or a training checkpoint that cannot be used
+     ├── TrainingError      a trainer setting, training data or a training checkpoint that cannot be used
+     └── ServingError       a server or continuous-batching engine setting or request that cannot be served
 
 Each also derives from the builtin error a caller would expect (ValueError, NotImplementedError),
 so `except ValueError` keeps working.
@@ -49,3 +50,7 @@ class PipelineError(HfjaxError, ValueError):
 
 class TrainingError(HfjaxError, ValueError):
     """A Trainer setting, a line of training data or a training checkpoint that cannot be used as given."""
+
+
+class ServingError(HfjaxError, ValueError):
+    """A continuous-batching engine or server setting, or a request to it, that cannot be served."""

@@ -1,0 +1,283 @@
+"""`hfjax serve` against `transformers serve --continuous-batching --device cpu` on one checkpoint.
+
+Both servers answer the same async load generator (streamed /v1/completions, fixed prompt and
+output lengths) at each concurrency level, one server at a time. The checkpoint is a Llama shape
+of shapes.py in float32 with random weights and a word-level tokenizer of the model's whole
+vocabulary (every token decodes to a word, so every streamed token is seen by the client).
+`Model.generate` at batch 1, same lengths, is timed in this process as the concurrency-1 reference.
+
+    python benchmarks/serve.py --quick          # 20m, concurrency 1 and 4
+    python benchmarks/serve.py                  # 20m, concurrency 1, 4, 16, 64
+
+Reported per server and level: output tokens/s and requests/s over the level's wall time, time to
+first token p50/p99, and inter-token latency p50/p99 (per request: (last token - first token) /
+(tokens - 1), so a server that sends tokens in bunches is not flattered). The last stdout line is JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import pathlib
+import shutil
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+import numpy as np
+
+sys.path.insert(0, str(pathlib.Path(__file__).parent))
+from shapes import LLAMA_20M, LLAMA_150M  # noqa: E402
+
+SIZES = {"20m": LLAMA_20M, "150m": LLAMA_150M}
+
+
+def log(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)
+
+
+def write_checkpoint(size: str, path: pathlib.Path) -> pathlib.Path:
+    import tokenizers
+    import transformers
+
+    from hfjax import testing
+
+    testing.save_tiny_checkpoint("llama", path, dtype="float32", max_position_embeddings=4096, **SIZES[size])
+    vocab = {"<pad>": 0, "<s>": 1, "</s>": 2, **{f"w{i}": i for i in range(3, SIZES[size]["vocab_size"])}}
+    words = tokenizers.Tokenizer(tokenizers.models.WordLevel(vocab, unk_token="<pad>"))
+    words.pre_tokenizer = tokenizers.pre_tokenizers.WhitespaceSplit()
+    words.decoder = tokenizers.decoders.WordPiece(prefix="##")  # joins words with spaces
+    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json", "merges.txt"):
+        (path / name).unlink(missing_ok=True)
+    transformers.PreTrainedTokenizerFast(
+        tokenizer_object=words, pad_token="<pad>", bos_token="<s>", eos_token="</s>"
+    ).save_pretrained(path)
+    return path
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_server(
+    kind: str, checkpoint: pathlib.Path, port: int, args, logs: pathlib.Path, flags=()
+) -> subprocess.Popen:
+    env = {**os.environ, "OMP_WAIT_POLICY": "PASSIVE"}
+    if kind == "hfjax":
+        argv = [
+            sys.executable, "-m", "hfjax.cli", "serve", "--model", str(checkpoint), "--port", str(port),
+            "--max-batch", str(args.max_batch), "--max-model-len", str(args.max_model_len),
+            "--max-queue", "1024", "--served-model-name", "bench", "--prefill-chunk", str(args.prefill_chunk),
+            "--prefill-rows", str(args.prefill_rows), *flags,
+        ]  # fmt: skip
+    else:
+        transformers_cli = shutil.which("transformers") or str(pathlib.Path(sys.executable).parent / "transformers")
+        argv = [
+            transformers_cli, "serve", "--continuous-batching", "--device", "cpu", "--dtype", "float32",
+            "--port", str(port), "--host", "127.0.0.1", "--log-level", "warning", str(checkpoint),
+        ]  # fmt: skip
+    log(f"starting {kind}: {' '.join(argv)}")
+    return subprocess.Popen(argv, stdout=open(logs / f"{kind}.log", "a"), stderr=subprocess.STDOUT, env=env)
+
+
+async def wait_up(url: str, process: subprocess.Popen, timeout: float = 900) -> None:
+    import httpx
+
+    deadline = time.monotonic() + timeout
+    async with httpx.AsyncClient() as http:
+        while time.monotonic() < deadline:
+            if process.poll() is not None:
+                raise RuntimeError(f"the server exited with {process.returncode}")
+            try:
+                if (await http.get(url + "/health", timeout=2)).status_code == 200:
+                    return
+            except httpx.TransportError:
+                pass
+            await asyncio.sleep(0.5)
+    raise RuntimeError(f"{url} did not come up in {timeout} s")
+
+
+async def one_request(http, url: str, model: str, prompt: str, new_tokens: int) -> dict:
+    body = {"model": model, "prompt": prompt, "max_tokens": new_tokens, "temperature": 0, "stream": True}
+    start = time.perf_counter()
+    times = []
+    async with http.stream("POST", url + "/v1/completions", json=body) as response:
+        response.raise_for_status()
+        async for line in response.aiter_lines():
+            if not line.startswith("data: ") or line.strip() == "data: [DONE]":
+                continue
+            chunk = json.loads(line[len("data: ") :])
+            for choice in chunk.get("choices") or []:
+                text = choice.get("text") or ""
+                # Every token is one word of the word-level vocabulary: count them as the client sees them.
+                times.extend([time.perf_counter()] * len(text.split()))
+    tokens = len(times)
+    return {
+        "tokens": tokens,
+        "ttft": times[0] - start if times else float("nan"),
+        "itl": (times[-1] - times[0]) / (tokens - 1) if tokens > 1 else float("nan"),
+    }
+
+
+def prompt_text(index: int, tokens: int, prefix: int = 0) -> str:
+    """Request `index`'s prompt: `prefix` words every request shares, then words of its own."""
+    shared = [f"w{3 + (11 * i) % 997}" for i in range(prefix)]
+    own = [f"w{3 + (7 * i + 131 * index) % 30000}" for i in range(tokens - prefix)]
+    return " ".join(shared + own)
+
+
+async def run_level(
+    url: str, model: str, prompt_tokens: int, new_tokens: int, concurrency: int, requests: int, prefix: int = 0
+) -> dict:
+    import httpx
+
+    queue = asyncio.Queue()
+    for i in range(requests):
+        queue.put_nowait(i)
+    results = []
+
+    async def client(http):
+        while not queue.empty():
+            index = queue.get_nowait()
+            prompt = prompt_text(index, prompt_tokens, prefix)
+            results.append(await one_request(http, url, model, prompt, new_tokens))
+
+    limits = httpx.Limits(max_connections=concurrency)
+    async with httpx.AsyncClient(timeout=600, limits=limits) as http:
+        start = time.perf_counter()
+        await asyncio.gather(*(client(http) for _ in range(concurrency)))
+        wall = time.perf_counter() - start
+    ttft = [r["ttft"] for r in results]
+    itl = [r["itl"] for r in results if not np.isnan(r["itl"])]
+    return {
+        "concurrency": concurrency,
+        "requests": requests,
+        "output_tokens_per_s": sum(r["tokens"] for r in results) / wall,
+        "requests_per_s": requests / wall,
+        "mean_output_tokens": statistics.mean(r["tokens"] for r in results),
+        "ttft_p50_s": float(np.percentile(ttft, 50)),
+        "ttft_p99_s": float(np.percentile(ttft, 99)),
+        "itl_p50_s": float(np.percentile(itl, 50)) if itl else None,
+        "itl_p99_s": float(np.percentile(itl, 99)) if itl else None,
+    }
+
+
+async def bench_server(kind: str, checkpoint, args, logs: pathlib.Path, *, shared_prefix_only=False, flags=()):
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    process = start_server(kind, checkpoint, port, args, logs, flags)
+    try:
+        await wait_up(url, process)
+        model = "bench" if kind == "hfjax" else str(checkpoint)
+        await run_level(url, model, args.prompt_tokens, args.new_tokens, 1, 2)  # warm-up: the first requests
+        levels = []
+        for concurrency in [] if shared_prefix_only else args.concurrency:
+            requests = max(args.requests_per_client * concurrency, args.min_requests)
+            log(f"  {kind}: concurrency {concurrency}, {requests} requests ...")
+            level = await run_level(url, model, args.prompt_tokens, args.new_tokens, concurrency, requests)
+            log(f"    {json.dumps(level)}")
+            levels.append(level)
+        if args.prefix_tokens:
+            # One client, prompts that share their first prefix_tokens words (a system prompt).
+            log(f"  {kind} {' '.join(flags)}: shared prefix of {args.prefix_tokens} tokens ...")
+            level = await run_level(
+                url, model, args.prefix_tokens + args.prompt_tokens, args.new_tokens, 1, args.min_requests,
+                prefix=args.prefix_tokens,
+            )  # fmt: skip
+            log(f"    {json.dumps(level)}")
+            levels.append({**level, "shared_prefix_tokens": args.prefix_tokens})
+        return levels
+    finally:
+        process.send_signal(signal.SIGTERM)
+        try:
+            process.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            process.kill()
+
+
+def generate_reference(checkpoint, prompt: str, new_tokens: int, runs: int) -> dict:
+    """Model.generate's output tokens/s at batch 1 (prefill included, as a request at concurrency 1 sees it)."""
+    import hfjax
+
+    model = hfjax.load(checkpoint)
+    ids = model.tokenizer([prompt], return_tensors="np")["input_ids"].astype("int32")
+    times = []
+    for _ in range(runs + 1):  # the first compiles
+        start = time.perf_counter()
+        out = np.asarray(model.generate(ids, max_new_tokens=new_tokens, do_sample=False, eos_token_id=[]))
+        times.append(time.perf_counter() - start)
+    assert out.shape[1] == ids.shape[1] + new_tokens
+    return {"output_tokens_per_s": new_tokens / statistics.median(times[1:]), "seconds": statistics.median(times[1:])}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--size", choices=SIZES, default="20m")
+    parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 16, 64])
+    parser.add_argument("--prompt-tokens", type=int, default=32)
+    parser.add_argument("--new-tokens", type=int, default=32)
+    parser.add_argument("--requests-per-client", type=int, default=2)
+    parser.add_argument("--min-requests", type=int, default=8)
+    parser.add_argument("--max-batch", type=int, default=16, help="hfjax serve's slots")
+    parser.add_argument("--max-model-len", type=int, default=256, help="hfjax serve's cache columns per slot")
+    parser.add_argument("--prefill-chunk", type=int, default=32, help="hfjax serve's prompt tokens per prefill call")
+    parser.add_argument("--prefill-rows", type=int, default=8, help="hfjax serve's prompts per prefill call")
+    parser.add_argument(
+        "--prefix-tokens", type=int, default=128,
+        help="also time one client whose prompts share this many first tokens, hfjax with and without prefix "
+        "reuse (0: skip)",
+    )  # fmt: skip
+    parser.add_argument("--servers", nargs="+", default=["hfjax", "transformers"], choices=["hfjax", "transformers"])
+    parser.add_argument("--runs", type=int, default=3, help="timed Model.generate runs for the reference")
+    parser.add_argument("--quick", action="store_true", help="concurrency 1 and 4 only")
+    args = parser.parse_args()
+    if args.quick:
+        args.concurrency = [1, 4]
+    work = pathlib.Path(tempfile.mkdtemp(prefix="hfjax-bench-serve-"))
+    try:
+        checkpoint = write_checkpoint(args.size, work / args.size)
+        report = {
+            "size": args.size, "dtype": "float32", "prompt_tokens": args.prompt_tokens, "new_tokens": args.new_tokens,
+            "hfjax_max_batch": args.max_batch, "hfjax_max_model_len": args.max_model_len,
+            "hfjax_prefill_chunk": args.prefill_chunk, "hfjax_prefill_rows": args.prefill_rows, "servers": {},
+        }  # fmt: skip
+        for kind in args.servers:
+            report["servers"][kind] = asyncio.run(bench_server(kind, checkpoint, args, work))
+        if args.prefix_tokens and "hfjax" in args.servers:
+            without = asyncio.run(
+                bench_server("hfjax", checkpoint, args, work, shared_prefix_only=True, flags=("--no-prefix-reuse",))
+            )
+            with_reuse = report["servers"]["hfjax"].pop()
+            report["hfjax_shared_prefix"] = {"reuse": with_reuse, "no_reuse": without[0]}
+            report["hfjax_shared_prefix_ttft_p50_saved_s"] = without[0]["ttft_p50_s"] - with_reuse["ttft_p50_s"]
+        if "transformers" in args.servers and args.prefix_tokens:
+            report["transformers_shared_prefix"] = report["servers"]["transformers"].pop()
+        log("Model.generate at batch 1 ...")
+        prompt = prompt_text(0, args.prompt_tokens)
+        report["model_generate_batch_1"] = generate_reference(checkpoint, prompt, args.new_tokens, args.runs)
+        levels = {k: {lvl["concurrency"]: lvl for lvl in v} for k, v in report["servers"].items()}
+        if "hfjax" in levels and "transformers" in levels:
+            report["hfjax_over_transformers_tokens_per_s"] = {
+                c: levels["hfjax"][c]["output_tokens_per_s"] / levels["transformers"][c]["output_tokens_per_s"]
+                for c in levels["hfjax"]
+                if c in levels["transformers"]
+            }
+        if "hfjax" in levels and 1 in levels["hfjax"]:
+            report["hfjax_c1_over_generate"] = (
+                levels["hfjax"][1]["output_tokens_per_s"] / report["model_generate_batch_1"]["output_tokens_per_s"]
+            )
+        print(json.dumps(report))
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,328 @@
+"""The OpenAI-compatible HTTP API of `hfjax serve`, a FastAPI application around one `Engine`.
+
+Endpoints: POST /v1/chat/completions, /v1/completions, /v1/embeddings; GET /v1/models, /health,
+/metrics (Prometheus text), / (the chat page). Errors answer in OpenAI's shape
+{"error": {"message", "type", "param", "code"}}: 400 for a bad request (FastAPI's 422 is never
+used: bodies are read and checked here), 401 for a missing or wrong API key, 429 for a full queue.
+"""
+
+# FastAPI reads the endpoints' annotations (Request) at run time: no `from __future__ import annotations`.
+
+import asyncio
+import base64
+import contextlib
+import importlib.resources
+import json
+import secrets
+import time
+
+import numpy as np
+
+from .._errors import GenerationError
+from . import _protocol
+from ._engine import Engine, Event, QueueFullError
+from ._metrics import Metrics
+from ._protocol import ApiError
+
+
+def build_app(model, *, served_model_name: str, engine: Engine | None, api_key: str | None = None):
+    """The FastAPI application serving `model` (through `engine` for a causal LM; an encoder
+    answers /v1/embeddings only). The engine is started and stopped with the application."""
+    from fastapi import FastAPI, Request
+    from fastapi.responses import HTMLResponse, JSONResponse, PlainTextResponse, StreamingResponse
+
+    metrics = engine.metrics if engine is not None else Metrics(0)
+    tokenizer = model.tokenizer
+    max_model_len = engine.max_model_len if engine is not None else None
+    created = int(time.time())
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app):
+        if engine is not None:
+            engine.start()
+        yield
+        if engine is not None:
+            # In-flight requests have been answered by now (uvicorn waits for them on SIGTERM).
+            await asyncio.get_running_loop().run_in_executor(None, engine.stop)
+
+    app = FastAPI(title="hfjax serve", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+
+    def error_response(error: ApiError) -> JSONResponse:
+        return JSONResponse(error.body(), status_code=error.status)
+
+    @app.middleware("http")
+    async def authorise_and_count(request: Request, call_next):
+        path = request.url.path
+        if api_key is not None and path.startswith("/v1/"):
+            given = request.headers.get("authorization", "")
+            if not secrets.compare_digest(given.encode(), f"Bearer {api_key}".encode()):
+                response = error_response(
+                    ApiError(
+                        401,
+                        "missing or wrong API key; send the header 'Authorization: Bearer <key>' with the key the "
+                        "server was started with (--api-key)",
+                        code="invalid_api_key",
+                    )
+                )
+                metrics.count_request(path, 401)
+                return response
+        response = await call_next(request)
+        metrics.count_request(path, response.status_code)
+        return response
+
+    @app.exception_handler(ApiError)
+    async def api_error(request: Request, error: ApiError):
+        return error_response(error)
+
+    async def read_json(request: Request):
+        raw = await request.body()
+        try:
+            return json.loads(raw)
+        except (json.JSONDecodeError, UnicodeDecodeError) as error:
+            raise _protocol.invalid("body", f"the request body is not valid JSON: {error}") from None
+
+    def needs_engine(endpoint: str) -> Engine:
+        if engine is None:
+            raise ApiError(
+                400, f"{served_model_name!r} is an encoder ({model.task}); it answers /v1/embeddings, not {endpoint}",
+                param="model", code="model_not_supported",
+            )  # fmt: skip
+        return engine
+
+    @app.get("/health")
+    async def health():
+        return {"status": "ok"}
+
+    @app.get("/v1/models")
+    async def models():
+        entry = {"id": served_model_name, "object": "model", "created": created, "owned_by": "hfjax"}
+        if max_model_len is not None:
+            entry["max_model_len"] = max_model_len
+        return {"object": "list", "data": [entry]}
+
+    @app.get("/metrics")
+    async def prometheus():
+        return PlainTextResponse(metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    @app.get("/")
+    async def page():
+        html = importlib.resources.files("hfjax.serving").joinpath("static/index.html").read_text("utf-8")
+        return HTMLResponse(html)
+
+    @app.post("/v1/embeddings")
+    async def embeddings(request: Request):
+        texts, encoding = _protocol.embedding_request(await read_json(request), served_model_name)
+        loop = asyncio.get_running_loop()
+        vectors = np.asarray(await loop.run_in_executor(None, model.embed, texts), np.float32)  # [N, H]
+        tokens = sum(len(tokenizer(t)["input_ids"]) for t in texts)
+        data = []
+        for i, vector in enumerate(vectors):
+            value = (
+                base64.b64encode(vector.astype("<f4").tobytes()).decode() if encoding == "base64" else vector.tolist()
+            )
+            data.append({"object": "embedding", "index": i, "embedding": value})
+        return {
+            "object": "list", "data": data, "model": served_model_name,
+            "usage": {"prompt_tokens": tokens, "total_tokens": tokens},
+        }  # fmt: skip
+
+    @app.post("/v1/chat/completions")
+    async def chat(request: Request):
+        running = needs_engine("/v1/chat/completions")
+        generation = _protocol.chat_request(
+            await read_json(request), served_model_name, running.max_model_len,
+            lambda messages: tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False),
+        )  # fmt: skip
+        return await _answer(request, running, generation, chat=True)
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        running = needs_engine("/v1/completions")
+        generation = _protocol.completion_request(await read_json(request), served_model_name, running.max_model_len)
+        return await _answer(request, running, generation, chat=False)
+
+    async def _answer(request: Request, running: Engine, generation: _protocol.Generation, *, chat: bool):
+        if isinstance(generation.prompt, str):
+            # A chat prompt holds its template's own special tokens.
+            ids = tokenizer(generation.prompt, add_special_tokens=not chat)["input_ids"]
+        else:
+            ids = generation.prompt
+        generation = _protocol.with_budget(generation, len(ids), running.max_model_len)
+        loop = asyncio.get_running_loop()
+        events: asyncio.Queue[tuple[int, Event]] = asyncio.Queue()
+        submitted = []
+        try:
+            for index, params in enumerate(generation.params):
+
+                def listener(event: Event, index=index):
+                    loop.call_soon_threadsafe(events.put_nowait, (index, event))
+
+                submitted.append(running.submit(ids, params, listener))
+        except QueueFullError as error:
+            for done in submitted:
+                running.cancel(done)
+            raise ApiError(429, str(error), code="rate_limit_exceeded") from None
+        except GenerationError as error:
+            for done in submitted:
+                running.cancel(done)
+            raise _protocol.invalid(generation.prompt_field, str(error)) from None
+        answer = _Answer(served_model_name, chat, len(generation.params), len(ids), tokenizer)
+
+        def cancel_all():
+            for done in submitted:
+                if not done.finished:
+                    running.cancel(done)
+
+        if generation.stream:
+
+            async def chunks():
+                try:
+                    for text in answer.opening():
+                        yield text
+                    while not answer.done:
+                        index, event = await events.get()
+                        for text in answer.stream(index, event):
+                            yield text
+                    if generation.include_usage:
+                        yield answer.usage_chunk()
+                    yield "data: [DONE]\n\n"
+                finally:
+                    cancel_all()
+
+            return StreamingResponse(chunks(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+        try:
+            while not answer.done:
+                try:
+                    index, event = await asyncio.wait_for(events.get(), timeout=0.5)
+                except TimeoutError:
+                    if await request.is_disconnected():
+                        return JSONResponse({}, status_code=499)
+                    continue
+                answer.collect(index, event)
+        finally:
+            cancel_all()
+        return answer.whole()
+
+    return app
+
+
+class _Answer:
+    """One chat or completion answer, built from the engine's events of its n choices."""
+
+    def __init__(self, model: str, chat: bool, choices: int, prompt_tokens: int, tokenizer):
+        self.id = f"{'chatcmpl' if chat else 'cmpl'}-{secrets.token_hex(12)}"
+        self.model, self.chat, self.tokenizer = model, chat, tokenizer
+        self.created = int(time.time())
+        self.prompt_tokens = prompt_tokens
+        self.text = [""] * choices
+        self.logprobs: list[list | None] = [None] * choices
+        self.finish: list[str | None] = [None] * choices
+        self.completion_tokens = [0] * choices
+
+    @property
+    def done(self) -> bool:
+        return all(reason is not None for reason in self.finish)
+
+    def _record(self, index: int, event: Event) -> None:
+        self.text[index] += event.text
+        if event.logprobs is not None:
+            self.logprobs[index] = (self.logprobs[index] or []) + event.logprobs
+        self.completion_tokens[index] = event.completion_tokens
+        if event.finish_reason is not None:
+            self.finish[index] = "stop" if event.finish_reason in ("stop", "cancelled") else event.finish_reason
+            if event.finish_reason == "error":
+                raise ApiError(500, "the engine failed while generating this answer; see the server's log")
+
+    def collect(self, index: int, event: Event) -> None:
+        self._record(index, event)
+
+    def usage(self) -> dict:
+        completion = sum(self.completion_tokens)
+        return {
+            "prompt_tokens": self.prompt_tokens, "completion_tokens": completion,
+            "total_tokens": self.prompt_tokens + completion,
+        }  # fmt: skip
+
+    def _token(self, token_id: int) -> str:
+        return self.tokenizer.decode([token_id])
+
+    def _chat_logprobs(self, logprobs) -> dict | None:
+        if logprobs is None:
+            return None
+
+        def entry(token_id, value):
+            text = self._token(token_id)
+            return {"token": text, "logprob": value, "bytes": list(text.encode("utf-8"))}
+
+        return {
+            "content": [
+                {**entry(lp.token_id, lp.logprob), "top_logprobs": [entry(t, v) for t, v in lp.top]} for lp in logprobs
+            ]
+        }
+
+    def _completion_logprobs(self, logprobs, offset: int) -> dict | None:
+        if logprobs is None:
+            return None
+        tokens = [self._token(lp.token_id) for lp in logprobs]
+        offsets = []
+        for token in tokens:
+            offsets.append(offset)
+            offset += len(token)
+        return {
+            "tokens": tokens,
+            "token_logprobs": [lp.logprob for lp in logprobs],
+            "top_logprobs": [{self._token(t): v for t, v in lp.top} for lp in logprobs],
+            "text_offset": offsets,
+        }
+
+    def _envelope(self, choices: list, *, chunk: bool) -> dict:
+        kind = ("chat.completion" + (".chunk" if chunk else "")) if self.chat else "text_completion"
+        return {"id": self.id, "object": kind, "created": self.created, "model": self.model, "choices": choices}
+
+    def whole(self) -> dict:
+        choices = []
+        for i, text in enumerate(self.text):
+            if self.chat:
+                choice = {
+                    "index": i, "message": {"role": "assistant", "content": text},
+                    "logprobs": self._chat_logprobs(self.logprobs[i]), "finish_reason": self.finish[i],
+                }  # fmt: skip
+            else:
+                choice = {
+                    "index": i, "text": text, "logprobs": self._completion_logprobs(self.logprobs[i], 0),
+                    "finish_reason": self.finish[i],
+                }  # fmt: skip
+            choices.append(choice)
+        return {**self._envelope(choices, chunk=False), "usage": self.usage()}
+
+    @staticmethod
+    def _sse(payload: dict) -> str:
+        return f"data: {json.dumps(payload)}\n\n"
+
+    def opening(self):
+        if self.chat:
+            for i in range(len(self.text)):
+                delta = {"role": "assistant", "content": ""}
+                choice = {"index": i, "delta": delta, "logprobs": None, "finish_reason": None}
+                yield self._sse(self._envelope([choice], chunk=True))
+
+    def stream(self, index: int, event: Event):
+        offset = len(self.text[index])
+        self._record(index, event)
+        if not event.text and event.finish_reason is None and not event.logprobs:
+            return
+        finish = self.finish[index]
+        if self.chat:
+            delta = {"content": event.text} if event.text or finish is None else {}
+            choice = {
+                "index": index, "delta": delta, "logprobs": self._chat_logprobs(event.logprobs), "finish_reason": finish,
+            }  # fmt: skip
+        else:
+            choice = {
+                "index": index, "text": event.text, "logprobs": self._completion_logprobs(event.logprobs, offset),
+                "finish_reason": finish,
+            }  # fmt: skip
+        yield self._sse(self._envelope([choice], chunk=True))
+
+    def usage_chunk(self) -> str:
+        return self._sse({**self._envelope([], chunk=True), "usage": self.usage()})

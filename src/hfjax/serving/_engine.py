@@ -1,0 +1,579 @@
+"""The host side of continuous batching: a queue, S slots, and one thread that runs the programs.
+
+The engine thread repeats: admit waiting requests into free slots; run one prefill chunk of the
+oldest request still reading its prompt; run one decode chunk of every decoding slot; hand each
+request its new tokens, text and log-probabilities; free the slots of requests that finished
+(EOS, a stop string, max_tokens) or were cancelled. A running stream therefore waits at most one
+prefill chunk between two decode chunks.
+
+Listeners are called on the engine thread and must not block (a server hands each event to its
+event loop).
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import functools
+import secrets
+import threading
+import time
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from .. import _buckets, _loading
+from .._errors import GenerationError, ServingError
+from ..generation import _programs
+from . import _slots
+from ._metrics import Metrics
+from ._text import TextStream
+
+
+class QueueFullError(ServingError):
+    """The engine's queue holds max_queue requests already; try again later."""
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class SamplingParams:
+    """One request's settings.
+
+    Args:
+        max_tokens: the most tokens to generate (>= 1).
+        temperature: 0 takes the most likely token (greedy); else sample at this temperature, in (0, 2].
+        top_p: sample from the fewest most likely tokens whose probabilities add up to top_p, in (0, 1].
+        seed: the sampler's seed (None: a random one); the same seed gives the same tokens.
+        stop: strings that end the answer where they first appear (not included in it).
+        logprobs: None, or how many most likely alternatives (0..20) to report beside each token's
+            log-probability.
+        ignore_eos: keep going past the end-of-sequence token.
+    """
+
+    max_tokens: int
+    temperature: float = 1.0
+    top_p: float = 1.0
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    logprobs: int | None = None
+    ignore_eos: bool = False
+
+    def __post_init__(self):
+        if isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int) or self.max_tokens < 1:
+            raise GenerationError(f"max_tokens={self.max_tokens!r}: pass a whole number >= 1")
+        if not (isinstance(self.temperature, (int, float)) and 0 <= self.temperature <= 2):
+            raise GenerationError(f"temperature={self.temperature!r}: pass a number in [0, 2] (0 is greedy)")
+        if not (isinstance(self.top_p, (int, float)) and 0 < self.top_p <= 1):
+            raise GenerationError(f"top_p={self.top_p!r}: pass a number in (0, 1]")
+        if self.logprobs is not None and not 0 <= self.logprobs <= _slots.TOP_LOGPROBS:
+            raise GenerationError(f"logprobs={self.logprobs!r}: pass a number of alternatives in [0, 20]")
+
+
+@dataclasses.dataclass
+class TokenLogprob:
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]]  # the most likely (token id, logprob), most likely first
+
+
+@dataclasses.dataclass
+class Event:
+    """What a request's listener gets after each chunk: the new tokens and text, and at the end why."""
+
+    token_ids: list[int]
+    text: str
+    logprobs: list[TokenLogprob] | None
+    finish_reason: str | None  # "stop" (EOS or a stop string), "length" (max_tokens), "cancelled"; None: more comes
+    prompt_tokens: int
+    completion_tokens: int
+
+
+class Request:
+    """A prompt in the engine: queued, then in a slot, then finished."""
+
+    def __init__(self, prompt: list[int], params: SamplingParams, listener: Callable[[Event], None], stream):
+        self.prompt = prompt
+        self.params = params
+        self.listener = listener
+        self.text = stream
+        self.arrived = time.perf_counter()
+        self.last_token_time: float | None = None
+        self.generated = 0
+        self.cancelled = False
+        self.finished = False
+        self.slot: int | None = None
+        self.prefilled = 0  # prompt tokens in the slot's cache so far
+
+
+class Engine:
+    """Continuous batching of a causal LM over `max_batch` slots of one static KV cache.
+
+    Args:
+        model: a `hfjax.Model` of a decoder-only causal LM with a tokenizer.
+        max_batch: sequence slots (requests decoded together).
+        max_model_len: cache columns per slot: prompt plus new tokens of one request at most.
+            Default: the model's context, at most 2048.
+        max_queue: requests waiting for a slot beyond which `submit` raises QueueFullError.
+        decode_steps: decode steps per program call (a chunk); requests join and leave between chunks.
+        prefill_chunk: prompt tokens per prefill call; a long prompt takes several, between decode chunks.
+        prefill_rows: prompts whose next chunk one prefill call reads together (the oldest first).
+        prefix_reuse: start a prompt in the free slot whose cache holds the longest prefix of it (a
+            system prompt, earlier turns of a chat), reading only the rest.
+
+    Example:
+        >>> engine = Engine(hfjax.load(path), max_batch=8)
+        >>> engine.start()
+        >>> engine.generate([ids], SamplingParams(max_tokens=16, temperature=0))
+    """
+
+    def __init__(
+        self,
+        model,
+        *,
+        max_batch: int = 8,
+        max_model_len: int | None = None,
+        max_queue: int = 256,
+        decode_steps: int = 8,
+        prefill_chunk: int = 32,
+        prefill_rows: int = 4,
+        prefix_reuse: bool = True,
+    ):
+        context = _loading.context_length(model.module.config.get_text_config(decoder=True))
+        if max_model_len is None:
+            max_model_len = min(context or 2048, 2048)
+        for name, value in (("max_batch", max_batch), ("max_model_len", max_model_len), ("max_queue", max_queue),
+                            ("decode_steps", decode_steps), ("prefill_chunk", prefill_chunk),
+                            ("prefill_rows", prefill_rows)):  # fmt: skip
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ServingError(f"Engine: {name}={value!r}; pass a whole number >= 1")
+        if context is not None and max_model_len > context:
+            raise ServingError(
+                f"Engine: max_model_len={max_model_len} is beyond the model's context of {context} tokens "
+                f"(config.max_position_embeddings); pass max_model_len<={context}"
+            )
+        if model.tokenizer is None:
+            raise ServingError(f"Engine: {model.source} has no tokenizer; serve a checkpoint with tokenizer files")
+        _slots.check_supported(model, max_model_len)
+        self.model = model
+        self.tokenizer = model.tokenizer
+        self.max_batch, self.max_model_len, self.max_queue = max_batch, max_model_len, max_queue
+        self.decode_steps, self.prefill_chunk = decode_steps, prefill_chunk
+        self.prefill_rows = min(prefill_rows, max_batch)
+        self.prefix_reuse = prefix_reuse
+        self.eos = _eos_ids(model)
+        self.metrics = Metrics(max_batch)
+        self.slot_model = _slots.SlotModel(model, max_batch, max_model_len)
+        fingerprint = (
+            _programs.model_fingerprint(model.module, model.params, model.aliases)
+            if _programs.single_device(model.params)
+            else None
+        )
+        self.programs = _programs.ProgramCache(fingerprint)
+        self._cache = None  # [(keys, values)] per layer, [S, heads, L, head_dim]
+        self._slots: list[Request | None] = [None] * max_batch
+        self._cached: list[list[int]] = [[] for _ in range(max_batch)]  # token ids whose keys each row holds
+        self._tokens = np.zeros(max_batch, np.int32)  # each slot's last token, not yet in its cache
+        self._positions = np.zeros(max_batch, np.int32)  # that token's position
+        self._temperature = np.zeros(max_batch, np.float32)
+        self._top_p = np.ones(max_batch, np.float32)
+        self._keys = np.zeros((max_batch, 2), np.uint32)
+        self._waiting: collections.deque[Request] = collections.deque()
+        self._lock = threading.Lock()
+        self._wake = threading.Condition(self._lock)
+        self._thread: threading.Thread | None = None
+        self._stopping = False
+        self._error: BaseException | None = None
+
+    # -- the caller's side ------------------------------------------------------------
+
+    @property
+    def program_counts(self) -> dict[str, int]:
+        """Programs prepared per stage ("prefill", "decode"), traced or read from disk."""
+        return {stage: self.programs.traced[stage] + self.programs.loaded[stage] for stage in ("prefill", "decode")}
+
+    @property
+    def running(self) -> int:
+        return sum(request is not None for request in self._slots)
+
+    @property
+    def waiting(self) -> int:
+        return len(self._waiting)
+
+    def start(self) -> Engine:
+        """Allocates the cache and starts the engine thread (idempotent)."""
+        if self._thread is None:
+            if self._cache is None:
+                self._cache = self.slot_model.empty_cache()
+            self._thread = threading.Thread(target=self._run, name="hfjax-engine", daemon=True)
+            self._thread.start()
+        return self
+
+    @property
+    def prefill_buckets(self) -> tuple[int, ...]:
+        """The prompt counts a prefill chunk is compiled for: powers of two up to prefill_rows."""
+        return tuple(
+            sorted({_buckets.bucket(n, smallest=1, limit=self.prefill_rows) for n in range(1, self.prefill_rows + 1)})
+        )
+
+    @property
+    def row_buckets(self) -> tuple[int, ...]:
+        """The row counts a decode chunk is compiled for: powers of two up to max_batch, and max_batch."""
+        return tuple(
+            sorted({_buckets.bucket(n, smallest=1, limit=self.max_batch) for n in range(1, self.max_batch + 1)})
+        )
+
+    def warm_up(self) -> None:
+        """Prepares every program (a prefill chunk, a decode chunk per row bucket) before `start`,
+        so that no request waits for a compile and none compiles afterwards."""
+        if self._thread is not None:
+            raise ServingError("Engine.warm_up: call it before start(), while no request is running")
+        if self._cache is None:
+            self._cache = self.slot_model.empty_cache()
+        probe = Request([min(self.eos, default=0)], SamplingParams(max_tokens=1), lambda event: None, None)
+        probe.slot = 0
+        for rows in self.prefill_buckets:
+            probe.prefilled = 0
+            self._prefill([probe], rows=rows, deliver=False)
+        self._tokens[:], self._positions[:] = 0, 0
+        for rows in self.row_buckets:
+            self._decode(rows=rows)
+
+    def stop(self, *, drain: bool = True, timeout: float | None = None) -> None:
+        """Stops the thread: after finishing every queued and running request (drain), or at once."""
+        with self._lock:
+            self._stopping = True
+            if not drain:
+                for request in [*self._waiting, *filter(None, self._slots)]:
+                    request.cancelled = True
+            self._wake.notify_all()
+        if self._thread is not None:
+            self._thread.join(timeout)
+
+    def check_prompt(self, prompt: list[int], params: SamplingParams) -> None:
+        """Raises GenerationError when prompt and max_tokens do not fit a slot, naming which."""
+        if not prompt:
+            raise GenerationError("the prompt is empty; pass at least one token")
+        if len(prompt) >= self.max_model_len:
+            raise GenerationError(
+                f"the prompt has {len(prompt)} tokens, more than max_model_len={self.max_model_len} allows with one "
+                "new token; shorten the prompt"
+            )
+        if len(prompt) + params.max_tokens > self.max_model_len:
+            raise GenerationError(
+                f"max_tokens={params.max_tokens} with a prompt of {len(prompt)} tokens is beyond max_model_len="
+                f"{self.max_model_len}; pass max_tokens<={self.max_model_len - len(prompt)}"
+            )
+
+    def submit(self, prompt: list[int], params: SamplingParams, listener: Callable[[Event], None]) -> Request:
+        """Queues a prompt (token ids); `listener` gets an Event after each chunk, on the engine thread.
+
+        Raises:
+            GenerationError: the prompt and max_tokens do not fit max_model_len.
+            QueueFullError: max_queue requests are waiting already.
+            ServingError: the engine has stopped, or failed.
+        """
+        self.check_prompt(prompt, params)
+        request = Request(list(prompt), params, listener, TextStream(self.tokenizer, params.stop))
+        with self._lock:
+            if self._error is not None:
+                raise ServingError(f"the engine failed: {self._error!r}") from self._error
+            if self._stopping or self._thread is None:
+                raise ServingError("the engine is not running (start() it, or it is shutting down)")
+            if len(self._waiting) >= self.max_queue:
+                raise QueueFullError(
+                    f"{len(self._waiting)} requests are waiting, max_queue={self.max_queue}; try again later"
+                )
+            self._waiting.append(request)
+            self.metrics.queue_depth = len(self._waiting)
+            self._wake.notify_all()
+        return request
+
+    def cancel(self, request: Request) -> None:
+        """Drops a request (its client left): at once from the queue, from a slot at the next chunk boundary."""
+        with self._lock:
+            request.cancelled = True
+            if request in self._waiting:
+                self._waiting.remove(request)
+                self.metrics.queue_depth = len(self._waiting)
+                self._finish(request, "cancelled")
+            self._wake.notify_all()
+
+    def generate(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams]) -> list[Event]:
+        """Runs prompts (token ids) together and waits: one Event per prompt with all of its tokens and text."""
+        params = params if isinstance(params, list) else [params] * len(prompts)
+        if len(params) != len(prompts):
+            raise ServingError(
+                f"Engine.generate: {len(prompts)} prompts and {len(params)} SamplingParams; pass one per prompt"
+            )
+        results: list[list[Event]] = [[] for _ in prompts]
+        done = threading.Semaphore(0)
+
+        def listener(kept: list[Event]):
+            def call(event: Event):
+                kept.append(event)
+                if event.finish_reason is not None:
+                    done.release()
+
+            return call
+
+        for prompt, p, kept in zip(prompts, params, results):
+            self.submit(prompt, p, listener(kept))
+        for _ in prompts:
+            while not done.acquire(timeout=1.0):
+                if self._error is not None:
+                    raise ServingError(f"the engine failed: {self._error!r}") from self._error
+        return [_joined(events) for events in results]
+
+    # -- the engine thread --------------------------------------------------------------
+
+    def _run(self) -> None:
+        try:
+            while True:
+                with self._lock:
+                    self._release_cancelled()
+                    self._admit()
+                    busy = any(self._slots)
+                    if not busy:
+                        if self._stopping:
+                            return
+                        self._wake.wait()
+                        continue
+                prefilling = [r for r in self._slots if r is not None and r.prefilled < len(r.prompt)]
+                if prefilling:
+                    self._prefill(sorted(prefilling, key=lambda r: r.arrived)[: self.prefill_rows])
+                if any(r is not None and r.prefilled == len(r.prompt) and not r.finished for r in self._slots):
+                    self._decode()
+        except BaseException as error:  # noqa: BLE001 (handed to every waiting caller)
+            self._error = error
+            with self._lock:
+                for request in [*self._waiting, *filter(None, self._slots)]:
+                    self._finish(request, "error")
+            raise
+
+    def _admit(self) -> None:
+        while self._waiting and None in self._slots:
+            request = self._waiting.popleft()
+            if request.cancelled:
+                self._finish(request, "cancelled")
+                continue
+            slot = self._free_slot(request.prompt)
+            if self.prefix_reuse:
+                # The row already holds the keys and values of the prompt's first tokens: start after
+                # them (at least the last prompt token runs, for the logits of the first new token).
+                reused = min(_common_prefix(self._cached[slot], request.prompt), len(request.prompt) - 1)
+                request.prefilled = reused
+                self.metrics.prefix_hit_tokens += reused
+            self._cached[slot] = []
+            request.slot = slot
+            self._slots[slot] = request
+            params = request.params
+            self._temperature[slot] = params.temperature
+            self._top_p[slot] = params.top_p
+            seed = params.seed if params.seed is not None else secrets.randbits(32)
+            self._keys[slot] = _key_data(seed)
+        self.metrics.queue_depth = len(self._waiting)
+        self.metrics.running = self.running
+
+    def _free_slot(self, prompt: list[int]) -> int:
+        """The free slot whose cached tokens share the longest prefix with `prompt`; else the lowest
+        free slot (low slots keep decode chunks small)."""
+        free = [slot for slot, request in enumerate(self._slots) if request is None]
+        if not self.prefix_reuse:
+            return free[0]
+        return max(free, key=lambda slot: (_common_prefix(self._cached[slot], prompt), -slot))
+
+    def _release_cancelled(self) -> None:
+        for request in self._slots:
+            if request is not None and request.cancelled:
+                self._finish(request, "cancelled")
+
+    def _finish(self, request: Request, reason: str, event: Event | None = None) -> None:
+        if request.finished:
+            return
+        request.finished = True
+        if request.slot is not None:
+            self._slots[request.slot] = None
+            # What the row's columns hold for certain: the prompt read so far and every new token fed
+            # back (all but the last kept one, which a chunk may or may not have run).
+            fed = request.text.ids[:-1] if request.prefilled == len(request.prompt) else []
+            self._cached[request.slot] = request.prompt[: request.prefilled] + fed
+            self._positions[request.slot] = 0
+            self._tokens[request.slot] = 0
+        self.metrics.running = self.running
+        self.metrics.count_finished(reason, len(request.prompt), request.generated)
+        if event is None:
+            event = Event([], request.text.rest(), None, reason, len(request.prompt), request.generated)
+        request.listener(event)
+
+    def _settings(self, requests) -> tuple[jax.Array, ...]:
+        want_logprobs = any(r is not None and r.params.logprobs is not None for r in requests)
+        return (
+            jnp.asarray(self._temperature),
+            jnp.asarray(self._top_p),
+            jnp.asarray(self._keys),
+            jnp.bool_(want_logprobs),
+        )
+
+    def _prefill(self, requests: list[Request], *, rows: int | None = None, deliver: bool = True) -> None:
+        """The next prompt chunk of each request (at most prefill_rows of them) in one program."""
+        rows = rows or _buckets.bucket(len(requests), smallest=1, limit=self.prefill_rows)
+        slots = np.full(rows, self.max_batch, np.int32)  # padding rows: slot S, out of range
+        ids = np.zeros((rows, self.prefill_chunk), np.int32)
+        start, count = np.zeros(rows, np.int32), np.ones(rows, np.int32)
+        for i, request in enumerate(requests):
+            chunk = request.prompt[request.prefilled : request.prefilled + self.prefill_chunk]
+            slots[i], start[i], count[i] = request.slot, request.prefilled, len(chunk)
+            ids[i, : len(chunk)] = chunk
+        args = (
+            self.model.params, self._cache, jnp.asarray(slots), jnp.asarray(ids), jnp.asarray(start),
+            jnp.asarray(count), *self._settings(requests),
+        )  # fmt: skip
+        program = self.programs.get(
+            ("prefill", self.max_batch, self.max_model_len, self.prefill_chunk, rows),
+            self._prefill_program, args, metadata=dict, donate=(1,),
+        )  # fmt: skip
+        self._cache, chosen = program.run(*args)
+        chosen = [np.asarray(c) for c in chosen]  # [rows, 1] ...
+        for i, request in enumerate(requests):
+            request.prefilled += int(count[i])
+            if request.prefilled < len(request.prompt) or not deliver:
+                continue
+            self._tokens[request.slot] = int(chosen[0][i, 0])
+            self._positions[request.slot] = len(request.prompt)
+            with self._lock:
+                self._deliver(request, [c[i] for c in chosen], 1)
+
+    def _decode(self, *, rows: int | None = None) -> None:
+        active = np.array([r is not None and r.prefilled == len(r.prompt) and not r.finished for r in self._slots])
+        if rows is None:  # the fewest compiled rows that hold every decoding slot
+            rows = _buckets.bucket(int(np.flatnonzero(active).max()) + 1, smallest=1, limit=self.max_batch)
+        args = (
+            self.model.params, self._cache, jnp.asarray(self._tokens), jnp.asarray(self._positions),
+            jnp.asarray(active), *self._settings(self._slots),
+        )  # fmt: skip
+        program = self.programs.get(
+            ("decode", self.max_batch, self.max_model_len, self.decode_steps, rows),
+            functools.partial(self._decode_program, steps=self.decode_steps, rows=rows), args,
+            metadata=dict, donate=(1,),
+        )  # fmt: skip
+        self._cache, chosen = program.run(*args)
+        chosen = [np.asarray(c) for c in chosen]  # [rows, K] ...
+        chosen = [np.concatenate([c, np.zeros((self.max_batch - rows, *c.shape[1:]), c.dtype)]) for c in chosen]
+        self._tokens = np.where(active, chosen[0][:, -1], self._tokens).astype(np.int32)
+        self._positions = np.where(active, self._positions + self.decode_steps, self._positions).astype(np.int32)
+        with self._lock:
+            for slot in np.flatnonzero(active):
+                request = self._slots[slot]
+                if request is not None and not request.cancelled:
+                    self._deliver(request, [c[slot] for c in chosen], self.decode_steps)
+
+    def _deliver(self, request: Request, chosen: list[np.ndarray], count: int) -> None:
+        """Hands a request its new tokens (chosen: token [T], logprob [T], top ids [T, 20], top logprobs
+        [T, 20]), cut at EOS or max_tokens, and finishes it when one of its stops is met."""
+        tokens, logprob, top_token, top_logprob = chosen
+        now = time.perf_counter()
+        if request.last_token_time is None:
+            self.metrics.time_to_first_token.observe(now - request.arrived)
+        else:
+            self.metrics.inter_token_latency.observe((now - request.last_token_time) / count, count)
+        request.last_token_time = now
+        reason = None
+        kept = []
+        for t in range(count):
+            token = int(tokens[t])
+            if token in self.eos and not request.params.ignore_eos:
+                reason = "stop"
+                request.generated += 1
+                break
+            kept.append(t)
+            request.generated += 1
+            if request.generated >= request.params.max_tokens:
+                reason = "length"
+                break
+        ids = [int(tokens[t]) for t in kept]
+        text, stopped = request.text.add(ids)
+        if stopped:
+            reason = "stop"
+        logprobs = None
+        if request.params.logprobs is not None:
+            alternatives = request.params.logprobs
+            logprobs = [
+                TokenLogprob(
+                    int(tokens[t]), float(logprob[t]),
+                    [(int(i), float(v)) for i, v in zip(top_token[t][:alternatives], top_logprob[t][:alternatives])],
+                )
+                for t in kept
+            ]  # fmt: skip
+        if reason is not None:
+            text += request.text.rest() if not stopped else ""
+        event = Event(ids, text, logprobs, reason, len(request.prompt), request.generated)
+        if reason is None:
+            request.listener(event)
+        else:
+            self._finish(request, reason, event)
+
+    # -- traced: flat arguments, so that the programs can be kept on disk ------------------
+
+    def _prefill_program(self, params, cache, slots, ids, start, count, temperature, top_p, keys, want_logprobs):
+        self.programs.traced["prefill"] += 1
+        settings = _slots.RowSettings(temperature, top_p, keys)
+        cache, chosen = self.slot_model.prefill_chunk(params, cache, slots, ids, start, count, settings, want_logprobs)
+        return cache, (chosen.token, chosen.logprob, chosen.top_token, chosen.top_logprob)
+
+    def _decode_program(
+        self,
+        params,
+        cache,
+        tokens,
+        positions,
+        active,
+        temperature,
+        top_p,
+        keys,
+        want_logprobs,
+        *,
+        steps: int,
+        rows: int,
+    ):
+        self.programs.traced["decode"] += 1
+        settings = _slots.RowSettings(temperature, top_p, keys)
+        cache, chosen = self.slot_model.decode_chunk(
+            params, cache, tokens, positions, active, settings, want_logprobs, steps=steps, rows=rows
+        )
+        return cache, (chosen.token, chosen.logprob, chosen.top_token, chosen.top_logprob)
+
+
+def _common_prefix(a: list[int], b: list[int]) -> int:
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+def _key_data(seed: int) -> np.ndarray:
+    return np.asarray(jax.random.key_data(jax.random.key(seed)), np.uint32)
+
+
+def _eos_ids(model) -> frozenset[int]:
+    ids = model.generation_config.eos_token_id
+    if ids is None:
+        ids = model.tokenizer.eos_token_id
+    if ids is None:
+        return frozenset()
+    return frozenset([ids] if isinstance(ids, int) else ids)
+
+
+def _joined(events: list[Event]) -> Event:
+    logprobs = None if events[0].logprobs is None else [lp for e in events for lp in (e.logprobs or [])]
+    last = events[-1]
+    return Event(
+        [t for e in events for t in e.token_ids],
+        "".join(e.text for e in events),
+        logprobs,
+        last.finish_reason,
+        last.prompt_tokens,
+        last.completion_tokens,
+    )

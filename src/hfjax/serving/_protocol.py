@@ -1,0 +1,247 @@
+"""OpenAI request bodies checked into engine calls, and the OpenAI shape of errors and answers.
+
+Every field a request may carry is listed here: those hfjax carries out, those it accepts only at
+their no-op value (e.g. `frequency_penalty: 0`), and none else: any other field is refused with a
+400 that names it, never ignored.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import numbers
+
+from ._engine import SamplingParams
+
+
+class ApiError(Exception):
+    """An answer in OpenAI's error shape: {"error": {"message", "type", "param", "code"}}."""
+
+    def __init__(self, status: int, message: str, *, param: str | None = None, kind: str | None = None, code=None):
+        super().__init__(message)
+        self.status, self.message, self.param, self.code = status, message, param, code
+        self.kind = kind or {
+            400: "invalid_request_error",
+            401: "invalid_request_error",
+            429: "rate_limit_exceeded",
+        }.get(status, "server_error")
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.code}}
+
+
+def invalid(param: str, message: str) -> ApiError:
+    return ApiError(400, message, param=param)
+
+
+# Fields accepted only at the value that changes nothing: {field: the values that are no-ops}.
+_NO_OP = {
+    "frequency_penalty": (None, 0, 0.0),
+    "presence_penalty": (None, 0, 0.0),
+    "logit_bias": (None, {}),
+    "tools": (None, []),
+    "tool_choice": (None, "none"),
+    "parallel_tool_calls": (None,),
+    "response_format": (None, {"type": "text"}),
+    "echo": (None, False),
+    "suffix": (None, ""),
+    "best_of": (None, 1),
+    "service_tier": (None, "auto", "default"),
+    "store": (None, False),
+    "reasoning_effort": (None,),
+    "modalities": (None, ["text"]),
+    "prediction": (None,),
+    "audio": (None,),
+    "function_call": (None,),
+    "functions": (None,),
+}
+_IDENTIFIERS = ("user", "metadata")  # labels for the caller's own records: they do not change the answer
+_SAMPLING = ("temperature", "top_p", "seed", "stop", "n", "stream", "stream_options", "model")
+CHAT_FIELDS = {"messages", "max_tokens", "max_completion_tokens", "logprobs", "top_logprobs", *_SAMPLING}
+COMPLETION_FIELDS = {"prompt", "max_tokens", "logprobs", *_SAMPLING}
+
+
+@dataclasses.dataclass
+class Generation:
+    """A checked chat or completion request: what to run and how to answer."""
+
+    prompt: str | list[int]  # text (a chat's is its template applied) or token ids
+    params: list[SamplingParams]  # one per choice (n)
+    stream: bool
+    include_usage: bool
+    max_tokens: int | None  # None: up to the context
+    prompt_field: str  # "messages" or "prompt", named in errors about the prompt's length
+
+
+def check_fields(body, allowed: set[str]) -> dict:
+    if not isinstance(body, dict):
+        raise invalid("body", f"the request body is a JSON {type(body).__name__}; send a JSON object")
+    for name, value in body.items():
+        if name in allowed or name in _IDENTIFIERS:
+            continue
+        if name in _NO_OP:
+            if value not in _NO_OP[name]:
+                raise invalid(name, f"{name}={value!r} is not supported by hfjax serve; leave it out")
+            continue
+        raise invalid(name, f"unknown or unsupported field {name!r}; hfjax serve does not carry it out, leave it out")
+    return body
+
+
+def check_model(body: dict, served: str) -> None:
+    if "model" not in body:
+        raise invalid("model", f"the request has no 'model'; pass model={served!r}")
+    if body["model"] != served:
+        raise ApiError(
+            400,
+            f"model={body['model']!r} is not served here; this server serves {served!r}",
+            param="model",
+            code="model_not_found",
+        )
+
+
+def _number(body: dict, name: str, default, low: float, high: float, *, low_open=False, integer=False):
+    value = body.get(name)
+    if value is None:
+        return default
+    kind = numbers.Integral if integer else numbers.Real
+    if isinstance(value, bool) or not isinstance(value, kind) or (not integer and not math.isfinite(value)):
+        raise invalid(name, f"{name}={value!r} is not a {'whole number' if integer else 'number'}")
+    if value < low or value > high or (low_open and value == low):
+        bounds = f"{'(' if low_open else '['}{low}, {high}]"
+        raise invalid(name, f"{name}={value!r} is out of range; pass a value in {bounds}")
+    return value
+
+
+def _stops(body: dict) -> tuple[str, ...]:
+    stop = body.get("stop")
+    if stop is None:
+        return ()
+    stops = [stop] if isinstance(stop, str) else stop
+    if not isinstance(stops, list) or not all(isinstance(s, str) and s for s in stops) or len(stops) > 4:
+        raise invalid("stop", f"stop={stop!r}: pass a non-empty string or a list of at most 4 of them")
+    return tuple(stops)
+
+
+def _sampling(body: dict, max_tokens: int, logprobs: int | None) -> list[SamplingParams]:
+    temperature = _number(body, "temperature", 1.0, 0.0, 2.0)
+    top_p = _number(body, "top_p", 1.0, 0.0, 1.0, low_open=True)
+    seed = _number(body, "seed", None, 0, 2**63 - 1, integer=True)
+    n = _number(body, "n", 1, 1, 16, integer=True)
+    stops = _stops(body)
+    return [
+        SamplingParams(
+            max_tokens=max_tokens,
+            temperature=float(temperature),
+            top_p=float(top_p),
+            seed=None if seed is None else (seed + i) % 2**32,
+            stop=stops,
+            logprobs=logprobs,
+        )
+        for i in range(n)
+    ]
+
+
+def _stream(body: dict) -> tuple[bool, bool]:
+    stream = body.get("stream") or False
+    if not isinstance(stream, bool):
+        raise invalid("stream", f"stream={stream!r}: pass true or false")
+    options = body.get("stream_options")
+    if options is None:
+        return stream, False
+    if not stream:
+        raise invalid("stream_options", "stream_options is only allowed with stream=true")
+    if not isinstance(options, dict) or set(options) - {"include_usage"}:
+        raise invalid("stream_options", f"stream_options={options!r}: only {{'include_usage': bool}} is supported")
+    return stream, bool(options.get("include_usage", False))
+
+
+def _max_tokens(body: dict, names: tuple[str, ...], max_model_len: int) -> tuple[int | None, str]:
+    for name in names:
+        if body.get(name) is not None:
+            return _number(body, name, None, 1, max_model_len, integer=True), name
+    return None, names[0]
+
+
+def chat_request(body, served: str, max_model_len: int, apply_template) -> Generation:
+    """A /v1/chat/completions body checked; `apply_template(messages)` gives the prompt text."""
+    body = check_fields(body, CHAT_FIELDS)
+    check_model(body, served)
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise invalid("messages", "the request has no 'messages'; pass a list of {'role': ..., 'content': ...}")
+    for i, message in enumerate(messages):
+        if not isinstance(message, dict) or not isinstance(message.get("role"), str):
+            raise invalid(f"messages[{i}]", f"messages[{i}]={message!r}: pass {{'role': ..., 'content': ...}}")
+        content = message.get("content")
+        if isinstance(content, list):  # the content-parts form: text parts only
+            if not all(isinstance(p, dict) and p.get("type") == "text" for p in content):
+                raise invalid(f"messages[{i}].content", "only text content parts are supported")
+            message = {**message, "content": "".join(p.get("text", "") for p in content)}
+            messages[i] = message
+        elif not isinstance(content, str):
+            raise invalid(f"messages[{i}].content", f"messages[{i}].content={content!r}: pass a string")
+    max_tokens, _ = _max_tokens(body, ("max_completion_tokens", "max_tokens"), max_model_len)
+    logprobs = body.get("logprobs") or False
+    if not isinstance(logprobs, bool):
+        raise invalid("logprobs", f"logprobs={logprobs!r}: pass true or false")
+    top = _number(body, "top_logprobs", 0, 0, 20, integer=True)
+    if body.get("top_logprobs") is not None and not logprobs:
+        raise invalid("top_logprobs", "top_logprobs needs logprobs=true")
+    try:
+        prompt = apply_template(messages)
+    except Exception as error:  # noqa: BLE001 - the template's own message says what is wrong
+        raise invalid("messages", f"the chat template could not be applied: {error}") from None
+    stream, usage = _stream(body)
+    params = _sampling(body, max_tokens or 1, top if logprobs else None)
+    return Generation(prompt, params, stream, usage, max_tokens, "messages")
+
+
+def completion_request(body, served: str, max_model_len: int) -> Generation:
+    """A /v1/completions body checked (one prompt: a string or a list of token ids)."""
+    body = check_fields(body, COMPLETION_FIELDS)
+    check_model(body, served)
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
+        prompt = prompt[0]
+    is_ids = isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt)
+    if not (isinstance(prompt, str) and prompt) and not is_ids:
+        raise invalid("prompt", "the request has no 'prompt'; pass one non-empty string (or a list of token ids)")
+    max_tokens = _number(body, "max_tokens", 16, 1, max_model_len, integer=True)
+    logprobs = _number(body, "logprobs", None, 0, 20, integer=True)
+    stream, usage = _stream(body)
+    return Generation(prompt, _sampling(body, max_tokens, logprobs), stream, usage, max_tokens, "prompt")
+
+
+def embedding_request(body, served: str) -> tuple[list[str], str]:
+    """A /v1/embeddings body checked: (texts, encoding format "float" or "base64")."""
+    body = check_fields(body, {"input", "model", "encoding_format"})
+    check_model(body, served)
+    texts = body.get("input")
+    texts = [texts] if isinstance(texts, str) else texts
+    if not isinstance(texts, list) or not texts or not all(isinstance(t, str) and t for t in texts):
+        raise invalid("input", "the request has no 'input'; pass a non-empty string or a list of them")
+    encoding = body.get("encoding_format") or "float"
+    if encoding not in ("float", "base64"):
+        raise invalid("encoding_format", f"encoding_format={encoding!r}: pass 'float' or 'base64'")
+    return texts, encoding
+
+
+def with_budget(generation: Generation, prompt_length: int, max_model_len: int) -> Generation:
+    """The request with max_tokens filled in (the rest of the context when unset) and checked
+    against the prompt's length."""
+    if prompt_length >= max_model_len:
+        raise invalid(
+            generation.prompt_field,
+            f"the prompt ({generation.prompt_field}) has {prompt_length} tokens; the server's max_model_len="
+            f"{max_model_len} leaves no room for an answer. Shorten the {generation.prompt_field}",
+        )
+    room = max_model_len - prompt_length
+    if generation.max_tokens is not None and generation.max_tokens > room:
+        raise invalid(
+            "max_tokens",
+            f"max_tokens={generation.max_tokens} with a prompt of {prompt_length} tokens is beyond max_model_len="
+            f"{max_model_len}; pass max_tokens<={room}",
+        )
+    budget = generation.max_tokens or room
+    params = [dataclasses.replace(p, max_tokens=budget) for p in generation.params]
+    return dataclasses.replace(generation, params=params, max_tokens=budget)

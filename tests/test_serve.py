@@ -1,0 +1,504 @@
+"""`hfjax serve` through real clients: the official openai package, curl, headless Chromium, a load test.
+
+Three servers run in processes of their own, started as soon as the suite is collected
+(`start_in_background`), so that their start overlaps the rest of the suite:
+  main     a tiny Llama, 8 slots: answers, streaming, errors, the chat page, the load test
+  small    the same model, 1 slot, a queue of 1 and an API key: 401, 429, and SIGTERM (last)
+  encoder  a tiny BERT: /v1/embeddings
+Answers are checked against `Model.generate_text` (greedy) and PyTorch (embeddings).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import atexit
+import concurrent.futures
+import json
+import os
+import pathlib
+import re
+import shlex
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+
+import numpy as np
+import pytest
+import torch
+import transformers
+
+import hfjax
+from hfjax import testing, tolerances
+
+fastapi = pytest.importorskip("fastapi", reason="the serve extra is not installed: pip install 'hfjax[serve]'")
+pytest.importorskip("uvicorn", reason="the serve extra is not installed: pip install 'hfjax[serve]'")
+openai = pytest.importorskip("openai", reason="the openai client is a test dependency: pip install openai")
+httpx = pytest.importorskip("httpx", reason="httpx is a test dependency: pip install httpx")
+
+README = pathlib.Path(__file__).resolve().parent.parent / "README.md"
+README_DIR = "/tmp/hfjax-readme"
+
+
+def _readme_serve() -> tuple[str, str, str]:
+    """The README's Serve section: its `hfjax serve` line, its curl line and its python block."""
+    section = README.read_text().split("\n## Serve\n", 1)[1].split("\n## ", 1)[0]
+    lines = re.findall(r"```bash\n(.*?)```", section, flags=re.S)[0].splitlines()
+    serve = next(line for line in lines if line.startswith("hfjax serve"))
+    curl = next(line for line in lines if line.startswith("curl "))
+    return serve, curl, re.findall(r"```python\n(.*?)```", section, flags=re.S)[0]
+
+
+# The main server is the README's own command, so its examples run against it.
+_SERVE_FLAGS = shlex.split(_readme_serve()[0].rstrip(" &"))
+NAME = _SERVE_FLAGS[_SERVE_FLAGS.index("--served-model-name") + 1]
+LENGTH = int(_SERVE_FLAGS[_SERVE_FLAGS.index("--max-model-len") + 1])
+ENCODER, KEY = "tiny-bert", "test-key"
+SERVERS: dict[str, dict] = {}
+_DIRECTORY: list[pathlib.Path] = []
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _launch(name: str, checkpoint: pathlib.Path, *flags: str) -> None:
+    port = _free_port()
+    log = open(_DIRECTORY[0] / f"{name}.log", "w")
+    env = {**os.environ, "OMP_WAIT_POLICY": "PASSIVE", "PYTHONPATH": os.pathsep.join(sys.path)}
+    argv = [sys.executable, "-m", "hfjax.cli", "serve", "--model", str(checkpoint), *flags, "--port", str(port)]
+    process = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=env)
+    SERVERS[name] = {"process": process, "url": f"http://127.0.0.1:{port}", "log": log, "checkpoint": checkpoint}
+
+
+def start_in_background() -> None:
+    """Writes the checkpoints and starts the three servers (once)."""
+    if SERVERS:
+        return
+    _DIRECTORY.append(pathlib.Path(tempfile.mkdtemp(prefix="hfjax-serve-test-")))
+    model_flag = _SERVE_FLAGS.index("--model")
+    readme_path = _SERVE_FLAGS[model_flag + 1]
+    llama = testing.save_tiny_checkpoint("llama", readme_path.replace(README_DIR, str(_DIRECTORY[0])))
+    bert = testing.save_tiny_checkpoint("bert", _DIRECTORY[0] / "bert", task="feature-extraction")
+    readme_flags = [f for i, f in enumerate(_SERVE_FLAGS[2:], 2) if i not in (model_flag, model_flag + 1)]
+    port = readme_flags.index("--port")
+    _launch("main", llama, *readme_flags[:port], *readme_flags[port + 2 :])
+    common = ("--max-model-len", str(LENGTH), "--served-model-name", NAME)
+    _launch("small", llama, *common, "--max-batch", "1", "--max-queue", "1", "--api-key", KEY)
+    _launch("encoder", bert, "--served-model-name", ENCODER)
+    atexit.register(_stop_all)
+
+
+def _stop_all() -> None:
+    for server in SERVERS.values():
+        if server["process"].poll() is None:
+            server["process"].kill()
+            server["process"].wait()
+        server["log"].close()
+    if _DIRECTORY:
+        shutil.rmtree(_DIRECTORY[0], ignore_errors=True)
+
+
+def _wait_until_up(name: str, timeout: float = 600) -> str:
+    server = SERVERS[name]
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if server["process"].poll() is not None:
+            raise AssertionError(f"{name} server exited: {(_DIRECTORY[0] / f'{name}.log').read_text()[-3000:]}")
+        try:
+            if httpx.get(server["url"] + "/health", timeout=2).status_code == 200:
+                return server["url"]
+        except httpx.TransportError:
+            pass
+        time.sleep(0.3)
+    raise AssertionError(f"{name} server did not answer /health in {timeout} s")
+
+
+@pytest.fixture(scope="module")
+def servers():
+    start_in_background()
+    yield {name: _wait_until_up(name) for name in SERVERS}
+    _stop_all()
+
+
+@pytest.fixture(scope="module")
+def client(servers):
+    return openai.OpenAI(base_url=servers["main"] + "/v1", api_key="unused", max_retries=0)
+
+
+@pytest.fixture(scope="module")
+def model(servers):
+    return hfjax.load(SERVERS["main"]["checkpoint"])
+
+
+CONVERSATIONS = [
+    [{"role": "user", "content": " ".join(["Tell me about the river"] * (1 + i % 5))}]
+    + (
+        [{"role": "assistant", "content": "It ran past the mill."}, {"role": "user", "content": "And then?"}]
+        if i % 3 == 0
+        else []
+    )
+    for i in range(12)
+]
+NEW_TOKENS = 16
+
+
+@pytest.fixture(scope="module")
+def expected(model):
+    """Model.generate_text's greedy answers to CONVERSATIONS (one batch)."""
+    return model.generate_text(CONVERSATIONS, max_new_tokens=NEW_TOKENS, do_sample=False)
+
+
+def _chat(client, conversation, *, stream=False, **kwargs):
+    call = dict(model=NAME, messages=conversation, max_tokens=NEW_TOKENS, temperature=0, **kwargs)
+    if not stream:
+        return client.chat.completions.create(**call).choices[0].message.content
+    chunks = client.chat.completions.create(stream=True, **call)
+    return "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+
+
+def test_openai_chat_answers_equal_generate_text_streamed_or_not(client, expected):
+    answer = client.chat.completions.create(model=NAME, messages=CONVERSATIONS[0], max_tokens=NEW_TOKENS, temperature=0)
+    assert answer.choices[0].message.content == expected[0]
+    assert answer.usage.completion_tokens <= NEW_TOKENS
+    assert answer.usage.total_tokens == answer.usage.prompt_tokens + answer.usage.completion_tokens
+    chunks = list(
+        client.chat.completions.create(
+            model=NAME, messages=CONVERSATIONS[0], max_tokens=NEW_TOKENS, temperature=0, stream=True,
+            stream_options={"include_usage": True},
+        )
+    )  # fmt: skip
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == expected[0]
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == answer.usage.completion_tokens
+    assert all(c.usage is None for c in chunks[:-1])
+
+
+def test_12_concurrent_chats_get_the_answers_they_get_alone(client, expected):
+    with concurrent.futures.ThreadPoolExecutor(len(CONVERSATIONS)) as pool:
+        answers = list(
+            pool.map(lambda i: _chat(client, CONVERSATIONS[i], stream=i % 2 == 1), range(len(CONVERSATIONS)))
+        )
+    assert answers == expected
+
+
+def test_n_logprobs_seed_and_stop(client, expected):
+    answer = client.chat.completions.create(
+        model=NAME, messages=CONVERSATIONS[1], max_tokens=8, temperature=0.8, seed=5, n=3, logprobs=True, top_logprobs=2
+    )
+    assert [c.index for c in answer.choices] == [0, 1, 2]
+    for choice in answer.choices:
+        content = choice.logprobs.content
+        assert 1 <= len(content) <= 8 and all(len(t.top_logprobs) == 2 for t in content)
+        assert all(t.top_logprobs[0].logprob >= t.top_logprobs[1].logprob for t in content)
+    again = client.chat.completions.create(
+        model=NAME, messages=CONVERSATIONS[1], max_tokens=8, temperature=0.8, seed=5, n=3
+    )
+    assert [c.message.content for c in again.choices] == [c.message.content for c in answer.choices]
+    stop = expected[2][3:5]
+    stopped = _chat(client, CONVERSATIONS[2], stop=[stop])
+    assert stopped == expected[2][: expected[2].index(stop)]
+
+
+def test_openai_completions_of_token_ids_with_logprobs(client, model, expected):
+    # The chat prompt as token ids: the completion continues it as the chat does.
+    text = model.tokenizer.apply_chat_template(CONVERSATIONS[4], add_generation_prompt=True, tokenize=False)
+    prompt = model.tokenizer(text, add_special_tokens=False)["input_ids"]
+    answer = client.completions.create(model=NAME, prompt=prompt, max_tokens=NEW_TOKENS, temperature=0, logprobs=3)
+    assert answer.choices[0].text == expected[4]
+    logprobs = answer.choices[0].logprobs
+    # usage counts an EOS token too; the answer's tokens (and their logprobs) stop before it.
+    ended_by_eos = answer.choices[0].finish_reason == "stop"
+    assert len(logprobs.tokens) == answer.usage.completion_tokens - ended_by_eos == len(logprobs.token_logprobs)
+    assert all(len(top) <= 3 for top in logprobs.top_logprobs)
+    streamed = client.completions.create(model=NAME, prompt=prompt, max_tokens=NEW_TOKENS, temperature=0, stream=True)
+    assert "".join(c.choices[0].text for c in streamed) == expected[4]
+
+
+def _torch_embeddings(path, texts):
+    tokenizer = transformers.AutoTokenizer.from_pretrained(path)
+    module = transformers.AutoModel.from_pretrained(path).eval()
+    batch = tokenizer(texts, padding=True, return_tensors="pt")
+    with torch.no_grad():
+        hidden = module(**batch).last_hidden_state
+    mask = batch["attention_mask"][..., None].float()
+    return torch.nn.functional.normalize((hidden * mask).sum(1) / mask.sum(1), dim=-1).numpy()
+
+
+def test_openai_embeddings_equal_pytorch(servers):
+    client = openai.OpenAI(base_url=servers["encoder"] + "/v1", api_key="unused", max_retries=0)
+    texts = ["a cat sat on the mat", "dogs", "the quick brown fox jumps over the lazy dog"]
+    want = _torch_embeddings(SERVERS["encoder"]["checkpoint"], texts)
+    tolerance = tolerances.for_family("bert")
+    for encoding in ({}, {"encoding_format": "float"}):  # unless told, the client asks for base64 and decodes it
+        answer = client.embeddings.create(model=ENCODER, input=texts, **encoding)
+        got = np.array([d.embedding for d in answer.data], np.float32)
+        np.testing.assert_allclose(got, want, atol=tolerance.atol, err_msg=tolerance.why)
+    assert answer.usage.prompt_tokens > len(texts)
+    with pytest.raises(openai.BadRequestError) as error:
+        client.chat.completions.create(model=ENCODER, messages=[{"role": "user", "content": "hi"}])
+    assert error.value.body["param"] == "model"
+
+
+def test_models_health_metrics_and_the_page(servers):
+    url = servers["main"]
+    assert httpx.get(url + "/v1/models").json()["data"][0]["id"] == NAME
+    assert httpx.get(url + "/health").json() == {"status": "ok"}
+    metrics = httpx.get(url + "/metrics")
+    assert metrics.headers["content-type"].startswith("text/plain")
+    for name in ("hfjax_time_to_first_token_seconds_bucket", "hfjax_inter_token_latency_seconds_count",
+                 "hfjax_num_requests_waiting", "hfjax_batch_occupancy", "hfjax_prompt_tokens_total"):  # fmt: skip
+        assert re.search(rf"^{name}", metrics.text, re.M), name
+    page = httpx.get(url + "/").text
+    assert "<title>hfjax chat</title>" in page
+    assert not re.search(r"""(src|href)=["']?(https?:)?//""", page), "the page loads nothing from elsewhere"
+
+
+BAD = [
+    ("chat", b"{not json", "body"),
+    ("chat", {"model": NAME}, "messages"),
+    ("completions", {"model": NAME, "max_tokens": 4}, "prompt"),
+    ("chat", {"model": "gpt-4", "messages": [{"role": "user", "content": "hi"}]}, "model"),
+    ("chat", {"model": NAME, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 0}, "max_tokens"),
+    ("chat", {"model": NAME, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 10**6}, "max_tokens"),
+    ("chat", {"model": NAME, "messages": [{"role": "user", "content": "hi"}], "max_tokens": LENGTH - 2}, "max_tokens"),
+    ("chat", {"model": NAME, "messages": [{"role": "user", "content": "river " * LENGTH}]}, "messages"),
+    ("completions", {"model": NAME, "prompt": "river " * LENGTH}, "prompt"),
+    ("chat", {"model": NAME, "messages": [{"role": "user", "content": "hi"}], "temperature": 2.5}, "temperature"),
+    ("chat", {"model": NAME, "messages": [{"role": "user", "content": "hi"}], "top_p": 0}, "top_p"),
+    ("chat", {"model": NAME, "messages": [{"role": "user", "content": "hi"}], "n": 0}, "n"),
+    ("chat", {"model": NAME, "messages": [{"role": "user", "content": "hi"}], "top_logprobs": 30}, "top_logprobs"),
+    (
+        "chat",
+        {"model": NAME, "messages": [{"role": "user", "content": "hi"}], "frequency_penalty": 0.5},
+        "frequency_penalty",
+    ),
+    (
+        "chat",
+        {"model": NAME, "messages": [{"role": "user", "content": "hi"}], "tools": [{"type": "function"}]},
+        "tools",
+    ),
+    ("completions", {"model": NAME, "prompt": "hi", "echo": True}, "echo"),
+    ("completions", {"model": NAME, "prompt": "hi", "top_k": 5}, "top_k"),
+]
+
+
+@pytest.mark.parametrize(("endpoint", "body", "param"), BAD, ids=[f"{e}-{p}-{i}" for i, (e, _, p) in enumerate(BAD)])
+def test_bad_requests_get_an_openai_400_naming_the_field(servers, endpoint, body, param):
+    content = body if isinstance(body, bytes) else json.dumps(body).encode()
+    path = {"chat": "/v1/chat/completions", "completions": "/v1/completions"}[endpoint]
+    answer = httpx.post(servers["main"] + path, content=content, headers={"content-type": "application/json"})
+    assert answer.status_code == 400, answer.text
+    error = answer.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    assert error["param"] == param and error["type"] == "invalid_request_error"
+    assert param in error["message"] or param == "body", error["message"]
+
+
+def test_the_openai_client_raises_bad_request_with_the_field(client):
+    with pytest.raises(openai.BadRequestError) as error:
+        client.chat.completions.create(model=NAME, messages=[{"role": "user", "content": "hi"}], presence_penalty=1.0)
+    assert error.value.status_code == 400 and error.value.body["param"] == "presence_penalty"
+
+
+def test_curl_streams_server_sent_events(servers, expected):
+    body = {"model": NAME, "messages": CONVERSATIONS[3], "max_tokens": NEW_TOKENS, "temperature": 0, "stream": True,
+            "stream_options": {"include_usage": True}}  # fmt: skip
+    out = subprocess.run(
+        ["curl", "-sSN", "-H", "Content-Type: application/json", "-d", json.dumps(body),
+         servers["main"] + "/v1/chat/completions"],
+        capture_output=True, text=True, timeout=60, check=True,
+    ).stdout  # fmt: skip
+    events = [line for line in out.split("\n\n") if line]
+    assert all(e.startswith("data: ") for e in events) and events[-1] == "data: [DONE]"
+    chunks = [json.loads(e[len("data: ") :]) for e in events[:-1]]
+    assert "".join(c["choices"][0]["delta"].get("content", "") for c in chunks if c["choices"]) == expected[3]
+    assert chunks[-1]["usage"]["completion_tokens"] >= 1 and chunks[-2]["choices"][0]["finish_reason"] in (
+        "stop",
+        "length",
+    )
+
+
+def test_an_api_key_is_required_when_set(servers):
+    url = servers["small"] + "/v1"
+    with pytest.raises(openai.AuthenticationError) as error:
+        openai.OpenAI(base_url=url, api_key="wrong", max_retries=0).models.list()
+    assert error.value.status_code == 401 and error.value.body["code"] == "invalid_api_key"
+    missing = httpx.post(url + "/chat/completions", json={"model": NAME, "messages": CONVERSATIONS[0]})
+    assert missing.status_code == 401 and missing.json()["error"]["code"] == "invalid_api_key"
+    assert openai.OpenAI(base_url=url, api_key=KEY, max_retries=0).models.list().data[0].id == NAME
+    assert httpx.get(servers["small"] + "/health").status_code == 200
+
+
+def test_a_full_queue_answers_429(servers):
+    client = openai.OpenAI(base_url=servers["small"] + "/v1", api_key=KEY, max_retries=0)
+    # 1 slot and a queue of 1 cannot take 3 answers at once: the request is refused whole.
+    with pytest.raises(openai.RateLimitError) as error:
+        client.chat.completions.create(model=NAME, messages=CONVERSATIONS[0], max_tokens=LENGTH // 2, n=3)
+    assert error.value.status_code == 429 and set(error.value.body) == {"message", "type", "param", "code"}
+    assert "max_queue=1" in error.value.body["message"]
+    assert client.chat.completions.create(model=NAME, messages=CONVERSATIONS[0], max_tokens=4).choices
+
+
+def _prompt_tokens(model, conversation) -> int:
+    text = model.tokenizer.apply_chat_template(conversation, add_generation_prompt=True, tokenize=False)
+    return len(model.tokenizer(text, add_special_tokens=False)["input_ids"])
+
+
+def _metrics(url: str) -> dict[str, float]:
+    values = {}
+    for line in httpx.get(url + "/metrics").text.splitlines():
+        if line and not line.startswith("#"):
+            name, value = line.rsplit(" ", 1)
+            values[name] = float(value)
+    return values
+
+
+def test_load_200_requests_from_32_clients_some_leaving_mid_stream(servers, model, expected):
+    url = servers["main"]
+    prompt_tokens = [_prompt_tokens(model, c) for c in CONVERSATIONS]
+    before = _metrics(url)
+    results = []
+
+    async def one(http: httpx.AsyncClient, i: int):
+        conversation = i % len(CONVERSATIONS)
+        leaves = i % 7 == 3
+        body = {"model": NAME, "messages": CONVERSATIONS[conversation], "temperature": 0, "stream": True,
+                "max_tokens": LENGTH - prompt_tokens[conversation] if leaves else NEW_TOKENS,
+                "stream_options": {"include_usage": True}}  # fmt: skip
+        text, usage = "", None
+        async with http.stream("POST", url + "/v1/chat/completions", json=body) as response:
+            assert response.status_code == 200
+            async for line in response.aiter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                chunk = json.loads(line[len("data: ") :])
+                usage = chunk.get("usage") or usage
+                if chunk["choices"]:
+                    text += chunk["choices"][0]["delta"].get("content") or ""
+                if leaves and text:
+                    break  # the client disconnects mid-stream
+        results.append((conversation, leaves, text, usage))
+
+    async def run():
+        limits = httpx.Limits(max_connections=32)
+        async with httpx.AsyncClient(timeout=120, limits=limits) as http:
+            queue = asyncio.Queue()
+            for i in range(200):
+                queue.put_nowait(i)
+
+            async def worker():
+                while not queue.empty():
+                    await one(http, queue.get_nowait())
+
+            await asyncio.gather(*(worker() for _ in range(32)))
+
+    asyncio.run(run())
+    completed = [r for r in results if not r[1]]
+    left = [r for r in results if r[1]]
+    assert len(results) == 200 and len(left) == 29
+    for conversation, _, text, usage in completed:
+        assert text == expected[conversation]
+        assert usage["prompt_tokens"] == prompt_tokens[conversation]
+    deadline = time.monotonic() + 60
+    while (after := _metrics(url))["hfjax_num_requests_running"] and time.monotonic() < deadline:
+        time.sleep(0.2)  # a request that lost its client leaves at the next chunk boundary
+
+    def delta(name):
+        return after.get(name, 0) - before.get(name, 0)
+
+    assert after["hfjax_num_requests_running"] == 0 and after["hfjax_num_requests_waiting"] == 0
+    assert after["hfjax_batch_occupancy"] == 0
+    assert delta('hfjax_http_requests_total{endpoint="/v1/chat/completions",code="200"}') == 200
+    finished = {
+        r: delta(f'hfjax_request_success_total{{finished_reason="{r}"}}') for r in ("stop", "length", "cancelled")
+    }
+    assert sum(finished.values()) == 200 and finished["cancelled"] <= len(left)
+    assert delta("hfjax_prompt_tokens_total") == sum(prompt_tokens[c] for c, *_ in results)
+    assert delta("hfjax_generation_tokens_total") >= sum(u["completion_tokens"] for *_, u in completed)
+    assert delta("hfjax_time_to_first_token_seconds_count") == 200
+
+
+def test_the_chat_page_streams_an_answer_in_headless_chromium(servers, expected, tmp_path):
+    webdriver = pytest.importorskip("selenium.webdriver", reason="selenium is a test dependency: pip install selenium")
+    chromium = shutil.which("chromium") or shutil.which("chromium-browser")
+    driver_path = shutil.which("chromedriver")
+    if chromium is None or driver_path is None:
+        pytest.skip(
+            "Debian's chromium and chromium-driver are not installed (apt-get install chromium chromium-driver)"
+        )
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.support.ui import WebDriverWait
+
+    options = webdriver.ChromeOptions()
+    options.binary_location = chromium
+    for flag in (
+        "--headless=new",
+        "--no-sandbox",
+        "--disable-gpu",
+        "--disable-dev-shm-usage",
+        "--window-size=1000,700",
+    ):
+        options.add_argument(flag)
+    browser = webdriver.Chrome(options=options, service=webdriver.ChromeService(executable_path=driver_path))
+    try:
+        browser.get(servers["main"] + "/")
+        WebDriverWait(browser, 30).until(lambda b: b.find_element(By.ID, "model").text == NAME)
+        browser.find_element(By.ID, "temperature").send_keys("0")
+        browser.find_element(By.ID, "max-tokens").send_keys(str(NEW_TOKENS))
+        browser.find_element(By.ID, "input").send_keys(CONVERSATIONS[5][0]["content"])
+        browser.find_element(By.ID, "send").click()
+        WebDriverWait(browser, 60).until(
+            lambda b: b.find_elements(By.CSS_SELECTOR, ".assistant[data-done='true'], .error[data-done='true']")
+        )
+        answer = browser.find_element(By.CSS_SELECTOR, "#messages .message:last-child")
+        answer_text, answer_class = answer.get_attribute("textContent"), answer.get_attribute("class")
+        stats = browser.find_element(By.ID, "stats").text
+        browser.save_screenshot(str(tmp_path / "chat.png"))
+    finally:
+        browser.quit()
+    assert len(CONVERSATIONS[5]) == 1
+    assert "error" not in answer_class, answer_text
+    assert answer_text == expected[5]
+    assert re.search(r"\d+ tokens, [\d.]+ tokens/s", stats), stats
+    assert (tmp_path / "chat.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_sigterm_finishes_the_answer_in_flight_and_exits_0(servers):
+    server = SERVERS["small"]
+    body = {"model": NAME, "messages": CONVERSATIONS[0], "temperature": 0, "stream": True, "max_tokens": LENGTH // 2,
+            "stream_options": {"include_usage": True}}  # fmt: skip
+    lines = []
+    with httpx.stream(
+        "POST",
+        servers["small"] + "/v1/chat/completions",
+        json=body,
+        headers={"Authorization": f"Bearer {KEY}"},
+        timeout=120,
+    ) as response:
+        assert response.status_code == 200
+        server["process"].send_signal(signal.SIGTERM)
+        lines = [line for line in response.iter_lines() if line]
+    assert lines[-1] == "data: [DONE]"
+    usage = json.loads(lines[-2][len("data: ") :])["usage"]
+    assert usage["completion_tokens"] >= 1
+    assert server["process"].wait(timeout=60) == 0
+    with pytest.raises(httpx.TransportError):
+        httpx.get(servers["small"] + "/health", timeout=2)
+
+
+def test_the_readme_examples_run_against_its_server(servers):
+    _, curl, python = _readme_serve()
+    port = servers["main"].rsplit(":", 1)[1]
+    out = subprocess.run(curl.replace(":8000", f":{port}"), shell=True, capture_output=True, text=True, timeout=60)
+    answer = json.loads(out.stdout)
+    assert answer["object"] == "chat.completion" and answer["usage"]["completion_tokens"] >= 1, out.stdout
+    ran = subprocess.run(
+        [sys.executable, "-c", python.replace(":8000", f":{port}")], capture_output=True, text=True, timeout=60
+    )
+    assert ran.returncode == 0, ran.stderr

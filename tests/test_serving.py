@@ -1,0 +1,198 @@
+"""The continuous-batching engine (hfjax.serving.Engine) in this process, against `Model.generate`."""
+
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+import pytest
+
+import hfjax
+from hfjax.serving import Engine, QueueFullError, SamplingParams
+from hfjax.serving._text import TextStream
+from hfjax.testing import _tokenizer
+
+# Mixed lengths: some fit one prefill chunk (16 tokens here), some take two or three.
+WORDS = (
+    "The river ran quietly past the old mill and the children watched the water carry leaves toward the sea "
+    "while the baker opened her shop before the sun was up"
+).split()
+PROMPTS = [" ".join(WORDS[: 1 + (7 * i) % len(WORDS)]) for i in range(16)]
+SLOTS, LENGTH, CHUNK, STEPS = 4, 96, 16, 4
+
+
+@pytest.fixture(scope="module")
+def model(checkpoint):
+    return hfjax.load(checkpoint("llama"))
+
+
+@pytest.fixture(scope="module")
+def engine(model):
+    engine = Engine(model, max_batch=SLOTS, max_model_len=LENGTH, prefill_chunk=CHUNK, decode_steps=STEPS)
+    engine.warm_up()
+    yield engine.start()
+    engine.stop()
+
+
+def _ids(model, prompts):
+    return [model.tokenizer(p)["input_ids"] for p in prompts]
+
+
+def _generate_alone(model, ids: list[list[int]], max_new_tokens: int) -> list[list[int]]:
+    """Model.generate's greedy tokens of each prompt, cut before its first EOS (one left-padded batch:
+    each row gets what its prompt alone would)."""
+    width = max(len(i) for i in ids)
+    padded = np.array([[0] * (width - len(i)) + i for i in ids], np.int32)
+    mask = np.array([[0] * (width - len(i)) + [1] * len(i) for i in ids], np.int32)
+    out = np.asarray(model.generate(padded, mask, max_new_tokens=max_new_tokens, do_sample=False))[:, width:]
+    rows = []
+    for row in out.tolist():
+        rows.append(row[: row.index(_tokenizer.EOS_ID)] if _tokenizer.EOS_ID in row else row)
+    return rows
+
+
+def test_greedy_answers_equal_generate_with_16_requests_in_4_slots(model, engine):
+    ids = _ids(model, PROMPTS)
+    budgets = [6 + (5 * i) % 19 for i in range(len(ids))]  # requests leave at different chunks
+    got = engine.generate(ids, [SamplingParams(max_tokens=b, temperature=0) for b in budgets])
+    want = _generate_alone(model, ids, max(budgets))
+    assert len({len(i) for i in ids}) > 8 and max(len(i) for i in ids) > 2 * CHUNK
+    for prompt, budget, event, reference in zip(PROMPTS, budgets, got, want):
+        assert event.token_ids == reference[:budget], prompt
+        assert event.finish_reason == ("length" if len(reference) >= budget else "stop"), prompt
+        assert event.text == model.tokenizer.decode(reference[:budget], skip_special_tokens=True)
+        assert event.prompt_tokens == len(model.tokenizer(prompt)["input_ids"])
+    assert engine.running == 0 and engine.waiting == 0
+
+
+def test_programs_stay_fixed_over_50_requests_of_mixed_lengths_and_settings(model, engine):
+    before = dict(engine.program_counts)
+    # warm_up prepared them all: a prefill chunk and a decode chunk per row bucket (1, 2 and 4 rows).
+    assert engine.prefill_buckets == engine.row_buckets == (1, 2, 4) and before == {"prefill": 3, "decode": 3}
+    ids = _ids(model, [PROMPTS[i % len(PROMPTS)] for i in range(50)])
+    params = [
+        SamplingParams(
+            max_tokens=1 + (3 * i) % 23,
+            temperature=(0.0, 0.7, 1.3)[i % 3],
+            top_p=(1.0, 0.9, 0.5, 0.2)[i % 4],
+            seed=i,
+            stop=("e",) if i % 5 == 0 else (),
+            logprobs=(None, 0, 3, 20)[i % 4],
+        )
+        for i in range(50)
+    ]
+    events = engine.generate(ids, params)
+    assert engine.program_counts == before
+    assert engine.running == 0 and engine.waiting == 0
+    for p, event in zip(params, events):
+        assert 1 <= event.completion_tokens <= p.max_tokens
+        if p.logprobs is not None:
+            assert len(event.logprobs) == len(event.token_ids)
+            assert all(len(lp.top) == p.logprobs for lp in event.logprobs)
+            # The chosen token's log-probability is one of the model's: at most the most likely one's.
+            assert all(lp.logprob <= lp.top[0][1] + 1e-6 for lp in event.logprobs if lp.top)
+        if p.stop:
+            assert "e" not in event.text
+
+
+def test_a_seed_gives_the_same_tokens_whatever_else_is_in_the_batch(model, engine):
+    ids = _ids(model, PROMPTS[:6])
+    sampled = SamplingParams(max_tokens=12, temperature=1.0, seed=7, ignore_eos=True)
+    alone = engine.generate([ids[2]], sampled)[0]
+    crowd = engine.generate(ids, [SamplingParams(max_tokens=12, temperature=0.9, seed=i) for i in range(6)])
+    crowd[2] = engine.generate(ids[:3], [*[SamplingParams(max_tokens=9, seed=40 + i) for i in range(2)], sampled])[2]
+    assert crowd[2].token_ids == alone.token_ids
+    other_seed = engine.generate([ids[2]], SamplingParams(max_tokens=12, temperature=1.0, seed=8, ignore_eos=True))
+    assert other_seed[0].token_ids != alone.token_ids
+
+
+def test_top_p_that_keeps_one_token_samples_the_greedy_answer(model, engine):
+    ids = _ids(model, PROMPTS[3:5])
+    greedy = engine.generate(ids, SamplingParams(max_tokens=10, temperature=0))
+    narrow = engine.generate(ids, SamplingParams(max_tokens=10, temperature=1.5, top_p=1e-6, seed=3))
+    wide = engine.generate(ids, SamplingParams(max_tokens=10, temperature=1.5, top_p=1.0, seed=3))
+    assert [e.token_ids for e in narrow] == [e.token_ids for e in greedy]
+    assert [e.token_ids for e in wide] != [e.token_ids for e in greedy]
+
+
+def test_a_cancelled_request_frees_its_slot_for_the_queue(model, engine):
+    ids = _ids(model, PROMPTS[:1])[0]
+    events, finished = [], threading.Event()
+
+    def listener(event):
+        events.append(event)
+        if event.finish_reason is not None:
+            finished.set()
+
+    long = [engine.submit(ids, SamplingParams(max_tokens=LENGTH - len(ids), ignore_eos=True), listener)]
+    long += [engine.submit(ids, SamplingParams(max_tokens=LENGTH - len(ids), ignore_eos=True), lambda e: None)]
+    long += [engine.submit(ids, SamplingParams(max_tokens=LENGTH - len(ids), ignore_eos=True), lambda e: None)]
+    long += [engine.submit(ids, SamplingParams(max_tokens=LENGTH - len(ids), ignore_eos=True), lambda e: None)]
+    for request in long:
+        engine.cancel(request)
+    assert finished.wait(60)
+    assert events[-1].finish_reason == "cancelled" and events[-1].completion_tokens < LENGTH - len(ids)
+    # Every slot is free again: a new batch of SLOTS requests all run.
+    assert all(e.finish_reason == "length" for e in engine.generate([ids] * SLOTS, SamplingParams(max_tokens=3)))
+    assert engine.running == 0
+
+
+def test_bad_requests_raise_errors_that_name_the_argument(model, engine):
+    ids = _ids(model, PROMPTS[:1])[0]
+    with pytest.raises(hfjax.GenerationError, match=r"max_tokens=\d+ with a prompt of \d+ tokens"):
+        engine.submit(ids, SamplingParams(max_tokens=LENGTH), lambda e: None)
+    with pytest.raises(hfjax.GenerationError, match="temperature=3"):
+        SamplingParams(max_tokens=1, temperature=3)
+    with pytest.raises(hfjax.GenerationError, match="top_p=0"):
+        SamplingParams(max_tokens=1, top_p=0)
+    with pytest.raises(hfjax.ServingError, match="max_model_len=100000"):
+        Engine(model, max_model_len=100_000)
+
+
+def test_a_full_queue_raises_queue_full(model):
+    engine = Engine(model, max_batch=SLOTS, max_model_len=LENGTH, max_queue=1, prefill_chunk=CHUNK, decode_steps=STEPS)
+    engine._thread = threading.Thread()  # accepted, never run: the queue only fills
+    ids = _ids(model, PROMPTS[:1])[0]
+    engine.submit(ids, SamplingParams(max_tokens=2), lambda e: None)
+    with pytest.raises(QueueFullError, match="max_queue=1"):
+        engine.submit(ids, SamplingParams(max_tokens=2), lambda e: None)
+
+
+class _Letters:
+    """A tokenizer whose token i is the letter chr(i): a stop string can straddle tokens."""
+
+    def decode(self, ids, skip_special_tokens=True):
+        return "".join(chr(i) for i in ids)
+
+
+def test_text_stream_holds_back_a_possible_stop_string_and_cuts_at_it():
+    stream = TextStream(_Letters(), stops=("STOP",))
+    pieces = [stream.add([ord(c) for c in chunk]) for chunk in ("abc S", "T", "OP and more")]
+    assert pieces == [("abc ", False), ("", False), ("", True)]
+    stream = TextStream(_Letters(), stops=("STOP",))
+    assert stream.add([ord(c) for c in "ab ST"]) == ("ab ", False)
+    assert stream.add([ord(c) for c in "ay"]) == ("STay", False)
+    assert stream.rest() == ""
+
+
+def test_a_prompt_starts_after_the_prefix_a_free_slot_holds_and_answers_the_same(model, engine):
+    system = " ".join(WORDS[:20])
+    first, second = _ids(model, [system + " What is", system + " Where did the children go"])
+    engine.generate([first], SamplingParams(max_tokens=5, temperature=0))
+    hits = engine.metrics.prefix_hit_tokens
+    got = engine.generate([second], SamplingParams(max_tokens=12, temperature=0))[0]
+    shared = next(i for i, (a, b) in enumerate(zip(first, second)) if a != b)
+    assert shared > CHUNK and engine.metrics.prefix_hit_tokens - hits == shared
+    assert got.token_ids == _generate_alone(model, [second], 12)[0][:12]
+    assert engine.program_counts == {"prefill": 3, "decode": 3}
+
+
+def test_serve_without_the_extra_says_what_to_install(monkeypatch, capsys):
+    import importlib.util
+
+    from hfjax.cli import main
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "uvicorn" else real(name, *a))
+    assert main(["serve", "--model", "unused"]) == 1
+    assert 'pip install "hfjax[serve]"' in capsys.readouterr().err
