@@ -52,8 +52,15 @@ def compiler() -> tuple[str | None, str]:
     if platform.system() != "Linux" or platform.machine() not in ("x86_64", "AMD64"):
         return None, f"the kernels are for Linux on x86-64, not {platform.system()} on {platform.machine()}"
     flags = cpu_flags()
-    if "avx512f" not in flags and not {"avx2", "fma"} <= flags:
-        return None, "this CPU has neither AVX-512 (avx512f) nor AVX2 with FMA, which the kernels are written for"
+    # AVX2 builds only when asked (HFJAX_CPU_KERNELS=avx2): on a Zen 3, 150m decode ran 0.88x
+    # (batch 1) and 0.76x (batch 8) XLA's path alone, though it kept 93-95% beside a busy
+    # process where XLA kept 64-79% (benchmarks/README.md).
+    avx2 = os.environ.get("HFJAX_CPU_KERNELS") == "avx2" and {"avx2", "fma"} <= flags
+    if "avx512f" not in flags and not avx2:
+        return (
+            None,
+            "this CPU has no AVX-512 (avx512f); HFJAX_CPU_KERNELS=avx2 builds the AVX2 kernels, slower here than XLA",
+        )
     found = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
     if not found:
         return None, "no C++ compiler was found (install g++ or set $CXX)"
