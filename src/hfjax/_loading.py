@@ -172,6 +172,21 @@ def checkpoint_dtype(files: list[pathlib.Path]) -> str:
     return "float32"
 
 
+def tensor_names(module: torch.nn.Module) -> tuple[dict, dict]:
+    """({first name of each distinct parameter or buffer: the tensor}, {every other name of a tied
+    tensor: its first name})."""
+    first, aliases, seen = {}, {}, {}
+    for name, tensor in list(module.named_parameters(remove_duplicate=False)) + list(
+        module.named_buffers(remove_duplicate=False)
+    ):
+        if id(tensor) in seen:
+            aliases[name] = seen[id(tensor)]
+        else:
+            seen[id(tensor)] = name
+            first[name] = tensor
+    return first, aliases
+
+
 def load_weights(
     module: torch.nn.Module,
     files: list[pathlib.Path],
@@ -192,16 +207,7 @@ def load_weights(
     from transformers.core_model_loading import WeightConverter, WeightRenaming, rename_source_key
 
     target = _dtypes.jax_dtype(dtype)
-    expected = {}
-    aliases, seen = {}, {}
-    for name, tensor in list(module.named_parameters(remove_duplicate=False)) + list(
-        module.named_buffers(remove_duplicate=False)
-    ):
-        if id(tensor) in seen:
-            aliases[name] = seen[id(tensor)]
-        else:
-            seen[id(tensor)] = name
-            expected[name] = tensor
+    expected, aliases = tensor_names(module)
     meta_state = dict(expected)
     meta_state.update({k: expected[v] for k, v in aliases.items()})
 

@@ -17,7 +17,7 @@ import pathlib
 import jax
 import torch
 
-from .. import _compile, _env
+from .. import _compile, _env, _loading
 from .._errors import TrainingError
 
 ADAPTER = "default"
@@ -64,19 +64,12 @@ def wrap(module: torch.nn.Module, params: dict, aliases: dict, lora, *, seed: in
         )
     peft_model = peft.get_peft_model(_meta_copy(module), config)
     inner = peft_model.base_model.model
-    new_aliases, canonical = {}, {}
-    for name, tensor in list(inner.named_parameters(remove_duplicate=False)) + list(
-        inner.named_buffers(remove_duplicate=False)
-    ):
-        if id(tensor) in canonical:
-            new_aliases[name] = canonical[id(tensor)]
-        else:
-            canonical[id(tensor)] = name
+    canonical, new_aliases = _loading.tensor_names(inner)
     trainable = [n for n, p in inner.named_parameters() if p.requires_grad]
     saved = saved_names(peft_model, trainable)
     fresh = _initial_lora(inner, config, seed) if adapter_dir is None else _read_adapter(adapter_dir, saved)
     new_params = {}
-    for name in canonical.values():
+    for name in canonical:
         if name in fresh:
             new_params[name] = fresh[name]
         else:
