@@ -23,11 +23,15 @@ README = pathlib.Path(__file__).resolve().parent.parent / "README.md"
 README_DIR = "/tmp/hfjax-readme"
 
 
-def _blocks(language: str, directory: str = README_DIR) -> list[str]:
+def _text(directory: str = README_DIR) -> str:
+    """README.md with its directory moved, less the Serve section, whose examples need a live
+    server: tests/test_serve.py runs them against one."""
     text = README.read_text().replace(README_DIR, directory)
-    # The Serve section's examples need a live server: tests/test_serve.py runs them against one.
-    text = re.sub(r"\n## Serve\n.*?(?=\n## )", "\n", text, flags=re.S)
-    return re.findall(rf"```{language}\n(.*?)```", text, flags=re.S)
+    return re.sub(r"\n## Serve\n.*?(?=\n## )", "\n", text, flags=re.S)
+
+
+def _blocks(language: str, directory: str = README_DIR) -> list[str]:
+    return re.findall(rf"```{language}\n(.*?)```", _text(directory), flags=re.S)
 
 
 def _commands(directory: str = README_DIR) -> list[str]:
@@ -79,8 +83,7 @@ def test_python_examples_run(readme):
     assert record["python"]["ok"], record["python"].get("error")
     # The tour ends with a model loaded and checkpoints on disk that the commands use.
     assert record["python"]["tokenizer"]
-    text = README.read_text().replace(README_DIR, str(directory))
-    for path in re.findall(rf"--model ({re.escape(str(directory))}\S+)", text):
+    for path in re.findall(rf"--model ({re.escape(str(directory))}\S+)", _text(str(directory))):
         assert any((pathlib.Path(path) / name).is_file() for name in ("config.json", "model_index.json")), path
 
 
