@@ -26,6 +26,7 @@ class Model:
       aliases: {tied parameter name: the name in `params` it shares}.
       config: the transformers config.
       tokenizer: the checkpoint's tokenizer, or None.
+      processor: the checkpoint's processor, image processor or feature extractor (loaded when first read).
       task: the transformers pipeline task the model was loaded for.
       path: the local checkpoint directory, or None for a model built from a module in memory.
       mesh: the device mesh the weights are split over (`mesh=`), or None. `generate` splits the
@@ -44,6 +45,7 @@ class Model:
         self.compiled = JittedModule(module, ("forward",), params=params, aliases=aliases)
         self._generator = None
         self._generation_config = None
+        self._processor = None
 
     @classmethod
     def from_module(
@@ -121,6 +123,18 @@ class Model:
         if attention_mask is not None:
             kwargs["attention_mask"] = attention_mask
         return self.compiled.eager("forward")(**kwargs)
+
+    @property
+    def processor(self):
+        """The checkpoint's processor as transformers' `AutoProcessor` loads it: a multimodal processor,
+        an image processor, a feature extractor or the tokenizer; for a module given in memory, its tokenizer."""
+        if self._processor is None:
+            if self.path is None:
+                return self.tokenizer
+            from transformers import AutoProcessor
+
+            self._processor = AutoProcessor.from_pretrained(self.path)
+        return self._processor
 
     @property
     def generation_config(self):
@@ -316,8 +330,10 @@ def load(
       path_or_hub_id: a local checkpoint directory (config.json + *.safetensors), or a hub id
         such as "org/name" where the Hugging Face Hub is reachable. A transformers model already
         in memory is taken too (`Model.from_module`, which also takes its tokenizer).
-      task: "text-generation", "text2text-generation", "text-classification" or
-        "feature-extraction"; default: inferred from config.architectures.
+      task: a transformers pipeline task: "text-generation", "text2text-generation",
+        "text-classification", "zero-shot-classification", "feature-extraction",
+        "image-classification", "zero-shot-image-classification", "image-feature-extraction" or
+        "automatic-speech-recognition"; default: inferred from config.architectures.
       dtype: "float32", "bfloat16" or "float16", or a torch / jnp dtype; "auto" or None: the
         checkpoint's.
       mesh: a `jax.sharding.Mesh` with a "model" axis (see `hfjax.make_mesh`): each weight is

@@ -121,7 +121,7 @@ def _to_torch(tree, rows: int | None, padded: int | None):
         array = np.asarray(tree)
         if padded is not None and array.ndim > 0 and array.shape[0] == padded:
             array = array[:rows]
-        return torch.from_numpy(np.ascontiguousarray(array))
+        return torch.from_numpy(np.array(array))  # a writable copy
     return None
 
 
