@@ -18,7 +18,20 @@ import warnings
 
 from .. import _compilation_cache
 from .._compilation_cache import set_cache_dir
-from . import build_kernels, chat, check, classify, demo, finetune, generate, image, launch, serve, shard_plan, transcribe
+from . import (
+    build_kernels,
+    chat,
+    check,
+    classify,
+    demo,
+    finetune,
+    generate,
+    image,
+    launch,
+    serve,
+    shard_plan,
+    transcribe,
+)
 
 __all__ = ["main"]
 

@@ -41,9 +41,7 @@ def _vit_config():
 
 
 def _clip_config():
-    return transformers.CLIPConfig(
-        text_config={**_TEXT, **_TOKEN_IDS}, vision_config=_VISION, projection_dim=32
-    )
+    return transformers.CLIPConfig(text_config={**_TEXT, **_TOKEN_IDS}, vision_config=_VISION, projection_dim=32)
 
 
 def _siglip_config():
