@@ -182,6 +182,8 @@ def pipeline(task: str, model, *, dtype=None, **kwargs):
             "hfjax.pipeline: the model has no checkpoint directory to read its processors from; "
             "load it with hfjax.load(path)"
         )
+    if task == "text2text-generation":
+        return Text2TextGenerationPipeline(loaded, **kwargs)
     if task == "automatic-speech-recognition":
         kwargs.setdefault("pipeline_class", _audio.speech_pipeline_class())
     # Given a model object, transformers' factory loads the processors it names by path: name the
@@ -195,3 +197,30 @@ def pipeline(task: str, model, *, dtype=None, **kwargs):
 
 def _compatible(loaded: str, task: str) -> bool:
     return {loaded, task} <= {"text-classification", "zero-shot-classification"}
+
+
+class Text2TextGenerationPipeline:
+    """transformers 4's "text2text-generation" pipeline, which transformers 5 removed: texts in, for each
+    `[{"generated_text": ...}]` out (one dict per `num_return_sequences`), through `Model.generate_text`.
+
+    Arguments given when it is made are generation settings for every call; a call's own override them.
+    """
+
+    task = "text2text-generation"
+
+    def __init__(self, model, **generate_kwargs):
+        self.model = model
+        self.tokenizer = model.tokenizer
+        self._generate_kwargs = generate_kwargs
+
+    def __call__(self, inputs: str | list[str], **generate_kwargs) -> list:
+        single = isinstance(inputs, str)
+        texts = [inputs] if single else list(inputs)
+        settings = {**self._generate_kwargs, **generate_kwargs}
+        out = self.model.generate_text(texts, **settings)
+        out = [out] if isinstance(out, str) else out
+        per_text = settings.get("num_return_sequences") or 1
+        results = [
+            [{"generated_text": text} for text in out[i * per_text : (i + 1) * per_text]] for i in range(len(texts))
+        ]
+        return results[0] if single else results
