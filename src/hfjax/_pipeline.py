@@ -182,6 +182,11 @@ def pipeline(task: str, model, *, dtype=None, **kwargs):
             "hfjax.pipeline: the model has no checkpoint directory to read its processors from; "
             "load it with hfjax.load(path)"
         )
+    if task == "automatic-speech-recognition" and getattr(loaded.config, "is_encoder_decoder", False):
+        raise PipelineError(
+            f"hfjax.pipeline: speech recognition with a sequence-to-sequence model ({loaded.config.model_type}) "
+            "is not supported yet; use a CTC checkpoint (wav2vec2, HuBERT, ...)"
+        )
     if task == "text2text-generation":
         return Text2TextGenerationPipeline(loaded, **kwargs)
     if task == "automatic-speech-recognition":
