@@ -1,6 +1,7 @@
-"""Tiny vision and speech checkpoints (ViT, CLIP, SigLIP, wav2vec2), processors included, for
+"""Tiny vision and speech checkpoints (ViT, CLIP, SigLIP, wav2vec2, Whisper), processors included, for
 `hfjax.pipeline`'s tasks. Sizes follow the text families: hidden 64, 2 layers, 4 heads, MLP 128;
-images are 32x32 in 8x8 patches; audio is 16 kHz.
+images are 32x32 in 8x8 patches; audio is 16 kHz. Whisper hears 1 s windows (its feature extractor's
+chunk_length; real checkpoints take 30 s) as 100 frames of 80 mel bins.
 """
 
 from __future__ import annotations
@@ -25,6 +26,22 @@ _LABELS = {"id2label": {0: "cat", 1: "dog", 2: "bird"}, "label2id": {"cat": 0, "
 _TOKEN_IDS = {"pad_token_id": _tokenizer.PAD_ID, "bos_token_id": _tokenizer.BOS_ID, "eos_token_id": _tokenizer.EOS_ID}
 # wav2vec2's CTC vocabulary: pad (the CTC blank), specials, the word separator "|", letters.
 _CHARACTERS = ["<pad>", "<s>", "</s>", "<unk>", "|", *"ETAOINSHRDLUCMWFGYPBVK'"]
+# Whisper's special tokens, after the tiny BPE's vocabulary and in the order real checkpoints have them
+# (no timestamp tokens: the tiny model does short-form transcription without timestamps only).
+_WHISPER_LANGUAGES = ("en", "fr")
+_WHISPER_SPECIALS = (
+    "<|endoftext|>",
+    "<|startoftranscript|>",
+    *(f"<|{code}|>" for code in _WHISPER_LANGUAGES),
+    "<|translate|>",
+    "<|transcribe|>",
+    "<|startoflm|>",
+    "<|startofprev|>",
+    "<|nocaptions|>",
+    "<|notimestamps|>",
+)
+_WHISPER_IDS = {token: _tokenizer.VOCAB_SIZE + i for i, token in enumerate(_WHISPER_SPECIALS)}
+_WHISPER_CHUNK_SECONDS, _WHISPER_MELS = 1, 80
 
 
 @dataclasses.dataclass(frozen=True)
@@ -60,6 +77,68 @@ def _wav2vec2_config():
         num_conv_pos_embedding_groups=4,
         ctc_loss_reduction="mean",
     )
+
+
+def _whisper_config():
+    eot = _WHISPER_IDS["<|endoftext|>"]
+    frames = _WHISPER_CHUNK_SECONDS * 100  # the feature extractor's hop is 10 ms
+    return transformers.WhisperConfig(
+        vocab_size=len(_WHISPER_IDS) + _tokenizer.VOCAB_SIZE,
+        num_mel_bins=_WHISPER_MELS,
+        d_model=64,
+        encoder_layers=2,
+        decoder_layers=2,
+        encoder_attention_heads=4,
+        decoder_attention_heads=4,
+        encoder_ffn_dim=128,
+        decoder_ffn_dim=128,
+        max_source_positions=frames // 2,  # input_features' length is 2 * max_source_positions
+        max_target_positions=64,
+        init_std=0.2,  # wider than real (0.02), so that the tiny model's tokens depend on its prompt
+        pad_token_id=eot,
+        bos_token_id=eot,
+        eos_token_id=eot,
+        decoder_start_token_id=_WHISPER_IDS["<|startoftranscript|>"],
+    )
+
+
+def _whisper_generation_config() -> transformers.GenerationConfig:
+    """The fields transformers' Whisper generate reads, as real multilingual checkpoints have them."""
+    ids = _WHISPER_IDS
+    eot = ids["<|endoftext|>"]
+    return transformers.GenerationConfig(
+        decoder_start_token_id=ids["<|startoftranscript|>"],
+        bos_token_id=eot,
+        eos_token_id=eot,
+        pad_token_id=eot,
+        max_length=24,
+        is_multilingual=True,
+        lang_to_id={f"<|{code}|>": ids[f"<|{code}|>"] for code in _WHISPER_LANGUAGES},
+        task_to_id={"translate": ids["<|translate|>"], "transcribe": ids["<|transcribe|>"]},
+        no_timestamps_token_id=ids["<|notimestamps|>"],
+        prev_sot_token_id=ids["<|startofprev|>"],
+        forced_decoder_ids=[[1, None], [2, ids["<|transcribe|>"]]],
+        return_timestamps=False,
+        # A few ordinary tokens and the task and prompt tokens, as real checkpoints suppress them.
+        suppress_tokens=[9, 10, 11, *(ids[t] for t in _WHISPER_SPECIALS[4:9])],
+        begin_suppress_tokens=[_tokenizer.space_id(), eot],
+    )
+
+
+def _whisper_processor(path: pathlib.Path):
+    vocab, merges = _tokenizer.vocab_and_merges()
+    vocab.update(_WHISPER_IDS)
+    tokenizer = transformers.WhisperTokenizer(
+        vocab=vocab,
+        merges=merges,
+        model_max_length=_whisper_config().max_target_positions,
+        extra_special_tokens=list(_WHISPER_SPECIALS[1:]),
+    )
+    extractor = transformers.WhisperFeatureExtractor(
+        feature_size=_WHISPER_MELS, sampling_rate=16000, chunk_length=_WHISPER_CHUNK_SECONDS
+    )
+    _whisper_generation_config().save_pretrained(path)
+    return transformers.WhisperProcessor(feature_extractor=extractor, tokenizer=tokenizer)
 
 
 def _image_processor(kind):
@@ -102,6 +181,7 @@ MEDIA_FAMILIES: dict[str, MediaFamily] = {
         _text_image_processor(transformers.SiglipImageProcessor, transformers.SiglipProcessor),
     ),
     "wav2vec2": MediaFamily(_wav2vec2_config, ("automatic-speech-recognition",), _wav2vec2_processor),
+    "whisper": MediaFamily(_whisper_config, ("automatic-speech-recognition",), _whisper_processor),
 }
 
 
