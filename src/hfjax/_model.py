@@ -181,7 +181,8 @@ class Model:
         `settings`: other transformers generation settings, of which hfjax carries out
         `max_length`, `min_length`, `no_repeat_ngram_size`, `bad_words_ids`, `sequence_bias`,
         `suppress_tokens`, `begin_suppress_tokens`, `forced_bos_token_id`,
-        `forced_eos_token_id`, `decoder_start_token_id`, `num_return_sequences` and beam
+        `forced_eos_token_id`, `decoder_start_token_id`, `decoder_input_ids` (an encoder-decoder's
+        first decoder tokens, int [B, D] or [D]), `num_return_sequences` and beam
         search (`num_beams`, `length_penalty`, `early_stopping`), and
         `return_dict_in_generate` with `output_scores` / `output_logits`; one that would change
         the output and that it cannot carry out (beam sampling, `typical_p`,
@@ -189,7 +190,7 @@ class Model:
 
         Returns:
           int32 jax.Array [B * num_return_sequences, S + T] (for encoder-decoders
-          [.., 1 + T], starting with the decoder start token): the prompt as given, then the
+          [.., D + T], starting with the decoder start token or decoder_input_ids): the prompt as given, then the
           new tokens, padded with `pad_token_id` after a row has produced EOS.
           T <= max_new_tokens. A prompt's `num_return_sequences` rows are adjacent (with beam
           search, its best finished beams, best first). With return_dict_in_generate=True,
@@ -200,16 +201,31 @@ class Model:
           >>> batch = model.tokenizer(["Hi", "Hello there"], padding=True, return_tensors="np")
           >>> model.generate(batch["input_ids"], batch["attention_mask"], max_new_tokens=16)
         """
-        if self.task not in _tasks.GENERATIVE:
+        if self.task not in _tasks.GENERATIVE and not self.module.can_generate():  # speech seq2seq can
             raise GenerationError(
                 f"Model.generate: this model was loaded for task={self.task!r}; load a causal or sequence-to-sequence "
                 "LM (hfjax.load(path, task='text-generation'))"
             )
-        ids, mask = _planning.prompt_arrays(input_ids, attention_mask)
+        decoder_prompt = settings.pop("decoder_input_ids", None)
+        main_input = self.module.main_input_name
+        if getattr(self.config, "is_encoder_decoder", False) and main_input != "input_ids":
+            # The encoder reads features (e.g. Whisper's input_features), by name or first positional.
+            features = settings.pop(main_input, input_ids)
+            ids, mask = _planning.feature_arrays(main_input, features, attention_mask)
+        else:
+            ids, mask = _planning.prompt_arrays(input_ids, attention_mask)
+        if decoder_prompt is not None:
+            if not getattr(self.config, "is_encoder_decoder", False):
+                raise GenerationError(
+                    "Model.generate: decoder_input_ids is for encoder-decoder models; "
+                    f"{type(self.module).__name__} is a decoder: pass the whole prompt as input_ids"
+                )
+            decoder_prompt = _planning.decoder_prompt_array(decoder_prompt, rows=ids.shape[0])
         resolved = _settings.resolve(
             self,
             ids.shape[1],
             generation_config,
+            decoder_prompt_length=1 if decoder_prompt is None else decoder_prompt.shape[1],
             max_new_tokens=max_new_tokens,
             min_new_tokens=min_new_tokens,
             do_sample=do_sample,
@@ -225,7 +241,9 @@ class Model:
         self._check_context(mask, resolved.max_new_tokens)
         if self._generator is None:
             self._generator = _engine.Generator(self)
-        return self._generator.generate(ids, mask, resolved, seed=seed, streamer=streamer)
+        return self._generator.generate(
+            ids, mask, resolved, seed=seed, streamer=streamer, decoder_prompt=decoder_prompt
+        )
 
     def generate_text(self, prompts, **kwargs) -> str | list[str]:
         """Text in, text out: tokenizes (left-padded), generates, and decodes the new tokens only.

@@ -51,6 +51,10 @@ class JaxBackedModel:
         return torch.device("cpu")  # where the pipeline's tensors live; the compute is on JAX's devices
 
     @property
+    def generation_config(self):
+        return self._model.generation_config  # the checkpoint's generation_config.json, as transformers loads it
+
+    @property
     def dtype(self) -> torch.dtype:
         return self._model.module.dtype
 
@@ -76,7 +80,13 @@ class JaxBackedModel:
         return _to_torch(out, rows, padded)
 
     def generate(self, input_ids=None, attention_mask=None, **kwargs):
-        """transformers' `generate` inputs and outputs, through hfjax's compiled generate loop."""
+        """transformers' `generate` inputs and outputs, through hfjax's compiled generate loop (for Whisper,
+        its short-form generate: `_whisper.generate`)."""
+        if self._model.config.model_type == "whisper":
+            from . import _whisper
+
+            features = kwargs.pop("input_features", input_ids)
+            return _whisper.generate(self._model, features, attention_mask, **kwargs)
         if input_ids is None:
             extra = sorted(name for name, value in kwargs.items() if isinstance(value, torch.Tensor))
             raise PipelineError(
@@ -182,10 +192,14 @@ def pipeline(task: str, model, *, dtype=None, **kwargs):
             "hfjax.pipeline: the model has no checkpoint directory to read its processors from; "
             "load it with hfjax.load(path)"
         )
-    if task == "automatic-speech-recognition" and getattr(loaded.config, "is_encoder_decoder", False):
+    if (
+        task == "automatic-speech-recognition"
+        and getattr(loaded.config, "is_encoder_decoder", False)
+        and loaded.config.model_type != "whisper"
+    ):
         raise PipelineError(
             f"hfjax.pipeline: speech recognition with a sequence-to-sequence model ({loaded.config.model_type}) "
-            "is not supported yet; use a CTC checkpoint (wav2vec2, HuBERT, ...)"
+            "is not supported yet; use Whisper or a CTC checkpoint (wav2vec2, HuBERT, ...)"
         )
     if task == "text2text-generation":
         return Text2TextGenerationPipeline(loaded, **kwargs)

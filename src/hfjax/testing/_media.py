@@ -111,7 +111,7 @@ def _whisper_generation_config() -> transformers.GenerationConfig:
         bos_token_id=eot,
         eos_token_id=eot,
         pad_token_id=eot,
-        max_length=24,
+        max_new_tokens=20,  # transformers' pipeline would add 256, beyond the tiny max_target_positions
         is_multilingual=True,
         lang_to_id={f"<|{code}|>": ids[f"<|{code}|>"] for code in _WHISPER_LANGUAGES},
         task_to_id={"translate": ids["<|translate|>"], "transcribe": ids["<|transcribe|>"]},
@@ -131,6 +131,7 @@ def _whisper_processor(path: pathlib.Path):
     tokenizer = transformers.WhisperTokenizer(
         vocab=vocab,
         merges=merges,
+        pad_token="<|endoftext|>",
         model_max_length=_whisper_config().max_target_positions,
         extra_special_tokens=list(_WHISPER_SPECIALS[1:]),
     )
