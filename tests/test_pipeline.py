@@ -191,3 +191,34 @@ def test_classify_image_cli(checkpoint, tmp_path, capsys):
     bert = checkpoint("bert", "text-classification")
     assert cli.main(["classify", "--model", str(bert), "--image", str(image)]) == 1
     assert "is a text-classification model" in capsys.readouterr().err
+
+
+def test_whisper_matches_transformers(checkpoint, tmp_path, capsys):
+    """Whisper's short-form generate: the tokens of transformers' WhisperForConditionalGeneration.generate
+    (language and task given, greedy), and transformers.pipeline's texts (its default: 5 beams), with the
+    language given and detected; `hfjax transcribe` prints the pipeline's text."""
+    path = checkpoint("whisper")
+    audios = [AUDIO, AUDIO[:6000] * 2]
+    reference = transformers.pipeline("automatic-speech-recognition", model=str(path), device="cpu")
+    ours = hfjax.pipeline("automatic-speech-recognition", model=str(path))
+    features = reference.feature_extractor(audios, sampling_rate=16000, return_tensors="pt")["input_features"]
+    for language, task in [("en", "transcribe"), ("fr", "translate")]:
+        with torch.no_grad():
+            want = reference.model.generate(features, language=language, task=task, do_sample=False)
+        got = ours.model.generate(input_features=features, language=language, task=task, do_sample=False)
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
+    for kwargs in ({"generate_kwargs": {"language": "en", "task": "transcribe"}}, {}):
+        assert ours(audios[0], **kwargs) == reference(audios[0], **kwargs)
+    wav = tmp_path / "speech.wav"
+    wav.write_bytes(_wav_bytes(AUDIO, 16000))
+    assert cli.main(["transcribe", "--model", str(path), str(wav)]) == 0
+    samples, _ = _audio.read_wav(wav)
+    assert capsys.readouterr().out == reference(samples)["text"] + "\n"
+
+
+def test_whisper_refuses_what_it_cannot_do(checkpoint):
+    ours = hfjax.pipeline("automatic-speech-recognition", model=str(checkpoint("whisper")))
+    with pytest.raises(hfjax.PipelineError, match=r"return_timestamps=True asks for timestamp tokens"):
+        ours(AUDIO, return_timestamps=True)
+    with pytest.raises(hfjax.PipelineError, match=r"200 feature frames, more than Whisper's window of 100"):
+        ours(np.concatenate([AUDIO] * 4))
