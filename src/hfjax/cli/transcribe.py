@@ -10,7 +10,7 @@ import sys
 def add_parser(subparsers) -> None:
     parser = subparsers.add_parser(
         "transcribe",
-        help="transcribe audio files (a CTC model such as wav2vec2)",
+        help="transcribe audio files (a CTC model such as wav2vec2, or Whisper)",
         description="Runs transformers' automatic-speech-recognition pipeline with the model on JAX "
         "(hfjax.pipeline). Audio: PCM WAV files at any sampling rate, resampled to the model's. "
         "Prints one line of text per file.",
