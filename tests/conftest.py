@@ -80,7 +80,7 @@ def checkpoint(tmp_path_factory):
     made = {}
 
     def make(family: str, task: str | None = None, **kwargs):
-        key = (family, task, tuple(sorted(kwargs.items())))
+        key = (family, task, repr(sorted(kwargs.items())))  # values may be dicts (id2label)
         if key not in made:
             path = tmp_path_factory.mktemp(f"{family}-{task or 'default'}")
             made[key] = testing.save_tiny_checkpoint(family, path, task=task, **kwargs)

@@ -215,8 +215,8 @@ def test_unknown_family_error_names_value_and_lists_families():
     with pytest.raises(ValueError, match=r"Unknown model family 'llamma'\. Did you mean 'llama'\?") as info:
         tiny_config("llamma")
     assert all(family in str(info.value) for family in FAMILIES)
-    with pytest.raises(ValueError, match="Unknown model family 'vit'"):
-        save_tiny_checkpoint("vit", "unused")
+    with pytest.raises(ValueError, match="Unknown model family 'detr'"):
+        save_tiny_checkpoint("detr", "unused")
 
 
 def test_generic_family_shrinks_config_defaults(tmp_path):

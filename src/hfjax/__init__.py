@@ -7,6 +7,7 @@ Public API:
     JittedModule        what `jit` returns
     to_jax              run a diffusers pipeline on JAX, heavy parts compiled
     load_pipeline       DiffusionPipeline.from_pretrained + to_jax
+    pipeline            transformers' task pipelines (text, vision, speech) with the model's compute on JAX
     make_mesh           a ("data", "model") device mesh for `load(path, mesh=...)`
     distributed         `hfjax.distributed.initialize()`: join a multi-process run
     set_cache_dir       keep compiled programs on disk between processes
@@ -38,6 +39,7 @@ from ._errors import (
 )
 from ._model import Model, load
 from ._ops import override as override_op
+from ._pipeline import pipeline
 from ._pytrees import register_pytree, register_stateful
 from ._version import __version__
 from .diffusion import load_pipeline, to_jax
@@ -63,6 +65,7 @@ __all__ = [
     "load_pipeline",
     "make_mesh",
     "override_op",
+    "pipeline",
     "register_pytree",
     "register_stateful",
     "set_cache_dir",

@@ -133,7 +133,7 @@ def check(
     inputs = _inputs(config, task, batch=batch, seq_len=seq_len, seed=seed)
     torch_inputs = {k: torch.from_numpy(v) if isinstance(v, np.ndarray) else v for k, v in inputs.items()}
 
-    reference_model = _tasks.auto_class(task).from_pretrained(path, dtype=torch.float32).eval()
+    reference_model = _tasks.auto_class(task, config).from_pretrained(path, dtype=torch.float32).eval()
     with torch.no_grad():
         reference, torch_seconds = _timed(lambda: reference_model(**torch_inputs), repeats)
     expected = _outputs_of(reference, task)

@@ -5,7 +5,7 @@
      ├── UnsupportedOpError a torch op the model calls has no JAX lowering
      ├── ShardingError      a model cannot be split over the mesh as asked, or `mesh=` is not a mesh
      ├── GenerationError    generation settings or prompts that cannot be carried out
-     ├── PipelineError      a diffusion pipeline call that cannot run as given
+     ├── PipelineError      a pipeline call (hfjax.pipeline, diffusers) that cannot run as given
      ├── TrainingError      a trainer setting, training data or a training checkpoint that cannot be used
      └── ServingError       a server or continuous-batching engine setting or request that cannot be served
 
@@ -45,7 +45,7 @@ class GenerationError(HfjaxError, ValueError):
 
 
 class PipelineError(HfjaxError, ValueError):
-    """A diffusion pipeline call hfjax cannot run as given (bad size, wrong object)."""
+    """A pipeline call hfjax cannot run as given: a task the checkpoint cannot do, bad audio, a bad size."""
 
 
 class TrainingError(HfjaxError, ValueError):

@@ -98,7 +98,7 @@ def build_skeleton(config, task: str, dtype: str | None) -> torch.nn.Module:
     own `from_pretrained` gives them: moved to the CPU and set by the model's `_init_weights`, with
     every parameter marked as initialized so that none is touched.
     """
-    auto = _tasks.auto_class(task)
+    auto = _tasks.auto_class(task, config)
     torch_dtype = _dtypes.torch_dtype(dtype) if dtype else torch.float32
     try:
         with torch.device("meta"):

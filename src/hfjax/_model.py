@@ -26,6 +26,7 @@ class Model:
       aliases: {tied parameter name: the name in `params` it shares}.
       config: the transformers config.
       tokenizer: the checkpoint's tokenizer, or None.
+      processor: the checkpoint's processor, image processor or feature extractor (loaded when first read).
       task: the transformers pipeline task the model was loaded for.
       path: the local checkpoint directory, or None for a model built from a module in memory.
       mesh: the device mesh the weights are split over (`mesh=`), or None. `generate` splits the
@@ -44,6 +45,7 @@ class Model:
         self.compiled = JittedModule(module, ("forward",), params=params, aliases=aliases)
         self._generator = None
         self._generation_config = None
+        self._processor = None
 
     @classmethod
     def from_module(
@@ -123,6 +125,18 @@ class Model:
         return self.compiled.eager("forward")(**kwargs)
 
     @property
+    def processor(self):
+        """The checkpoint's processor as transformers' `AutoProcessor` loads it: a multimodal processor,
+        an image processor, a feature extractor or the tokenizer; for a module given in memory, its tokenizer."""
+        if self._processor is None:
+            if self.path is None:
+                return self.tokenizer
+            from transformers import AutoProcessor
+
+            self._processor = AutoProcessor.from_pretrained(self.path)
+        return self._processor
+
+    @property
     def generation_config(self):
         """The checkpoint's generation_config.json (transformers' GenerationConfig); a module's own
         `generation_config`; else one made from config."""
@@ -167,7 +181,8 @@ class Model:
         `settings`: other transformers generation settings, of which hfjax carries out
         `max_length`, `min_length`, `no_repeat_ngram_size`, `bad_words_ids`, `sequence_bias`,
         `suppress_tokens`, `begin_suppress_tokens`, `forced_bos_token_id`,
-        `forced_eos_token_id`, `decoder_start_token_id`, `num_return_sequences` and beam
+        `forced_eos_token_id`, `decoder_start_token_id`, `decoder_input_ids` (an encoder-decoder's
+        first decoder tokens, int [B, D] or [D]), `num_return_sequences` and beam
         search (`num_beams`, `length_penalty`, `early_stopping`), and
         `return_dict_in_generate` with `output_scores` / `output_logits`; one that would change
         the output and that it cannot carry out (beam sampling, `typical_p`,
@@ -175,7 +190,7 @@ class Model:
 
         Returns:
           int32 jax.Array [B * num_return_sequences, S + T] (for encoder-decoders
-          [.., 1 + T], starting with the decoder start token): the prompt as given, then the
+          [.., D + T], starting with the decoder start token or decoder_input_ids): the prompt as given, then the
           new tokens, padded with `pad_token_id` after a row has produced EOS.
           T <= max_new_tokens. A prompt's `num_return_sequences` rows are adjacent (with beam
           search, its best finished beams, best first). With return_dict_in_generate=True,
@@ -186,16 +201,31 @@ class Model:
           >>> batch = model.tokenizer(["Hi", "Hello there"], padding=True, return_tensors="np")
           >>> model.generate(batch["input_ids"], batch["attention_mask"], max_new_tokens=16)
         """
-        if self.task not in _tasks.GENERATIVE:
+        if self.task not in _tasks.GENERATIVE and not self.module.can_generate():  # speech seq2seq can
             raise GenerationError(
                 f"Model.generate: this model was loaded for task={self.task!r}; load a causal or sequence-to-sequence "
                 "LM (hfjax.load(path, task='text-generation'))"
             )
-        ids, mask = _planning.prompt_arrays(input_ids, attention_mask)
+        decoder_prompt = settings.pop("decoder_input_ids", None)
+        main_input = self.module.main_input_name
+        if getattr(self.config, "is_encoder_decoder", False) and main_input != "input_ids":
+            # The encoder reads features (e.g. Whisper's input_features), by name or first positional.
+            features = settings.pop(main_input, input_ids)
+            ids, mask = _planning.feature_arrays(main_input, features, attention_mask)
+        else:
+            ids, mask = _planning.prompt_arrays(input_ids, attention_mask)
+        if decoder_prompt is not None:
+            if not getattr(self.config, "is_encoder_decoder", False):
+                raise GenerationError(
+                    "Model.generate: decoder_input_ids is for encoder-decoder models; "
+                    f"{type(self.module).__name__} is a decoder: pass the whole prompt as input_ids"
+                )
+            decoder_prompt = _planning.decoder_prompt_array(decoder_prompt, rows=ids.shape[0])
         resolved = _settings.resolve(
             self,
             ids.shape[1],
             generation_config,
+            decoder_prompt_length=1 if decoder_prompt is None else decoder_prompt.shape[1],
             max_new_tokens=max_new_tokens,
             min_new_tokens=min_new_tokens,
             do_sample=do_sample,
@@ -211,7 +241,9 @@ class Model:
         self._check_context(mask, resolved.max_new_tokens)
         if self._generator is None:
             self._generator = _engine.Generator(self)
-        return self._generator.generate(ids, mask, resolved, seed=seed, streamer=streamer)
+        return self._generator.generate(
+            ids, mask, resolved, seed=seed, streamer=streamer, decoder_prompt=decoder_prompt
+        )
 
     def generate_text(self, prompts, **kwargs) -> str | list[str]:
         """Text in, text out: tokenizes (left-padded), generates, and decodes the new tokens only.
@@ -316,8 +348,10 @@ def load(
       path_or_hub_id: a local checkpoint directory (config.json + *.safetensors), or a hub id
         such as "org/name" where the Hugging Face Hub is reachable. A transformers model already
         in memory is taken too (`Model.from_module`, which also takes its tokenizer).
-      task: "text-generation", "text2text-generation", "text-classification" or
-        "feature-extraction"; default: inferred from config.architectures.
+      task: a transformers pipeline task: "text-generation", "text2text-generation",
+        "text-classification", "zero-shot-classification", "feature-extraction",
+        "image-classification", "zero-shot-image-classification", "image-feature-extraction" or
+        "automatic-speech-recognition"; default: inferred from config.architectures.
       dtype: "float32", "bfloat16" or "float16", or a torch / jnp dtype; "auto" or None: the
         checkpoint's.
       mesh: a `jax.sharding.Mesh` with a "model" axis (see `hfjax.make_mesh`): each weight is

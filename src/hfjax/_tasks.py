@@ -6,16 +6,42 @@ from typing import Literal
 
 from ._errors import LoadError
 
-Task = Literal["text-generation", "text2text-generation", "text-classification", "feature-extraction"]
+Task = Literal[
+    "text-generation",
+    "text2text-generation",
+    "text-classification",
+    "zero-shot-classification",
+    "feature-extraction",
+    "image-classification",
+    "zero-shot-image-classification",
+    "image-feature-extraction",
+    "automatic-speech-recognition",
+]
 TASKS: tuple[str, ...] = Task.__args__
 GENERATIVE: tuple[str, ...] = ("text-generation", "text2text-generation")
 
-# task -> (transformers Auto class, the auto mapping of its architecture names)
-_AUTO = {
-    "text-generation": ("AutoModelForCausalLM", "MODEL_FOR_CAUSAL_LM_MAPPING_NAMES"),
-    "text2text-generation": ("AutoModelForSeq2SeqLM", "MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING_NAMES"),
-    "text-classification": ("AutoModelForSequenceClassification", "MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING_NAMES"),
-    "feature-extraction": ("AutoModel", "MODEL_MAPPING_NAMES"),
+# task -> its (transformers Auto class, the auto mapping of its architecture names), first match wins.
+# Inference tries the tasks in this order, so a specific head comes before the bare models.
+_AUTO: dict[str, tuple[tuple[str, str], ...]] = {
+    "text-generation": (("AutoModelForCausalLM", "MODEL_FOR_CAUSAL_LM_MAPPING_NAMES"),),
+    "text2text-generation": (("AutoModelForSeq2SeqLM", "MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING_NAMES"),),
+    "text-classification": (("AutoModelForSequenceClassification", "MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING_NAMES"),),
+    # -- vision and speech (hfjax.pipeline) --
+    "image-classification": (("AutoModelForImageClassification", "MODEL_FOR_IMAGE_CLASSIFICATION_MAPPING_NAMES"),),
+    "zero-shot-image-classification": (
+        ("AutoModelForZeroShotImageClassification", "MODEL_FOR_ZERO_SHOT_IMAGE_CLASSIFICATION_MAPPING_NAMES"),
+    ),
+    "automatic-speech-recognition": (
+        ("AutoModelForCTC", "MODEL_FOR_CTC_MAPPING_NAMES"),
+        ("AutoModelForSpeechSeq2Seq", "MODEL_FOR_SPEECH_SEQ_2_SEQ_MAPPING_NAMES"),
+    ),
+    "image-feature-extraction": (("AutoModel", "MODEL_FOR_IMAGE_MAPPING_NAMES"),),
+    # -- the bare models --
+    "feature-extraction": (("AutoModel", "MODEL_MAPPING_NAMES"),),
+    # An NLI head; never inferred (text-classification comes first).
+    "zero-shot-classification": (
+        ("AutoModelForSequenceClassification", "MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING_NAMES"),
+    ),
 }
 
 
@@ -28,24 +54,37 @@ def check(task: str | None, *, caller: str) -> str | None:
     return task
 
 
-def auto_class(task: str):
-    """transformers' Auto class that builds a model for `task` (e.g. AutoModelForCausalLM)."""
+def _tables(task: str) -> list[tuple[str, dict]]:
+    from transformers.models.auto import modeling_auto
+
+    return [(auto, getattr(modeling_auto, table)) for auto, table in _AUTO[task]]
+
+
+def auto_class(task: str, config=None):
+    """transformers' Auto class that builds a model for `task` (e.g. AutoModelForCausalLM); where a task
+    has several (speech recognition: CTC or sequence-to-sequence), the one whose table holds `config`."""
     import transformers
 
-    return getattr(transformers, _AUTO[task][0])
+    tables = _tables(task)
+    if config is not None:
+        for auto, table in tables:
+            if config.model_type in table:
+                return getattr(transformers, auto)
+    return getattr(transformers, tables[0][0])
+
+
+def _holds(table: dict, name: str) -> bool:
+    return any(name == value or (isinstance(value, tuple) and name in value) for value in table.values())
 
 
 def infer(config) -> str:
     """The task of a transformers config: from its `architectures`, else from its model_type."""
-    from transformers.models.auto import modeling_auto
-
-    tables = {task: getattr(modeling_auto, table) for task, (_, table) in _AUTO.items()}
     for architecture in config.architectures or ():
-        for task, table in tables.items():
-            if architecture in table.values():
+        for task in _AUTO:
+            if any(_holds(table, architecture) for _, table in _tables(task)):
                 return task
-    for task, table in tables.items():
-        if config.model_type in table:
+    for task in _AUTO:
+        if any(config.model_type in table for _, table in _tables(task)):
             return task
     raise LoadError(
         f"hfjax.load: cannot tell the task of architectures={config.architectures} (model_type {config.model_type!r}); "
@@ -53,13 +92,16 @@ def infer(config) -> str:
     )
 
 
+def tasks_of(config) -> list[str]:
+    """Every task transformers has a model class for with this config's model_type, in inference order."""
+    return [task for task in _AUTO if any(config.model_type in table for _, table in _tables(task))]
+
+
 def of_module(module) -> str:
     """The task a transformers model in memory does, from its class (AutoModelForCausalLM's table, ...)."""
-    from transformers.models.auto import modeling_auto
-
     name = type(module).__name__
-    for task, (_, table) in _AUTO.items():
-        if name in getattr(modeling_auto, table).values():
+    for task in _AUTO:
+        if any(_holds(table, name) for _, table in _tables(task)):
             return task
     if getattr(module, "can_generate", lambda: False)():
         return "text2text-generation" if getattr(module.config, "is_encoder_decoder", False) else "text-generation"

@@ -46,6 +46,18 @@ PRINTED_4_DECIMALS = Tolerance(
 )
 JSON_FLOATS = Tolerance(1e-6, "probabilities written to JSON and read back: float32 values through Python floats")
 
+# hfjax.pipeline against transformers.pipeline (tiny models, float32).
+PIPELINE_SCORES = Tolerance(
+    1e-5,
+    "probabilities (softmax / sigmoid of DEFAULT-close float32 logits of tiny models, ~1e-6 apart) that "
+    "transformers' pipelines return as Python floats",
+)
+RESAMPLING = Tolerance(
+    1e-5,
+    "audio resampled by numpy's FFT in float64, returned as float32, against scipy.signal.resample: "
+    "float32 rounding of samples in [-1, 1]",
+)
+
 # Training: the same steps taken by torch.optim and by hfjax's trainer (3 steps of tiny models).
 TRAINING_SGD = Tolerance(
     1e-4,

@@ -1,6 +1,6 @@
 """The `hfjax` command line: one module per subcommand, each with `add_parser` and `run`.
 
-    hfjax demo | check | generate | chat | serve | classify | finetune | image | shard-plan | launch | build-kernels
+    hfjax demo | check | generate | chat | serve | classify | transcribe | finetune | image | shard-plan | launch | build-kernels
 
 Unlike the library, the command line owns its process: it keeps compiled programs on disk
 ($HFJAX_CACHE_DIR, default ~/.cache/hfjax/xla; "off" turns it off).
@@ -18,7 +18,20 @@ import warnings
 
 from .. import _compilation_cache
 from .._compilation_cache import set_cache_dir
-from . import build_kernels, chat, check, classify, demo, finetune, generate, image, launch, serve, shard_plan
+from . import (
+    build_kernels,
+    chat,
+    check,
+    classify,
+    demo,
+    finetune,
+    generate,
+    image,
+    launch,
+    serve,
+    shard_plan,
+    transcribe,
+)
 
 __all__ = ["main"]
 
@@ -29,6 +42,7 @@ _COMMANDS = {
     "chat": chat,
     "serve": serve,
     "classify": classify,
+    "transcribe": transcribe,
     "finetune": finetune,
     "image": image,
     "shard-plan": shard_plan,

@@ -10,13 +10,17 @@ import sys
 def add_parser(subparsers) -> None:
     parser = subparsers.add_parser(
         "classify",
-        help="label probabilities for texts (a classification head, or zero-shot with a causal LM)",
+        help="label probabilities for texts or an image (a classification head, or zero-shot)",
         description="With a sequence-classification checkpoint, prints its head's probabilities. With a causal LM, "
         "classifies zero-shot: scores each label as the continuation of a prompt built from the text. "
-        "One line per text, best label first.",
+        "With --image, an image classifier (ViT, ...) or, with --labels, a zero-shot one (CLIP, SigLIP). "
+        "One line per text or image, best label first.",
     )
     parser.add_argument("--model", required=True, help="checkpoint directory or hub id")
-    parser.add_argument("texts", nargs="+", metavar="TEXT", help="texts to classify")
+    parser.add_argument("texts", nargs="*", metavar="TEXT", help="texts to classify")
+    parser.add_argument(
+        "--image", action="append", default=None, metavar="FILE", help="an image file to classify (repeatable)"
+    )
     parser.add_argument(
         "--labels",
         default=None,
@@ -48,6 +52,14 @@ def run(args: argparse.Namespace) -> int:
             message = f"--labels: empty label in {args.labels!r}; write e.g. --labels positive,negative"
             print(f"hfjax classify: {message}", file=sys.stderr)
             return 2
+    if args.image and args.texts:
+        print("hfjax classify: pass texts or --image, not both", file=sys.stderr)
+        return 2
+    if not args.image and not args.texts:
+        print("hfjax classify: nothing to classify; pass texts, or --image FILE", file=sys.stderr)
+        return 2
+    if args.image:
+        return _classify_images(args, labels)
     try:
         model = hfjax.load(args.model, dtype=args.dtype)
     except ValueError as error:  # LoadError
@@ -65,3 +77,52 @@ def run(args: argparse.Namespace) -> int:
         else:
             print("  ".join(f"{label} {prob:.4f}" for label, prob in best_first))
     return 0
+
+
+def _classify_images(args: argparse.Namespace, labels: list[str] | None) -> int:
+    import hfjax
+    from hfjax import _loading, _tasks
+
+    try:
+        task = _tasks.infer(_loading.read_config(_loading.resolve(args.model)))
+        if task not in ("image-classification", "zero-shot-image-classification"):
+            raise hfjax.PipelineError(
+                f"--image: {args.model!r} is a {task} model; pass an image-classification checkpoint (ViT, ...) "
+                "or a zero-shot one (CLIP, SigLIP) with --labels"
+            )
+        if task == "zero-shot-image-classification" and not labels:
+            raise hfjax.PipelineError(
+                f"--image: {args.model!r} classifies zero-shot; pass the candidate labels, e.g. --labels cat,dog"
+            )
+        images = [_open_image(path) for path in args.image]
+        classifier = hfjax.pipeline(task, model=args.model, dtype=args.dtype)
+        if task == "image-classification":
+            results = [classifier(image, top_k=None) for image in images]
+            if labels is not None:
+                raise hfjax.PipelineError("--labels: an image-classification head names its own labels; leave it out")
+        else:
+            results = [classifier(image, candidate_labels=labels) for image in images]
+    except ValueError as error:  # PipelineError, LoadError
+        print(f"hfjax classify: {error}", file=sys.stderr)
+        return 1
+    for path, result in zip(args.image, results):
+        if args.json:
+            scores = {item["label"]: item["score"] for item in result}
+            print(json.dumps({"image": path, "label": result[0]["label"], "scores": scores}))
+        else:
+            print("  ".join(f"{item['label']} {item['score']:.4f}" for item in result))
+    return 0
+
+
+def _open_image(path: str):
+    import PIL.Image
+
+    from hfjax import PipelineError
+
+    try:
+        with PIL.Image.open(path) as image:
+            return image.convert("RGB")
+    except FileNotFoundError:
+        raise PipelineError(f"--image: {path!r} does not exist") from None
+    except PIL.UnidentifiedImageError:
+        raise PipelineError(f"--image: {path!r} is not an image file PIL can read (PNG, JPEG, ...)") from None

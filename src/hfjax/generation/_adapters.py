@@ -114,17 +114,26 @@ class StateCacheAdapter(CacheAdapter):
 
 
 class EncoderDecoderAdapter(CacheAdapter):
+    """The encoder reads the module's main input (input_ids, or e.g. Whisper's input_features [B, C, F]);
+    the decoder starts from the buffer's first `offset` columns (one start token, or a prompt)."""
+
     kind = "encoder-decoder"
     encoder_decoder = True
 
     def prefill(self, ids, mask, sequence, full_mask, offset: int):
         from transformers import EncoderDecoderCache
 
-        encoded = self.module.get_encoder()(input_ids=_env.to_torch(ids), attention_mask=_env.to_torch(mask))
+        inputs = _env.to_torch(ids)
+        if inputs.is_floating_point():
+            inputs = inputs.to(self.module.dtype)
+        encoded = self.module.get_encoder()(**{self.module.main_input_name: inputs}, attention_mask=_env.to_torch(mask))
+        hidden = _env.to_jax(encoded.last_hidden_state)  # [B, P, H]
         config = self.config.get_text_config(decoder=True)
         total = sequence.shape[1]
-        cache = EncoderDecoderCache(_caches.static_cache(config, total), _caches.static_cache(config, ids.shape[1]))
-        encoder = (_env.to_jax(encoded.last_hidden_state), mask)
+        cache = EncoderDecoderCache(_caches.static_cache(config, total), _caches.static_cache(config, hidden.shape[1]))
+        # The cross-attention mask is the encoder's input mask where it covers the encoder's output
+        # (token inputs); a mask over feature frames (speech) is not one.
+        encoder = (hidden, mask if mask.shape[1] == hidden.shape[1] else None)
         out = self.module(**_decoder_inputs(encoder, sequence[:, :offset], full_mask, cache))
         return _env.to_jax(out.past_key_values), encoder, _last_logits(out)
 
@@ -181,10 +190,10 @@ def _own_cache(out):
 def _decoder_inputs(encoder, token, decoder_mask, cache) -> dict:
     from transformers.modeling_outputs import BaseModelOutput
 
-    hidden, encoder_mask = encoder  # [B, P, H], [B, P]
+    hidden, encoder_mask = encoder  # [B, P, H], [B, P] or None
     return dict(
         encoder_outputs=BaseModelOutput(last_hidden_state=_env.to_torch(hidden)),
-        attention_mask=_env.to_torch(encoder_mask),
+        attention_mask=None if encoder_mask is None else _env.to_torch(encoder_mask),
         decoder_input_ids=_env.to_torch(token),
         decoder_attention_mask=_env.to_torch(decoder_mask),
         past_key_values=cache,

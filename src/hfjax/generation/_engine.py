@@ -98,10 +98,22 @@ class Generator:
 
     # -- the host side ----------------------------------------------------------
 
-    def generate(self, ids: np.ndarray, mask: np.ndarray, settings: GenerationSettings, *, seed: int, streamer=None):
-        """ids, mask: int32 [B, S], left-padded. Returns int32 [B * num_return_sequences, S + T]:
-        the prompt as given, then up to max_new_tokens new tokens (for encoder-decoders [.., 1 + T]:
-        the decoder start token, then the new tokens); or transformers' Generate*Output."""
+    def generate(
+        self,
+        ids: np.ndarray,
+        mask: np.ndarray,
+        settings: GenerationSettings,
+        *,
+        seed: int,
+        streamer=None,
+        decoder_prompt: np.ndarray | None = None,
+    ):
+        """ids, mask: int32 [B, S], left-padded (an encoder that takes features, not token ids: ids
+        float [B, ...], its main input). decoder_prompt: int32 [B, D], an encoder-decoder's first
+        decoder tokens (default: the decoder start token). Returns int32
+        [B * num_return_sequences, S + T]: the prompt as given, then up to max_new_tokens new tokens
+        (for encoder-decoders [.., D + T]: the decoder prompt, then the new tokens); or
+        transformers' Generate*Output."""
         start = time.perf_counter()
         beam = settings.beam
         if beam is not None and streamer is not None:
@@ -116,7 +128,8 @@ class Generator:
             )
         plan = _planning.plan_batch(
             ids, mask, settings, encoder_decoder=self.adapter.encoder_decoder,
-            pad_to_bucket=self.adapter.pads_prompts, data_devices=_mesh.data_size(self.model.mesh),
+            pad_to_bucket=self.adapter.pads_prompts and ids.shape == mask.shape,
+            data_devices=_mesh.data_size(self.model.mesh), decoder_prompt=decoder_prompt,
         )  # fmt: skip
         compiled = _planning.program_settings(settings, plan)
         batch = plan.prompts * plan.per_prompt  # the rows the caller sees, without beam search
@@ -132,6 +145,7 @@ class Generator:
         prefill_args = (
             params, self._place(plan.ids), self._place(plan.mask), jax.random.key_data(jax.random.key(seed)),
             jnp.int32(settings.max_new_tokens), jnp.int32(settings.min_new_tokens), jnp.int32(plan.first_column),
+            None if plan.decoder_prompt is None else self._place(plan.decoder_prompt),
         )  # fmt: skip
         prefill_function = functools.partial(self._prefill_flat, layout=layout, offset=plan.offset, settings=compiled)
         prefill = self.programs.get(
@@ -180,7 +194,7 @@ class Generator:
             steps = int(field("beams.finished_length")[: plan.prompts, :returned].max())
             prompt = np.repeat(ids, returned, axis=0)
         if self.adapter.encoder_decoder:
-            prompt = sequence[:, :1]
+            prompt = sequence[:, : plan.offset]
         new = sequence[:, plan.offset : plan.offset + steps]
         out = jnp.asarray(np.concatenate([prompt.astype(np.int32), new], axis=1))
         if settings.return_dict_in_generate:
@@ -225,8 +239,12 @@ class Generator:
 
     # -- traced: flat state in and out ---------------------------------------------
 
-    def _prefill_flat(self, params, ids, mask, key, budget, least, first_column, *, layout, offset, settings) -> list:
-        state = self._prefill(params, ids, mask, key, budget, least, first_column, offset=offset, settings=settings)
+    def _prefill_flat(
+        self, params, ids, mask, key, budget, least, first_column, decoder_prompt, *, layout, offset, settings
+    ) -> list:
+        state = self._prefill(
+            params, ids, mask, key, budget, least, first_column, decoder_prompt, offset=offset, settings=settings
+        )
         return self._flatten(state, layout)
 
     def _decode_flat(self, params, leaves, limit, *, layout, offset, settings, windows, trace_prefill) -> list:
@@ -244,16 +262,28 @@ class Generator:
     # -- traced: prefill ---------------------------------------------------------
 
     def _prefill(
-        self, params, ids, mask, key, budget, least, first_column, *, offset: int, settings: GenerationSettings
+        self,
+        params,
+        ids,
+        mask,
+        key,
+        budget,
+        least,
+        first_column,
+        decoder_prompt,
+        *,
+        offset: int,
+        settings: GenerationSettings,
     ) -> DecodeState:
         # ids, mask: [B, P] int32, padded; key: uint32 PRNG key data; budget, least: int32 max_new_tokens and
-        # min_new_tokens; first_column: int32, where transformers' rows start in the buffer (all arguments,
-        # so that they do not recompile).
+        # min_new_tokens; first_column: int32, where transformers' rows start in the buffer; decoder_prompt:
+        # encoder-decoders' [B, offset] int32 first decoder tokens, else None (all arguments, so that they do
+        # not recompile).
         self.programs.traced["prefill"] += 1
         batch = ids.shape[0]
         total = offset + settings.max_new_tokens
         if self.adapter.encoder_decoder:
-            prompt = jnp.full((batch, 1), settings.decoder_start_token_id, jnp.int32)
+            prompt = decoder_prompt
             prompt_mask = jnp.ones_like(prompt)
         else:
             prompt, prompt_mask = ids, mask

@@ -24,8 +24,9 @@ MIN_BUCKET = 16  # the shortest padded prompt
 class BatchPlan:
     """A call's prompts as the programs take them (sizes in rows and tokens)."""
 
-    ids: np.ndarray  # [rows, size] int32: each prompt padded, repeated per_prompt times
+    ids: np.ndarray  # [rows, size] int32: each prompt padded, repeated per_prompt times (or [rows, ...] features)
     mask: np.ndarray  # [rows, size] int32: 1 on the prompt's own tokens
+    decoder_prompt: np.ndarray | None  # encoder-decoders: [rows, offset] int32, the decoder's first tokens
     prompts: int  # prompts the caller gave
     padded_prompts: int  # prompts after padding the batch to the "data" devices
     per_prompt: int  # rows per prompt, side by side: its beams, or its samples
@@ -47,6 +48,7 @@ def plan_batch(
     encoder_decoder: bool,
     pad_to_bucket: bool,
     data_devices: int = 1,
+    decoder_prompt: np.ndarray | None = None,
 ) -> BatchPlan:
     """Lays out prompts ids, mask [B, S] int32 (left-padded by the caller) for `settings`.
 
@@ -54,24 +56,36 @@ def plan_batch(
     encoders' on the right (their positions may not). `pad_to_bucket=False` keeps the caller's
     length (a model without a cache may read left pads: recurrent_gemma's recurrence does). On a
     mesh, prompts that do not divide over the "data" devices are padded with copies of the last.
+
+    An encoder whose input is not token ids (speech features [B, ...], float) takes `ids` as they
+    are, padded in rows only, with `mask` [B, S] its mask. `decoder_prompt` [B, D] int32: an
+    encoder-decoder's first decoder tokens (default: the decoder start token).
     """
-    prompts, length = ids.shape
+    prompts, length = mask.shape
     per_prompt = settings.beam.num_beams if settings.beam is not None else settings.num_return_sequences
     padded_prompts = round_up(prompts, data_devices // math.gcd(data_devices, per_prompt))
     size = bucket(length, smallest=MIN_BUCKET) if pad_to_bucket else length
     rows = padded_prompts * per_prompt
-    padded_ids = np.full((rows, size), settings.pad_token_id, np.int32)
+
+    def rows_of(source: np.ndarray) -> np.ndarray:
+        source = np.concatenate([source, np.repeat(source[-1:], padded_prompts - prompts, axis=0)])
+        return np.repeat(source, per_prompt, axis=0)
+
+    tokens = ids.shape == mask.shape
+    padded_ids = np.full((rows, size), settings.pad_token_id, np.int32) if tokens else rows_of(ids)
     padded_mask = np.zeros((rows, size), np.int32)
     columns = slice(0, length) if encoder_decoder else slice(size - length, size)
-    for target, source in ((padded_ids, ids), (padded_mask, mask)):
-        source = np.concatenate([source, np.repeat(source[-1:], padded_prompts - prompts, axis=0)])
-        target[:, columns] = np.repeat(source, per_prompt, axis=0)
+    for target, source in ((padded_ids, ids), (padded_mask, mask))[0 if tokens else 1 :]:
+        target[:, columns] = rows_of(source)
+    if encoder_decoder and decoder_prompt is None:
+        decoder_prompt = np.full((prompts, 1), settings.decoder_start_token_id, np.int32)
     # The buffer holds the decoder's prompt (the padded prompt, or an encoder-decoder's decoder
-    # start token) and then the new tokens.
-    offset = 1 if encoder_decoder else size
+    # prompt) and then the new tokens.
+    offset = decoder_prompt.shape[1] if encoder_decoder else size
     return BatchPlan(
         ids=padded_ids,
         mask=padded_mask,
+        decoder_prompt=rows_of(decoder_prompt.astype(np.int32)) if encoder_decoder else None,
         prompts=prompts,
         padded_prompts=padded_prompts,
         per_prompt=per_prompt,
@@ -133,3 +147,37 @@ def prompt_arrays(input_ids, attention_mask) -> tuple[np.ndarray, np.ndarray]:
             "every prompt needs at least one token"
         )
     return ids.astype(np.int32), mask.astype(np.int32)
+
+
+def feature_arrays(name: str, features, attention_mask) -> tuple[np.ndarray, np.ndarray]:
+    """float32 [B, ...] encoder features (e.g. Whisper's input_features [B, mels, frames]) and an int32
+    mask [B, F] over their last axis (all ones where none is given), from numpy, jax or torch."""
+    if features is None:
+        raise GenerationError(f"Model.generate: {name} is required (the encoder's input, float [batch, ...])")
+    array = np.asarray(features.float().cpu() if hasattr(features, "cpu") else features)
+    if array.ndim < 2 or not np.issubdtype(array.dtype, np.floating):
+        raise GenerationError(
+            f"Model.generate: {name} must be float features of shape [batch, ...], got {array.dtype} {array.shape}"
+        )
+    if attention_mask is None:
+        mask = np.ones((array.shape[0], array.shape[-1]), np.int32)
+    else:
+        mask = np.asarray(attention_mask.cpu() if hasattr(attention_mask, "cpu") else attention_mask)
+        if mask.ndim != 2 or mask.shape[0] != array.shape[0]:
+            raise GenerationError(
+                f"Model.generate: attention_mask has shape {mask.shape}, {name} {array.shape}; "
+                f"pass one row per {name} row, or none"
+            )
+    return array.astype(np.float32), mask.astype(np.int32)
+
+
+def decoder_prompt_array(decoder_input_ids, rows: int) -> np.ndarray:
+    """int32 [rows, D] decoder prompt from int ids [D], [1, D] (the same for every row) or [rows, D]."""
+    ids = np.asarray(decoder_input_ids.cpu() if hasattr(decoder_input_ids, "cpu") else decoder_input_ids)
+    ids = ids[None, :] if ids.ndim == 1 else ids
+    if ids.ndim != 2 or ids.shape[1] == 0 or not np.issubdtype(ids.dtype, np.integer) or ids.shape[0] not in (1, rows):
+        raise GenerationError(
+            f"Model.generate: decoder_input_ids must be integer token ids of shape [{rows}, length] or [length], "
+            f"got {ids.dtype} {ids.shape}"
+        )
+    return np.broadcast_to(ids, (rows, ids.shape[1])).astype(np.int32)

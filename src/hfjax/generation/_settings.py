@@ -170,12 +170,15 @@ def check_names(names) -> None:
             )
 
 
-def resolve(model, prompt_length: int, generation_config=None, **overrides) -> GenerationSettings:
+def resolve(
+    model, prompt_length: int, generation_config=None, *, decoder_prompt_length: int = 1, **overrides
+) -> GenerationSettings:
     """Merges the checkpoint's generation_config.json, a `generation_config` and keyword
     overrides (transformers' names) into `GenerationSettings`.
 
     `prompt_length` is the width of the (padded) input_ids, from which transformers counts
-    `max_length` and `min_length` in a decoder; an encoder-decoder's decoder starts from 1 token.
+    `max_length` and `min_length` in a decoder; an encoder-decoder's decoder starts from
+    `decoder_prompt_length` tokens (its decoder_input_ids, or the decoder start token).
     """
     check_names(overrides)
     values, where = _merged(model, generation_config, overrides)
@@ -202,7 +205,7 @@ def resolve(model, prompt_length: int, generation_config=None, **overrides) -> G
     def token_ids(name: str) -> tuple[int, ...]:
         return _token_ids(name, values.get(name), where(name))
 
-    decoder_length = 1 if getattr(model.config, "is_encoder_decoder", False) else prompt_length
+    decoder_length = decoder_prompt_length if getattr(model.config, "is_encoder_decoder", False) else prompt_length
     max_new_tokens = values.get("max_new_tokens")
     if max_new_tokens is None:
         max_length = count("max_length", least=1, default=20)

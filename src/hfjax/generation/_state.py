@@ -22,7 +22,7 @@ class DecodeState:
     """What the decode loop carries from one token to the next (B rows, buffer length L, vocabulary V)."""
 
     cache: Any  # the cache adapter's past (a transformers Cache, or the model's own), or None
-    encoder: Any  # encoder-decoders: (hidden [B, P, H], mask [B, P] int32); else None
+    encoder: Any  # encoder-decoders: (hidden [B, P, H], mask [B, P] int32 or None); else None
     sequence: jax.Array  # [B, L] int32: the decoder's prompt, then the new tokens from column `offset`
     mask: jax.Array  # [B, L] int32: 1 where a column is attended to
     next_position: jax.Array  # [B] int32: the position of the next token

@@ -18,16 +18,19 @@ Parts: `_families.py` (tiny config sizes per model_type), `_tokenizer.py`, `_che
 diffusers, not on the rest of hfjax.
 
 Public names: `FAMILIES`, `GENERATION_FAMILIES`, `tiny_config`, `tiny_tokenizer`,
-`save_tiny_checkpoint`, `PIPELINE_KINDS`, `SCHEDULERS`, `save_tiny_pipeline`.
+`save_tiny_checkpoint`, `MEDIA_FAMILIES` (vision and speech families for `save_tiny_checkpoint`,
+processors included: `_media.py`), `PIPELINE_KINDS`, `SCHEDULERS`, `save_tiny_pipeline`.
 """
 
 from ._checkpoints import save_tiny_checkpoint, tiny_tokenizer
 from ._families import FAMILIES, GENERATION_FAMILIES, tiny_config
+from ._media import MEDIA_FAMILIES
 from ._pipelines import PIPELINE_KINDS, SCHEDULERS, save_tiny_pipeline
 
 __all__ = [
     "FAMILIES",
     "GENERATION_FAMILIES",
+    "MEDIA_FAMILIES",
     "PIPELINE_KINDS",
     "SCHEDULERS",
     "save_tiny_checkpoint",

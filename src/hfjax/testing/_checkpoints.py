@@ -10,7 +10,7 @@ import torch
 import transformers
 
 from .. import _dtypes, _tasks
-from . import _tokenizer
+from . import _media, _tokenizer
 from ._families import (
     DEFAULT_TASK,
     KIND_TASKS,
@@ -158,6 +158,9 @@ def save_tiny_checkpoint(
         >>> out.shape[1] - prompt["input_ids"].shape[1]
         5
     """
+    # -- vision and speech families (hfjax.pipeline's tasks) --
+    if family in _media.MEDIA_FAMILIES:
+        return _media.save_media_checkpoint(family, pathlib.Path(path), task=task, seed=seed)
     spec = family_spec(family)
     if sentence_transformers and task is None:
         task = "feature-extraction"

@@ -126,3 +126,16 @@ def build(kind: str | None, family: str | None) -> transformers.PreTrainedTokeni
         model_max_length=MAX_POSITIONS,
         model_input_names=input_names,
     )
+
+
+def vocab_and_merges() -> tuple[dict[str, int], list[tuple[str, str]]]:
+    """The trained BPE's vocabulary and merges, to build a model family's own tokenizer class on them."""
+    import json
+
+    model = json.loads(_trained_tokenizer_json())["model"]
+    return dict(model["vocab"]), [tuple(merge) for merge in model["merges"]]
+
+
+def space_id() -> int:
+    """The id of the byte-level space token "Ġ"."""
+    return tokenizers.Tokenizer.from_str(_trained_tokenizer_json()).token_to_id("Ġ")

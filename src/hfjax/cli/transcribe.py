@@ -1,0 +1,35 @@
+"""`hfjax transcribe`: the text of audio files, from a speech-recognition checkpoint run on JAX."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+
+def add_parser(subparsers) -> None:
+    parser = subparsers.add_parser(
+        "transcribe",
+        help="transcribe audio files (a CTC model such as wav2vec2, or Whisper)",
+        description="Runs transformers' automatic-speech-recognition pipeline with the model on JAX "
+        "(hfjax.pipeline). Audio: PCM WAV files at any sampling rate, resampled to the model's. "
+        "Prints one line of text per file.",
+    )
+    parser.add_argument("--model", required=True, help="checkpoint directory or hub id")
+    parser.add_argument("audio", nargs="+", metavar="AUDIO", help="WAV files to transcribe")
+    parser.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default=None, help="weights dtype")
+    parser.add_argument("--json", action="store_true", help="print one JSON object per file: file, text")
+
+
+def run(args: argparse.Namespace) -> int:
+    import hfjax
+
+    try:
+        recognizer = hfjax.pipeline("automatic-speech-recognition", model=args.model, dtype=args.dtype)
+        results = [recognizer(path) for path in args.audio]
+    except ValueError as error:  # PipelineError, LoadError
+        print(f"hfjax transcribe: {error}", file=sys.stderr)
+        return 1
+    for path, result in zip(args.audio, results):
+        print(json.dumps({"file": path, "text": result["text"]}) if args.json else result["text"])
+    return 0

@@ -1,0 +1,208 @@
+"""Tiny vision and speech checkpoints (ViT, CLIP, SigLIP, wav2vec2, Whisper), processors included, for
+`hfjax.pipeline`'s tasks. Sizes follow the text families: hidden 64, 2 layers, 4 heads, MLP 128;
+images are 32x32 in 8x8 patches; audio is 16 kHz. Whisper hears 1 s windows (its feature extractor's
+chunk_length; real checkpoints take 30 s) as 100 frames of 80 mel bins.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import pathlib
+import tempfile
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import transformers
+
+from . import _tokenizer
+
+_IMAGE_SIZE, _PATCH = 32, 8
+_ENCODER = {"hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4, "intermediate_size": 128}
+_VISION = {**_ENCODER, "image_size": _IMAGE_SIZE, "patch_size": _PATCH}
+_TEXT = {**_ENCODER, "vocab_size": _tokenizer.VOCAB_SIZE, "max_position_embeddings": 64}
+_LABELS = {"id2label": {0: "cat", 1: "dog", 2: "bird"}, "label2id": {"cat": 0, "dog": 1, "bird": 2}}
+_TOKEN_IDS = {"pad_token_id": _tokenizer.PAD_ID, "bos_token_id": _tokenizer.BOS_ID, "eos_token_id": _tokenizer.EOS_ID}
+# wav2vec2's CTC vocabulary: pad (the CTC blank), specials, the word separator "|", letters.
+_CHARACTERS = ["<pad>", "<s>", "</s>", "<unk>", "|", *"ETAOINSHRDLUCMWFGYPBVK'"]
+# Whisper's special tokens, after the tiny BPE's vocabulary and in the order real checkpoints have them
+# (no timestamp tokens: the tiny model does short-form transcription without timestamps only).
+_WHISPER_LANGUAGES = ("en", "fr")
+_WHISPER_SPECIALS = (
+    "<|endoftext|>",
+    "<|startoftranscript|>",
+    *(f"<|{code}|>" for code in _WHISPER_LANGUAGES),
+    "<|translate|>",
+    "<|transcribe|>",
+    "<|startoflm|>",
+    "<|startofprev|>",
+    "<|nocaptions|>",
+    "<|notimestamps|>",
+)
+_WHISPER_IDS = {token: _tokenizer.VOCAB_SIZE + i for i, token in enumerate(_WHISPER_SPECIALS)}
+_WHISPER_CHUNK_SECONDS, _WHISPER_MELS = 1, 80
+
+
+@dataclasses.dataclass(frozen=True)
+class MediaFamily:
+    """A tiny vision or speech family: its config, its tasks (the first is the default) and its processor."""
+
+    config: Callable[[], transformers.PretrainedConfig]
+    tasks: tuple[str, ...]
+    processor: Callable[[pathlib.Path], Any]
+
+
+def _vit_config():
+    return transformers.ViTConfig(**_VISION, **_LABELS)
+
+
+def _clip_config():
+    return transformers.CLIPConfig(text_config={**_TEXT, **_TOKEN_IDS}, vision_config=_VISION, projection_dim=32)
+
+
+def _siglip_config():
+    return transformers.SiglipConfig(text_config={**_TEXT, **_TOKEN_IDS}, vision_config=_VISION)
+
+
+def _wav2vec2_config():
+    return transformers.Wav2Vec2Config(
+        **_ENCODER,
+        vocab_size=len(_CHARACTERS),
+        pad_token_id=0,
+        conv_dim=(32, 32),
+        conv_stride=(8, 4),
+        conv_kernel=(16, 8),
+        num_conv_pos_embeddings=16,
+        num_conv_pos_embedding_groups=4,
+        ctc_loss_reduction="mean",
+    )
+
+
+def _whisper_config():
+    eot = _WHISPER_IDS["<|endoftext|>"]
+    frames = _WHISPER_CHUNK_SECONDS * 100  # the feature extractor's hop is 10 ms
+    return transformers.WhisperConfig(
+        vocab_size=len(_WHISPER_IDS) + _tokenizer.VOCAB_SIZE,
+        num_mel_bins=_WHISPER_MELS,
+        d_model=64,
+        encoder_layers=2,
+        decoder_layers=2,
+        encoder_attention_heads=4,
+        decoder_attention_heads=4,
+        encoder_ffn_dim=128,
+        decoder_ffn_dim=128,
+        max_source_positions=frames // 2,  # input_features' length is 2 * max_source_positions
+        max_target_positions=64,
+        init_std=0.2,  # wider than real (0.02), so that the tiny model's tokens depend on its prompt
+        pad_token_id=eot,
+        bos_token_id=eot,
+        eos_token_id=eot,
+        decoder_start_token_id=_WHISPER_IDS["<|startoftranscript|>"],
+    )
+
+
+def _whisper_generation_config() -> transformers.GenerationConfig:
+    """The fields transformers' Whisper generate reads, as real multilingual checkpoints have them."""
+    ids = _WHISPER_IDS
+    eot = ids["<|endoftext|>"]
+    return transformers.GenerationConfig(
+        decoder_start_token_id=ids["<|startoftranscript|>"],
+        bos_token_id=eot,
+        eos_token_id=eot,
+        pad_token_id=eot,
+        max_new_tokens=20,  # transformers' pipeline would add 256, beyond the tiny max_target_positions
+        is_multilingual=True,
+        lang_to_id={f"<|{code}|>": ids[f"<|{code}|>"] for code in _WHISPER_LANGUAGES},
+        task_to_id={"translate": ids["<|translate|>"], "transcribe": ids["<|transcribe|>"]},
+        no_timestamps_token_id=ids["<|notimestamps|>"],
+        prev_sot_token_id=ids["<|startofprev|>"],
+        forced_decoder_ids=[[1, None], [2, ids["<|transcribe|>"]]],
+        return_timestamps=False,
+        # A few ordinary tokens and the task and prompt tokens, as real checkpoints suppress them.
+        suppress_tokens=[9, 10, 11, *(ids[t] for t in _WHISPER_SPECIALS[4:9])],
+        begin_suppress_tokens=[_tokenizer.space_id(), eot],
+    )
+
+
+def _whisper_processor(path: pathlib.Path):
+    vocab, merges = _tokenizer.vocab_and_merges()
+    vocab.update(_WHISPER_IDS)
+    tokenizer = transformers.WhisperTokenizer(
+        vocab=vocab,
+        merges=merges,
+        pad_token="<|endoftext|>",
+        model_max_length=_whisper_config().max_target_positions,
+        extra_special_tokens=list(_WHISPER_SPECIALS[1:]),
+    )
+    extractor = transformers.WhisperFeatureExtractor(
+        feature_size=_WHISPER_MELS, sampling_rate=16000, chunk_length=_WHISPER_CHUNK_SECONDS
+    )
+    _whisper_generation_config().save_pretrained(path)
+    return transformers.WhisperProcessor(feature_extractor=extractor, tokenizer=tokenizer)
+
+
+def _image_processor(kind):
+    size = {"height": _IMAGE_SIZE, "width": _IMAGE_SIZE}
+    return kind(size=size, crop_size=size) if kind is not transformers.ViTImageProcessor else kind(size=size)
+
+
+def _vit_processor(path: pathlib.Path):
+    return _image_processor(transformers.ViTImageProcessor)
+
+
+def _text_image_processor(image_kind, processor_kind):
+    def make(path: pathlib.Path):
+        tokenizer = _tokenizer.build("encoder", None)
+        tokenizer.model_max_length = _TEXT["max_position_embeddings"]
+        return processor_kind(image_processor=_image_processor(image_kind), tokenizer=tokenizer)
+
+    return make
+
+
+def _wav2vec2_processor(path: pathlib.Path):
+    with tempfile.TemporaryDirectory() as scratch:
+        vocab = pathlib.Path(scratch) / "vocab.json"
+        vocab.write_text(json.dumps({c: i for i, c in enumerate(_CHARACTERS)}))
+        tokenizer = transformers.Wav2Vec2CTCTokenizer(str(vocab), word_delimiter_token="|")
+    extractor = transformers.Wav2Vec2FeatureExtractor(sampling_rate=16000, return_attention_mask=True)
+    return transformers.Wav2Vec2Processor(feature_extractor=extractor, tokenizer=tokenizer)
+
+
+MEDIA_FAMILIES: dict[str, MediaFamily] = {
+    "vit": MediaFamily(_vit_config, ("image-classification", "image-feature-extraction"), _vit_processor),
+    "clip": MediaFamily(
+        _clip_config,
+        ("zero-shot-image-classification",),
+        _text_image_processor(transformers.CLIPImageProcessor, transformers.CLIPProcessor),
+    ),
+    "siglip": MediaFamily(
+        _siglip_config,
+        ("zero-shot-image-classification",),
+        _text_image_processor(transformers.SiglipImageProcessor, transformers.SiglipProcessor),
+    ),
+    "wav2vec2": MediaFamily(_wav2vec2_config, ("automatic-speech-recognition",), _wav2vec2_processor),
+    "whisper": MediaFamily(_whisper_config, ("automatic-speech-recognition",), _whisper_processor),
+}
+
+
+def save_media_checkpoint(family: str, path: pathlib.Path, *, task: str | None, seed: int) -> pathlib.Path:
+    """A tiny random checkpoint of a vision or speech family with its processor, as save_pretrained writes them."""
+    from .. import _tasks
+    from ._checkpoints import perturb_constant_parameters
+
+    spec = MEDIA_FAMILIES[family]
+    task = task or spec.tasks[0]
+    if task not in spec.tasks:
+        raise ValueError(f"task={task!r} is not available for family {family!r}. Tasks: {', '.join(spec.tasks)}.")
+    config = spec.config()
+    auto = _tasks.auto_class(task, config)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = auto.from_config(config)
+        perturb_constant_parameters(model, std=0.02)
+    model.config.architectures = [type(model).__name__]
+    path.mkdir(parents=True, exist_ok=True)
+    model.eval().save_pretrained(path)
+    spec.processor(path).save_pretrained(path)
+    return path
