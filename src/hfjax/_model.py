@@ -12,7 +12,7 @@ import torch
 from . import _backend, _classify, _dtypes, _embed, _loading, _tasks
 from ._compile import JittedModule, module_state
 from ._errors import GenerationError, LoadError
-from .generation import _engine, _planning, _settings
+from .generation import _engine, _multimodal, _planning, _settings
 from .parallel import _mesh, _rules
 
 
@@ -26,6 +26,8 @@ class Model:
       aliases: {tied parameter name: the name in `params` it shares}.
       config: the transformers config.
       tokenizer: the checkpoint's tokenizer, or None.
+      processor: the checkpoint's processor (transformers' AutoProcessor: image processor, tokenizer
+        and chat template), read when first asked for; None where the checkpoint has none.
       task: the transformers pipeline task the model was loaded for.
       path: the local checkpoint directory, or None for a model built from a module in memory.
       mesh: the device mesh the weights are split over (`mesh=`), or None. `generate` splits the
@@ -44,6 +46,7 @@ class Model:
         self.compiled = JittedModule(module, ("forward",), params=params, aliases=aliases)
         self._generator = None
         self._generation_config = None
+        self._processor = None
 
     @classmethod
     def from_module(
@@ -123,6 +126,16 @@ class Model:
         return self.compiled.eager("forward")(**kwargs)
 
     @property
+    def processor(self):
+        if self._processor is None:
+            self._processor = _processor(self.path)
+        return self._processor
+
+    @processor.setter
+    def processor(self, processor):
+        self._processor = processor
+
+    @property
     def generation_config(self):
         """The checkpoint's generation_config.json (transformers' GenerationConfig); a module's own
         `generation_config`; else one made from config."""
@@ -169,7 +182,10 @@ class Model:
         `suppress_tokens`, `begin_suppress_tokens`, `forced_bos_token_id`,
         `forced_eos_token_id`, `decoder_start_token_id`, `num_return_sequences` and beam
         search (`num_beams`, `length_penalty`, `early_stopping`), and
-        `return_dict_in_generate` with `output_scores` / `output_logits`; one that would change
+        `return_dict_in_generate` with `output_scores` / `output_logits`; array arguments that
+        the model's forward takes (a processor's `pixel_values`, `image_grid_thw`,
+        `pixel_attention_mask`, `token_type_ids`, `mm_token_type_ids`, ...) go to the prefill
+        only, as transformers' generate gives them; one that would change
         the output and that it cannot carry out (beam sampling, `typical_p`,
         `output_attentions`, ...) raises a GenerationError that names it.
 
@@ -192,6 +208,7 @@ class Model:
                 "LM (hfjax.load(path, task='text-generation'))"
             )
         ids, mask = _planning.prompt_arrays(input_ids, attention_mask)
+        inputs, settings = _multimodal.split_model_inputs(self.module, settings)
         resolved = _settings.resolve(
             self,
             ids.shape[1],
@@ -211,7 +228,7 @@ class Model:
         self._check_context(mask, resolved.max_new_tokens)
         if self._generator is None:
             self._generator = _engine.Generator(self)
-        return self._generator.generate(ids, mask, resolved, seed=seed, streamer=streamer)
+        return self._generator.generate(ids, mask, resolved, seed=seed, streamer=streamer, inputs=inputs)
 
     def generate_text(self, prompts, **kwargs) -> str | list[str]:
         """Text in, text out: tokenizes (left-padded), generates, and decodes the new tokens only.
@@ -349,6 +366,22 @@ def load(
     params, aliases = _loading.load_weights(module, files, dtype, progress=progress, shardings=shardings)
     backend.prepare_weights(params)
     return Model(module, params, aliases, config=config, tokenizer=_tokenizer(path), task=task, path=path, mesh=mesh)
+
+
+def _processor(path: pathlib.Path | None):
+    if path is None or not any(
+        (path / name).is_file() for name in ("preprocessor_config.json", "processor_config.json")
+    ):
+        return None
+    from transformers import AutoProcessor
+
+    try:
+        return AutoProcessor.from_pretrained(path)
+    except ImportError as error:  # e.g. Qwen2-VL's processor needs torchvision for its video part
+        raise LoadError(
+            f"hfjax.load: the processor of the checkpoint at {str(path)!r} cannot be built here ({error}); "
+            "install what it names (pip install torchvision), or pass the processor's outputs to Model.generate"
+        ) from error
 
 
 def _tokenizer(path: pathlib.Path):

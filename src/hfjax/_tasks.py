@@ -6,12 +6,17 @@ from typing import Literal
 
 from ._errors import LoadError
 
-Task = Literal["text-generation", "text2text-generation", "text-classification", "feature-extraction"]
+Task = Literal[
+    "text-generation", "text2text-generation", "text-classification", "feature-extraction", "image-text-to-text"
+]
 TASKS: tuple[str, ...] = Task.__args__
-GENERATIVE: tuple[str, ...] = ("text-generation", "text2text-generation")
+GENERATIVE: tuple[str, ...] = ("text-generation", "text2text-generation", "image-text-to-text")
 
-# task -> (transformers Auto class, the auto mapping of its architecture names)
+# task -> (transformers Auto class, the auto mapping of its architecture names); inference takes
+# the first task whose table names an architecture, so vision-language models (whose classes some
+# causal-LM tables also list) come first.
 _AUTO = {
+    "image-text-to-text": ("AutoModelForImageTextToText", "MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES"),
     "text-generation": ("AutoModelForCausalLM", "MODEL_FOR_CAUSAL_LM_MAPPING_NAMES"),
     "text2text-generation": ("AutoModelForSeq2SeqLM", "MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING_NAMES"),
     "text-classification": ("AutoModelForSequenceClassification", "MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING_NAMES"),

@@ -37,7 +37,7 @@ import torch
 from .. import _backend, _compile, _env
 from .._errors import GenerationError
 from ..parallel import _mesh
-from . import _caches, _choose, _planning, _programs, _sampling
+from . import _caches, _choose, _multimodal, _planning, _programs, _sampling
 from ._adapters import adapter_for
 from ._beam import initial as initial_beams
 from ._settings import GenerationSettings
@@ -98,8 +98,18 @@ class Generator:
 
     # -- the host side ----------------------------------------------------------
 
-    def generate(self, ids: np.ndarray, mask: np.ndarray, settings: GenerationSettings, *, seed: int, streamer=None):
-        """ids, mask: int32 [B, S], left-padded. Returns int32 [B * num_return_sequences, S + T]:
+    def generate(
+        self,
+        ids: np.ndarray,
+        mask: np.ndarray,
+        settings: GenerationSettings,
+        *,
+        seed: int,
+        streamer=None,
+        inputs: dict[str, np.ndarray] | None = None,
+    ):
+        """ids, mask: int32 [B, S], left-padded; inputs: the prefill's other model inputs
+        (`_multimodal`: pixel_values, image_grid_thw, token_type_ids, ...). Returns int32 [B * num_return_sequences, S + T]:
         the prompt as given, then up to max_new_tokens new tokens (for encoder-decoders [.., 1 + T]:
         the decoder start token, then the new tokens); or transformers' Generate*Output."""
         start = time.perf_counter()
@@ -119,6 +129,14 @@ class Generator:
             pad_to_bucket=self.adapter.pads_prompts, data_devices=_mesh.data_size(self.model.mesh),
         )  # fmt: skip
         compiled = _planning.program_settings(settings, plan)
+        extra = None
+        if inputs:
+            if not self.adapter.takes_prefill_inputs:
+                raise GenerationError(
+                    f"Model.generate: {type(self.module).__name__} decodes without a static cache ({self.adapter.kind}), "
+                    f"so hfjax cannot give it {', '.join(inputs)} at the prefill only; generate in PyTorch"
+                )
+            extra = _multimodal.prefill_inputs(self.module, plan, inputs, ids.shape[1])
         batch = plan.prompts * plan.per_prompt  # the rows the caller sees, without beam search
         if streamer is not None:
             streamer.put(torch.as_tensor(ids.astype(np.int64)))
@@ -132,10 +150,12 @@ class Generator:
         prefill_args = (
             params, self._place(plan.ids), self._place(plan.mask), jax.random.key_data(jax.random.key(seed)),
             jnp.int32(settings.max_new_tokens), jnp.int32(settings.min_new_tokens), jnp.int32(plan.first_column),
+            jax.tree_util.tree_map(self._place, extra),
         )  # fmt: skip
         prefill_function = functools.partial(self._prefill_flat, layout=layout, offset=plan.offset, settings=compiled)
         prefill = self.programs.get(
-            ("prefill", plan.rows, plan.size, plan.total, compiled), prefill_function, prefill_args,
+            ("prefill", plan.rows, plan.size, plan.total, compiled, _multimodal.signature(extra)),
+            prefill_function, prefill_args,
             metadata=lambda: {"fields": self._slices[layout]},
         )  # fmt: skip
         leaves = prefill.run(*prefill_args)
@@ -225,8 +245,12 @@ class Generator:
 
     # -- traced: flat state in and out ---------------------------------------------
 
-    def _prefill_flat(self, params, ids, mask, key, budget, least, first_column, *, layout, offset, settings) -> list:
-        state = self._prefill(params, ids, mask, key, budget, least, first_column, offset=offset, settings=settings)
+    def _prefill_flat(
+        self, params, ids, mask, key, budget, least, first_column, extra, *, layout, offset, settings
+    ) -> list:
+        state = self._prefill(
+            params, ids, mask, key, budget, least, first_column, extra, offset=offset, settings=settings
+        )
         return self._flatten(state, layout)
 
     def _decode_flat(self, params, leaves, limit, *, layout, offset, settings, windows, trace_prefill) -> list:
@@ -244,11 +268,11 @@ class Generator:
     # -- traced: prefill ---------------------------------------------------------
 
     def _prefill(
-        self, params, ids, mask, key, budget, least, first_column, *, offset: int, settings: GenerationSettings
+        self, params, ids, mask, key, budget, least, first_column, extra, *, offset: int, settings: GenerationSettings
     ) -> DecodeState:
         # ids, mask: [B, P] int32, padded; key: uint32 PRNG key data; budget, least: int32 max_new_tokens and
         # min_new_tokens; first_column: int32, where transformers' rows start in the buffer (all arguments,
-        # so that they do not recompile).
+        # so that they do not recompile); extra: `_multimodal.PrefillInputs` or None.
         self.programs.traced["prefill"] += 1
         batch = ids.shape[0]
         total = offset + settings.max_new_tokens
@@ -261,8 +285,17 @@ class Generator:
         sequence = jnp.full((batch, total), fill, jnp.int32).at[:, :offset].set(prompt)
         full_mask = jnp.zeros((batch, total), jnp.int32).at[:, :offset].set(prompt_mask)
         with self._bound(params):
-            cache, encoder, logits = self.adapter.prefill(ids, mask, sequence, full_mask, offset)
+            # Static inputs (image grids) stay concrete through the ops the model runs on them.
+            evaluate = (
+                jax.ensure_compile_time_eval() if extra is not None and extra.static else contextlib.nullcontext()
+            )
+            with evaluate:
+                model_inputs = {} if extra is None else extra.arguments()
+                cache, encoder, logits = self.adapter.prefill(ids, mask, sequence, full_mask, offset, model_inputs)
         vocab = logits.shape[-1]
+        next_position = jnp.sum(prompt_mask, axis=1).astype(jnp.int32)
+        if extra is not None and extra.position_shift is not None:
+            next_position = next_position + extra.position_shift
 
         def buffer(wanted: bool):  # return_dict_in_generate's raw logits or processed scores of each new token
             return jnp.zeros((batch, total - offset, vocab), jnp.float32) if wanted else None
@@ -272,7 +305,7 @@ class Generator:
             encoder=encoder,
             sequence=sequence,
             mask=full_mask,
-            next_position=jnp.sum(prompt_mask, axis=1).astype(jnp.int32),
+            next_position=next_position,
             seen=_sampling.seen_mask(prompt, prompt_mask, vocab) if _choose.needs_seen(settings) else None,
             done=jnp.zeros((batch,), bool),
             step=jnp.int32(0),
