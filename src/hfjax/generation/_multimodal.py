@@ -16,7 +16,6 @@ data-dependent layout can be, and the decode loop's positions are shifted by its
 from __future__ import annotations
 
 import dataclasses
-import functools
 import inspect
 
 import jax
@@ -49,12 +48,10 @@ _ENGINE_ARGUMENTS = frozenset(
 STATIC_INPUTS = frozenset({"image_grid_thw", "video_grid_thw", "image_sizes"})
 
 
-@functools.partial(
-    jax.tree_util.register_dataclass, data_fields=["model_inputs", "position_shift"], meta_fields=["static"]
-)
 @dataclasses.dataclass
 class PrefillInputs:
-    """The prefill program's extra inputs (B rows, padded prompt length P)."""
+    """The prefill program's extra inputs (B rows, padded prompt length P). Programs take the first
+    two fields as a plain (dict, array) pair, which jax.export can keep; `static` is in their key."""
 
     model_inputs: dict  # {forward argument: array}, e.g. pixel_values [B, 3, H, W], token_type_ids [B, P]
     position_shift: jax.Array | None  # [B] int32: added to every decode position (rope deltas); else None
