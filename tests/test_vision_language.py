@@ -13,9 +13,8 @@ import torch
 import transformers
 
 import hfjax
-from hfjax import cli
+from hfjax import cli, testing
 from hfjax.generation import chat_with_images
-from hfjax.testing import _vision_language
 
 QUESTIONS = ("Describe this", "What is the capital of France? Tell me")
 NEW_TOKENS = 8
@@ -39,7 +38,7 @@ def saved(tmp_path_factory):
     def make(family: str):
         if family not in made:
             path = tmp_path_factory.mktemp(family)
-            made[family] = _vision_language.save_tiny_vision_language_checkpoint(family, path)
+            made[family] = testing.save_tiny_checkpoint(family, path, task="image-text-to-text")
         return made[family]
 
     return make
@@ -76,7 +75,7 @@ def _processor_outputs(path, family: str, images) -> dict:
     "family",
     [
         pytest.param(f, marks=pytest.mark.xfail(reason=_KNOWN_FAILURES[f], strict=True)) if f in _KNOWN_FAILURES else f
-        for f in _vision_language.VISION_LANGUAGE_FAMILIES
+        for f in testing.VISION_LANGUAGE_FAMILIES
     ],
 )
 def test_batched_greedy_tokens_match_transformers_generate(saved, family):
