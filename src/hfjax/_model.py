@@ -333,8 +333,9 @@ def load(
       path_or_hub_id: a local checkpoint directory (config.json + *.safetensors), or a hub id
         such as "org/name" where the Hugging Face Hub is reachable. A transformers model already
         in memory is taken too (`Model.from_module`, which also takes its tokenizer).
-      task: "text-generation", "text2text-generation", "text-classification" or
-        "feature-extraction"; default: inferred from config.architectures.
+      task: "text-generation", "text2text-generation", "text-classification",
+        "feature-extraction" or "image-text-to-text" (a vision-language model; its processor is
+        `Model.processor`); default: inferred from config.architectures.
       dtype: "float32", "bfloat16" or "float16", or a torch / jnp dtype; "auto" or None: the
         checkpoint's.
       mesh: a `jax.sharding.Mesh` with a "model" axis (see `hfjax.make_mesh`): each weight is
