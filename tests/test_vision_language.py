@@ -6,6 +6,7 @@ from __future__ import annotations
 import io
 import sys
 
+import jax.numpy as jnp
 import numpy as np
 import PIL.Image
 import pytest
@@ -20,8 +21,6 @@ QUESTIONS = ("Describe this", "What is the capital of France? Tell me")
 NEW_TOKENS = 8
 
 _KNOWN_FAILURES = {
-    "gemma3": "the image tokens' bidirectional mask on sliding layers is built with torch.vmap, which torchax "
-    "does not run (AttributeError in Tensor.to)",
     "idefics3": "the model drops all-padding images by boolean indexing, a data-dependent shape under jit",
 }
 
@@ -140,3 +139,20 @@ def test_bad_images_and_text_only_models_are_one_line_errors(llava, checkpoint, 
     assert "takes no images" in capsys.readouterr().err
     with pytest.raises(hfjax.GenerationError, match="uint8"):
         chat_with_images(model, _conversation("Hi", np.zeros((4, 4, 3), np.float32)))
+
+
+def test_torch_vmap_casts_python_numbers_in_hfjaxs_environment():
+    # transformers builds Gemma 3's image-block masks with torch.vmap, which casts Python numbers
+    # with .to(dtype): hfjax's environment takes them (torchax's alone raises AttributeError).
+    from hfjax import _env
+
+    def window(q, kv):
+        return (kv > q - 3) & (kv <= q)
+
+    q, kv = torch.arange(6)[:, None], torch.arange(6)[None, :]
+    expected = torch.vmap(torch.vmap(window, in_dims=(None, 0)), in_dims=(0, None))(q[:, 0], kv[0])
+    with _env.env():
+        got = torch.vmap(torch.vmap(window, in_dims=(None, 0)), in_dims=(0, None))(
+            _env.to_torch(jnp.arange(6)), _env.to_torch(jnp.arange(6))
+        )
+    np.testing.assert_array_equal(np.asarray(_env.to_jax(got)), expected.numpy())

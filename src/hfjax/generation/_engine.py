@@ -150,15 +150,15 @@ class Generator:
         prefill_args = (
             params, self._place(plan.ids), self._place(plan.mask), jax.random.key_data(jax.random.key(seed)),
             jnp.int32(settings.max_new_tokens), jnp.int32(settings.min_new_tokens), jnp.int32(plan.first_column),
-            # Plain containers, which jax.export can keep: the static part is in the key and the trace.
-            None if extra is None else jax.tree_util.tree_map(self._place, (extra.model_inputs, extra.position_shift)),
         )  # fmt: skip
+        if extra is not None:  # plain containers, which jax.export can keep; the static part is in the key
+            prefill_args += (jax.tree_util.tree_map(self._place, (extra.model_inputs, extra.position_shift)),)
         prefill_function = functools.partial(
             self._prefill_flat, layout=layout, offset=plan.offset, settings=compiled,
             static=() if extra is None else extra.static,
         )  # fmt: skip
         prefill = self.programs.get(
-            ("prefill", plan.rows, plan.size, plan.total, compiled, _multimodal.signature(extra)),
+            ("prefill", plan.rows, plan.size, plan.total, compiled, *_multimodal.signature(extra)),
             prefill_function, prefill_args,
             metadata=lambda: {"fields": self._slices[layout]},
         )  # fmt: skip
@@ -250,7 +250,7 @@ class Generator:
     # -- traced: flat state in and out ---------------------------------------------
 
     def _prefill_flat(
-        self, params, ids, mask, key, budget, least, first_column, extra, *, layout, offset, settings, static
+        self, params, ids, mask, key, budget, least, first_column, extra=None, *, layout, offset, settings, static
     ) -> list:
         if extra is not None:
             extra = _multimodal.PrefillInputs(*extra, static=static)
