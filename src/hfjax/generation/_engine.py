@@ -136,6 +136,12 @@ class Generator:
                     f"Model.generate: {type(self.module).__name__} decodes without a static cache ({self.adapter.kind}), "
                     f"so hfjax cannot give it {', '.join(inputs)} at the prefill only; generate in PyTorch"
                 )
+            if _mesh.data_size(self.model.mesh) > 1:
+                raise GenerationError(
+                    f"Model.generate: image inputs ({', '.join(inputs)}) on a mesh with a 'data' axis of "
+                    f"{_mesh.data_size(self.model.mesh)} devices: hfjax does not split them over it yet; use a mesh "
+                    "with data=1 (the weights may still be split over 'model')"
+                )
             extra = _multimodal.prefill_inputs(self.module, plan, inputs, ids.shape[1])
         batch = plan.prompts * plan.per_prompt  # the rows the caller sees, without beam search
         if streamer is not None:
