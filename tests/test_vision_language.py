@@ -137,6 +137,8 @@ def test_bad_images_and_text_only_models_are_one_line_errors(llava, checkpoint, 
     text_only = checkpoint("llama")
     assert cli.main(["generate", "--model", str(text_only), "--image", str(broken), "Describe this"]) == 1
     assert "takes no images" in capsys.readouterr().err
+    with pytest.raises(hfjax.GenerationError, match="pixel_values.*takes no images"):
+        hfjax.load(text_only).generate(np.ones((1, 3), np.int32), pixel_values=np.zeros((1, 3, 32, 32), np.float32))
     with pytest.raises(hfjax.GenerationError, match="uint8"):
         chat_with_images(model, _conversation("Hi", np.zeros((4, 4, 3), np.float32)))
 

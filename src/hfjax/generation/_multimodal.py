@@ -67,12 +67,19 @@ class PrefillInputs:
 
 def split_model_inputs(module, arguments: dict) -> tuple[dict, dict]:
     """(prefill inputs, the rest) of `Model.generate`'s keyword arguments: the array-valued ones
-    that `module.forward` takes, as numpy arrays."""
+    that `module.forward` takes, as numpy arrays. An array the forward does not take (pixel_values
+    given to a text-only model) is a GenerationError."""
     accepted = inspect.signature(module.forward).parameters
     inputs, rest = {}, {}
     for name, value in arguments.items():
         if name in accepted and name not in _ENGINE_ARGUMENTS and _is_array(value):
             inputs[name] = np.asarray(value.cpu() if hasattr(value, "cpu") else value)
+        elif _is_array(value) and name not in accepted:
+            images = " (it takes no images)" if not hasattr(module, "get_image_features") else ""
+            raise GenerationError(
+                f"Model.generate: {name}= is an array, but {type(module).__name__}.forward has no argument {name!r}"
+                f"{images}; pass only the inputs this model takes (input_ids, attention_mask, ...)"
+            )
         else:
             rest[name] = value
     return inputs, rest
