@@ -20,10 +20,6 @@ from hfjax.generation import chat_with_images
 QUESTIONS = ("Describe this", "What is the capital of France? Tell me")
 NEW_TOKENS = 8
 
-_KNOWN_FAILURES = {
-    "idefics3": "the model drops all-padding images by boolean indexing, a data-dependent shape under jit",
-}
-
 
 def _images():
     rng = np.random.default_rng(0)
@@ -70,13 +66,7 @@ def _processor_outputs(path, family: str, images) -> dict:
     return {**encoded, **pixels}
 
 
-@pytest.mark.parametrize(
-    "family",
-    [
-        pytest.param(f, marks=pytest.mark.xfail(reason=_KNOWN_FAILURES[f], strict=True)) if f in _KNOWN_FAILURES else f
-        for f in testing.VISION_LANGUAGE_FAMILIES
-    ],
-)
+@pytest.mark.parametrize("family", testing.VISION_LANGUAGE_FAMILIES)
 def test_batched_greedy_tokens_match_transformers_generate(saved, family):
     path = saved(family)
     inputs = _processor_outputs(path, family, _images())

@@ -142,6 +142,8 @@ class Generator:
                     f"{_mesh.data_size(self.model.mesh)} devices: hfjax does not split them over it yet; use a mesh "
                     "with data=1 (the weights may still be split over 'model')"
                 )
+            with self._bound(self.model.params):
+                inputs = _multimodal.encode_images_eagerly(self.module, inputs)
             extra = _multimodal.prefill_inputs(self.module, plan, inputs, ids.shape[1])
         batch = plan.prompts * plan.per_prompt  # the rows the caller sees, without beam search
         if streamer is not None:

@@ -47,6 +47,16 @@ _ENGINE_ARGUMENTS = frozenset(
 # Integer inputs that models read with .tolist() to shape their vision tower's work.
 STATIC_INPUTS = frozenset({"image_grid_thw", "video_grid_thw", "image_sizes"})
 
+# Models whose image encoder has data-dependent shapes, which no program can trace: it runs op by
+# op through torchax before the prefill, and the prefill takes its output (`mm_encoder_outputs`).
+# {class name: why}
+EAGER_IMAGE_ENCODERS = {
+    name: "get_image_features drops all-padding images by a boolean index and splits the features per "
+    "row with .tolist()"
+    for name in ("Idefics3ForConditionalGeneration", "SmolVLMForConditionalGeneration")
+}
+_IMAGE_FEATURES = "image_features"  # PrefillInputs.model_inputs key of an eager encoder's output [N, H]
+
 
 @dataclasses.dataclass
 class PrefillInputs:
@@ -58,11 +68,20 @@ class PrefillInputs:
     static: tuple = ()  # ((name, nested tuple of ints), ...): STATIC_INPUTS, known when tracing
 
     def arguments(self) -> dict:
-        """The forward's keyword arguments: the arrays, and the static inputs as constant arrays."""
+        """The forward's keyword arguments: the arrays, the static inputs as constant arrays, and an
+        eager image encoder's output as transformers' `mm_encoder_outputs`."""
         import jax.numpy as jnp
 
+        arguments = dict(self.model_inputs)
+        if _IMAGE_FEATURES in arguments:
+            from transformers.modeling_outputs import BaseModelOutputWithPooling
+
+            from .. import _env
+
+            features = _env.to_torch(arguments.pop(_IMAGE_FEATURES))
+            arguments["mm_encoder_outputs"] = {"image": BaseModelOutputWithPooling(pooler_output=features)}
         constants = {name: jnp.asarray(np.array(values, np.int32)) for name, values in self.static}
-        return {**self.model_inputs, **constants}
+        return {**arguments, **constants}
 
 
 def split_model_inputs(module, arguments: dict) -> tuple[dict, dict]:
@@ -108,6 +127,29 @@ def prefill_inputs(module, plan: BatchPlan, inputs: dict[str, np.ndarray], promp
         shift = deltas
     static = tuple((name, laid_out.pop(name).tolist()) for name in sorted(STATIC_INPUTS & laid_out.keys()))
     return PrefillInputs(model_inputs=laid_out, position_shift=shift, static=_frozen(static))
+
+
+def encode_images_eagerly(module, inputs: dict) -> dict:
+    """`inputs` with pixel_values (and pixel_attention_mask) replaced by the image encoder's output,
+    run op by op through torchax (the weights bound by the caller), for EAGER_IMAGE_ENCODERS."""
+    from .. import _env
+
+    if type(module).__name__ not in EAGER_IMAGE_ENCODERS or "pixel_values" not in inputs:
+        return inputs
+    rest = dict(inputs)
+    pixels = {
+        name: _env.to_torch(jax.numpy.asarray(rest.pop(name)))
+        for name in ("pixel_values", "pixel_attention_mask")
+        if name in rest
+    }
+    out = module.model.get_image_features(**pixels, return_dict=True)
+    features = out.pooler_output
+    if isinstance(features, (list, tuple)):
+        import torch
+
+        features = torch.cat(list(features), dim=0)
+    rest[_IMAGE_FEATURES] = np.asarray(_env.to_jax(features))  # [N image tokens, H]
+    return rest
 
 
 def signature(inputs: PrefillInputs | None) -> tuple:
