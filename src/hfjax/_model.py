@@ -50,7 +50,14 @@ class Model:
 
     @classmethod
     def from_module(
-        cls, module: torch.nn.Module, tokenizer=None, *, task: str | None = None, dtype=None, mesh=None
+        cls,
+        module: torch.nn.Module,
+        tokenizer=None,
+        *,
+        task: str | None = None,
+        dtype=None,
+        mesh=None,
+        processor=None,
     ) -> Model:
         """A `Model` of a transformers model already in memory: generate, classify and embed it on JAX.
 
@@ -64,6 +71,8 @@ class Model:
           dtype: cast floating weights to this dtype ("float32", "bfloat16", "float16", a torch or
             jnp dtype); "auto" or None keeps the module's.
           mesh: as for `hfjax.load`.
+          processor: a vision-language model's processor (transformers' AutoProcessor), for
+            `hfjax.generation.chat_with_images`; its tokenizer is the default `tokenizer`.
 
         Example:
           >>> torch_model = transformers.AutoModelForCausalLM.from_pretrained(path)
@@ -92,7 +101,11 @@ class Model:
             replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
             params = {n: jax.device_put(a, shardings.get(n, replicated)) for n, a in params.items()}
         backend.prepare_weights(params)
-        return cls(module, params, aliases, config=module.config, tokenizer=tokenizer, task=task, path=None, mesh=mesh)
+        if tokenizer is None and processor is not None:
+            tokenizer = getattr(processor, "tokenizer", None)
+        model = cls(module, params, aliases, config=module.config, tokenizer=tokenizer, task=task, path=None, mesh=mesh)
+        model.processor = processor
+        return model
 
     def __repr__(self):
         n = sum(int(np.prod(a.shape)) for a in self.params.values())
@@ -127,6 +140,7 @@ class Model:
 
     @property
     def processor(self):
+        """The checkpoint's AutoProcessor (read on first use), the one given to `from_module`, or None."""
         if self._processor is None:
             self._processor = _processor(self.path)
         return self._processor
