@@ -26,6 +26,7 @@ def env() -> torchax.tensor.Environment:
     environment = torchax.tensor.Environment()
     _ops.install(environment, backend=_backend.active().name)
     environment.j2t_copy = _to_cpu_tensors
+    environment._to_copy = functools.partial(_to_copy_numbers, environment._to_copy, environment)
     if os.environ.get(_compilation_cache.VARIABLE):
         _compilation_cache.set_cache_dir(os.environ[_compilation_cache.VARIABLE])
     return environment
@@ -54,6 +55,18 @@ def _to_cpu_tensors(tree):
         return torch.from_numpy(np.array(x))
 
     return torch.utils._pytree.tree_map_only(jax.Array, convert, tree)
+
+
+def _to_copy_numbers(to_copy, environment, value, dtype, device):
+    # torch.vmap (transformers' masks with an and/or overlay: Gemma 3's image blocks on sliding
+    # layers) casts Python numbers with `.to(dtype)`; torchax's `_to_copy` takes only tensors.
+    if isinstance(value, (bool, int, float)):
+        from torchax.ops import mappings
+
+        return JaxTensor(
+            jax.numpy.asarray(value, dtype=None if dtype is None else mappings.t2j_dtype(dtype)), environment
+        )
+    return to_copy(value, dtype, device)
 
 
 def is_array(x) -> bool:

@@ -12,7 +12,7 @@ import torch
 from . import _backend, _classify, _dtypes, _embed, _loading, _tasks
 from ._compile import JittedModule, module_state
 from ._errors import GenerationError, LoadError
-from .generation import _engine, _planning, _settings
+from .generation import _engine, _multimodal, _planning, _settings
 from .parallel import _mesh, _rules
 
 
@@ -26,7 +26,9 @@ class Model:
       aliases: {tied parameter name: the name in `params` it shares}.
       config: the transformers config.
       tokenizer: the checkpoint's tokenizer, or None.
-      processor: the checkpoint's processor, image processor or feature extractor (loaded when first read).
+      processor: the checkpoint's processor as transformers' AutoProcessor loads it (a multimodal
+        processor with image processor, tokenizer and chat template; an image processor; a feature
+        extractor), read when first asked for; else the tokenizer.
       task: the transformers pipeline task the model was loaded for.
       path: the local checkpoint directory, or None for a model built from a module in memory.
       mesh: the device mesh the weights are split over (`mesh=`), or None. `generate` splits the
@@ -49,7 +51,14 @@ class Model:
 
     @classmethod
     def from_module(
-        cls, module: torch.nn.Module, tokenizer=None, *, task: str | None = None, dtype=None, mesh=None
+        cls,
+        module: torch.nn.Module,
+        tokenizer=None,
+        *,
+        task: str | None = None,
+        dtype=None,
+        mesh=None,
+        processor=None,
     ) -> Model:
         """A `Model` of a transformers model already in memory: generate, classify and embed it on JAX.
 
@@ -63,6 +72,8 @@ class Model:
           dtype: cast floating weights to this dtype ("float32", "bfloat16", "float16", a torch or
             jnp dtype); "auto" or None keeps the module's.
           mesh: as for `hfjax.load`.
+          processor: a vision-language model's processor (transformers' AutoProcessor), for
+            `hfjax.generation.chat_with_images`; its tokenizer is the default `tokenizer`.
 
         Example:
           >>> torch_model = transformers.AutoModelForCausalLM.from_pretrained(path)
@@ -91,7 +102,11 @@ class Model:
             replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
             params = {n: jax.device_put(a, shardings.get(n, replicated)) for n, a in params.items()}
         backend.prepare_weights(params)
-        return cls(module, params, aliases, config=module.config, tokenizer=tokenizer, task=task, path=None, mesh=mesh)
+        if tokenizer is None and processor is not None:
+            tokenizer = getattr(processor, "tokenizer", None)
+        model = cls(module, params, aliases, config=module.config, tokenizer=tokenizer, task=task, path=None, mesh=mesh)
+        model.processor = processor
+        return model
 
     def __repr__(self):
         n = sum(int(np.prod(a.shape)) for a in self.params.values())
@@ -126,15 +141,15 @@ class Model:
 
     @property
     def processor(self):
-        """The checkpoint's processor as transformers' `AutoProcessor` loads it: a multimodal processor,
-        an image processor, a feature extractor or the tokenizer; for a module given in memory, its tokenizer."""
+        """The checkpoint's processor (read on first use; the one given to `from_module`), or, for a
+        checkpoint without one (text models), its tokenizer."""
         if self._processor is None:
-            if self.path is None:
-                return self.tokenizer
-            from transformers import AutoProcessor
+            self._processor = _processor(self.path)
+        return self._processor if self._processor is not None else self.tokenizer
 
-            self._processor = AutoProcessor.from_pretrained(self.path)
-        return self._processor
+    @processor.setter
+    def processor(self, processor):
+        self._processor = processor
 
     @property
     def generation_config(self):
@@ -184,7 +199,10 @@ class Model:
         `forced_eos_token_id`, `decoder_start_token_id`, `decoder_input_ids` (an encoder-decoder's
         first decoder tokens, int [B, D] or [D]), `num_return_sequences` and beam
         search (`num_beams`, `length_penalty`, `early_stopping`), and
-        `return_dict_in_generate` with `output_scores` / `output_logits`; one that would change
+        `return_dict_in_generate` with `output_scores` / `output_logits`; array arguments that
+        the model's forward takes (a processor's `pixel_values`, `image_grid_thw`,
+        `pixel_attention_mask`, `token_type_ids`, `mm_token_type_ids`, ...) go to the prefill
+        only, as transformers' generate gives them; one that would change
         the output and that it cannot carry out (beam sampling, `typical_p`,
         `output_attentions`, ...) raises a GenerationError that names it.
 
@@ -221,6 +239,7 @@ class Model:
                     f"{type(self.module).__name__} is a decoder: pass the whole prompt as input_ids"
                 )
             decoder_prompt = _planning.decoder_prompt_array(decoder_prompt, rows=ids.shape[0])
+        inputs, settings = _multimodal.split_model_inputs(self.module, settings)
         resolved = _settings.resolve(
             self,
             ids.shape[1],
@@ -242,7 +261,7 @@ class Model:
         if self._generator is None:
             self._generator = _engine.Generator(self)
         return self._generator.generate(
-            ids, mask, resolved, seed=seed, streamer=streamer, decoder_prompt=decoder_prompt
+            ids, mask, resolved, seed=seed, streamer=streamer, decoder_prompt=decoder_prompt, inputs=inputs
         )
 
     def generate_text(self, prompts, **kwargs) -> str | list[str]:
@@ -350,8 +369,9 @@ def load(
         in memory is taken too (`Model.from_module`, which also takes its tokenizer).
       task: a transformers pipeline task: "text-generation", "text2text-generation",
         "text-classification", "zero-shot-classification", "feature-extraction",
-        "image-classification", "zero-shot-image-classification", "image-feature-extraction" or
-        "automatic-speech-recognition"; default: inferred from config.architectures.
+        "image-classification", "zero-shot-image-classification", "image-feature-extraction",
+        "automatic-speech-recognition" or "image-text-to-text" (a vision-language model; its
+        processor is `Model.processor`); default: inferred from config.architectures.
       dtype: "float32", "bfloat16" or "float16", or a torch / jnp dtype; "auto" or None: the
         checkpoint's.
       mesh: a `jax.sharding.Mesh` with a "model" axis (see `hfjax.make_mesh`): each weight is
@@ -383,6 +403,22 @@ def load(
     params, aliases = _loading.load_weights(module, files, dtype, progress=progress, shardings=shardings)
     backend.prepare_weights(params)
     return Model(module, params, aliases, config=config, tokenizer=_tokenizer(path), task=task, path=path, mesh=mesh)
+
+
+def _processor(path: pathlib.Path | None):
+    if path is None or not any(
+        (path / name).is_file() for name in ("preprocessor_config.json", "processor_config.json")
+    ):
+        return None
+    from transformers import AutoProcessor
+
+    try:
+        return AutoProcessor.from_pretrained(path)
+    except ImportError as error:  # e.g. Qwen2-VL's processor needs torchvision for its video part
+        raise LoadError(
+            f"hfjax.load: the processor of the checkpoint at {str(path)!r} cannot be built here ({error}); "
+            "install what it names (pip install torchvision), or pass the processor's outputs to Model.generate"
+        ) from error
 
 
 def _tokenizer(path: pathlib.Path):

@@ -16,13 +16,16 @@ Task = Literal[
     "zero-shot-image-classification",
     "image-feature-extraction",
     "automatic-speech-recognition",
+    "image-text-to-text",
 ]
 TASKS: tuple[str, ...] = Task.__args__
-GENERATIVE: tuple[str, ...] = ("text-generation", "text2text-generation")
+GENERATIVE: tuple[str, ...] = ("text-generation", "text2text-generation", "image-text-to-text")
 
 # task -> its (transformers Auto class, the auto mapping of its architecture names), first match wins.
 # Inference tries the tasks in this order, so a specific head comes before the bare models.
+# Vision-language models come first: some causal-LM tables also list their classes.
 _AUTO: dict[str, tuple[tuple[str, str], ...]] = {
+    "image-text-to-text": (("AutoModelForImageTextToText", "MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES"),),
     "text-generation": (("AutoModelForCausalLM", "MODEL_FOR_CAUSAL_LM_MAPPING_NAMES"),),
     "text2text-generation": (("AutoModelForSeq2SeqLM", "MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING_NAMES"),),
     "text-classification": (("AutoModelForSequenceClassification", "MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING_NAMES"),),

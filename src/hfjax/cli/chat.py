@@ -9,7 +9,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from .generate import add_generation_arguments, prepare, print_stats, text_streamer
+from .generate import add_generation_arguments, add_image_argument, prepare, print_stats, text_streamer
 
 _HELP = "/reset starts a new conversation, /exit quits (so do Ctrl-D and Ctrl-C)"
 
@@ -22,6 +22,7 @@ def add_parser(subparsers) -> None:
     )
     parser.add_argument("--model", required=True, help="checkpoint directory or hub id")
     parser.add_argument("--system", default=None, help="a system prompt that starts every conversation")
+    add_image_argument(parser)
     add_generation_arguments(parser)
 
 
@@ -34,7 +35,7 @@ def run(args: argparse.Namespace) -> int:
         return prepared
     model, kwargs = prepared
     tokenizer = model.tokenizer
-    if not tokenizer.chat_template:
+    if not tokenizer.chat_template and not args.image:
         print(
             f"hfjax chat: the tokenizer of {args.model!r} has no chat template; use `hfjax generate` instead",
             file=sys.stderr,
@@ -61,9 +62,19 @@ def run(args: argparse.Namespace) -> int:
             continue
         if not line:
             continue
-        messages.append({"role": "user", "content": line})
-        encoded = tokenizer(chat_prompt(tokenizer, messages), add_special_tokens=False, return_tensors="np")
-        prompt_length = encoded["input_ids"].shape[1]
+        if args.image and len(messages) == len(start):  # the images open each conversation
+            content = [*({"type": "image", "image": image} for image in args.image), {"type": "text", "text": line}]
+            messages.append({"role": "user", "content": content})
+        else:
+            messages.append({"role": "user", "content": line})
+        if args.image:
+            from hfjax.generation._vision_chat import encode
+
+            encoded, prompt_length = encode(model, [messages])
+        else:
+            text = tokenizer(chat_prompt(tokenizer, messages), add_special_tokens=False, return_tensors="np")
+            encoded = {"input_ids": text["input_ids"], "attention_mask": text["attention_mask"]}
+            prompt_length = encoded["input_ids"].shape[1]
         room = kwargs["max_new_tokens"] if context is None else min(kwargs["max_new_tokens"], context - prompt_length)
         if room < 1:
             messages.pop()
@@ -74,8 +85,7 @@ def run(args: argparse.Namespace) -> int:
             continue
         try:
             out = model.generate(
-                encoded["input_ids"],
-                encoded["attention_mask"],
+                **encoded,
                 streamer=text_streamer(model),
                 **{**kwargs, "max_new_tokens": room, "seed": kwargs["seed"] + turn},
             )

@@ -21,8 +21,19 @@ def add_parser(subparsers) -> None:
         "(num_beams): one streamed answer is decoded greedily or by sampling.",
     )
     parser.add_argument("--model", required=True, help="checkpoint directory or hub id")
-    parser.add_argument("prompt", help="the text to continue")
+    parser.add_argument("prompt", help="the text to continue (with --image: the question about the images)")
+    add_image_argument(parser)
     add_generation_arguments(parser)
+
+
+def add_image_argument(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--image",
+        action="append",
+        default=[],
+        metavar="PATH",
+        help="an image file for a vision-language model, put before the text (repeat for several)",
+    )
 
 
 def add_generation_arguments(parser: argparse.ArgumentParser) -> None:
@@ -115,7 +126,13 @@ def _load_causal_lm(args: argparse.Namespace):
     model = hfjax.load(args.model, dtype=args.dtype, mesh=mesh)
     if model.tokenizer is None:
         raise ValueError(f"the checkpoint at {args.model!r} has no tokenizer files, so text cannot be encoded")
-    if model.task not in ("text-generation", "text2text-generation"):
+    if getattr(args, "image", None):
+        from hfjax.generation._vision_chat import check_takes_images, load_image
+
+        check_takes_images(model, caller=f"--model {args.model!r} with --image")
+        for image in args.image:  # a bad file is named before anything is generated
+            load_image(image)
+    if model.task not in ("text-generation", "text2text-generation", "image-text-to-text"):
         raise ValueError(
             f"{args.model!r} was loaded for task={model.task!r} ({type(model.module).__name__}); "
             "generation needs a causal or sequence-to-sequence LM"
@@ -146,9 +163,18 @@ def run(args: argparse.Namespace) -> int:
     if isinstance(prepared, int):
         return prepared
     model, kwargs = prepared
-    encoded = model.tokenizer(args.prompt, return_tensors="np")
     try:
-        model.generate(encoded["input_ids"], encoded["attention_mask"], streamer=text_streamer(model), **kwargs)
+        if args.image:
+            from hfjax.generation import chat_with_images
+
+            content = [
+                *({"type": "image", "image": image} for image in args.image),
+                {"type": "text", "text": args.prompt},
+            ]
+            chat_with_images(model, [{"role": "user", "content": content}], streamer=text_streamer(model), **kwargs)
+        else:
+            encoded = model.tokenizer(args.prompt, return_tensors="np")
+            model.generate(encoded["input_ids"], encoded["attention_mask"], streamer=text_streamer(model), **kwargs)
     except ValueError as error:  # e.g. the prompt and max_new_tokens exceed the model's context
         print(f"hfjax generate: {error}", file=sys.stderr)
         return 1

@@ -12,11 +12,14 @@ Parts, one concern each (docs/architecture.md describes the engine's internal AP
     _caches.py     the static KV cache, cut into windows
     _programs.py   the one program cache: in memory, and on disk as `jax.export` blobs
     _engine.py     `Generator`, which drives them for `Model.generate`
+    _multimodal.py prefill-only model inputs (images), multimodal rope positions
+    _vision_chat.py `chat_with_images`: conversations with images through a processor
 
-Public names: `GenerationSettings`, `GenerationStats`.
+Public names: `GenerationSettings`, `GenerationStats`, `chat_with_images`.
 """
 
 from ._engine import GenerationStats
 from ._settings import GenerationSettings
+from ._vision_chat import chat_with_images
 
-__all__ = ["GenerationSettings", "GenerationStats"]
+__all__ = ["GenerationSettings", "GenerationStats", "chat_with_images"]

@@ -43,6 +43,7 @@ class CacheAdapter:
     reorders_beams = True  # beam search may reorder the past by each beam's parent
     pads_prompts = True  # prompts may be left-padded to a bucket
     encoder_decoder = False
+    takes_prefill_inputs = False  # the prefill takes other model inputs (images), the decode steps do not
 
     def __init__(self, module: torch.nn.Module):
         self.module = module
@@ -50,12 +51,13 @@ class CacheAdapter:
         self.takes_positions = _accepts(module, "position_ids")
         self.takes_logits_to_keep = _accepts(module, "logits_to_keep")
 
-    def prefill(self, ids, mask, sequence, full_mask, offset: int):
+    def prefill(self, ids, mask, sequence, full_mask, offset: int, inputs: dict):
         """(past, encoder output or None, logits [B, V]) after the prompt.
 
         ids, mask: [B, P] the padded prompts; sequence, full_mask: [B, L] the token buffer and its
         mask, holding what the decoder sees first in columns [0, offset) (the prompt, or the
-        decoder start token).
+        decoder start token); inputs: other forward arguments for the prefill only (empty
+        unless `takes_prefill_inputs`), position_ids among them where the host computed them.
         """
         raise NotImplementedError
 
@@ -73,13 +75,17 @@ class CacheAdapter:
 class StaticCacheAdapter(CacheAdapter):
     kind = "static"
     windowable = True
+    takes_prefill_inputs = True
 
-    def prefill(self, ids, mask, sequence, full_mask, offset: int):
+    def prefill(self, ids, mask, sequence, full_mask, offset: int, inputs: dict):
         cache = _caches.static_cache(self.config.get_text_config(decoder=True), sequence.shape[1])
         kwargs = {"use_cache": True, "past_key_values": cache, "attention_mask": _env.to_torch(full_mask)}
         if self.takes_logits_to_keep:
             kwargs["logits_to_keep"] = 1
-        out = self.module(input_ids=_env.to_torch(ids), **self._positions(kwargs, _positions_of(mask)))
+        if "position_ids" not in inputs:
+            kwargs = self._positions(kwargs, _positions_of(mask))
+        kwargs.update({name: _env.to_torch(value) for name, value in inputs.items()})
+        out = self.module(input_ids=_env.to_torch(ids), **kwargs)
         return _env.to_jax(out.past_key_values), None, _last_logits(out)
 
     def step(self, state, token, slot, window: int):
@@ -100,7 +106,7 @@ class StateCacheAdapter(CacheAdapter):
         super().__init__(module)
         self.cache_argument = "cache_params" if _accepts(module, "cache_params") else "past_key_values"
 
-    def prefill(self, ids, mask, sequence, full_mask, offset: int):
+    def prefill(self, ids, mask, sequence, full_mask, offset: int, inputs: dict):
         kwargs = {"use_cache": True, "attention_mask": _env.to_torch(mask)}
         if self.takes_logits_to_keep:
             kwargs["logits_to_keep"] = 1
@@ -120,7 +126,7 @@ class EncoderDecoderAdapter(CacheAdapter):
     kind = "encoder-decoder"
     encoder_decoder = True
 
-    def prefill(self, ids, mask, sequence, full_mask, offset: int):
+    def prefill(self, ids, mask, sequence, full_mask, offset: int, inputs: dict):
         from transformers import EncoderDecoderCache
 
         inputs = _env.to_torch(ids)
@@ -146,7 +152,7 @@ class RecomputeAdapter(CacheAdapter):
     kind = "recompute"
     pads_prompts = False
 
-    def prefill(self, ids, mask, sequence, full_mask, offset: int):
+    def prefill(self, ids, mask, sequence, full_mask, offset: int, inputs: dict):
         return None, None, self.logits_at(sequence, full_mask, offset - 1)
 
     def step(self, state, token, slot, window: int):
@@ -168,7 +174,10 @@ def adapter_for(module: torch.nn.Module) -> CacheAdapter:
         return EncoderDecoderAdapter(module)
     if "mamba" in type(module).__name__.lower():
         return StateCacheAdapter(module)
-    if not module._can_compile_fullgraph or not module._supports_default_dynamic_cache():
+    # A vision-language model that transformers will not compile whole (its image merge is
+    # data-dependent) still decodes text tokens alone, against a static cache, after the prefill.
+    compiles = module._can_compile_fullgraph or hasattr(module, "get_image_features")
+    if not compiles or not module._supports_default_dynamic_cache():
         return RecomputeAdapter(module)
     return StaticCacheAdapter(module)
 

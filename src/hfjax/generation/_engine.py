@@ -37,7 +37,7 @@ import torch
 from .. import _backend, _compile, _env
 from .._errors import GenerationError
 from ..parallel import _mesh
-from . import _caches, _choose, _planning, _programs, _sampling
+from . import _caches, _choose, _multimodal, _planning, _programs, _sampling
 from ._adapters import adapter_for
 from ._beam import initial as initial_beams
 from ._settings import GenerationSettings
@@ -107,10 +107,12 @@ class Generator:
         seed: int,
         streamer=None,
         decoder_prompt: np.ndarray | None = None,
+        inputs: dict[str, np.ndarray] | None = None,
     ):
         """ids, mask: int32 [B, S], left-padded (an encoder that takes features, not token ids: ids
         float [B, ...], its main input). decoder_prompt: int32 [B, D], an encoder-decoder's first
-        decoder tokens (default: the decoder start token). Returns int32
+        decoder tokens (default: the decoder start token). inputs: the prefill's other model inputs
+        (`_multimodal`: pixel_values, image_grid_thw, token_type_ids, ...). Returns int32
         [B * num_return_sequences, S + T]: the prompt as given, then up to max_new_tokens new tokens
         (for encoder-decoders [.., D + T]: the decoder prompt, then the new tokens); or
         transformers' Generate*Output."""
@@ -132,6 +134,22 @@ class Generator:
             data_devices=_mesh.data_size(self.model.mesh), decoder_prompt=decoder_prompt,
         )  # fmt: skip
         compiled = _planning.program_settings(settings, plan)
+        extra = None
+        if inputs:
+            if not self.adapter.takes_prefill_inputs:
+                raise GenerationError(
+                    f"Model.generate: {type(self.module).__name__} decodes without a static cache ({self.adapter.kind}), "
+                    f"so hfjax cannot give it {', '.join(inputs)} at the prefill only; generate in PyTorch"
+                )
+            if _mesh.data_size(self.model.mesh) > 1:
+                raise GenerationError(
+                    f"Model.generate: image inputs ({', '.join(inputs)}) on a mesh with a 'data' axis of "
+                    f"{_mesh.data_size(self.model.mesh)} devices: hfjax does not split them over it yet; use a mesh "
+                    "with data=1 (the weights may still be split over 'model')"
+                )
+            with self._bound(self.model.params):
+                inputs = _multimodal.encode_images_eagerly(self.module, inputs)
+            extra = _multimodal.prefill_inputs(self.module, plan, inputs, ids.shape[1])
         batch = plan.prompts * plan.per_prompt  # the rows the caller sees, without beam search
         if streamer is not None:
             streamer.put(torch.as_tensor(ids.astype(np.int64)))
@@ -147,9 +165,15 @@ class Generator:
             jnp.int32(settings.max_new_tokens), jnp.int32(settings.min_new_tokens), jnp.int32(plan.first_column),
             None if plan.decoder_prompt is None else self._place(plan.decoder_prompt),
         )  # fmt: skip
-        prefill_function = functools.partial(self._prefill_flat, layout=layout, offset=plan.offset, settings=compiled)
+        if extra is not None:  # plain containers, which jax.export can keep; the static part is in the key
+            prefill_args += (jax.tree_util.tree_map(self._place, (extra.model_inputs, extra.position_shift)),)
+        prefill_function = functools.partial(
+            self._prefill_flat, layout=layout, offset=plan.offset, settings=compiled,
+            static=() if extra is None else extra.static,
+        )  # fmt: skip
         prefill = self.programs.get(
-            ("prefill", plan.rows, plan.size, plan.total, compiled), prefill_function, prefill_args,
+            ("prefill", plan.rows, plan.size, plan.total, compiled, *_multimodal.signature(extra)),
+            prefill_function, prefill_args,
             metadata=lambda: {"fields": self._slices[layout]},
         )  # fmt: skip
         leaves = prefill.run(*prefill_args)
@@ -240,10 +264,36 @@ class Generator:
     # -- traced: flat state in and out ---------------------------------------------
 
     def _prefill_flat(
-        self, params, ids, mask, key, budget, least, first_column, decoder_prompt, *, layout, offset, settings
+        self,
+        params,
+        ids,
+        mask,
+        key,
+        budget,
+        least,
+        first_column,
+        decoder_prompt,
+        extra=None,
+        *,
+        layout,
+        offset,
+        settings,
+        static,
     ) -> list:
+        if extra is not None:
+            extra = _multimodal.PrefillInputs(*extra, static=static)
         state = self._prefill(
-            params, ids, mask, key, budget, least, first_column, decoder_prompt, offset=offset, settings=settings
+            params,
+            ids,
+            mask,
+            key,
+            budget,
+            least,
+            first_column,
+            decoder_prompt,
+            extra,
+            offset=offset,
+            settings=settings,
         )
         return self._flatten(state, layout)
 
@@ -271,6 +321,7 @@ class Generator:
         least,
         first_column,
         decoder_prompt,
+        extra,
         *,
         offset: int,
         settings: GenerationSettings,
@@ -278,7 +329,7 @@ class Generator:
         # ids, mask: [B, P] int32, padded; key: uint32 PRNG key data; budget, least: int32 max_new_tokens and
         # min_new_tokens; first_column: int32, where transformers' rows start in the buffer; decoder_prompt:
         # encoder-decoders' [B, offset] int32 first decoder tokens, else None (all arguments, so that they do
-        # not recompile).
+        # not recompile); extra: `_multimodal.PrefillInputs` or None.
         self.programs.traced["prefill"] += 1
         batch = ids.shape[0]
         total = offset + settings.max_new_tokens
@@ -291,8 +342,17 @@ class Generator:
         sequence = jnp.full((batch, total), fill, jnp.int32).at[:, :offset].set(prompt)
         full_mask = jnp.zeros((batch, total), jnp.int32).at[:, :offset].set(prompt_mask)
         with self._bound(params):
-            cache, encoder, logits = self.adapter.prefill(ids, mask, sequence, full_mask, offset)
+            # Static inputs (image grids) stay concrete through the ops the model runs on them.
+            evaluate = (
+                jax.ensure_compile_time_eval() if extra is not None and extra.static else contextlib.nullcontext()
+            )
+            with evaluate:
+                model_inputs = {} if extra is None else extra.arguments()
+                cache, encoder, logits = self.adapter.prefill(ids, mask, sequence, full_mask, offset, model_inputs)
         vocab = logits.shape[-1]
+        next_position = jnp.sum(prompt_mask, axis=1).astype(jnp.int32)
+        if extra is not None and extra.position_shift is not None:
+            next_position = next_position + extra.position_shift
 
         def buffer(wanted: bool):  # return_dict_in_generate's raw logits or processed scores of each new token
             return jnp.zeros((batch, total - offset, vocab), jnp.float32) if wanted else None
@@ -302,7 +362,7 @@ class Generator:
             encoder=encoder,
             sequence=sequence,
             mask=full_mask,
-            next_position=jnp.sum(prompt_mask, axis=1).astype(jnp.int32),
+            next_position=next_position,
             seen=_sampling.seen_mask(prompt, prompt_mask, vocab) if _choose.needs_seen(settings) else None,
             done=jnp.zeros((batch,), bool),
             step=jnp.int32(0),

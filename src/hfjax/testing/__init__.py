@@ -17,15 +17,21 @@ Parts: `_families.py` (tiny config sizes per model_type), `_tokenizer.py`, `_che
 `_pipelines.py` (diffusers pipelines). They depend on torch, transformers, tokenizers and
 diffusers, not on the rest of hfjax.
 
+Vision-language checkpoints (image-text-to-text: LLaVA, Qwen2-VL, Gemma 3, Idefics3,
+PaliGemma) with their processors are in `_vision_language.py`:
+`save_tiny_checkpoint(family, path, task="image-text-to-text")`.
+
 Public names: `FAMILIES`, `GENERATION_FAMILIES`, `tiny_config`, `tiny_tokenizer`,
 `save_tiny_checkpoint`, `MEDIA_FAMILIES` (vision and speech families for `save_tiny_checkpoint`,
-processors included: `_media.py`), `PIPELINE_KINDS`, `SCHEDULERS`, `save_tiny_pipeline`.
+processors included: `_media.py`), `PIPELINE_KINDS`, `SCHEDULERS`, `save_tiny_pipeline`,
+`VISION_LANGUAGE_FAMILIES`, `tiny_processor`.
 """
 
 from ._checkpoints import save_tiny_checkpoint, tiny_tokenizer
 from ._families import FAMILIES, GENERATION_FAMILIES, tiny_config
 from ._media import MEDIA_FAMILIES
 from ._pipelines import PIPELINE_KINDS, SCHEDULERS, save_tiny_pipeline
+from ._vision_language import VISION_LANGUAGE_FAMILIES, tiny_processor
 
 __all__ = [
     "FAMILIES",
@@ -33,8 +39,10 @@ __all__ = [
     "MEDIA_FAMILIES",
     "PIPELINE_KINDS",
     "SCHEDULERS",
+    "VISION_LANGUAGE_FAMILIES",
     "save_tiny_checkpoint",
     "save_tiny_pipeline",
     "tiny_config",
+    "tiny_processor",
     "tiny_tokenizer",
 ]

@@ -125,7 +125,8 @@ def save_tiny_checkpoint(
     Args:
         family: a transformers `model_type`, as for `tiny_config`.
         path: directory to write; created if missing, files in it are overwritten.
-        task: a transformers pipeline name choosing the head: "text-generation"
+        task: a transformers pipeline name choosing the head: "image-text-to-text" (a
+            vision-language model of `VISION_LANGUAGE_FAMILIES` and its processor), "text-generation"
             (AutoModelForCausalLM, default for causal families), "text-classification"
             (AutoModelForSequenceClassification, labels 0 "negative", 1 "positive"),
             "feature-extraction" (AutoModel, default for encoders) or
@@ -161,6 +162,11 @@ def save_tiny_checkpoint(
     # -- vision and speech families (hfjax.pipeline's tasks) --
     if family in _media.MEDIA_FAMILIES:
         return _media.save_media_checkpoint(family, pathlib.Path(path), task=task, seed=seed)
+    # -- vision-language families (image-text-to-text) --
+    if task == "image-text-to-text":
+        from ._vision_language import save_tiny_vision_language_checkpoint
+
+        return save_tiny_vision_language_checkpoint(family, path, seed=seed)
     spec = family_spec(family)
     if sentence_transformers and task is None:
         task = "feature-extraction"

@@ -102,11 +102,14 @@ def _post_processor(kind: str | None, family: str | None) -> processors.PostProc
     return processors.Sequence([processors.ByteLevel(trim_offsets=False), template])
 
 
-def build(kind: str | None, family: str | None) -> transformers.PreTrainedTokenizerFast:
+def build(
+    kind: str | None, family: str | None, named_tokens: dict[str, str] | None = None
+) -> transformers.PreTrainedTokenizerFast:
     """A fresh tokenizer over the trained BPE (see `hfjax.testing.tiny_tokenizer`).
 
     Special tokens are added as a model of `kind` ("causal", "encoder", "seq2seq" or None
-    for causal) and `family` adds them.
+    for causal) and `family` adds them. `named_tokens` ({attribute: token}, e.g. a
+    vision-language model's {"image_token": "<image>"}) are added after the BPE's tokens.
     """
     backend = tokenizers.Tokenizer.from_str(_trained_tokenizer_json())
     backend.post_processor = _post_processor(kind, family)
@@ -125,6 +128,7 @@ def build(kind: str | None, family: str | None) -> transformers.PreTrainedTokeni
         chat_template=_CHAT_TEMPLATE,
         model_max_length=MAX_POSITIONS,
         model_input_names=input_names,
+        **({"extra_special_tokens": named_tokens} if named_tokens else {}),
     )
 
 

@@ -1,0 +1,188 @@
+"""Prefill-only model inputs: what a vision-language model reads with the prompt and never again.
+
+`Model.generate(ids, mask, pixel_values=..., image_grid_thw=..., ...)` hands such inputs (any
+array argument that the model's forward takes) to the engine. They go to the prefill program as
+`PrefillInputs`; the decode loop runs on the cache and text tokens alone, as transformers' own
+generate drops them after the first step.
+
+Inputs laid out along the prompt (token_type_ids, mm_token_type_ids: [B, S]) are left-padded to
+the prompt's bucket with zeros; others (pixel_values, pixel_attention_mask, ...) pass as they
+are, but for the image grids that a model reads as Python numbers to size its patches
+(`STATIC_INPUTS`): those are part of the program's key and constants in its trace. A model with multimodal rope (its inner model has `get_rope_index`, as
+Qwen2-VL's) gets its prefill positions [3, B, S] computed on the host, where their
+data-dependent layout can be, and the decode loop's positions are shifted by its rope deltas.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+
+import jax
+import numpy as np
+
+from .._errors import GenerationError
+from ._planning import BatchPlan
+
+# Arguments of a forward that are not prefill inputs: the engine sets them, or they are not inputs.
+_ENGINE_ARGUMENTS = frozenset(
+    {
+        "input_ids",
+        "attention_mask",
+        "position_ids",
+        "past_key_values",
+        "inputs_embeds",
+        "cache_position",
+        "use_cache",
+        "labels",
+        "logits_to_keep",
+        "return_dict",
+        "output_attentions",
+        "output_hidden_states",
+        "kwargs",
+    }
+)
+
+
+# Integer inputs that models read with .tolist() to shape their vision tower's work.
+STATIC_INPUTS = frozenset({"image_grid_thw", "video_grid_thw", "image_sizes"})
+
+# Models whose image encoder has data-dependent shapes, which no program can trace: it runs op by
+# op through torchax before the prefill, and the prefill takes its output (`mm_encoder_outputs`).
+# {class name: why}
+EAGER_IMAGE_ENCODERS = {
+    name: "get_image_features drops all-padding images by a boolean index and splits the features per "
+    "row with .tolist()"
+    for name in ("Idefics3ForConditionalGeneration", "SmolVLMForConditionalGeneration")
+}
+_IMAGE_FEATURES = "image_features"  # PrefillInputs.model_inputs key of an eager encoder's output [N, H]
+
+
+@dataclasses.dataclass
+class PrefillInputs:
+    """The prefill program's extra inputs (B rows, padded prompt length P). Programs take the first
+    two fields as a plain (dict, array) pair, which jax.export can keep; `static` is in their key."""
+
+    model_inputs: dict  # {forward argument: array}, e.g. pixel_values [B, 3, H, W], token_type_ids [B, P]
+    position_shift: jax.Array | None  # [B] int32: added to every decode position (rope deltas); else None
+    static: tuple = ()  # ((name, nested tuple of ints), ...): STATIC_INPUTS, known when tracing
+
+    def arguments(self) -> dict:
+        """The forward's keyword arguments: the arrays, the static inputs as constant arrays, and an
+        eager image encoder's output as transformers' `mm_encoder_outputs`."""
+        import jax.numpy as jnp
+
+        arguments = dict(self.model_inputs)
+        if _IMAGE_FEATURES in arguments:
+            from transformers.modeling_outputs import BaseModelOutputWithPooling
+
+            from .. import _env
+
+            features = _env.to_torch(arguments.pop(_IMAGE_FEATURES))
+            arguments["mm_encoder_outputs"] = {"image": BaseModelOutputWithPooling(pooler_output=features)}
+        constants = {name: jnp.asarray(np.array(values, np.int32)) for name, values in self.static}
+        return {**arguments, **constants}
+
+
+def split_model_inputs(module, arguments: dict) -> tuple[dict, dict]:
+    """(prefill inputs, the rest) of `Model.generate`'s keyword arguments: the array-valued ones
+    that `module.forward` takes, as numpy arrays. An array the forward does not take (pixel_values
+    given to a text-only model) is a GenerationError."""
+    accepted = inspect.signature(module.forward).parameters
+    inputs, rest = {}, {}
+    for name, value in arguments.items():
+        if name in accepted and name not in _ENGINE_ARGUMENTS and _is_array(value):
+            inputs[name] = np.asarray(value.cpu() if hasattr(value, "cpu") else value)
+        elif _is_array(value) and name not in accepted:
+            images = " (it takes no images)" if not hasattr(module, "get_image_features") else ""
+            raise GenerationError(
+                f"Model.generate: {name}= is an array, but {type(module).__name__}.forward has no argument {name!r}"
+                f"{images}; pass only the inputs this model takes (input_ids, attention_mask, ...)"
+            )
+        else:
+            rest[name] = value
+    return inputs, rest
+
+
+def prefill_inputs(module, plan: BatchPlan, inputs: dict[str, np.ndarray], prompt_length: int) -> PrefillInputs:
+    """`inputs` laid out for `plan` (host arrays); `prompt_length` is the caller's S."""
+    if plan.per_prompt != 1 or plan.padded_prompts != plan.prompts:
+        raise GenerationError(
+            f"Model.generate: image inputs ({', '.join(inputs)}) with {plan.per_prompt} rows per prompt "
+            f"(num_beams / num_return_sequences) or a batch of {plan.prompts} that does not divide over the mesh's "
+            "data devices: hfjax does not repeat image inputs; use num_beams=1, num_return_sequences=1"
+        )
+    laid_out = {}
+    for name, value in inputs.items():
+        if value.shape[:2] == (plan.prompts, prompt_length) and value.ndim == 2:
+            padded = np.zeros((plan.rows, plan.size), value.dtype)
+            padded[:, plan.size - prompt_length :] = value
+            value = padded
+        laid_out[name] = value
+    shift = None
+    rope_index = getattr(getattr(module, "model", None), "get_rope_index", None)
+    if rope_index is not None:
+        positions, deltas = _rope_positions(rope_index, plan, laid_out)
+        laid_out["position_ids"] = positions
+        shift = deltas
+    static = tuple((name, laid_out.pop(name).tolist()) for name in sorted(STATIC_INPUTS & laid_out.keys()))
+    return PrefillInputs(model_inputs=laid_out, position_shift=shift, static=_frozen(static))
+
+
+def encode_images_eagerly(module, inputs: dict) -> dict:
+    """`inputs` with pixel_values (and pixel_attention_mask) replaced by the image encoder's output,
+    run op by op through torchax (the weights bound by the caller), for EAGER_IMAGE_ENCODERS."""
+    from .. import _env
+
+    if type(module).__name__ not in EAGER_IMAGE_ENCODERS or "pixel_values" not in inputs:
+        return inputs
+    rest = dict(inputs)
+    pixels = {
+        name: _env.to_torch(jax.numpy.asarray(rest.pop(name)))
+        for name in ("pixel_values", "pixel_attention_mask")
+        if name in rest
+    }
+    out = module.model.get_image_features(**pixels, return_dict=True)
+    features = out.pooler_output
+    if isinstance(features, (list, tuple)):
+        import torch
+
+        features = torch.cat(list(features), dim=0)
+    rest[_IMAGE_FEATURES] = np.asarray(_env.to_jax(features))  # [N image tokens, H]
+    return rest
+
+
+def signature(inputs: PrefillInputs | None) -> tuple:
+    """What of `inputs` shapes a program: names, shapes and dtypes."""
+    if inputs is None:
+        return ()
+    arrays = {**inputs.model_inputs, "position_shift": inputs.position_shift}
+    shapes = tuple((name, tuple(a.shape), str(a.dtype)) for name, a in sorted(arrays.items()) if a is not None)
+    return shapes + inputs.static
+
+
+def _rope_positions(rope_index, plan: BatchPlan, inputs: dict) -> tuple[np.ndarray, np.ndarray]:
+    # Multimodal rope: positions [3, B, P] of (time, height, width), and per row the delta between
+    # the next position and the count of prompt tokens. Run in PyTorch on the host: the image
+    # layout decides them, which a traced program cannot read.
+    import torch
+
+    wanted = inspect.signature(rope_index).parameters
+    arguments = {name: torch.as_tensor(inputs[name]) for name in wanted if name in inputs}
+    ids, mask = torch.as_tensor(plan.ids.astype(np.int64)), torch.as_tensor(plan.mask.astype(np.int64))
+    if "mm_token_type_ids" in wanted and "mm_token_type_ids" not in arguments:
+        raise GenerationError(
+            "Model.generate: this model's multimodal rope needs mm_token_type_ids (the processor returns it with "
+            "input_ids); pass it with the processor's other outputs"
+        )
+    with torch.no_grad():
+        positions, deltas = rope_index(ids, attention_mask=mask, **arguments)
+    return positions.numpy().astype(np.int32), deltas.reshape(-1).numpy().astype(np.int32)
+
+
+def _frozen(value):
+    return tuple(_frozen(v) for v in value) if isinstance(value, (list, tuple)) else value
+
+
+def _is_array(value) -> bool:
+    return hasattr(value, "shape") and hasattr(value, "dtype")

@@ -1,0 +1,150 @@
+"""Vision-language models (image-text-to-text): greedy tokens against transformers' generate in
+PyTorch, `chat_with_images`, and `hfjax generate / chat --image`."""
+
+from __future__ import annotations
+
+import io
+import sys
+
+import jax.numpy as jnp
+import numpy as np
+import PIL.Image
+import pytest
+import torch
+import transformers
+
+import hfjax
+from hfjax import cli, testing
+from hfjax.generation import chat_with_images
+
+QUESTIONS = ("Describe this", "What is the capital of France? Tell me")
+NEW_TOKENS = 8
+
+
+def _images():
+    rng = np.random.default_rng(0)
+    return [rng.integers(0, 255, shape, dtype=np.uint8) for shape in ((40, 48, 3), (64, 32, 3))]
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    made = {}
+
+    def make(family: str):
+        if family not in made:
+            path = tmp_path_factory.mktemp(family)
+            made[family] = testing.save_tiny_checkpoint(family, path, task="image-text-to-text")
+        return made[family]
+
+    return make
+
+
+def _conversation(question: str, image) -> list[dict]:
+    return [{"role": "user", "content": [{"type": "image", "image": image}, {"type": "text", "text": question}]}]
+
+
+def _processor_outputs(path, family: str, images) -> dict:
+    """Two left-padded prompts with one image each, as the family's processor makes them."""
+    conversations = [_conversation(q, None) for q in QUESTIONS]
+    if family != "qwen2_vl" or transformers.utils.is_torchvision_available():
+        processor = transformers.AutoProcessor.from_pretrained(path)
+        texts = [processor.apply_chat_template(c, add_generation_prompt=True, tokenize=False) for c in conversations]
+        processor.tokenizer.padding_side = "left"
+        pil = [[PIL.Image.fromarray(image)] for image in images]
+        encoded = dict(processor(text=texts, images=pil, padding=True, return_tensors="pt"))
+        encoded.pop("labels", None)
+        return encoded
+    # Qwen2VLProcessor needs torchvision (for videos): its image steps, written out.
+    tokenizer = transformers.AutoTokenizer.from_pretrained(path)
+    pixels = dict(transformers.AutoImageProcessor.from_pretrained(path)(images=images, return_tensors="pt"))
+    texts = [tokenizer.apply_chat_template(c, add_generation_prompt=True, tokenize=False) for c in conversations]
+    merged = [int(grid.prod()) // 4 for grid in pixels["image_grid_thw"]]  # spatial_merge_size 2
+    texts = [text.replace("<|image_pad|>", "<|image_pad|>" * n) for text, n in zip(texts, merged)]
+    tokenizer.padding_side = "left"
+    encoded = dict(tokenizer(texts, padding=True, return_tensors="pt", add_special_tokens=False))
+    encoded["mm_token_type_ids"] = (encoded["input_ids"] == tokenizer.convert_tokens_to_ids("<|image_pad|>")).long()
+    return {**encoded, **pixels}
+
+
+@pytest.mark.parametrize("family", testing.VISION_LANGUAGE_FAMILIES)
+def test_batched_greedy_tokens_match_transformers_generate(saved, family):
+    path = saved(family)
+    inputs = _processor_outputs(path, family, _images())
+    assert bool((inputs["attention_mask"] == 0).any())  # the two prompts differ in length: left padding
+    reference = transformers.AutoModelForImageTextToText.from_pretrained(path).eval()
+    with torch.no_grad():
+        expected = reference.generate(**inputs, max_new_tokens=NEW_TOKENS, do_sample=False)
+    model = hfjax.load(path)
+    assert model.task == "image-text-to-text"
+    out = model.generate(**{name: value.numpy() for name, value in inputs.items()}, max_new_tokens=NEW_TOKENS)
+    np.testing.assert_array_equal(np.asarray(out), expected.numpy())
+
+
+@pytest.fixture(scope="module")
+def llava(saved):
+    path = saved("llava")
+    return path, hfjax.load(path)
+
+
+def _reference_reply(path, image, question: str) -> str:
+    processor = transformers.AutoProcessor.from_pretrained(path)
+    text = processor.apply_chat_template(_conversation(question, None), add_generation_prompt=True, tokenize=False)
+    inputs = processor(text=[text], images=[[PIL.Image.fromarray(image)]], return_tensors="pt")
+    model = transformers.AutoModelForImageTextToText.from_pretrained(path).eval()
+    with torch.no_grad():
+        out = model.generate(**inputs, max_new_tokens=NEW_TOKENS, do_sample=False)
+    return processor.tokenizer.decode(out[0, inputs["input_ids"].shape[1] :], skip_special_tokens=True)
+
+
+def test_chat_with_images_and_the_cli_give_pytorchs_reply(llava, tmp_path, capsys, monkeypatch):
+    path, model = llava
+    image = _images()[0]
+    picture = tmp_path / "pic.png"
+    PIL.Image.fromarray(image).save(picture)
+    expected = _reference_reply(path, image, QUESTIONS[0])
+    assert expected.strip()
+    for given in (image, PIL.Image.fromarray(image), str(picture), f"file://{picture}"):
+        reply = chat_with_images(model, _conversation(QUESTIONS[0], given), max_new_tokens=NEW_TOKENS)
+        assert reply == expected, type(given)
+
+    flags = ["--model", str(path), "--image", str(picture), "--max-new-tokens", str(NEW_TOKENS), "--temperature", "0"]
+    assert cli.main(["generate", *flags, QUESTIONS[0]]) == 0
+    assert capsys.readouterr().out == expected + "\n"
+
+    monkeypatch.setattr(sys, "stdin", io.StringIO(f"{QUESTIONS[0]}\n"))
+    assert cli.main(["chat", *flags]) == 0
+    assert capsys.readouterr().out == expected + "\n"
+
+
+def test_bad_images_and_text_only_models_are_one_line_errors(llava, checkpoint, tmp_path, capsys):
+    path, model = llava
+    broken = tmp_path / "broken.png"
+    broken.write_text("not an image")
+    for image, message in ((broken, "is not an image"), (tmp_path / "absent.png", "does not exist")):
+        assert cli.main(["generate", "--model", str(path), "--image", str(image), "Describe this"]) == 1
+        err = capsys.readouterr().err
+        assert message in err and str(image) in err and len(err.strip().splitlines()) == 1
+    text_only = checkpoint("llama")
+    assert cli.main(["generate", "--model", str(text_only), "--image", str(broken), "Describe this"]) == 1
+    assert "takes no images" in capsys.readouterr().err
+    with pytest.raises(hfjax.GenerationError, match="pixel_values.*takes no images"):
+        hfjax.load(text_only).generate(np.ones((1, 3), np.int32), pixel_values=np.zeros((1, 3, 32, 32), np.float32))
+    with pytest.raises(hfjax.GenerationError, match="uint8"):
+        chat_with_images(model, _conversation("Hi", np.zeros((4, 4, 3), np.float32)))
+
+
+def test_torch_vmap_casts_python_numbers_in_hfjaxs_environment():
+    # transformers builds Gemma 3's image-block masks with torch.vmap, which casts Python numbers
+    # with .to(dtype): hfjax's environment takes them (torchax's alone raises AttributeError).
+    from hfjax import _env
+
+    def window(q, kv):
+        return (kv > q - 3) & (kv <= q)
+
+    q, kv = torch.arange(6)[:, None], torch.arange(6)[None, :]
+    expected = torch.vmap(torch.vmap(window, in_dims=(None, 0)), in_dims=(0, None))(q[:, 0], kv[0])
+    with _env.env():
+        got = torch.vmap(torch.vmap(window, in_dims=(None, 0)), in_dims=(0, None))(
+            _env.to_torch(jnp.arange(6)), _env.to_torch(jnp.arange(6))
+        )
+    np.testing.assert_array_equal(np.asarray(_env.to_jax(got)), expected.numpy())
