@@ -449,6 +449,7 @@ def _decode_program(model, prompts, max_new_tokens=4):
         np.int32(4),
         np.int32(0),
         np.int32(0),
+        None,  # no decoder prompt: a decoder-only model
     )
     decode = functools.partial(
         generator._decode_flat, layout=layout, offset=size, settings=settings, windows=windows, trace_prefill=None
