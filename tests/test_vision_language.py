@@ -116,6 +116,19 @@ def test_chat_with_images_and_the_cli_give_pytorchs_reply(llava, tmp_path, capsy
     assert capsys.readouterr().out == expected + "\n"
 
 
+def test_the_image_text_to_text_pipeline_equals_transformers(llava, tmp_path):
+    """hfjax.pipeline("image-text-to-text") against transformers.pipeline on the same checkpoint: the
+    same conversations out, an image given as a PIL image and as a path, two chats in one call."""
+    path, model = llava
+    picture = tmp_path / "pic.png"
+    PIL.Image.fromarray(_images()[1]).save(picture)
+    chats = [_conversation(QUESTIONS[0], PIL.Image.fromarray(_images()[0])), _conversation(QUESTIONS[1], str(picture))]
+    settings = {"generate_kwargs": {"max_new_tokens": NEW_TOKENS, "do_sample": False}}
+    reference = transformers.pipeline("image-text-to-text", model=str(path), device="cpu")
+    ours = hfjax.pipeline("image-text-to-text", model=model)
+    assert ours(text=chats, **settings) == reference(text=chats, **settings)
+
+
 def test_bad_images_and_text_only_models_are_one_line_errors(llava, checkpoint, tmp_path, capsys):
     path, model = llava
     broken = tmp_path / "broken.png"
