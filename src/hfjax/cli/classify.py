@@ -115,9 +115,12 @@ def _classify_images(args: argparse.Namespace, labels: list[str] | None) -> int:
 
 
 def _open_image(path: str):
-    import PIL.Image
-
     from hfjax import PipelineError
+
+    try:
+        import PIL.Image
+    except ImportError as error:
+        raise PipelineError(f"--image {path}: reading images needs Pillow: pip install 'hfjax[vision]'") from error
 
     try:
         with PIL.Image.open(path) as image:

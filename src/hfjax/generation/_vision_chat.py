@@ -99,7 +99,10 @@ def encode(model, conversations: list[list[dict]]) -> tuple[dict, int]:
 
 def load_image(image):
     """An RGB PIL image from a PIL image, an HxWx3 (or HxW) uint8 array, a path or a file:// URL."""
-    from PIL import Image, UnidentifiedImageError
+    try:
+        from PIL import Image, UnidentifiedImageError
+    except ImportError as error:
+        raise GenerationError("chat_with_images: images need Pillow: pip install 'hfjax[vision]'") from error
 
     if isinstance(image, Image.Image):
         return image.convert("RGB")
