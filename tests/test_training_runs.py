@@ -17,6 +17,8 @@ import pytest
 
 import background
 
+pytest.importorskip("optax", reason="training needs the `train` extra (optax)")
+
 STEPS = 12
 WORDS = "the cat sat on a mat and the dog ran to the park while birds sang in the old trees".split()
 

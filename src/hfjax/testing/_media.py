@@ -151,11 +151,14 @@ def _vit_processor(path: pathlib.Path):
     return _image_processor(transformers.ViTImageProcessor)
 
 
-def _text_image_processor(image_kind, processor_kind):
+def _text_image_processor(image_kind: str, processor_kind: str):
+    # By name: touching transformers' image processor classes imports their backends (~1.5 s, and
+    # a warning without torchvision), which importing hfjax.testing should not cost.
     def make(path: pathlib.Path):
         tokenizer = _tokenizer.build("encoder", None)
         tokenizer.model_max_length = _TEXT["max_position_embeddings"]
-        return processor_kind(image_processor=_image_processor(image_kind), tokenizer=tokenizer)
+        image_processor = _image_processor(getattr(transformers, image_kind))
+        return getattr(transformers, processor_kind)(image_processor=image_processor, tokenizer=tokenizer)
 
     return make
 
@@ -174,12 +177,12 @@ MEDIA_FAMILIES: dict[str, MediaFamily] = {
     "clip": MediaFamily(
         _clip_config,
         ("zero-shot-image-classification",),
-        _text_image_processor(transformers.CLIPImageProcessor, transformers.CLIPProcessor),
+        _text_image_processor("CLIPImageProcessor", "CLIPProcessor"),
     ),
     "siglip": MediaFamily(
         _siglip_config,
         ("zero-shot-image-classification",),
-        _text_image_processor(transformers.SiglipImageProcessor, transformers.SiglipProcessor),
+        _text_image_processor("SiglipImageProcessor", "SiglipProcessor"),
     ),
     "wav2vec2": MediaFamily(_wav2vec2_config, ("automatic-speech-recognition",), _wav2vec2_processor),
     "whisper": MediaFamily(_whisper_config, ("automatic-speech-recognition",), _whisper_processor),
