@@ -46,6 +46,23 @@ def pytest_configure(config):
     config.addinivalue_line("markers", "cpu_hook: runs only where the CPU's hook (hfjax.cpu) is active")
 
 
+# The order pytest-xdist hands modules to its workers (pyproject.toml: --no-loadscope-reorder):
+# first the modules that wait on a process of their own (README's examples, the 8-device and
+# training jobs, the servers), so that those processes run beside everything else rather than
+# after it; then the longest. Ordered by test count, as xdist does by default, the README's job
+# started last and one core idled for its last ~2 minutes. Modules not named keep their order.
+_FIRST = ("test_readme", "test_sharding", "test_training_runs", "test_serve", "test_generate", "test_ops",
+          "test_cpu", "test_diffusion", "test_testing", "test_sampling", "test_training", "test_parity")  # fmt: skip
+
+
+def pytest_collection_modifyitems(session, config, items):
+    def rank(item):
+        name = item.path.stem
+        return _FIRST.index(name) if name in _FIRST else len(_FIRST)
+
+    items.sort(key=rank)  # stable: each module's tests keep their order
+
+
 def pytest_collection_finish(session):
     """Starts the jobs that test modules run in processes of their own beside the rest of the
     suite (their `start_in_background()`, tests/background.py), once per module with tests.

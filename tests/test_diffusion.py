@@ -15,8 +15,6 @@ import pytest
 import torch
 from torch.nn.utils import parametrize
 
-import background
-
 pytest.importorskip("diffusers")
 
 import diffusers  # noqa: E402
@@ -211,33 +209,6 @@ def test_cli_writes_a_png_of_the_asked_size(saved, tmp_path, capsys):
     assert "time per image" in printed
     with Image.open(out) as png:
         assert png.format == "PNG" and png.size == (32, 48)
-
-
-# A user's first run: a new process, so transformers' once-only notes fire if they would.
-_FIRST_RUN = """
-import pathlib, subprocess, sys
-from hfjax.testing import save_tiny_pipeline
-out = pathlib.Path(sys.argv[1])
-path = save_tiny_pipeline("stable-diffusion", out / "sd", scheduler="pndm")
-command = [sys.executable, "-m", "hfjax.cli", "image", "--model", str(path), "a red cat", "--steps", "1", "--out", str(out / "cat.png")]
-result = subprocess.run(command, capture_output=True, text=True, timeout=600)
-(out / "stdout").write_text(result.stdout)
-(out / "stderr").write_text(result.stderr)
-sys.exit(result.returncode)
-"""
-
-
-def start_in_background() -> None:
-    background.start("first-image", background.python(_FIRST_RUN), seconds=12)
-
-
-def test_cli_output_has_no_notes_about_missing_packages():
-    job = background.finished("first-image", start_in_background)
-    stdout, stderr = ((job.directory / name).read_text() for name in ("stdout", "stderr"))
-    assert job.returncode == 0, job.output[-3000:] + stderr
-    assert "wrote" in stdout
-    for note in ("accelerate", "torchvision"):
-        assert note not in stderr, stderr
 
 
 @pytest.mark.parametrize("kind", ["stable-diffusion", "sdxl", "sd3", "pixart", "flux"])

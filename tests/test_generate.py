@@ -708,9 +708,17 @@ def test_a_second_process_reuses_programs_without_tracing():
     assert warm["tokens"] == cold["tokens"]
 
 
-def test_a_stored_prefill_without_its_decode_loop_still_generates(loaded):
+def _private_store(model, directory, monkeypatch):
+    """`model` keeps its programs in `directory` alone, from a new generator: the session's store is
+    shared with other processes, which may write the same programs at any moment."""
+    monkeypatch.setattr(hfjax._compilation_cache, "directory", lambda: directory)
+    model._generator = _engine.Generator(model)
+
+
+def test_a_stored_prefill_without_its_decode_loop_still_generates(loaded, tmp_path, monkeypatch):
     # The decode loop needs the state's structure, which only tracing the prefill gives.
     model = loaded("llama")
+    _private_store(model, tmp_path, monkeypatch)
     ids, mask = _batch(model, PROMPTS[:1])
     expected = np.asarray(model.generate(ids, mask, max_new_tokens=6))
     fresh = _engine.Generator(model)
@@ -722,8 +730,9 @@ def test_a_stored_prefill_without_its_decode_loop_still_generates(loaded):
     assert fresh.load_counts["prefill"] == 1 and fresh.trace_counts == {"prefill": 1, "decode": 1}
 
 
-def test_an_unreadable_stored_program_is_traced_again(loaded):
+def test_an_unreadable_stored_program_is_traced_again(loaded, tmp_path, monkeypatch):
     model = loaded("llama")
+    _private_store(model, tmp_path, monkeypatch)
     ids, mask = _batch(model, PROMPTS[:1])
     expected = np.asarray(model.generate(ids, mask, max_new_tokens=6))
     fresh = _engine.Generator(model)

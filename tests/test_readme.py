@@ -98,6 +98,10 @@ def test_command_runs(index, readme):
     ran = record["commands"][index]
     assert ran["command"] == _commands(str(directory))[index]
     assert ran["code"] == 0, ran["stdout"] + ran["stderr"]
+    # Each command is a user's first run in a new process: transformers' and diffusers' once-only
+    # notes about packages hfjax does not need must not reach them.
+    for note in ("accelerate", "torchvision"):
+        assert note not in ran["stderr"], ran["stderr"]
     if ran["command"].startswith("hfjax demo"):
         assert "parity: PASS" in ran["stdout"]
 
