@@ -6,6 +6,7 @@ import dataclasses
 import functools
 import json
 import re
+import warnings
 
 import jax
 import numpy as np
@@ -94,6 +95,31 @@ def test_each_row_of_a_padded_batch_is_what_its_prompt_alone_gives(loaded, famil
         alone_ids, alone_mask = _batch(model, [prompt])
         alone = np.asarray(model.generate(alone_ids, alone_mask, max_new_tokens=NEW_TOKENS))[:, alone_ids.shape[1] :]
         np.testing.assert_array_equal(batch[row, : alone.shape[1]], alone[0], err_msg=f"row {row}: {prompt!r}")
+
+
+def test_a_missing_mask_is_inferred_from_the_pad_token_like_transformers(loaded):
+    model = loaded("llama")
+    ids, mask = _batch(model)
+    assert (mask == 0).any() and model.tokenizer.pad_token_id not in np.atleast_1d(model.generation_config.eos_token_id)
+    with torch.no_grad():
+        expected = _torch_model(model).generate(torch.as_tensor(ids).long(), max_new_tokens=NEW_TOKENS).numpy()
+    actual = np.asarray(model.generate(ids, max_new_tokens=NEW_TOKENS))
+    np.testing.assert_array_equal(actual, expected)
+    np.testing.assert_array_equal(actual, np.asarray(model.generate(ids, mask, max_new_tokens=NEW_TOKENS)))
+
+
+@pytest.mark.parametrize("with_mask", [True, False])
+def test_right_padded_prompts_warn_like_transformers(loaded, with_mask):
+    model = loaded("llama")
+    model.tokenizer.padding_side = "right"
+    encoded = model.tokenizer(PROMPTS[:2], padding=True, return_tensors="np")
+    mask = encoded["attention_mask"] if with_mask else None
+    with pytest.warns(UserWarning, match="right-padding was detected"):
+        model.generate(encoded["input_ids"], mask, max_new_tokens=2)
+    ids, mask = _batch(model, PROMPTS[:2])
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        model.generate(ids, mask if with_mask else None, max_new_tokens=2)
 
 
 def test_eos_stops_rows_and_pads_them_like_transformers(loaded):

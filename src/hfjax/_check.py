@@ -70,12 +70,24 @@ def _inputs(config, task: str, *, batch: int, seq_len: int, seed: int) -> dict[s
     vocab = int(getattr(config, "vocab_size", None) or config.get_text_config().vocab_size)
     low = min(4, vocab - 1)
     ids = rng.integers(low, vocab, size=(batch, seq_len), dtype=np.int64)
+    eos = _eos_id(config)
+    if task == "text-classification" and eos is not None and 0 <= eos < vocab:
+        ids[:, -1] = eos  # BART / T5-style heads pool each row's last EOS, and refuse rows without one
     inputs = {"input_ids": ids, "attention_mask": np.ones((batch, seq_len), dtype=np.int64)}
     if task == "text2text-generation":
         inputs["decoder_input_ids"] = rng.integers(low, vocab, size=(batch, max(2, seq_len // 2)), dtype=np.int64)
     if task in ("text-generation", "text2text-generation"):
         inputs["use_cache"] = False
     return inputs
+
+
+def _eos_id(config) -> int | None:
+    eos = getattr(config, "eos_token_id", None)
+    if eos is None:
+        eos = getattr(config.get_text_config(), "eos_token_id", None)
+    if isinstance(eos, (list, tuple)):
+        eos = eos[0] if eos else None
+    return eos if isinstance(eos, int) else None
 
 
 def _outputs_of(out, task: str) -> dict[str, np.ndarray]:

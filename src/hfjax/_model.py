@@ -257,6 +257,11 @@ class Model:
             pad_token_id=pad_token_id,
             **settings,
         )
+        if not getattr(self.config, "is_encoder_decoder", False):
+            _planning.warn_if_right_padded(ids, None if attention_mask is None else mask, resolved)
+        if attention_mask is None:
+            inferred = _planning.infer_mask(ids, resolved)
+            mask = mask if inferred is None else _planning.prompt_arrays(ids, inferred)[1]
         self._check_context(mask, resolved.max_new_tokens)
         if self._generator is None:
             self._generator = _engine.Generator(self)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import warnings
 
 import numpy as np
 
@@ -114,6 +115,29 @@ def windows(offset: int, total: int) -> tuple[int, ...]:
     """
     parts = {round_up(total // share, CACHE_MULTIPLE) for share in (4, 2)}
     return (*sorted(window for window in parts if offset < window < total), total)
+
+
+def infer_mask(ids: np.ndarray, settings) -> np.ndarray | None:
+    """The attention mask [B, S] transformers infers when generate gets none: `ids != pad` where a
+    pad token was set, appears in the prompts and is not an EOS token; else None (all ones)."""
+    pad = settings.pad_token_id
+    if not settings.pad_token_given or pad in settings.eos_token_ids or not (ids == pad).any():
+        return None
+    return (ids != pad).astype(np.int32)
+
+
+def warn_if_right_padded(ids: np.ndarray, attention_mask, settings) -> None:
+    """transformers' warning for decoder-only prompts padded on the right (checked before a mask is
+    inferred: on the given mask's last column, else on the last token being the pad token)."""
+    if ids.shape[0] < 2 or not (settings.pad_token_given or settings.eos_token_ids):
+        return
+    last = np.asarray(attention_mask)[:, -1] == 0 if attention_mask is not None else ids[:, -1] == settings.pad_token_id
+    if last.any():
+        warnings.warn(
+            "A decoder-only architecture is being used, but right-padding was detected! For correct generation "
+            "results, please set `padding_side='left'` when initializing the tokenizer.",
+            stacklevel=3,
+        )
 
 
 def prompt_arrays(input_ids, attention_mask) -> tuple[np.ndarray, np.ndarray]:

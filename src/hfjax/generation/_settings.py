@@ -35,6 +35,9 @@ class GenerationSettings:
     min_new_tokens: int = 0
     eos_token_ids: tuple[int, ...] = ()
     pad_token_id: int = 0
+    # pad_token_id was set (by an argument or a config), not taken from eos or the fallback 0; a
+    # mask is then inferred from it (transformers' rule). Not part of any program.
+    pad_token_given: bool = dataclasses.field(default=False, compare=False)
     decoder_start_token_id: int | None = None  # encoder-decoders: the decoder's first token
     forced_bos_token_id: int | None = None  # the first new token (BART-style checkpoints)
     forced_eos_token_ids: tuple[int, ...] = ()  # forced as the last token of the budget
@@ -265,6 +268,7 @@ def resolve(
         min_new_tokens=max(count("min_new_tokens", least=0), count("min_length", least=0) - decoder_length),
         eos_token_ids=eos,
         pad_token_id=int(pad),
+        pad_token_given=values.get("pad_token_id") is not None,
         decoder_start_token_id=None if decoder_start is None else int(decoder_start),
         forced_bos_token_id=forced_bos,
         forced_eos_token_ids=forced_eos,

@@ -233,6 +233,14 @@ _GENERIC_SIZES: dict[str, int] = {
 }
 
 
+# Generic model types whose default config ties a field to the full model's sizes; set on top of
+# the generic shrink, so that PyTorch can run the tiny model ("pytorch-fails" in docs/coverage.md).
+_GENERIC_FIXES: dict[str, dict[str, Any]] = {
+    "gpt_neo": {"attention_types": [[["global", "local"], 1]]},  # one (global, local) pair per 2 layers
+    "codegen": {"rotary_dim": _HEAD_DIM},  # rotary over the whole 16-wide head, not 64
+}
+
+
 def _generic_overrides(defaults: Mapping[str, Any]) -> dict[str, Any]:
     # `defaults` is a config's to_dict(); nested configs (text_config, vision_config, ...)
     # are shrunk the same way and passed back as dicts carrying their model_type.
@@ -266,7 +274,7 @@ def _generic_family(model_type: str) -> Family | None:
     if kind is None or model_type not in transformers.CONFIG_MAPPING:
         return None
     defaults = transformers.CONFIG_MAPPING[model_type]().to_dict()
-    return Family(kind, _generic_overrides(defaults), curated=False)
+    return Family(kind, {**_generic_overrides(defaults), **_GENERIC_FIXES.get(model_type, {})}, curated=False)
 
 
 def family_spec(family: str) -> Family:
