@@ -233,10 +233,68 @@ _GENERIC_SIZES: dict[str, int] = {
 }
 
 
+# Vision and speech configs: 64x64 images, widths of hierarchical nets (lists, or a base
+# embed_dim that later stages double) divided by 8, which keeps each stage's heads dividing it;
+# a conv feature encoder of 32 channels per layer, strides and kernels kept.
+_IMAGE_SIZE, _WIDTH_DIVISOR, _MAX_DEPTH, _CONV_CHANNELS = 64, 8, 2, 32
+_VISION_KEYS = ("image_size", "num_channels", "patch_size")
+_SPEECH_KEYS = ("conv_dim", "num_mel_bins", "feature_projection_input_dim", "input_feat_per_channel")
+_WIDTH_LISTS = ("hidden_sizes", "embed_dim", "embed_dims", "neck_hidden_sizes", "hidden_dims")
+_SPEECH_SIZES: dict[str, int] = {"num_conv_pos_embeddings": 16, "max_source_positions": 32, "conv_channels": 32}
+# Field name suffixes sized like the plain names above (seamless_m4t's speech_encoder_layers, ...).
+_SUFFIX_SIZES: dict[str, int] = {"_layers": _LAYERS, "_attention_heads": _HEADS, "_ffn_dim": _INTERMEDIATE}
+
+
+def _narrower(width: Any) -> Any:
+    if isinstance(width, list):
+        return [_narrower(w) for w in width]
+    if isinstance(width, int) and width >= 8 * _WIDTH_DIVISOR and width % _WIDTH_DIVISOR == 0:
+        return width // _WIDTH_DIVISOR
+    return width
+
+
+def _media_overrides(defaults: Mapping[str, Any]) -> dict[str, Any]:
+    overrides: dict[str, Any] = {}
+    for key, value in defaults.items():
+        if not isinstance(value, int) or isinstance(value, bool) or value <= 2:
+            continue
+        for suffix, size in _SUFFIX_SIZES.items():
+            # num_feat_extract_layers is len(conv_dim), not a depth to shrink
+            if key.endswith(suffix) and key not in _GENERIC_SIZES and "feat_extract" not in key:
+                overrides[key] = min(value, size)
+    if any(key in defaults for key in _VISION_KEYS):
+        size = defaults.get("image_size")
+        if isinstance(size, int):
+            overrides["image_size"] = _IMAGE_SIZE
+        elif isinstance(size, list | tuple):
+            overrides["image_size"] = [_IMAGE_SIZE] * len(size)
+        patch = defaults.get("patch_size")
+        if isinstance(patch, int) and _IMAGE_SIZE % patch:
+            overrides["patch_size"] = 8
+        for key in _WIDTH_LISTS:
+            if key in defaults:
+                overrides[key] = _narrower(defaults[key])
+        if isinstance(defaults.get("depths"), list):
+            overrides["depths"] = [min(depth, _MAX_DEPTH) for depth in defaults["depths"]]
+    if any(key in defaults for key in _SPEECH_KEYS):
+        overrides.update({key: value for key, value in _SPEECH_SIZES.items() if key in defaults})
+        if isinstance(defaults.get("conv_dim"), list | tuple):
+            overrides["conv_dim"] = [_CONV_CHANNELS] * len(defaults["conv_dim"])
+    return overrides
+
+
 def _generic_overrides(defaults: Mapping[str, Any]) -> dict[str, Any]:
     # `defaults` is a config's to_dict(); nested configs (text_config, vision_config, ...)
     # are shrunk the same way and passed back as dicts carrying their model_type.
-    overrides: dict[str, Any] = {key: value for key, value in _GENERIC_SIZES.items() if key in defaults}
+    media = any(key in defaults for key in _VISION_KEYS + _SPEECH_KEYS)
+    # Hierarchical vision nets keep their per-stage lists (swin's num_heads): _media_overrides sizes them.
+    overrides: dict[str, Any] = {
+        key: value
+        for key, value in _GENERIC_SIZES.items()
+        if key in defaults and not (media and isinstance(defaults[key], list))
+    }
+    if media:
+        overrides.update(_media_overrides(defaults))
     heads, kv_heads = defaults.get("num_attention_heads"), defaults.get("num_key_value_heads")
     if kv_heads is not None:
         # Keep multi-head attention where the default is MHA; otherwise 2 groups of 2.
