@@ -54,7 +54,7 @@ def _worker(model_type: str, task: str) -> dict:
     torch.set_num_threads(1)
     import transformers
 
-    from hfjax import _check, _tasks, testing
+    from hfjax import HfjaxError, _check, _tasks, testing
 
     result = {"model_type": model_type, "task": task, "status": "fail", "eager": None, "jit": None, "reason": ""}
     with tempfile.TemporaryDirectory(prefix=f"sweep-{model_type}-") as directory:
@@ -62,13 +62,21 @@ def _worker(model_type: str, task: str) -> dict:
             path = testing.save_tiny_checkpoint(model_type, pathlib.Path(directory) / model_type, task=task)
             auto_class = _tasks.auto_class(task, transformers.AutoConfig.from_pretrained(path))
             model = auto_class.from_pretrained(path, dtype=torch.float32).eval()
+        except Exception as error:  # any failure before hfjax runs is PyTorch's or the factory's
+            result.update(status="pytorch-fails", reason=_exception_reason(error))
+            return result
+        try:
             arrays = _check._inputs(  # the inputs check() uses
                 model.config, task, batch=2, seq_len=8, seed=0, main_input_name=model.main_input_name
             )
+        except HfjaxError as error:  # hfjax.check cannot build this model's inputs
+            result["reason"] = _exception_reason(error)
+            return result
+        try:
             inputs = {k: torch.from_numpy(v) if hasattr(v, "dtype") else v for k, v in arrays.items()}
             with torch.no_grad():
                 model(**inputs)
-        except Exception as error:  # any failure before hfjax runs is PyTorch's or the factory's
+        except Exception as error:  # PyTorch cannot run the inputs check() gives
             result.update(status="pytorch-fails", reason=_exception_reason(error))
             return result
         del model

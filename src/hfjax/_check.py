@@ -15,7 +15,7 @@ import numpy as np
 import torch
 
 from . import _tasks, tolerances
-from ._errors import HfjaxError, UnsupportedOpError
+from ._errors import CheckError, HfjaxError, UnsupportedOpError
 from ._model import load
 
 
@@ -85,11 +85,15 @@ def _inputs(
     rng = np.random.default_rng(seed)
     if task == "zero-shot-image-classification":  # main_input_name is input_ids for most (CLIPModel)
         pixels = main_input_name if main_input_name.startswith("pixel_values") else "pixel_values"
-        inputs = {pixels: _pixels(_vision_config(config), batch, rng)}
-        return {**inputs, **_token_ids(config.get_text_config(), batch, seq_len, rng)}
+        return {**_image(config, pixels, batch, rng), **_token_ids(config.get_text_config(), batch, seq_len, rng)}
     if task in _IMAGE_TASKS and main_input_name != "input_ids":  # not ImageGPT, whose pixels are token ids
-        return {main_input_name: _pixels(_vision_config(config), batch, rng)}
+        return _image(config, main_input_name, batch, rng)
     if task == "automatic-speech-recognition":
+        if main_input_name == "input_ids":
+            raise CheckError(
+                f"hfjax.check builds no inputs for {type(config).__name__}: an audio language model, whose "
+                "input_ids hold audio placeholder tokens laid out per family; compare it with its processor's outputs"
+            )
         inputs = {main_input_name: _audio(config, main_input_name, batch, rng)}
         if getattr(config, "is_encoder_decoder", False):
             text = config.get_text_config(decoder=True)
@@ -112,6 +116,13 @@ def _token_ids(config, batch: int, seq_len: int, rng: np.random.Generator) -> di
     return {"input_ids": ids, "attention_mask": np.ones((batch, seq_len), dtype=np.int64)}
 
 
+def _image(config, name: str, batch: int, rng: np.random.Generator) -> dict[str, np.ndarray]:
+    vision = _vision_config(config)
+    if getattr(vision, "num_patches", None) and not getattr(vision, "image_size", None):
+        return _patches(vision, batch, rng)
+    return {name: _pixels(vision, batch, rng, video=name.startswith("pixel_values"))}
+
+
 def _vision_config(config):
     for name in ("vision_config", "backbone_config"):
         sub = getattr(config, name, None)
@@ -120,23 +131,38 @@ def _vision_config(config):
     return config
 
 
-def _pixels(config, batch: int, rng: np.random.Generator) -> np.ndarray:
-    # [B, C, H, W] float32; video models (a num_frames field): [B, T, C, H, W].
+def _pixels(config, batch: int, rng: np.random.Generator, *, video: bool) -> np.ndarray:
+    # [B, C, H, W] float32; with `video`, for models with a num_frames field: [B, T, C, H, W].
     size = getattr(config, "image_size", None) or _IMAGE_SIZE
     height, width = (size, size) if isinstance(size, int) else tuple(size)[-2:]
     shape = (getattr(config, "num_channels", None) or 3, height, width)
     frames = getattr(config, "num_frames", None)
-    shape = (batch, frames, *shape) if isinstance(frames, int) else (batch, *shape)
+    shape = (batch, frames, *shape) if video and isinstance(frames, int) else (batch, *shape)
     return rng.standard_normal(shape, dtype=np.float32)
 
 
+def _patches(config, batch: int, rng: np.random.Generator) -> dict[str, np.ndarray]:
+    # Variable-resolution (NaFlex) vision towers take an image as flattened patches of a grid:
+    # pixel_values [B, P, C * p * p], pixel_attention_mask [B, P], spatial_shapes [B, 2] (rows, columns).
+    side = _IMAGE_SIZE // config.patch_size
+    patch = (getattr(config, "num_channels", None) or 3) * config.patch_size**2
+    return {
+        "pixel_values": rng.standard_normal((batch, side * side, patch), dtype=np.float32),
+        "pixel_attention_mask": np.ones((batch, side * side), dtype=np.int64),
+        "spatial_shapes": np.full((batch, 2), side, dtype=np.int64),
+    }
+
+
 def _audio(config, main_input_name: str, batch: int, rng: np.random.Generator) -> np.ndarray:
-    """input_values: raw audio [B, samples]; input_features: log-mel frames, [B, mels, frames] for
-    Whisper-style encoders (a num_mel_bins and a max_source_positions: frames = 2 * positions),
-    else [B, frames, features]."""
-    if main_input_name == "input_values":
-        return rng.standard_normal((batch, _samples_for(config, _AUDIO_FRAMES)), dtype=np.float32)
-    encoder = getattr(config, "encoder_config", None) or getattr(config, "audio_config", None) or config
+    """input_values (or a speech encoder-decoder's inputs, before a conv feature encoder): raw audio
+    [B, samples]; input_features: log-mel frames, [B, mels, frames] for Whisper-style encoders (a
+    num_mel_bins and a max_source_positions: frames = 2 * positions), else [B, frames, features]."""
+    encoder = next(
+        (sub for name in ("encoder_config", "audio_config", "encoder") if (sub := getattr(config, name, None))),
+        config,
+    )
+    if main_input_name == "input_values" or (main_input_name == "inputs" and hasattr(encoder, "conv_kernel")):
+        return rng.standard_normal((batch, _samples_for(encoder, _AUDIO_FRAMES)), dtype=np.float32)
     mels, positions = getattr(encoder, "num_mel_bins", None), getattr(encoder, "max_source_positions", None)
     if mels and positions and not hasattr(encoder, "feature_projection_input_dim"):
         return rng.standard_normal((batch, mels, 2 * positions), dtype=np.float32)
@@ -213,7 +239,10 @@ def check(
     config = model.config
     atol = tolerances.for_family(config.model_type).atol
     main_input_name = type(model.module).main_input_name
-    inputs = _inputs(config, task, batch=batch, seq_len=seq_len, seed=seed, main_input_name=main_input_name)
+    try:
+        inputs = _inputs(config, task, batch=batch, seq_len=seq_len, seed=seed, main_input_name=main_input_name)
+    except CheckError as error:
+        return CheckReport(str(path), config.model_type, task, (), None, None, error=str(error))
     torch_inputs = {k: torch.from_numpy(v) if isinstance(v, np.ndarray) else v for k, v in inputs.items()}
 
     reference_model = _tasks.auto_class(task, config).from_pretrained(path, dtype=torch.float32).eval()
