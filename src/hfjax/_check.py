@@ -222,6 +222,15 @@ def check(
 ) -> CheckReport:
     """Runs one checkpoint in PyTorch and in hfjax (eager and jit) and compares outputs.
 
+    Inputs are random, built from the config for the task: token ids [batch, seq_len] for text;
+    pixel values [batch, C, H, W] at the config's image size for image tasks (with token ids for
+    zero-shot-image-classification); raw audio [batch, samples] or log-mel features for
+    automatic-speech-recognition, with decoder token ids for sequence-to-sequence models. Compared:
+    `logits`; `last_hidden_state` for (image-)feature-extraction; `logits_per_image` for
+    zero-shot-image-classification. Inputs with image or audio tokens in input_ids are laid out per
+    family: image-text-to-text models get token ids only (a text forward), and the report of an audio
+    language model (automatic-speech-recognition with input_ids as main input) has an error.
+
     Returns:
       A `CheckReport`; `.passed` is True when every output is within
       `hfjax.tolerances.for_family(model_type)`.
