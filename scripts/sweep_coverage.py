@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import collections.abc
 import concurrent.futures
 import datetime
 import json
@@ -51,19 +52,31 @@ def _worker(model_type: str, task: str) -> dict:
     import torch
 
     torch.set_num_threads(1)
-    from hfjax import _check, _tasks, testing
+    import transformers
+
+    from hfjax import HfjaxError, _check, _tasks, testing
 
     result = {"model_type": model_type, "task": task, "status": "fail", "eager": None, "jit": None, "reason": ""}
     with tempfile.TemporaryDirectory(prefix=f"sweep-{model_type}-") as directory:
         try:
             path = testing.save_tiny_checkpoint(model_type, pathlib.Path(directory) / model_type, task=task)
-            auto_class = _tasks.auto_class(task)
+            auto_class = _tasks.auto_class(task, transformers.AutoConfig.from_pretrained(path))
             model = auto_class.from_pretrained(path, dtype=torch.float32).eval()
-            arrays = _check._inputs(model.config, task, batch=2, seq_len=8, seed=0)  # the inputs check() uses
+        except Exception as error:  # any failure before hfjax runs is PyTorch's or the factory's
+            result.update(status="pytorch-fails", reason=_exception_reason(error))
+            return result
+        try:
+            arrays = _check._inputs(  # the inputs check() uses
+                model.config, task, batch=2, seq_len=8, seed=0, main_input_name=model.main_input_name
+            )
+        except HfjaxError as error:  # hfjax.check cannot build this model's inputs
+            result["reason"] = _exception_reason(error)
+            return result
+        try:
             inputs = {k: torch.from_numpy(v) if hasattr(v, "dtype") else v for k, v in arrays.items()}
             with torch.no_grad():
                 model(**inputs)
-        except Exception as error:  # any failure before hfjax runs is PyTorch's or the factory's
+        except Exception as error:  # PyTorch cannot run the inputs check() gives
             result.update(status="pytorch-fails", reason=_exception_reason(error))
             return result
         del model
@@ -97,18 +110,26 @@ def _worker(model_type: str, task: str) -> dict:
 # ----------------------------------------------------------------------------- parent
 
 
-def _jobs_to_run(only: set[str] | None, tasks: list[str]) -> list[tuple[str, str, str]]:
+def _jobs_to_run(
+    only: set[str] | None, tasks: list[str], mappings: dict[str, str | tuple[str, ...]] = _TASK_MAPPINGS
+) -> list[tuple[str, str, str]]:
+    # (model_type, task, class name) for each model_type in the task's auto mappings (the first holding it).
     from transformers.models.auto import modeling_auto
 
     jobs = []
     for task in tasks:
-        for model_type, arch in getattr(modeling_auto, _TASK_MAPPINGS[task]).items():
-            if only is None or model_type in only:
-                jobs.append((model_type, task, arch if isinstance(arch, str) else arch[0]))
+        names = (mappings[task],) if isinstance(mappings[task], str) else mappings[task]
+        seen = set()
+        for name in names:
+            for model_type, arch in getattr(modeling_auto, name).items():
+                if (only is None or model_type in only) and model_type not in seen:
+                    seen.add(model_type)
+                    jobs.append((model_type, task, arch if isinstance(arch, str) else arch[0]))
     return jobs
 
 
-def _run_worker(model_type: str, task: str, timeout: float) -> dict:
+def _run_worker(model_type: str, task: str, timeout: float, script: str = __file__) -> dict:
+    # `script --worker MODEL_TYPE --task TASK` in a subprocess; its last JSON line is the result.
     env = {
         **os.environ,
         "OMP_WAIT_POLICY": "PASSIVE",
@@ -117,7 +138,7 @@ def _run_worker(model_type: str, task: str, timeout: float) -> dict:
         "TOKENIZERS_PARALLELISM": "false",
         "TRANSFORMERS_VERBOSITY": "error",
     }
-    command = [sys.executable, __file__, "--worker", model_type, "--task", task]
+    command = [sys.executable, script, "--worker", model_type, "--task", task]
     start = time.perf_counter()
     try:
         done = subprocess.run(command, capture_output=True, text=True, timeout=timeout, env=env, cwd=_ROOT)
@@ -147,6 +168,33 @@ def _run_worker(model_type: str, task: str, timeout: float) -> dict:
         }
     result["seconds"] = round(time.perf_counter() - start, 1)
     return result
+
+
+def sweep(
+    jobs: list[tuple[str, str, str]],
+    *,
+    workers: int,
+    timeout: float,
+    jsonl: pathlib.Path | None,
+    script: str = __file__,
+) -> collections.abc.Iterator[dict]:
+    """Runs one worker subprocess of `script` per (model_type, task, class name); yields each result as it
+    finishes, after printing a progress line and appending it to `jsonl`."""
+    print(f"sweeping {len(jobs)} checks with {workers} workers", file=sys.stderr, flush=True)
+    with concurrent.futures.ThreadPoolExecutor(workers) as pool:
+        futures = {pool.submit(_run_worker, model_type, task, timeout, script): arch for model_type, task, arch in jobs}
+        for done, future in enumerate(concurrent.futures.as_completed(futures), 1):
+            result = {**future.result(), "arch": futures[future]}
+            print(
+                f"[{done}/{len(jobs)}] {result['model_type']} {result['task']}: {result['status']} "
+                f"({result['seconds']} s) {result['reason']}",
+                file=sys.stderr,
+                flush=True,
+            )
+            if jsonl:
+                with jsonl.open("a") as f:
+                    f.write(json.dumps(result) + "\n")
+            yield result
 
 
 def _cause(reason: str) -> str:
@@ -276,22 +324,9 @@ def main() -> None:
         return
     command = "python scripts/sweep_coverage.py " + " ".join(sys.argv[1:])
     results: list[dict] = []
-    print(f"sweeping {len(jobs)} checks with {args.jobs} workers", file=sys.stderr, flush=True)
-    with concurrent.futures.ThreadPoolExecutor(args.jobs) as pool:
-        futures = {pool.submit(_run_worker, model_type, task, args.timeout): arch for model_type, task, arch in jobs}
-        for future in concurrent.futures.as_completed(futures):
-            result = {**future.result(), "arch": futures[future]}
-            results.append(result)
-            print(
-                f"[{len(results)}/{len(jobs)}] {result['model_type']} {result['task']}: {result['status']} "
-                f"({result['seconds']} s) {result['reason']}",
-                file=sys.stderr,
-                flush=True,
-            )
-            if args.jsonl:
-                with args.jsonl.open("a") as f:
-                    f.write(json.dumps(result) + "\n")
-            _write_report(args.out, results, len(jobs), started, command.strip())
+    for result in sweep(jobs, workers=args.jobs, timeout=args.timeout, jsonl=args.jsonl):
+        results.append(result)
+        _write_report(args.out, results, len(jobs), started, command.strip())
     print(f"wrote {args.out}", file=sys.stderr)
 
 

@@ -17,3 +17,19 @@ def test_family_matches_pytorch(checkpoint, family):
     report = hfjax.check(checkpoint(family), batch=2, seq_len=8, repeats=1, eager=eager)
     assert {r.path for r in report.rows} == ({"eager", "jit"} if eager else {"jit"}), report.table()
     assert report.passed, report.table()
+
+
+@pytest.mark.parametrize(
+    ("family", "task", "output"),
+    [
+        ("vit", "image-classification", "logits"),
+        ("vit", "image-feature-extraction", "last_hidden_state"),
+        ("clip", "zero-shot-image-classification", "logits_per_image"),
+        ("wav2vec2", "automatic-speech-recognition", "logits"),
+    ],
+)
+def test_media_family_matches_pytorch(checkpoint, family, task, output):
+    # hfjax.check builds pixel_values, token ids or raw audio from the config and the model's main_input_name.
+    report = hfjax.check(checkpoint(family, task=task), task=task, batch=2, seq_len=8, repeats=1, eager=False)
+    assert [(r.output, r.path) for r in report.rows] == [(output, "jit")], report.table()
+    assert report.passed, report.table()

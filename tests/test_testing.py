@@ -11,6 +11,7 @@ import safetensors.torch
 import torch
 import transformers
 
+from hfjax import HfjaxError, _check
 from hfjax.testing import FAMILIES, _families, save_tiny_checkpoint, tiny_config, tiny_tokenizer
 
 PROMPT = "The capital of France is"
@@ -288,3 +289,39 @@ def test_docstring_examples_run(module, tmp_path, monkeypatch):
     result = doctest.testmod(importlib.import_module(f"hfjax.testing.{module}"), optionflags=doctest.ELLIPSIS)
     assert result.attempted > 0
     assert result.failed == 0
+
+
+def test_generic_vision_checkpoint_runs_in_pytorch_on_check_inputs(tmp_path):
+    # Swin: per-stage head lists, a base embed_dim and a window that must fit the last stage.
+    path = save_tiny_checkpoint("swin", tmp_path, task="image-classification")
+    model = transformers.AutoModelForImageClassification.from_pretrained(path).eval()
+    assert (model.config.image_size, model.config.embed_dim, model.config.window_size) == (64, 12, 2)
+    inputs = _check._inputs(
+        model.config, "image-classification", batch=2, seq_len=8, seed=0, main_input_name="pixel_values"
+    )
+    assert inputs["pixel_values"].shape == (2, 3, 64, 64)
+    with torch.no_grad():
+        assert model(pixel_values=torch.from_numpy(inputs["pixel_values"])).logits.shape == (2, 3)
+    assert sum(p.numel() for p in model.parameters()) < 500_000
+
+
+@pytest.mark.parametrize(
+    ("model_type", "name", "shape"),
+    [
+        ("whisper", "input_features", (2, 80, 64)),  # [B, mels, 2 * max_source_positions]
+        ("speech_to_text", "input_features", (2, 32, 80)),  # [B, frames, input_feat_per_channel]
+        ("wav2vec2", "input_values", (2, 5200)),  # 16 frames of a 400-sample window, hop 320
+    ],
+)
+def test_check_builds_speech_inputs_from_the_config(model_type, name, shape):
+    overrides = _families._generic_overrides(transformers.CONFIG_MAPPING[model_type]().to_dict())
+    config = transformers.AutoConfig.for_model(model_type, **overrides)
+    inputs = _check._inputs(config, "automatic-speech-recognition", batch=2, seq_len=8, seed=0, main_input_name=name)
+    assert inputs[name].shape == shape
+    assert ("decoder_input_ids" in inputs) == config.is_encoder_decoder
+
+
+def test_check_refuses_audio_language_models_by_name():
+    config = transformers.CONFIG_MAPPING["voxtral"]()
+    with pytest.raises(HfjaxError, match=r"builds no inputs for VoxtralConfig: an audio language model"):
+        _check._inputs(config, "automatic-speech-recognition", batch=2, seq_len=8, seed=0, main_input_name="input_ids")

@@ -15,7 +15,7 @@ import numpy as np
 import torch
 
 from . import _tasks, tolerances
-from ._errors import HfjaxError, UnsupportedOpError
+from ._errors import CheckError, HfjaxError, UnsupportedOpError
 from ._model import load
 
 
@@ -65,20 +65,54 @@ class CheckReport:
         return "\n".join(lines)
 
 
-def _inputs(config, task: str, *, batch: int, seq_len: int, seed: int) -> dict[str, np.ndarray]:
+# Media inputs: images are [B, C, H, W] noise at the config's image size (this when it has none,
+# as convolutional nets do); audio is long enough for this many frames after a conv feature encoder.
+_IMAGE_SIZE, _AUDIO_FRAMES = 64, 16
+_IMAGE_TASKS = ("image-classification", "image-feature-extraction", "zero-shot-image-classification")
+# The output compared per task: the first of these names the output has.
+_COMPARED: dict[str, tuple[str, ...]] = {
+    "feature-extraction": ("last_hidden_state",),
+    "image-feature-extraction": ("last_hidden_state", "pooler_output", "image_embeds"),
+    "zero-shot-image-classification": ("logits_per_image",),
+}
+
+
+def _inputs(
+    config, task: str, *, batch: int, seq_len: int, seed: int, main_input_name: str = "input_ids"
+) -> dict[str, np.ndarray]:
+    """Random inputs for one forward of `task`: token ids, pixel values or audio, as the model's
+    `main_input_name` (its class attribute: "input_ids", "pixel_values", "input_values", ...) says."""
     rng = np.random.default_rng(seed)
-    vocab = int(getattr(config, "vocab_size", None) or config.get_text_config().vocab_size)
-    low = min(4, vocab - 1)
-    ids = rng.integers(low, vocab, size=(batch, seq_len), dtype=np.int64)
+    if task == "zero-shot-image-classification":  # main_input_name is input_ids for most (CLIPModel)
+        pixels = main_input_name if main_input_name.startswith("pixel_values") else "pixel_values"
+        return {**_image(config, pixels, batch, rng), **_token_ids(config.get_text_config(), batch, seq_len, rng)}
+    if task in _IMAGE_TASKS and main_input_name != "input_ids":  # not ImageGPT, whose pixels are token ids
+        return _image(config, main_input_name, batch, rng)
+    if task == "automatic-speech-recognition":
+        if main_input_name == "input_ids":
+            raise CheckError(
+                f"hfjax.check builds no inputs for {type(config).__name__}: an audio language model, whose "
+                "input_ids hold audio placeholder tokens laid out per family; compare it with its processor's outputs"
+            )
+        inputs = {main_input_name: _audio(config, main_input_name, batch, rng)}
+        if getattr(config, "is_encoder_decoder", False):
+            text = config.get_text_config(decoder=True)
+            ids = _token_ids(text, batch, max(2, seq_len // 2), rng)["input_ids"]
+            inputs.update(decoder_input_ids=ids, use_cache=False)
+        return inputs
+    inputs = _token_ids(config, batch, seq_len, rng)
     eos = _eos_id(config)
-    if task == "text-classification" and eos is not None and 0 <= eos < vocab:
-        ids[:, -1] = eos  # BART / T5-style heads pool each row's last EOS, and refuse rows without one
-    inputs = {"input_ids": ids, "attention_mask": np.ones((batch, seq_len), dtype=np.int64)}
+    if task == "text-classification" and eos is not None and 0 <= eos < _vocab_size(config):
+        inputs["input_ids"][:, -1] = eos  # BART / T5-style heads pool each row's last EOS, and refuse rows without one
     if task == "text2text-generation":
-        inputs["decoder_input_ids"] = rng.integers(low, vocab, size=(batch, max(2, seq_len // 2)), dtype=np.int64)
+        inputs["decoder_input_ids"] = _token_ids(config, batch, max(2, seq_len // 2), rng)["input_ids"]
     if task in ("text-generation", "text2text-generation"):
         inputs["use_cache"] = False
     return inputs
+
+
+def _vocab_size(config) -> int:
+    return int(getattr(config, "vocab_size", None) or config.get_text_config().vocab_size)
 
 
 def _eos_id(config) -> int | None:
@@ -90,8 +124,86 @@ def _eos_id(config) -> int | None:
     return eos if isinstance(eos, int) else None
 
 
+def _token_ids(config, batch: int, seq_len: int, rng: np.random.Generator) -> dict[str, np.ndarray]:
+    # input_ids, attention_mask: [B, S] int64; ids from 4 up, past the tiny tokenizer's special tokens.
+    vocab = _vocab_size(config)
+    low = min(4, vocab - 1)
+    ids = rng.integers(low, vocab, size=(batch, seq_len), dtype=np.int64)
+    return {"input_ids": ids, "attention_mask": np.ones((batch, seq_len), dtype=np.int64)}
+
+
+def _image(config, name: str, batch: int, rng: np.random.Generator) -> dict[str, np.ndarray]:
+    vision = _vision_config(config)
+    if getattr(vision, "num_patches", None) and not getattr(vision, "image_size", None):
+        return _patches(vision, batch, rng)
+    return {name: _pixels(vision, batch, rng, video=name.startswith("pixel_values"))}
+
+
+def _vision_config(config):
+    for name in ("vision_config", "backbone_config"):
+        sub = getattr(config, name, None)
+        if sub is not None and not hasattr(config, "image_size"):
+            return sub
+    return config
+
+
+def _pixels(config, batch: int, rng: np.random.Generator, *, video: bool) -> np.ndarray:
+    # [B, C, H, W] float32; with `video`, for models with a num_frames field: [B, T, C, H, W].
+    size = getattr(config, "image_size", None) or _IMAGE_SIZE
+    height, width = (size, size) if isinstance(size, int) else tuple(size)[-2:]
+    shape = (getattr(config, "num_channels", None) or 3, height, width)
+    frames = getattr(config, "num_frames", None)
+    shape = (batch, frames, *shape) if video and isinstance(frames, int) else (batch, *shape)
+    return rng.standard_normal(shape, dtype=np.float32)
+
+
+def _patches(config, batch: int, rng: np.random.Generator) -> dict[str, np.ndarray]:
+    # Variable-resolution (NaFlex) vision towers take an image as flattened patches of a grid:
+    # pixel_values [B, P, C * p * p], pixel_attention_mask [B, P], spatial_shapes [B, 2] (rows, columns).
+    side = _IMAGE_SIZE // config.patch_size
+    patch = (getattr(config, "num_channels", None) or 3) * config.patch_size**2
+    return {
+        "pixel_values": rng.standard_normal((batch, side * side, patch), dtype=np.float32),
+        "pixel_attention_mask": np.ones((batch, side * side), dtype=np.int64),
+        "spatial_shapes": np.full((batch, 2), side, dtype=np.int64),
+    }
+
+
+def _audio(config, main_input_name: str, batch: int, rng: np.random.Generator) -> np.ndarray:
+    """input_values (or a speech encoder-decoder's inputs, before a conv feature encoder): raw audio
+    [B, samples]; input_features: log-mel frames, [B, mels, frames] for Whisper-style encoders (a
+    num_mel_bins and a max_source_positions: frames = 2 * positions), else [B, frames, features]."""
+    encoder = next(
+        (sub for name in ("encoder_config", "audio_config", "encoder") if (sub := getattr(config, name, None))),
+        config,
+    )
+    if main_input_name == "input_values" or (main_input_name == "inputs" and hasattr(encoder, "conv_kernel")):
+        return rng.standard_normal((batch, _samples_for(encoder, _AUDIO_FRAMES)), dtype=np.float32)
+    mels, positions = getattr(encoder, "num_mel_bins", None), getattr(encoder, "max_source_positions", None)
+    if mels and positions and not hasattr(encoder, "feature_projection_input_dim"):
+        return rng.standard_normal((batch, mels, 2 * positions), dtype=np.float32)
+    if getattr(encoder, "input_feat_per_channel", None):
+        features = encoder.input_feat_per_channel * getattr(encoder, "input_channels", 1)
+    else:
+        features = getattr(encoder, "feature_projection_input_dim", None) or mels or 80
+    return rng.standard_normal((batch, 2 * _AUDIO_FRAMES, features), dtype=np.float32)
+
+
+def _samples_for(config, frames: int) -> int:
+    # Audio samples a strided conv feature encoder (wav2vec2's conv_kernel, conv_stride) turns into `frames`.
+    kernels, strides = getattr(config, "conv_kernel", None), getattr(config, "conv_stride", None)
+    if not kernels or not strides:
+        return 400 * frames
+    receptive, hop = 1, 1
+    for kernel, stride in zip(kernels, strides, strict=True):
+        receptive += (kernel - 1) * hop
+        hop *= stride
+    return receptive + hop * (frames - 1)
+
+
 def _outputs_of(out, task: str) -> dict[str, np.ndarray]:
-    name = "last_hidden_state" if task == "feature-extraction" else "logits"
+    names = _COMPARED.get(task, ("logits",))
+    name = next((n for n in names if getattr(out, n, None) is not None), names[0])
     value = getattr(out, name, None)
     if value is None:
         value = out[0]
@@ -126,6 +238,15 @@ def check(
 ) -> CheckReport:
     """Runs one checkpoint in PyTorch and in hfjax (eager and jit) and compares outputs.
 
+    Inputs are random, built from the config for the task: token ids [batch, seq_len] for text;
+    pixel values [batch, C, H, W] at the config's image size for image tasks (with token ids for
+    zero-shot-image-classification); raw audio [batch, samples] or log-mel features for
+    automatic-speech-recognition, with decoder token ids for sequence-to-sequence models. Compared:
+    `logits`; `last_hidden_state` for (image-)feature-extraction; `logits_per_image` for
+    zero-shot-image-classification. Inputs with image or audio tokens in input_ids are laid out per
+    family: image-text-to-text models get token ids only (a text forward), and the report of an audio
+    language model (automatic-speech-recognition with input_ids as main input) has an error.
+
     Returns:
       A `CheckReport`; `.passed` is True when every output is within
       `hfjax.tolerances.for_family(model_type)`.
@@ -142,7 +263,11 @@ def check(
     task = model.task
     config = model.config
     atol = tolerances.for_family(config.model_type).atol
-    inputs = _inputs(config, task, batch=batch, seq_len=seq_len, seed=seed)
+    main_input_name = type(model.module).main_input_name
+    try:
+        inputs = _inputs(config, task, batch=batch, seq_len=seq_len, seed=seed, main_input_name=main_input_name)
+    except CheckError as error:
+        return CheckReport(str(path), config.model_type, task, (), None, None, error=str(error))
     torch_inputs = {k: torch.from_numpy(v) if isinstance(v, np.ndarray) else v for k, v in inputs.items()}
 
     reference_model = _tasks.auto_class(task, config).from_pretrained(path, dtype=torch.float32).eval()

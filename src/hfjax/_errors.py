@@ -36,6 +36,10 @@ class UnsupportedOpError(HfjaxError, NotImplementedError):
         )
 
 
+class CheckError(HfjaxError, ValueError):
+    """`hfjax.check` cannot build inputs for a model: its forward needs inputs laid out per family."""
+
+
 class ShardingError(HfjaxError, ValueError):
     """A model cannot be split over the mesh as asked (heads do not divide, bad mesh)."""
 

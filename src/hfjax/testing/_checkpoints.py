@@ -131,6 +131,11 @@ def save_tiny_checkpoint(
             (AutoModelForSequenceClassification, labels 0 "negative", 1 "positive"),
             "feature-extraction" (AutoModel, default for encoders) or
             "text2text-generation" (AutoModelForSeq2SeqLM, default for t5 and bart).
+            A vision or speech task ("image-classification", "zero-shot-image-classification",
+            "image-feature-extraction", "automatic-speech-recognition") takes any model_type
+            with a model class for it: `MEDIA_FAMILIES` are hand-tuned, with their processors;
+            others are shrunk from their config class's defaults (64x64 images, 2 layers),
+            with `**config_overrides` applied last, and have no processor.
         seed: torch seed for the random weights.
         dtype: "float32", "bfloat16" or "float16", for the saved weights and config.
         max_shard_size: e.g. "200KB" to write sharded safetensors with
@@ -160,8 +165,12 @@ def save_tiny_checkpoint(
         5
     """
     # -- vision and speech families (hfjax.pipeline's tasks) --
-    if family in _media.MEDIA_FAMILIES:
+    if family in _media.MEDIA_FAMILIES and (task is None or task in _media.MEDIA_FAMILIES[family].tasks):
         return _media.save_media_checkpoint(family, pathlib.Path(path), task=task, seed=seed)
+    if task in _media.MEDIA_TASKS:
+        return _media.save_generic_media_checkpoint(
+            family, pathlib.Path(path), task=task, seed=seed, **config_overrides
+        )
     # -- vision-language families (image-text-to-text) --
     if task == "image-text-to-text":
         from ._vision_language import save_tiny_vision_language_checkpoint

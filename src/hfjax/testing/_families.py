@@ -230,6 +230,7 @@ _GENERIC_SIZES: dict[str, int] = {
     **dict.fromkeys(("num_experts", "num_local_experts", "n_routed_experts"), 4),
     "num_experts_per_tok": 2,
     "moe_intermediate_size": 64,
+    "encoder_hidden_size": _HIDDEN,  # cross-attention to an encoder shrunk as above (BLIP-2's Q-Former)
 }
 
 
@@ -241,16 +242,111 @@ _GENERIC_FIXES: dict[str, dict[str, Any]] = {
 }
 
 
+# Vision and speech configs: 64x64 images, widths of hierarchical nets (lists, or a base
+# embed_dim that later stages double) divided by 8, which keeps each stage's heads dividing it;
+# a conv feature encoder of 32 channels per layer, strides and kernels kept.
+_IMAGE_SIZE, _WIDTH_DIVISOR, _MAX_DEPTH, _CONV_CHANNELS = 64, 8, 2, 32
+_VISION_KEYS = ("image_size", "num_channels", "patch_size")
+_SPEECH_KEYS = ("conv_dim", "num_mel_bins", "feature_projection_input_dim", "input_feat_per_channel")
+_WIDTHS = (
+    "hidden_sizes",
+    "embed_dim",
+    "embed_dims",
+    "neck_hidden_sizes",
+    "hidden_dims",
+    "stem_out_channels",
+)
+# EfficientNet-style scaling: the B7 defaults multiply depths by 3.1 (and widths by 2, which its
+# hidden_dim is tied to, so widths stay).
+_VISION_SCALES = {"depth_coefficient": 1.0}
+_SPEECH_SIZES: dict[str, int] = {"num_conv_pos_embeddings": 16, "max_source_positions": 32, "conv_channels": 32}
+# Field name suffixes sized like the plain names above (seamless_m4t's speech_encoder_layers, ...).
+_SUFFIX_SIZES: dict[str, int] = {"_layers": _LAYERS, "_attention_heads": _HEADS, "_ffn_dim": _INTERMEDIATE}
+
+
+def _narrower(width: Any, heads: Any) -> Any:
+    # One divisor for a whole list of stage widths, the largest that keeps each stage's width a
+    # multiple of its attention heads (`heads`: one count, or one per stage).
+    widths = width if isinstance(width, list) else [width]
+    if not widths or not all(isinstance(w, int) and not isinstance(w, bool) for w in widths):
+        return width
+    if isinstance(heads, list) and heads and all(isinstance(h, int) for h in heads):
+        multiples = heads if len(heads) == len(widths) else [heads[0]] * len(widths)
+    else:
+        multiples = [heads if isinstance(heads, int) and heads > 0 else 1] * len(widths)
+    divisor = next(
+        d
+        for d in (_WIDTH_DIVISOR, 4, 2, 1)
+        if d == 1 or all(w % d == 0 and w // d >= 2 and (w // d) % m == 0 for w, m in zip(widths, multiples))
+    )
+    return [w // divisor for w in widths] if isinstance(width, list) else width // divisor
+
+
+def _media_overrides(defaults: Mapping[str, Any]) -> dict[str, Any]:
+    overrides: dict[str, Any] = {}
+    for key, value in defaults.items():
+        if not isinstance(value, int) or isinstance(value, bool) or value <= 2:
+            continue
+        for suffix, size in _SUFFIX_SIZES.items():
+            # num_feat_extract_layers is len(conv_dim), not a depth to shrink
+            if key.endswith(suffix) and key not in _GENERIC_SIZES and "feat_extract" not in key:
+                overrides[key] = min(value, size)
+    if any(key in defaults for key in _VISION_KEYS):
+        size = defaults.get("image_size")
+        if isinstance(size, int):
+            overrides["image_size"] = _IMAGE_SIZE
+        elif isinstance(size, list | tuple):
+            overrides["image_size"] = [_IMAGE_SIZE] * len(size)
+        patch = defaults.get("patch_size")
+        if isinstance(patch, int) and _IMAGE_SIZE % patch:
+            overrides["patch_size"] = 8
+        heads = next((defaults[k] for k in ("num_heads", "num_attention_heads") if k in defaults), 1)
+        heads = overrides.get("num_attention_heads", heads) if isinstance(heads, int) else heads
+        for key in _WIDTHS:
+            if key in defaults:
+                overrides[key] = _narrower(defaults[key], heads)
+        if isinstance(defaults.get("window_size"), int) and "depths" in defaults:
+            # Swin's last stage, 2x2 patches of a 64x64 image, must hold a whole window.
+            overrides["window_size"] = 2
+        if isinstance(defaults.get("num_groups"), int):  # GroupNorm groups must divide the narrowed widths
+            overrides["num_groups"] = min(defaults["num_groups"], 8)
+        for key in ("depths", "num_block_repeats"):
+            if isinstance(defaults.get(key), list):
+                overrides[key] = [min(depth, _MAX_DEPTH) for depth in defaults[key]]
+        overrides.update({key: value for key, value in _VISION_SCALES.items() if key in defaults})
+    if any(key in defaults for key in _SPEECH_KEYS):
+        overrides.update({key: value for key, value in _SPEECH_SIZES.items() if key in defaults})
+        if isinstance(defaults.get("conv_dim"), list | tuple):
+            overrides["conv_dim"] = [_CONV_CHANNELS] * len(defaults["conv_dim"])
+    return overrides
+
+
 def _generic_overrides(defaults: Mapping[str, Any]) -> dict[str, Any]:
     # `defaults` is a config's to_dict(); nested configs (text_config, vision_config, ...)
     # are shrunk the same way and passed back as dicts carrying their model_type.
-    overrides: dict[str, Any] = {key: value for key, value in _GENERIC_SIZES.items() if key in defaults}
+    media = any(key in defaults for key in _VISION_KEYS + _SPEECH_KEYS)
+    # Hierarchical vision nets keep their per-stage lists (swin's num_heads): _media_overrides sizes them.
+    overrides: dict[str, Any] = {
+        key: value
+        for key, value in _GENERIC_SIZES.items()
+        if key in defaults and not (media and isinstance(defaults[key], list))
+    }
+    if media:
+        overrides.update(_media_overrides(defaults))
+    backbone = defaults.get("backbone_config")
+    if isinstance(backbone, dict) and backbone.get("model_type") == "timm_backbone":
+        # DETR's timm resnet50 as transformers' ResNet: the timm package is an optional extra.
+        resnet = transformers.CONFIG_MAPPING["resnet"]().to_dict()
+        stages = [f"stage{i}" for i in backbone.get("out_indices") or (1, 2, 3, 4)]
+        overrides["backbone_config"] = {"model_type": "resnet", **_generic_overrides(resnet), "out_features": stages}
+        overrides.update({k: False for k in ("use_timm_backbone", "use_pretrained_backbone") if k in defaults})
+        overrides.update({"backbone": None} if "backbone" in defaults else {})
     heads, kv_heads = defaults.get("num_attention_heads"), defaults.get("num_key_value_heads")
     if kv_heads is not None:
         # Keep multi-head attention where the default is MHA; otherwise 2 groups of 2.
         overrides["num_key_value_heads"] = _HEADS if kv_heads == heads else _KV_HEADS
     for key, value in defaults.items():
-        if isinstance(value, dict) and "model_type" in value:
+        if isinstance(value, dict) and "model_type" in value and key not in overrides:
             overrides[key] = {"model_type": value["model_type"], **_generic_overrides(value)}
     if "text_config" in overrides:
         overrides["text_config"].update(_TOKEN_IDS)
@@ -298,8 +394,12 @@ def family_spec(family: str) -> Family:
 
 
 def auto_class_name(auto_class: type, config: transformers.PretrainedConfig) -> str | None:
+    # The first class where the table holds several (DeiT's classifier and its distilled twin).
     mapping = auto_class._model_mapping
-    return mapping[type(config)].__name__ if type(config) in mapping else None
+    if type(config) not in mapping:
+        return None
+    classes = mapping[type(config)]
+    return (classes[0] if isinstance(classes, list | tuple) else classes).__name__
 
 
 def tiny_config(family: str, **overrides: Any) -> transformers.PretrainedConfig:
