@@ -119,6 +119,25 @@ def test_batches_pad_to_buckets(checkpoint):
     assert_same(four[:3], three)
 
 
+@pytest.mark.parametrize("task", ["text-classification", "feature-extraction"])
+def test_texts_of_new_lengths_pad_to_buckets(checkpoint, task):
+    """Texts of three lengths, one at a time, share one program (padded to 16 tokens the
+    tokenizer's way) and give transformers' outputs, per-token features cut back to each text."""
+    path = checkpoint("bert", task)
+    ours = hfjax.pipeline(task, model=str(path))
+    reference = transformers.pipeline(task, model=str(path), device="cpu")
+    texts = ["a cat", "The river ran", "The river ran past"]
+    lengths = {len(ours.tokenizer(text)["input_ids"]) for text in texts}
+    assert len(lengths) == 3 and max(lengths) <= 16, lengths
+    got, expected = ours(texts), reference(texts)
+    if task == "feature-extraction":
+        for g, e in zip(got, expected):
+            np.testing.assert_allclose(np.asarray(g), np.asarray(e), atol=tolerances.DEFAULT.atol, rtol=0)
+    else:
+        assert_same(got, expected)
+    assert ours.model._model.compiled.compile_count == 1
+
+
 def test_task_the_checkpoint_cannot_do(checkpoint):
     with pytest.raises(
         hfjax.PipelineError, match=r"task='image-classification' cannot run.*it can do: .*text-classification"

@@ -73,11 +73,36 @@ class JaxBackedModel:
                 f"{type(self._model.module).__name__} on JAX takes keyword inputs only; got {len(args)} positional"
             )
         arrays = {name: value for name, value in inputs.items() if value is not None}
+        padding = self._token_padding(arrays)
+        if padding is not None:
+            tokens = arrays["input_ids"].shape[1]
+            arrays = _pad_tokens(arrays, *padding)
         rows = _common_rows(arrays)
         padded = bucket(rows, smallest=1) if rows else None
         call = {name: _to_jax(value, padded) for name, value in arrays.items()}
         out = self._model(**call)
+        if padding is not None and self._model.task == "feature-extraction":
+            out = _cut_tokens(out, tokens, padding[1])
         return _to_torch(out, rows, padded)
+
+    def _token_padding(self, arrays: dict) -> tuple[int, str, int] | None:
+        """(length, side, pad token id): a text encoder's batch padded to a power of two of tokens (at
+        least 16, at most the model's positions), so that texts of new lengths reuse few programs; None
+        to keep the batch as it is.
+
+        The padding is the tokenizer's own, which transformers' pipeline uses for batches of texts of
+        different lengths: its side and pad token, 0 in the attention mask. A tokenizer without a pad
+        token, or any other [B, S] input, keeps the length."""
+        tokenizer = self._model.tokenizer
+        if self._model.task not in _LENGTH_PADDED_TASKS or "attention_mask" not in arrays or tokenizer is None:
+            return None
+        ids = arrays.get("input_ids")
+        if tokenizer.pad_token_id is None or not isinstance(ids, torch.Tensor) or ids.ndim != 2:
+            return None
+        if any(isinstance(v, torch.Tensor) and v.ndim >= 2 and n not in _PADDED for n, v in arrays.items()):
+            return None
+        length = bucket(ids.shape[1], limit=getattr(self._model.config, "max_position_embeddings", None))
+        return (length, tokenizer.padding_side, tokenizer.pad_token_id) if length > ids.shape[1] else None
 
     def generate(self, input_ids=None, attention_mask=None, **kwargs):
         """transformers' `generate` inputs and outputs, through hfjax's compiled generate loop (for Whisper,
@@ -99,6 +124,35 @@ class JaxBackedModel:
         if isinstance(out, (jnp.ndarray, np.ndarray)):
             return torch.from_numpy(np.asarray(out).astype(np.int64))
         return _to_torch(out, None, None)
+
+
+# Text encoder tasks whose batches are padded to a bucket of token lengths, and their [B, S] inputs
+# with each one's padding value (None: the pad token).
+_LENGTH_PADDED_TASKS = ("text-classification", "zero-shot-classification", "feature-extraction")
+_PADDED = {"input_ids": None, "attention_mask": 0, "token_type_ids": 0}
+
+
+def _pad_tokens(arrays: dict, length: int, side: str, pad_token_id: int) -> dict:
+    """[B, S] token inputs padded to [B, length] on `side`: the pad token, mask and type ids 0."""
+    padded = dict(arrays)
+    for name, fill in _PADDED.items():
+        value = arrays.get(name)
+        if isinstance(value, torch.Tensor):
+            extra = value.new_full((value.shape[0], length - value.shape[1]), pad_token_id if fill is None else fill)
+            padded[name] = torch.cat([extra, value] if side == "left" else [value, extra], dim=1)
+    return padded
+
+
+def _cut_tokens(out, tokens: int, side: str):
+    # A feature extractor's per-token outputs back to the batch's own tokens.
+    def cut(value):
+        return value[:, -tokens:] if side == "left" else value[:, :tokens]
+
+    for name in ("last_hidden_state", "hidden_states"):
+        value = getattr(out, name, None)
+        if value is not None:
+            out[name] = tuple(cut(v) for v in value) if isinstance(value, tuple) else cut(value)
+    return out
 
 
 def _common_rows(arrays: dict) -> int | None:
@@ -140,7 +194,8 @@ def pipeline(task: str, model, *, dtype=None, **kwargs):
 
     Inputs and outputs are those of transformers' pipeline for the task; pre- and post-processing
     are transformers' own, with the checkpoint's tokenizer, processor, image processor or feature
-    extractor. Batches (`batch_size=`) are padded to power-of-two rows, so few programs are compiled.
+    extractor. Batches (`batch_size=`) are padded to power-of-two rows, and text encoders' token
+    lengths to powers of two (the tokenizer's padding), so few programs are compiled.
     Speech recognition also takes WAV files and arrays at any sampling rate (resampled to the feature
     extractor's).
 
