@@ -239,6 +239,24 @@ _GENERIC_SIZES: dict[str, int] = {
 _GENERIC_FIXES: dict[str, dict[str, Any]] = {
     "gpt_neo": {"attention_types": [[["global", "local"], 1]]},  # one (global, local) pair per 2 layers
     "codegen": {"rotary_dim": _HEAD_DIM},  # rotary over the whole 16-wide head, not 64
+    "mamba2": {"num_heads": 8, "head_dim": 16, "n_groups": 1},  # heads * head_dim = expand (2) * hidden
+    "nemotron": {"num_key_value_heads": _HEADS},  # its default None breaks its own attention
+    # one entry per layer; two hybrid layers, as the shared transformer's tied weights need
+    "zamba": {"layers_block_type": ["hybrid", "hybrid"], "attention_head_dim": 2 * _HIDDEN // _HEADS},
+    "zamba2": {
+        "layers_block_type": ["mamba", "hybrid"],
+        "hybrid_layer_ids": [1],
+        "attention_head_dim": 2 * _HIDDEN // _HEADS,
+        "mamba_headdim": _HEAD_DIM,
+    },
+    # as the released checkpoint: clip_qkv set (its default None fails torch.clamp), rope_theta given
+    "dbrx": {
+        "n_heads": _HEADS,
+        "n_layers": _LAYERS,
+        "max_seq_len": 256,
+        "attn_config": {"kv_n_heads": 2, "rope_theta": 10000.0, "clip_qkv": 8.0},
+        "ffn_config": {"ffn_hidden_size": _INTERMEDIATE, "moe_num_experts": 4, "moe_top_k": 2, "hidden_size": _HIDDEN},
+    },
 }
 
 
