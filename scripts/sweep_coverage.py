@@ -319,9 +319,10 @@ def _cause(reason: str) -> str:
     if reason.startswith("tokens differ"):
         return "greedy tokens differ from PyTorch's"
     reason = re.sub(r"\[[^\]]*\.py:\d+\]", "", reason)
+    reason = re.sub(r" \(from [^)]*\)", "", reason)  # hfjax's "(from <checkpoint>/generation_config.json)"
     reason = re.sub(r"'[^']*'|\"[^\"]*\"", "'…'", reason)
     reason = re.sub(r"\d+x\d+", "NxN", reason)
-    reason = re.sub(r"(?<![A-Za-z_])\d+(\.\d+)?(e-?\d+)?", "N", reason)
+    reason = re.sub(r"(?<![A-Za-z_\d])\d+(\.\d+)?(e-?\d+)?", "N", reason)
     return _one_line(reason, 90)
 
 
