@@ -3,11 +3,13 @@
 For each (model_type, task) in transformers' causal-LM, seq2seq-LM and
 sequence-classification auto mappings, a worker subprocess builds a tiny random checkpoint
 (`hfjax.testing.save_tiny_checkpoint`), checks that PyTorch runs it, then runs
-`hfjax.check` (eager and jit) and prints one JSON line. A crash or hang in one
-architecture costs only its own worker. Not part of CI: it takes about an hour on 2 cores.
+`hfjax.check` (eager and jit), then, for causal and seq2seq LMs, compares greedy generation of
+one padded batch with transformers' `generate`, and prints one JSON line. A crash or hang in
+one architecture costs only its own worker. Not part of CI: it takes over an hour on 2 cores.
 
     python scripts/sweep_coverage.py                      # full sweep, writes docs/coverage.md
     python scripts/sweep_coverage.py --only llama,olmo2 --task text-generation --out /tmp/c.md
+    python scripts/sweep_coverage.py --report-from results.jsonl  # rewrites the report only
 """
 
 from __future__ import annotations
@@ -32,6 +34,9 @@ _TASK_MAPPINGS = {
     "text-classification": "MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING_NAMES",
 }
 _STATUSES = ("pass", "fail", "pytorch-fails", "timeout")
+_GENERATIVE = ("text-generation", "text2text-generation")  # tasks that also get greedy generation parity
+_PROMPT_LENGTHS = (5, 8)  # tokens in each prompt of the generation batch
+_NEW_TOKENS = 8  # greedy tokens generated and compared per prompt
 
 
 # ----------------------------------------------------------------------------- worker
@@ -46,46 +51,62 @@ def _exception_reason(error: BaseException) -> str:
     return _one_line(f"{type(error).__name__}: {error}")
 
 
-def _worker(model_type: str, task: str) -> dict:
+def _worker(model_type: str, task: str, *, generate: bool) -> None:
+    # Prints the forward check's JSON line; where greedy generation follows, prints it with
+    # generate="pending" first, so that a timeout or crash in generation keeps the forward result.
     import tempfile
 
     import torch
 
     torch.set_num_threads(1)
+    with tempfile.TemporaryDirectory(prefix=f"sweep-{model_type}-") as directory:
+        path = pathlib.Path(directory) / model_type
+        result, pytorch_ran = _forward_check(model_type, task, path)
+        runs_generation = generate and task in _GENERATIVE and pytorch_ran
+        result.update(generate="pending" if runs_generation else None, generate_reason="")
+        print(json.dumps(result), flush=True)
+        if runs_generation:
+            start = time.perf_counter()
+            result.update(_generate_check(path, task), generate_seconds=round(time.perf_counter() - start, 1))
+            print(json.dumps(result), flush=True)
+
+
+def _forward_check(model_type: str, task: str, path: pathlib.Path) -> tuple[dict, bool]:
+    # (the result, whether PyTorch ran the checkpoint's forward)
+    import torch
     import transformers
 
     from hfjax import HfjaxError, _check, _tasks, testing
 
     result = {"model_type": model_type, "task": task, "status": "fail", "eager": None, "jit": None, "reason": ""}
-    with tempfile.TemporaryDirectory(prefix=f"sweep-{model_type}-") as directory:
-        try:
-            path = testing.save_tiny_checkpoint(model_type, pathlib.Path(directory) / model_type, task=task)
-            auto_class = _tasks.auto_class(task, transformers.AutoConfig.from_pretrained(path))
-            model = auto_class.from_pretrained(path, dtype=torch.float32).eval()
-        except Exception as error:  # any failure before hfjax runs is PyTorch's or the factory's
-            result.update(status="pytorch-fails", reason=_exception_reason(error))
-            return result
-        try:
-            arrays = _check._inputs(  # the inputs check() uses
-                model.config, task, batch=2, seq_len=8, seed=0, main_input_name=model.main_input_name
-            )
-        except HfjaxError as error:  # hfjax.check cannot build this model's inputs
-            result["reason"] = _exception_reason(error)
-            return result
-        try:
-            inputs = {k: torch.from_numpy(v) if hasattr(v, "dtype") else v for k, v in arrays.items()}
-            with torch.no_grad():
-                model(**inputs)
-        except Exception as error:  # PyTorch cannot run the inputs check() gives
-            result.update(status="pytorch-fails", reason=_exception_reason(error))
-            return result
-        del model
+    try:
+        testing.save_tiny_checkpoint(model_type, path, task=task)
+        auto_class = _tasks.auto_class(task, transformers.AutoConfig.from_pretrained(path))
+        model = auto_class.from_pretrained(path, dtype=torch.float32).eval()
+    except Exception as error:  # any failure before hfjax runs is PyTorch's or the factory's
+        result.update(status="pytorch-fails", reason=_exception_reason(error))
+        return result, False
+    try:
+        arrays = _check._inputs(  # the inputs check() uses
+            model.config, task, batch=2, seq_len=8, seed=0, main_input_name=model.main_input_name
+        )
+    except HfjaxError as error:  # hfjax.check cannot build this model's inputs
+        result["reason"] = _exception_reason(error)
+        return result, False
+    try:
+        inputs = {k: torch.from_numpy(v) if hasattr(v, "dtype") else v for k, v in arrays.items()}
+        with torch.no_grad():
+            model(**inputs)
+    except Exception as error:  # PyTorch cannot run the inputs check() gives
+        result.update(status="pytorch-fails", reason=_exception_reason(error))
+        return result, False
+    del model
 
-        try:
-            report = _check.check(path, task=task, batch=2, seq_len=8, repeats=1, eager=True)
-        except Exception as error:  # check() raising is itself a finding
-            result["reason"] = _exception_reason(error)
-            return result
+    try:
+        report = _check.check(path, task=task, batch=2, seq_len=8, repeats=1, eager=True)
+    except Exception as error:  # check() raising is itself a finding
+        result["reason"] = _exception_reason(error)
+        return result, True
     for row in report.rows:
         if row.path in ("eager", "jit") and row.max_abs_diff is not None:
             previous = result[row.path]
@@ -104,7 +125,77 @@ def _worker(model_type: str, task: str) -> dict:
         else:
             diff = f"max|diff| {first.max_abs_diff:.2e} > atol {first.atol:.0e}"
             result["reason"] = f"{first.path}: {first.output} {diff}"
-    return result
+    return result, True
+
+
+def _token_id(config, name: str) -> int | None:
+    value = getattr(config, name, None)
+    if value is None and hasattr(config, "get_text_config"):
+        value = getattr(config.get_text_config(), name, None)
+    if isinstance(value, (list, tuple)):
+        value = value[0] if value else None
+    return value
+
+
+def _generation_prompts(config, task: str):
+    """int64 [2, 8] token ids and mask, and the pad token: prompts of 5 and 8 tokens, left-padded for a decoder and
+    right-padded for an encoder (as tokenizers pad them), with the config's pad token."""
+    import numpy as np
+
+    from hfjax import _check
+
+    ids = _check._inputs(config, task, batch=2, seq_len=max(_PROMPT_LENGTHS), seed=1)["input_ids"]
+    mask = np.zeros_like(ids)
+    pad = next((t for t in (_token_id(config, "pad_token_id"), _token_id(config, "eos_token_id")) if t is not None), 0)
+    for row, length in enumerate(_PROMPT_LENGTHS):
+        span = slice(0, length) if getattr(config, "is_encoder_decoder", False) else slice(ids.shape[1] - length, None)
+        mask[row, span] = 1
+    ids[mask == 0] = pad
+    return ids, mask, pad
+
+
+def _generate_check(path: pathlib.Path, task: str) -> dict:
+    """Greedy generation of one padded batch in transformers (PyTorch) and in hfjax; the new tokens
+    must be identical. Returns {"generate": status, "generate_reason": why}."""
+    import numpy as np
+    import torch
+    import transformers
+
+    import hfjax
+    from hfjax import _tasks
+
+    try:
+        auto_class = _tasks.auto_class(task, transformers.AutoConfig.from_pretrained(path))
+        reference = auto_class.from_pretrained(path, dtype=torch.float32).eval()
+        ids, mask, pad = _generation_prompts(reference.config, task)
+        # min_new_tokens holds EOS back, so every row has _NEW_TOKENS tokens to compare.
+        settings = dict(max_new_tokens=_NEW_TOKENS, min_new_tokens=_NEW_TOKENS, do_sample=False, pad_token_id=pad)
+        with torch.no_grad():
+            expected = reference.generate(
+                torch.from_numpy(ids), attention_mask=torch.from_numpy(mask), **settings
+            ).numpy()
+    except Exception as error:  # transformers' own generate failing does not count against hfjax
+        return {"generate": "pytorch-fails", "generate_reason": _exception_reason(error)}
+    # Decoders return prompt + new tokens; encoder-decoders the decoder start token + new tokens.
+    start = 1 if getattr(reference.config, "is_encoder_decoder", False) else ids.shape[1]
+    del reference
+
+    try:
+        model = hfjax.load(path, task=task, dtype="float32")
+        actual = np.asarray(model.generate(ids, mask, **settings))
+    except Exception as error:
+        return {"generate": "error", "generate_reason": _exception_reason(error)}
+    if actual.shape != expected.shape:
+        return {"generate": "fail", "generate_reason": f"shape {actual.shape}, PyTorch's {expected.shape}"}
+    differ = np.argwhere(actual[:, start:] != expected[:, start:])
+    if differ.size:
+        row, step = (int(i) for i in differ[0])
+        return {
+            "generate": "fail",
+            "generate_reason": f"tokens differ: row {row} from new token {step} "
+            f"(hfjax {actual[row, start + step]}, PyTorch {expected[row, start + step]})",
+        }
+    return {"generate": "pass", "generate_reason": ""}
 
 
 # ----------------------------------------------------------------------------- parent
@@ -128,7 +219,7 @@ def _jobs_to_run(
     return jobs
 
 
-def _run_worker(model_type: str, task: str, timeout: float, script: str = __file__) -> dict:
+def _run_worker(model_type: str, task: str, timeout: float, script: str = __file__, generate: bool = True) -> dict:
     # `script --worker MODEL_TYPE --task TASK` in a subprocess; its last JSON line is the result.
     env = {
         **os.environ,
@@ -139,35 +230,49 @@ def _run_worker(model_type: str, task: str, timeout: float, script: str = __file
         "TRANSFORMERS_VERBOSITY": "error",
     }
     command = [sys.executable, script, "--worker", model_type, "--task", task]
+    command += [] if generate else ["--no-generate"]
     start = time.perf_counter()
     try:
         done = subprocess.run(command, capture_output=True, text=True, timeout=timeout, env=env, cwd=_ROOT)
-    except subprocess.TimeoutExpired:
-        return {
+        stdout, stderr, returncode = done.stdout, done.stderr, done.returncode
+    except subprocess.TimeoutExpired as expired:  # keeps a forward result printed before the timeout
+        stdout, stderr, returncode = _text(expired.stdout), _text(expired.stderr), None
+    lines = [line for line in stdout.splitlines() if line.startswith("{")]
+    tail = [line for line in stderr.splitlines() if line.strip()]
+    if lines:
+        result = json.loads(lines[-1])
+        if result.get("generate") == "pending":  # generation did not finish
+            if returncode is None:
+                why = f"timeout after {timeout:.0f} s"
+            else:
+                why = f"worker crashed (exit {returncode}): {tail[-1] if tail else ''}"
+            result.update(generate="timeout" if returncode is None else "error", generate_reason=_one_line(why))
+    elif returncode is None:
+        result = {
             "model_type": model_type,
             "task": task,
             "status": "timeout",
             "eager": None,
             "jit": None,
             "reason": f"timeout after {timeout:.0f} s",
-            "seconds": timeout,
         }
-    lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
-    if lines:
-        result = json.loads(lines[-1])
     else:  # the worker died without a result line: a segfault, OOM kill or import error
-        tail = [line for line in done.stderr.splitlines() if line.strip()]
-        reason = tail[-1] if tail else f"worker exited with code {done.returncode}"
+        reason = tail[-1] if tail else f"worker exited with code {returncode}"
         result = {
             "model_type": model_type,
             "task": task,
             "status": "fail",
             "eager": None,
             "jit": None,
-            "reason": _one_line(f"worker crashed (exit {done.returncode}): {reason}"),
+            "reason": _one_line(f"worker crashed (exit {returncode}): {reason}"),
         }
     result["seconds"] = round(time.perf_counter() - start, 1)
     return result
+
+
+def _text(output: str | bytes | None) -> str:
+    # TimeoutExpired holds the output read so far as bytes, even for text=True.
+    return output.decode(errors="replace") if isinstance(output, bytes) else output or ""
 
 
 def sweep(
@@ -177,17 +282,23 @@ def sweep(
     timeout: float,
     jsonl: pathlib.Path | None,
     script: str = __file__,
+    generate: bool = True,
 ) -> collections.abc.Iterator[dict]:
     """Runs one worker subprocess of `script` per (model_type, task, class name); yields each result as it
     finishes, after printing a progress line and appending it to `jsonl`."""
     print(f"sweeping {len(jobs)} checks with {workers} workers", file=sys.stderr, flush=True)
     with concurrent.futures.ThreadPoolExecutor(workers) as pool:
-        futures = {pool.submit(_run_worker, model_type, task, timeout, script): arch for model_type, task, arch in jobs}
+        futures = {
+            pool.submit(_run_worker, model_type, task, timeout, script, generate): arch
+            for model_type, task, arch in jobs
+        }
         for done, future in enumerate(concurrent.futures.as_completed(futures), 1):
             result = {**future.result(), "arch": futures[future]}
             print(
-                f"[{done}/{len(jobs)}] {result['model_type']} {result['task']}: {result['status']} "
-                f"({result['seconds']} s) {result['reason']}",
+                f"[{done}/{len(jobs)}] {result['model_type']} {result['task']}: {result['status']}"
+                + (f", generate {result['generate']}" if result.get("generate") else "")
+                + f" ({result['seconds']} s) {result['reason']}"
+                + (f" generate: {result['generate_reason']}" if result.get("generate_reason") else ""),
                 file=sys.stderr,
                 flush=True,
             )
@@ -205,10 +316,13 @@ def _cause(reason: str) -> str:
         return f"unsupported op {op.group(1)}"
     if "max|diff|" in reason:
         return "numerical mismatch (max|diff| > atol)"
+    if reason.startswith("tokens differ"):
+        return "greedy tokens differ from PyTorch's"
     reason = re.sub(r"\[[^\]]*\.py:\d+\]", "", reason)
+    reason = re.sub(r" \(from [^)]*\)", "", reason)  # hfjax's "(from <checkpoint>/generation_config.json)"
     reason = re.sub(r"'[^']*'|\"[^\"]*\"", "'…'", reason)
     reason = re.sub(r"\d+x\d+", "NxN", reason)
-    reason = re.sub(r"(?<![A-Za-z_])\d+(\.\d+)?(e-?\d+)?", "N", reason)
+    reason = re.sub(r"(?<![A-Za-z_\d])\d+(\.\d+)?(e-?\d+)?", "N", reason)
     return _one_line(reason, 90)
 
 
@@ -243,6 +357,16 @@ def _write_report(out: pathlib.Path, results: list[dict], total: int, started: s
         "classifiers), not bugs in transformers; a hand-tuned entry in `hfjax.testing._families.REGISTRY` fixes them.",
         "",
     ]
+    if any(r.get("generate") for r in results):
+        lines += [
+            f"Every causal and sequence-to-sequence LM that PyTorch runs also gets greedy generation parity "
+            f"(`generate` column): one batch of two prompts of {' and '.join(map(str, _PROMPT_LENGTHS))} random "
+            "tokens, padded with an attention mask (left for decoders, right for encoders, with the config's pad "
+            f"token), {_NEW_TOKENS} new tokens (`min_new_tokens` holds EOS back), generated by transformers' "
+            "`generate` in PyTorch and by `hfjax.load(...).generate`; the new tokens must be identical. "
+            "`error` means hfjax raised; `pytorch-fails` there means transformers' own `generate` raised.",
+            "",
+        ]
     if partial:
         lines += [f"**Partial: {len(results)} of {total} checks finished; the sweep was still running.**", ""]
     lines += [
@@ -252,19 +376,28 @@ def _write_report(out: pathlib.Path, results: list[dict], total: int, started: s
         "|---|---:|---:|---:|---:|---:|",
     ]
     for task in _TASK_MAPPINGS:
-        counts = collections.Counter(r["status"] for r in results if r["task"] == task)
-        if not counts:
-            continue
-        runnable = counts["pass"] + counts["fail"] + counts["timeout"]
-        rate = f"{100 * counts['pass'] / runnable:.0f}% ({counts['pass']}/{runnable})" if runnable else "-"
-        lines.append(f"| {task} | " + " | ".join(str(counts[s]) for s in _STATUSES) + f" | {rate} |")
+        task_results = [r for r in results if r["task"] == task]
+        lines += _totals_row(task, collections.Counter(r["status"] for r in task_results))
+        if task in _GENERATIVE:
+            # A generation that raised in hfjax counts as a fail.
+            generated = [
+                "fail" if r["generate"] == "error" else r["generate"] for r in task_results if r.get("generate")
+            ]
+            lines += _totals_row(f"{task} (greedy generate)", collections.Counter(generated))
 
-    sections = (("Failure causes (hfjax)", ("fail", "timeout")), ("PyTorch-side failures", ("pytorch-fails",)))
-    for title, statuses in sections:
+    sections = (
+        ("Failure causes (hfjax)", "status", "reason", ("fail", "timeout")),
+        ("PyTorch-side failures", "status", "reason", ("pytorch-fails",)),
+        ("Generation failure causes (hfjax)", "generate", "generate_reason", ("fail", "error", "timeout")),
+        ("Generation: PyTorch-side failures", "generate", "generate_reason", ("pytorch-fails",)),
+    )
+    for title, field, why, statuses in sections:
         groups: dict[str, list[str]] = collections.defaultdict(list)
         for r in results:
-            if r["status"] in statuses:
-                groups[_cause(r["reason"])].append(f"{r['model_type']} ({r['task']})")
+            if r.get(field) in statuses:
+                groups[_cause(r[why])].append(f"{r['model_type']} ({r['task']})")
+        if not groups and field == "generate":
+            continue
         lines += ["", f"## {title}", "", "| count | cause | archs |", "|---:|---|---|"]
         for cause, archs in sorted(groups.items(), key=lambda item: (-len(item[1]), item[0])):
             lines.append(f"| {len(archs)} | {_escape(cause)} | {', '.join(sorted(archs))} |")
@@ -273,16 +406,26 @@ def _write_report(out: pathlib.Path, results: list[dict], total: int, started: s
         "",
         "## Per architecture",
         "",
-        "| model_type | task | class | status | eager max\\|diff\\| | jit max\\|diff\\| | s | reason |",
-        "|---|---|---|---|---:|---:|---:|---|",
+        "| model_type | task | class | status | eager max\\|diff\\| | jit max\\|diff\\| | generate | s | reason |",
+        "|---|---|---|---|---:|---:|---|---:|---|",
     ]
     for r in sorted(results, key=lambda r: (list(_TASK_MAPPINGS).index(r["task"]), r["model_type"])):
+        reasons = [r["reason"]] + ([f"generate: {r['generate_reason']}"] if r.get("generate_reason") else [])
         lines.append(
             f"| {r['model_type']} | {r['task']} | {r.get('arch', '')} | {r['status']} | {_fmt(r['eager'])} | "
-            f"{_fmt(r['jit'])} | {r.get('seconds', '')} | {_escape(r['reason'])} |"
+            f"{_fmt(r['jit'])} | {r.get('generate') or '-'} | {r.get('seconds', '')} | "
+            f"{_escape('; '.join(filter(None, reasons)))} |"
         )
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text("\n".join(lines) + "\n")
+
+
+def _totals_row(label: str, counts: collections.Counter) -> list[str]:
+    if not counts:
+        return []
+    runnable = counts["pass"] + counts["fail"] + counts["timeout"]
+    rate = f"{100 * counts['pass'] / runnable:.0f}% ({counts['pass']}/{runnable})" if runnable else "-"
+    return [f"| {label} | " + " | ".join(str(counts[s]) for s in _STATUSES) + f" | {rate} |"]
 
 
 def main() -> None:
@@ -290,7 +433,18 @@ def main() -> None:
     parser.add_argument("--only", help="comma-separated model_types to run, e.g. llama,olmo2 (default: all)")
     parser.add_argument("--task", choices=list(_TASK_MAPPINGS), help="run one task only (default: all three)")
     parser.add_argument("--jobs", type=int, default=2, help="worker processes at a time (default: 2)")
-    parser.add_argument("--timeout", type=float, default=120.0, help="seconds per check before it counts as timeout")
+    parser.add_argument(
+        "--timeout",
+        type=float,
+        default=180.0,
+        help="seconds per check (forward and generation together) before it counts as timeout",
+    )
+    parser.add_argument(
+        "--generate",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="also check greedy generation of causal and seq2seq LMs against PyTorch (default: on)",
+    )
     parser.add_argument("--out", type=pathlib.Path, default=_ROOT / "docs" / "coverage.md", help="report to write")
     parser.add_argument("--jsonl", type=pathlib.Path, help="also append each result as a JSON line to this file")
     parser.add_argument(
@@ -303,7 +457,7 @@ def main() -> None:
     args = parser.parse_args()
 
     if args.worker:
-        print(json.dumps(_worker(args.worker, args.task)), flush=True)
+        _worker(args.worker, args.task, generate=args.generate)
         return
 
     only = set(args.only.split(",")) if args.only else None
@@ -324,7 +478,7 @@ def main() -> None:
         return
     command = "python scripts/sweep_coverage.py " + " ".join(sys.argv[1:])
     results: list[dict] = []
-    for result in sweep(jobs, workers=args.jobs, timeout=args.timeout, jsonl=args.jsonl):
+    for result in sweep(jobs, workers=args.jobs, timeout=args.timeout, jsonl=args.jsonl, generate=args.generate):
         results.append(result)
         _write_report(args.out, results, len(jobs), started, command.strip())
     print(f"wrote {args.out}", file=sys.stderr)

@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import collections
 import importlib.util
-import json
 import pathlib
 import sys
 
@@ -63,7 +62,7 @@ def main() -> None:
     coverage = _sweep_coverage()
 
     if args.worker:
-        print(json.dumps(coverage._worker(args.worker, args.task)), flush=True)
+        coverage._worker(args.worker, args.task, generate=False)  # prints its JSON line
         return
 
     only = set(args.only.split(",")) if args.only else None

@@ -263,6 +263,30 @@ def test_decoder_start_token_id_is_taken_from_the_call(loaded):
     )
 
 
+def test_an_encoder_decoder_without_a_decoder_start_token_starts_from_bos_like_transformers(loaded):
+    model = loaded("bart", decoder_start_token_id=None)
+    assert model.generation_config.decoder_start_token_id is None
+    ids, mask = _batch(model)
+    expected = _torch_generate(model, ids, mask, max_new_tokens=6)
+    assert (expected[:, 0] == model.generation_config.bos_token_id).all()
+    np.testing.assert_array_equal(np.asarray(model.generate(ids, mask, max_new_tokens=6)), expected)
+    model = loaded("bart", decoder_start_token_id=None, bos_token_id=None)
+    with pytest.raises(ValueError, match="decoder_start_token_id"):  # transformers refuses it too
+        _torch_generate(model, ids, mask, max_new_tokens=6)
+    with pytest.raises(ValueError, match="neither decoder_start_token_id nor bos_token_id.*decoder_start_token_id=ID"):
+        model.generate(ids, mask, max_new_tokens=6)
+
+
+def test_the_decoder_gets_the_encoder_output_type_like_transformers(checkpoint):
+    # Switch Transformers' forward reads encoder_outputs.router_logits, a field BaseModelOutput lacks.
+    model = hfjax.load(checkpoint("switch_transformers", task="text2text-generation"))
+    ids = np.random.default_rng(0).integers(4, model.config.vocab_size, size=(2, 6))
+    mask = np.ones_like(ids)
+    settings = dict(max_new_tokens=6, min_new_tokens=6, do_sample=False)
+    expected = _torch_generate(model, ids, mask, **settings)
+    np.testing.assert_array_equal(np.asarray(model.generate(ids, mask, **settings)), expected)
+
+
 def test_num_return_sequences_gives_adjacent_draws_per_prompt(loaded):
     model = loaded("llama")
     ids, mask = _batch(model)

@@ -125,6 +125,9 @@ class EncoderDecoderAdapter(CacheAdapter):
 
     kind = "encoder-decoder"
     encoder_decoder = True
+    # The encoder's output type (e.g. NLLB-MoE's, whose decoder call reads its router_logits), as
+    # the prefill found it; BaseModelOutput where the prefill program was read from the store.
+    encoder_output = None
 
     def prefill(self, ids, mask, sequence, full_mask, offset: int, inputs: dict):
         from transformers import EncoderDecoderCache
@@ -134,17 +137,19 @@ class EncoderDecoderAdapter(CacheAdapter):
             inputs = inputs.to(self.module.dtype)
         encoded = self.module.get_encoder()(**{self.module.main_input_name: inputs}, attention_mask=_env.to_torch(mask))
         hidden = _env.to_jax(encoded.last_hidden_state)  # [B, P, H]
+        self.encoder_output = type(encoded)
         config = self.config.get_text_config(decoder=True)
         total = sequence.shape[1]
         cache = EncoderDecoderCache(_caches.static_cache(config, total), _caches.static_cache(config, hidden.shape[1]))
         # The cross-attention mask is the encoder's input mask where it covers the encoder's output
         # (token inputs); a mask over feature frames (speech) is not one.
         encoder = (hidden, mask if mask.shape[1] == hidden.shape[1] else None)
-        out = self.module(**_decoder_inputs(encoder, sequence[:, :offset], full_mask, cache))
+        out = self.module(**_decoder_inputs(encoder, sequence[:, :offset], full_mask, cache, self.encoder_output))
         return _env.to_jax(out.past_key_values), encoder, _last_logits(out)
 
     def step(self, state, token, slot, window: int):
-        out = self.module(**_decoder_inputs(state.encoder, token, state.mask, _env.to_torch(state.cache)))
+        cache = _env.to_torch(state.cache)
+        out = self.module(**_decoder_inputs(state.encoder, token, state.mask, cache, self.encoder_output))
         return _env.to_jax(out.past_key_values), _last_logits(out)
 
 
@@ -196,12 +201,13 @@ def _own_cache(out):
     )
 
 
-def _decoder_inputs(encoder, token, decoder_mask, cache) -> dict:
+def _decoder_inputs(encoder, token, decoder_mask, cache, encoder_output=None) -> dict:
     from transformers.modeling_outputs import BaseModelOutput
 
     hidden, encoder_mask = encoder  # [B, P, H], [B, P] or None
+    # The encoder's other output fields are None, as an encoder run without output_* flags gives them.
     return dict(
-        encoder_outputs=BaseModelOutput(last_hidden_state=_env.to_torch(hidden)),
+        encoder_outputs=(encoder_output or BaseModelOutput)(last_hidden_state=_env.to_torch(hidden)),
         attention_mask=None if encoder_mask is None else _env.to_torch(encoder_mask),
         decoder_input_ids=_env.to_torch(token),
         decoder_attention_mask=_env.to_torch(decoder_mask),

@@ -79,6 +79,12 @@ def plan_batch(
     for target, source in ((padded_ids, ids), (padded_mask, mask))[0 if tokens else 1 :]:
         target[:, columns] = rows_of(source)
     if encoder_decoder and decoder_prompt is None:
+        if settings.decoder_start_token_id is None:
+            raise GenerationError(
+                "Model.generate: the model's config and generation_config set neither decoder_start_token_id nor "
+                "bos_token_id, so the decoder has no first token; pass decoder_start_token_id=ID or "
+                "decoder_input_ids=[[ID]]"
+            )
         decoder_prompt = np.full((prompts, 1), settings.decoder_start_token_id, np.int32)
     # The buffer holds the decoder's prompt (the padded prompt, or an encoder-decoder's decoder
     # prompt) and then the new tokens.

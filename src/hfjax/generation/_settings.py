@@ -226,6 +226,8 @@ def resolve(
     decoder_start = values.get("decoder_start_token_id")
     if decoder_start is None:
         decoder_start = getattr(model.config, "decoder_start_token_id", None)
+    if decoder_start is None and getattr(model.config, "is_encoder_decoder", False):
+        decoder_start = values.get("bos_token_id")  # transformers' fallback (e.g. mBART, LongT5 configs)
     suppressed = token_ids("suppress_tokens")
     forced_eos = token_ids("forced_eos_token_id")
     forced_tokens = {
