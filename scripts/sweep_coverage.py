@@ -1,7 +1,8 @@
-"""Sweeps hfjax parity over every text architecture transformers knows; writes docs/coverage.md.
+"""Sweeps hfjax parity over every architecture of transformers' auto mappings; writes docs/coverage.md.
 
-For each (model_type, task) in transformers' causal-LM, seq2seq-LM and
-sequence-classification auto mappings, a worker subprocess builds a tiny random checkpoint
+For each (model_type, task) in the auto mappings of the tasks in `_TASK_MAPPINGS` (causal LM,
+seq2seq LM, sequence classification, image classification, zero-shot image classification,
+image features, speech recognition), a worker subprocess builds a tiny random checkpoint
 (`hfjax.testing.save_tiny_checkpoint`), checks that PyTorch runs it, then runs
 `hfjax.check` (eager and jit), then, for causal and seq2seq LMs, compares greedy generation of
 one padded batch with transformers' `generate`, and prints one JSON line. A crash or hang in
@@ -9,7 +10,11 @@ one architecture costs only its own worker. Not part of CI: it takes over an hou
 
     python scripts/sweep_coverage.py                      # full sweep, writes docs/coverage.md
     python scripts/sweep_coverage.py --only llama,olmo2 --task text-generation --out /tmp/c.md
-    python scripts/sweep_coverage.py --report-from results.jsonl  # rewrites the report only
+    python scripts/sweep_coverage.py --task image-classification --jsonl /tmp/image.jsonl
+    python scripts/sweep_coverage.py --report-from old.jsonl new.jsonl  # the report only; later files win
+
+Image-text-to-text is left to the curated `hfjax.testing.VISION_LANGUAGE_FAMILIES` (tests/): its
+inputs need image tokens laid out per family.
 """
 
 from __future__ import annotations
@@ -28,10 +33,15 @@ import sys
 import time
 
 _ROOT = pathlib.Path(__file__).resolve().parent.parent
-_TASK_MAPPINGS = {
+# task -> transformers' auto mappings of its architectures (a model_type in several: the first).
+_TASK_MAPPINGS: dict[str, str | tuple[str, ...]] = {
     "text-generation": "MODEL_FOR_CAUSAL_LM_MAPPING_NAMES",
     "text2text-generation": "MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING_NAMES",
     "text-classification": "MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING_NAMES",
+    "image-classification": "MODEL_FOR_IMAGE_CLASSIFICATION_MAPPING_NAMES",
+    "zero-shot-image-classification": "MODEL_FOR_ZERO_SHOT_IMAGE_CLASSIFICATION_MAPPING_NAMES",
+    "image-feature-extraction": "MODEL_FOR_IMAGE_MAPPING_NAMES",
+    "automatic-speech-recognition": ("MODEL_FOR_CTC_MAPPING_NAMES", "MODEL_FOR_SPEECH_SEQ_2_SEQ_MAPPING_NAMES"),
 }
 _STATUSES = ("pass", "fail", "pytorch-fails", "timeout")
 _GENERATIVE = ("text-generation", "text2text-generation")  # tasks that also get greedy generation parity
@@ -267,6 +277,7 @@ def _run_worker(model_type: str, task: str, timeout: float, script: str = __file
             "reason": _one_line(f"worker crashed (exit {returncode}): {reason}"),
         }
     result["seconds"] = round(time.perf_counter() - start, 1)
+    result["run"] = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d")
     return result
 
 
@@ -349,7 +360,9 @@ def _write_report(out: pathlib.Path, results: list[dict], total: int, started: s
         "",
         "Each row is one tiny random checkpoint (`hfjax.testing.save_tiny_checkpoint`: hidden 64, 2 layers, "
         "4 heads; model types outside `hfjax.testing.FAMILIES` use the generic config shrinker) run by "
-        "`hfjax.check` (batch 2, 8 tokens) against PyTorch, eager and jit. "
+        "`hfjax.check` against PyTorch, eager and jit, on random inputs built from the config: batch 2 of 8 "
+        "tokens; images at the config's image size (64x64 where it has none); raw audio or log-mel features "
+        "for speech (see `hfjax.check`). The `run` column is the date of the row's run. "
         "`pytorch-fails` means the tiny checkpoint could not be built or PyTorch itself could not run its "
         "forward; those do not count against hfjax. Many of them are limits of the generic shrinker (a "
         "default config field sized for the full model, such as a per-layer list or a rotary dimension, that "
@@ -406,14 +419,14 @@ def _write_report(out: pathlib.Path, results: list[dict], total: int, started: s
         "",
         "## Per architecture",
         "",
-        "| model_type | task | class | status | eager max\\|diff\\| | jit max\\|diff\\| | generate | s | reason |",
-        "|---|---|---|---|---:|---:|---|---:|---|",
+        "| model_type | task | class | status | eager max\\|diff\\| | jit max\\|diff\\| | generate | s | run | reason |",
+        "|---|---|---|---|---:|---:|---|---:|---|---|",
     ]
     for r in sorted(results, key=lambda r: (list(_TASK_MAPPINGS).index(r["task"]), r["model_type"])):
         reasons = [r["reason"]] + ([f"generate: {r['generate_reason']}"] if r.get("generate_reason") else [])
         lines.append(
             f"| {r['model_type']} | {r['task']} | {r.get('arch', '')} | {r['status']} | {_fmt(r['eager'])} | "
-            f"{_fmt(r['jit'])} | {r.get('generate') or '-'} | {r.get('seconds', '')} | "
+            f"{_fmt(r['jit'])} | {r.get('generate') or '-'} | {r.get('seconds', '')} | {r.get('run', '')} | "
             f"{_escape('; '.join(filter(None, reasons)))} |"
         )
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -431,7 +444,7 @@ def _totals_row(label: str, counts: collections.Counter) -> list[str]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--only", help="comma-separated model_types to run, e.g. llama,olmo2 (default: all)")
-    parser.add_argument("--task", choices=list(_TASK_MAPPINGS), help="run one task only (default: all three)")
+    parser.add_argument("--task", choices=list(_TASK_MAPPINGS), help="run one task only (default: all)")
     parser.add_argument("--jobs", type=int, default=2, help="worker processes at a time (default: 2)")
     parser.add_argument(
         "--timeout",
@@ -450,8 +463,10 @@ def main() -> None:
     parser.add_argument(
         "--report-from",
         type=pathlib.Path,
+        nargs="+",
         metavar="JSONL",
-        help="run nothing: rewrite --out from the results a --jsonl file holds",
+        help="run nothing: rewrite --out from the results --jsonl files hold (a later file's result for the "
+        "same model_type and task replaces an earlier one's)",
     )
     parser.add_argument("--worker", metavar="MODEL_TYPE", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -467,7 +482,14 @@ def main() -> None:
         parser.error(f"no (model_type, task) matches --only={args.only!r} --task={args.task!r}")
     started = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M")
     if args.report_from:
-        results = [json.loads(line) for line in args.report_from.read_text().splitlines() if line.strip()]
+        latest: dict[tuple[str, str], dict] = {}
+        for path in args.report_from:
+            for line in path.read_text().splitlines():
+                if line.strip():
+                    result = json.loads(line)
+                    latest[result["model_type"], result["task"]] = result
+        wanted = {(model_type, task) for model_type, task, _ in jobs}
+        results = [r for key, r in latest.items() if key in wanted]
         command = (
             "python scripts/sweep_coverage.py"
             + (f" --only {args.only}" if args.only else "")
