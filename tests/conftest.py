@@ -10,7 +10,6 @@ Markers:
 from __future__ import annotations
 
 import os
-import tempfile
 
 # torch's OpenMP threads spin while they wait; beside JAX's CPU runtime in one process on a
 # 2-core machine that slows torch down ~30x. This is the tests' process, not hfjax's doing.
@@ -22,14 +21,21 @@ os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 # - LLVM's lowest optimisation level compiles XLA:CPU programs ~15% sooner (XLA's own HLO passes,
 #   whose results some tests read, still run);
 # - XLA:CPU's older elemental emitters instead of its MLIR fusion emitters: a tiny model's first
-#   generate compiles in 0.55-0.75x the time (llama 3.4 -> 1.9 s, t5 4.0 -> 2.2 s, mixtral 5.0 -> 3.7 s).
+#   generate compiles in 0.55-0.75x the time (llama 3.4 -> 1.9 s, t5 4.0 -> 2.2 s, mixtral 5.0 -> 3.7 s);
+# - LLVM's expensive passes off: 7% less CPU for test_generate's greedy tests.
 # The suite's processes (background jobs, servers) inherit them.
-_FAST_COMPILE = ("--xla_backend_optimization_level=0", "--xla_cpu_use_fusion_emitters=false")
+_FAST_COMPILE = (
+    "--xla_backend_optimization_level=0",
+    "--xla_cpu_use_fusion_emitters=false",
+    "--xla_llvm_disable_expensive_passes=true",
+)
 for _flag in _FAST_COMPILE:
     if _flag.split("=")[0] not in os.environ.get("XLA_FLAGS", ""):
         os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {_flag}".strip()
-# Compiled programs go to a cache of this session, not the user's ~/.cache/hfjax.
-os.environ.setdefault("HFJAX_CACHE_DIR", tempfile.mkdtemp(prefix="hfjax-test-xla-"))
+# No compilation cache or program store (the CLI's default is ~/.cache/hfjax): keeping every
+# program costs more than the few the suite's processes share (test_generate's greedy tests took
+# 8% less CPU without it). The tests of the store give their processes a directory of their own.
+os.environ.setdefault("HFJAX_CACHE_DIR", "off")
 
 import jax  # noqa: E402
 import pytest  # noqa: E402

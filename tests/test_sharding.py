@@ -98,6 +98,7 @@ def _child(out: pathlib.Path) -> None:
                     beams = dict(max_new_tokens=NEW_TOKENS, num_beams=2, num_return_sequences=2)
                     record["beam_tokens"] = np.asarray(model.generate(odd, **beams)).tolist()
                     record["want_beam_tokens"] = np.asarray(reference.generate(odd, **beams)).tolist()
+                if family == "llama" and data > 1 and model_size > 1:  # both flags at once
                     record["cli"] = _cli_text(path, ["--data-parallel", str(data), "--model-parallel", str(model_size)])
                     record["want_cli"] = _cli_text(path, [])
                 config = model.config.get_text_config()
@@ -262,6 +263,7 @@ def test_sharded_model_matches_one_device(records, family, mesh):
     if "want_odd_batch_tokens" in record:
         assert record["odd_batch_tokens"] == record["want_odd_batch_tokens"]
         assert record["beam_tokens"] == record["want_beam_tokens"]
+    if family == "llama" and mesh == (2, 4):
         # `hfjax generate --data-parallel D --model-parallel M` prints what one device prints.
         assert record["cli"].startswith("exit 0: ") and record["cli"] == record["want_cli"]
 
