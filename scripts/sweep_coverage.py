@@ -381,7 +381,7 @@ def _write_report(out: pathlib.Path, results: list[dict], total: int, started: s
             "",
         ]
     if partial:
-        lines += [f"**Partial: {len(results)} of {total} checks finished; the sweep was still running.**", ""]
+        lines += [f"**Partial: {len(results)} of {total} checks have results; the others have not run yet.**", ""]
     lines += [
         "## Totals",
         "",
