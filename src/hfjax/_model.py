@@ -260,8 +260,8 @@ class Model:
         if not getattr(self.config, "is_encoder_decoder", False):
             _planning.warn_if_right_padded(ids, None if attention_mask is None else mask, resolved)
         if attention_mask is None:
-            inferred = _planning.infer_mask(ids, resolved)
-            mask = mask if inferred is None else _planning.prompt_arrays(ids, inferred)[1]
+            inferred = _planning.infer_mask(ids, resolved)  # int32 [B, S], or None: all ones
+            mask = mask if inferred is None else inferred
         self._check_context(mask, resolved.max_new_tokens)
         if self._generator is None:
             self._generator = _engine.Generator(self)

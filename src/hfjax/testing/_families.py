@@ -257,6 +257,15 @@ _GENERIC_FIXES: dict[str, dict[str, Any]] = {
         "attn_config": {"kv_n_heads": 2, "rope_theta": 10000.0, "clip_qkv": 8.0},
         "ffn_config": {"ffn_hidden_size": _INTERMEDIATE, "moe_num_experts": 4, "moe_top_k": 2, "hidden_size": _HIDDEN},
     },
+    # -- vision and speech (testing._media.save_generic_media_checkpoint) --
+    # Blip2ForImageTextRetrieval runs the text through the Q-Former, whose text layers this adds.
+    "blip-2": {"qformer_config": {"use_qformer_text_input": True}},
+    # The classifier reads hidden_sizes[-1], the stages' widths are stage_out_channels (not shrunk).
+    "hgnet_v2": {"hidden_sizes": [256, 512, 1024, 2048]},
+    # The layers of the image encoder whose features the decoder fuses: 2 layers, not 24.
+    "depth_pro": {"intermediate_hook_ids": [1, 0]},
+    # Perceiver's latents are sized apart from d_model (1280 wide, 256 of them).
+    "perceiver": {"d_latents": 64, "num_latents": 16, "num_self_attends_per_block": 2, "num_cross_attention_heads": 1},
 }
 
 
@@ -388,7 +397,15 @@ def _generic_family(model_type: str) -> Family | None:
     if kind is None or model_type not in transformers.CONFIG_MAPPING:
         return None
     defaults = transformers.CONFIG_MAPPING[model_type]().to_dict()
-    return Family(kind, {**_generic_overrides(defaults), **_GENERIC_FIXES.get(model_type, {})}, curated=False)
+    return Family(kind, _with_fixes(model_type, _generic_overrides(defaults)), curated=False)
+
+
+def _with_fixes(model_type: str, overrides: dict[str, Any]) -> dict[str, Any]:
+    # `overrides` with the model type's _GENERIC_FIXES on top; a nested config's fields are merged.
+    fixed = dict(overrides)
+    for key, value in _GENERIC_FIXES.get(model_type, {}).items():
+        fixed[key] = {**fixed[key], **value} if isinstance(fixed.get(key), dict) and isinstance(value, dict) else value
+    return fixed
 
 
 def family_spec(family: str) -> Family:

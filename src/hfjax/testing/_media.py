@@ -197,19 +197,6 @@ MEDIA_TASKS: tuple[str, ...] = (
 )
 """The vision and speech tasks that `save_tiny_checkpoint` builds for any model_type with a model class for them."""
 
-# model_type -> config fields the generic shrinker (`_families._generic_overrides`) gets wrong:
-# a default tied to the full model's sizes, or a choice PyTorch needs an extra package for.
-_GENERIC_FIXES: dict[str, dict[str, Any]] = {
-    # Blip2ForImageTextRetrieval runs the text through the Q-Former, whose text layers this adds.
-    "blip-2": {"qformer_config": {"use_qformer_text_input": True}},
-    # The classifier reads hidden_sizes[-1], the stages' widths are stage_out_channels (not shrunk).
-    "hgnet_v2": {"hidden_sizes": [256, 512, 1024, 2048]},
-    # The layers of the image encoder whose features the decoder fuses: 2 layers, not 24.
-    "depth_pro": {"intermediate_hook_ids": [1, 0]},
-    # Perceiver's latents are sized apart from d_model (1280 wide, 256 of them).
-    "perceiver": {"d_latents": 64, "num_latents": 16, "num_self_attends_per_block": 2, "num_cross_attention_heads": 1},
-}
-
 
 def save_media_checkpoint(family: str, path: pathlib.Path, *, task: str | None, seed: int) -> pathlib.Path:
     """A tiny random checkpoint of a vision or speech family with its processor, as save_pretrained writes them."""
@@ -227,16 +214,14 @@ def save_generic_media_checkpoint(
 ) -> pathlib.Path:
     """A tiny random checkpoint of any model_type with a model class for a vision or speech `task`, its
     config shrunk from the config class's defaults by field name; no processor."""
-    from ._families import _generic_overrides
+    from ._families import _generic_overrides, _with_fixes
 
     if task not in MEDIA_TASKS:
         raise ValueError(f"Unknown media task {task!r}. Use one of: {', '.join(MEDIA_TASKS)}.")
     if model_type not in transformers.CONFIG_MAPPING:
         raise ValueError(f"Unknown model family {model_type!r}: not a transformers model_type.")
     defaults = transformers.CONFIG_MAPPING[model_type]().to_dict()
-    overrides = _generic_overrides(defaults)
-    for key, value in _GENERIC_FIXES.get(model_type, {}).items():  # a nested config's fields are merged
-        overrides[key] = {**overrides[key], **value} if isinstance(overrides.get(key), dict) else value
+    overrides = _with_fixes(model_type, _generic_overrides(defaults))
     if task == "image-classification":
         overrides.update(_LABELS)
     overrides.update(config_overrides)
