@@ -101,7 +101,7 @@ def test_decode_step_with_cache_matches_torch(llama, cache_kind):
     assert out.past_key_values is cache, "the cache passed in comes back, updated in place"
     step = fast(torch.from_numpy(np.asarray(out.logits[:, -1:].argmax(-1))), past_key_values=cache)
     np.testing.assert_allclose(np.asarray(step.logits), second, atol=ATOL)
-    with hfjax._env.env():
+    with _env.env():
         assert cache.get_seq_length() == 6
 
 

@@ -16,7 +16,7 @@ import transformers
 
 import background
 import hfjax
-from hfjax import _backend, _buckets, testing, tolerances
+from hfjax import _backend, _buckets, _compilation_cache, _env, testing, tolerances
 from hfjax.generation import _engine, _planning, _settings
 
 PROMPTS = ["Hello there, how are you doing today?", "Hi", "The quick brown fox"]
@@ -689,8 +689,8 @@ def test_empty_prompts_raise(loaded):
 
 def test_an_op_without_lowering_is_named_with_its_module(checkpoint, monkeypatch):
     model = hfjax.load(checkpoint("llama"))  # its own programs: none traced yet
-    monkeypatch.setattr(hfjax._compilation_cache, "directory", lambda: None)  # nor read from an earlier test's store
-    operators = hfjax._env.env()._ops
+    monkeypatch.setattr(_compilation_cache, "directory", lambda: None)  # nor read from an earlier test's store
+    operators = _env.env()._ops
     for op in (torch.ops.aten.rsqrt.default, torch.ops.aten.rsqrt):
         if op in operators:
             monkeypatch.delitem(operators, op)
@@ -707,27 +707,30 @@ def test_generate_on_a_classifier_says_what_to_load(checkpoint):
 # -- compilation cache across processes ---------------------------------------------
 
 _COLD_WARM = """
-import json, sys, numpy as np
+import json, pathlib, sys, numpy as np
 from jax._src import monitoring
 hits = []
 monitoring.register_event_listener(lambda name, **kw: hits.append(name) if name.endswith("cache_hits") else None)
 import hfjax
-model = hfjax.load(sys.argv[1])
+from hfjax import testing
+path = pathlib.Path(sys.argv[1]) / "llama"
+if not path.exists():  # the cold run writes the checkpoint, before anything compiles
+    testing.save_tiny_checkpoint("llama", path)
+model = hfjax.load(path)
 tokens = np.asarray(model.generate(np.array([[1, 5, 6, 7], [2, 8, 6, 7]]), max_new_tokens=4)).tolist()  # stored programs call the CPU kernels
 generator = model._generator
 print(json.dumps(dict(hits=len(hits), traced=generator.trace_counts, loaded=generator.load_counts, tokens=tokens)))
 """
 
 
-# Two new processes, one after the other, with one compilation cache: cold, then warm.
+# Two new processes, one after the other, with one compilation cache: cold, then warm (this
+# process only starts them: it imports neither torch nor JAX).
 _TWO_PROCESSES = f"""
-import os, pathlib, subprocess, sys
-from hfjax import testing
-out = pathlib.Path(sys.argv[1])
-path = testing.save_tiny_checkpoint("llama", out / "llama")
-env = {{**os.environ, "HFJAX_CACHE_DIR": str(out / "xla")}}
+import os, subprocess, sys
+out = sys.argv[1]
+env = {{**os.environ, "HFJAX_CACHE_DIR": os.path.join(out, "xla")}}
 for run in ("cold", "warm"):
-    done = subprocess.run([sys.executable, "-c", {_COLD_WARM!r}, str(path)], env=env, capture_output=True, text=True)
+    done = subprocess.run([sys.executable, "-c", {_COLD_WARM!r}, out], env=env, capture_output=True, text=True)
     print(run.upper(), done.returncode, done.stdout.splitlines()[-1] if done.returncode == 0 else done.stderr[-2000:])
 """
 
@@ -761,7 +764,7 @@ def test_a_second_process_reuses_programs_without_tracing():
 def _private_store(model, directory, monkeypatch):
     """`model` keeps its programs in `directory` alone, from a new generator: the session's store is
     shared with other processes, which may write the same programs at any moment."""
-    monkeypatch.setattr(hfjax._compilation_cache, "directory", lambda: directory)
+    monkeypatch.setattr(_compilation_cache, "directory", lambda: directory)
     model._generator = _engine.Generator(model)
 
 

@@ -17,7 +17,7 @@ from transformers.utils import ModelOutput
 
 import background
 import hfjax
-from hfjax import _pytrees
+from hfjax import _env, _pytrees
 
 
 def _import_all_model_modules() -> list[type]:
@@ -67,7 +67,7 @@ def test_every_installed_output_type_round_trips_through_jit():
     assert len(classes) > 300, f"expected hundreds of output classes, found {len(classes)}"
     for cls in classes:
         hfjax.register_pytree(cls)
-        assert cls in hfjax._pytrees.registered_classes(), f"{cls.__qualname__} is not registered"
+        assert cls in _pytrees.registered_classes(), f"{cls.__qualname__} is not registered"
     filled = [_filled(cls) for cls in classes]
     returned = jax.jit(lambda objects: objects)([obj for obj, _ in filled])  # all of them through one program
     for cls, (_, values), back in zip(classes, filled, returned):
@@ -129,11 +129,11 @@ def test_output_class_defined_after_import_is_registered_when_first_met():
         def forward(self, x):
             return LateOutput(scores=x * 2)
 
-    assert LateOutput not in hfjax._pytrees.registered_classes()
+    assert LateOutput not in _pytrees.registered_classes()
     back = hfjax.jit(Scorer())(jnp.ones(3))
     assert isinstance(back, LateOutput) and back.loss is None
     np.testing.assert_array_equal(back.scores, np.full(3, 2.0))
-    assert LateOutput in hfjax._pytrees.registered_classes()
+    assert LateOutput in _pytrees.registered_classes()
 
 
 def test_register_pytree_names_what_it_cannot_register():
@@ -147,7 +147,7 @@ def _leaves_equal(a, b):
     assert ta == tb
     assert len(la) == len(lb) and len(la) > 0
     for x, y in zip(la, lb):
-        np.testing.assert_array_equal(np.asarray(hfjax._env.to_jax(x)), np.asarray(hfjax._env.to_jax(y)))
+        np.testing.assert_array_equal(np.asarray(_env.to_jax(x)), np.asarray(_env.to_jax(y)))
 
 
 CACHE_CASES = [
@@ -184,12 +184,12 @@ def test_cache_after_forward_round_trips(checkpoint, family, overrides, make_cac
     rebuilt = jax.tree_util.tree_unflatten(treedef, leaves)
     assert type(rebuilt) is type(cache)
     _leaves_equal(cache, rebuilt)
-    through_jit = jax.jit(lambda c: c)(hfjax._env.to_jax(cache))
+    through_jit = jax.jit(lambda c: c)(_env.to_jax(cache))
     _leaves_equal(cache, through_jit)
     if hasattr(cache.layers[0], "cumulative_length"):
-        assert int(np.asarray(hfjax._env.to_jax(through_jit.layers[0].cumulative_length))) == ids.shape[1]
-    with hfjax._env.env():  # a cache holding torchax tensors computes inside the torchax environment
-        assert hfjax._env.to_torch(through_jit).get_seq_length() == cache.get_seq_length() == ids.shape[1]
+        assert int(np.asarray(_env.to_jax(through_jit.layers[0].cumulative_length))) == ids.shape[1]
+    with _env.env():  # a cache holding torchax tensors computes inside the torchax environment
+        assert _env.to_torch(through_jit).get_seq_length() == cache.get_seq_length() == ids.shape[1]
 
 
 def test_encoder_decoder_cache_round_trips(checkpoint):
@@ -199,7 +199,7 @@ def test_encoder_decoder_cache_round_trips(checkpoint):
     out = model(ids, decoder_input_ids=np.array([[2, 5]]), use_cache=True)
     cache = out.past_key_values
     assert type(cache).__name__ == "EncoderDecoderCache"
-    rebuilt = jax.jit(lambda c: c)(hfjax._env.to_jax(cache))
+    rebuilt = jax.jit(lambda c: c)(_env.to_jax(cache))
     assert type(rebuilt.self_attention_cache) is type(cache.self_attention_cache)
     _leaves_equal(cache, rebuilt)
 
@@ -211,7 +211,7 @@ def test_state_space_cache_round_trips_and_decodes(checkpoint):
     out = model(prompt, use_cache=True)
     cache = out.cache_params
     assert type(cache).__name__ == "DynamicCache"
-    _leaves_equal(cache, jax.jit(lambda c: c)(hfjax._env.to_jax(cache)))
+    _leaves_equal(cache, jax.jit(lambda c: c)(_env.to_jax(cache)))
     token = np.asarray(out.logits[:, -1:].argmax(-1))
     step = model(token, cache_params=cache, use_cache=True)
 

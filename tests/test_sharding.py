@@ -8,6 +8,7 @@ writes one JSON record per (family, mesh); the tests here assert on those record
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import pathlib
@@ -75,11 +76,12 @@ def _child(out: pathlib.Path) -> None:
                 model = hfjax.load(path, mesh=mesh)
                 plan = parallel.plan(model, mesh)
                 record["max_diff"] = float(np.abs(np.asarray(model(ids).logits) - want_logits).max())
-                got = np.asarray(model.generate(ids, max_new_tokens=NEW_TOKENS, do_sample=False)).tolist()
+                with _prefill_state(model) as state:
+                    got = np.asarray(model.generate(ids, max_new_tokens=NEW_TOKENS, do_sample=False)).tolist()
                 record["tokens"], record["want_tokens"] = got, want_tokens
                 record["split"] = sum("model" in spec for spec in plan.values())
                 record["bad_shards"] = _bad_shards(model.params, plan, model_size)
-                record["kv_cache"] = _kv_cache_shards(model, ids)
+                record["kv_cache"] = _kv_cache_shards(state)
                 if family == "llama":
                     # A long answer: the decode loop reads the split cache in windows of 64 and 128 slots.
                     long = dict(max_new_tokens=LONG_TOKENS, min_new_tokens=LONG_TOKENS, do_sample=False)
@@ -109,6 +111,9 @@ def _child(out: pathlib.Path) -> None:
             (out / "records.json").write_text(json.dumps(records))
     records += _diffusion_records(out)
     (out / "records.json").write_text(json.dumps(records))
+    # Two processes of one run (`hfjax launch`) on llama's checkpoint, against its one-device tokens.
+    want = next(r["want_tokens"] for r in records if r["family"] == "llama" and "want_tokens" in r)
+    (out / "two_processes.json").write_text(json.dumps(_two_processes(out, out / "llama", want)))
 
 
 def _diffusion_records(out: pathlib.Path) -> list[dict]:
@@ -185,9 +190,10 @@ def _bad_shards(params, plan, model_size: int) -> list[str]:
     return bad
 
 
-def _kv_cache_shards(model, ids) -> list[list[int]]:
-    # The shard shapes of the KV cache the compiled prefill returns ([B, KV heads, L, D]
-    # blocks, then the full shape), caught by wrapping the engine's prefill program.
+@contextlib.contextmanager
+def _prefill_state(model):
+    """Catches what the compiled prefill returns (the decode loop's state, as a flat list) while
+    the block generates, by wrapping the engine's prefill program."""
     from hfjax.generation import _engine
 
     generator = model._generator or _engine.Generator(model)
@@ -203,10 +209,14 @@ def _kv_cache_shards(model, ids) -> list[list[int]]:
 
     generator.programs.get = catching
     try:
-        model.generate(ids, max_new_tokens=2, do_sample=False)
+        yield caught
     finally:
         del generator.programs.get
-    leaves = [leaf for leaf in caught[-1] if leaf.ndim == 4]  # the prefill's state, as a flat list
+
+
+def _kv_cache_shards(state) -> list[list[int]]:
+    # The shard shapes of the KV cache in the prefill's state ([B, KV heads, L, D] blocks, then the full shape).
+    leaves = [leaf for leaf in state[-1] if leaf.ndim == 4]
     return [list(leaf.sharding.shard_shape(leaf.shape)) + list(leaf.shape) for leaf in leaves]
 
 
@@ -214,12 +224,11 @@ def _kv_cache_shards(model, ids) -> list[list[int]]:
 
 
 def start_in_background() -> None:
-    """Starts the 8-device child and the two-process run (conftest.py calls this after collection)."""
+    """Starts the 8-device child, which ends with the two-process run (conftest.py calls this after collection)."""
     flags = f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count=8".strip()
     background.start(
-        "sharding", [sys.executable, __file__], env={"XLA_FLAGS": flags, "JAX_PLATFORMS": "cpu"}, seconds=130
+        "sharding", [sys.executable, __file__], env={"XLA_FLAGS": flags, "JAX_PLATFORMS": "cpu"}, seconds=145
     )
-    background.start("two-processes", background.python(_TWO_PROCESSES), seconds=15)
 
 
 @pytest.fixture(scope="module")
@@ -359,29 +368,28 @@ model = hfjax.load(sys.argv[1], mesh=parallel.make_mesh(data=2, model=4))
 out = model.generate(np.array({PROMPTS}, np.int32), max_new_tokens={NEW_TOKENS}, do_sample=False)
 print('TOKENS', json.dumps(np.asarray(out).tolist()))
 """
-_TWO_PROCESSES = f"""
-import json, pathlib, subprocess, sys
-import numpy as np
-import hfjax
-from hfjax import testing
-out = pathlib.Path(sys.argv[1])
-path = testing.save_tiny_checkpoint('llama', out / 'llama', num_attention_heads=8, num_key_value_heads=8)
-want = np.asarray(hfjax.load(path).generate(np.array({PROMPTS}, np.int32), max_new_tokens={NEW_TOKENS}, do_sample=False))
-(out / 'run.py').write_text({_RUN!r})
-command = [sys.executable, '-m', 'hfjax.cli', 'launch', '--nproc', '2', '--devices-per-proc', '4', '--', str(out / 'run.py'), str(path)]
-launched = subprocess.run(command, capture_output=True, text=True)
-print(launched.stdout, launched.stderr)
-tokens = [json.loads(line.split('TOKENS', 1)[1]) for line in launched.stdout.splitlines() if 'TOKENS' in line]
-print('RESULT', json.dumps(dict(code=launched.returncode, tokens=tokens, want=want.tolist())))
-"""
+
+
+def _two_processes(out: pathlib.Path, path: pathlib.Path, want: list) -> dict:
+    # Run by the 8-device child, which has the checkpoint and its one-device tokens (launch gives
+    # each process 4 devices in place of the child's 8).
+    import subprocess
+
+    (out / "run.py").write_text(_RUN)
+    command = [sys.executable, "-m", "hfjax.cli", "launch", "--nproc", "2", "--devices-per-proc", "4", "--",
+               str(out / "run.py"), str(path)]  # fmt: skip
+    launched = subprocess.run(command, capture_output=True, text=True, timeout=600)
+    tokens = [json.loads(line.split("TOKENS", 1)[1]) for line in launched.stdout.splitlines() if "TOKENS" in line]
+    output = (launched.stdout + launched.stderr)[-4000:]
+    return {"code": launched.returncode, "tokens": tokens, "want": want, "output": output}
 
 
 def test_two_processes_give_one_device_tokens():
-    job = background.finished("two-processes", start_in_background)
-    assert job.returncode == 0, job.output[-4000:]
-    result = json.loads(job.output.split("RESULT", 1)[1])
-    assert result["code"] == 0, job.output[-4000:]
-    assert result["tokens"] == [result["want"], result["want"]]
+    child = background.finished("sharding", start_in_background)
+    assert child.returncode == 0, child.output[-4000:]
+    result = json.loads((child.directory / "two_processes.json").read_text())
+    assert result["code"] == 0, result["output"]
+    assert result["tokens"] == [result["want"], result["want"]], result["output"]
 
 
 if __name__ == "__main__":

@@ -24,9 +24,11 @@ Subpackages: `hfjax.generation` (the engine), `hfjax.serving` (continuous batchi
 `hfjax.cli`. Importing hfjax changes nothing in the process (README.md lists what its calls do).
 """
 
-from ._check import check
-from ._compilation_cache import set_cache_dir
-from ._compile import JittedModule, jit
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING
+
 from ._errors import (
     GenerationError,
     HfjaxError,
@@ -37,13 +39,40 @@ from ._errors import (
     TrainingError,
     UnsupportedOpError,
 )
-from ._model import Model, load
-from ._ops import override as override_op
-from ._pipeline import pipeline
-from ._pytrees import register_pytree, register_stateful
 from ._version import __version__
-from .diffusion import load_pipeline, to_jax
-from .parallel import distributed, make_mesh
+
+if TYPE_CHECKING:  # for type checkers and editors; at run time each name is imported when first used
+    from ._check import check
+    from ._compilation_cache import set_cache_dir
+    from ._compile import JittedModule, jit
+    from ._model import Model, load
+    from ._ops import override as override_op
+    from ._pipeline import pipeline
+    from ._pytrees import register_pytree, register_stateful
+    from .diffusion import load_pipeline, to_jax
+    from .parallel import distributed, make_mesh
+    from .training import Trainer
+
+# Public name -> (module, attribute). `import hfjax` imports none of them, so it costs little
+# (the command line's `--help` and `launch` need neither torch nor JAX); the first use of a name
+# imports its module. `Trainer` needs the `train` extra (optax).
+_LAZY = {
+    "check": ("._check", "check"),
+    "set_cache_dir": ("._compilation_cache", "set_cache_dir"),
+    "JittedModule": ("._compile", "JittedModule"),
+    "jit": ("._compile", "jit"),
+    "Model": ("._model", "Model"),
+    "load": ("._model", "load"),
+    "override_op": ("._ops", "override"),
+    "pipeline": ("._pipeline", "pipeline"),
+    "register_pytree": ("._pytrees", "register_pytree"),
+    "register_stateful": ("._pytrees", "register_stateful"),
+    "load_pipeline": (".diffusion", "load_pipeline"),
+    "to_jax": (".diffusion", "to_jax"),
+    "distributed": (".parallel", "distributed"),
+    "make_mesh": (".parallel", "make_mesh"),
+    "Trainer": (".training", "Trainer"),
+}
 
 __all__ = [
     "GenerationError",
@@ -74,9 +103,13 @@ __all__ = [
 
 
 def __getattr__(name: str):
-    # hfjax.Trainer imports optax (the `train` extra) only when first used.
-    if name == "Trainer":
-        from .training import Trainer
+    if name not in _LAZY:
+        raise AttributeError(f"module 'hfjax' has no attribute {name!r}")
+    module, attribute = _LAZY[name]
+    value = getattr(importlib.import_module(module, __name__), attribute)
+    globals()[name] = value  # later uses are plain attribute reads
+    return value
 
-        return Trainer
-    raise AttributeError(f"module 'hfjax' has no attribute {name!r}")
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *_LAZY})

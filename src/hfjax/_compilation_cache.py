@@ -10,8 +10,6 @@ from __future__ import annotations
 import os
 import pathlib
 
-import jax
-
 VARIABLE = "HFJAX_CACHE_DIR"
 DEFAULT = pathlib.Path("~/.cache/hfjax/xla")
 _OFF = ("", "0", "off", "none")
@@ -33,6 +31,8 @@ def set_cache_dir(path: str | os.PathLike | None) -> pathlib.Path | None:
     Example:
       >>> hfjax.set_cache_dir("~/.cache/hfjax/xla")
     """
+    import jax
+
     if path is None or str(path).lower() in _OFF:
         jax.config.update("jax_enable_compilation_cache", False)
         return None
@@ -47,6 +47,8 @@ def set_cache_dir(path: str | os.PathLike | None) -> pathlib.Path | None:
 
 def directory() -> pathlib.Path | None:
     """Where compiled programs are kept: JAX's compilation cache directory, or None while it is off."""
+    import jax
+
     if not jax.config.jax_enable_compilation_cache or not jax.config.jax_compilation_cache_dir:
         return None
     return pathlib.Path(jax.config.jax_compilation_cache_dir)

@@ -2,24 +2,27 @@
 
 from __future__ import annotations
 
-import jax.numpy as jnp
-import numpy as np
-import torch
+import functools
 
 from ._errors import LoadError
 
-# Floating dtypes weights can be loaded in: name -> (jax dtype, torch dtype).
-WEIGHT_DTYPES: dict[str, tuple[type, torch.dtype]] = {
-    "float32": (jnp.float32, torch.float32),
-    "bfloat16": (jnp.bfloat16, torch.bfloat16),
-    "float16": (jnp.float16, torch.float16),
-}
-NAMES: tuple[str, ...] = tuple(WEIGHT_DTYPES)
+# Floating dtypes weights can be loaded in, by name; `_table()` gives each one's jax and torch
+# dtypes (imported when first needed: the command line's parsers read NAMES alone).
+NAMES: tuple[str, ...] = ("float32", "bfloat16", "float16")
 # safetensors' dtype codes -> dtype names.
 SAFETENSORS = {
     "F64": "float64", "F32": "float32", "BF16": "bfloat16", "F16": "float16",
     "I64": "int64", "I32": "int32", "I16": "int16", "I8": "int8", "U8": "uint8", "BOOL": "bool",
 }  # fmt: skip
+
+
+@functools.cache
+def _table() -> dict:
+    """name -> (jax dtype, torch dtype) of each of NAMES."""
+    import jax.numpy as jnp
+    import torch
+
+    return {name: (getattr(jnp, name), getattr(torch, name)) for name in NAMES}
 
 
 def resolve(dtype, *, caller: str) -> str | None:
@@ -31,6 +34,9 @@ def resolve(dtype, *, caller: str) -> str | None:
     """
     if dtype is None or (isinstance(dtype, str) and dtype == "auto"):
         return None
+    import jax.numpy as jnp
+    import torch
+
     if isinstance(dtype, str):
         name = dtype
     elif isinstance(dtype, torch.dtype):
@@ -40,7 +46,7 @@ def resolve(dtype, *, caller: str) -> str | None:
             name = jnp.dtype(dtype).name
         except TypeError:
             name = repr(dtype)
-    if name not in WEIGHT_DTYPES:
+    if name not in NAMES:
         raise LoadError(
             f"{caller}: dtype={dtype!r} is not supported; use one of {NAMES} (as a name, a torch dtype or a jnp dtype), "
             "or 'auto' for the checkpoint's"
@@ -49,13 +55,16 @@ def resolve(dtype, *, caller: str) -> str | None:
 
 
 def jax_dtype(name: str):
-    return WEIGHT_DTYPES[name][0]
+    return _table()[name][0]
 
 
-def torch_dtype(name: str) -> torch.dtype:
-    return WEIGHT_DTYPES[name][1]
+def torch_dtype(name: str):
+    return _table()[name][1]
 
 
 def itemsize(name: str) -> int:
     """Bytes per element of a dtype name ("float32", "bfloat16", "int64", ...)."""
+    import jax.numpy as jnp
+    import numpy as np
+
     return jnp.dtype(name).itemsize if name != "bool" else np.dtype(bool).itemsize

@@ -76,7 +76,9 @@ def main(argv: list[str] | None = None) -> int:
         parser.print_help()
         return 2
     # The command line owns its process: compiled programs are kept between runs unless turned off.
-    set_cache_dir(os.environ.get(_compilation_cache.VARIABLE, str(_compilation_cache.DEFAULT)))
+    # (`launch` only starts processes, each of which does this for itself; it never starts JAX.)
+    if args.command != "launch":
+        set_cache_dir(os.environ.get(_compilation_cache.VARIABLE, str(_compilation_cache.DEFAULT)))
     try:
         return _COMMANDS[args.command].run(args)
     except KeyboardInterrupt:
