@@ -202,6 +202,24 @@ def test_token_constraints_match_transformers(loaded, family, name):
     np.testing.assert_array_equal(actual, expected)
 
 
+@pytest.mark.parametrize("family, beams", [("llama", 1), ("llama", 2), ("t5", 1)])
+def test_encoder_no_repeat_ngram_size_matches_transformers(loaded, family, beams):
+    # n-grams of the encoder's input may not be repeated; a decoder's "encoder input" is its prompt,
+    # pads included. A decoder's prompts are extended by their own greedy answers, so that the
+    # answer to them would repeat the prompt's n-grams (the tiny llama repeats none of the plain prompts').
+    model = loaded(family)
+    ids, mask = _batch(model)
+    if family == "llama":
+        answer = _torch_generate(model, ids, mask, max_new_tokens=NEW_TOKENS)[:, ids.shape[1] :]
+        ids, mask = np.concatenate([ids, answer], axis=1), np.concatenate([mask, np.ones_like(answer)], axis=1)
+    settings = {"max_new_tokens": NEW_TOKENS, "num_beams": beams}
+    plain = _torch_generate(model, ids, mask, **settings)
+    expected = _torch_generate(model, ids, mask, encoder_no_repeat_ngram_size=2, **settings)
+    assert not np.array_equal(expected, plain)  # the setting changes this output
+    actual = np.asarray(model.generate(ids, mask, encoder_no_repeat_ngram_size=2, **settings))
+    np.testing.assert_array_equal(actual, expected)
+
+
 def _assert_scores_equal(actual, expected, tolerance):
     # -inf (a filtered token) must be -inf on both sides; finite scores within the tolerance.
     actual, expected = np.asarray(actual), expected.numpy()

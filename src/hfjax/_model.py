@@ -194,8 +194,8 @@ class Model:
         `seed` seeds the in-program sampler: the same seed gives the same tokens.
         `streamer` follows transformers' streamer interface (`put`, `end`), e.g. `TextStreamer`.
         `settings`: other transformers generation settings, of which hfjax carries out
-        `max_length`, `min_length`, `no_repeat_ngram_size`, `bad_words_ids`, `sequence_bias`,
-        `suppress_tokens`, `begin_suppress_tokens`, `forced_bos_token_id`,
+        `max_length`, `min_length`, `no_repeat_ngram_size`, `encoder_no_repeat_ngram_size`,
+        `bad_words_ids`, `sequence_bias`, `suppress_tokens`, `begin_suppress_tokens`, `forced_bos_token_id`,
         `forced_eos_token_id`, `decoder_start_token_id`, `decoder_input_ids` (an encoder-decoder's
         first decoder tokens, int [B, D] or [D]), `num_return_sequences` and beam
         search (`num_beams`, `length_penalty`, `early_stopping`), and

@@ -77,6 +77,13 @@ class StaticCacheAdapter(CacheAdapter):
     windowable = True
     takes_prefill_inputs = True
 
+    def __init__(self, module: torch.nn.Module):
+        super().__init__(module)
+        # A model that takes no position_ids counts positions from its cache's length, pads
+        # included (BlenderbotForCausalLM, MarianForCausalLM): more pads on the left would move its
+        # tokens, so its prompts keep the caller's length.
+        self.pads_prompts = self.takes_positions
+
     def prefill(self, ids, mask, sequence, full_mask, offset: int, inputs: dict):
         cache = _caches.static_cache(self.config.get_text_config(decoder=True), sequence.shape[1])
         kwargs = {"use_cache": True, "past_key_values": cache, "attention_mask": _env.to_torch(full_mask)}

@@ -27,14 +27,24 @@ def processed(logits, state: DecodeState, end, settings: GenerationSettings):
     if settings.no_repeat_ngram_size:
         banned = _sampling.ngram_bans(sequence, first, end, settings.no_repeat_ngram_size, vocab_size)
         logits = jnp.where(banned, -jnp.inf, logits)
+    if settings.encoder_no_repeat_ngram_size:
+        # The encoder's ids; a decoder's "encoder input" is its prompt, in the buffer before the new tokens.
+        if state.encoder_ids is not None:
+            source, source_start, source_end = state.encoder_ids, 0, state.encoder_ids.shape[1]
+        else:
+            source, source_start, source_end = sequence, first, end - step
+        banned = _sampling.encoder_ngram_bans(
+            source, source_start, source_end, sequence, first, end, settings.encoder_no_repeat_ngram_size, vocab_size
+        )
+        logits = jnp.where(banned, -jnp.inf, logits)
     if settings.eos_token_ids:  # min_new_tokens and min_length
         held = jnp.isin(vocab, jnp.asarray(settings.eos_token_ids)) & (step < state.least)
         logits = jnp.where(held[None, :], -jnp.inf, logits)
     # As transformers' forced-token processors: the forced token scores 0 and every other -inf,
     # whatever the processors before had done to them.
-    if settings.forced_bos_token_id is not None:
+    if settings.forced_bos_token_id is not None:  # where the row holds one token (a decoder's start), as transformers
         forced = jnp.where(vocab == settings.forced_bos_token_id, 0.0, -jnp.inf)
-        logits = jnp.where(step == 0, forced[None, :], logits)
+        logits = jnp.where(end - first == 1, forced[None, :], logits)
     if settings.forced_eos_token_ids:
         forced = jnp.where(jnp.isin(vocab, jnp.asarray(settings.forced_eos_token_ids)), 0.0, -jnp.inf)
         logits = jnp.where(step == state.budget - 1, forced[None, :], logits)

@@ -165,8 +165,10 @@ class Generator:
             jnp.int32(settings.max_new_tokens), jnp.int32(settings.min_new_tokens), jnp.int32(plan.first_column),
             None if plan.decoder_prompt is None else self._place(plan.decoder_prompt),
         )  # fmt: skip
-        if extra is not None:  # plain containers, which jax.export can keep; the static part is in the key
-            prefill_args += (jax.tree_util.tree_map(self._place, (extra.model_inputs, extra.position_shift)),)
+        if extra is not None or plan.ngram_source is not None:
+            # plain containers, which jax.export can keep; the static part is in the key
+            extra_args = None if extra is None else (extra.model_inputs, extra.position_shift)
+            prefill_args += jax.tree_util.tree_map(self._place, (extra_args, plan.ngram_source))
         prefill_function = functools.partial(
             self._prefill_flat, layout=layout, offset=plan.offset, settings=compiled,
             static=() if extra is None else extra.static,
@@ -274,6 +276,7 @@ class Generator:
         first_column,
         decoder_prompt,
         extra=None,
+        ngram_source=None,
         *,
         layout,
         offset,
@@ -292,6 +295,7 @@ class Generator:
             first_column,
             decoder_prompt,
             extra,
+            ngram_source,
             offset=offset,
             settings=settings,
         )
@@ -322,6 +326,7 @@ class Generator:
         first_column,
         decoder_prompt,
         extra,
+        ngram_source,
         *,
         offset: int,
         settings: GenerationSettings,
@@ -329,7 +334,7 @@ class Generator:
         # ids, mask: [B, P] int32, padded; key: uint32 PRNG key data; budget, least: int32 max_new_tokens and
         # min_new_tokens; first_column: int32, where transformers' rows start in the buffer; decoder_prompt:
         # encoder-decoders' [B, offset] int32 first decoder tokens, else None (all arguments, so that they do
-        # not recompile); extra: `_multimodal.PrefillInputs` or None.
+        # not recompile); extra: `_multimodal.PrefillInputs` or None; ngram_source: `BatchPlan.ngram_source`.
         self.programs.traced["prefill"] += 1
         batch = ids.shape[0]
         total = offset + settings.max_new_tokens
@@ -370,6 +375,7 @@ class Generator:
             budget=budget,
             least=least,
             first_column=first_column,
+            encoder_ids=ngram_source,
             logits=buffer(settings.output_logits),
             scores=buffer(settings.output_scores),
             beams=None

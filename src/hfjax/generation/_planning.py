@@ -35,6 +35,9 @@ class BatchPlan:
     offset: int  # where new tokens start in the token buffer
     first_column: int  # where transformers' rows (the caller's input_ids, pads included) start in it
     total: int  # the token buffer's and the cache's length L
+    # encoder-decoders with encoder_no_repeat_ngram_size: [rows, size] int32, the encoder's ids as
+    # the caller gave them and -1 in the bucket's columns (no n-gram crosses into them); else None
+    ngram_source: np.ndarray | None = None
 
     @property
     def rows(self) -> int:
@@ -89,6 +92,20 @@ def plan_batch(
     # The buffer holds the decoder's prompt (the padded prompt, or an encoder-decoder's decoder
     # prompt) and then the new tokens.
     offset = decoder_prompt.shape[1] if encoder_decoder else size
+    # A decoder's n-grams to avoid are its prompt's, read from the buffer. An encoder's input that
+    # is not token ids (speech features) has none: transformers then warns and bans nothing.
+    ngram_source = None
+    if encoder_decoder and settings.encoder_no_repeat_ngram_size:
+        if np.issubdtype(ids.dtype, np.integer):
+            ngram_source = np.full((rows, size), -1, np.int32)
+            ngram_source[:, columns] = rows_of(ids)
+        else:
+            warnings.warn(
+                f"encoder_no_repeat_ngram_size={settings.encoder_no_repeat_ngram_size}: the encoder's input is not "
+                "token ids, so there are no n-grams to avoid; it is ignored, as transformers ignores it",
+                UserWarning,
+                stacklevel=4,
+            )
     return BatchPlan(
         ids=padded_ids,
         mask=padded_mask,
@@ -100,14 +117,21 @@ def plan_batch(
         offset=offset,
         first_column=0 if encoder_decoder else size - length,
         total=round_up(offset + settings.max_new_tokens, CACHE_MULTIPLE),
+        ngram_source=ngram_source,
     )
 
 
 def program_settings(settings: GenerationSettings, plan: BatchPlan) -> GenerationSettings:
     """The settings a program is compiled for: the budget as the whole buffer (this call's budget and
     minimum are arguments), one row per plan row."""
+    # encoder_no_repeat_ngram_size holds where there are n-grams to read: a decoder's prompt, an encoder's ids.
+    readable = plan.decoder_prompt is None or plan.ngram_source is not None
     return dataclasses.replace(
-        settings, max_new_tokens=plan.total - plan.offset, min_new_tokens=0, num_return_sequences=1
+        settings,
+        max_new_tokens=plan.total - plan.offset,
+        min_new_tokens=0,
+        num_return_sequences=1,
+        encoder_no_repeat_ngram_size=settings.encoder_no_repeat_ngram_size if readable else 0,
     )
 
 

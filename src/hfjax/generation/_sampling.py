@@ -335,17 +335,54 @@ def ngram_bans(sequence: jax.Array, start: jax.Array, end: jax.Array, size: int,
     Example:
         >>> scores = jnp.where(ngram_bans(sequence, start, end, 3, vocab), -jnp.inf, scores)
     """
-    batch, length = sequence.shape
+    if sequence.shape[1] < size:  # no window fits
+        return jnp.zeros((sequence.shape[0], vocab_size), bool)
+    return _window_bans(sequence, start, end, _suffix(sequence, end, size), vocab_size)
+
+
+def encoder_ngram_bans(
+    source: jax.Array,
+    source_start,
+    source_end,
+    sequence: jax.Array,
+    start: jax.Array,
+    end: jax.Array,
+    size: int,
+    vocab_size: int,
+) -> jax.Array:
+    """The tokens that would repeat an n-gram of the encoder's input, as transformers'
+    encoder_no_repeat_ngram_size bans: a window of `size` tokens of `source` [B, S] inside
+    [source_start, source_end) whose first size - 1 tokens equal the last size - 1 tokens of the
+    row [start, end) of `sequence` bans its last token. A row shorter than size - 1 bans nothing.
+
+    Returns:
+        [B, V] bool, True for banned tokens.
+    """
+    if sequence.shape[1] < size - 1:  # no row holds size - 1 tokens
+        return jnp.zeros((sequence.shape[0], vocab_size), bool)
+    banned = _window_bans(source, source_start, source_end, _suffix(sequence, end, size), vocab_size)
+    return banned & (end - start >= size - 1)
+
+
+def _suffix(sequence: jax.Array, end, size: int) -> jax.Array:
+    """[B, size - 1]: the row's last size - 1 tokens before column `end`."""
+    return jax.lax.dynamic_slice_in_dim(sequence, end - (size - 1), size - 1, axis=1)
+
+
+def _window_bans(source: jax.Array, start, end, suffix: jax.Array, vocab_size: int) -> jax.Array:
+    """[B, V] bool: the last token of each window of len(suffix) + 1 tokens of `source` inside
+    [start, end) whose other tokens equal `suffix` [B, size - 1]."""
+    batch, length = source.shape
+    size = suffix.shape[1] + 1
     windows = length - size + 1
     if windows < 1:
         return jnp.zeros((batch, vocab_size), bool)
-    suffix = jax.lax.dynamic_slice_in_dim(sequence, end - (size - 1), size - 1, axis=1)  # [B, size - 1]
     first = jnp.arange(windows)  # [W] each window's first column
     match = jnp.broadcast_to((first >= start) & (first + size <= end), (batch, windows))  # [B, W]
     for i in range(size - 1):
-        match = match & (sequence[:, i : i + windows] == suffix[:, i : i + 1])
-    last = sequence[:, size - 1 :]  # [B, W]
-    # Unmatched windows (and ids past the logits) mark a spare column, dropped at the end.
+        match = match & (source[:, i : i + windows] == suffix[:, i : i + 1])
+    last = source[:, size - 1 :]  # [B, W]
+    # Unmatched windows (and ids past the logits, or -1 marking no token) mark a spare column, dropped at the end.
     banned = jnp.where(match & (last >= 0) & (last < vocab_size), last, vocab_size)
     rows = jnp.arange(batch)[:, None]
     return jnp.zeros((batch, vocab_size + 1), bool).at[rows, banned].set(True)[:, :vocab_size]

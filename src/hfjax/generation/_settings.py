@@ -43,6 +43,7 @@ class GenerationSettings:
     forced_eos_token_ids: tuple[int, ...] = ()  # forced as the last token of the budget
     sequence_bias: tuple[SequenceBias, ...] = ()
     no_repeat_ngram_size: int = 0
+    encoder_no_repeat_ngram_size: int = 0  # n-grams of the encoder's input (a decoder's: its prompt)
     suppress_tokens: tuple[int, ...] = ()
     begin_suppress_tokens: tuple[int, ...] = ()
     begin_suppress_step: int = 0  # the new token at which begin_suppress_tokens apply
@@ -75,6 +76,7 @@ _SUPPORTED = (
     "min_p",
     "repetition_penalty",
     "no_repeat_ngram_size",
+    "encoder_no_repeat_ngram_size",
     "bad_words_ids",
     "sequence_bias",
     "suppress_tokens",
@@ -117,7 +119,6 @@ _UNSUPPORTED = {
         "a repetition penalty on the encoder's tokens",
         1.0,
     ),
-    "encoder_no_repeat_ngram_size": (lambda v, s: v is not None and v > 0, "n-gram bans from the encoder's tokens", 0),
     "exponential_decay_length_penalty": (lambda v, s: _set(v), "an EOS boost that grows with length", None),
     "remove_invalid_values": (lambda v, s: bool(v), "replacing inf and NaN scores", False),
     "watermarking_config": (lambda v, s: _set(v), "watermarking", None),
@@ -279,6 +280,7 @@ def resolve(
             + _bad_words(values.get("bad_words_ids"), where("bad_words_ids"), vocab, eos)
         ),
         no_repeat_ngram_size=count("no_repeat_ngram_size", least=0),
+        encoder_no_repeat_ngram_size=count("encoder_no_repeat_ngram_size", least=0),
         suppress_tokens=suppressed,
         begin_suppress_tokens=token_ids("begin_suppress_tokens"),
         # transformers suppresses them when the decoder's input is as long as it started,

@@ -33,6 +33,7 @@ class DecodeState:
     budget: jax.Array  # [] int32: this call's max_new_tokens
     least: jax.Array  # [] int32: this call's min_new_tokens
     first_column: jax.Array  # [] int32: where transformers' rows start in `sequence`
+    encoder_ids: jax.Array | None  # encoder_no_repeat_ngram_size on an encoder-decoder: `BatchPlan.ngram_source`
     logits: jax.Array | None  # [B, T, V] float32: raw logits of each new token (output_logits); else None
     scores: jax.Array | None  # [B, T, V] float32: processed scores (output_scores); else None
     beams: BeamState | None  # beam search's state; else None

@@ -28,7 +28,8 @@ DEFAULT_TASK: dict[str, str] = {
 KIND_TASKS: dict[str, tuple[str, ...]] = {
     "causal": ("text-generation", "text-classification", "feature-extraction"),
     "encoder": ("text-classification", "feature-extraction"),
-    "seq2seq": ("text2text-generation", "text-classification", "feature-extraction"),
+    # text-generation: the decoder alone, where transformers has a causal LM class (BartForCausalLM)
+    "seq2seq": ("text2text-generation", "text-generation", "text-classification", "feature-extraction"),
 }
 
 _HIDDEN, _HEADS, _KV_HEADS, _HEAD_DIM, _INTERMEDIATE, _LAYERS = 64, 4, 2, 16, 128, 2
