@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import json
+import pathlib
 
 import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
 import transformers
+from safetensors import safe_open
 
 import hfjax
 from hfjax import tolerances
@@ -127,3 +129,13 @@ def test_errors_are_one_clear_line(tmp_path, checkpoint):
     empty.mkdir()
     with pytest.raises(hfjax.LoadError, match=r"no config.json"):
         hfjax.load(empty)
+
+
+def test_tensors_transformers_does_not_save_are_set_as_from_pretrained_sets_them(checkpoint):
+    # MarianMTModel leaves its sinusoidal position tables out of its checkpoints
+    # (`_keys_to_ignore_on_save`) and from_pretrained computes them again; so does hfjax.load.
+    path = checkpoint("marian", task="text2text-generation")
+    with safe_open(pathlib.Path(path) / "model.safetensors", framework="np") as saved:
+        assert not any("embed_positions" in key for key in saved.keys())
+    report = hfjax.check(path, batch=2, seq_len=8, repeats=1, eager=False)
+    assert report.passed, report.table()

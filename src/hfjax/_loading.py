@@ -9,6 +9,7 @@ conversion rules, one target tensor at a time.
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 import pathlib
@@ -256,6 +257,13 @@ def load_weights(
     bar.close()
 
     missing = [n for n, t in expected.items() if n not in params and t.device.type == "meta"]
+    for name in [n for n in missing if _not_saved(module, n)]:
+        value = _initialized(module, name)
+        if value is not None:
+            params[name] = _cast(_env.torch_to_jax(value), target, expected[name])
+            if shardings is not None:
+                params[name] = jax.device_put(params[name], _sharding_for(shardings, name))
+    missing = [n for n in missing if n not in params]
     if missing:
         shown = ", ".join(missing[:8]) + (f" and {len(missing) - 8} more" if len(missing) > 8 else "")
         raise LoadError(
@@ -268,6 +276,28 @@ def load_weights(
             if shardings is not None:
                 params[name] = _place(np.asarray(params[name]), _sharding_for(shardings, name))
     return params, aliases
+
+
+def _not_saved(module: torch.nn.Module, name: str) -> bool:
+    """Whether transformers leaves `name` out of the checkpoints it writes and sets it again when it
+    loads them (`_keys_to_ignore_on_save`: MarianMTModel's sinusoidal position tables)."""
+    return any(re.search(pattern, name) for pattern in getattr(module, "_keys_to_ignore_on_save", None) or ())
+
+
+@torch.no_grad()
+def _initialized(module: torch.nn.Module, name: str) -> torch.Tensor | None:
+    """The value `from_pretrained` gives a tensor that checkpoints leave out: the model's own
+    `_init_weights` run on a CPU copy of the submodule that holds it (the skeleton stays on the
+    meta device); None if `_init_weights` does not set it."""
+    owner_name, _, leaf = name.rpartition(".")
+    owner = copy.deepcopy(module.get_submodule(owner_name)).to_empty(device="cpu")
+    tensor = getattr(owner, leaf)
+    if not tensor.is_floating_point():
+        return None
+    tensor.fill_(float("nan"))
+    module._init_weights(owner)
+    tensor = getattr(owner, leaf)
+    return None if bool(tensor.isnan().any()) else tensor.detach()
 
 
 # ---- sharded reads (hfjax.parallel decides the shardings) ----------------------

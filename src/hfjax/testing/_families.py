@@ -378,6 +378,9 @@ def _generic_overrides(defaults: Mapping[str, Any]) -> dict[str, Any]:
             overrides[key] = {"model_type": value["model_type"], **_generic_overrides(value)}
     if "text_config" in overrides:
         overrides["text_config"].update(_TOKEN_IDS)
+    start = defaults.get("decoder_start_token_id")
+    if isinstance(start, int) and start >= VOCAB_SIZE:  # Marian starts from its pad token, 58100: the tiny one's
+        overrides["decoder_start_token_id"] = PAD_ID
     return overrides
 
 
