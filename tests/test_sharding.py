@@ -62,13 +62,14 @@ def _child(out: pathlib.Path) -> None:
     from hfjax import parallel, testing
 
     assert jax.device_count() == 8, jax.devices()
-    records = []
+    records, one_device = [], {}  # one_device: each family's tokens on one device
     ids = np.array(PROMPTS, np.int32)
     for family, overrides in CASES.items():
         path = testing.save_tiny_checkpoint(family, out / family, **overrides)
         reference = hfjax.load(path)
         want_logits = np.asarray(reference(ids).logits)
         want_tokens = np.asarray(reference.generate(ids, max_new_tokens=NEW_TOKENS, do_sample=False)).tolist()
+        one_device[family] = want_tokens
         for data, model_size in FAMILY_MESHES[family]:
             record = {"family": family, "mesh": [data, model_size]}
             try:
@@ -112,8 +113,7 @@ def _child(out: pathlib.Path) -> None:
     records += _diffusion_records(out)
     (out / "records.json").write_text(json.dumps(records))
     # Two processes of one run (`hfjax launch`) on llama's checkpoint, against its one-device tokens.
-    want = next(r["want_tokens"] for r in records if r["family"] == "llama" and "want_tokens" in r)
-    (out / "two_processes.json").write_text(json.dumps(_two_processes(out, out / "llama", want)))
+    (out / "two_processes.json").write_text(json.dumps(_two_processes(out, out / "llama", one_device["llama"])))
 
 
 def _diffusion_records(out: pathlib.Path) -> list[dict]:

@@ -290,6 +290,8 @@ def _initialized(module: torch.nn.Module, name: str) -> torch.Tensor | None:
     `_init_weights` run on a CPU copy of the submodule that holds it (the skeleton stays on the
     meta device); None if `_init_weights` does not set it."""
     owner_name, _, leaf = name.rpartition(".")
+    if not owner_name:  # a tensor of the model itself: materialising the whole model is not worth it
+        return None
     owner = copy.deepcopy(module.get_submodule(owner_name)).to_empty(device="cpu")
     tensor = getattr(owner, leaf)
     if not tensor.is_floating_point():
