@@ -5,6 +5,7 @@ logits; what the trainer saves loads back in transformers and peft."""
 from __future__ import annotations
 
 import dataclasses
+import os
 
 import numpy as np
 import pytest
@@ -371,3 +372,78 @@ def test_bfloat16_compute_keeps_float32_weights_and_compiles_once_per_shape(chec
     np.testing.assert_array_equal(
         np.asarray(trainer.model.params["model.norm.weight"]), np.asarray(trainer.trainable["model.norm.weight"])
     )
+
+
+def test_a_directory_is_written_whole_or_not_at_all(tmp_path):
+    from hfjax.training import _save
+
+    target = tmp_path / "out"
+    with _save.atomic_directory(target) as scratch:
+        (scratch / "weights").write_text("first")
+    assert (target / "weights").read_text() == "first"
+    mask = os.umask(0)
+    os.umask(mask)
+    assert target.stat().st_mode & 0o777 == 0o777 & ~mask  # as mkdir makes it, not mkdtemp's 0700
+
+    with pytest.raises(KeyboardInterrupt):  # a crash halfway: the old directory stays, whole
+        with _save.atomic_directory(target) as scratch:
+            (scratch / "weights").write_text("second, half")
+            raise KeyboardInterrupt
+    assert [p.name for p in tmp_path.iterdir()] == ["out"]
+    assert (target / "weights").read_text() == "first"
+
+
+_WORDS = "the cat sat on the mat while the dog ran to the park".split()
+TEXTS = [{"text": " ".join(_WORDS[i % 4 : i % 4 + 2 + i % 6])} for i in range(12)]
+
+
+def test_packed_rows_train_each_example_as_pytorch_runs_it_alone(checkpoint):
+    path = checkpoint("llama")
+    trainer = hfjax.Trainer(hfjax.load(path), training.sgd(1e-2), dropout=False)
+    examples = trainer.examples(TEXTS, max_length=32)
+    stream = training.BatchStream(examples, 2, seed=0, max_length=32, packing=True)
+    batch, tokens = stream.batch_and_tokens(0)
+    assert set(batch) == {"input_ids", "labels", "position_ids"} and batch["input_ids"].shape == (2, 32)
+
+    # Each row: whole examples one after another (positions from 0 in each, its first label -100),
+    # then padding (its own run of positions, no labels).
+    known = {tuple(r["input_ids"]) for r in examples.rows}
+    segments, most = [], 0
+    for ids, labels, positions in zip(batch["input_ids"], batch["labels"], batch["position_ids"]):
+        starts = [*np.flatnonzero(positions == 0), len(positions)]
+        runs = [(a, b) for a, b in zip(starts, starts[1:])]
+        *whole, tail = runs
+        if tuple(ids[tail[0] : tail[1]]) in known:  # a row filled exactly: no padding
+            whole.append(tail)
+        else:
+            assert set(labels[tail[0] : tail[1]]) == {-100}
+        most = max(most, len(whole))
+        for a, b in whole:
+            assert tuple(ids[a:b]) in known
+            assert labels[a] == -100 and list(labels[a + 1 : b]) == list(ids[a + 1 : b])
+            segments.append(ids[a:b])
+    assert tokens == sum(len(s) for s in segments)
+    assert most >= 2  # short examples share a row
+
+    # The packed batch's loss is the token-weighted mean of each example's loss run alone in PyTorch.
+    reference = transformers.AutoModelForCausalLM.from_pretrained(path).eval()
+    total, count = 0.0, 0
+    with torch.no_grad():
+        for ids in segments:
+            ids = torch.tensor(ids[None].astype(np.int64))
+            total += reference(input_ids=ids, labels=ids).loss.item() * (ids.shape[1] - 1)
+            count += ids.shape[1] - 1
+    np.testing.assert_allclose(trainer.evaluate([batch]), total / count, atol=tolerances.DEFAULT.atol)
+
+    # Training on packed rows: one shape, one compiled step.
+    history = trainer.fit(TEXTS, steps=3, batch_size=2, max_length=32, packing=True)
+    assert trainer.compile_count == 1 and history[-1]["loss"] < history[0]["loss"]
+
+
+def test_packing_is_refused_where_examples_would_see_each_other(checkpoint):
+    bloom = hfjax.Trainer(hfjax.load(checkpoint("bloom")), training.sgd(1e-2))  # no position_ids
+    with pytest.raises(hfjax.TrainingError, match=r"packing=True\): BloomForCausalLM does not keep packed examples"):
+        bloom.fit(TEXTS, steps=1, batch_size=2, packing=True)
+    bert = hfjax.Trainer(hfjax.load(checkpoint("bert", task="text-classification")), training.sgd(1e-2))
+    with pytest.raises(hfjax.TrainingError, match="packs causal-LM examples; these are classification examples"):
+        bert.fit([{"text": "a", "label": 0}], steps=1, batch_size=1, packing=True)

@@ -1,6 +1,7 @@
 """Whole training runs, in a process of their own beside the suite (`python tests/test_training_runs.py DIR`,
 with 8 simulated CPU devices): `hfjax finetune` end to end, a run killed with SIGKILL and resumed,
-and sharded training (data parallel, fully sharded) against one device."""
+and sharded training (data parallel; fully sharded by two processes joined by jax.distributed)
+against one device."""
 
 from __future__ import annotations
 
@@ -89,27 +90,32 @@ def _run_child(directory: pathlib.Path) -> None:
             }
     (directory / "record.json").write_text(json.dumps(record))
 
-    # Sharded training: the same steps on one device, data parallel over 8, fully sharded over (2, 4).
+    # Sharded training: the same steps on one device, data parallel over 8 devices, and fully sharded
+    # over (2, 4) by two processes joined by jax.distributed (hfjax launch, 4 devices each), which
+    # also save what they trained.
     texts = [{"text": " ".join(rng.choice(WORDS, 12))} for _ in range(32)]
+    (directory / "texts.json").write_text(json.dumps(texts))
     runs = {}
-    for name, mesh, fully in [
-        ("one", None, False),
-        ("data8", hfjax.make_mesh(data=8, model=1), False),
-        ("fsdp2x4", hfjax.make_mesh(data=2, model=4), True),
-    ]:
-        trainer = hfjax.Trainer(
-            hfjax.load(path, mesh=mesh), training.adamw(1e-2), max_grad_norm=1.0, fully_sharded=fully
-        )
-        losses = [m["loss"] for m in trainer.fit(texts, steps=3, batch_size=8)]
-        moments = [x for x in jax_leaves(trainer.opt_state) if x.ndim == 2]
+    for name, mesh in [("one", None), ("data8", hfjax.make_mesh(data=8, model=1))]:
+        trainer = hfjax.Trainer(hfjax.load(path, mesh=mesh), training.adamw(1e-2), max_grad_norm=1.0)
         runs[name] = {
-            "losses": losses,
-            # (shard size, full size) of every trained weight and 2-D optimizer moment after the steps
-            "sizes": [
-                [int(np.prod(x.sharding.shard_shape(x.shape))), int(x.size)]
-                for x in [*trainer.trainable.values(), *moments]
-            ],
+            "losses": [m["loss"] for m in trainer.fit(texts, steps=3, batch_size=8)],
+            "sizes": _sizes(trainer),
         }
+        if mesh is None:
+            trainer.save_pretrained(directory / "trained-one")
+    launched = subprocess.run(
+        [sys.executable, "-m", "hfjax.cli", "launch", "--nproc", "2", "--devices-per-proc", "4", "--",
+         __file__, "--two-processes", str(path), str(directory)],
+        capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    record["two_processes"] = {"code": launched.returncode, "output": (launched.stdout + launched.stderr)[-4000:]}
+    if launched.returncode == 0:
+        runs["fsdp2x4"] = json.loads((directory / "fsdp2x4.json").read_text())
+        from safetensors.numpy import load_file
+
+        one, two = (load_file(directory / name / "model.safetensors") for name in ("trained-one", "trained-fsdp2x4"))
+        record["saved_weights"] = {"names": sorted(two) == sorted(one), "max_difference": _max_difference(one, two)}
     record["sharded"] = runs
 
     # A NaN loss stops the run, naming the step.
@@ -122,10 +128,46 @@ def _run_child(directory: pathlib.Path) -> None:
     (directory / "record.json").write_text(json.dumps(record))
 
 
-def jax_leaves(tree):
+def _two_processes_child(path: str, directory: pathlib.Path) -> None:
+    """Each of the two processes: trains fully sharded over a (2, 4) mesh spanning both, saves (process
+    0 writes the directory, the weights gathered from both), and resumes a checkpoint it wrote."""
     import jax
 
-    return jax.tree_util.tree_leaves(tree)
+    import hfjax
+    from hfjax import training
+
+    hfjax.distributed.initialize()  # hfjax launch has joined the run already
+    model = hfjax.load(path, mesh=hfjax.make_mesh(data=2, model=4))
+    trainer = hfjax.Trainer(model, training.adamw(1e-2), max_grad_norm=1.0, fully_sharded=True)
+    history = trainer.fit(json.loads((directory / "texts.json").read_text()), steps=3, batch_size=8)
+    trainer.save_pretrained(directory / "trained-fsdp2x4")
+    # A checkpoint resumed by a new trainer comes back split as it was, with the same values.
+    trainer.save_checkpoint(directory / "checkpoint-fsdp2x4")
+    again = hfjax.Trainer(model, training.adamw(1e-2), max_grad_norm=1.0, fully_sharded=True)
+    again.resume(directory / "checkpoint-fsdp2x4")
+    pairs = [(again.trainable[n], a) for n, a in trainer.trainable.items()]
+    pairs += list(zip(jax.tree_util.tree_leaves(again.opt_state), jax.tree_util.tree_leaves(trainer.opt_state)))
+    resumed = {
+        "same_sharding": all(a.sharding == b.sharding for a, b in pairs),
+        "same_values": all(bool(jax.numpy.array_equal(a, b)) for a, b in pairs),
+    }
+    if jax.process_index() == 0:
+        run = {"losses": [h["loss"] for h in history], "sizes": _sizes(trainer), "resumed": resumed}
+        (directory / "fsdp2x4.json").write_text(json.dumps(run))
+
+
+def _sizes(trainer) -> list[list[int]]:
+    """(shard size, full size) of every trained weight and 2-D optimizer moment."""
+    import jax
+
+    moments = [x for x in jax.tree_util.tree_leaves(trainer.opt_state) if x.ndim == 2]
+    return [
+        [int(np.prod(x.sharding.shard_shape(x.shape))), int(x.size)] for x in [*trainer.trainable.values(), *moments]
+    ]
+
+
+def _max_difference(a: dict, b: dict) -> float:
+    return max(float(np.max(np.abs(a[name] - b[name]))) for name in a)
 
 
 def start_in_background() -> None:
@@ -163,6 +205,7 @@ def test_a_killed_run_resumes_with_the_same_losses(record):
 def test_sharded_training_matches_one_device(record):
     from hfjax import tolerances
 
+    assert record["two_processes"]["code"] == 0, record["two_processes"]["output"]
     runs = record["sharded"]
     for name in ("data8", "fsdp2x4"):
         np.testing.assert_allclose(
@@ -173,6 +216,10 @@ def test_sharded_training_matches_one_device(record):
     ways = [full // shard for shard, full in runs["fsdp2x4"]["sizes"]]
     assert set(ways) == {2, 8}, runs["fsdp2x4"]["sizes"]
     assert all(shard == full for shard, full in runs["data8"]["sizes"])  # data parallel: copies
+    # What the two processes saved (weights gathered from both) is what one device trained.
+    assert record["saved_weights"]["names"]
+    assert record["saved_weights"]["max_difference"] <= tolerances.TRAINING_ADAMW.atol, record["saved_weights"]
+    assert runs["fsdp2x4"]["resumed"] == {"same_sharding": True, "same_values": True}
 
 
 def test_a_nan_loss_stops_the_run_naming_the_step(record):
@@ -180,4 +227,7 @@ def test_a_nan_loss_stops_the_run_naming_the_step(record):
 
 
 if __name__ == "__main__":
-    _run_child(pathlib.Path(sys.argv[1]))
+    if sys.argv[1] == "--two-processes":  # run by hfjax launch, in each process
+        _two_processes_child(sys.argv[2], pathlib.Path(sys.argv[3]))
+    else:
+        _run_child(pathlib.Path(sys.argv[1]))

@@ -55,10 +55,22 @@ def add_parser(subparsers) -> None:
     parser.add_argument("--seed", type=int, default=0, help="data order and LoRA initialisation (default 0)")
     parser.add_argument("--data-parallel", type=int, default=1, help="devices the batch is split over (default 1)")
     parser.add_argument("--model-parallel", type=int, default=1, help="devices each weight is split over (default 1)")
+    parser.add_argument(
+        "--fully-sharded",
+        action="store_true",
+        help="also split weights and optimizer state over the --data-parallel devices (needs --data-parallel > 1)",
+    )
+    parser.add_argument(
+        "--packing",
+        action="store_true",
+        help="pack several examples into each row of --max-length tokens, each attending only to itself (causal LMs)",
+    )
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
 
 
 def run(args: argparse.Namespace) -> int:
+    import jax
+
     import hfjax
     from hfjax import training
 
@@ -90,7 +102,14 @@ def run(args: argparse.Namespace) -> int:
             lora = peft.LoraConfig(r=args.lora_r, lora_alpha=alpha, target_modules=targets, task_type=task_type)
         schedule = training.linear_schedule(args.learning_rate, warmup_steps=args.warmup_steps, total_steps=args.steps)
         optimizer = training.adamw(schedule, weight_decay=args.weight_decay, mask=training.decay_mask(model.module))
-        trainer = hfjax.Trainer(model, optimizer, lora=lora, max_grad_norm=args.max_grad_norm or None, seed=args.seed)
+        trainer = hfjax.Trainer(
+            model,
+            optimizer,
+            lora=lora,
+            max_grad_norm=args.max_grad_norm or None,
+            seed=args.seed,
+            fully_sharded=args.fully_sharded,
+        )
         if args.resume:
             step = trainer.resume(checkpoint)
             print(f"resuming from step {step}", file=sys.stderr)
@@ -104,9 +123,11 @@ def run(args: argparse.Namespace) -> int:
             checkpoint_dir=checkpoint,
             save_every=args.save_every,
             progress=not args.no_progress,
+            packing=args.packing,
         )
         trainer.save_pretrained(out, keep=("checkpoint",))
-        training.plot_losses(trainer.history, out / "loss.png")
+        if jax.process_index() == 0:  # one writer in a multi-process run (hfjax launch)
+            training.plot_losses(trainer.history, out / "loss.png")
     except hfjax.HfjaxError as error:
         print(f"hfjax finetune: {error}", file=sys.stderr)
         return 1
@@ -115,5 +136,6 @@ def run(args: argparse.Namespace) -> int:
     summary = f"step {last['step']}: loss {last['loss']:.4f}" + (
         f", eval loss {evaluated[-1]:.4f}" if evaluated else ""
     )
-    print(f"{summary}; wrote {out}", file=sys.stderr)
+    if jax.process_index() == 0:
+        print(f"{summary}; wrote {out}", file=sys.stderr)
     return 0

@@ -23,12 +23,13 @@ import threading
 # Runs in each child: join the run before anything starts JAX's backends (importing hfjax does
 # not), then run the hfjax subcommand or the script.
 _BOOTSTRAP = """
-import runpy, sys
+import os, runpy, sys
 import hfjax
 hfjax.distributed.initialize()
 argv = sys.argv[1:]
 if argv[0].endswith(".py"):
     sys.argv = argv
+    sys.path.insert(0, os.path.dirname(os.path.abspath(argv[0])))  # as `python script.py` does
     runpy.run_path(argv[0], run_name="__main__")
 else:
     from hfjax.cli import main

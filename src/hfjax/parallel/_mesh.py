@@ -77,10 +77,13 @@ def check_mesh(mesh, *, caller: str) -> None:
 def split_over_data(array: jax.Array, mesh) -> jax.sharding.NamedSharding:
     """`array`'s sharding on `mesh` with, in addition, its largest dimension that is not split yet
     and that "data" divides split over "data" (fully sharded training: each data-parallel device
-    holds a slice of every weight and of its optimizer state). Replicated where none divides."""
+    holds a slice of every weight and of its optimizer state). Replicated where none divides; as
+    it is where "data" splits it already (a weight a fully sharded trainer has trained)."""
     data = data_size(mesh)
     spec = list(array.sharding.spec) if isinstance(array.sharding, jax.sharding.NamedSharding) else []
     spec += [None] * (array.ndim - len(spec))
+    if any(entry == "data" or (isinstance(entry, tuple) and "data" in entry) for entry in spec):
+        return jax.sharding.NamedSharding(mesh, P(*spec))
     for dim in sorted(range(array.ndim), key=lambda d: -array.shape[d]):
         if spec[dim] is None and array.shape[dim] % data == 0:
             spec[dim] = "data"

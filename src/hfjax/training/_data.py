@@ -1,5 +1,6 @@
 """Training data: records from JSONL, CSV, a `datasets.Dataset` or a list, tokenised for the task,
-then served as padded batches whose lengths round up to power-of-two buckets.
+then served as padded batches whose lengths round up to power-of-two buckets, or packed: several
+examples per row of `max_length` tokens, told apart by their position ids (causal LMs).
 
 Records, by task:
     text-generation        {"text": ...}, or {"messages": [{"role", "content"}, ...]}: the chat
@@ -197,34 +198,106 @@ _TOKENIZERS = {"causal": _causal, "classification": _classification, "seq2seq": 
 
 class BatchStream:
     """Batches of `batch_size` rows drawn from the examples in a shuffled order, epoch after epoch;
-    batch k is the same for every run with this seed, so a resumed run sees the data it would have."""
+    batch k is the same for every run with this seed, so a resumed run sees the data it would have.
 
-    def __init__(self, examples: Examples, batch_size: int, *, seed: int, max_length: int):
+    packing: each row holds as many whole examples, in that order, as fit in `max_length` tokens
+    (see `pack`), so every batch has one shape and no row is mostly padding."""
+
+    def __init__(self, examples: Examples, batch_size: int, *, seed: int, max_length: int, packing: bool = False):
         if batch_size < 1:
             raise TrainingError(f"hfjax training: batch_size={batch_size}; pass an int >= 1")
+        if packing and examples.kind != "causal":
+            raise TrainingError(
+                f"hfjax training: packing=True packs causal-LM examples; these are {examples.kind} examples. "
+                "Pass packing=False"
+            )
         self.examples, self.batch_size, self.seed, self.max_length = examples, batch_size, seed, max_length
+        self.packing = packing
+        self._packed: list[list[list[dict]]] = []  # packing: each epoch's rows, as groups of examples
 
     def _order(self, epoch: int) -> np.ndarray:
         return np.random.default_rng([self.seed, epoch]).permutation(len(self.examples))
 
+    def _units(self, epoch: int) -> list:
+        """What rows are drawn from in `epoch`, in order: the shuffled examples, or packed groups of them."""
+        if not self.packing:
+            return [self.examples.rows[i] for i in self._order(epoch)]
+        while len(self._packed) <= epoch:
+            shuffled = [self.examples.rows[i] for i in self._order(len(self._packed))]
+            self._packed.append(_groups(shuffled, self.max_length))
+        return self._packed[epoch]
+
+    def _drawn(self, k: int) -> list:
+        """The units of batch k: places k * batch_size onwards of the epochs one after another."""
+        epoch, start = 0, k * self.batch_size
+        if not self.packing:  # every epoch has one unit per example
+            epoch, start = divmod(start, len(self.examples))
+        units = self._units(epoch)
+        while start >= len(units):
+            start, epoch = start - len(units), epoch + 1
+            units = self._units(epoch)
+        drawn = []
+        while len(drawn) < self.batch_size:
+            drawn.append(units[start])
+            start += 1
+            if start == len(units):
+                epoch, start = epoch + 1, 0
+                units = self._units(epoch)
+        return drawn
+
     def batch(self, k: int) -> dict[str, np.ndarray]:
         """Batch number `k` (from 0)."""
-        n = len(self.examples)
-        positions = range(k * self.batch_size, (k + 1) * self.batch_size)
-        orders = {}
-        rows = []
-        for p in positions:
-            epoch = p // n
-            if epoch not in orders:
-                orders[epoch] = self._order(epoch)
-            rows.append(self.examples.rows[orders[epoch][p % n]])
-        return pad(rows, self.examples, self.max_length)
+        return self.batch_and_tokens(k)[0]
+
+    def batch_and_tokens(self, k: int) -> tuple[dict[str, np.ndarray], int]:
+        """(batch number `k`, how many of its tokens are examples' rather than padding)."""
+        drawn = self._drawn(k)
+        if self.packing:
+            return pack(drawn, self.examples.pad_id, self.max_length), sum(
+                len(r["input_ids"]) for g in drawn for r in g
+            )
+        return pad(drawn, self.examples, self.max_length), sum(len(r["input_ids"]) for r in drawn)
 
     def epoch(self) -> Iterator[dict[str, np.ndarray]]:
-        """Every example once, in order (the last batch may be smaller)."""
+        """Every example once, in order (the last batch may be smaller); not packed."""
         rows = self.examples.rows
         for start in range(0, len(rows), self.batch_size):
             yield pad(rows[start : start + self.batch_size], self.examples, self.max_length)
+
+
+def _groups(rows: list[dict], max_length: int) -> list[list[dict]]:
+    """`rows` in order, cut into runs whose tokens fit in `max_length` (each example is at most that)."""
+    groups, current, used = [], [], 0
+    for row in rows:
+        if current and used + len(row["input_ids"]) > max_length:
+            groups.append(current)
+            current, used = [], 0
+        current.append(row)
+        used += len(row["input_ids"])
+    groups.append(current)
+    return groups
+
+
+def pack(groups: list[list[dict]], pad_id: int, length: int) -> dict[str, np.ndarray]:
+    """Rows of `length` tokens, each the examples of one group one after another, then padding:
+    input_ids, labels (-100 on each example's first token, which the one before it must not learn
+    to predict, and on padding), position_ids (from 0 in each example and in the padding).
+
+    With position_ids and no attention_mask, transformers' mask functions (masking_utils) keep each
+    example's attention within itself, as if it were alone in its row."""
+    ids = np.full((len(groups), length), pad_id, np.int32)
+    labels = np.full((len(groups), length), IGNORE, np.int32)
+    positions = np.zeros((len(groups), length), np.int32)
+    for i, group in enumerate(groups):
+        at = 0
+        for row in group:
+            n = len(row["input_ids"])
+            ids[i, at : at + n] = row["input_ids"]
+            labels[i, at + 1 : at + n] = row["labels"][1:n]
+            positions[i, at : at + n] = np.arange(n)
+            at += n
+        positions[i, at:] = np.arange(length - at)
+    return {"input_ids": ids, "labels": labels, "position_ids": positions}
 
 
 def pad(rows, examples: Examples, max_length: int) -> dict[str, np.ndarray]:

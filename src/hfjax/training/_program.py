@@ -19,6 +19,7 @@ from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 import torch
 from torchax.tensor import Tensor as JaxTensor
@@ -130,6 +131,20 @@ def _mode(module: torch.nn.Module, *, training: bool):
         yield
     finally:
         module.train(was)
+
+
+def keeps_packed_examples_apart(model, ids: list[int]) -> bool:
+    """Whether `model` (an hfjax.Model) runs an example packed after another as it runs it alone:
+    position ids that restart at 0 and no attention mask must keep its attention (and any
+    recurrent state) from reaching the one before. Checked on a row of `ids` twice over (two small
+    forwards)."""
+    from .. import tolerances
+
+    row = np.asarray([ids + ids], np.int32)
+    positions = np.asarray([list(range(len(ids))) * 2], np.int32)
+    packed = model(row, position_ids=positions, use_cache=False).logits[0, len(ids) :]
+    alone = model(np.asarray([ids], np.int32), use_cache=False).logits[0]
+    return bool(np.allclose(np.asarray(packed), np.asarray(alone), atol=tolerances.PACKING.atol, rtol=0))
 
 
 def decoder_layers(module: torch.nn.Module) -> list[torch.nn.Module]:

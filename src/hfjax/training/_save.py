@@ -1,5 +1,10 @@
 """What the trainer writes: transformers checkpoints, peft adapters and resumable training state,
-each directory written whole or not at all (built beside its place, then renamed into it)."""
+each directory written whole or not at all (built beside its place, then renamed into it).
+
+In a multi-process run (jax.distributed), every process runs the same writing code, so that the
+gathers of weights split over processes happen in the same order everywhere; process 0's
+directory is the one put in place, the others' are scratch, and no process goes on before it is
+in place."""
 
 from __future__ import annotations
 
@@ -27,8 +32,17 @@ def atomic_directory(path: str | os.PathLike, *, keep: tuple[str, ...] = ()):
     becomes `path` (replacing what was there). A crash leaves `path` as it was, old or absent.
     `keep`: entries of the old `path` moved (renamed) into the new one."""
     path = pathlib.Path(path)
+    if jax.process_index() != 0:  # another process publishes it; this one writes scratch only
+        scratch = pathlib.Path(tempfile.mkdtemp(prefix=f"hfjax-{path.name}-process-{jax.process_index()}-"))
+        try:
+            yield scratch
+        finally:
+            shutil.rmtree(scratch, ignore_errors=True)
+        _barrier(f"hfjax wrote {path.name}")
+        return
     path.parent.mkdir(parents=True, exist_ok=True)
     scratch = pathlib.Path(tempfile.mkdtemp(prefix=f".{path.name}.writing-", dir=path.parent))
+    scratch.chmod(0o777 & ~_umask())  # mkdtemp's 0700 is for scratch; the result is a plain directory
     try:
         yield scratch
     except BaseException:
@@ -44,13 +58,37 @@ def atomic_directory(path: str | os.PathLike, *, keep: tuple[str, ...] = ()):
         shutil.rmtree(old, ignore_errors=True)
     else:
         os.replace(scratch, path)
+    _barrier(f"hfjax wrote {path.name}")
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
+def _barrier(name: str) -> None:
+    if jax.process_count() > 1:
+        from jax.experimental import multihost_utils
+
+        multihost_utils.sync_global_devices(name)
+
+
+def host_array(array) -> np.ndarray:
+    """The whole value of `array` in this process, gathered where other processes hold parts of it
+    (then every process must ask for the same arrays in the same order)."""
+    if isinstance(array, jax.Array) and not array.is_fully_addressable:
+        from jax.experimental import multihost_utils
+
+        return np.asarray(multihost_utils.process_allgather(array, tiled=True))
+    return np.asarray(array)
 
 
 def to_torch_cpu(array: jax.Array) -> torch.Tensor:
     """A jax.Array's values as a CPU torch tensor with memory of its own (bfloat16 kept)."""
     if array.dtype == jax.numpy.bfloat16:
-        return torch.from_numpy(np.array(array.astype(jax.numpy.float32))).to(torch.bfloat16)
-    return torch.from_numpy(np.array(array))
+        return torch.from_numpy(np.array(host_array(array.astype(jax.numpy.float32)))).to(torch.bfloat16)
+    return torch.from_numpy(np.array(host_array(array)))
 
 
 def write_weights(directory: pathlib.Path, module: torch.nn.Module, params: dict, aliases: dict) -> None:
@@ -78,7 +116,7 @@ def write_state(directory: pathlib.Path, *, trainable: dict, opt_state, key: jax
     JSON record (step, data position, losses)."""
     tensors = {f"params/{n}": to_torch_cpu(a) for n, a in trainable.items()}
     for i, leaf in enumerate(jax.tree_util.tree_leaves(opt_state)):
-        tensors[f"optimizer/{i}"] = to_torch_cpu(jax.numpy.asarray(leaf))
+        tensors[f"optimizer/{i}"] = to_torch_cpu(leaf if isinstance(leaf, jax.Array) else jax.numpy.asarray(leaf))
     tensors["prng_key"] = to_torch_cpu(key)
     save_file(tensors, directory / STATE_FILE)
     (directory / STATE_JSON).write_text(json.dumps(record, indent=1) + "\n")
@@ -86,7 +124,7 @@ def write_state(directory: pathlib.Path, *, trainable: dict, opt_state, key: jax
 
 def read_state(directory: pathlib.Path, *, trainable: dict, opt_state) -> tuple[dict, object, jax.Array, dict]:
     """(trainable, opt_state, key, record) as `write_state` left them; `trainable` and `opt_state`
-    give the structure, shapes and dtypes expected."""
+    give the structure, shapes, dtypes and shardings expected."""
     file = directory / STATE_FILE
     if not file.is_file():
         raise TrainingError(
@@ -101,20 +139,23 @@ def read_state(directory: pathlib.Path, *, trainable: dict, opt_state) -> tuple[
                 f"hfjax: the checkpoint {str(directory)!r} lacks {name!r}; it was written for another model or optimizer"
             )
         value = tensors[name]
-        array = (
-            jax.numpy.asarray(value.float().numpy()).astype(like.dtype)
-            if value.dtype == torch.bfloat16
-            else jax.numpy.asarray(value.numpy())
-        )
-        if array.shape != like.shape:
+        host = value.float().numpy() if value.dtype == torch.bfloat16 else value.numpy()
+        if host.shape != like.shape:
             raise TrainingError(
-                f"hfjax: {name!r} in the checkpoint {str(directory)!r} has shape {array.shape}, this trainer's "
+                f"hfjax: {name!r} in the checkpoint {str(directory)!r} has shape {host.shape}, this trainer's "
                 f"{like.shape}; resume with the model and settings the checkpoint was written with"
             )
-        return array.astype(like.dtype)
+        sharding = getattr(like, "sharding", None)
+        if isinstance(sharding, jax.sharding.NamedSharding):  # on a mesh: split as the trainer keeps it
+            host = host.astype(like.dtype)
+            return jax.make_array_from_callback(host.shape, sharding, lambda index: host[index])
+        return jax.numpy.asarray(host).astype(like.dtype)
 
     new_trainable = {n: read(f"params/{n}", a) for n, a in trainable.items()}
-    new_leaves = [read(f"optimizer/{i}", jax.numpy.asarray(leaf)) for i, leaf in enumerate(leaves)]
+    new_leaves = [
+        read(f"optimizer/{i}", leaf if isinstance(leaf, jax.Array) else jax.numpy.asarray(leaf))
+        for i, leaf in enumerate(leaves)
+    ]
     key = jax.numpy.asarray(tensors["prng_key"].numpy())
     record = json.loads((directory / STATE_JSON).read_text())
     return new_trainable, jax.tree_util.tree_unflatten(treedef, new_leaves), key, record

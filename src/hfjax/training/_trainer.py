@@ -193,6 +193,7 @@ class Trainer:
         checkpoint_dir: str | os.PathLike | None = None,
         save_every: int | None = None,
         progress: bool = False,
+        packing: bool = False,
     ) -> list[dict]:
         """Trains until `steps` optimizer steps have run in all (a resumed trainer goes on from its step).
 
@@ -206,6 +207,9 @@ class Trainer:
           checkpoint_dir, save_every: a resumable checkpoint (`save_checkpoint`) every `save_every`
             steps and at the end, with a loss-curve PNG.
           progress: a progress bar with the loss, tokens/s and the time left.
+          packing: causal LMs: several whole examples per row of `max_length` tokens, each attending
+            only to itself (position ids from 0 per example, read by transformers' mask functions),
+            so that every step has one shape and little padding. Evaluation is not packed.
 
         Returns:
           The metrics of the steps run here, plus "eval_loss" at evaluation steps.
@@ -214,7 +218,14 @@ class Trainer:
           TrainingError: the loss became NaN or infinite (naming the step).
         """
         examples = self.examples(dataset, max_length=max_length)
-        stream = _data.BatchStream(examples, batch_size, seed=self.seed, max_length=max_length)
+        stream = _data.BatchStream(examples, batch_size, seed=self.seed, max_length=max_length, packing=packing)
+        if packing and not self._packs_apart(examples):
+            raise TrainingError(
+                f"hfjax.Trainer.fit(packing=True): {type(self._module).__name__} does not keep packed examples apart "
+                "(an example after another in a row, its position ids from 0, gets other logits than alone: the model "
+                "ignores position_ids, builds its masks without them, or carries recurrent state), so they would "
+                "train on each other; pass packing=False"
+            )
         evaluation = None
         if eval_dataset is not None:
             evaluation = list(
@@ -227,7 +238,7 @@ class Trainer:
         started = _now()
         tokens = 0
         while self.step_count < steps:
-            batch = stream.batch(self.step_count)
+            batch, batch_tokens = stream.batch_and_tokens(self.step_count)
             metrics = self.step(batch)
             if not math.isfinite(metrics["loss"]):
                 raise TrainingError(
@@ -237,7 +248,7 @@ class Trainer:
             if len(ran) == 0:
                 started = _now()  # tokens/s leaves out the first step, which compiles
             else:
-                tokens += int(np.sum(batch["attention_mask"])) if "attention_mask" in batch else batch["input_ids"].size
+                tokens += batch_tokens
             record = {"step": self.step_count, **metrics}
             last = self.step_count == steps
             if evaluation is not None and ((eval_every and self.step_count % eval_every == 0) or last):
@@ -339,6 +350,14 @@ class Trainer:
 
     # -- helpers -----------------------------------------------------------------
 
+    def _packs_apart(self, examples: _data.Examples) -> bool:
+        import inspect
+
+        if "position_ids" not in inspect.signature(self._module.forward).parameters:
+            return False
+        ids = [t for row in examples.rows for t in row["input_ids"]][:4]
+        return _program.keeps_packed_examples_apart(self.model, ids)
+
     def _params_dtype(self, name: str):
         return self._model.params[name].dtype
 
@@ -401,7 +420,7 @@ def _now() -> float:
 
 
 def _progress(enabled: bool, total: int, initial: int):
-    if not enabled:
+    if not enabled or jax.process_index() != 0:  # one bar for a multi-process run
         return None
     from tqdm.auto import tqdm
 
