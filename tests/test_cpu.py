@@ -179,6 +179,30 @@ def test_linear_swaps_operands_only_for_a_few_rows(env):
     assert "optimization_barrier" not in program(65) and _kernels.PRODUCT not in program(65)
 
 
+def test_a_thin_weights_gradient_matches_torch_and_transposes_only_small_operands(env):
+    # A LoRA B: weight [96, 8], 120 rows (past the swapped products). `_linear` computes its
+    # weight's gradient as (input^T @ grad)^T, behind a barrier; the values are autograd's.
+    torch.manual_seed(SEED)
+    x, weight, cotangent = torch.randn(3, 40, 8), torch.randn(96, 8), torch.randn(3, 40, 96)
+    array = lambda t: jax.numpy.asarray(t.detach().numpy())  # noqa: E731
+
+    def loss(x, weight):
+        with env:
+            out = torch.nn.functional.linear(torchax.tensor.Tensor(x, env), torchax.tensor.Tensor(weight, env))
+        return (out.jax() * array(cotangent)).sum()
+
+    gradient = jax.jit(jax.grad(loss, argnums=(0, 1)))
+    got = [torch.from_numpy(np.asarray(g)) for g in gradient(array(x), array(weight))]
+    x.requires_grad_(True)
+    weight.requires_grad_(True)
+    (torch.nn.functional.linear(x, weight) * cotangent).sum().backward()
+    _assert_close(got[0], x.grad, for_dot_products(96))
+    _assert_close(got[1], weight.grad, for_dot_products(120))
+    assert "optimization_barrier" in gradient.lower(array(x), array(weight)).as_text()
+    square = jax.jit(jax.grad(loss, argnums=1)).lower(array(torch.randn(3, 40, 96)), array(torch.randn(96, 96)))
+    assert "optimization_barrier" not in square.as_text()  # a square weight: autodiff's own product
+
+
 # -- attention (a kernel, or the scores as key @ query.T) ----------------------------
 
 

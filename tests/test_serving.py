@@ -57,6 +57,10 @@ def test_greedy_answers_equal_generate_with_16_requests_in_4_slots(model, engine
     got = engine.generate(ids, [SamplingParams(max_tokens=b, temperature=0) for b in budgets])
     want = _generate_alone(model, ids, max(budgets))
     assert len({len(i) for i in ids}) > 8 and max(len(i) for i in ids) > 2 * CHUNK
+    # Decode chunks over 48 of the 96 columns, and over all of them, for requests that outgrow 48.
+    assert engine.windows == (LENGTH // 2, LENGTH)
+    ends = [len(i) + b for i, b in zip(ids, budgets)]
+    assert min(ends) + STEPS <= LENGTH // 2 < max(ends)
     for prompt, budget, event, reference in zip(PROMPTS, budgets, got, want):
         assert event.token_ids == reference[:budget], prompt
         assert event.finish_reason == ("length" if len(reference) >= budget else "stop"), prompt
@@ -65,10 +69,21 @@ def test_greedy_answers_equal_generate_with_16_requests_in_4_slots(model, engine
     assert engine.running == 0 and engine.waiting == 0
 
 
+def test_chunks_that_outgrow_the_smaller_window_attend_over_the_larger(model, engine):
+    # Prompts of 44-47 tokens: their first decode chunk writes columns 44-50, across the 48-column
+    # window, so it must run over all 96; greedy answers equal Model.generate's.
+    ids = [np.random.default_rng(n).integers(5, 400, n).tolist() for n in (44, 45, 46, 47)]
+    got = engine.generate(ids, [SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)] * len(ids))
+    for prompt, event in zip(ids, got):
+        alone = model.generate(np.array([prompt], np.int32), max_new_tokens=10, min_new_tokens=10, do_sample=False)
+        assert event.token_ids == np.asarray(alone)[0, len(prompt) :].tolist()
+
+
 def test_programs_stay_fixed_over_50_requests_of_mixed_lengths_and_settings(model, engine):
     before = dict(engine.program_counts)
-    # warm_up prepared them all: a prefill chunk and a decode chunk per row bucket (1, 2 and 4 rows).
-    assert engine.prefill_buckets == engine.row_buckets == (1, 2, 4) and before == {"prefill": 3, "decode": 3}
+    # warm_up prepared them all: a prefill chunk per row bucket (1, 2 and 4 rows), and a decode chunk
+    # per row bucket and window (48 and 96 columns).
+    assert engine.prefill_buckets == engine.row_buckets == (1, 2, 4) and before == {"prefill": 3, "decode": 6}
     ids = _ids(model, [PROMPTS[i % len(PROMPTS)] for i in range(50)])
     params = [
         SamplingParams(
@@ -184,7 +199,7 @@ def test_a_prompt_starts_after_the_prefix_a_free_slot_holds_and_answers_the_same
     shared = next(i for i, (a, b) in enumerate(zip(first, second)) if a != b)
     assert shared > CHUNK and engine.metrics.prefix_hit_tokens - hits == shared
     assert got.token_ids == _generate_alone(model, [second], 12)[0][:12]
-    assert engine.program_counts == {"prefill": 3, "decode": 3}
+    assert engine.program_counts == {"prefill": 3, "decode": 6}
 
 
 def test_serve_without_the_extra_says_what_to_install(monkeypatch, capsys):

@@ -31,6 +31,11 @@ from . import _slots
 from ._metrics import Metrics
 from ._text import TextStream
 
+# Decode chunks attend over windows of the cache's columns, halving max_model_len down to this:
+# short requests do not read L columns per token (at L 256, 32 + 32 tokens: 0.75x of
+# Model.generate's tokens/s over all 256 columns, 0.92x over 64).
+_SMALLEST_WINDOW = 32
+
 
 class QueueFullError(ServingError):
     """The engine's queue holds max_queue requests already; try again later."""
@@ -217,6 +222,15 @@ class Engine:
         )
 
     @property
+    def windows(self) -> tuple[int, ...]:
+        """The column counts a decode chunk is compiled for: max_model_len and up to 3 halvings of it,
+        down to 32 (a chunk attends over the smallest that holds every decoding row's positions)."""
+        windows = [self.max_model_len]
+        while len(windows) < 4 and windows[-1] % 2 == 0 and windows[-1] // 2 >= _SMALLEST_WINDOW:
+            windows.append(windows[-1] // 2)
+        return tuple(sorted(windows))
+
+    @property
     def row_buckets(self) -> tuple[int, ...]:
         """The row counts a decode chunk is compiled for: powers of two up to max_batch, and max_batch."""
         return tuple(
@@ -237,7 +251,8 @@ class Engine:
             self._prefill([probe], rows=rows, deliver=False)
         self._tokens[:], self._positions[:] = 0, 0
         for rows in self.row_buckets:
-            self._decode(rows=rows)
+            for window in self.windows:
+                self._decode(rows=rows, window=window)
 
     def stop(self, *, drain: bool = True, timeout: float | None = None) -> None:
         """Stops the thread: after finishing every queued and running request (drain), or at once."""
@@ -444,17 +459,20 @@ class Engine:
             with self._lock:
                 self._deliver(request, [c[i] for c in chosen], 1)
 
-    def _decode(self, *, rows: int | None = None) -> None:
+    def _decode(self, *, rows: int | None = None, window: int | None = None) -> None:
         active = np.array([r is not None and r.prefilled == len(r.prompt) and not r.finished for r in self._slots])
         if rows is None:  # the fewest compiled rows that hold every decoding slot
             rows = _buckets.bucket(int(np.flatnonzero(active).max()) + 1, smallest=1, limit=self.max_batch)
+        if window is None:  # the fewest compiled columns that hold every column the chunk writes
+            needed = int(self._positions[active].max()) + self.decode_steps
+            window = next((w for w in self.windows if w >= needed), self.max_model_len)
         args = (
             self.model.params, self._cache, jnp.asarray(self._tokens), jnp.asarray(self._positions),
             jnp.asarray(active), *self._settings(self._slots),
         )  # fmt: skip
         program = self.programs.get(
-            ("decode", self.max_batch, self.max_model_len, self.decode_steps, rows),
-            functools.partial(self._decode_program, steps=self.decode_steps, rows=rows), args,
+            ("decode", self.max_batch, self.max_model_len, self.decode_steps, rows, window),
+            functools.partial(self._decode_program, steps=self.decode_steps, rows=rows, window=window), args,
             metadata=dict, donate=(1,),
         )  # fmt: skip
         self._cache, chosen = program.run(*args)
@@ -535,11 +553,12 @@ class Engine:
         *,
         steps: int,
         rows: int,
+        window: int,
     ):
         self.programs.traced["decode"] += 1
         settings = _slots.RowSettings(temperature, top_p, keys)
         cache, chosen = self.slot_model.decode_chunk(
-            params, cache, tokens, positions, active, settings, want_logprobs, steps=steps, rows=rows
+            params, cache, tokens, positions, active, settings, want_logprobs, steps=steps, rows=rows, window=window
         )
         return cache, (chosen.token, chosen.logprob, chosen.top_token, chosen.top_logprob)
 

@@ -8,8 +8,9 @@ own column instead of one column shared by the batch.
 
     prefill_chunk   C prompt tokens of ONE slot (columns start .. start + C) written into its row;
                     the token after the chunk's last real token chosen with the slot's settings
-    decode_chunk    K one-token steps of every slot in one program (a `fori_loop`); rows that
-                    are not decoding write nowhere (their column is L: out of range, dropped)
+    decode_chunk    K one-token steps of every slot in one program (a `fori_loop`), over the
+                    first W columns of the cache (W: a window holding every decoding row's
+                    positions); rows that are not decoding write nowhere (column W: dropped)
 
 Per-request sampling settings are per-row arrays (`RowSettings`), so requests coming and going
 never change a program's shape: after the first call of each, nothing is traced again.
@@ -124,9 +125,10 @@ class SlotModel:
         ids [B, q] at positions [B, q]; rows write their keys and values from column write_at [B]."""
         from transformers import StaticCache
 
-        past = StaticCache(config=self.config, max_cache_len=self.length)
+        length = cache[0][0].shape[2]  # the columns given: all L, or a decode chunk's window
+        past = StaticCache(config=self.config, max_cache_len=length)
         past.layers = [self.layer_class(_env.to_torch(k), _env.to_torch(v), _env.to_torch(write_at)) for k, v in cache]
-        columns = jnp.arange(self.length, dtype=jnp.int32)
+        columns = jnp.arange(length, dtype=jnp.int32)
         allowed = (columns[None, None, :] <= positions[:, :, None])[:, None]  # [B, 1, q, L]
         if self.boolean_mask:
             mask = allowed
@@ -164,17 +166,30 @@ class SlotModel:
         return cache, jax.tree_util.tree_map(lambda a: a[:, None], chosen)
 
     def decode_chunk(
-        self, params, cache, tokens, positions, active, settings: RowSettings, want_logprobs, *, steps: int, rows: int
+        self,
+        params,
+        cache,
+        tokens,
+        positions,
+        active,
+        settings: RowSettings,
+        want_logprobs,
+        *,
+        steps: int,
+        rows: int,
+        window: int | None = None,
     ):
-        """`steps` decode steps of the first `rows` slots (every decoding slot is among them: a
-        batch of 1 request does not pay for S rows). tokens, positions: [S] int32 each row's last
-        token and its position; active: [S] bool; want_logprobs: [] bool, whether any row reports
-        log-probabilities. Returns (cache, Chosen [rows, steps])."""
+        """`steps` decode steps of the first `rows` slots over the first `window` columns (every
+        decoding slot is among those rows and writes within those columns: a batch of 1 request
+        does not pay for S rows, nor a short one for L columns). tokens, positions: [S] int32 each
+        row's last token and its position; active: [S] bool; want_logprobs: [] bool, whether any
+        row reports log-probabilities. Returns (cache, Chosen [rows, steps])."""
+        window = window or self.length
         whole = cache
-        cache = [tuple(a[:rows] for a in pair) for pair in whole]
+        cache = [tuple(a[:rows, :, :window] for a in pair) for pair in whole]
         tokens, positions, active = tokens[:rows], positions[:rows], active[:rows]
         settings = jax.tree_util.tree_map(lambda a: a[:rows], settings)
-        write_nowhere = jnp.int32(self.length)
+        write_nowhere = jnp.int32(window)
 
         def step(i, carry):
             cache, tokens, chosen = carry
@@ -193,9 +208,9 @@ class SlotModel:
             top_logprob=jnp.zeros((rows, steps, TOP_LOGPROBS), jnp.float32),
         )
         cache, _, chosen = jax.lax.fori_loop(0, steps, step, (cache, tokens, chosen))
-        if rows < self.slots:
+        if rows < self.slots or window < self.length:
             cache = [
-                tuple(jax.lax.dynamic_update_slice_in_dim(a, part, 0, axis=0) for a, part in zip(pair, parts))
+                tuple(jax.lax.dynamic_update_slice(a, part, (0,) * a.ndim) for a, part in zip(pair, parts))
                 for pair, parts in zip(whole, cache)
             ]
         return cache, chosen
