@@ -218,10 +218,11 @@ class BatchStream:
     def _order(self, epoch: int) -> np.ndarray:
         return np.random.default_rng([self.seed, epoch]).permutation(len(self.examples))
 
-    def _units(self, epoch: int) -> list:
-        """What rows are drawn from in `epoch`, in order: the shuffled examples, or packed groups of them."""
+    def _units(self, epoch: int):
+        """What rows are drawn from in `epoch`, in order: the shuffled examples' indices, or packed
+        groups of examples."""
         if not self.packing:
-            return [self.examples.rows[i] for i in self._order(epoch)]
+            return self._order(epoch)
         while len(self._packed) <= epoch:
             shuffled = [self.examples.rows[i] for i in self._order(len(self._packed))]
             self._packed.append(_groups(shuffled, self.max_length))
@@ -253,10 +254,10 @@ class BatchStream:
         """(batch number `k`, how many of its tokens are examples' rather than padding)."""
         drawn = self._drawn(k)
         if self.packing:
-            return pack(drawn, self.examples.pad_id, self.max_length), sum(
-                len(r["input_ids"]) for g in drawn for r in g
-            )
-        return pad(drawn, self.examples, self.max_length), sum(len(r["input_ids"]) for r in drawn)
+            tokens = sum(len(r["input_ids"]) for group in drawn for r in group)
+            return pack(drawn, self.examples.pad_id, self.max_length), tokens
+        rows = [self.examples.rows[i] for i in drawn]
+        return pad(rows, self.examples, self.max_length), sum(len(r["input_ids"]) for r in rows)
 
     def epoch(self) -> Iterator[dict[str, np.ndarray]]:
         """Every example once, in order (the last batch may be smaller); not packed."""

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import math
 import os
 import pathlib
@@ -351,11 +352,7 @@ class Trainer:
     # -- helpers -----------------------------------------------------------------
 
     def _packs_apart(self, examples: _data.Examples) -> bool:
-        import inspect
-
-        if "position_ids" not in inspect.signature(self._module.forward).parameters:
-            return False
-        ids = [t for row in examples.rows for t in row["input_ids"]][:4]
+        ids = list(itertools.islice((t for row in examples.rows for t in row["input_ids"]), 4))
         return _program.keeps_packed_examples_apart(self.model, ids)
 
     def _params_dtype(self, name: str):
