@@ -51,8 +51,9 @@ def test_zero_shot_scores_match_pytorch(checkpoint, family):
 
 @pytest.mark.parametrize(
     "family, overrides",
-    [("qwen3", {}), ("bert", {}), ("qwen3", {"pad_token_id": None})],
-    ids=["qwen3", "bert", "qwen3-no-pad-id"],
+    [("qwen3", {}), ("bert", {}), ("qwen3", {"pad_token_id": None}), ("bart", {}), ("t5", {})],
+    # bart and t5 pool each row's last EOS (a boolean-mask index, sized by the data: hfjax._specialize)
+    ids=["qwen3", "bert", "qwen3-no-pad-id", "bart", "t5"],
 )
 def test_head_probabilities_match_pytorch(checkpoint, family, overrides):
     path = checkpoint(family, task="text-classification", **overrides)

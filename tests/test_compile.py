@@ -166,3 +166,85 @@ def test_a_tensor_moved_to_the_cpu_owns_its_memory(dtype):
     assert torch.equal(host, expected)
     host.zero_()
     assert np.array(array.astype(jax.numpy.float32)).tolist() == expected.float().tolist()
+
+
+# -- forwards that read values of their data (hfjax._specialize) ----------------
+
+
+class _EosPooler(torch.nn.Module):
+    """Pools each row's last EOS after checking every row has as many, as T5 and BART classifiers do."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.embed = torch.nn.Embedding(16, 8)
+        self.head = torch.nn.Linear(8, 3)
+
+    def forward(self, ids):
+        hidden = self.embed(ids)
+        eos = ids.eq(2)
+        if len(torch.unique_consecutive(eos.sum(1))) > 1:
+            raise ValueError("All examples must have the same number of <eos> tokens.")
+        pooled = hidden[eos, :].view(hidden.size(0), -1, hidden.size(-1))[:, -1, :]
+        return self.head(pooled)
+
+
+def test_a_forward_that_reads_its_data_is_compiled_per_value_and_guarded():
+    model = _EosPooler().eval()
+    fast = hfjax.jit(model)
+
+    def check(ids):
+        with torch.no_grad():
+            expected = model(torch.tensor(ids)).numpy()
+        np.testing.assert_allclose(np.asarray(fast(torch.tensor(ids))), expected, atol=ATOL)
+
+    check([[5, 6, 2, 7], [8, 2, 9, 1]])
+    programs = fast.compile_count
+    check([[5, 2, 3, 7], [8, 2, 9, 9]])  # the same values read (one EOS a row): the same program
+    check([[2, 6, 3, 7], [8, 4, 9, 2]])
+    assert fast.compile_count == programs
+    check([[2, 6, 2, 7], [2, 2, 9, 1]])  # two a row: another program, found from the guards
+    assert fast.compile_count > programs
+    with pytest.raises(ValueError, match="same number of <eos>"):  # as in PyTorch
+        fast(torch.tensor([[2, 6, 2, 7], [8, 2, 9, 1]]))
+
+
+class _ExpertLoop(torch.nn.Module):
+    """A mixture of experts run expert by expert over the tokens routed to each, as transformers'
+    "eager" experts and DBRX do: nonzero and torch.where sizes change with every input."""
+
+    def __init__(self, experts: int = 4):
+        super().__init__()
+        torch.manual_seed(0)
+        self.router = torch.nn.Linear(8, experts)
+        self.experts = torch.nn.ModuleList(torch.nn.Linear(8, 8) for _ in range(experts))
+
+    def forward(self, hidden):
+        weights, chosen = torch.topk(self.router(hidden).softmax(-1), 2, dim=-1)
+        routed = torch.nn.functional.one_hot(chosen, len(self.experts)).permute(2, 1, 0)  # [expert, k, token]
+        out = torch.zeros_like(hidden)
+        for expert in torch.greater(routed.sum(dim=(-1, -2)), 0).nonzero():
+            slot, token = torch.where(routed[expert[0]])
+            out.index_add_(0, token, self.experts[expert[0]](hidden[token]) * weights[token, slot, None])
+        return out
+
+
+def test_values_that_change_with_every_input_stay_correct_and_end_op_by_op(monkeypatch):
+    from hfjax import _specialize
+
+    monkeypatch.setattr(_specialize, "MAX_SPECIALIZATIONS", 2)
+    model = _ExpertLoop().eval()
+    fast = hfjax.jit(model)
+    generator = torch.Generator().manual_seed(1)
+    with pytest.warns(UserWarning, match="run op by op"):
+        for _ in range(4):
+            hidden = torch.randn(6, 8, generator=generator)
+            with torch.no_grad():
+                expected = model(hidden).numpy()
+            np.testing.assert_allclose(np.asarray(fast(hidden)), expected, atol=ATOL)
+    assert len(next(iter(fast._programs.values())).specialized) == 2
+
+
+def test_a_plain_trace_names_the_line_that_reads_the_data():
+    with pytest.raises(hfjax.DataDependentError, match=r"runs in torch.unique_consecutive at test_compile\.py:\d+"):
+        hfjax.jit(_EosPooler().eval()).lower("forward", torch.tensor([[5, 6, 2, 7], [8, 2, 9, 1]]))

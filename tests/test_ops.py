@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 
 import jax
+import numpy as np
 import pytest
 import torch
 import transformers
@@ -422,6 +423,120 @@ def test_scaled_dot_product_attention_matches_torch(env, case, jit):
     check_attention(env, case, jit)
 
 
+# -- values of the data: nonzero, boolean masks, masked_select, unique_consecutive, .item() ----
+# A plain jax.jit cannot run these (their sizes, or Python values, depend on the data): the jit
+# mode goes through hfjax.jit, which specialises the program on them (hfjax._specialize).
+
+
+class _Function(torch.nn.Module):
+    def __init__(self, function):
+        super().__init__()
+        self.function = function
+
+    def forward(self, *args):
+        return self.function(*args)
+
+
+def _run_data_dependent(env, function, *args, jit: bool):
+    if not jit:
+        return _run(env, function, *args, jit=False)
+    out = hfjax.jit(_Function(function))(*args)
+    return torch.utils._pytree.tree_map(lambda a: torch.from_numpy(np.array(a)), out)
+
+
+def _data(*shape):
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(SEED))
+
+
+NONZERO_CASES = {
+    "nonzero": lambda x: torch.nonzero(x > 0),
+    "where_one_argument": lambda x: torch.where(x > 0),
+    "scalar": lambda x: torch.nonzero(x.sum() > -100),
+    "none_true": lambda x: torch.nonzero(x > 100),
+}
+
+
+@jit_modes
+@pytest.mark.parametrize("case", NONZERO_CASES)
+def test_nonzero_matches_torch(env, case, jit):
+    x = _data(3, 5)
+    expected = NONZERO_CASES[case](x)
+    actual = _run_data_dependent(env, NONZERO_CASES[case], x, jit=jit)
+    torch.utils._pytree.tree_map(lambda a, e: _assert_close(a, e, EXACT), actual, expected)
+
+
+MASK_INDEX_CASES = {
+    "whole_mask": lambda x: x[x > 0],
+    "rows": lambda x: x[x[:, 0, 0] > 0],
+    "rows_then_slice": lambda x: x[x[:, 0, 0] > 0, 1:],
+    "columns": lambda x: x[:, x[0] > 0],
+    "pooling_as_t5_classifiers_do": lambda x: x[x[..., 0] > 0, :].reshape(-1, x.shape[-1])[-1],
+    "ellipsis_and_none": lambda x: x[..., None, x[0, 0] > 0],
+}
+
+
+@jit_modes
+@pytest.mark.parametrize("case", MASK_INDEX_CASES)
+def test_boolean_mask_index_matches_torch(env, case, jit):
+    x = _data(2, 4, 6)
+    expected = MASK_INDEX_CASES[case](x)
+    actual = _run_data_dependent(env, MASK_INDEX_CASES[case], x, jit=jit)
+    _assert_close(actual, expected, EXACT)
+
+
+@jit_modes
+def test_boolean_mask_index_op_matches_torch(env, jit):
+    # aten.index.Tensor itself, as decompositions and torch.ops callers reach it
+    def index(x):
+        return torch.ops.aten.index.Tensor(x, [None, x[0, :, 0] > 0])
+
+    x = _data(2, 4, 6)
+    _assert_close(_run_data_dependent(env, index, x, jit=jit), index(x), EXACT)
+
+
+@jit_modes
+@pytest.mark.parametrize("mask_shape", [(2, 4, 6), (6,)], ids=["same_shape", "broadcast"])
+def test_masked_select_matches_torch(env, mask_shape, jit):
+    def select(x):
+        mask = x > x.mean() if mask_shape == x.shape else x[0, 0] > 0
+        return torch.masked_select(x, mask)
+
+    x = _data(2, 4, 6)
+    _assert_close(_run_data_dependent(env, select, x, jit=jit), select(x), EXACT)
+
+
+UNIQUE_CASES = {
+    "flat": dict(),
+    "inverse_and_counts": dict(return_inverse=True, return_counts=True),
+    "dim0": dict(dim=0, return_inverse=True, return_counts=True),
+    "dim1": dict(dim=1, return_counts=True),
+}
+
+
+@jit_modes
+@pytest.mark.parametrize("case", UNIQUE_CASES)
+def test_unique_consecutive_matches_torch(env, case, jit):
+    x = torch.tensor([[1, 1, 2, 2, 2, 3], [1, 1, 2, 2, 2, 3], [4, 4, 4, 4, 5, 5], [4, 4, 4, 4, 5, 5]])
+
+    def unique(x):
+        return torch.unique_consecutive(x, **UNIQUE_CASES[case])
+
+    expected = unique(x)
+    actual = _run_data_dependent(env, unique, x, jit=jit)
+    torch.utils._pytree.tree_map(lambda a, e: _assert_close(a, e, EXACT), actual, expected)
+
+
+@jit_modes
+def test_item_and_truth_values_match_torch(env, jit):
+    def branch(x):
+        if (x > 2).any():  # false for these data: the other branch runs
+            return x + 1
+        return x * x.abs().max().item()
+
+    x = _data(3, 5)
+    _assert_close(_run_data_dependent(env, branch, x, jit=jit), branch(x), EXACT)
+
+
 PARITY_TESTS = {
     torch.ops.aten._grouped_mm.default: test_grouped_mm_matches_torch,
     torch.ops.aten.copy_: test_copy_matches_torch,
@@ -433,6 +548,11 @@ PARITY_TESTS = {
     torch.ops.aten.pow: test_integer_pow_matches_torch,
     torch.nn.functional.scaled_dot_product_attention: test_scaled_dot_product_attention_matches_torch,
     torch.ops.aten.scaled_dot_product_attention: test_scaled_dot_product_attention_matches_torch,
+    torch.ops.aten._local_scalar_dense: test_item_and_truth_values_match_torch,
+    torch.ops.aten.nonzero: test_nonzero_matches_torch,
+    torch.ops.aten.index.Tensor: test_boolean_mask_index_op_matches_torch,
+    torch.ops.aten.masked_select: test_masked_select_matches_torch,
+    torch.ops.aten.unique_consecutive: test_unique_consecutive_matches_torch,
 }
 
 

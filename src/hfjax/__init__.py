@@ -16,8 +16,8 @@ Public API:
     override_op         register a JAX lowering for a torch op that torchax lacks
     check               parity of a checkpoint against PyTorch
     Trainer             full and LoRA fine-tuning with optax (`hfjax.training`; needs the `train` extra)
-    HfjaxError          base of LoadError, UnsupportedOpError, ShardingError, GenerationError, PipelineError,
-                        TrainingError, ServingError
+    HfjaxError          base of LoadError, UnsupportedOpError (and its DataDependentError), ShardingError,
+                        GenerationError, PipelineError, TrainingError, ServingError
 
 Subpackages: `hfjax.generation` (the engine), `hfjax.serving` (continuous batching, `hfjax serve`), `hfjax.training` (imported when first used), `hfjax.parallel` (meshes, sharding rules),
 `hfjax.diffusion`, `hfjax.cpu` (the CPU's fast paths), `hfjax.testing` (tiny checkpoints),
@@ -30,6 +30,7 @@ import importlib
 from typing import TYPE_CHECKING
 
 from ._errors import (
+    DataDependentError,
     GenerationError,
     HfjaxError,
     LoadError,
@@ -75,6 +76,7 @@ _LAZY = {
 }
 
 __all__ = [
+    "DataDependentError",
     "GenerationError",
     "HfjaxError",
     "JittedModule",

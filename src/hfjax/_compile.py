@@ -13,17 +13,19 @@ import collections
 import contextlib
 import dataclasses
 import sys
+import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
+import numpy as np
 import torch
 from torch.nn.utils import stateless
 from torchax.tensor import OperatorNotFound
 from torchax.tensor import Tensor as JaxTensor
 
-from . import _backend, _env, _pytrees
-from ._errors import UnsupportedOpError
+from . import _backend, _env, _pytrees, _specialize
+from ._errors import DataDependentError, UnsupportedOpError
 
 
 def module_state(module: torch.nn.Module) -> tuple[dict[str, jax.Array], dict[str, str]]:
@@ -50,9 +52,16 @@ class _Program:
 
     traced: Callable
     jitted: Callable
+    signature: tuple  # (argument treedef, static leaves, number of leaves), to build its variants
     out_treedef: Any = None
     out_statics: tuple = ()
     out_inputs: dict = dataclasses.field(default_factory=dict)  # output field -> index of a stateful input
+    # Where the code reads values of its data (hfjax._specialize): programs specialised on them,
+    # keyed by the values, and the key of the one that ran last. None until a trace needs one.
+    specialized: dict | None = None
+    last_values: tuple | None = None
+    sites: list = dataclasses.field(default_factory=list)  # where the code reads them, for messages
+    tape: Any = None  # a probe's tape, read after it ran
 
 
 class JittedModule(torch.nn.Module):
@@ -134,8 +143,15 @@ class JittedModule(torch.nn.Module):
         torch_world = any(isinstance(x, JaxTensor) for x in jax.tree_util.tree_leaves((args, kwargs)))
         program, dynamic = self._program(method, args, kwargs)
         with self._explain_errors():
-            run = program.jitted if compiled else program.traced
-            out_arrays, new_inputs, key = run(self.params, dynamic, _env.prng_key())
+            if compiled and program.specialized is None:
+                try:
+                    out_arrays, new_inputs, key = program.jitted(self.params, dynamic, _env.prng_key())
+                except DataDependentError:
+                    program.specialized = {}
+            elif not compiled:
+                out_arrays, new_inputs, key = program.traced(self.params, dynamic, _env.prng_key())
+            if compiled and program.specialized is not None:
+                program, (out_arrays, new_inputs, key) = self._run_specialized(method, program, dynamic)
         _env.set_prng_key(key)
         originals = _stateful_inputs(args, kwargs)
         for original, new in zip(originals, _env.to_torch(new_inputs)):
@@ -163,11 +179,23 @@ class JittedModule(torch.nn.Module):
             self._programs[key] = program
         return program, dynamic
 
-    def _build(self, method: str, treedef, statics: tuple, n_leaves: int) -> _Program:
+    def _build(
+        self,
+        method: str,
+        treedef,
+        statics: tuple,
+        n_leaves: int,
+        *,
+        specialize_on: tuple | None = None,
+        probing: bool = False,
+    ) -> _Program:
+        # specialize_on: values of the data the code reads (hfjax._specialize); the program then
+        # returns the traced values at those points as a fourth output, its guards. With
+        # probing, it returns only the traced value at the next point (hfjax._specialize).
         module = self.module
         function = getattr(type(module), method)
         aliases = self._aliases
-        program = _Program(traced=None, jitted=None)
+        program = _Program(traced=None, jitted=None, signature=(treedef, statics, n_leaves))
 
         def traced(params, dynamic, prng_key):
             if isinstance(prng_key, jax.core.Tracer):
@@ -187,9 +215,65 @@ class JittedModule(torch.nn.Module):
             )
             return arrays, _env.to_jax(inputs), new_key
 
+        def specialized(params, dynamic, prng_key):
+            with _specialize.replaying(specialize_on) as tape:
+                result = traced(params, dynamic, prng_key)
+            return (*result, tape.observed)
+
+        def probe(params, dynamic, prng_key):
+            # The traced value at the first point past specialize_on, or None where there is none.
+            try:
+                with _specialize.replaying(specialize_on, probing=True) as program.tape:
+                    traced(params, dynamic, prng_key)
+            except _specialize.Reached as reached:
+                return reached.value
+            return None
+
         program.traced = traced
-        program.jitted = jax.jit(traced)
+        program.jitted = jax.jit(traced if specialize_on is None else probe if probing else specialized)
         return program
+
+    def _run_specialized(self, method: str, program: _Program, dynamic: list) -> tuple[_Program, tuple]:
+        # The program specialised on this call's values of the data (hfjax._specialize): the one
+        # that ran last if its guards hold, else the one for the values found for this call.
+        # Returns (the program whose outputs these are, its (outputs, new inputs, key)).
+        prng_key = _env.prng_key()
+        known = []  # values found right for this call
+        if program.last_values is not None:
+            chosen, values = program.specialized[program.last_values]
+            *result, observed = chosen.jitted(self.params, dynamic, prng_key)
+            wrong = _specialize.first_difference(observed, values)
+            if wrong is None:
+                return chosen, tuple(result)
+            known = [np.asarray(value) for value in observed[: wrong + 1]]
+        if len(program.specialized) >= _specialize.MAX_SPECIALIZATIONS:
+            _warn_running_eagerly(type(self.module).__name__, method, program.sites)
+            eager = self._build(method, *program.signature)
+            return eager, eager.traced(self.params, dynamic, prng_key)
+        values, program.sites = self._discover(method, program, dynamic, prng_key, known)
+        key = _specialize.key(values)
+        if key not in program.specialized:
+            program.specialized[key] = (self._build(method, *program.signature, specialize_on=values), values)
+        chosen, values = program.specialized[key]
+        *result, observed = chosen.jitted(self.params, dynamic, prng_key)
+        if _specialize.first_difference(observed, values) is not None:
+            raise DataDependentError(
+                "values of the data", None, detail="a program's guards disagreed with the values found"
+            )
+        program.last_values = key
+        return chosen, tuple(result)
+
+    def _discover(self, method: str, program: _Program, dynamic: list, prng_key, known: list) -> tuple[tuple, list]:
+        # Every value of the data this call's trace needs, in order, starting from `known`: one
+        # small program per value that is not known in Python. Returns (values, their sites).
+        values = list(known)
+        while True:
+            probe = self._build(method, *program.signature, specialize_on=tuple(values), probing=True)
+            reached, tape = probe.jitted(self.params, dynamic, prng_key), probe.tape
+            values = tape.values  # with any values known in Python on the way
+            if reached is None:
+                return tuple(values), tape.sites
+            values.append(np.asarray(reached))
 
     @contextlib.contextmanager
     def _explain_errors(self):
@@ -271,6 +355,21 @@ def _replace_input_refs(out, inputs: list) -> dict[str, int]:
                 refs[field.name] = index
                 setattr(out, field.name, None)
     return refs
+
+
+_WARNED_EAGER: set = set()
+
+
+def _warn_running_eagerly(model: str, method: str, sites: list[str]) -> None:
+    if (model, method) in _WARNED_EAGER:
+        return
+    _WARNED_EAGER.add((model, method))
+    warnings.warn(
+        f"hfjax.jit: {model}.{method} reads values of its data that change from call to call "
+        f"({'; '.join(dict.fromkeys(sites)) or 'unknown lines'}); after {_specialize.MAX_SPECIALIZATIONS} "
+        "programs specialised on them, inputs with new values run op by op (correct, but not compiled).",
+        stacklevel=4,
+    )
 
 
 def _innermost_module(tb, names: dict[int, str]) -> str | None:

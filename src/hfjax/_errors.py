@@ -3,6 +3,7 @@
     HfjaxError
      ├── LoadError          a checkpoint, or an argument of loading it (task, dtype), cannot be used
      ├── UnsupportedOpError a torch op the model calls has no JAX lowering
+     │    └── DataDependentError  model code reads its data's values into Python where no program can hold them
      ├── ShardingError      a model cannot be split over the mesh as asked, or `mesh=` is not a mesh
      ├── GenerationError    generation settings or prompts that cannot be carried out
      ├── PipelineError      a pipeline call (hfjax.pipeline, diffusers) that cannot run as given
@@ -33,6 +34,26 @@ class UnsupportedOpError(HfjaxError, NotImplementedError):
         super().__init__(
             f"{model} calls the torch op {op}{where}, which has no JAX lowering in torchax or hfjax. "
             "Add one with @hfjax.override_op(op, why=...), or report it with this message."
+        )
+
+
+class DataDependentError(UnsupportedOpError):
+    """Model code needs a value of its data in Python (`.item()`, `if mask.any():`, the size of
+    `torch.nonzero`) inside a program that cannot be specialised on it.
+
+    `hfjax.jit` and `hfjax.load` specialise a forward on such values (see `hfjax._specialize`);
+    this is raised where that cannot be done, such as inside the decode loop of `generate`.
+    """
+
+    def __init__(self, what: str, site: str | None, *, detail: str = ""):
+        self.what, self.site = what, site
+        where = f" at {site}" if site else ""
+        because = f" ({detail})" if detail else ""
+        HfjaxError.__init__(
+            self,
+            f"The model needs {what}{where} as a Python value, which a compiled program cannot have{because}. "
+            "hfjax.jit and hfjax.load specialise a forward on such values; inside generate's decode loop "
+            "they cannot be. Run the model with hfjax.jit(model).eager() to go op by op, or report it with this message.",
         )
 
 

@@ -23,6 +23,8 @@ from torchax.ops import mappings, ops_registry
 from torchax.tensor import Tensor as _TorchaxTensor
 from torchax.view import View
 
+from ._specialize import concrete
+
 
 @dataclasses.dataclass(frozen=True)
 class Override:
@@ -282,24 +284,34 @@ override(
 
 def _concrete_bound(bound):
     # A tensor slice bound becomes a Python int, as torch's __index__ makes it.
-    return int(bound.jax()) if isinstance(bound, torch.Tensor) else bound
+    return int(concrete(bound.jax(), "a tensor used as a slice bound")) if isinstance(bound, torch.Tensor) else bound
 
 
 @override(
     torch.Tensor.__getitem__,
     why="torchax keeps a tensor slice bound (x[:, :n], n a 0-d tensor) inside the View it returns, "
     "and using that View fails with 'torchax Tensors can only do math within the torchax "
-    "environment'; BLT's entropy patcher slices this way",
+    "environment' (BLT's entropy patcher slices this way); it indexes with a boolean mask by jnp's "
+    "own, whose result size depends on the data (T5 and BART classifiers pool hidden[eos_mask, :])",
     is_jax_function=False,
     is_view_op=True,
 )
 def _getitem(self, indexes):
-    def concrete(index):
+    def static(index) -> tuple:
+        # One index as the indices it stands for: a boolean mask of k dims stands for k.
         if isinstance(index, slice):
-            return slice(*(_concrete_bound(b) for b in (index.start, index.stop, index.step)))
-        return index
+            return (slice(*(_concrete_bound(b) for b in (index.start, index.stop, index.step))),)
+        if isinstance(index, torch.Tensor) and index.dtype == torch.bool:
+            mask = index.jax()
+            return tuple(jnp.nonzero(mask, size=_hits(mask, "the number of True values in a boolean mask index")))
+        return (index,)
 
-    indexes = tuple(map(concrete, indexes)) if isinstance(indexes, tuple) else concrete(indexes)
+    if isinstance(indexes, tuple):
+        indexes = tuple(part for index in indexes for part in static(index))
+    elif isinstance(indexes, slice):
+        (indexes,) = static(indexes)
+    elif isinstance(indexes, torch.Tensor) and indexes.dtype == torch.bool:
+        indexes = static(indexes)
     return torchax_lowering(torch.Tensor.__getitem__)(self, indexes)
 
 
@@ -397,3 +409,92 @@ SDPA_WHY = (
 )
 override(torch.nn.functional.scaled_dot_product_attention, why=SDPA_WHY)(_sdpa)
 override(torch.ops.aten.scaled_dot_product_attention, why=SDPA_WHY)(_sdpa)
+
+
+# -- values of the data (see hfjax._specialize) --------------------------------
+# Each lowering below needs a value of its input in Python: a scalar, or the size of its result.
+# `concrete()` gives it; under hfjax.jit the program is specialised on it and guarded.
+
+
+def _index_int():
+    return jax.dtypes.canonicalize_dtype(jnp.int64)
+
+
+def _hits(mask, what: str) -> int:
+    return int(concrete(jnp.count_nonzero(mask), what))
+
+
+@override(
+    torch.ops.aten._local_scalar_dense,
+    why="torchax's .item() fails inside a trace; `if mask.any():` and `assert x.max().item() <= n` "
+    "(fsmt, led, xlm, flaubert) read a value of the data",
+)
+def _local_scalar_dense(x):
+    return concrete(x, ".item() of a tensor (or its truth value)").item()
+
+
+@override(
+    torch.ops.aten.nonzero,
+    why="torchax's nonzero has a size that depends on the data, which a trace cannot have; "
+    "MoE expert loops (dbrx, transformers' 'eager' experts) and torch.where(mask) call it",
+)
+def _nonzero(x):
+    x = jnp.asarray(x)
+    hits = _hits(x, "the size of torch.nonzero's result")
+    if x.ndim == 0:
+        return jnp.zeros((hits, 0), _index_int())
+    return jnp.argwhere(x, size=hits).astype(_index_int())
+
+
+@override(
+    torch.ops.aten.index.Tensor,
+    why="torchax indexes with a boolean mask by jnp's own, whose result size depends on the data; "
+    "T5 and BART classifiers pool hidden_states[eos_mask]",
+)
+def _index(self, indexes):
+    positional = []
+    for index in indexes:
+        if index is not None and index.dtype == jnp.bool_:
+            hits = _hits(index, "the number of True values in a boolean mask index")
+            positional.extend(jnp.nonzero(index, size=hits))
+        else:
+            positional.append(index)
+    return torchax_lowering(torch.ops.aten.index.Tensor)(self, positional)
+
+
+@override(
+    torch.ops.aten.masked_select,
+    why="torchax's masked_select has a size that depends on the data, which a trace cannot have",
+)
+def _masked_select(self, mask):
+    shape = jnp.broadcast_shapes(self.shape, mask.shape)
+    values, mask = jnp.broadcast_to(self, shape).reshape(-1), jnp.broadcast_to(mask, shape).reshape(-1)
+    hits = _hits(mask, "the size of torch.masked_select's result")
+    return values[jnp.nonzero(mask, size=hits)[0]]
+
+
+@override(
+    torch.ops.aten.unique_consecutive,
+    why="torchax's unique_consecutive has a size that depends on the data, which a trace cannot "
+    "have; T5 and BART classifiers check their EOS counts with it",
+)
+def _unique_consecutive(x, return_inverse=False, return_counts=False, dim=None):
+    # Returns (unique runs, inverse, counts), as aten does (the last two empty unless asked for).
+    inverse_shape = x.shape if dim is None else (x.shape[dim],)
+    if dim is None:
+        x, dim = x.reshape(-1), 0
+    dim = dim % x.ndim
+    length = x.shape[dim]
+    first, rest = jnp.take(x, jnp.arange(length - 1), axis=dim), jnp.take(x, jnp.arange(1, length), axis=dim)
+    others = tuple(d for d in range(x.ndim) if d != dim)
+    changes = jnp.any(first != rest, axis=others) if others else first != rest
+    starts = jnp.concatenate([jnp.ones((min(length, 1),), bool), changes])  # [length]: a run starts here
+    runs = _hits(starts, "the number of runs in torch.unique_consecutive")
+    start_at = jnp.nonzero(starts, size=runs)[0]
+    unique = jnp.take(x, start_at, axis=dim)
+    index = _index_int()
+    inverse = (
+        (jnp.cumsum(starts) - 1).astype(index).reshape(inverse_shape) if return_inverse else jnp.zeros((0,), index)
+    )
+    counts = jnp.diff(jnp.append(start_at, length)).astype(index) if return_counts else jnp.zeros((0,), index)
+    return unique, inverse, counts

@@ -31,6 +31,7 @@ from torchax.tensor import Tensor as JaxTensor
 
 from .. import _compile, _env
 from .._compile import JittedModule
+from .._errors import DataDependentError
 
 logger = logging.getLogger("hfjax")
 
@@ -41,8 +42,10 @@ class _NotWholeLoop(Exception):
     """Why a call cannot run as one program; it then runs per step."""
 
 
-# What a scheduler whose Python branches on array values raises when traced.
+# What a scheduler whose Python branches on array values raises when traced (DataDependentError:
+# through hfjax's own lowerings of .item() and nonzero).
 _UNTRACEABLE = (
+    DataDependentError,
     jax.errors.ConcretizationTypeError,
     jax.errors.TracerBoolConversionError,
     jax.errors.TracerIntegerConversionError,

@@ -1,0 +1,132 @@
+"""Values of the data that model code needs as Python values, and programs specialised on them.
+
+Some model code reads its inputs' values into Python: `if not mask.any():`, `assert
+lengths.max().item() <= n`, `torch.nonzero(mask)` or `hidden[eos_mask]` (whose result's size
+is the number of hits), `torch.unique_consecutive(x)`. Inside a jit trace those values are not
+known, and JAX raises. torch.compile meets the same problem and answers it with guards; so does
+hfjax:
+
+1. The op lowerings that need such a value (`hfjax._ops`: `.item()`, `nonzero`, boolean-mask
+   indexing, `masked_select`, `unique_consecutive`, tensor slice bounds) ask `concrete(x, what)`.
+   Outside a trace that is `x`'s value. Inside a plain trace it raises `DataDependentError`.
+2. `hfjax.jit` (`_compile.JittedModule`) catches that error once per program and *discovers* the
+   values: it traces the method again with a tape that hands out the values found so far and
+   stops at the next point, returning the traced value there as the output of a small program
+   (XLA keeps only what that value needs), which it runs. The points are met in the same order
+   as in the real trace, so transformers' own `is_tracing` branches are taken as in the program.
+3. It then compiles the method *specialised* on those values: each `concrete()` hands back its
+   value and keeps the traced one as a guard output. Every call compares the guards with the
+   values. If one differs, the values up to it are right, discovery goes on from there, and the
+   call gets (or compiles) the program for its values: the answer is always PyTorch's. Past
+   `MAX_SPECIALIZATIONS` programs of one method and structure, inputs whose values change the
+   program run op by op, with one warning.
+
+Where no tape can be given (the decode loop of `Model.generate` is one `while_loop`), the error
+says which line of the model needed which value.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import dataclasses
+import os
+import traceback
+
+import jax
+import numpy as np
+
+from ._errors import DataDependentError
+
+MAX_SPECIALIZATIONS = 8  # programs per method and argument structure before running op by op
+
+_TAPE: contextvars.ContextVar[_Tape | None] = contextvars.ContextVar("hfjax_specialize_tape", default=None)
+_LIBRARY_DIRS = tuple(
+    os.path.dirname(module.__file__) + os.sep
+    for module in (jax, np, __import__("torch"), __import__("torchax"), __import__("hfjax"))
+)
+
+
+@dataclasses.dataclass
+class _Tape:
+    values: list  # np.ndarray per point, in the order the code asks for them
+    probing: bool  # past the last value: stop at the next point (else it is an error)
+    observed: list = dataclasses.field(default_factory=list)  # the traced value at each point
+    sites: list = dataclasses.field(default_factory=list)  # "file:line (what)" per point met
+
+
+class Reached(Exception):
+    """A probing trace got to a point past its known values; `value` is the traced value there."""
+
+    def __init__(self, value):
+        super().__init__("a value of the data is needed")
+        self.value = value
+
+
+def concrete(value, what: str) -> np.ndarray:
+    """`value` (a jax.Array or tracer) as a numpy array, for a lowering that needs it in Python.
+
+    `what` names the need for messages, e.g. "torch.nonzero's size".
+    """
+    tape = _TAPE.get()
+    traced = isinstance(value, jax.core.Tracer)
+    if tape is None:
+        if traced:
+            raise DataDependentError(what, _model_site())
+        return np.asarray(value)
+    index = len(tape.observed)
+    tape.sites.append(f"{_model_site()} ({what})")
+    if index == len(tape.values):
+        if not traced:  # known without running anything
+            tape.values.append(np.asarray(value))
+        elif tape.probing:
+            raise Reached(value)
+        else:
+            raise DataDependentError(what, _model_site(), detail="the trace asked for more values than were found")
+    known = tape.values[index]
+    if np.shape(value) != known.shape:
+        raise DataDependentError(what, _model_site(), detail=f"shape {np.shape(value)} where {known.shape} was found")
+    tape.observed.append(value)
+    return known
+
+
+@contextlib.contextmanager
+def replaying(values, *, probing: bool = False):
+    """Traces code that gets `values` from `concrete()`, in order; yields the tape, whose
+    `observed` holds the traced value at each point (the guards). With `probing`, a point past
+    `values` raises `Reached` (values known in Python are appended on the way); without it, the
+    code must ask for exactly `values`."""
+    tape = _Tape(values=list(values), probing=probing)
+    token = _TAPE.set(tape)
+    try:
+        yield tape
+    finally:
+        _TAPE.reset(token)
+    if not probing and len(tape.observed) != len(tape.values):
+        raise DataDependentError(
+            "values of the data",
+            None,
+            detail=f"the trace asked for {len(tape.observed)} values where {len(tape.values)} were found",
+        )
+
+
+def key(values: list[np.ndarray] | tuple[np.ndarray, ...]) -> tuple:
+    """A hashable key of recorded values."""
+    return tuple((v.dtype.str, v.shape, v.tobytes()) for v in values)
+
+
+def first_difference(observed, values) -> int | None:
+    """The first point where a specialised program's guard outputs differ from the values it was
+    built on, or None where all hold."""
+    for index, (seen, value) in enumerate(zip(observed, values, strict=True)):
+        if not np.array_equal(np.asarray(seen), value):
+            return index
+    return None
+
+
+def _model_site() -> str | None:
+    # The innermost frame outside jax, numpy, torch, torchax and hfjax: the model's own line.
+    for frame in reversed(traceback.extract_stack()):
+        if not frame.filename.startswith(_LIBRARY_DIRS):
+            return f"{os.path.basename(frame.filename)}:{frame.lineno}"
+    return None
