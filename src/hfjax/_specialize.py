@@ -35,16 +35,18 @@ import traceback
 
 import jax
 import numpy as np
+import torch
+import torchax
 
 from ._errors import DataDependentError
 
 MAX_SPECIALIZATIONS = 8  # programs per method and argument structure before running op by op
 
 _TAPE: contextvars.ContextVar[_Tape | None] = contextvars.ContextVar("hfjax_specialize_tape", default=None)
+# Frames in these are not the model's line: jax, numpy, torch, torchax and hfjax itself.
 _LIBRARY_DIRS = tuple(
-    os.path.dirname(module.__file__) + os.sep
-    for module in (jax, np, __import__("torch"), __import__("torchax"), __import__("hfjax"))
-)
+    os.path.dirname(path) + os.sep for path in (jax.__file__, np.__file__, torch.__file__, torchax.__file__)
+) + (os.path.dirname(os.path.abspath(__file__)) + os.sep,)
 
 
 @dataclasses.dataclass
