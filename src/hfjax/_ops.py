@@ -302,7 +302,7 @@ def _getitem(self, indexes):
         if isinstance(index, slice):
             return (slice(*(_concrete_bound(b) for b in (index.start, index.stop, index.step))),)
         if isinstance(index, torch.Tensor) and index.dtype == torch.bool:
-            mask = index.jax()
+            mask = index.jax() if isinstance(index, _TorchaxTensor) else jnp.asarray(index.numpy())
             return tuple(jnp.nonzero(mask, size=_hits(mask, "the number of True values in a boolean mask index")))
         return (index,)
 
