@@ -143,15 +143,16 @@ class JittedModule(torch.nn.Module):
         torch_world = any(isinstance(x, JaxTensor) for x in jax.tree_util.tree_leaves((args, kwargs)))
         program, dynamic = self._program(method, args, kwargs)
         with self._explain_errors():
-            if compiled and program.specialized is None:
-                try:
-                    out_arrays, new_inputs, key = program.jitted(self.params, dynamic, _env.prng_key())
-                except DataDependentError:
-                    program.specialized = {}
-            elif not compiled:
+            if not compiled:
                 out_arrays, new_inputs, key = program.traced(self.params, dynamic, _env.prng_key())
-            if compiled and program.specialized is not None:
-                program, (out_arrays, new_inputs, key) = self._run_specialized(method, program, dynamic)
+            else:
+                if program.specialized is None:
+                    try:
+                        out_arrays, new_inputs, key = program.jitted(self.params, dynamic, _env.prng_key())
+                    except DataDependentError:  # the code reads values of its data: specialise on them
+                        program.specialized = {}
+                if program.specialized is not None:
+                    program, (out_arrays, new_inputs, key) = self._run_specialized(method, program, dynamic)
         _env.set_prng_key(key)
         originals = _stateful_inputs(args, kwargs)
         for original, new in zip(originals, _env.to_torch(new_inputs)):

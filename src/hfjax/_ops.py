@@ -303,7 +303,7 @@ def _getitem(self, indexes):
             return (slice(*(_concrete_bound(b) for b in (index.start, index.stop, index.step))),)
         if isinstance(index, torch.Tensor) and index.dtype == torch.bool:
             mask = index.jax() if isinstance(index, _TorchaxTensor) else jnp.asarray(index.numpy())
-            return tuple(jnp.nonzero(mask, size=_hits(mask, "the number of True values in a boolean mask index")))
+            return _mask_indices(mask)
         return (index,)
 
     if isinstance(indexes, tuple):
@@ -416,12 +416,18 @@ override(torch.ops.aten.scaled_dot_product_attention, why=SDPA_WHY)(_sdpa)
 # `concrete()` gives it; under hfjax.jit the program is specialised on it and guarded.
 
 
-def _index_int():
-    return jax.dtypes.canonicalize_dtype(jnp.int64)
-
-
 def _hits(mask, what: str) -> int:
     return int(concrete(jnp.count_nonzero(mask), what))
+
+
+def _true_positions(mask, what: str) -> tuple[jax.Array, ...]:
+    # jnp.nonzero of `mask`, sized by its count of True values (a value of the data).
+    return jnp.nonzero(mask, size=_hits(mask, what))
+
+
+def _mask_indices(mask) -> tuple[jax.Array, ...]:
+    # The integer indices a boolean mask index stands for, one array per dimension of the mask.
+    return _true_positions(mask, "the number of True values in a boolean mask index")
 
 
 @override(
@@ -442,8 +448,8 @@ def _nonzero(x):
     x = jnp.asarray(x)
     hits = _hits(x, "the size of torch.nonzero's result")
     if x.ndim == 0:
-        return jnp.zeros((hits, 0), _index_int())
-    return jnp.argwhere(x, size=hits).astype(_index_int())
+        return jnp.zeros((hits, 0), _index_dtype(False))
+    return jnp.argwhere(x, size=hits).astype(_index_dtype(False))
 
 
 @override(
@@ -455,8 +461,7 @@ def _index(self, indexes):
     positional = []
     for index in indexes:
         if index is not None and index.dtype == jnp.bool_:
-            hits = _hits(index, "the number of True values in a boolean mask index")
-            positional.extend(jnp.nonzero(index, size=hits))
+            positional.extend(_mask_indices(index))
         else:
             positional.append(index)
     return torchax_lowering(torch.ops.aten.index.Tensor)(self, positional)
@@ -469,8 +474,8 @@ def _index(self, indexes):
 def _masked_select(self, mask):
     shape = jnp.broadcast_shapes(self.shape, mask.shape)
     values, mask = jnp.broadcast_to(self, shape).reshape(-1), jnp.broadcast_to(mask, shape).reshape(-1)
-    hits = _hits(mask, "the size of torch.masked_select's result")
-    return values[jnp.nonzero(mask, size=hits)[0]]
+    (positions,) = _true_positions(mask, "the size of torch.masked_select's result")
+    return values[positions]
 
 
 @override(
@@ -489,10 +494,9 @@ def _unique_consecutive(x, return_inverse=False, return_counts=False, dim=None):
     others = tuple(d for d in range(x.ndim) if d != dim)
     changes = jnp.any(first != rest, axis=others) if others else first != rest
     starts = jnp.concatenate([jnp.ones((min(length, 1),), bool), changes])  # [length]: a run starts here
-    runs = _hits(starts, "the number of runs in torch.unique_consecutive")
-    start_at = jnp.nonzero(starts, size=runs)[0]
+    (start_at,) = _true_positions(starts, "the number of runs in torch.unique_consecutive")
     unique = jnp.take(x, start_at, axis=dim)
-    index = _index_int()
+    index = _index_dtype(False)
     inverse = (
         (jnp.cumsum(starts) - 1).astype(index).reshape(inverse_shape) if return_inverse else jnp.zeros((0,), index)
     )
