@@ -16,7 +16,7 @@ import transformers
 
 import background
 import hfjax
-from hfjax import _backend, _buckets, _compilation_cache, _env, testing, tolerances
+from hfjax import _backend, _buckets, _compilation_cache, _env, _specialize, testing, tolerances
 from hfjax.generation import _engine, _planning, _settings
 
 PROMPTS = ["Hello there, how are you doing today?", "Hi", "The quick brown fox"]
@@ -714,6 +714,79 @@ def test_an_op_without_lowering_is_named_with_its_module(checkpoint, monkeypatch
             monkeypatch.delitem(operators, op)
     with pytest.raises(hfjax.UnsupportedOpError, match=r"aten::rsqrt.*input_layernorm \(LlamaRMSNorm\)"):
         model.generate(np.array([[1, 5, 6]]), max_new_tokens=3)
+
+
+# -- model code that reads its data (hfjax._specialize) -------------------------
+
+SWITCH = 24  # the position from which `_SwitchesAtAPosition` changes its logits
+
+
+class _SwitchesAtAPosition(transformers.LlamaForCausalLM):
+    """Reads a value of its data at every token, as fsmt's and m2m_100's position embeddings do
+    (`if max_pos > table_size:`): from position SWITCH on, its logits are rolled by one."""
+
+    def forward(self, *args, position_ids=None, **kwargs):
+        out = super().forward(*args, position_ids=position_ids, **kwargs)
+        if bool(position_ids.max() >= SWITCH):
+            out.logits = out.logits.roll(1, dims=-1)
+        return out
+
+
+def _switching_model(checkpoint):
+    module = _SwitchesAtAPosition.from_pretrained(checkpoint("llama")).eval()
+    return module, hfjax.Model.from_module(module, transformers.AutoTokenizer.from_pretrained(checkpoint("llama")))
+
+
+def _decode_specializations(model) -> list:
+    return [specialized.programs for key, specialized in model._generator._specialized.items() if key[0] == "decode"]
+
+
+def test_a_step_that_reads_its_data_stays_compiled_across_a_change_of_value(checkpoint):
+    module, model = _switching_model(checkpoint)
+    ids, mask = _batch(model)
+    assert mask.sum(axis=1).max() < SWITCH < mask.sum(axis=1).max() + NEW_TOKENS  # the value changes mid-answer
+    with torch.no_grad():
+        expected = module.generate(
+            torch.as_tensor(ids), attention_mask=torch.as_tensor(mask), max_new_tokens=NEW_TOKENS
+        )
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message=".*op by op")
+        actual = np.asarray(model.generate(ids, mask, max_new_tokens=NEW_TOKENS))
+        np.testing.assert_array_equal(actual, expected.numpy())
+        # The loop stopped before the first token past SWITCH and went on with a second program.
+        assert [len(programs) for programs in _decode_specializations(model)] == [2]
+        counts = model._generator.program_counts
+        np.testing.assert_array_equal(np.asarray(model.generate(ids, mask, max_new_tokens=NEW_TOKENS)), actual)
+        assert model._generator.program_counts == counts  # the same values again: nothing traced
+
+
+def test_a_step_whose_values_keep_changing_runs_op_by_op(checkpoint, monkeypatch):
+    monkeypatch.setattr(_specialize, "MAX_SPECIALIZATIONS", 1)
+    module, model = _switching_model(checkpoint)
+    ids, mask = _batch(model)
+    with torch.no_grad():
+        expected = module.generate(
+            torch.as_tensor(ids), attention_mask=torch.as_tensor(mask), max_new_tokens=NEW_TOKENS
+        )
+    with pytest.warns(UserWarning, match=r"decode step reads values of its data.*test_generate.py:\d+.*op by op"):
+        actual = np.asarray(model.generate(ids, mask, max_new_tokens=NEW_TOKENS))
+    np.testing.assert_array_equal(actual, expected.numpy())
+
+
+def test_an_encoder_decoder_that_reads_its_data_generates_like_transformers(checkpoint):
+    # led's encoder asks `mask.any().item()` in the prefill; its decoder counts positions with
+    # torch.arange(past_length, past_length + 1), a tensor bound, at every token.
+    path = checkpoint("led", task="text2text-generation")
+    reference = transformers.AutoModelForSeq2SeqLM.from_pretrained(path).eval()
+    rng = np.random.default_rng(0)
+    ids = rng.integers(4, reference.config.vocab_size, (2, 8)).astype(np.int32)
+    mask = np.ones_like(ids)
+    mask[1, 5:] = 0
+    settings = dict(max_new_tokens=8, min_new_tokens=8, do_sample=False, pad_token_id=reference.config.pad_token_id)
+    with torch.no_grad():
+        expected = reference.generate(torch.as_tensor(ids), attention_mask=torch.as_tensor(mask), **settings)
+    actual = np.asarray(hfjax.load(path).generate(ids, mask, **settings))
+    np.testing.assert_array_equal(actual, expected.numpy())
 
 
 def test_generate_on_a_classifier_says_what_to_load(checkpoint):

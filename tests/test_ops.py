@@ -537,7 +537,29 @@ def test_item_and_truth_values_match_torch(env, jit):
     _assert_close(_run_data_dependent(env, branch, x, jit=jit), branch(x), EXACT)
 
 
+ARANGE_CASES = {
+    # led counts positions from its cache's length, a tensor: torch.arange(past, past + n)
+    "tensor_bounds": lambda x: torch.arange((x > 0).sum(), (x > 0).sum() + 3, device=x.device),
+    "tensor_end_only": lambda x: torch.arange((x > 0).sum(), device=x.device),
+    "tensor_step_and_dtype": lambda x: torch.arange(1, 12, (x > 0).sum() // 2, dtype=torch.float32, device=x.device),
+    "float_tensor_end": lambda x: torch.arange(0, x.abs().max(), 0.25, device=x.device),
+    "empty": lambda x: torch.arange((x > 0).sum(), (x > 0).sum(), device=x.device),
+    "python_bounds": lambda x: torch.arange(2, 9, 3, device=x.device) + x.shape[0],
+}
+
+
+@jit_modes
+@pytest.mark.parametrize("case", ARANGE_CASES)
+def test_arange_matches_torch(env, case, jit):
+    x = _data(3, 5)
+    expected = ARANGE_CASES[case](x)
+    actual = _run_data_dependent(env, ARANGE_CASES[case], x, jit=jit)
+    assert actual.dtype == expected.dtype or {actual.dtype, expected.dtype} == {torch.int32, torch.int64}
+    _assert_close(actual, expected, EXACT)
+
+
 PARITY_TESTS = {
+    torch.arange: test_arange_matches_torch,
     torch.ops.aten._grouped_mm.default: test_grouped_mm_matches_torch,
     torch.ops.aten.copy_: test_copy_matches_torch,
     torch.ops.aten._is_all_true.default: test_is_all_true_and_is_any_true_match_torch,

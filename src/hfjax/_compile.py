@@ -13,7 +13,6 @@ import collections
 import contextlib
 import dataclasses
 import sys
-import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -61,7 +60,6 @@ class _Program:
     specialized: dict | None = None
     last_values: tuple | None = None
     sites: list = dataclasses.field(default_factory=list)  # where the code reads them, for messages
-    tape: Any = None  # a probe's tape, read after it ran
 
 
 class JittedModule(torch.nn.Module):
@@ -188,11 +186,9 @@ class JittedModule(torch.nn.Module):
         n_leaves: int,
         *,
         specialize_on: tuple | None = None,
-        probing: bool = False,
     ) -> _Program:
         # specialize_on: values of the data the code reads (hfjax._specialize); the program then
-        # returns the traced values at those points as a fourth output, its guards. With
-        # probing, it returns only the traced value at the next point (hfjax._specialize).
+        # returns the traced values at those points as a fourth output, its guards.
         module = self.module
         function = getattr(type(module), method)
         aliases = self._aliases
@@ -221,17 +217,8 @@ class JittedModule(torch.nn.Module):
                 result = traced(params, dynamic, prng_key)
             return (*result, tape.observed)
 
-        def probe(params, dynamic, prng_key):
-            # The traced value at the first point past specialize_on, or None where there is none.
-            try:
-                with _specialize.replaying(specialize_on, probing=True) as program.tape:
-                    traced(params, dynamic, prng_key)
-            except _specialize.Reached as reached:
-                return reached.value
-            return None
-
         program.traced = traced
-        program.jitted = jax.jit(traced if specialize_on is None else probe if probing else specialized)
+        program.jitted = jax.jit(traced if specialize_on is None else specialized)
         return program
 
     def _run_specialized(self, method: str, program: _Program, dynamic: list) -> tuple[_Program, tuple]:
@@ -248,7 +235,7 @@ class JittedModule(torch.nn.Module):
                 return chosen, tuple(result)
             known = [np.asarray(value) for value in observed[: wrong + 1]]
         if len(program.specialized) >= _specialize.MAX_SPECIALIZATIONS:
-            _warn_running_eagerly(type(self.module).__name__, method, program.sites)
+            _specialize.warn_running_eagerly(f"hfjax.jit: {type(self.module).__name__}.{method}", program.sites)
             eager = self._build(method, *program.signature)
             return eager, eager.traced(self.params, dynamic, prng_key)
         values, program.sites = self._discover(method, program, dynamic, prng_key, known)
@@ -265,16 +252,9 @@ class JittedModule(torch.nn.Module):
         return chosen, tuple(result)
 
     def _discover(self, method: str, program: _Program, dynamic: list, prng_key, known: list) -> tuple[tuple, list]:
-        # Every value of the data this call's trace needs, in order, starting from `known`: one
-        # small program per value that is not known in Python. Returns (values, their sites).
-        values = list(known)
-        while True:
-            probe = self._build(method, *program.signature, specialize_on=tuple(values), probing=True)
-            reached, tape = probe.jitted(self.params, dynamic, prng_key), probe.tape
-            values = tape.values  # with any values known in Python on the way
-            if reached is None:
-                return tuple(values), tape.sites
-            values.append(np.asarray(reached))
+        # Every value of the data this call's trace needs, in order, starting from `known`.
+        traced = self._build(method, *program.signature).traced
+        return _specialize.discover(traced, (self.params, dynamic, prng_key), known)
 
     @contextlib.contextmanager
     def _explain_errors(self):
@@ -356,21 +336,6 @@ def _replace_input_refs(out, inputs: list) -> dict[str, int]:
                 refs[field.name] = index
                 setattr(out, field.name, None)
     return refs
-
-
-_WARNED_EAGER: set = set()
-
-
-def _warn_running_eagerly(model: str, method: str, sites: list[str]) -> None:
-    if (model, method) in _WARNED_EAGER:
-        return
-    _WARNED_EAGER.add((model, method))
-    warnings.warn(
-        f"hfjax.jit: {model}.{method} reads values of its data that change from call to call "
-        f"({'; '.join(dict.fromkeys(sites)) or 'unknown lines'}); after {_specialize.MAX_SPECIALIZATIONS} "
-        "programs specialised on them, inputs with new values run op by op (correct, but not compiled).",
-        stacklevel=4,
-    )
 
 
 def _innermost_module(tb, names: dict[int, str]) -> str | None:

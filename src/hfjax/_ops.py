@@ -431,6 +431,25 @@ def _mask_indices(mask) -> tuple[jax.Array, ...]:
 
 
 @override(
+    torch.arange,
+    why="torchax's arange needs Python bounds; models that count positions from a cache's length "
+    "(led: torch.arange(past_length, past_length + n)) give tensors, whose difference is a value of the data",
+)
+def arange(start, end=None, step=None, *, dtype=None, **_):
+    if end is None:
+        start, end = 0, start
+    step = 1 if step is None else step
+    if not any(isinstance(bound, jax.Array) for bound in (start, end, step)):
+        return torchax_lowering(torch.arange)(start, end, step, dtype=dtype)
+    if dtype is None:  # torch's rule: integers unless a bound is a floating point number
+        floating = any(jnp.issubdtype(jnp.result_type(bound), jnp.floating) for bound in (start, end, step))
+        dtype = torch.get_default_dtype() if floating else torch.int64
+    dtype = jax.dtypes.canonicalize_dtype(mappings.t2j_dtype(dtype))
+    length = concrete(jnp.maximum(jnp.ceil((end - start) / step), 0).astype(jnp.int32), "torch.arange's length")
+    return (start + jnp.arange(int(length)) * step).astype(dtype)
+
+
+@override(
     torch.ops.aten._local_scalar_dense,
     why="torchax's .item() fails inside a trace; `if mask.any():` and `assert x.max().item() <= n` "
     "(fsmt, led, xlm, flaubert) read a value of the data",

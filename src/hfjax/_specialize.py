@@ -21,8 +21,14 @@ hfjax:
    `MAX_SPECIALIZATIONS` programs of one method and structure, inputs whose values change the
    program run op by op, with one warning.
 
-Where no tape can be given (the decode loop of `Model.generate` is one `while_loop`), the error
-says which line of the model needed which value.
+`Model.generate` does the same per stage (`hfjax.generation._engine`): the prefill like a
+method; the decode loop's step is probed once, outside any loop, from the state the loop starts
+in, and the `while_loop` checks the guards after every token. A token whose guards do not hold is
+thrown away and the loop stops there; the host discovers the values from that state and goes on
+with the program for them.
+
+Where no values can be discovered (a plain `lower()`), the error says which line of the model
+needed which value.
 """
 
 from __future__ import annotations
@@ -30,10 +36,13 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import dataclasses
+import functools
 import os
 import traceback
+import warnings
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import torch
 import torchax
@@ -112,6 +121,40 @@ def replaying(values, *, probing: bool = False):
         )
 
 
+def discover(function, args: tuple, known=()) -> tuple[tuple, list[str]]:
+    """Every value of the data that tracing `function(*args)` needs, in order, starting from the
+    values `known` to be right: one small program per value that is not known in Python (its
+    output is the traced value at the next point; XLA keeps only what that value needs).
+    Returns (values, "file:line (what)" per point)."""
+    values = [np.asarray(value) for value in known]
+    while True:
+        tapes = []
+        reached = jax.jit(functools.partial(_probe, function, values, tapes))(*args)
+        values = tapes[-1].values  # with any values known in Python on the way
+        if reached is None:
+            return tuple(values), tapes[-1].sites
+        values.append(np.asarray(reached))
+
+
+def _probe(function, values: list, tapes: list, *args):
+    # The traced value at the first point past `values`, or None where there is none.
+    try:
+        with replaying(values, probing=True) as tape:
+            tapes.append(tape)
+            function(*args)
+    except Reached as reached:
+        return reached.value
+    return None
+
+
+def holds(observed, values) -> jax.Array:
+    """Inside a trace: a bool scalar, whether every guard output equals the value it was built on."""
+    held = jnp.bool_(True)
+    for seen, value in zip(observed, values, strict=True):
+        held = held & jnp.array_equal(seen, value)
+    return held
+
+
 def key(values: list[np.ndarray] | tuple[np.ndarray, ...]) -> tuple:
     """A hashable key of recorded values."""
     return tuple((v.dtype.str, v.shape, v.tobytes()) for v in values)
@@ -124,6 +167,23 @@ def first_difference(observed, values) -> int | None:
         if not np.array_equal(np.asarray(seen), value):
             return index
     return None
+
+
+_WARNED_EAGER: set = set()
+
+
+def warn_running_eagerly(what: str, sites: list[str]) -> None:
+    """Once per `what` (e.g. "hfjax.jit: DbrxModel.forward"): its values of the data change too
+    often to compile a program for each, so it now runs op by op."""
+    if what in _WARNED_EAGER:
+        return
+    _WARNED_EAGER.add(what)
+    warnings.warn(
+        f"{what} reads values of its data that change from call to call "
+        f"({'; '.join(dict.fromkeys(sites)) or 'unknown lines'}); after {MAX_SPECIALIZATIONS} "
+        "programs specialised on them, inputs with new values run op by op (correct, but not compiled).",
+        stacklevel=4,
+    )
 
 
 def _model_site() -> str | None:

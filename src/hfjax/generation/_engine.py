@@ -34,8 +34,8 @@ import jax.numpy as jnp
 import numpy as np
 import torch
 
-from .. import _backend, _compile, _env
-from .._errors import GenerationError
+from .. import _backend, _compile, _env, _specialize
+from .._errors import DataDependentError, GenerationError
 from ..parallel import _mesh
 from . import _caches, _choose, _multimodal, _planning, _programs, _sampling
 from ._adapters import adapter_for
@@ -80,6 +80,8 @@ class Generator:
         self._slices: dict[tuple, dict] = {}
         self.last_stats = GenerationStats()
         self._module_names = {id(m): n for n, m in model.module.named_modules()}
+        # Per program key whose trace reads values of the data (hfjax._specialize): its values.
+        self._specialized: dict[tuple, _Specialized] = {}
 
     @property
     def trace_counts(self) -> dict[str, int]:
@@ -173,13 +175,10 @@ class Generator:
             self._prefill_flat, layout=layout, offset=plan.offset, settings=compiled,
             static=() if extra is None else extra.static,
         )  # fmt: skip
-        prefill = self.programs.get(
+        leaves, fields = self._run_prefill(
             ("prefill", plan.rows, plan.size, plan.total, compiled, *_multimodal.signature(extra)),
-            prefill_function, prefill_args,
-            metadata=lambda: {"fields": self._slices[layout]},
+            prefill_function, prefill_args, metadata=lambda: {"fields": self._slices[layout]},
         )  # fmt: skip
-        leaves = prefill.run(*prefill_args)
-        fields = prefill.metadata["fields"]  # the decode loop's state has the same fields
 
         def field(name: str) -> np.ndarray:
             return _host(read(leaves, fields, name))
@@ -193,17 +192,16 @@ class Generator:
             self._decode_flat, layout=layout, offset=plan.offset, settings=compiled, windows=windows,
             trace_prefill=lambda: jax.eval_shape(prefill_function, *prefill_args),
         )  # fmt: skip
-        decode = self.programs.get(
-            ("decode", *layout, windows), decode_function, (params, leaves, jnp.int32(limit)),
-            metadata=lambda: {"fields": self._slices[layout]}, donate=(1,),
+        decode = functools.partial(
+            self._run_decode, ("decode", *layout, windows), decode_function, fields=fields
         )  # fmt: skip
         steps = 1
         if streamer is None:
-            leaves = decode.run(params, leaves, jnp.int32(limit))
+            leaves = decode(params, leaves, jnp.int32(limit))
             steps = int(field("step"))
         else:
             while steps < limit and not bool(np.all(field("done"))):
-                leaves = decode.run(params, leaves, jnp.int32(min(steps + STREAM_CHUNK, limit)))
+                leaves = decode(params, leaves, jnp.int32(min(steps + STREAM_CHUNK, limit)))
                 now = int(field("step"))
                 for token in field("sequence")[:batch, plan.offset + steps : plan.offset + now].T:
                     streamer.put(torch.as_tensor(token.astype(np.int64)))
@@ -233,6 +231,103 @@ class Generator:
             compiled=sum(self.program_counts.values()) > prepared_before,
         )
         return out
+
+    def _run_prefill(self, key: tuple, function, args: tuple, *, metadata) -> tuple[list, dict]:
+        """Runs the prefill program for `key`; returns (the state's leaves, where its fields lie).
+        A model that reads values of its data gets the program specialised on this call's values."""
+        specialized = self._specialized.get(key)
+        if specialized is None:
+            try:
+                program = self.programs.get(key, function, args, metadata=metadata)
+                return program.run(*args), program.metadata["fields"]
+            except DataDependentError:
+                specialized = self._specialized[key] = _Specialized()
+        known, failed = (), set()  # values found right for this call; keys of values that are not
+        values = specialized.last
+        while values is not None:  # the values of the last call, then those of earlier programs that agree
+            program = self._specialized_program(key, function, values, args, metadata)
+            leaves, observed = program.run(*args)
+            wrong = _specialize.first_difference(observed, values)
+            if wrong is None:
+                specialized.last = values
+                return leaves, program.metadata["fields"]
+            known = observed[: wrong + 1]
+            failed.add(_specialize.key(values))
+            values = specialized.matching(known, failed)
+        if specialized.full:
+            self._warn_running_eagerly(specialized, "prefill")
+            with jax.disable_jit():  # op by op: every value of the data is at hand
+                return function(*args), metadata()["fields"]
+        values = specialized.add(_specialize.discover(function, args, known))
+        program = self._specialized_program(key, function, values, args, metadata)
+        leaves, observed = program.run(*args)
+        if _specialize.first_difference(observed, values) is not None:
+            raise DataDependentError(
+                "values of the data", None, detail="the prefill's guards disagreed with its values"
+            )
+        return leaves, program.metadata["fields"]
+
+    def _run_decode(self, key: tuple, function, params, leaves: list, limit, *, fields: dict) -> list:
+        """Runs the decode program for `key` up to step `limit`; returns the state's leaves. A model
+        that reads values of its data in its step gets a loop specialised on the values its first
+        step reads, which stops before a token whose values differ; the loop then goes on with the
+        program for the values found from there."""
+        metadata = lambda: {"fields": fields}  # noqa: E731 (the decode loop's state has the prefill's fields)
+        specialized = self._specialized.get(key)
+        if specialized is None:
+            try:
+                return self.programs.get(key, function, (params, leaves, limit), metadata=metadata, donate=(1,)).run(
+                    params, leaves, limit
+                )
+            except DataDependentError:
+                specialized = self._specialized[key] = _Specialized()
+        one_step = functools.partial(function, probing=True)
+        known = ()  # values found right for the next token
+        failed = set()  # keys of the values whose program made no progress from step `at`
+        at = None
+        while True:
+            now = int(read(leaves, fields, "step"))
+            if now != at:
+                at, failed = now, set()
+            if specialized.last is None:
+                # A program built earlier whose values agree with those known, else discovery.
+                specialized.last = specialized.matching(known, failed)
+            if specialized.last is None:
+                if specialized.full:
+                    self._warn_running_eagerly(specialized, "decode step")
+                    with jax.disable_jit():  # op by op: every value of the data is at hand
+                        return function(params, leaves, limit)
+                specialized.add(_specialize.discover(one_step, (params, leaves, limit), known))
+                if _specialize.key(specialized.last) in failed:
+                    raise DataDependentError(
+                        "values of the data", None, detail="a decode step's guards disagreed with its values"
+                    )
+            args = (params, leaves, limit)
+            values = specialized.last
+            program = self._specialized_program(key, function, values, args, metadata, donate=(1,))
+            leaves, held, observed = program.run(*args)
+            if bool(held):
+                return leaves
+            known = observed[: _specialize.first_difference(observed, values) + 1]
+            advanced = int(read(leaves, fields, "step")) - at
+            if advanced == 0:
+                failed.add(_specialize.key(values))
+            elif advanced < 2:
+                specialized.short_runs += 1  # values that change with every token: compiling does not pay
+            specialized.last = None
+
+    def _warn_running_eagerly(self, specialized: _Specialized, stage: str) -> None:
+        what = f"Model.generate: {type(self.module).__name__}'s {stage}"
+        _specialize.warn_running_eagerly(what, specialized.sites)
+
+    def _specialized_program(
+        self, key: tuple, function, values: tuple, args: tuple, metadata, donate=()
+    ) -> _programs.Program:
+        # `function` traced with `values` handed to the model's reads; it returns its guards too.
+        return self.programs.get(
+            (*key, "values", _specialize.key(values)), functools.partial(function, values=values), args,
+            metadata=metadata, donate=donate,
+        )  # fmt: skip
 
     def _output(self, sequences, field, batch: int, steps: int, *, beams: bool):
         """transformers' Generate*Output for return_dict_in_generate: the sequences, and per new
@@ -282,29 +377,40 @@ class Generator:
         offset,
         settings,
         static,
-    ) -> list:
+        values=None,
+    ):
+        # values: the values of the data the model reads (hfjax._specialize), or None; with them,
+        # it returns (leaves, the traced values there: its guards).
         if extra is not None:
             extra = _multimodal.PrefillInputs(*extra, static=static)
-        state = self._prefill(
-            params,
-            ids,
-            mask,
-            key,
-            budget,
-            least,
-            first_column,
-            decoder_prompt,
-            extra,
-            ngram_source,
-            offset=offset,
-            settings=settings,
-        )
-        return self._flatten(state, layout)
+        replaying = contextlib.nullcontext() if values is None else _specialize.replaying(values)
+        with replaying as tape:
+            state = self._prefill(
+                params, ids, mask, key, budget, least, first_column, decoder_prompt, extra, ngram_source,
+                offset=offset, settings=settings,
+            )  # fmt: skip
+        leaves = self._flatten(state, layout)
+        return leaves if values is None else (leaves, tape.observed)
 
-    def _decode_flat(self, params, leaves, limit, *, layout, offset, settings, windows, trace_prefill) -> list:
+    def _decode_flat(
+        self, params, leaves, limit, *, layout, offset, settings, windows, trace_prefill, values=None, probing=False
+    ):
+        # values: the values of the data the model's step reads (hfjax._specialize), or None; with
+        # them, one loop checks them at every token, and it returns (leaves, whether all held, the
+        # traced values of the token it stopped before).
+        # probing: one step, outside any loop (for `_specialize.discover`).
         if layout not in self._treedefs:
             trace_prefill()  # its program came from disk: trace it abstractly for the state's structure
+        self.programs.traced["decode"] += 1
         state = jax.tree_util.tree_unflatten(self._treedefs[layout], leaves)
+        if probing:
+            self._decode_loop(params, state, limit, offset=offset, settings=settings, probing=True)
+            return None
+        if values is not None:
+            state, held, observed = self._decode_loop(
+                params, state, limit, offset=offset, settings=settings, values=values
+            )
+            return self._flatten(state, layout), held, observed
         state = self._decode_n_tokens(params, state, limit, offset=offset, settings=settings, windows=windows)
         return self._flatten(state, layout)
 
@@ -389,7 +495,6 @@ class Generator:
     def _decode_n_tokens(
         self, params, state: DecodeState, limit, *, offset: int, settings: GenerationSettings, windows: tuple[int, ...]
     ) -> DecodeState:
-        self.programs.traced["decode"] += 1
         if len(windows) > 1 and not _caches.windowable(state.cache):
             windows = windows[-1:]
         for window in windows[:-1]:
@@ -407,8 +512,17 @@ class Generator:
         return self._decode_loop(params, state, limit, offset=offset, settings=settings)
 
     def _decode_loop(
-        self, params, state: DecodeState, limit, *, offset: int, settings: GenerationSettings
-    ) -> DecodeState:
+        self,
+        params,
+        state: DecodeState,
+        limit,
+        *,
+        offset: int,
+        settings: GenerationSettings,
+        values: tuple | None = None,
+        probing: bool = False,
+    ):
+        # values, probing: as in `_decode_flat`; with values it returns (state, held, observed).
         window = _caches.slots(state.cache) or state.mask.shape[1]
         carried, restore = self.backend.loop_carry(state.cache)
 
@@ -422,8 +536,25 @@ class Generator:
                 cache, logits = self.adapter.step(state.replace(cache=restore(state.cache)), token, slot, window)
             return _choose.choose(state.replace(cache=self.backend.loop_carry(cache)[0]), logits, offset, settings)
 
-        state = jax.lax.while_loop(running, step, state.replace(cache=carried))
-        return state.replace(cache=restore(state.cache))
+        if probing:
+            return step(state.replace(cache=carried))
+        if values is None:
+            state = jax.lax.while_loop(running, step, state.replace(cache=carried))
+            return state.replace(cache=restore(state.cache))
+
+        def guarded_step(carry):
+            # A token whose values differ from `values` is thrown away, and the loop stops there
+            # with that token's traced values (those up to the first that differs are right).
+            state, _, _ = carry
+            with _specialize.replaying(values) as tape:
+                stepped = step(state)
+            held = _specialize.holds(tape.observed, values)
+            observed = [jnp.asarray(seen).astype(value.dtype) for seen, value in zip(tape.observed, values)]
+            return jax.tree_util.tree_map(functools.partial(jnp.where, held), stepped, state), held, observed
+
+        start = (state.replace(cache=carried), jnp.bool_(True), [jnp.asarray(value) for value in values])
+        state, held, observed = jax.lax.while_loop(lambda carry: running(carry[0]) & carry[1], guarded_step, start)
+        return state.replace(cache=restore(state.cache)), held, observed
 
     @contextlib.contextmanager
     def _bound(self, params):
@@ -431,6 +562,37 @@ class Generator:
         with _compile.explain_errors(self.module, self._module_names):
             with _compile.bound(self.module, params, self.model.aliases, _env.prng_key()) as environment:
                 yield environment
+
+
+@dataclasses.dataclass
+class _Specialized:
+    """A stage's programs specialised on the values of the data its model reads (hfjax._specialize)."""
+
+    last: tuple | None = None  # the values the last run used
+    programs: dict = dataclasses.field(default_factory=dict)  # the values built so far, by key
+    sites: list = dataclasses.field(default_factory=list)
+
+    short_runs: int = 0  # decode loops that stopped one token after their values were found
+
+    @property
+    def full(self) -> bool:
+        """Whether another program would be one too many: past `_specialize.MAX_SPECIALIZATIONS`,
+        or the values changed with each token twice in a row."""
+        return len(self.programs) >= _specialize.MAX_SPECIALIZATIONS or self.short_runs >= 2
+
+    def add(self, discovered: tuple[tuple, list]) -> tuple:
+        """Records values found by `_specialize.discover` as the ones to run with; returns them."""
+        self.last, self.sites = discovered
+        self.programs[_specialize.key(self.last)] = self.last
+        return self.last
+
+    def matching(self, known, excluded: set) -> tuple | None:
+        """The values of a program built earlier that begin with `known` (not one of `excluded`)."""
+        for key, values in self.programs.items():
+            if key not in excluded and len(values) >= len(known) > 0:
+                if all(np.array_equal(np.asarray(a), b) for a, b in zip(known, values)):
+                    return values
+        return None
 
 
 def _host(array: jax.Array | None) -> np.ndarray | None:
