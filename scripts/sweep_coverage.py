@@ -41,6 +41,7 @@ _TASK_MAPPINGS: dict[str, str | tuple[str, ...]] = {
     "image-classification": "MODEL_FOR_IMAGE_CLASSIFICATION_MAPPING_NAMES",
     "zero-shot-image-classification": "MODEL_FOR_ZERO_SHOT_IMAGE_CLASSIFICATION_MAPPING_NAMES",
     "image-feature-extraction": "MODEL_FOR_IMAGE_MAPPING_NAMES",
+    "image-text-to-text": "MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES",  # a text forward (see hfjax.check)
     "automatic-speech-recognition": ("MODEL_FOR_CTC_MAPPING_NAMES", "MODEL_FOR_SPEECH_SEQ_2_SEQ_MAPPING_NAMES"),
 }
 _STATUSES = ("pass", "fail", "pytorch-fails", "timeout")

@@ -384,6 +384,31 @@ def test_integer_pow_matches_torch(env, power, jit):
     _assert_close(actual, expected, EXACT)
 
 
+LINEAR_CALLS = {
+    "positional": lambda x, w, b: torch.nn.functional.linear(x, w, b),
+    "keywords_as_ibert_calls_it": lambda x, w, b: torch.nn.functional.linear(x, weight=w, bias=b),
+    "no_bias": lambda x, w, b: torch.nn.functional.linear(input=x, weight=w),
+}
+
+
+@jit_modes
+@pytest.mark.parametrize("call", LINEAR_CALLS)
+def test_linear_matches_torch(env, call, jit):
+    x, weight, bias = _data(2, 3, 8), _data(5, 8), _data(5)
+    expected = LINEAR_CALLS[call](x, weight, bias)
+    _assert_close(_run(env, LINEAR_CALLS[call], x, weight, bias, jit=jit), expected, MATMUL)
+
+
+@jit_modes
+@pytest.mark.parametrize("size", [(5, 7), (16, 24), (9, 6)], ids=["shrink", "grow", "both"])
+def test_antialiased_bilinear_resize_matches_torch(env, size, jit):
+    def resize(x):
+        return torch.nn.functional.interpolate(x, size=size, mode="bilinear", antialias=True, align_corners=False)
+
+    x = _data(2, 3, 11, 12)
+    _assert_close(_run(env, resize, x, jit=jit), resize(x), DEFAULT)
+
+
 def test_blt_logits_match_torch_with_x64(env):
     # BLT hashes bytes with int64 rolling polynomials (integer pow, wrapping) and slices its
     # patches with a tensor bound; int64 needs jax x64. Its patching is data-dependent: no jit.
@@ -527,6 +552,17 @@ def test_unique_consecutive_matches_torch(env, case, jit):
 
 
 @jit_modes
+def test_tolist_matches_torch(env, jit):
+    def sizes(x):
+        counts = (x > 0).sum(dim=1)[1:]  # a slice: torchax hands it over as a View
+        return [x.new_zeros(int(n)) for n in counts.tolist()]
+
+    x = _data(3, 5)
+    actual = _run_data_dependent(env, sizes, x, jit=jit)
+    assert [a.shape for a in actual] == [e.shape for e in sizes(x)]
+
+
+@jit_modes
 def test_item_and_truth_values_match_torch(env, jit):
     def branch(x):
         if (x > 2).any():  # false for these data: the other branch runs
@@ -560,6 +596,9 @@ def test_arange_matches_torch(env, case, jit):
 
 PARITY_TESTS = {
     torch.arange: test_arange_matches_torch,
+    torch.nn.functional.linear: test_linear_matches_torch,
+    torch.ops.aten._upsample_bilinear2d_aa: test_antialiased_bilinear_resize_matches_torch,
+    torch.Tensor.tolist: test_tolist_matches_torch,
     torch.ops.aten._grouped_mm.default: test_grouped_mm_matches_torch,
     torch.ops.aten.copy_: test_copy_matches_torch,
     torch.ops.aten._is_all_true.default: test_is_all_true_and_is_any_true_match_torch,

@@ -6,6 +6,7 @@ import dataclasses
 import functools
 import os
 import pathlib
+import re
 import statistics
 import tempfile
 import time
@@ -112,7 +113,23 @@ def _inputs(
 
 
 def _vocab_size(config) -> int:
-    return int(getattr(config, "vocab_size", None) or config.get_text_config().vocab_size)
+    # The text model's vocabulary: a vision-language config's own vocab_size can be its full-size
+    # default (PaliGemma's 257152) where the tiny text model has a few hundred embeddings.
+    text = config.get_text_config()
+    return int(getattr(text, "vocab_size", None) or config.vocab_size)
+
+
+# Placeholder tokens that stand for images, video or audio: a text forward must not contain them.
+_MEDIA_TOKEN = re.compile(r"(image|video|audio|vision|boi|eoi|boa|eoa)\w*_token_(id|index)$")
+
+
+def _media_tokens(config) -> set[int]:
+    found = set()
+    for source in (config, config.get_text_config()):
+        for name, value in source.to_dict().items():
+            if _MEDIA_TOKEN.search(name) and isinstance(value, int):
+                found.add(value)
+    return found
 
 
 def _eos_id(config) -> int | None:
@@ -129,6 +146,7 @@ def _token_ids(config, batch: int, seq_len: int, rng: np.random.Generator) -> di
     vocab = _vocab_size(config)
     low = min(4, vocab - 1)
     ids = rng.integers(low, vocab, size=(batch, seq_len), dtype=np.int64)
+    ids[np.isin(ids, list(_media_tokens(config)))] = low
     return {"input_ids": ids, "attention_mask": np.ones((batch, seq_len), dtype=np.int64)}
 
 

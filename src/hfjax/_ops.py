@@ -402,6 +402,34 @@ def _sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, sca
     return attention(query, key, value, attn_mask, is_causal, scale)
 
 
+@override(
+    torch.nn.functional.linear,
+    why="torchax names its arguments (self, weights, bias), so torch's own keywords fail: ibert's "
+    "QuantLinear calls linear(x, weight=..., bias=...)",
+)
+def linear(input, weight, bias=None):
+    return torchax_lowering(torch.nn.functional.linear)(input, weight, bias)
+
+
+@override(
+    torch.ops.aten._upsample_bilinear2d_aa,
+    why="torchax's passes its arguments in the wrong order (TypeError: 'tuple' object is not callable); "
+    "siglip2 resizes its position embeddings with interpolate(mode='bilinear', antialias=True)",
+)
+def _upsample_bilinear2d_aa(input, output_size, align_corners, scale_factors=None, scales_h=None, scales_w=None):
+    # input: [N, C, H, W]. torch's antialiased filter is a triangle widened by the scale when
+    # shrinking, normalised per output pixel: jax.image.resize's "linear" with antialias.
+    if align_corners:
+        raise NotImplementedError(
+            "hfjax: interpolate(mode='bilinear', antialias=True, align_corners=True) has no lowering; "
+            "pass align_corners=False"
+        )
+    if output_size is None:
+        output_size = [int(size * factor) for size, factor in zip(input.shape[2:], scale_factors)]
+    shape = (*input.shape[:2], *output_size)
+    return jax.image.resize(input, shape, method="linear", antialias=True).astype(input.dtype)
+
+
 SDPA_WHY = (
     "torchax's reference attention gives NaN for a query that may attend to nothing (left padding "
     "makes such rows, and the NaN then spreads through the cache), where torch gives zeros; it also "
@@ -456,6 +484,15 @@ def arange(start, end=None, step=None, *, dtype=None, **_):
 )
 def _local_scalar_dense(x):
     return concrete(x, ".item() of a tensor (or its truth value)").item()
+
+
+@override(
+    torch.Tensor.tolist,
+    why="torch refuses .tolist() on torchax's View (a slice: siglip2's spatial_shapes), and a traced "
+    "tensor's list is a value of the data",
+)
+def tolist(x):
+    return concrete(x, "Tensor.tolist()").tolist()
 
 
 @override(
