@@ -738,7 +738,7 @@ def _switching_model(checkpoint):
 
 
 def _decode_specializations(model) -> list:
-    return [specialized.programs for key, specialized in model._generator._specialized.items() if key[0] == "decode"]
+    return [specialized.built for key, specialized in model._generator._specialized.items() if key[0] == "decode"]
 
 
 def test_a_step_that_reads_its_data_stays_compiled_across_a_change_of_value(checkpoint):

@@ -55,11 +55,10 @@ class _Program:
     out_treedef: Any = None
     out_statics: tuple = ()
     out_inputs: dict = dataclasses.field(default_factory=dict)  # output field -> index of a stateful input
-    # Where the code reads values of its data (hfjax._specialize): programs specialised on them,
-    # keyed by the values, and the key of the one that ran last. None until a trace needs one.
-    specialized: dict | None = None
-    last_values: tuple | None = None
-    sites: list = dataclasses.field(default_factory=list)  # where the code reads them, for messages
+    # Where the code reads values of its data (hfjax._specialize): the values it was specialised
+    # on (None until a trace needs them), and the program built for each, by their key.
+    specialized: _specialize.Specializations | None = None
+    variants: dict = dataclasses.field(default_factory=dict)
 
 
 class JittedModule(torch.nn.Module):
@@ -148,7 +147,7 @@ class JittedModule(torch.nn.Module):
                     try:
                         out_arrays, new_inputs, key = program.jitted(self.params, dynamic, _env.prng_key())
                     except DataDependentError:  # the code reads values of its data: specialise on them
-                        program.specialized = {}
+                        program.specialized = _specialize.Specializations()
                 if program.specialized is not None:
                     program, (out_arrays, new_inputs, key) = self._run_specialized(method, program, dynamic)
         _env.set_prng_key(key)
@@ -223,32 +222,37 @@ class JittedModule(torch.nn.Module):
 
     def _run_specialized(self, method: str, program: _Program, dynamic: list) -> tuple[_Program, tuple]:
         # The program specialised on this call's values of the data (hfjax._specialize): the one
-        # that ran last if its guards hold, else the one for the values found for this call.
+        # that ran last if its guards hold, else one built earlier whose values agree with those
+        # found right, else the one for the values discovered for this call.
         # Returns (the program whose outputs these are, its (outputs, new inputs, key)).
         prng_key = _env.prng_key()
-        known = []  # values found right for this call
-        if program.last_values is not None:
-            chosen, values = program.specialized[program.last_values]
+        specialized = program.specialized
+        known, failed = (), set()  # values found right for this call; keys of values that are not
+        values = specialized.last
+        while values is not None:
+            chosen = program.variants[_specialize.key(values)]
             *result, observed = chosen.jitted(self.params, dynamic, prng_key)
             wrong = _specialize.first_difference(observed, values)
             if wrong is None:
+                specialized.last = values
                 return chosen, tuple(result)
             known = [np.asarray(value) for value in observed[: wrong + 1]]
-        if len(program.specialized) >= _specialize.MAX_SPECIALIZATIONS:
-            _specialize.warn_running_eagerly(f"hfjax.jit: {type(self.module).__name__}.{method}", program.sites)
+            failed.add(_specialize.key(values))
+            values = specialized.matching(known, failed)
+        if specialized.full:
+            _specialize.warn_running_eagerly(f"hfjax.jit: {type(self.module).__name__}.{method}", specialized.sites)
             eager = self._build(method, *program.signature)
             return eager, eager.traced(self.params, dynamic, prng_key)
-        values, program.sites = self._discover(method, program, dynamic, prng_key, known)
+        values = specialized.add(self._discover(method, program, dynamic, prng_key, known))
         key = _specialize.key(values)
-        if key not in program.specialized:
-            program.specialized[key] = (self._build(method, *program.signature, specialize_on=values), values)
-        chosen, values = program.specialized[key]
+        if key not in program.variants:
+            program.variants[key] = self._build(method, *program.signature, specialize_on=values)
+        chosen = program.variants[key]
         *result, observed = chosen.jitted(self.params, dynamic, prng_key)
         if _specialize.first_difference(observed, values) is not None:
             raise DataDependentError(
                 "values of the data", None, detail="a program's guards disagreed with the values found"
             )
-        program.last_values = key
         return chosen, tuple(result)
 
     def _discover(self, method: str, program: _Program, dynamic: list, prng_key, known: list) -> tuple[tuple, list]:

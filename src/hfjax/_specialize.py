@@ -155,6 +155,39 @@ def holds(observed, values) -> jax.Array:
     return held
 
 
+@dataclasses.dataclass
+class Specializations:
+    """The values of the data one program family was specialised on so far, by `key`, and
+    which of them the last run used."""
+
+    last: tuple | None = None
+    built: dict = dataclasses.field(default_factory=dict)  # key -> values
+    sites: list = dataclasses.field(default_factory=list)  # "file:line (what)" of the last discovery
+    short_runs: int = 0  # decode loops (Model.generate) that stopped one token after they started
+
+    @property
+    def full(self) -> bool:
+        """Whether another program would be one too many: MAX_SPECIALIZATIONS are built, or twice
+        a decode loop's values held for one token only (they change with every token, and a
+        program per token does not pay)."""
+        return len(self.built) >= MAX_SPECIALIZATIONS or self.short_runs >= 2
+
+    def add(self, discovered: tuple[tuple, list]) -> tuple:
+        """Records values found by `discover` as the ones to run with; returns them."""
+        self.last, self.sites = discovered
+        self.built[key(self.last)] = self.last
+        return self.last
+
+    def matching(self, known, excluded: set) -> tuple | None:
+        """The values of a program built earlier that begin with `known` (values found right for
+        this call), leaving out the keys in `excluded`; None where none does."""
+        for built_key, values in self.built.items():
+            if built_key not in excluded and len(values) >= len(known) > 0:
+                if all(np.array_equal(np.asarray(a), b) for a, b in zip(known, values)):
+                    return values
+        return None
+
+
 def key(values: list[np.ndarray] | tuple[np.ndarray, ...]) -> tuple:
     """A hashable key of recorded values."""
     return tuple((v.dtype.str, v.shape, v.tobytes()) for v in values)

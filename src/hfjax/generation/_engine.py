@@ -81,7 +81,7 @@ class Generator:
         self.last_stats = GenerationStats()
         self._module_names = {id(m): n for n, m in model.module.named_modules()}
         # Per program key whose trace reads values of the data (hfjax._specialize): its values.
-        self._specialized: dict[tuple, _Specialized] = {}
+        self._specialized: dict[tuple, _specialize.Specializations] = {}
 
     @property
     def trace_counts(self) -> dict[str, int]:
@@ -241,7 +241,7 @@ class Generator:
                 program = self.programs.get(key, function, args, metadata=metadata)
                 return program.run(*args), program.metadata["fields"]
             except DataDependentError:
-                specialized = self._specialized[key] = _Specialized()
+                specialized = self._specialized[key] = _specialize.Specializations()
         known, failed = (), set()  # values found right for this call; keys of values that are not
         values = specialized.last
         while values is not None:  # the values of the last call, then those of earlier programs that agree
@@ -280,7 +280,7 @@ class Generator:
                     params, leaves, limit
                 )
             except DataDependentError:
-                specialized = self._specialized[key] = _Specialized()
+                specialized = self._specialized[key] = _specialize.Specializations()
         one_step = functools.partial(function, probing=True)
         known = ()  # values found right for the next token
         failed = set()  # keys of the values whose program made no progress from step `at`
@@ -316,7 +316,7 @@ class Generator:
                 specialized.short_runs += 1  # values that change with every token: compiling does not pay
             specialized.last = None
 
-    def _warn_running_eagerly(self, specialized: _Specialized, stage: str) -> None:
+    def _warn_running_eagerly(self, specialized: _specialize.Specializations, stage: str) -> None:
         what = f"Model.generate: {type(self.module).__name__}'s {stage}"
         _specialize.warn_running_eagerly(what, specialized.sites)
 
@@ -562,37 +562,6 @@ class Generator:
         with _compile.explain_errors(self.module, self._module_names):
             with _compile.bound(self.module, params, self.model.aliases, _env.prng_key()) as environment:
                 yield environment
-
-
-@dataclasses.dataclass
-class _Specialized:
-    """A stage's programs specialised on the values of the data its model reads (hfjax._specialize)."""
-
-    last: tuple | None = None  # the values the last run used
-    programs: dict = dataclasses.field(default_factory=dict)  # the values built so far, by key
-    sites: list = dataclasses.field(default_factory=list)
-
-    short_runs: int = 0  # decode loops that stopped one token after their values were found
-
-    @property
-    def full(self) -> bool:
-        """Whether another program would be one too many: past `_specialize.MAX_SPECIALIZATIONS`,
-        or the values changed with each token twice in a row."""
-        return len(self.programs) >= _specialize.MAX_SPECIALIZATIONS or self.short_runs >= 2
-
-    def add(self, discovered: tuple[tuple, list]) -> tuple:
-        """Records values found by `_specialize.discover` as the ones to run with; returns them."""
-        self.last, self.sites = discovered
-        self.programs[_specialize.key(self.last)] = self.last
-        return self.last
-
-    def matching(self, known, excluded: set) -> tuple | None:
-        """The values of a program built earlier that begin with `known` (not one of `excluded`)."""
-        for key, values in self.programs.items():
-            if key not in excluded and len(values) >= len(known) > 0:
-                if all(np.array_equal(np.asarray(a), b) for a, b in zip(known, values)):
-                    return values
-        return None
 
 
 def _host(array: jax.Array | None) -> np.ndarray | None:
