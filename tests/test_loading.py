@@ -139,3 +139,14 @@ def test_tensors_transformers_does_not_save_are_set_as_from_pretrained_sets_them
         assert not any("embed_positions" in key for key in saved.keys())
     report = hfjax.check(path, batch=2, seq_len=8, repeats=1, eager=False)
     assert report.passed, report.table()
+
+
+def test_a_complex_buffer_is_computed_as_from_pretrained_computes_it(checkpoint):
+    # llama4's vision rotary table is a complex64 buffer that its own code sets (not in the checkpoint)
+    path = checkpoint("llama4", task="image-feature-extraction")
+    model = hfjax.load(path)
+    reference = transformers.AutoModel.from_pretrained(path).eval()
+    complex_buffers = {name: buffer for name, buffer in reference.named_buffers() if buffer.is_complex()}
+    assert complex_buffers
+    for name, buffer in complex_buffers.items():
+        np.testing.assert_array_equal(np.asarray(model.params[name]), buffer.numpy(), err_msg=name)

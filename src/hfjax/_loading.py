@@ -138,8 +138,9 @@ def _materialize_buffers(module: torch.nn.Module) -> None:
 
 
 def _sentinel(dtype: torch.dtype):
-    # What an unset buffer holds: NaN, or the smallest integer (bool buffers are left False).
-    if dtype.is_floating_point:
+    # What an unset buffer holds: NaN (complex too: llama4's vision rotary table), or the smallest
+    # integer (bool buffers are left False).
+    if dtype.is_floating_point or dtype.is_complex:
         return float("nan")
     return False if dtype == torch.bool else torch.iinfo(dtype).min
 
