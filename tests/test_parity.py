@@ -26,6 +26,9 @@ def test_family_matches_pytorch(checkpoint, family):
         ("vit", "image-feature-extraction", "last_hidden_state"),
         ("clip", "zero-shot-image-classification", "logits_per_image"),
         ("wav2vec2", "automatic-speech-recognition", "logits"),
+        ("vit_mae", "image-feature-extraction", "last_hidden_state"),  # its random patch mask comes as `noise`
+        ("llama4", "image-feature-extraction", "last_hidden_state"),  # a complex rotary buffer
+        ("siglip2", "image-classification", "logits"),  # tolist() of a View, antialiased resize
     ],
 )
 def test_media_family_matches_pytorch(checkpoint, family, task, output):

@@ -154,7 +154,14 @@ def _image(config, name: str, batch: int, rng: np.random.Generator) -> dict[str,
     vision = _vision_config(config)
     if getattr(vision, "num_patches", None) and not getattr(vision, "image_size", None):
         return _patches(vision, batch, rng)
-    return {name: _pixels(vision, batch, rng, video=name.startswith("pixel_values"))}
+    inputs = {name: _pixels(vision, batch, rng, video=name.startswith("pixel_values"))}
+    if getattr(vision, "mask_ratio", None) is not None and isinstance(getattr(vision, "patch_size", None), int):
+        # ViT-MAE hides a random subset of patches, drawn from torch's generator unless `noise` is
+        # given: give it, so that PyTorch and hfjax hide the same ones.
+        height, width = inputs[name].shape[-2:]
+        inputs["noise"] = rng.random((batch, (height // vision.patch_size) * (width // vision.patch_size)))
+        inputs["noise"] = inputs["noise"].astype(np.float32)
+    return inputs
 
 
 def _vision_config(config):
