@@ -173,9 +173,14 @@ def save_tiny_checkpoint(
         )
     # -- vision-language families (image-text-to-text) --
     if task == "image-text-to-text":
-        from ._vision_language import save_tiny_vision_language_checkpoint
+        from ._vision_language import VISION_LANGUAGE_FAMILIES, save_tiny_vision_language_checkpoint
 
-        return save_tiny_vision_language_checkpoint(family, path, seed=seed)
+        if family in VISION_LANGUAGE_FAMILIES:
+            return save_tiny_vision_language_checkpoint(family, path, seed=seed)
+        # any other model_type: its config shrunk by field name, no processor (the coverage sweep)
+        return _media.save_generic_media_checkpoint(
+            family, pathlib.Path(path), task=task, seed=seed, **config_overrides
+        )
     spec = family_spec(family)
     if sentence_transformers and task is None:
         task = "feature-extraction"

@@ -212,12 +212,13 @@ def save_media_checkpoint(family: str, path: pathlib.Path, *, task: str | None, 
 def save_generic_media_checkpoint(
     model_type: str, path: pathlib.Path, *, task: str, seed: int, **config_overrides: Any
 ) -> pathlib.Path:
-    """A tiny random checkpoint of any model_type with a model class for a vision or speech `task`, its
-    config shrunk from the config class's defaults by field name; no processor."""
+    """A tiny random checkpoint of any model_type with a model class for a vision or speech `task`
+    (or image-text-to-text), its config shrunk from the config class's defaults by field name; no
+    processor."""
     from ._families import _generic_overrides, _with_fixes
 
-    if task not in MEDIA_TASKS:
-        raise ValueError(f"Unknown media task {task!r}. Use one of: {', '.join(MEDIA_TASKS)}.")
+    if task not in (*MEDIA_TASKS, "image-text-to-text"):
+        raise ValueError(f"Unknown media task {task!r}. Use one of: {', '.join(MEDIA_TASKS)}, image-text-to-text.")
     if model_type not in transformers.CONFIG_MAPPING:
         raise ValueError(f"Unknown model family {model_type!r}: not a transformers model_type.")
     defaults = transformers.CONFIG_MAPPING[model_type]().to_dict()
