@@ -11,7 +11,7 @@ import safetensors.torch
 import torch
 import transformers
 
-from hfjax import HfjaxError, _check
+from hfjax import _check
 from hfjax.testing import FAMILIES, _families, save_tiny_checkpoint, tiny_config, tiny_tokenizer
 
 PROMPT = "The capital of France is"
@@ -321,7 +321,10 @@ def test_check_builds_speech_inputs_from_the_config(model_type, name, shape):
     assert ("decoder_input_ids" in inputs) == config.is_encoder_decoder
 
 
-def test_check_refuses_audio_language_models_by_name():
-    config = transformers.CONFIG_MAPPING["voxtral"]()
-    with pytest.raises(HfjaxError, match=r"builds no inputs for VoxtralConfig: an audio language model"):
-        _check._inputs(config, "automatic-speech-recognition", batch=2, seq_len=8, seed=0, main_input_name="input_ids")
+def test_check_gives_audio_language_models_a_text_forward_without_audio_tokens():
+    config = transformers.CONFIG_MAPPING["voxtral"](text_config={"vocab_size": 64}, audio_token_id=7)
+    inputs = _check._inputs(
+        config, "automatic-speech-recognition", batch=4, seq_len=32, seed=0, main_input_name="input_ids"
+    )
+    assert set(inputs) == {"input_ids", "attention_mask", "use_cache"}
+    assert inputs["input_ids"].max() < 64 and not (inputs["input_ids"] == 7).any()

@@ -41,8 +41,9 @@ class DataDependentError(UnsupportedOpError):
     """Model code needs a value of its data in Python (`.item()`, `if mask.any():`, the size of
     `torch.nonzero`) inside a program that cannot be specialised on it.
 
-    `hfjax.jit` and `hfjax.load` specialise a forward on such values (see `hfjax._specialize`);
-    this is raised where that cannot be done, such as inside the decode loop of `generate`.
+    `hfjax.jit`, `hfjax.load` and `Model.generate` specialise their programs on such values (see
+    `hfjax._specialize`); this is raised where that cannot be done, such as a plain `lower()`, or
+    the serving engine's slot programs.
     """
 
     def __init__(self, what: str, site: str | None, *, detail: str = ""):
@@ -52,13 +53,9 @@ class DataDependentError(UnsupportedOpError):
         HfjaxError.__init__(
             self,
             f"The model needs {what}{where} as a Python value, which a compiled program cannot have{because}. "
-            "hfjax.jit and hfjax.load specialise a forward on such values; inside generate's decode loop "
-            "they cannot be. Run the model with hfjax.jit(model).eager() to go op by op, or report it with this message.",
+            "hfjax.jit, hfjax.load and Model.generate specialise their programs on such values; this program "
+            "cannot be. Run the model with hfjax.jit(model).eager() to go op by op, or report it with this message.",
         )
-
-
-class CheckError(HfjaxError, ValueError):
-    """`hfjax.check` cannot build inputs for a model: its forward needs inputs laid out per family."""
 
 
 class ShardingError(HfjaxError, ValueError):
