@@ -242,7 +242,7 @@ def test_values_that_change_with_every_input_stay_correct_and_end_op_by_op(monke
             with torch.no_grad():
                 expected = model(hidden).numpy()
             np.testing.assert_allclose(np.asarray(fast(hidden)), expected, atol=ATOL)
-    assert len(next(iter(fast._programs.values())).specialized) == 2
+    assert len(next(iter(fast._programs.values())).specialized.built) == 2
 
 
 def test_a_plain_trace_names_the_line_that_reads_the_data():

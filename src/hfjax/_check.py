@@ -105,16 +105,28 @@ def _inputs(
     speech_text = task == "automatic-speech-recognition"
     if task == "text2text-generation" or (speech_text and getattr(config, "is_encoder_decoder", False)):
         inputs["decoder_input_ids"] = _token_ids(config, batch, max(2, seq_len // 2), rng)["input_ids"]
-    if task in ("text-generation", "text2text-generation") or speech_text:
-        inputs["use_cache"] = False
+    if task in ("text-generation", "text2text-generation", "image-text-to-text") or speech_text:
+        inputs["use_cache"] = False  # one forward; a hybrid model's cache cannot even start without a prefill
     return inputs
 
 
 def _vocab_size(config) -> int:
     # The text model's vocabulary: a vision-language config's own vocab_size can be its full-size
     # default (PaliGemma's 257152) where the tiny text model has a few hundred embeddings.
-    text = config.get_text_config()
-    return int(getattr(text, "vocab_size", None) or config.vocab_size)
+    for source in (config.get_text_config(), config, *_sub_configs(config)):
+        if getattr(source, "vocab_size", None):
+            return int(source.vocab_size)
+    raise ValueError(f"hfjax.check: {type(config).__name__} has no vocab_size, nor has any of its sub-configs")
+
+
+def _sub_configs(config) -> list:
+    # Nested configs, depth first (pi0 keeps its text model in vlm_config.text_config).
+    found = []
+    for name in getattr(config, "sub_configs", {}) or {}:
+        sub = getattr(config, name, None)
+        if hasattr(sub, "get_text_config"):  # a PretrainedConfig
+            found += [sub.get_text_config(), sub, *_sub_configs(sub)]
+    return found
 
 
 # Placeholder tokens that stand for images, video or audio: a text forward must not contain them.

@@ -381,7 +381,19 @@ def _generic_overrides(defaults: Mapping[str, Any]) -> dict[str, Any]:
     start = defaults.get("decoder_start_token_id")
     if isinstance(start, int) and start >= VOCAB_SIZE:  # Marian starts from its pad token, 58100: the tiny one's
         overrides["decoder_start_token_id"] = PAD_ID
+    for key in ("rope_parameters", "rope_scaling"):
+        rope = defaults.get(key)
+        if isinstance(rope, dict) and isinstance(rope.get("mrope_section"), list) and key not in overrides:
+            # Multimodal rotary sections (Qwen2.5-VL's [16, 24, 24]) split half the head: scaled to 16-wide heads.
+            overrides[key] = {**rope, "mrope_section": _scaled_sections(rope["mrope_section"], _HEAD_DIM // 2)}
     return overrides
+
+
+def _scaled_sections(sections: list[int], total: int) -> list[int]:
+    # `sections` scaled to sum to `total`, each at least 1; the last takes what rounding leaves.
+    scale = total / sum(sections)
+    scaled = [max(1, round(section * scale)) for section in sections[:-1]]
+    return [*scaled, total - sum(scaled)]
 
 
 def _text_model_types() -> dict[str, Kind]:
