@@ -363,12 +363,15 @@ def _write_report(out: pathlib.Path, results: list[dict], total: int, started: s
         "4 heads; model types outside `hfjax.testing.FAMILIES` use the generic config shrinker) run by "
         "`hfjax.check` against PyTorch, eager and jit, on random inputs built from the config: batch 2 of 8 "
         "tokens; images at the config's image size (64x64 where it has none); raw audio or log-mel features "
-        "for speech (see `hfjax.check`). The `run` column is the date of the row's run. "
+        "for speech; vision-language models (image-text-to-text) and audio language models (speech "
+        "recognition on input_ids) get a text forward, token ids without media placeholder tokens, so models "
+        "whose forward needs pixels count as `pytorch-fails` (see `hfjax.check`). The `run` column is the "
+        "date of the row's run. "
         "`pytorch-fails` means the tiny checkpoint could not be built or PyTorch itself could not run its "
         "forward; those do not count against hfjax. Many of them are limits of the generic shrinker (a "
         "default config field sized for the full model, such as a per-layer list or a rotary dimension, that "
-        "no longer fits 2 layers of width 64) or of the random inputs (no eos token for BART-style "
-        "classifiers), not bugs in transformers; a hand-tuned entry in `hfjax.testing._families.REGISTRY` fixes them.",
+        "no longer fits 2 layers of width 64) or of the random inputs, not bugs in transformers; a "
+        "hand-tuned entry in `hfjax.testing._families.REGISTRY` or `_GENERIC_FIXES` fixes them.",
         "",
     ]
     if any(r.get("generate") for r in results):
