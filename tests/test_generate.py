@@ -760,6 +760,20 @@ def test_a_step_that_reads_its_data_stays_compiled_across_a_change_of_value(chec
         assert model._generator.program_counts == counts  # the same values again: nothing traced
 
 
+def test_a_streamed_answer_of_a_model_that_reads_its_data_is_the_unstreamed_one(checkpoint):
+    # The streamer re-enters the decode loop every few tokens; the value changes inside one chunk.
+    _, model = _switching_model(checkpoint)
+    ids, mask = _batch(model)
+    whole = np.asarray(model.generate(ids, mask, max_new_tokens=NEW_TOKENS))
+    recorder = _Recorder()
+    streamed = np.asarray(model.generate(ids, mask, max_new_tokens=NEW_TOKENS, streamer=recorder))
+    np.testing.assert_array_equal(streamed, whole)
+    assert recorder.ended
+    np.testing.assert_array_equal(
+        np.stack([p.reshape(-1) for p in recorder.puts[1:]], axis=1), whole[:, ids.shape[1] :]
+    )
+
+
 def test_a_step_whose_values_keep_changing_runs_op_by_op(checkpoint, monkeypatch):
     monkeypatch.setattr(_specialize, "MAX_SPECIALIZATIONS", 1)
     module, model = _switching_model(checkpoint)
