@@ -258,6 +258,31 @@ _GENERIC_FIXES: dict[str, dict[str, Any]] = {
         "attn_config": {"kv_n_heads": 2, "rope_theta": 10000.0, "clip_qkv": 8.0},
         "ffn_config": {"ffn_hidden_size": _INTERMEDIATE, "moe_num_experts": 4, "moe_top_k": 2, "hidden_size": _HIDDEN},
     },
+    # Multimodal rotary sections that the model code defaults (not the config): scaled to the tiny head's
+    # rotary half (8; glm4v_moe rotates half the head: 4).
+    **{
+        model_type: {
+            "text_config": {"rope_parameters": {"rope_type": "default", "rope_theta": theta, "mrope_section": sections}}
+        }
+        for model_type, theta, sections in (
+            ("qwen2_5_vl", 1000000.0, [2, 3, 3]),
+            ("paddleocr_vl", 500000.0, [2, 3, 3]),
+            ("glm4v", 10000.0, [2, 3, 3]),
+            ("glm46v", 10000.0, [2, 3, 3]),
+            ("glm_ocr", 10000.0, [2, 3, 3]),
+            ("glmga", 10000.0, [2, 3, 3]),
+        )
+    },
+    "glm4v_moe": {
+        "text_config": {
+            "rope_parameters": {
+                "rope_type": "default",
+                "rope_theta": 10000.0,
+                "partial_rotary_factor": 0.5,
+                "mrope_section": [1, 2, 1],
+            }
+        }
+    },
     # -- vision and speech (testing._media.save_generic_media_checkpoint) --
     # Blip2ForImageTextRetrieval runs the text through the Q-Former, whose text layers this adds.
     "blip-2": {"qformer_config": {"use_qformer_text_input": True}},
