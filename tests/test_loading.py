@@ -150,3 +150,17 @@ def test_a_complex_buffer_is_computed_as_from_pretrained_computes_it(checkpoint)
     assert complex_buffers
     for name, buffer in complex_buffers.items():
         np.testing.assert_array_equal(np.asarray(model.params[name]), buffer.numpy(), err_msg=name)
+
+
+def test_per_expert_weights_stack_in_the_experts_order(checkpoint):
+    # ernie4_5_moe saves experts.0 ... experts.63 apart; transformers fuses them in numeric order
+    # (experts.2 before experts.10), not in the file's string order.
+    path = checkpoint("ernie4_5_moe")
+    with safe_open(next(pathlib.Path(path).glob("*.safetensors")), "np") as f:
+        assert "model.layers.1.mlp.experts.10.up_proj.weight" in f.keys()
+    model = hfjax.load(path)
+    reference = transformers.AutoModelForCausalLM.from_pretrained(path).eval()
+    fused = {name: tensor for name, tensor in reference.state_dict().items() if ".experts." in name}
+    assert fused
+    for name, tensor in fused.items():
+        np.testing.assert_array_equal(np.asarray(model.params[name]), tensor.numpy(), err_msg=name)

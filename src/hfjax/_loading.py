@@ -348,10 +348,12 @@ def _nbytes_of(array: jax.Array) -> int:
 def _convert_group(module, converter, first_name: str, sources: list) -> dict[str, torch.Tensor]:
     from copy import deepcopy
 
-    from transformers.core_model_loading import spawn_materialize
+    from transformers.core_model_loading import dot_natural_key, spawn_materialize
 
     converter = deepcopy(converter)
-    for file, key, pattern in sources:
+    # In transformers' order: digits numerically (experts.2 before experts.10), as from_pretrained
+    # sorts a state dict; a file lists its keys as strings, which would stack experts 10-19 after 1.
+    for file, key, pattern in sorted(sources, key=lambda source: dot_natural_key(source[1])):
         with safe_open(file, framework="pt") as f:
             tensor = f.get_tensor(key)
         converter.add_tensor(first_name, key, pattern, spawn_materialize(None, tensor))
