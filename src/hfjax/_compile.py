@@ -17,7 +17,6 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
-import numpy as np
 import torch
 from torch.nn.utils import stateless
 from torchax.tensor import OperatorNotFound
@@ -221,39 +220,30 @@ class JittedModule(torch.nn.Module):
         return program
 
     def _run_specialized(self, method: str, program: _Program, dynamic: list) -> tuple[_Program, tuple]:
-        # The program specialised on this call's values of the data (hfjax._specialize): the one
-        # that ran last if its guards hold, else one built earlier whose values agree with those
-        # found right, else the one for the values discovered for this call.
+        # The program specialised on this call's values of the data (hfjax._specialize.run).
         # Returns (the program whose outputs these are, its (outputs, new inputs, key)).
         prng_key = _env.prng_key()
-        specialized = program.specialized
-        known, failed = (), set()  # values found right for this call; keys of values that are not
-        values = specialized.last
-        while values is not None:
-            chosen = program.variants[_specialize.key(values)]
+
+        def run_with(values):
+            key = _specialize.key(values)
+            if key not in program.variants:
+                program.variants[key] = self._build(method, *program.signature, specialize_on=values)
+            chosen = program.variants[key]
             *result, observed = chosen.jitted(self.params, dynamic, prng_key)
-            wrong = _specialize.first_difference(observed, values)
-            if wrong is None:
-                specialized.last = values
-                return chosen, tuple(result)
-            known = [np.asarray(value) for value in observed[: wrong + 1]]
-            failed.add(_specialize.key(values))
-            values = specialized.matching(known, failed)
-        if specialized.full:
-            _specialize.warn_running_eagerly(f"hfjax.jit: {type(self.module).__name__}.{method}", specialized.sites)
-            eager = self._build(method, *program.signature)
-            return eager, eager.traced(self.params, dynamic, prng_key)
-        values = specialized.add(self._discover(method, program, dynamic, prng_key, known))
-        key = _specialize.key(values)
-        if key not in program.variants:
-            program.variants[key] = self._build(method, *program.signature, specialize_on=values)
-        chosen = program.variants[key]
-        *result, observed = chosen.jitted(self.params, dynamic, prng_key)
-        if _specialize.first_difference(observed, values) is not None:
-            raise DataDependentError(
-                "values of the data", None, detail="a program's guards disagreed with the values found"
-            )
-        return chosen, tuple(result)
+            return (chosen, tuple(result)), observed
+
+        def eager():
+            sites = program.specialized.sites
+            _specialize.warn_running_eagerly(f"hfjax.jit: {type(self.module).__name__}.{method}", sites)
+            unspecialized = self._build(method, *program.signature)
+            return unspecialized, unspecialized.traced(self.params, dynamic, prng_key)
+
+        return _specialize.run(
+            program.specialized,
+            run_with,
+            lambda known: self._discover(method, program, dynamic, prng_key, known),
+            eager,
+        )
 
     def _discover(self, method: str, program: _Program, dynamic: list, prng_key, known: list) -> tuple[tuple, list]:
         # Every value of the data this call's trace needs, in order, starting from `known`.

@@ -188,6 +188,34 @@ class Specializations:
         return None
 
 
+def run(specializations: Specializations, run_with, discover_from, eager):
+    """The result of the program specialised on this call's values of the data: the one that ran
+    last if its guards hold, else one built earlier whose values begin with those found right,
+    else the one for the values discovered for this call; past `full`, `eager()`.
+
+    run_with(values) -> (result, guard outputs) runs (building if new) the program for `values`;
+    discover_from(known) -> `discover`'s (values, sites) starting from the values known right.
+    """
+    known, failed = (), set()  # values found right for this call; keys of values that are not
+    values = specializations.last
+    while values is not None:
+        result, observed = run_with(values)
+        wrong = first_difference(observed, values)
+        if wrong is None:
+            specializations.last = values
+            return result
+        known = [np.asarray(value) for value in observed[: wrong + 1]]
+        failed.add(key(values))
+        values = specializations.matching(known, failed)
+    if specializations.full:
+        return eager()
+    values = specializations.add(discover_from(known))
+    result, observed = run_with(values)
+    if first_difference(observed, values) is not None:
+        raise DataDependentError("values of the data", None, detail="a program's guards disagreed with the values found")
+    return result
+
+
 def key(values: list[np.ndarray] | tuple[np.ndarray, ...]) -> tuple:
     """A hashable key of recorded values."""
     return tuple((v.dtype.str, v.shape, v.tobytes()) for v in values)

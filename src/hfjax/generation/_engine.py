@@ -242,30 +242,20 @@ class Generator:
                 return program.run(*args), program.metadata["fields"]
             except DataDependentError:
                 specialized = self._specialized[key] = _specialize.Specializations()
-        known, failed = (), set()  # values found right for this call; keys of values that are not
-        values = specialized.last
-        while values is not None:  # the values of the last call, then those of earlier programs that agree
+
+        def run_with(values):
             program = self._specialized_program(key, function, values, args, metadata)
             leaves, observed = program.run(*args)
-            wrong = _specialize.first_difference(observed, values)
-            if wrong is None:
-                specialized.last = values
-                return leaves, program.metadata["fields"]
-            known = observed[: wrong + 1]
-            failed.add(_specialize.key(values))
-            values = specialized.matching(known, failed)
-        if specialized.full:
+            return (leaves, program.metadata["fields"]), observed
+
+        def eager():
             self._warn_running_eagerly(specialized, "prefill")
             with jax.disable_jit():  # op by op: every value of the data is at hand
                 return function(*args), metadata()["fields"]
-        values = specialized.add(_specialize.discover(function, args, known))
-        program = self._specialized_program(key, function, values, args, metadata)
-        leaves, observed = program.run(*args)
-        if _specialize.first_difference(observed, values) is not None:
-            raise DataDependentError(
-                "values of the data", None, detail="the prefill's guards disagreed with its values"
-            )
-        return leaves, program.metadata["fields"]
+
+        return _specialize.run(
+            specialized, run_with, lambda known: _specialize.discover(function, args, known), eager
+        )
 
     def _run_decode(self, key: tuple, function, params, leaves: list, limit, *, fields: dict) -> list:
         """Runs the decode program for `key` up to step `limit`; returns the state's leaves. A model
