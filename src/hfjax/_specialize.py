@@ -212,7 +212,9 @@ def run(specializations: Specializations, run_with, discover_from, eager):
     values = specializations.add(discover_from(known))
     result, observed = run_with(values)
     if first_difference(observed, values) is not None:
-        raise DataDependentError("values of the data", None, detail="a program's guards disagreed with the values found")
+        raise DataDependentError(
+            "values of the data", None, detail="a program's guards disagreed with the values found"
+        )
     return result
 
 

@@ -253,9 +253,7 @@ class Generator:
             with jax.disable_jit():  # op by op: every value of the data is at hand
                 return function(*args), metadata()["fields"]
 
-        return _specialize.run(
-            specialized, run_with, lambda known: _specialize.discover(function, args, known), eager
-        )
+        return _specialize.run(specialized, run_with, lambda known: _specialize.discover(function, args, known), eager)
 
     def _run_decode(self, key: tuple, function, params, leaves: list, limit, *, fields: dict) -> list:
         """Runs the decode program for `key` up to step `limit`; returns the state's leaves. A model
