@@ -164,3 +164,13 @@ def test_per_expert_weights_stack_in_the_experts_order(checkpoint):
     assert fused
     for name, tensor in fused.items():
         np.testing.assert_array_equal(np.asarray(model.params[name]), tensor.numpy(), err_msg=name)
+
+
+def test_a_key_the_module_has_is_not_renamed_away(checkpoint):
+    # deepseek_v4's conversion mapping renames `\.norm\.` to `.kv_norm.` (its attention's norm), which
+    # also matches the final `model.norm.weight`; transformers keeps a key the module already has.
+    path = checkpoint("deepseek_v4")
+    with safe_open(next(pathlib.Path(path).glob("*.safetensors")), "np") as f:
+        saved = f.get_tensor("model.norm.weight")
+    model = hfjax.load(path)
+    np.testing.assert_array_equal(np.asarray(model.params["model.norm.weight"]), saved)

@@ -361,6 +361,18 @@ def test_getitem_with_tensor_slice_bound_matches_torch(env, index):
     _assert_close(actual, expected, EXACT)
 
 
+@jit_modes
+@pytest.mark.parametrize("whole", [True, False], ids=["index", "in_a_tuple"])
+def test_getitem_with_a_cpu_index_tensor_matches_torch(env, whole, jit):
+    # SAM-style relative positions: the index comes from torch.arange made without a device
+    def relative(table):
+        coords = torch.arange(4)[:, None] - torch.arange(4)[None, :] + 3
+        return table[coords] if whole else table[1:, coords]
+
+    table = _data(7, 3) if whole else _data(3, 7)
+    _assert_close(_run(env, relative, table, jit=jit), relative(table), EXACT)
+
+
 # -- aten::pow on integers -----------------------------------------------------
 
 POW_BASE = torch.tensor([2, -3, 0, 1, 5, 1000003, -1, -1, 7], dtype=torch.int32)
@@ -551,15 +563,52 @@ def test_unique_consecutive_matches_torch(env, case, jit):
     torch.utils._pytree.tree_map(lambda a, e: _assert_close(a, e, EXACT), actual, expected)
 
 
+TOLIST_CASES = {
+    # a slice: torchax hands it over as a View, which torch's own .tolist() refuses
+    "view": lambda x: (x > 0).sum(dim=1)[1:],
+    # jetmoe's router: a whole tensor, whose .tolist() is torchax's own method
+    "tensor": lambda x: (x > 0).sum(dim=1),
+}
+
+
 @jit_modes
-def test_tolist_matches_torch(env, jit):
+@pytest.mark.parametrize("case", TOLIST_CASES)
+def test_tolist_matches_torch(env, case, jit):
     def sizes(x):
-        counts = (x > 0).sum(dim=1)[1:]  # a slice: torchax hands it over as a View
-        return [x.new_zeros(int(n)) for n in counts.tolist()]
+        return [x.new_zeros(int(n)) for n in TOLIST_CASES[case](x).tolist()]
 
     x = _data(3, 5)
     actual = _run_data_dependent(env, sizes, x, jit=jit)
     assert [a.shape for a in actual] == [e.shape for e in sizes(x)]
+
+
+@jit_modes
+def test_boolean_mask_write_into_a_view(env, jit):
+    # longformer: `extended[:, :, :, 1:][attention_mask == 2] = value`, a mask write into a slice
+    def write(x):
+        out = x.clone()
+        window = out[:, 1:]
+        window[x[:, 1:] > 0] = -7.0
+        window[:, :1] = x[:, :1] * 2  # a write with plain indices still goes to torchax's own
+        return out
+
+    x = _data(3, 5)
+    _assert_close(_run_data_dependent(env, write, x, jit=jit), write(x), EXACT)
+
+
+@jit_modes
+def test_type_as_a_view_matches_torch(env, jit):
+    # Gemma 3n: `normed.type_as(hidden_states[i])`, a View; `x` itself must keep its dtype
+    def cast(x):
+        halves = x.to(torch.float16)
+        y = x.type_as(halves[0])
+        return y, x * 2
+
+    y, doubled = _run(env, cast, _data(3, 5), jit=jit)
+    expected_y, expected_doubled = cast(_data(3, 5))
+    assert y.dtype == torch.float16 and doubled.dtype == torch.float32
+    _assert_close(y.float(), expected_y.float(), EXACT)
+    _assert_close(doubled, expected_doubled, EXACT)
 
 
 @jit_modes

@@ -254,9 +254,9 @@ def test_model_type_without_text_head_or_unknown_raises():
     [
         ({"family": "mamba", "task": "text-classification"}, r"Tasks for 'mamba': text-generation, feature-extraction"),
         (
-            {"family": "bert", "task": "text-generation"},
-            r"task='text-generation' is not available for family 'bert'\. "
-            r"Tasks for 'bert': text-classification, feature-extraction\.",
+            {"family": "modernbert", "task": "text-generation"},
+            r"task='text-generation' is not available for family 'modernbert'\. "
+            r"Tasks for 'modernbert': text-classification, feature-extraction\.",
         ),
         ({"family": "llama", "task": "summarize"}, r"Unknown task 'summarize'"),
         ({"family": "llama", "dtype": "fp8"}, r"Unknown dtype 'fp8'"),
@@ -328,3 +328,52 @@ def test_check_gives_audio_language_models_a_text_forward_without_audio_tokens()
     )
     assert set(inputs) == {"input_ids", "attention_mask", "use_cache"}
     assert inputs["input_ids"].max() < 64 and not (inputs["input_ids"] == 7).any()
+
+
+def _image_text_config(model_type):
+    # The generic shrinker's config (with its fixes) and the image-text-to-text class's main input.
+    defaults = transformers.CONFIG_MAPPING[model_type]().to_dict()
+    overrides = _families._with_fixes(model_type, _families._generic_overrides(defaults))
+    config = transformers.AutoConfig.for_model(model_type, **overrides)
+    names = transformers.models.auto.modeling_auto.MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES
+    return config, getattr(transformers, names[model_type]).main_input_name
+
+
+@pytest.mark.parametrize(
+    ("model_type", "shapes"),
+    [
+        # LLaVA-style models take pixels as an option: a text forward, as before.
+        ("llava", {"input_ids": (2, 8), "attention_mask": (2, 8)}),
+        # 8 query tokens (image token 511) before the text; the Q-Former's instruction
+        ("instructblip", {"pixel_values": (2, 3, 64, 64), "input_ids": (2, 16), "qformer_input_ids": (2, 8)}),
+        ("kosmos-2", {"pixel_values": (2, 3, 64, 64), "input_ids": (2, 24), "image_embeds_position_mask": (2, 24)}),
+        ("idefics", {"pixel_values": (2, 1, 3, 64, 64), "image_attention_mask": (2, 8, 1)}),
+        ("pix2struct", {"flattened_patches": (2, 16, 770), "attention_mask": (2, 16), "decoder_input_ids": (2, 8)}),
+        ("vision-encoder-decoder", {"pixel_values": (2, 3, 64, 64), "decoder_input_ids": (2, 8)}),
+        ("udop", {"input_ids": (2, 8), "bbox": (2, 8, 4), "decoder_input_ids": (2, 4)}),
+        ("pi0", {"state": (2, 32), "noise": (2, 50, 32), "pixel_values": (2, 1, 3, 64, 64), "input_ids": (2, 72)}),
+    ],
+)
+def test_check_gives_image_text_models_what_their_forward_requires(model_type, shapes):
+    config, name = _image_text_config(model_type)
+    inputs = _check._inputs(config, "image-text-to-text", batch=2, seq_len=8, seed=0, main_input_name=name)
+    arrays = {key: value.shape for key, value in inputs.items() if hasattr(value, "shape")}
+    assert arrays == {**arrays, **shapes}
+    if model_type == "llava":
+        assert set(inputs) == {"input_ids", "attention_mask", "use_cache"}
+    if model_type == "instructblip":
+        assert (inputs["input_ids"][:, :8] == 511).all() and not (inputs["input_ids"][:, 8:] == 511).any()
+    if model_type in ("pix2struct", "vision-encoder-decoder"):
+        assert "input_ids" not in inputs  # the encoder reads the image, the decoder the text
+
+
+@pytest.mark.parametrize("model_type", ["instructblipvideo", "pi0"])
+def test_image_text_checkpoint_runs_in_pytorch_on_check_inputs(model_type, tmp_path):
+    path = save_tiny_checkpoint(model_type, tmp_path, task="image-text-to-text")
+    model = transformers.AutoModelForImageTextToText.from_pretrained(path).eval()
+    inputs = _check._inputs(
+        model.config, "image-text-to-text", batch=2, seq_len=8, seed=0, main_input_name=model.main_input_name
+    )
+    with torch.no_grad():
+        logits = model(**{k: torch.from_numpy(v) if hasattr(v, "shape") else v for k, v in inputs.items()}).logits
+    assert logits.shape == ((2, 50, 32) if model_type == "pi0" else (2, 4 * 8 + 8, 512))

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import inspect
 import os
 import pathlib
 import re
@@ -69,6 +70,9 @@ class CheckReport:
 # Media inputs: images are [B, C, H, W] noise at the config's image size (this when it has none,
 # as convolutional nets do); audio is long enough for this many frames after a conv feature encoder.
 _IMAGE_SIZE, _AUDIO_FRAMES = 64, 16
+# Encoders whose feature frames hold several values per mel bin, which no config field says: Granite Speech 5's
+# extractor stacks each mel frame with its delta, two frames at a time (4 * num_mel_bins).
+_FEATURES_PER_MEL = {"granite_speech5_encoder": 4}
 _IMAGE_TASKS = ("image-classification", "image-feature-extraction", "zero-shot-image-classification")
 # The output compared per task: the first of these names the output has.
 _COMPARED: dict[str, tuple[str, ...]] = {
@@ -86,7 +90,13 @@ def _inputs(
     rng = np.random.default_rng(seed)
     if task == "zero-shot-image-classification":  # main_input_name is input_ids for most (CLIPModel)
         pixels = main_input_name if main_input_name.startswith("pixel_values") else "pixel_values"
-        return {**_image(config, pixels, batch, rng), **_token_ids(config.get_text_config(), batch, seq_len, rng)}
+        text = _token_ids(config.get_text_config(), batch, seq_len, rng)
+        if getattr(config, "num_query_tokens", None) and isinstance(getattr(config, "image_token_index", None), int):
+            # BLIP-2's retrieval model drops the num_query_tokens image tokens its processor puts first.
+            image = np.full((batch, config.num_query_tokens), config.image_token_index, dtype=np.int64)
+            text = {"input_ids": np.concatenate([image, text["input_ids"]], 1)}
+            text["attention_mask"] = np.ones_like(text["input_ids"])
+        return {**_image(config, pixels, batch, rng), **text}
     if task in _IMAGE_TASKS and main_input_name != "input_ids":  # not ImageGPT, whose pixels are token ids
         return _image(config, main_input_name, batch, rng)
     if task == "automatic-speech-recognition" and main_input_name != "input_ids":
@@ -96,6 +106,8 @@ def _inputs(
             ids = _token_ids(text, batch, max(2, seq_len // 2), rng)["input_ids"]
             inputs.update(decoder_input_ids=ids, use_cache=False)
         return inputs
+    if task == "image-text-to-text" and _needs_media(config, main_input_name):
+        return _image_text_inputs(config, main_input_name, batch, seq_len, rng)
     inputs = _token_ids(config, batch, seq_len, rng)
     eos = _eos_id(config)
     if task == "text-classification" and eos is not None and 0 <= eos < _vocab_size(config):
@@ -103,11 +115,157 @@ def _inputs(
     # An audio language model (speech recognition whose main input is input_ids): a text forward,
     # as for image-text-to-text (no audio placeholder tokens).
     speech_text = task == "automatic-speech-recognition"
-    if task == "text2text-generation" or (speech_text and getattr(config, "is_encoder_decoder", False)):
-        inputs["decoder_input_ids"] = _token_ids(config, batch, max(2, seq_len // 2), rng)["input_ids"]
+    # An image-text-to-text model whose forward takes decoder ids gets them too: the encoder-decoders (T5Gemma 2,
+    # Florence-2) and DiffusionGemma, whose decoder otherwise refines a canvas drawn at random.
+    decoder = speech_text and getattr(config, "is_encoder_decoder", False)
+    decoder = decoder or (task == "image-text-to-text" and "decoder_input_ids" in _forward_parameters(config))
+    if task == "text2text-generation" or decoder:
+        # Dia's decoder reads audio codes of num_channels codebooks, as its processor gives them: [B, T, channels]
+        # (its flat [B * channels, T] form fails for T > 1 in transformers: a .view of a transposed tensor).
+        channels = getattr(config.get_text_config(decoder=True), "num_channels", None) if speech_text else None
+        length = max(2, seq_len // 2)
+        ids = _token_ids(config, batch, length * (channels or 1), rng)["input_ids"]
+        inputs["decoder_input_ids"] = ids.reshape(batch, length, channels) if channels else ids
+    codes = getattr(config, "codebook_vocab_size", None)
+    if speech_text and codes and getattr(config, "num_codebooks", None):
+        # Kyutai's speech-to-text reads, per frame, a text token and a code of each codec codebook:
+        # input_ids [B, T, 1 + codebooks].
+        audio = rng.integers(0, codes - 1, size=(batch, seq_len, config.num_codebooks), dtype=np.int64)
+        inputs["input_ids"] = np.concatenate([inputs["input_ids"][..., None], audio], axis=-1)
+    per_token = getattr(config, "audio_length_per_tok", None)
+    if per_token and (speech_text or task == "text2text-generation"):
+        # Voxtral-realtime adds the audio's embedding to every token, and needs it: log-mel frames
+        # [B, mels, audio_length_per_tok * S].
+        mels = config.audio_config.num_mel_bins
+        inputs["input_features"] = rng.standard_normal((batch, mels, per_token * seq_len), dtype=np.float32)
+    if task == "image-text-to-text" and "token_type_ids" in _forward_parameters(config):
+        # PaliGemma's and Gemma 3's processors always return token_type_ids (0: text). Without them
+        # transformers' PaliGemma differs between eager and any trace (docs/architecture.md).
+        inputs["token_type_ids"] = np.zeros_like(inputs["input_ids"])
     if task in ("text-generation", "text2text-generation", "image-text-to-text") or speech_text:
         inputs["use_cache"] = False  # one forward; a hybrid model's cache cannot even start without a prefill
     return inputs
+
+
+# Video models without a frame count in their config (InstructBLIP-Video) get this many frames, as
+# their processors sample.
+_VIDEO_FRAMES = 4
+
+
+def _needs_media(config, main_input_name: str) -> bool:
+    # Whether an image-text-to-text model cannot run a text forward (most take pixels as an option and
+    # keep it): its main input is not the token ids (BLIP's pixels, Pix2Struct's patches, the image
+    # encoder of an encoder-decoder, PI0's robot state), or its forward takes per-token boxes (UDOP's
+    # relative position bias needs them) or a per-token image mask (IDEFICS cross-attends to the images
+    # in every layer and refuses to run without them).
+    return main_input_name != "input_ids" or bool({"bbox", "image_attention_mask"} & _forward_parameters(config))
+
+
+def _forward_parameters(config, task: str = "image-text-to-text") -> set[str]:
+    # Parameter names of the forward of the task's model class for `config`.
+    try:
+        model_class = _tasks.auto_class(task, config)._model_mapping[type(config)]
+    except (KeyError, ValueError):
+        return set()
+    model_class = model_class[0] if isinstance(model_class, tuple) else model_class
+    return set(inspect.signature(model_class.forward).parameters)
+
+
+def _image_text_inputs(config, main_input_name: str, batch: int, seq_len: int, rng: np.random.Generator) -> dict:
+    """Inputs of an image-text-to-text model that needs more than token ids (see `_needs_media`):
+    - an image: pixel_values [B, C, H, W] from the vision tower's config; [B, 1, C, H, W] where the forward
+      takes a per-token image mask (IDEFICS: image_attention_mask [B, S, 1], every token sees the image) or
+      a per-camera one (PI0: pixel_attention_mask [B, 1]); [B, T, C, H, W] for a video model; Pix2Struct's
+      flattened_patches [B, P, 2 + C * p * p] (row and column from 1, then the pixels), attention_mask [B, P];
+    - the image's placeholder tokens first in input_ids, as processors put them, where the forward puts
+      image features in their place: BLIP-2 / InstructBLIP's num_query_tokens (per frame) image (video)
+      tokens, Kosmos-2's latent_query_num positions (marked by image_embeds_position_mask), PI0's one per
+      patch; then seq_len random text tokens;
+    - qformer_input_ids (InstructBLIP's instruction to its Q-Former), UDOP's bbox [B, S, 4] (a box of the
+      unit page per token); PI0's state, noise and timestep (its flow-matching step, else drawn at random);
+    - an encoder-decoder reading the image gets the text as decoder_input_ids; UDOP's encoder reads the
+      text (and its boxes), its decoder max(2, seq_len // 2) tokens, as text2text-generation."""
+    parameters = _forward_parameters(config)
+    robot = main_input_name == "state"
+    vision = _vision_tower_config(config.vlm_config if robot else config)
+    inputs = {}
+    if main_input_name == "flattened_patches":
+        inputs.update(_flattened_patches(vision, batch, rng))
+    elif main_input_name != "input_ids" or "image_attention_mask" in parameters:
+        frames = _VIDEO_FRAMES if hasattr(config, "video_token_index") else 1
+        pixels = _pixels(vision, batch * frames, rng, video=False)
+        if frames > 1 or robot or "image_attention_mask" in parameters:
+            pixels = pixels.reshape(batch, frames, *pixels.shape[1:])
+        inputs["pixel_values"] = pixels
+    if robot:  # PI0: the state, and the action chunk's noise at one flow-matching time
+        inputs["state"] = rng.standard_normal((batch, config.max_state_dim), dtype=np.float32)
+        inputs["noise"] = rng.standard_normal((batch, config.chunk_size, config.max_action_dim), dtype=np.float32)
+        inputs["timestep"] = rng.uniform(0.05, 0.95, size=batch).astype(np.float32)
+        inputs["pixel_attention_mask"] = np.ones((batch, 1), dtype=bool)
+    text = _token_ids(config, batch, seq_len, rng)
+    if getattr(config, "is_encoder_decoder", False) and main_input_name != "input_ids":
+        return {**inputs, "decoder_input_ids": text["input_ids"], "use_cache": False}
+    slots, token = _image_slots(config, vision, robot=robot)
+    if slots:
+        low = min(4, _vocab_size(config) - 1)
+        if "image_embeds_position_mask" in parameters:  # Kosmos-2 marks the positions; their ids are not read
+            token = low
+            mask = np.zeros((batch, slots + seq_len), dtype=bool)
+            mask[:, :slots] = True
+            inputs["image_embeds_position_mask"] = mask
+        else:  # no stray placeholder in the text (PI0's sits in a nested config, which _token_ids misses)
+            text["input_ids"][text["input_ids"] == token] = low
+        text["input_ids"] = np.concatenate([np.full((batch, slots), token, dtype=np.int64), text["input_ids"]], 1)
+        text["attention_mask"] = np.ones_like(text["input_ids"])
+    inputs.update(text)
+    length = text["input_ids"].shape[1]
+    if "image_attention_mask" in parameters:
+        inputs["image_attention_mask"] = np.ones((batch, length, 1), dtype=np.int64)
+    if "qformer_input_ids" in parameters:
+        qformer = _token_ids(config.qformer_config, batch, seq_len, rng)
+        inputs.update(qformer_input_ids=qformer["input_ids"], qformer_attention_mask=qformer["attention_mask"])
+    if "bbox" in parameters:
+        corner = rng.uniform(0.0, 0.5, size=(batch, length, 2))
+        inputs["bbox"] = np.concatenate([corner, corner + rng.uniform(0.0, 0.5, size=(batch, length, 2))], -1)
+        inputs["bbox"] = inputs["bbox"].astype(np.float32)
+    if getattr(config, "is_encoder_decoder", False):
+        inputs["decoder_input_ids"] = _token_ids(config, batch, max(2, seq_len // 2), rng)["input_ids"]
+    if not robot:
+        inputs["use_cache"] = False
+    return inputs
+
+
+def _vision_tower_config(config):
+    # The image encoder's config: vision_config (BLIP, Kosmos-2, IDEFICS, PaliGemma), a vision
+    # encoder-decoder's encoder, else the config itself (UDOP has its patch embedding at the top).
+    for name in ("vision_config", "encoder"):
+        sub = getattr(config, name, None)
+        if sub is not None:
+            return sub
+    return config
+
+
+def _image_slots(config, vision, *, robot: bool) -> tuple[int, int | None]:
+    # (how many placeholder tokens the image's features replace, their id)
+    if getattr(config, "num_query_tokens", None):  # BLIP-2, InstructBLIP: the Q-Former's query outputs
+        if hasattr(config, "video_token_index"):  # InstructBLIP-Video: those of each frame
+            return config.num_query_tokens * _VIDEO_FRAMES, config.video_token_index
+        return config.num_query_tokens, config.image_token_index
+    if getattr(config, "latent_query_num", None):  # Kosmos-2: its image-to-text projection's latents
+        return config.latent_query_num, None
+    if robot:  # PI0: PaliGemma's SigLIP tower, one token per patch
+        return (vision.image_size // vision.patch_size) ** 2, config.vlm_config.image_token_id
+    return 0, None
+
+
+def _flattened_patches(vision, batch: int, rng: np.random.Generator) -> dict[str, np.ndarray]:
+    # Pix2Struct: a 4 x 4 grid of patches, each its row and column (from 1; 0 is padding) then its pixels.
+    side = 4
+    rows, columns = np.divmod(np.arange(side * side), side)
+    position = np.stack([rows + 1, columns + 1], -1).astype(np.float32)
+    pixels = rng.standard_normal((batch, side * side, vision.patch_embed_hidden_size), dtype=np.float32)
+    patches = np.concatenate([np.broadcast_to(position, (batch, side * side, 2)), pixels], -1)
+    return {"flattened_patches": patches, "attention_mask": np.ones((batch, side * side), dtype=np.int64)}
 
 
 def _vocab_size(config) -> int:
@@ -221,6 +379,7 @@ def _audio(config, main_input_name: str, batch: int, rng: np.random.Generator) -
         features = encoder.input_feat_per_channel * getattr(encoder, "input_channels", 1)
     else:
         features = getattr(encoder, "feature_projection_input_dim", None) or mels or 80
+        features *= _FEATURES_PER_MEL.get(getattr(encoder, "model_type", None), 1)
     return rng.standard_normal((batch, 2 * _AUDIO_FRAMES, features), dtype=np.float32)
 
 
@@ -280,7 +439,10 @@ def check(
     `logits`; `last_hidden_state` for (image-)feature-extraction; `logits_per_image` for
     zero-shot-image-classification. Inputs with image or audio tokens in input_ids are laid out per
     family: image-text-to-text models and audio language models (automatic-speech-recognition with
-    input_ids as main input) get token ids only, without media placeholder tokens (a text forward).
+    input_ids as main input) get token ids only, without media placeholder tokens (a text forward);
+    image-text-to-text models that cannot run on text alone (BLIP, BLIP-2, InstructBLIP, Kosmos-2,
+    IDEFICS, Pix2Struct, vision encoder-decoders, UDOP, PI0) get an image at the vision tower's size, its
+    placeholder tokens, and what else their forward requires (Q-Former ids, boxes, robot state).
 
     Returns:
       A `CheckReport`; `.passed` is True when every output is within

@@ -226,6 +226,10 @@ def load_weights(
         with safe_open(file, framework="np") as f:
             for key in f.keys():
                 renamed, pattern = rename_source_key(key, renamings, converters, prefix, meta_state)
+                if renamed not in meta_state and key in meta_state:
+                    # A key the module already has is kept when a renaming would lose it, as transformers
+                    # does (deepseek_v4's `\.norm\.` -> `.kv_norm.` also matches its final `model.norm.weight`).
+                    renamed, pattern = rename_source_key(key, [], [], prefix, meta_state)
                 renamed = aliases.get(renamed, renamed)
                 if renamed not in expected:
                     continue

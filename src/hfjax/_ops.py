@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import torch
-from torch.utils import _mode_utils
+from torch.utils import _mode_utils, _pytree
 from torchax.ops import mappings, ops_registry
 from torchax.tensor import Tensor as _TorchaxTensor
 from torchax.view import View
@@ -93,6 +93,7 @@ def install(environment, *, backend: str | None) -> None:
     for entry in overrides(backend).values():
         _put(environment, entry)
     _INSTALLED[environment] = backend
+    _fix_methods()
 
 
 def _put(environment, entry: Override) -> None:
@@ -104,6 +105,53 @@ def _put(environment, entry: Override) -> None:
         needs_env=False,
         is_view_op=entry.is_view_op,
     )
+
+
+# Three methods of torchax's tensor classes run Python of their own, which no op table reaches.
+# They are wrapped once; the wrappers change only tensors of an environment made by install()
+# (hfjax's), where torchax's own method fails or differs from torch's. Parity tests in
+# tests/test_ops.py (`test_tolist_matches_torch`, `test_boolean_mask_write_into_a_view`,
+# `test_type_as_a_view_matches_torch`).
+_ORIGINAL_METHODS: dict[str, Callable] = {}
+
+
+def _fix_methods() -> None:
+    if _ORIGINAL_METHODS:
+        return
+    _ORIGINAL_METHODS["tolist"] = _TorchaxTensor.tolist
+    _ORIGINAL_METHODS["view_setitem"] = View.__setitem__
+    _ORIGINAL_METHODS["type_as"] = _TorchaxTensor.type_as
+    _TorchaxTensor.tolist = _tensor_tolist
+    View.__setitem__ = _view_setitem
+    _TorchaxTensor.type_as = _tensor_type_as
+
+
+def _tensor_tolist(self):
+    # torchax's `self._elem.tolist()` cannot read a traced value (jetmoe's router:
+    # `expert_size.tolist()`); in hfjax's environment it is a value of the data, specialised.
+    if self._env in _INSTALLED:
+        return concrete(self._elem, "Tensor.tolist()").tolist()
+    return _ORIGINAL_METHODS["tolist"](self)
+
+
+def _tensor_type_as(self, other):
+    # torchax casts `self` in place and reads `other._elem`, which a View lacks (Gemma 3n:
+    # `normed.type_as(hidden_states[i])`); torch returns a cast copy and leaves `self` alone.
+    if self._env in _INSTALLED:
+        return self.to(other.dtype)
+    return _ORIGINAL_METHODS["type_as"](self, other)
+
+
+def _view_setitem(self, indexes, value):
+    # torchax's View passes a torchax index tensor itself to `jax_array.at[...]`, which JAX refuses
+    # (longformer: `mask[attention_mask == 2] = v` into a slice). The view's values get the write as a
+    # torchax Tensor would take it (a boolean mask keeps static shapes), then go back to its source.
+    leaves = _pytree.tree_leaves(indexes)
+    if self._env not in _INSTALLED or not any(isinstance(leaf, torch.Tensor) for leaf in leaves):
+        return _ORIGINAL_METHODS["view_setitem"](self, indexes, value)
+    values = _TorchaxTensor(self.jax(), self._env)
+    values[indexes] = value
+    self.update(values)
 
 
 def torchax_lowering(op) -> Callable:
@@ -292,13 +340,17 @@ def _concrete_bound(bound):
     why="torchax keeps a tensor slice bound (x[:, :n], n a 0-d tensor) inside the View it returns, "
     "and using that View fails with 'torchax Tensors can only do math within the torchax "
     "environment' (BLT's entropy patcher slices this way); it indexes with a boolean mask by jnp's "
-    "own, whose result size depends on the data (T5 and BART classifiers pool hidden[eos_mask, :])",
+    "own, whose result size depends on the data (T5 and BART classifiers pool hidden[eos_mask, :]); "
+    "it refuses an index that is a CPU tensor (SAM-style relative positions: "
+    "table[torch.arange(n)[:, None] - torch.arange(n)[None, :]], arange made without a device)",
     is_jax_function=False,
     is_view_op=True,
 )
 def _getitem(self, indexes):
     def static(index) -> tuple:
         # One index as the indices it stands for: a boolean mask of k dims stands for k.
+        if isinstance(index, torch.Tensor) and not isinstance(index, (_TorchaxTensor, View)):
+            index = _TorchaxTensor(jnp.asarray(index.numpy()), self._env)
         if isinstance(index, slice):
             return (slice(*(_concrete_bound(b) for b in (index.start, index.stop, index.step))),)
         if isinstance(index, torch.Tensor) and index.dtype == torch.bool:
@@ -310,8 +362,9 @@ def _getitem(self, indexes):
         indexes = tuple(part for index in indexes for part in static(index))
     elif isinstance(indexes, slice):
         (indexes,) = static(indexes)
-    elif isinstance(indexes, torch.Tensor) and indexes.dtype == torch.bool:
-        indexes = static(indexes)
+    elif isinstance(indexes, torch.Tensor):
+        parts = static(indexes)
+        indexes = parts if indexes.dtype == torch.bool else parts[0]
     return torchax_lowering(torch.Tensor.__getitem__)(self, indexes)
 
 

@@ -172,7 +172,7 @@ def _stateful_bases() -> tuple[type, ...]:
     from transformers import cache_utils
 
     bases = [cache_utils.Cache, cache_utils.CacheLayerMixin]
-    for name in ("LinearAttentionCacheLayerMixin",):
+    for name in ("LinearAttentionCacheLayerMixin", "DummyLayer"):  # DummyLayer: Gemma 3n's KV-shared layers
         if hasattr(cache_utils, name):
             bases.append(getattr(cache_utils, name))
     return tuple(bases)

@@ -86,7 +86,12 @@ class StaticCacheAdapter(CacheAdapter):
 
     def prefill(self, ids, mask, sequence, full_mask, offset: int, inputs: dict):
         cache = _caches.static_cache(self.config.get_text_config(decoder=True), sequence.shape[1])
-        kwargs = {"use_cache": True, "past_key_values": cache, "attention_mask": _env.to_torch(full_mask)}
+        # The buffer's mask, as long as the cache (BLOOM's ALiBi is as long as the mask). A hybrid model gets
+        # the prompt's, as transformers' generate passes it (its attention pads it to the cache): a
+        # linear-attention or mamba layer zeroes its input's pads by the mask's last P columns
+        # (create_recurrent_attention_mask), which in the buffer's mask are future columns.
+        seen = mask if any(_caches.recurrent(layer) for layer in cache.layers) else full_mask
+        kwargs = {"use_cache": True, "past_key_values": cache, "attention_mask": _env.to_torch(seen)}
         if self.takes_logits_to_keep:
             kwargs["logits_to_keep"] = 1
         if "position_ids" not in inputs:

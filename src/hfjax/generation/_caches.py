@@ -19,8 +19,18 @@ def static_cache(config, length: int):
     from transformers.cache_utils import StaticLayer
 
     cache = StaticCache(config=config, max_cache_len=length)
-    cache.layers = [StaticLayer(max_cache_len=length) if layer.is_sliding else layer for layer in cache.layers]
+    cache.layers = [
+        StaticLayer(max_cache_len=length) if getattr(layer, "is_sliding", False) and not recurrent(layer) else layer
+        for layer in cache.layers
+    ]  # a hybrid model's linear-attention (or mamba) layers keep their states
     return cache
+
+
+def recurrent(layer) -> bool:
+    """Whether a cache layer holds a linear-attention or mamba layer's states."""
+    from transformers.cache_utils import LinearAttentionCacheLayerMixin
+
+    return isinstance(layer, LinearAttentionCacheLayerMixin)
 
 
 def windowable(cache) -> bool:

@@ -8,6 +8,7 @@ from typing import Any, Literal
 
 import torch
 import transformers
+from transformers.models.auto import modeling_auto
 
 from .. import _dtypes, _tasks
 from . import _media, _tokenizer
@@ -127,7 +128,8 @@ def save_tiny_checkpoint(
         path: directory to write; created if missing, files in it are overwritten.
         task: a transformers pipeline name choosing the head: "image-text-to-text" (a
             vision-language model of `VISION_LANGUAGE_FAMILIES` and its processor), "text-generation"
-            (AutoModelForCausalLM, default for causal families), "text-classification"
+            (AutoModelForCausalLM, default for causal families; an encoder's,
+            bert's or roberta's, is built with is_decoder=True), "text-classification"
             (AutoModelForSequenceClassification, labels 0 "negative", 1 "positive"),
             "feature-extraction" (AutoModel, default for encoders) or
             "text2text-generation" (AutoModelForSeq2SeqLM, default for t5 and bart).
@@ -202,6 +204,11 @@ def save_tiny_checkpoint(
 
     if task == "text-classification" and not {"num_labels", "id2label", "label2id"} & config_overrides.keys():
         config_overrides = {"id2label": _ID2LABEL, "label2id": {v: k for k, v in _ID2LABEL.items()}, **config_overrides}
+    # The causal LM of a bidirectional encoder (one with a masked-LM head: BertLMHeadModel,
+    # ReformerModelWithLMHead) masks future tokens only when built as a decoder, as a user builds one.
+    encoder = spec.kind != "seq2seq" and family in modeling_auto.MODEL_FOR_MASKED_LM_MAPPING_NAMES
+    if task == "text-generation" and encoder and "is_decoder" not in config_overrides:
+        config_overrides = {"is_decoder": True, **config_overrides}
     config = tiny_config(family, **config_overrides)
     if config.vocab_size < VOCAB_SIZE:
         raise ValueError(
@@ -227,6 +234,11 @@ def save_tiny_checkpoint(
     path.mkdir(parents=True, exist_ok=True)
     shard_kwargs = {} if max_shard_size is None else {"max_shard_size": max_shard_size}
     model.save_pretrained(path, **shard_kwargs)
+    if type(model.config) is not type(config):
+        # A causal LM that transformers builds on a composite config's text part (Emu3, Mllama) is
+        # released with the composite config.json, the only one AutoModelForCausalLM loads it from.
+        config.architectures = [type(model).__name__]
+        config.save_pretrained(path)
     tiny_tokenizer(family).save_pretrained(path)
     if sentence_transformers:
         _write_sentence_transformers_files(path, model.config.get_text_config().hidden_size, pooling)

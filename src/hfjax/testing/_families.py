@@ -27,7 +27,8 @@ DEFAULT_TASK: dict[str, str] = {
 }
 KIND_TASKS: dict[str, tuple[str, ...]] = {
     "causal": ("text-generation", "text-classification", "feature-extraction"),
-    "encoder": ("text-classification", "feature-extraction"),
+    # text-generation: where transformers has a causal LM class (BertLMHeadModel), built as a decoder
+    "encoder": ("text-classification", "feature-extraction", "text-generation"),
     # text-generation: the decoder alone, where transformers has a causal LM class (BartForCausalLM)
     "seq2seq": ("text2text-generation", "text-generation", "text-classification", "feature-extraction"),
 }
@@ -234,6 +235,14 @@ _GENERIC_SIZES: dict[str, int] = {
     "encoder_hidden_size": _HIDDEN,  # cross-attention to an encoder shrunk as above (BLIP-2's Q-Former)
 }
 
+# Vision towers that initialise their weights with std 1e-10 (BLIP's, Pix2Struct's, a SAM-style one; trained
+# checkpoints replace them): at that size a random tower's output does not depend on the image, and parity
+# would not test it.
+_VISIBLE_IMAGE = {"initializer_range": 0.02}
+# BLIP-2 / InstructBLIP: a vision tower as above; the Q-Former's 32 query outputs take 32 positions of
+# the language model's input (per video frame): 8.
+_BLIP_QUERIES = {"vision_config": _VISIBLE_IMAGE, "num_query_tokens": 8}
+
 
 # Generic model types whose default config ties a field to the full model's sizes; set on top of
 # the generic shrink, so that PyTorch can run the tiny model ("pytorch-fails" in docs/coverage.md).
@@ -284,14 +293,321 @@ _GENERIC_FIXES: dict[str, dict[str, Any]] = {
         }
     },
     # -- vision and speech (testing._media.save_generic_media_checkpoint) --
-    # Blip2ForImageTextRetrieval runs the text through the Q-Former, whose text layers this adds.
-    "blip-2": {"qformer_config": {"use_qformer_text_input": True}},
+    # Blip2ForImageTextRetrieval runs the text through the Q-Former, whose text layers this adds. The
+    # rest: see `_BLIP_QUERIES` (pixels block).
+    "blip-2": {
+        "qformer_config": {"use_qformer_text_input": True},
+        **_BLIP_QUERIES,
+        "image_token_index": VOCAB_SIZE - 1,
+    },
     # The classifier reads hidden_sizes[-1], the stages' widths are stage_out_channels (not shrunk).
     "hgnet_v2": {"hidden_sizes": [256, 512, 1024, 2048]},
     # The layers of the image encoder whose features the decoder fuses: 2 layers, not 24.
     "depth_pro": {"intermediate_hook_ids": [1, 0]},
     # Perceiver's latents are sized apart from d_model (1280 wide, 256 of them).
     "perceiver": {"d_latents": 64, "num_latents": 16, "num_self_attends_per_block": 2, "num_cross_attention_heads": 1},
+    # -- text models: sizes tied to the full model (MLA and MoE, per-layer lists) --
+    # 2 groups of the 4 routed experts (the default 8 groups leave none per group), 1 group picked
+    "axk1": {"n_group": 2, "topk_group": 1},
+    "kimi_k25": {"text_config": {"n_group": 2, "topk_group": 1}},
+    # MLP and expert widths under its own names; top 2 of the 4 routed and 2 zero (identity) experts,
+    # not top 12 of 4 + 256. Each of its num_layers holds 2 attention layers: 1 of them.
+    "longcat_flash": {
+        "num_layers": 1,
+        "ffn_hidden_size": _INTERMEDIATE,
+        "expert_ffn_hidden_size": 64,
+        "zero_expert_num": 2,
+        "moe_topk": 2,
+    },
+    # Its MoE defaults are None (the released dots.llm1: 2 shared experts, layer 0 dense): 1 shared
+    # expert, layer 0 dense and layer 1 MoE.
+    "dots1": {"n_shared_experts": 1, "first_k_dense_replace": 1},
+    # Sizes stored under its own names (num_experts_per_tok and max_position_embeddings are aliases):
+    # top 8 of the 4 experts fails; the linear-attention heads are 32 of 128.
+    "kimi_linear": {
+        "num_experts_per_token": 2,
+        "model_max_length": MAX_POSITIONS,
+        "linear_num_heads": _HEADS,
+        "linear_head_dim": _HEAD_DIM,
+    },
+    # layer_types has no default (the released LFM2-8B-A1B lists one per layer): a short convolution
+    # layer and an attention layer; the second layer MoE, as num_dense_layers (2) would leave none.
+    "lfm2_moe": {"layer_types": ["conv", "full_attention"], "num_dense_layers": 1},
+    # The byte-level encoder and decoder project to and from the global transformer's width, which
+    # they store as hidden_size_global; the hash n-gram embeddings are 6 tables of 500002 rows.
+    "blt": {
+        "encoder_config": {"hidden_size_global": _HIDDEN},
+        "decoder_config": {"hidden_size_global": _HIDDEN},
+        "encoder_hash_byte_group_vocab": VOCAB_SIZE,
+    },
+    # The vision tower's expert counts per layer (pyramid_num_routed) default to 42 layers' worth,
+    # dense up to layer 25: layer 0 dense, layer 1 with the 4 experts. The vision and audio adapters
+    # map the tower's width (their in dim) to the text width (out dim).
+    "dots3_note": {
+        "vision_config": {"pyramid_num_routed": [-1, 4], "adapter_in_dim": _HIDDEN, "adapter_out_dim": _HIDDEN},
+        "audio_config": {"adapter_input_size": _HIDDEN, "adapter_out_dim": _HIDDEN, "downsample_hidden_size": 32},
+    },
+    # ZAYA validates top-1 routing only; its router MLP is 256 wide.
+    "zaya": {"num_experts_per_tok": 1, "router_hidden_size": _HIDDEN},
+    # Rotary parameters are per layer type and default to none at all (the model reads one entry per
+    # type): a sliding-window layer with M-RoPE (the default sections [24, 20, 20] of 64 scaled to the
+    # tiny head's 8) and a global layer without positions (NoPE), as Cohere2's pattern. The vision
+    # tower (27 blocks by default) merges into the text width, its DeepStack features into the first
+    # text layers: 2 blocks, one feature per text layer.
+    **{
+        model_type: (
+            {
+                "text_config": text,
+                "vision_config": {"depth": 2, "out_hidden_size": _HIDDEN, "deepstack_visual_indexes": [0, 1]},
+            }
+            if model_type == "cohere_compass"
+            else text
+        )
+        for model_type in ("cohere_compass_text", "cohere_compass")
+        for text in [
+            {
+                "layer_types": ["sliding_attention", "full_attention"],
+                "rope_parameters": {
+                    "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [4, 2, 2]},
+                    "full_attention": None,
+                },
+            }
+        ]
+    },
+    # -- hybrid models: layer patterns --
+    # Hybrid Mamba/attention LMs whose layer pattern gives 2 layers no attention layer (generate's cache
+    # needs one; released models all have some): a Mamba layer, then an attention layer.
+    "jamba": {"attn_layer_period": 2, "attn_layer_offset": 1},  # attention at layer 4 of every 8
+    "bamba": {"attn_layer_indices": [1]},  # None by default; Bamba-9B sets [9, 18, 27]
+    "granitemoehybrid": {"layer_types": ["linear_attention", "full_attention"]},  # all Mamba by default
+    # The last num_kv_shared_layers (15 of 35) reuse the KV of earlier layers of their type: the second
+    # reuses the first's. The per-layer input embeddings sized to the tiny vocabulary, not 262144 x 256.
+    "gemma3n_text": {
+        "num_kv_shared_layers": 1,
+        "vocab_size_per_layer_input": VOCAB_SIZE,
+        "hidden_size_per_layer_input": _HEAD_DIM,
+    },
+    # Qwen4-Exp's attention layers pick tokens with a QSA indexer whose sizes default to None (the default
+    # config cannot build one): 4 query heads and the 1 key head it requires, 16 wide (not under the
+    # rotary width), a budget of 2 blocks of 2 tokens.
+    **{
+        model_type: {"text_config": qsa} if model_type == "qwen4_exp" else qsa
+        for model_type in ("qwen4_exp", "qwen4_exp_text")
+        for qsa in [
+            {
+                "indexer_n_heads": _HEADS,
+                "indexer_kv_heads": 1,
+                "indexer_head_dim": _HEAD_DIM,
+                "indexer_budget": 4,
+                "indexer_compress_ratio": 2,
+            }
+        ]
+    },
+    # -- encoders: sizes under their own names --
+    # Reformer: one attention type per layer; axial position embeddings whose widths sum to hidden_size
+    # (64 + 192 = 256) on a grid covering max positions (64 x 64 = 4096; tiny: 16 x 16 = 256); heads and
+    # MLP sized apart. Attention chunks stay 64 tokens.
+    "reformer": {
+        "attn_layers": ["local", "lsh"],
+        "attention_head_size": _HEAD_DIM,
+        "axial_pos_embds_dim": [16, 48],
+        "axial_pos_shape": [16, 16],
+        "feed_forward_size": _INTERMEDIATE,
+    },
+    "distilbert": {"n_heads": _HEADS, "n_layers": _LAYERS, "hidden_dim": _INTERMEDIATE},  # its own size names
+    "squeezebert": {"embedding_size": _HIDDEN},  # must equal hidden_size (no projection in between)
+    # The 6 layout embeddings (4 coordinates, height, width) of hidden_size // 6 are concatenated back to
+    # hidden_size, so it must divide by 6: 48, in 3 heads of 16 (a quarter of each for the layout stream).
+    "lilt": {"hidden_size": 48, "num_attention_heads": 3},
+    "layoutlmv3": {"coordinate_size": 10, "shape_size": 12},  # 4 coordinates + 2 shapes concatenate to hidden_size
+    "xmod": {"default_language": "en_XX"},  # the adapter used without lang_ids: the only language it has
+    # -- vision-language models (text forward) --
+    # The model reads its image tokens from the tokenizer's vocabulary, which real checkpoints store in
+    # the config (default None): a tiny one, the VQ codebook's 32 codes as the vocabulary's last 32 ids.
+    "chameleon": {
+        "vq_config": {"num_embeddings": 32, "base_channels": 32, "channel_multiplier": [1, 2], "resolution": 64},
+        "vocabulary_map": {
+            "<image>": 479,
+            **{f"IMGIMG{''.join(chr(ord('A') + int(d)) for d in str(code))}Z": 480 + code for code in range(32)},
+        },
+    },
+    "emu3": {
+        "vq_config": {"codebook_size": 32, "base_channels": 32, "channel_multiplier": [1, 2], "num_res_blocks": 1},
+        "vocabulary_map": {
+            "<image>": 478,
+            "<|extra_200|>": 479,
+            **{f"<|visual token {code:06d}|>": 480 + code for code in range(32)},
+        },
+    },
+    # One dense layer, then MoE (the released model: first_k_dense_replace 1); the default None breaks.
+    "deepseek_ocr2": {"text_config": {"mlp_layer_types": ["dense", "sparse"]}},
+    # num_experts (default None: no MoE) is set by the shrinker, so the router needs its top-k too; the
+    # full-attention layers' head dim (512 beside 256) scaled to twice the tiny head.
+    "diffusion_gemma": {"text_config": {"top_k_experts": 2, "global_head_dim": 2 * _HEAD_DIM}},
+    # Expert widths per modality (a list: text, vision), the expert count and top-k under their own names;
+    # the rotary sections that the model code defaults ([22, 22, 20]) scaled to the 8-wide half head.
+    "ernie4_5_vl_moe": {
+        "text_config": {
+            "moe_intermediate_size": [64, 32],
+            "moe_num_experts": 4,
+            "moe_k": 2,
+            "rope_parameters": {"rope_type": "default", "rope_theta": 500000.0, "mrope_section": [3, 3, 2]},
+        }
+    },
+    # Deepstack (default None): which vision layers feed which of the 2 text layers (the 4 spatial groups
+    # default to text layers 12-21); the Q-Former projector pools windows of 2x2 patches.
+    "granite4_vision": {
+        "vision_config": {"patch_size": 8},
+        "downsample_rate": "1/2",
+        "deepstack_layer_map": [[-1, 0]],
+        "spatial_target_layers": [1, 1, 1, 1],
+    },
+    # Multimodal rotary sections, which the model needs but does not default: 4 axes over the 8-wide half head.
+    "hunyuan_vl": {
+        "text_config": {
+            "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 2, 2, 2]}
+        },
+        "vision_config": {"out_hidden_size": _HIDDEN, "text_hidden_size": _HIDDEN},
+    },
+    # The vision connector projects to the text model's width.
+    "granite_docling": {"vision_config": {"out_hidden_size": _HIDDEN}},
+    "inkling2": {"vision_config": {"text_hidden_size": _HIDDEN}},
+    # The adapter reads the 2 vision layers (the default reads layers 24 and 18).
+    "molmo2": {"adapter_config": {"vision_feature_layer": [-1, -2]}},
+    # The audio encoder's num_hidden_layers counts its 4 stages (one patch size, width and depth each), whose
+    # widths end at the text width it writes onto; the vision adapter reads the vision width folded 2x2.
+    "muse_spark": {
+        "audio_config": {"num_hidden_layers": 4, "hidden_sizes": [8, 16, 32, 64], "out_hidden_size": _HIDDEN},
+        "out_hidden_size": 4 * _HIDDEN,
+        "projector_hidden_size": _HIDDEN,
+    },
+    # The vision tower's copy of the video patch size (set by default only when vision_config is None);
+    # the projector reads features of the vision tower's width.
+    "nemotron_h_omni": {
+        "vision_config": {"video_temporal_patch_size": 2},
+        "vision_hidden_size": _HIDDEN,
+        "projector_hidden_size": _HIDDEN,
+    },
+    # The rotary position index reads vision_start_token_id from the thinker's config, which its config
+    # class does not declare: released checkpoints store it there (151652). Qwen2.5-Omni's rotary sections,
+    # which the model code defaults ([16, 24, 24]), scaled to the 8-wide half head.
+    "qwen2_5_omni_thinker": {
+        "vision_start_token_id": 151652,
+        "text_config": {
+            "rope_parameters": {"rope_type": "default", "rope_theta": 1000000.0, "mrope_section": [2, 3, 3]}
+        },
+    },
+    "qwen3_omni_moe_thinker": {"vision_start_token_id": 151652},
+    # The text model always builds a sliding-window mask (window default None): one sliding and one full
+    # layer as Step-3.7's mix, MoE in the second (the default puts it from layer 3 on); shared expert shrunk.
+    "step3p7": {
+        "text_config": {
+            "sliding_window": _SLIDING_WINDOW,
+            "layer_types": ["sliding_attention", "full_attention"],
+            "mlp_layer_types": ["dense", "sparse"],
+            "share_expert_dim": _INTERMEDIATE,
+        }
+    },
+    # The classifier reads the last position's logits of the "Yes" and "No" tokens, ids of Gemma's 262k
+    # vocabulary (10784, 3771) unless the config names them: two ids of the tiny vocabulary.
+    "shieldgemma2": {"yes_token_index": 10, "no_token_index": 11},
+    # -- speech models --
+    # Dia's decoder cross-attends to the encoder (1024 wide, 16 heads of 128); its audio-code specials sit just
+    # past the codes (eos, pad, bos = 1024..1026 of 1028): kept inside the tiny 512-code vocabulary.
+    "dia": {
+        "decoder_config": {
+            "cross_hidden_size": _HIDDEN,
+            "cross_head_dim": _HEAD_DIM,
+            "cross_num_key_value_heads": _HEADS,
+            "eos_token_id": VOCAB_SIZE - 4,
+            "pad_token_id": VOCAB_SIZE - 3,
+            "bos_token_id": VOCAB_SIZE - 2,
+        }
+    },
+    # The adaptor's MLP is a quarter of the text width; one transcription and one timestamp encoder layer.
+    "fun_asr_nano": {
+        "adaptor_config": {"intermediate_size": _HIDDEN // 4, "projector_hidden_size": _INTERMEDIATE},
+        "audio_config": {"num_timestamp_prediction_layers": 1},
+    },
+    # Kyutai's embedding holds the text vocabulary, then one block per codec codebook (its codes and a bos),
+    # then the audio pad token (4001 + 32 * 2049 = 69569): 4 codebooks of 64 codes, the Mimi codec's count and
+    # size; Mimi's upsampling conv has one group per channel (512: its hidden size).
+    "kyutai_speech_to_text": {
+        "num_codebooks": 4,
+        "codebook_vocab_size": 65,
+        "audio_bos_token_id": 64,
+        "audio_pad_token_id": VOCAB_SIZE + 4 * 65,
+        "bos_token_id": BOS_ID,
+        "codec_config": {"codebook_size": 64, "num_quantizers": 4, "upsample_groups": _HIDDEN},
+    },
+    # Moonshine-streaming's decoder reads num_key_value_heads, which its config class lacks (the checkpoints' configs
+    # set it); the encoder has one sliding window per layer (6).
+    "moonshine_streaming": {
+        "num_key_value_heads": _HEADS,
+        "encoder_config": {"sliding_windows": [[16, 4], [16, 0]]},
+    },
+    # Nemotron 3.5 Transcribe: the diarization head reads the diarization encoder (512 wide; the encoder's shrink is
+    # spelled out, as fixes merge one level deep); the word-timestamp head's CTC blank is its last class (23862 of 23863).
+    "nemo_speechlm": {
+        "audio_config": {
+            "diarization_config": {
+                "model_type": "nemotron3_diarization",
+                "audio_config": {
+                    "model_type": "nemotron3_diarization_audio",
+                    "hidden_size": _HIDDEN,
+                    "num_hidden_layers": _LAYERS,
+                    "num_attention_heads": _HEADS,
+                    "num_key_value_heads": _HEADS,
+                    "intermediate_size": _INTERMEDIATE,
+                    "max_position_embeddings": MAX_POSITIONS,
+                },
+                "head_config": {"hidden_size": _HIDDEN, "audio_hidden_size": _HIDDEN},
+            }
+        },
+        "word_timestamp_config": {"blank_token_id": VOCAB_SIZE - 1},
+        # the Nemotron-H text model's mixers, left at the class defaults (128 Mamba heads of 64): as mamba2 above
+        "text_config": {
+            "mamba_num_heads": 8,
+            "mamba_head_dim": _HEAD_DIM,
+            "n_groups": 2,
+            "ssm_state_size": 16,
+            "moe_shared_expert_intermediate_size": _INTERMEDIATE,
+        },
+    },
+    # -- vision-language models that need their image (hfjax._check._image_text_inputs) --
+    # Vision towers initialised with std 1e-10: see _VISIBLE_IMAGE.
+    "blip": {"vision_config": _VISIBLE_IMAGE},
+    "pix2struct": {"vision_config": _VISIBLE_IMAGE},
+    # See _BLIP_QUERIES; the image (video) token, default None (released checkpoints add one past the
+    # tokenizer's), marks where the query outputs go in the language model's input: the tiny vocabulary's last id.
+    "instructblip": {**_BLIP_QUERIES, "image_token_index": VOCAB_SIZE - 1},
+    "instructblipvideo": {**_BLIP_QUERIES, "video_token_index": VOCAB_SIZE - 1},
+    # Kosmos-2's image takes latent_query_num (64) positions of the text: 16.
+    "kosmos-2": {"latent_query_num": 16},
+    # IDEFICS gates its image cross-attention by tanh(alpha), alpha initialised to 0 (trained ones are not):
+    # closed gates hide the image from the output.
+    "idefics": {"alpha_initializer": "ones"},
+    # The default config's decoder (BERT) is a decoder with cross-attention to the image encoder; the shrinker
+    # rebuilds it from BERT's own defaults, which have neither.
+    "vision-encoder-decoder": {"decoder": {"is_decoder": True, "add_cross_attention": True}},
+    # PaliGemma's projector maps the image features to projection_dim, which must be the text width;
+    # its image token 256000 sits in the full 257152 vocabulary: the tiny vocabulary's last id.
+    "pi0": {"vlm_config": {"projection_dim": _HIDDEN, "image_token_index": VOCAB_SIZE - 1}},
+    # The projector's linear_2 maps to decoder_hidden_size, which must be the decoder's d_model; its first
+    # conv reads the encoder neck's output_channels (post_conv_in_channels); a global attention layer
+    # among the 2 (the full model's every third layer is one); the encoder's MLP width.
+    "pp_formulanet": {
+        "vision_config": {
+            "decoder_hidden_size": _HIDDEN,
+            "output_channels": _HIDDEN,
+            "post_conv_in_channels": _HIDDEN,
+            "post_conv_mid_channels": _HIDDEN,
+            "post_conv_out_channels": _HIDDEN,
+            "global_attn_indexes": [1],
+            "mlp_dim": _INTERMEDIATE,
+            **_VISIBLE_IMAGE,
+        }
+    },
 }
 
 
@@ -374,6 +690,23 @@ def _media_overrides(defaults: Mapping[str, Any]) -> dict[str, Any]:
     return overrides
 
 
+# Layer types without a key/value cache, that hybrid language models mix with attention layers.
+_LINEAR_LAYERS = ("linear_attention", "mamba", "conv")
+
+
+def _hybrid_layer_types(defaults: Mapping[str, Any]) -> dict[str, Any]:
+    # A hybrid LM's pattern (Qwen3-Next: attention every 4th layer) leaves 2 layers without attention,
+    # unlike any released model, and transformers' cache then cannot count cached tokens: one of each kind.
+    types = defaults.get("layer_types")
+    if "vocab_size" not in defaults or not isinstance(types, list):
+        return {}
+    linear = [t for t in types if t in _LINEAR_LAYERS]
+    attention = [t for t in types if isinstance(t, str) and t.endswith("attention") and t not in _LINEAR_LAYERS]
+    if not linear or not attention or any(t in attention for t in types[:_LAYERS]):
+        return {}
+    return {"layer_types": [linear[0], attention[0]]}
+
+
 def _generic_overrides(defaults: Mapping[str, Any]) -> dict[str, Any]:
     # `defaults` is a config's to_dict(); nested configs (text_config, vision_config, ...)
     # are shrunk the same way and passed back as dicts carrying their model_type.
@@ -398,6 +731,9 @@ def _generic_overrides(defaults: Mapping[str, Any]) -> dict[str, Any]:
     if kv_heads is not None:
         # Keep multi-head attention where the default is MHA; otherwise 2 groups of 2.
         overrides["num_key_value_heads"] = _HEADS if kv_heads == heads else _KV_HEADS
+    if overrides.get("num_hidden_layers") == _LAYERS:
+        overrides.update(_hybrid_layer_types(defaults))
+    overrides.update(_mla_overrides(defaults))
     for key, value in defaults.items():
         if isinstance(value, dict) and "model_type" in value and key not in overrides:
             overrides[key] = {"model_type": value["model_type"], **_generic_overrides(value)}
@@ -411,6 +747,31 @@ def _generic_overrides(defaults: Mapping[str, Any]) -> dict[str, Any]:
         if isinstance(rope, dict) and isinstance(rope.get("mrope_section"), list) and key not in overrides:
             # Multimodal rotary sections (Qwen2.5-VL's [16, 24, 24]) split half the head: scaled to 16-wide heads.
             overrides[key] = {**rope, "mrope_section": _scaled_sections(rope["mrope_section"], _HEAD_DIM // 2)}
+    return overrides
+
+
+def _mla_overrides(defaults: Mapping[str, Any]) -> dict[str, Any]:
+    # Multi-head latent attention (DeepSeek-V2 style): query/key heads of a rotary part and a
+    # non-rotary part, values and low-rank projections sized apart from head_dim. Sized as the
+    # deepseek_v3 family: 8 + 8 wide query/key heads, values 16, ranks 32. A config whose default
+    # head_dim is the rotary part (the rotary embedding reads head_dim), or the whole query/key
+    # head, keeps that tie; a missing or zero size (no rotary part, no query LoRA) stays.
+    rope, nope = defaults.get("qk_rope_head_dim"), defaults.get("qk_nope_head_dim")
+    if not (isinstance(rope, int) and isinstance(nope, int)):
+        return {}
+    sizes = {
+        "qk_rope_head_dim": 8,
+        "qk_nope_head_dim": 8,
+        "v_head_dim": _HEAD_DIM,
+        "kv_lora_rank": 32,
+        "q_lora_rank": 32,
+    }
+    overrides = {key: size for key, size in sizes.items() if isinstance(defaults.get(key), int) and defaults[key] > 0}
+    head_dim = defaults.get("head_dim")
+    if rope > 0 and head_dim == rope:
+        overrides["head_dim"] = overrides["qk_rope_head_dim"]
+    elif rope > 0 and head_dim == rope + nope:
+        overrides["head_dim"] = overrides["qk_rope_head_dim"] + overrides.get("qk_nope_head_dim", 0)
     return overrides
 
 
