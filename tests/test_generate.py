@@ -97,6 +97,17 @@ def test_each_row_of_a_padded_batch_is_what_its_prompt_alone_gives(loaded, famil
         np.testing.assert_array_equal(batch[row, : alone.shape[1]], alone[0], err_msg=f"row {row}: {prompt!r}")
 
 
+def test_a_hybrid_linear_attention_model_generates_like_transformers(loaded):
+    # Qwen3.5's linear-attention layers zero the prompt's pads by the last columns of the mask they
+    # get (transformers' create_recurrent_attention_mask): the prefill must pass the prompt's mask.
+    model = loaded("qwen3_5_text")
+    ids, mask = _batch(model)
+    expected = _torch_generate(model, ids, mask, do_sample=False, max_new_tokens=NEW_TOKENS)
+    np.testing.assert_array_equal(
+        np.asarray(model.generate(ids, mask, do_sample=False, max_new_tokens=NEW_TOKENS)), expected
+    )
+
+
 def test_a_missing_mask_is_inferred_from_the_pad_token_like_transformers(loaded):
     model = loaded("llama")
     ids, mask = _batch(model)
