@@ -435,6 +435,9 @@ def _write_report(out: pathlib.Path, results: list[dict], total: int, started: s
                 groups[_cause(r[why])].append(f"{r['model_type']} ({r['task']})")
         if not groups and field == "generate":
             continue
+        if not groups:
+            lines += ["", f"## {title}", "", "None."]
+            continue
         lines += ["", f"## {title}", "", "| count | cause | archs |", "|---:|---|---|"]
         for cause, archs in sorted(groups.items(), key=lambda item: (-len(item[1]), item[0])):
             lines.append(f"| {len(archs)} | {_escape(cause)} | {', '.join(sorted(archs))} |")
