@@ -377,3 +377,21 @@ def test_image_text_checkpoint_runs_in_pytorch_on_check_inputs(model_type, tmp_p
     with torch.no_grad():
         logits = model(**{k: torch.from_numpy(v) if hasattr(v, "shape") else v for k, v in inputs.items()}).logits
     assert logits.shape == ((2, 50, 32) if model_type == "pi0" else (2, 4 * 8 + 8, 512))
+
+
+@pytest.mark.parametrize(
+    ("model_type", "what"),
+    [
+        ("youtu", "MLA: rotary and non-rotary query/key widths, values and ranks sized with the 16-wide heads"),
+        ("qwen3_next", "a 2-layer hybrid gets one linear-attention and one attention layer"),
+        ("jamba", "a _GENERIC_FIXES entry: attention in the second of 2 layers"),
+    ],
+)
+def test_generic_shrinker_configs_run_in_pytorch(model_type, what):
+    config = tiny_config(model_type)
+    if model_type == "qwen3_next":
+        assert config.layer_types == ["linear_attention", "full_attention"], what
+    model = transformers.AutoModelForCausalLM.from_config(config).eval()
+    ids = torch.randint(3, 500, (2, 8), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        assert model(ids, use_cache=True).logits.shape == (2, 8, config.vocab_size), what
