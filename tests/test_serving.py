@@ -165,6 +165,13 @@ def test_bad_requests_raise_errors_that_name_the_argument(model, engine):
         Engine(model, max_model_len=100_000)
 
 
+def test_a_hybrid_model_is_refused_by_name(checkpoint):
+    # Qwen3.5's linear-attention layers keep states the slot cache has no place for
+    hybrid = hfjax.load(checkpoint("qwen3_5_text"))
+    with pytest.raises(hfjax.GenerationError, match="qwen3_5_text also has linear-attention or mamba layers"):
+        Engine(hybrid, max_batch=SLOTS, max_model_len=LENGTH, prefill_chunk=CHUNK, decode_steps=STEPS)
+
+
 def test_a_full_queue_raises_queue_full(model):
     engine = Engine(model, max_batch=SLOTS, max_model_len=LENGTH, max_queue=1, prefill_chunk=CHUNK, decode_steps=STEPS)
     engine._thread = threading.Thread()  # accepted, never run: the queue only fills

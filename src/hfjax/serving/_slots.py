@@ -273,6 +273,11 @@ def check_supported(model, length: int) -> None:
             f"keeps its past as {adapter.kind!r}; use Model.generate for it"
         )
     config = model.module.config.get_text_config(decoder=True)
+    if any(_caches.recurrent(layer) for layer in _caches.static_cache(config, 1).layers):
+        raise GenerationError(
+            f"hfjax serve's slot cache holds keys and values per slot; {config.model_type} also has "
+            "linear-attention or mamba layers, whose states it does not keep; use Model.generate for it"
+        )
     window = getattr(config, "sliding_window", None)
     if isinstance(window, int) and window < length and _uses_window(config):
         raise GenerationError(
