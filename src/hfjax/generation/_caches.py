@@ -28,9 +28,10 @@ def static_cache(config, length: int):
 
 def recurrent(layer) -> bool:
     """Whether a cache layer holds a linear-attention or mamba layer's states."""
-    from transformers.cache_utils import LinearAttentionCacheLayerMixin
+    from transformers import cache_utils
 
-    return isinstance(layer, LinearAttentionCacheLayerMixin)
+    mixin = getattr(cache_utils, "LinearAttentionCacheLayerMixin", None)  # (older transformers: none)
+    return mixin is not None and isinstance(layer, mixin)
 
 
 def windowable(cache) -> bool:
