@@ -76,7 +76,7 @@ def start_server(
             sys.executable, "-m", "hfjax.cli", "serve", "--model", str(checkpoint), "--port", str(port),
             "--max-batch", str(args.max_batch), "--max-model-len", str(args.max_model_len),
             "--max-queue", "1024", "--served-model-name", "bench", "--prefill-chunk", str(args.prefill_chunk),
-            "--prefill-rows", str(args.prefill_rows), *flags,
+            "--prefill-rows", str(args.prefill_rows), "--decode-steps", str(args.decode_steps), *flags,
         ]  # fmt: skip
     else:
         transformers_cli = shutil.which("transformers") or str(pathlib.Path(sys.executable).parent / "transformers")
@@ -230,6 +230,7 @@ def main() -> None:
     parser.add_argument("--max-model-len", type=int, default=256, help="hfjax serve's cache columns per slot")
     parser.add_argument("--prefill-chunk", type=int, default=32, help="hfjax serve's prompt tokens per prefill call")
     parser.add_argument("--prefill-rows", type=int, default=8, help="hfjax serve's prompts per prefill call")
+    parser.add_argument("--decode-steps", type=int, default=8, help="hfjax serve's decode steps per chunk")
     parser.add_argument(
         "--prefix-tokens", type=int, default=128,
         help="also time one client whose prompts share this many first tokens, hfjax with and without prefix "
@@ -247,7 +248,8 @@ def main() -> None:
         report = {
             "size": args.size, "dtype": "float32", "prompt_tokens": args.prompt_tokens, "new_tokens": args.new_tokens,
             "hfjax_max_batch": args.max_batch, "hfjax_max_model_len": args.max_model_len,
-            "hfjax_prefill_chunk": args.prefill_chunk, "hfjax_prefill_rows": args.prefill_rows, "servers": {},
+            "hfjax_prefill_chunk": args.prefill_chunk, "hfjax_prefill_rows": args.prefill_rows,
+            "hfjax_decode_steps": args.decode_steps, "servers": {},
         }  # fmt: skip
         for kind in args.servers:
             report["servers"][kind] = asyncio.run(bench_server(kind, checkpoint, args, work))
