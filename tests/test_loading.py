@@ -141,15 +141,19 @@ def test_tensors_transformers_does_not_save_are_set_as_from_pretrained_sets_them
     assert report.passed, report.table()
 
 
+def _assert_params_equal(model, tensors: dict[str, torch.Tensor]) -> None:
+    # hfjax's loaded arrays are the reference's tensors of the same names, exactly
+    assert tensors
+    for name, tensor in tensors.items():
+        np.testing.assert_array_equal(np.asarray(model.params[name]), tensor.numpy(), err_msg=name)
+
+
 def test_a_complex_buffer_is_computed_as_from_pretrained_computes_it(checkpoint):
     # llama4's vision rotary table is a complex64 buffer that its own code sets (not in the checkpoint)
     path = checkpoint("llama4", task="image-feature-extraction")
     model = hfjax.load(path)
     reference = transformers.AutoModel.from_pretrained(path).eval()
-    complex_buffers = {name: buffer for name, buffer in reference.named_buffers() if buffer.is_complex()}
-    assert complex_buffers
-    for name, buffer in complex_buffers.items():
-        np.testing.assert_array_equal(np.asarray(model.params[name]), buffer.numpy(), err_msg=name)
+    _assert_params_equal(model, {name: buffer for name, buffer in reference.named_buffers() if buffer.is_complex()})
 
 
 def test_per_expert_weights_stack_in_the_experts_order(checkpoint):
@@ -160,10 +164,9 @@ def test_per_expert_weights_stack_in_the_experts_order(checkpoint):
         assert "model.layers.1.mlp.experts.10.up_proj.weight" in f.keys()
     model = hfjax.load(path)
     reference = transformers.AutoModelForCausalLM.from_pretrained(path).eval()
-    fused = {name: tensor for name, tensor in reference.state_dict().items() if ".experts." in name}
-    assert fused
-    for name, tensor in fused.items():
-        np.testing.assert_array_equal(np.asarray(model.params[name]), tensor.numpy(), err_msg=name)
+    _assert_params_equal(
+        model, {name: tensor for name, tensor in reference.state_dict().items() if ".experts." in name}
+    )
 
 
 def test_a_key_the_module_has_is_not_renamed_away(checkpoint):

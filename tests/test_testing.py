@@ -12,7 +12,7 @@ import torch
 import transformers
 
 from hfjax import _check
-from hfjax.testing import FAMILIES, _families, save_tiny_checkpoint, tiny_config, tiny_tokenizer
+from hfjax.testing import FAMILIES, _families, _media, save_tiny_checkpoint, tiny_config, tiny_tokenizer
 
 PROMPT = "The capital of France is"
 # Exercises byte fallback, digits, contractions, repeated spaces and newlines.
@@ -332,9 +332,7 @@ def test_check_gives_audio_language_models_a_text_forward_without_audio_tokens()
 
 def _image_text_config(model_type):
     # The generic shrinker's config (with its fixes) and the image-text-to-text class's main input.
-    defaults = transformers.CONFIG_MAPPING[model_type]().to_dict()
-    overrides = _families._with_fixes(model_type, _families._generic_overrides(defaults))
-    config = transformers.AutoConfig.for_model(model_type, **overrides)
+    config = _media.generic_media_config(model_type, task="image-text-to-text")
     names = transformers.models.auto.modeling_auto.MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES
     return config, getattr(transformers, names[model_type]).main_input_name
 

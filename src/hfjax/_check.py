@@ -106,8 +106,10 @@ def _inputs(
             ids = _token_ids(text, batch, max(2, seq_len // 2), rng)["input_ids"]
             inputs.update(decoder_input_ids=ids, use_cache=False)
         return inputs
-    if task == "image-text-to-text" and _needs_media(config, main_input_name):
-        return _image_text_inputs(config, main_input_name, batch, seq_len, rng)
+    # The forward's parameter names decide what an image-text-to-text model gets beyond token ids.
+    parameters = _forward_parameters(config) if task == "image-text-to-text" else set()
+    if task == "image-text-to-text" and _needs_media(parameters, main_input_name):
+        return _image_text_inputs(config, parameters, main_input_name, batch, seq_len, rng)
     inputs = _token_ids(config, batch, seq_len, rng)
     eos = _eos_id(config)
     if task == "text-classification" and eos is not None and 0 <= eos < _vocab_size(config):
@@ -118,7 +120,7 @@ def _inputs(
     # An image-text-to-text model whose forward takes decoder ids gets them too: the encoder-decoders (T5Gemma 2,
     # Florence-2) and DiffusionGemma, whose decoder otherwise refines a canvas drawn at random.
     decoder = speech_text and getattr(config, "is_encoder_decoder", False)
-    decoder = decoder or (task == "image-text-to-text" and "decoder_input_ids" in _forward_parameters(config))
+    decoder = decoder or "decoder_input_ids" in parameters
     if task == "text2text-generation" or decoder:
         # Dia's decoder reads audio codes of num_channels codebooks, as its processor gives them: [B, T, channels]
         # (its flat [B * channels, T] form fails for T > 1 in transformers: a .view of a transposed tensor).
@@ -138,7 +140,7 @@ def _inputs(
         # [B, mels, audio_length_per_tok * S].
         mels = config.audio_config.num_mel_bins
         inputs["input_features"] = rng.standard_normal((batch, mels, per_token * seq_len), dtype=np.float32)
-    if task == "image-text-to-text" and "token_type_ids" in _forward_parameters(config):
+    if "token_type_ids" in parameters:
         # PaliGemma's and Gemma 3's processors always return token_type_ids (0: text). Without them
         # transformers' PaliGemma differs between eager and any trace (docs/architecture.md).
         inputs["token_type_ids"] = np.zeros_like(inputs["input_ids"])
@@ -152,13 +154,13 @@ def _inputs(
 _VIDEO_FRAMES = 4
 
 
-def _needs_media(config, main_input_name: str) -> bool:
+def _needs_media(parameters: set[str], main_input_name: str) -> bool:
     # Whether an image-text-to-text model cannot run a text forward (most take pixels as an option and
     # keep it): its main input is not the token ids (BLIP's pixels, Pix2Struct's patches, the image
     # encoder of an encoder-decoder, PI0's robot state), or its forward takes per-token boxes (UDOP's
     # relative position bias needs them) or a per-token image mask (IDEFICS cross-attends to the images
     # in every layer and refuses to run without them).
-    return main_input_name != "input_ids" or bool({"bbox", "image_attention_mask"} & _forward_parameters(config))
+    return main_input_name != "input_ids" or bool({"bbox", "image_attention_mask"} & parameters)
 
 
 def _forward_parameters(config, task: str = "image-text-to-text") -> set[str]:
@@ -171,7 +173,9 @@ def _forward_parameters(config, task: str = "image-text-to-text") -> set[str]:
     return set(inspect.signature(model_class.forward).parameters)
 
 
-def _image_text_inputs(config, main_input_name: str, batch: int, seq_len: int, rng: np.random.Generator) -> dict:
+def _image_text_inputs(
+    config, parameters: set[str], main_input_name: str, batch: int, seq_len: int, rng: np.random.Generator
+) -> dict:
     """Inputs of an image-text-to-text model that needs more than token ids (see `_needs_media`):
     - an image: pixel_values [B, C, H, W] from the vision tower's config; [B, 1, C, H, W] where the forward
       takes a per-token image mask (IDEFICS: image_attention_mask [B, S, 1], every token sees the image) or
@@ -184,8 +188,8 @@ def _image_text_inputs(config, main_input_name: str, batch: int, seq_len: int, r
     - qformer_input_ids (InstructBLIP's instruction to its Q-Former), UDOP's bbox [B, S, 4] (a box of the
       unit page per token); PI0's state, noise and timestep (its flow-matching step, else drawn at random);
     - an encoder-decoder reading the image gets the text as decoder_input_ids; UDOP's encoder reads the
-      text (and its boxes), its decoder max(2, seq_len // 2) tokens, as text2text-generation."""
-    parameters = _forward_parameters(config)
+      text (and its boxes), its decoder max(2, seq_len // 2) tokens, as text2text-generation.
+    `parameters`: the forward's parameter names (`_forward_parameters`)."""
     robot = main_input_name == "state"
     vision = _vision_tower_config(config.vlm_config if robot else config)
     inputs = {}

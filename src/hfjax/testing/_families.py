@@ -243,6 +243,27 @@ _VISIBLE_IMAGE = {"initializer_range": 0.02}
 # the language model's input (per video frame): 8.
 _BLIP_QUERIES = {"vision_config": _VISIBLE_IMAGE, "num_query_tokens": 8}
 
+# Cohere Compass's text model: rotary parameters are per layer type and default to none at all (the
+# model reads one entry per type): a sliding-window layer with M-RoPE (the default sections
+# [24, 20, 20] of 64 scaled to the tiny head's 8) and a global layer without positions (NoPE), as
+# Cohere2's pattern.
+_COHERE_COMPASS_TEXT = {
+    "layer_types": ["sliding_attention", "full_attention"],
+    "rope_parameters": {
+        "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [4, 2, 2]},
+        "full_attention": None,
+    },
+}
+# Qwen4-Exp's attention layers pick tokens with a QSA indexer whose sizes default to None (the default
+# config cannot build one): 4 query heads and the 1 key head it requires, 16 wide (not under the
+# rotary width), a budget of 2 blocks of 2 tokens.
+_QSA_INDEXER = {
+    "indexer_n_heads": _HEADS,
+    "indexer_kv_heads": 1,
+    "indexer_head_dim": _HEAD_DIM,
+    "indexer_budget": 4,
+    "indexer_compress_ratio": 2,
+}
 
 # Generic model types whose default config ties a field to the full model's sizes; set on top of
 # the generic shrink, so that PyTorch can run the tiny model ("pytorch-fails" in docs/coverage.md).
@@ -349,30 +370,13 @@ _GENERIC_FIXES: dict[str, dict[str, Any]] = {
     },
     # ZAYA validates top-1 routing only; its router MLP is 256 wide.
     "zaya": {"num_experts_per_tok": 1, "router_hidden_size": _HIDDEN},
-    # Rotary parameters are per layer type and default to none at all (the model reads one entry per
-    # type): a sliding-window layer with M-RoPE (the default sections [24, 20, 20] of 64 scaled to the
-    # tiny head's 8) and a global layer without positions (NoPE), as Cohere2's pattern. The vision
-    # tower (27 blocks by default) merges into the text width, its DeepStack features into the first
-    # text layers: 2 blocks, one feature per text layer.
-    **{
-        model_type: (
-            {
-                "text_config": text,
-                "vision_config": {"depth": 2, "out_hidden_size": _HIDDEN, "deepstack_visual_indexes": [0, 1]},
-            }
-            if model_type == "cohere_compass"
-            else text
-        )
-        for model_type in ("cohere_compass_text", "cohere_compass")
-        for text in [
-            {
-                "layer_types": ["sliding_attention", "full_attention"],
-                "rope_parameters": {
-                    "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [4, 2, 2]},
-                    "full_attention": None,
-                },
-            }
-        ]
+    # Rotary parameters per layer type: see _COHERE_COMPASS_TEXT. The vision tower (27 blocks by default)
+    # merges into the text width, its DeepStack features into the first text layers: 2 blocks, one
+    # feature per text layer.
+    "cohere_compass_text": _COHERE_COMPASS_TEXT,
+    "cohere_compass": {
+        "text_config": _COHERE_COMPASS_TEXT,
+        "vision_config": {"depth": 2, "out_hidden_size": _HIDDEN, "deepstack_visual_indexes": [0, 1]},
     },
     # -- hybrid models: layer patterns --
     # Hybrid Mamba/attention LMs whose layer pattern gives 2 layers no attention layer (generate's cache
@@ -387,22 +391,9 @@ _GENERIC_FIXES: dict[str, dict[str, Any]] = {
         "vocab_size_per_layer_input": VOCAB_SIZE,
         "hidden_size_per_layer_input": _HEAD_DIM,
     },
-    # Qwen4-Exp's attention layers pick tokens with a QSA indexer whose sizes default to None (the default
-    # config cannot build one): 4 query heads and the 1 key head it requires, 16 wide (not under the
-    # rotary width), a budget of 2 blocks of 2 tokens.
-    **{
-        model_type: {"text_config": qsa} if model_type == "qwen4_exp" else qsa
-        for model_type in ("qwen4_exp", "qwen4_exp_text")
-        for qsa in [
-            {
-                "indexer_n_heads": _HEADS,
-                "indexer_kv_heads": 1,
-                "indexer_head_dim": _HEAD_DIM,
-                "indexer_budget": 4,
-                "indexer_compress_ratio": 2,
-            }
-        ]
-    },
+    # The QSA indexer of Qwen4-Exp's attention layers: see _QSA_INDEXER.
+    "qwen4_exp": {"text_config": _QSA_INDEXER},
+    "qwen4_exp_text": _QSA_INDEXER,
     # -- encoders: sizes under their own names --
     # Reformer: one attention type per layer; axial position embeddings whose widths sum to hidden_size
     # (64 + 192 = 256) on a grid covering max positions (64 x 64 = 4096; tiny: 16 x 16 = 256); heads and
@@ -808,7 +799,7 @@ def _generic_family(model_type: str) -> Family | None:
 def _with_fixes(model_type: str, overrides: dict[str, Any]) -> dict[str, Any]:
     # `overrides` with the model type's _GENERIC_FIXES on top; a nested config's fields are merged.
     fixed = dict(overrides)
-    for key, value in _GENERIC_FIXES.get(model_type, {}).items():
+    for key, value in copy.deepcopy(_GENERIC_FIXES.get(model_type, {})).items():  # config classes may change them
         fixed[key] = {**fixed[key], **value} if isinstance(fixed.get(key), dict) and isinstance(value, dict) else value
     return fixed
 

@@ -215,6 +215,13 @@ def save_generic_media_checkpoint(
     """A tiny random checkpoint of any model_type with a model class for a vision or speech `task`
     (or image-text-to-text), its config shrunk from the config class's defaults by field name; no
     processor."""
+    _save(generic_media_config(model_type, task=task, **config_overrides), path, task=task, seed=seed)
+    return path
+
+
+def generic_media_config(model_type: str, *, task: str, **config_overrides: Any) -> transformers.PretrainedConfig:
+    """The tiny config `save_generic_media_checkpoint` writes: the model_type's defaults shrunk by field
+    name, with its `_GENERIC_FIXES`, labels for image classification, then `config_overrides`."""
     from ._families import _generic_overrides, _with_fixes
 
     if task not in (*MEDIA_TASKS, "image-text-to-text"):
@@ -226,8 +233,7 @@ def save_generic_media_checkpoint(
     if task == "image-classification":
         overrides.update(_LABELS)
     overrides.update(config_overrides)
-    _save(transformers.AutoConfig.for_model(model_type, **overrides), path, task=task, seed=seed)
-    return path
+    return transformers.AutoConfig.for_model(model_type, **overrides)
 
 
 def _save(config: transformers.PretrainedConfig, path: pathlib.Path, *, task: str, seed: int) -> None:
