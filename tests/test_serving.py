@@ -71,8 +71,9 @@ def test_greedy_answers_equal_generate_with_16_requests_in_4_slots(model, engine
 
 def test_chunks_that_outgrow_the_smaller_window_attend_over_the_larger(model, engine):
     # Prompts of 44-47 tokens: their first decode chunk writes columns 44-50, across the 48-column
-    # window, so it must run over all 96; greedy answers equal Model.generate's.
-    ids = [np.random.default_rng(n).integers(5, 400, n).tolist() for n in (44, 45, 46, 47)]
+    # window, so it must run over all 96; the 60-token prompt's last prefill chunk (columns 48-59)
+    # too. Greedy answers equal Model.generate's.
+    ids = [np.random.default_rng(n).integers(5, 400, n).tolist() for n in (44, 45, 46, 47, 60)]
     got = engine.generate(ids, [SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)] * len(ids))
     for prompt, event in zip(ids, got):
         alone = model.generate(np.array([prompt], np.int32), max_new_tokens=10, min_new_tokens=10, do_sample=False)
@@ -81,9 +82,9 @@ def test_chunks_that_outgrow_the_smaller_window_attend_over_the_larger(model, en
 
 def test_programs_stay_fixed_over_50_requests_of_mixed_lengths_and_settings(model, engine):
     before = dict(engine.program_counts)
-    # warm_up prepared them all: a prefill chunk per row bucket (1, 2 and 4 rows), and a decode chunk
-    # per row bucket and window (48 and 96 columns).
-    assert engine.prefill_buckets == engine.row_buckets == (1, 2, 4) and before == {"prefill": 3, "decode": 6}
+    # warm_up prepared them all: a prefill chunk and a decode chunk per row bucket (1, 2 and 4 rows)
+    # and window (48 and 96 columns).
+    assert engine.prefill_buckets == engine.row_buckets == (1, 2, 4) and before == {"prefill": 6, "decode": 6}
     ids = _ids(model, [PROMPTS[i % len(PROMPTS)] for i in range(50)])
     params = [
         SamplingParams(
@@ -207,7 +208,7 @@ def test_a_prompt_starts_after_the_prefix_a_free_slot_holds_and_answers_the_same
     shared = next(i for i, (a, b) in enumerate(zip(first, second)) if a != b)
     assert shared > CHUNK and engine.metrics.prefix_hit_tokens - hits == shared
     assert got.token_ids == _generate_alone(model, [second], 12)[0][:12]
-    assert engine.program_counts == {"prefill": 3, "decode": 6}
+    assert engine.program_counts == {"prefill": 6, "decode": 6}
 
 
 def test_serve_without_the_extra_says_what_to_install(monkeypatch, capsys):

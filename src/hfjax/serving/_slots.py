@@ -6,8 +6,9 @@ model is given a 4-D attention mask built from each row's positions, and writes 
 and values through `SlotLayer`, a transformers `StaticLayer` that writes each row at that row's
 own column instead of one column shared by the batch.
 
-    prefill_chunk   C prompt tokens of ONE slot (columns start .. start + C) written into its row;
-                    the token after the chunk's last real token chosen with the slot's settings
+    prefill_chunk   the next C prompt tokens of P slots (row p's at columns start[p] ..) written
+                    into their rows; the token after each row's last real token chosen with the
+                    slot's settings (the real tokens sit last in the chunk: logits at one index)
     decode_chunk    K one-token steps of every slot in one program (a `fori_loop`), over the
                     first W columns of the cache (W: a window holding every decoding row's
                     positions); rows that are not decoding write nowhere (column W: dropped)
@@ -25,7 +26,7 @@ import inspect
 import jax
 import jax.numpy as jnp
 
-from .. import _compile, _env
+from .. import _backend, _compile, _env
 from .._errors import GenerationError
 from ..generation import _caches, _sampling
 
@@ -57,18 +58,18 @@ def _slot_layer_class():
     from transformers.cache_utils import StaticLayer
 
     class SlotLayer(StaticLayer):
-        """A StaticLayer [B, heads, L, head_dim] whose rows are written at their own columns:
-        new keys of row b go to columns write_at[b] + 0 .. q-1 (out of range: dropped)."""
+        """A StaticLayer [B, heads, L, head_dim] whose rows are written at their own columns: the
+        keys of row b's query j go to column columns[b, j] (out of range: dropped)."""
 
-        def __init__(self, keys, values, write_at):
+        def __init__(self, keys, values, columns):
             super().__init__(max_cache_len=keys.shape[2])
-            self.keys, self.values, self.write_at = keys, values, write_at
+            self.keys, self.values, self.columns = keys, values, columns
             self.dtype, self.device = keys.dtype, keys.device
             self.is_initialized = True
 
         def update(self, key_states, value_states, *args, **kwargs):
-            self.keys = _written(self.keys, key_states, self.write_at)
-            self.values = _written(self.values, value_states, self.write_at)
+            self.keys = _written(self.keys, key_states, self.columns)
+            self.values = _written(self.values, value_states, self.columns)
             return self.keys, self.values
 
         def get_seq_length(self):
@@ -77,9 +78,8 @@ def _slot_layer_class():
     return SlotLayer
 
 
-def _written(cache, new, write_at):
-    cache, new, write_at = _env.to_jax(cache), _env.to_jax(new), _env.to_jax(write_at)  # [B,H,L,D] [B,H,q,D] [B]
-    columns = write_at[:, None] + jnp.arange(new.shape[2], dtype=jnp.int32)  # [B, q]
+def _written(cache, new, columns):
+    cache, new, columns = _env.to_jax(cache), _env.to_jax(new), _env.to_jax(columns)  # [B,H,L,D] [B,H,q,D] [B,q]
     rows = jnp.broadcast_to(jnp.arange(new.shape[0], dtype=jnp.int32)[:, None], columns.shape)
     # Advanced indices around a slice put their dimensions first: cache[rows, :, columns] is [B, q, H, D].
     updated = cache.at[rows, :, columns].set(jnp.swapaxes(new, 1, 2).astype(cache.dtype), mode="drop")
@@ -120,16 +120,17 @@ class SlotModel:
             with _compile.bound(self.module, params, self.model.aliases, _env.prng_key()):
                 yield
 
-    def run(self, params, cache, ids, positions, write_at, keep=None):
-        """Logits [B, q, V] (or at the columns `keep` [k] int32 only: [B, k, V]) and the cache after
-        ids [B, q] at positions [B, q]; rows write their keys and values from column write_at [B]."""
+    def run(self, params, cache, ids, positions, columns, keep=None):
+        """Logits [B, q, V] (or at the query indices `keep` [k] int32 only: [B, k, V]) and the cache
+        after ids [B, q] at positions [B, q], whose keys and values go to columns [B, q] (past the
+        cache's end: nowhere)."""
         from transformers import StaticCache
 
         length = cache[0][0].shape[2]  # the columns given: all L, or a decode chunk's window
         past = StaticCache(config=self.config, max_cache_len=length)
-        past.layers = [self.layer_class(_env.to_torch(k), _env.to_torch(v), _env.to_torch(write_at)) for k, v in cache]
-        columns = jnp.arange(length, dtype=jnp.int32)
-        allowed = (columns[None, None, :] <= positions[:, :, None])[:, None]  # [B, 1, q, L]
+        past.layers = [self.layer_class(_env.to_torch(k), _env.to_torch(v), _env.to_torch(columns)) for k, v in cache]
+        every = jnp.arange(length, dtype=jnp.int32)
+        allowed = (every[None, None, :] <= positions[:, :, None])[:, None]  # [B, 1, q, L]
         if self.boolean_mask:
             mask = allowed
         else:
@@ -149,20 +150,39 @@ class SlotModel:
 
     # -- the two programs (traced) --------------------------------------------------
 
-    def prefill_chunk(self, params, cache, slots, ids, start, count, settings: RowSettings, want_logprobs):
-        """Prompt chunks of P slots at once: ids [P, C] int32, row p's first count[p] tokens real, at
-        positions start[p]..; slots [P] int32 (S: a padding row, which reads zeros and writes
-        nowhere). Returns (cache, Chosen [P, 1]) with the token that follows each last real token."""
-        rows = [tuple(a.at[slots].get(mode="fill", fill_value=0) for a in pair) for pair in cache]
-        positions = start[:, None] + jnp.arange(ids.shape[1], dtype=jnp.int32)  # [P, C]
-        last = count - 1  # [P]
+    def prefill_chunk(
+        self,
+        params,
+        cache,
+        slots,
+        ids,
+        start,
+        count,
+        settings: RowSettings,
+        want_logprobs,
+        *,
+        window: int | None = None,
+    ):
+        """Prompt chunks of P slots at once: ids [P, C] int32, row p's count[p] real tokens last (at
+        positions start[p]..; the padding before them writes nowhere), so every row's last real
+        token is at index C-1 and the model makes logits there only; slots [P] int32 (S: a padding
+        row, which reads zeros and writes nowhere). Only the first `window` columns are read and
+        written (every row's chunk ends within them): a short prompt does not attend over L columns.
+        Returns (cache, Chosen [P, 1]) with the token that follows each last real token."""
+        window = window or self.length
+        rows = [tuple(a.at[slots, :, :window].get(mode="fill", fill_value=0) for a in pair) for pair in cache]
+        chunk = ids.shape[1]
+        offset = jnp.arange(chunk, dtype=jnp.int32)[None, :] - (chunk - count)[:, None]  # [P, C]: < 0 is padding
+        positions = start[:, None] + jnp.maximum(offset, 0)
+        columns = jnp.where(offset >= 0, positions, window)
         with self.bound(params):
-            # Logits at every row's last index for every row ([P, P, V]); row p's own is on the diagonal.
-            logits, rows = self.run(params, rows, ids, positions, start, keep=last)
-        logits = logits[jnp.arange(ids.shape[0]), jnp.arange(ids.shape[0])] if logits.shape[1] > 1 else logits[:, 0]
-        cache = [tuple(a.at[slots].set(r, mode="drop") for a, r in zip(pair, new)) for pair, new in zip(cache, rows)]
+            logits, rows = self.run(params, rows, ids, positions, columns, keep=jnp.array([chunk - 1], jnp.int32))
+        cache = [
+            tuple(a.at[slots, :, :window].set(r, mode="drop") for a, r in zip(pair, new))
+            for pair, new in zip(cache, rows)
+        ]
         mine = jax.tree_util.tree_map(lambda a: a.at[slots].get(mode="fill", fill_value=0), settings)
-        chosen = choose(logits, mine, start + last, want_logprobs)
+        chosen = choose(logits[:, 0], mine, start + count - 1, want_logprobs)
         return cache, jax.tree_util.tree_map(lambda a: a[:, None], chosen)
 
     def decode_chunk(
@@ -190,16 +210,20 @@ class SlotModel:
         tokens, positions, active = tokens[:rows], positions[:rows], active[:rows]
         settings = jax.tree_util.tree_map(lambda a: a[:rows], settings)
         write_nowhere = jnp.int32(window)
+        # The loop carries the cache in the backend's layout (on the CPU: without size-1 axes, in
+        # which XLA does not copy each layer for the attention kernel on every step).
+        backend = _backend.active()
+        carried, restore = backend.loop_carry(cache)
 
         def step(i, carry):
             cache, tokens, chosen = carry
             at = jnp.minimum(positions + i, write_nowhere - 1)  # a finished row may run past the end
             write_at = jnp.where(active & (positions + i < write_nowhere), at, write_nowhere)
             with self.bound(params):
-                logits, cache = self.run(params, cache, tokens[:, None], at[:, None], write_at)
+                logits, cache = self.run(params, restore(cache), tokens[:, None], at[:, None], write_at[:, None])
             picked = choose(logits[:, 0], settings, at, want_logprobs)
             chosen = jax.tree_util.tree_map(lambda all_, one: all_.at[:, i].set(one), chosen, picked)
-            return cache, picked.token, chosen
+            return backend.loop_carry(cache)[0], picked.token, chosen
 
         chosen = Chosen(
             token=jnp.zeros((rows, steps), jnp.int32),
@@ -207,7 +231,8 @@ class SlotModel:
             top_token=jnp.zeros((rows, steps, TOP_LOGPROBS), jnp.int32),
             top_logprob=jnp.zeros((rows, steps, TOP_LOGPROBS), jnp.float32),
         )
-        cache, _, chosen = jax.lax.fori_loop(0, steps, step, (cache, tokens, chosen))
+        carried, _, chosen = jax.lax.fori_loop(0, steps, step, (carried, tokens, chosen))
+        cache = restore(carried)
         if rows < self.slots or window < self.length:
             cache = [
                 tuple(jax.lax.dynamic_update_slice(a, part, (0,) * a.ndim) for a, part in zip(pair, parts))
