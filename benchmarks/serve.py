@@ -230,7 +230,7 @@ def main() -> None:
     parser.add_argument("--max-model-len", type=int, default=256, help="hfjax serve's cache columns per slot")
     parser.add_argument("--prefill-chunk", type=int, default=32, help="hfjax serve's prompt tokens per prefill call")
     parser.add_argument("--prefill-rows", type=int, default=8, help="hfjax serve's prompts per prefill call")
-    parser.add_argument("--decode-steps", type=int, default=8, help="hfjax serve's decode steps per chunk")
+    parser.add_argument("--decode-steps", type=int, default=4, help="hfjax serve's decode steps per chunk")
     parser.add_argument(
         "--prefix-tokens", type=int, default=128,
         help="also time one client whose prompts share this many first tokens, hfjax with and without prefix "
