@@ -4,7 +4,8 @@ Both servers answer the same async load generator (streamed /v1/completions, fix
 output lengths) at each concurrency level, one server at a time. The checkpoint is a Llama shape
 of shapes.py in float32 with random weights and a word-level tokenizer of the model's whole
 vocabulary (every token decodes to a word, so every streamed token is seen by the client).
-`Model.generate` at batch 1, same lengths, is timed in this process as the concurrency-1 reference.
+`Model.generate` at batch 1, same lengths, is timed in this process as the concurrency-1 reference,
+just before and just after hfjax's concurrency-1 level (this machine's speed drifts within minutes).
 
     python benchmarks/serve.py --quick          # 20m, concurrency 1 and 4
     python benchmarks/serve.py                  # 20m, concurrency 1, 4, 16, 64
@@ -170,7 +171,9 @@ async def run_level(
     }
 
 
-async def bench_server(kind: str, checkpoint, args, logs: pathlib.Path, *, shared_prefix_only=False, flags=()):
+async def bench_server(
+    kind: str, checkpoint, args, logs: pathlib.Path, *, shared_prefix_only=False, flags=(), around_c1=None
+):
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     process = start_server(kind, checkpoint, port, args, logs, flags)
@@ -182,7 +185,11 @@ async def bench_server(kind: str, checkpoint, args, logs: pathlib.Path, *, share
         for concurrency in [] if shared_prefix_only else args.concurrency:
             requests = max(args.requests_per_client * concurrency, args.min_requests)
             log(f"  {kind}: concurrency {concurrency}, {requests} requests ...")
+            if concurrency == 1 and around_c1 is not None:
+                around_c1()  # the reference, just before and just after this level (the machine's speed drifts)
             level = await run_level(url, model, args.prompt_tokens, args.new_tokens, concurrency, requests)
+            if concurrency == 1 and around_c1 is not None:
+                around_c1()
             log(f"    {json.dumps(level)}")
             levels.append(level)
         if args.prefix_tokens:
@@ -203,19 +210,36 @@ async def bench_server(kind: str, checkpoint, args, logs: pathlib.Path, *, share
             process.kill()
 
 
-def generate_reference(checkpoint, prompt: str, new_tokens: int, runs: int) -> dict:
-    """Model.generate's output tokens/s at batch 1 (prefill included, as a request at concurrency 1 sees it)."""
-    import hfjax
+class GenerateReference:
+    """Model.generate's output tokens/s at batch 1 (prefill included, as a request at concurrency 1
+    sees it), in this process: loaded and compiled once, timed `runs` times per call, so that it
+    can be timed right around hfjax's concurrency-1 level."""
 
-    model = hfjax.load(checkpoint)
-    ids = model.tokenizer([prompt], return_tensors="np")["input_ids"].astype("int32")
-    times = []
-    for _ in range(runs + 1):  # the first compiles
+    def __init__(self, checkpoint, prompt: str, new_tokens: int, runs: int):
+        import hfjax
+
+        self.model = hfjax.load(checkpoint)
+        self.ids = self.model.tokenizer([prompt], return_tensors="np")["input_ids"].astype("int32")
+        self.new_tokens, self.runs = new_tokens, runs
+        self.times: list[float] = []
+        self._generate()  # compiles
+
+    def _generate(self) -> float:
         start = time.perf_counter()
-        out = np.asarray(model.generate(ids, max_new_tokens=new_tokens, do_sample=False, eos_token_id=[]))
-        times.append(time.perf_counter() - start)
-    assert out.shape[1] == ids.shape[1] + new_tokens
-    return {"output_tokens_per_s": new_tokens / statistics.median(times[1:]), "seconds": statistics.median(times[1:])}
+        out = np.asarray(
+            self.model.generate(self.ids, max_new_tokens=self.new_tokens, do_sample=False, eos_token_id=[])
+        )
+        assert out.shape[1] == self.ids.shape[1] + self.new_tokens
+        return time.perf_counter() - start
+
+    def __call__(self) -> None:
+        self.times += [self._generate() for _ in range(self.runs)]
+
+    def report(self) -> dict:
+        if not self.times:
+            self()
+        seconds = statistics.median(self.times)
+        return {"output_tokens_per_s": self.new_tokens / seconds, "seconds": seconds, "runs": len(self.times)}
 
 
 def main() -> None:
@@ -237,7 +261,9 @@ def main() -> None:
         "reuse (0: skip)",
     )  # fmt: skip
     parser.add_argument("--servers", nargs="+", default=["hfjax", "transformers"], choices=["hfjax", "transformers"])
-    parser.add_argument("--runs", type=int, default=3, help="timed Model.generate runs for the reference")
+    parser.add_argument(
+        "--runs", type=int, default=3, help="timed Model.generate runs for the reference, before and after hfjax's c1"
+    )
     parser.add_argument("--quick", action="store_true", help="concurrency 1 and 4 only")
     args = parser.parse_args()
     if args.quick:
@@ -251,8 +277,11 @@ def main() -> None:
             "hfjax_prefill_chunk": args.prefill_chunk, "hfjax_prefill_rows": args.prefill_rows,
             "hfjax_decode_steps": args.decode_steps, "servers": {},
         }  # fmt: skip
+        log("Model.generate at batch 1 (the concurrency-1 reference) ...")
+        reference = GenerateReference(checkpoint, prompt_text(0, args.prompt_tokens), args.new_tokens, args.runs)
         for kind in args.servers:
-            report["servers"][kind] = asyncio.run(bench_server(kind, checkpoint, args, work))
+            around = reference if kind == "hfjax" else None
+            report["servers"][kind] = asyncio.run(bench_server(kind, checkpoint, args, work, around_c1=around))
         if args.prefix_tokens and "hfjax" in args.servers:
             without = asyncio.run(
                 bench_server("hfjax", checkpoint, args, work, shared_prefix_only=True, flags=("--no-prefix-reuse",))
@@ -262,9 +291,7 @@ def main() -> None:
             report["hfjax_shared_prefix_ttft_p50_saved_s"] = without[0]["ttft_p50_s"] - with_reuse["ttft_p50_s"]
         if "transformers" in args.servers and args.prefix_tokens:
             report["transformers_shared_prefix"] = report["servers"]["transformers"].pop()
-        log("Model.generate at batch 1 ...")
-        prompt = prompt_text(0, args.prompt_tokens)
-        report["model_generate_batch_1"] = generate_reference(checkpoint, prompt, args.new_tokens, args.runs)
+        report["model_generate_batch_1"] = reference.report()
         levels = {k: {lvl["concurrency"]: lvl for lvl in v} for k, v in report["servers"].items()}
         if "hfjax" in levels and "transformers" in levels:
             report["hfjax_over_transformers_tokens_per_s"] = {
