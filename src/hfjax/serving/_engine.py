@@ -453,8 +453,7 @@ class Engine:
             slots[i], start[i], count[i] = request.slot, request.prefilled, len(chunk)
             ids[i, self.prefill_chunk - len(chunk) :] = chunk  # the real tokens last: logits at one index
         if window is None:
-            needed = int((start + count).max())
-            window = next((w for w in self.windows if w >= needed), self.max_model_len)
+            window = self._window(int((start + count).max()))
         args = (
             self.model.params, self._cache, jnp.asarray(slots), jnp.asarray(ids), jnp.asarray(start),
             jnp.asarray(count), *self._settings(requests),
@@ -478,9 +477,8 @@ class Engine:
         active = np.array([r is not None and r.prefilled == len(r.prompt) and not r.finished for r in self._slots])
         if rows is None:  # the fewest compiled rows that hold every decoding slot
             rows = _buckets.bucket(int(np.flatnonzero(active).max()) + 1, smallest=1, limit=self.max_batch)
-        if window is None:  # the fewest compiled columns that hold every column the chunk writes
-            needed = int(self._positions[active].max()) + self.decode_steps
-            window = next((w for w in self.windows if w >= needed), self.max_model_len)
+        if window is None:  # every column the chunk writes
+            window = self._window(int(self._positions[active].max()) + self.decode_steps)
         args = (
             self.model.params, self._cache, jnp.asarray(self._tokens), jnp.asarray(self._positions),
             jnp.asarray(active), *self._settings(self._slots),
@@ -500,6 +498,10 @@ class Engine:
                 request = self._slots[slot]
                 if request is not None and not request.cancelled:
                     self._deliver(request, [c[slot] for c in chosen], self.decode_steps)
+
+    def _window(self, columns: int) -> int:
+        """The fewest compiled columns (`windows`) that hold the first `columns` of a row."""
+        return next((w for w in self.windows if w >= columns), self.max_model_len)
 
     def _deliver(self, request: Request, chosen: list[np.ndarray], count: int) -> None:
         """Hands a request its new tokens (chosen: token [T], logprob [T], top ids [T, 20], top logprobs
