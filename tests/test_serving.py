@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import json
 import threading
 
 import jax
 import numpy as np
 import pytest
+import transformers
 
 import hfjax
 from hfjax import _compilation_cache
@@ -224,6 +226,71 @@ def test_text_stream_holds_back_a_possible_stop_string_and_cuts_at_it():
     assert stream.add([ord(c) for c in "ab ST"]) == ("ab ", False)
     assert stream.add([ord(c) for c in "ay"]) == ("STay", False)
     assert stream.rest() == ""
+
+
+class _Counting:
+    """A tokenizer that counts the ids it is asked to decode."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer, self.decoded = tokenizer, 0
+
+    def decode(self, ids, skip_special_tokens=True):
+        self.decoded += len(ids)
+        return self.tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
+
+
+def _metaspace_tokenizer():
+    """A SentencePiece-style tokenizer (Metaspace: a token's leading "▁" is a space, dropped at the
+    start of a decode) with byte fallback, like Llama's and Mistral's."""
+    import tokenizers
+    from tokenizers import decoders, models, normalizers, pre_tokenizers, trainers
+
+    def parts(model):
+        words = tokenizers.Tokenizer(model)
+        words.normalizer = normalizers.Replace(" ", "\u2581")
+        words.pre_tokenizer = pre_tokenizers.Metaspace(prepend_scheme="first")
+        words.decoder = decoders.Sequence(
+            [decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse(), decoders.Strip(" ", 1, 0)]
+        )
+        return words
+
+    trained = parts(models.BPE(unk_token="<unk>"))
+    trained.train_from_iterator(
+        [" ".join(WORDS)] * 4, trainers.BpeTrainer(vocab_size=300, special_tokens=["<unk>", "</s>"])
+    )
+    learned = json.loads(trained.to_str())["model"]
+    vocab = dict(learned["vocab"])
+    vocab.update({f"<0x{b:02X}>": len(vocab) + b for b in range(256)})  # what no merge covers, as bytes
+    merges = [tuple(m) for m in learned["merges"]]
+    words = parts(models.BPE(vocab, merges, unk_token="<unk>", byte_fallback=True))
+    return transformers.PreTrainedTokenizerFast(tokenizer_object=words, unk_token="<unk>", eos_token="</s>")
+
+
+TEXTS = [
+    " ".join(WORDS) + ". Ça coûte 5 € — naïve café, 東京 and 🙂 too!",
+    "  spaces,  tabs\tand\nnew lines; punctuation ... and 'quotes' \"here\" (end).",
+]
+
+
+@pytest.mark.parametrize("kind", ["byte-level BPE", "metaspace"])
+def test_text_streamed_in_pieces_is_the_decode_of_all_tokens_and_costs_linear_work(kind):
+    tokenizer = _tokenizer.build("causal", "llama") if kind == "byte-level BPE" else _metaspace_tokenizer()
+    rng = np.random.default_rng(0)
+    for text in TEXTS:
+        ids = tokenizer(text, add_special_tokens=False)["input_ids"] * 8
+        counting = _Counting(tokenizer)
+        stream = TextStream(counting)
+        pieces, at = [], 0
+        while at < len(ids):
+            size = int(rng.integers(1, 5))
+            piece, stopped = stream.add(ids[at : at + size])
+            assert not stopped and "\ufffd" not in piece
+            pieces.append(piece)
+            at += size
+        pieces.append(stream.rest())
+        assert "".join(pieces) == tokenizer.decode(ids, skip_special_tokens=True)
+        # Each add decodes its new ids and a few before them, never the whole answer again.
+        assert counting.decoded < 20 * len(ids), (counting.decoded, len(ids))
 
 
 def test_a_prompt_starts_after_the_prefix_a_free_slot_holds_and_answers_the_same(model, engine):
