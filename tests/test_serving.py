@@ -98,6 +98,39 @@ def test_greedy_answers_equal_generate_with_16_requests_in_4_slots(model, engine
     assert engine.running == 0 and engine.waiting == 0
 
 
+def test_a_steady_stream_sends_its_next_chunk_before_the_last_comes_back_and_runs_no_step_past_max_tokens(
+    model, engine, monkeypatch
+):
+    order = []
+    dispatch, collect = engine._dispatch, engine._collect
+
+    def dispatched(**kwargs):
+        chunk = dispatch(**kwargs)
+        order.append(("dispatch", chunk.steps))
+        return chunk
+
+    def collected(chunk):
+        order.append(("collect", chunk.steps))
+        collect(chunk)
+
+    monkeypatch.setattr(engine, "_dispatch", dispatched)
+    monkeypatch.setattr(engine, "_collect", collected)
+    ids = _ids(model, PROMPTS[3:4])
+    budget = 1 + 3 * STEPS + 2  # the prefill's token, three whole chunks and one of 2 steps
+    got = engine.generate(ids, SamplingParams(max_tokens=budget, temperature=0, ignore_eos=True))[0]
+    padded = np.array(ids, np.int32)
+    want = np.asarray(model.generate(padded, max_new_tokens=budget, do_sample=False, eos_token_id=[]))[
+        0, padded.shape[1] :
+    ]
+    assert got.token_ids == want.tolist() and got.finish_reason == "length"
+    # The first chunk after a slot freed waits (a new request may be on its way); later ones go
+    # ahead until the chunk that ends the request by length.
+    assert order == [
+        ("dispatch", 4), ("collect", 4), ("dispatch", 4), ("dispatch", 4), ("collect", 4), ("dispatch", 2),
+        ("collect", 4), ("collect", 2),
+    ]  # fmt: skip
+
+
 def test_chunks_that_outgrow_the_smaller_window_attend_over_the_larger(model, engine):
     # Prompts of 44-47 tokens: their first decode chunk writes columns 44-50, across the 48-column
     # window, so it must run over all 96; the 60-token prompt's last prefill chunk (columns 48-59)

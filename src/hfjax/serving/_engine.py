@@ -6,6 +6,12 @@ request its new tokens, text and log-probabilities; free the slots of requests t
 (EOS, a stop string, max_tokens) or were cancelled. A running stream therefore waits at most one
 prefill chunk between two decode chunks.
 
+While only decoding goes on (nothing waits or reads its prompt), the next decode chunk is sent
+before the last one's tokens come back: the slots' last tokens stay on the device between
+programs, and each request's position and count of tokens are known on the host, so the host's
+work on one chunk overlaps the device's on the next. A chunk runs only the steps its longest
+request still needs.
+
 Listeners are called on the engine thread and must not block (a server hands each event to its
 event loop).
 """
@@ -109,6 +115,25 @@ class Request:
         self.finished = False
         self.slot: int | None = None
         self.prefilled = 0  # prompt tokens in the slot's cache so far
+        self.scheduled = 0  # new tokens that programs run so far will have chosen (delivered or not)
+
+    @property
+    def decoding(self) -> bool:
+        """In a slot, past its prompt, with tokens still to choose."""
+        return (
+            self.prefilled == len(self.prompt)
+            and not (self.finished or self.cancelled)
+            and self.scheduled < self.params.max_tokens
+        )
+
+
+@dataclasses.dataclass
+class _Chunk:
+    """A decode chunk dispatched and not yet delivered: whose tokens it chooses, and how many."""
+
+    requests: dict[int, Request]  # slot -> the request decoding there when it was dispatched
+    steps: int
+    chosen: tuple[jax.Array, ...]  # token [rows, K], logprob [rows, K], top ids and logprobs [rows, K, 20]
 
 
 class Engine:
@@ -180,7 +205,7 @@ class Engine:
         self._cache = None  # [(keys, values)] per layer, [S, heads, L, head_dim]
         self._slots: list[Request | None] = [None] * max_batch
         self._cached: list[list[int]] = [[] for _ in range(max_batch)]  # token ids whose keys each row holds
-        self._tokens = np.zeros(max_batch, np.int32)  # each slot's last token, not yet in its cache
+        self._tokens = jnp.zeros(max_batch, jnp.int32)  # each slot's last token, not yet in its cache (on device)
         self._positions = np.zeros(max_batch, np.int32)  # that token's position
         self._temperature = np.zeros(max_batch, np.float32)
         self._top_p = np.ones(max_batch, np.float32)
@@ -191,6 +216,7 @@ class Engine:
         self._thread: threading.Thread | None = None
         self._stopping = False
         self._error: BaseException | None = None
+        self._since_freed = 0  # decode chunks dispatched since a slot was last freed
 
     # -- the caller's side ------------------------------------------------------------
 
@@ -252,11 +278,11 @@ class Engine:
             for window in self.windows:
                 probe.prefilled = 0
                 self._prefill([probe], rows=rows, window=window, deliver=False)
-        self._tokens[:], self._positions[:] = 0, 0
+        self._positions[:] = 0
         _key_data(0)  # jax.random's seeding compiles on its first call (~0.1 s): not in the first request
         for rows in self.row_buckets:
             for window in self.windows:
-                self._decode(rows=rows, window=window)
+                self._collect(self._dispatch(rows=rows, window=window))
         # The first call above read the cache as allocated, not yet placed by a program; jit's
         # cache tells the two apart, and the first request (a prompt of one chunk, the same
         # program) lowered it again: ~0.2 s of its time to first token.
@@ -366,14 +392,32 @@ class Engine:
                 prefilling = [r for r in self._slots if r is not None and r.prefilled < len(r.prompt)]
                 if prefilling:
                     self._prefill(sorted(prefilling, key=lambda r: r.arrived)[: self.prefill_rows])
-                if any(r is not None and r.prefilled == len(r.prompt) and not r.finished for r in self._slots):
-                    self._decode()
+                chunk = self._dispatch() if any(r is not None and r.decoding for r in self._slots) else None
+                while chunk is not None:
+                    # The next chunk goes to the device before this one's tokens come back, so the
+                    # host's work on them (text, events, the server's sends) overlaps its compute.
+                    # Not while a request waits, reads its prompt or left, nor around a slot that
+                    # frees: a new request would wait for that chunk too.
+                    ahead = self._dispatch() if self._steady(chunk) else None
+                    self._collect(chunk)
+                    chunk = ahead
         except BaseException as error:  # noqa: BLE001 (handed to every waiting caller)
             self._error = error
             with self._lock:
                 for request in [*self._waiting, *filter(None, self._slots)]:
                     self._finish(request, "error")
             raise
+
+    def _steady(self, chunk: _Chunk) -> bool:
+        """Whether the next decode chunk can go before `chunk` is delivered (see `_run`)."""
+        if self._waiting or self._stopping or self._since_freed < 2:
+            return False  # (a slot freed by the chunk before: its client's next request is likely on its way)
+        for request in self._slots:
+            if request is not None and (request.cancelled or request.prefilled < len(request.prompt)):
+                return False
+        if any(r.scheduled >= r.params.max_tokens for r in chunk.requests.values()):
+            return False
+        return any(r is not None and r.decoding for r in self._slots)
 
     def _admit(self) -> None:
         while self._waiting and None in self._slots:
@@ -418,12 +462,12 @@ class Engine:
         request.finished = True
         if request.slot is not None:
             self._slots[request.slot] = None
+            self._since_freed = 0
             # What the row's columns hold for certain: the prompt read so far and every new token fed
             # back (all but the last kept one, which a chunk may or may not have run).
             fed = request.text.ids[:-1] if request.prefilled == len(request.prompt) else []
             self._cached[request.slot] = request.prompt[: request.prefilled] + fed
             self._positions[request.slot] = 0
-            self._tokens[request.slot] = 0
         self.metrics.running = self.running
         self.metrics.count_finished(reason, len(request.prompt), request.generated)
         if event is None:
@@ -454,50 +498,66 @@ class Engine:
             ids[i, self.prefill_chunk - len(chunk) :] = chunk  # the real tokens last: logits at one index
         if window is None:
             window = self._window(int((start + count).max()))
+        last = np.zeros(rows, bool)  # rows whose chunk ends their prompt: their next token is chosen
+        for i, request in enumerate(requests):
+            last[i] = deliver and request.prefilled + count[i] == len(request.prompt)
         args = (
-            self.model.params, self._cache, jnp.asarray(slots), jnp.asarray(ids), jnp.asarray(start),
-            jnp.asarray(count), *self._settings(requests),
+            self.model.params, self._cache, self._tokens, jnp.asarray(slots), jnp.asarray(ids), jnp.asarray(start),
+            jnp.asarray(count), jnp.asarray(last), *self._settings(requests),
         )  # fmt: skip
         program = self.programs.get(
             ("prefill", self.max_batch, self.max_model_len, self.prefill_chunk, rows, window),
-            functools.partial(self._prefill_program, window=window), args, metadata=dict, donate=(1,),
+            functools.partial(self._prefill_program, window=window), args, metadata=dict, donate=(1, 2),
         )  # fmt: skip
-        self._cache, chosen = program.run(*args)
-        chosen = [np.asarray(c) for c in chosen]  # [rows, 1] ...
+        self._cache, self._tokens, chosen = program.run(*args)
         for i, request in enumerate(requests):
             request.prefilled += int(count[i])
-            if request.prefilled < len(request.prompt) or not deliver:
-                continue
-            self._tokens[request.slot] = int(chosen[0][i, 0])
-            self._positions[request.slot] = len(request.prompt)
-            with self._lock:
-                self._deliver(request, [c[i] for c in chosen], 1)
+            if last[i]:
+                self._positions[request.slot] = len(request.prompt)
+                request.scheduled = 1
+        if not last.any():
+            return
+        chosen = [np.asarray(c) for c in chosen]  # [rows, 1] ...
+        with self._lock:
+            for i in np.flatnonzero(last):
+                self._deliver(requests[i], [c[i] for c in chosen], 1)
 
-    def _decode(self, *, rows: int | None = None, window: int | None = None) -> None:
-        active = np.array([r is not None and r.prefilled == len(r.prompt) and not r.finished for r in self._slots])
+    def _dispatch(self, *, rows: int | None = None, window: int | None = None) -> _Chunk:
+        """Sends the next decode chunk of every decoding slot to the device and returns at once. It
+        runs as many steps as the one that needs most still needs, decode_steps at most."""
+        requests = {slot: r for slot, r in enumerate(self._slots) if r is not None and r.decoding}
+        active = np.zeros(self.max_batch, bool)
+        active[list(requests)] = True
+        left = [r.params.max_tokens - r.scheduled for r in requests.values()]
+        steps = min(self.decode_steps, max(left, default=self.decode_steps))
         if rows is None:  # the fewest compiled rows that hold every decoding slot
-            rows = _buckets.bucket(int(np.flatnonzero(active).max()) + 1, smallest=1, limit=self.max_batch)
+            rows = _buckets.bucket(max(requests) + 1, smallest=1, limit=self.max_batch)
         if window is None:  # every column the chunk writes
-            window = self._window(int(self._positions[active].max()) + self.decode_steps)
+            window = self._window(int(self._positions[active].max()) + steps)
         args = (
-            self.model.params, self._cache, jnp.asarray(self._tokens), jnp.asarray(self._positions),
-            jnp.asarray(active), *self._settings(self._slots),
+            self.model.params, self._cache, self._tokens, jnp.asarray(self._positions), jnp.asarray(active),
+            jnp.int32(steps), *self._settings(self._slots),
         )  # fmt: skip
         program = self.programs.get(
             ("decode", self.max_batch, self.max_model_len, self.decode_steps, rows, window),
             functools.partial(self._decode_program, steps=self.decode_steps, rows=rows, window=window), args,
-            metadata=dict, donate=(1,),
+            metadata=dict, donate=(1, 2),
         )  # fmt: skip
-        self._cache, chosen = program.run(*args)
-        chosen = [np.asarray(c) for c in chosen]  # [rows, K] ...
-        chosen = [np.concatenate([c, np.zeros((self.max_batch - rows, *c.shape[1:]), c.dtype)]) for c in chosen]
-        self._tokens = np.where(active, chosen[0][:, -1], self._tokens).astype(np.int32)
-        self._positions = np.where(active, self._positions + self.decode_steps, self._positions).astype(np.int32)
+        self._cache, self._tokens, chosen = program.run(*args)
+        self._positions = np.where(active, self._positions + steps, self._positions).astype(np.int32)
+        for request in requests.values():
+            request.scheduled += steps
+        self._since_freed += 1
+        return _Chunk(requests, steps, chosen)
+
+    def _collect(self, chunk: _Chunk) -> None:
+        """Waits for a dispatched chunk and hands its tokens to the requests still in their slots (one
+        that finished or left since gets nothing more)."""
+        chosen = [np.asarray(c)[:, : chunk.steps] for c in chunk.chosen]  # [rows, steps] ...
         with self._lock:
-            for slot in np.flatnonzero(active):
-                request = self._slots[slot]
-                if request is not None and not request.cancelled:
-                    self._deliver(request, [c[slot] for c in chosen], self.decode_steps)
+            for slot, request in chunk.requests.items():
+                if self._slots[slot] is request and not request.finished and not request.cancelled:
+                    self._deliver(request, [c[slot] for c in chosen], chunk.steps)
 
     def _window(self, columns: int) -> int:
         """The fewest compiled columns (`windows`) that hold the first `columns` of a row."""
@@ -551,14 +611,17 @@ class Engine:
     # -- traced: flat arguments, so that the programs can be kept on disk ------------------
 
     def _prefill_program(
-        self, params, cache, slots, ids, start, count, temperature, top_p, keys, want_logprobs, *, window: int
-    ):
+        self, params, cache, tokens, slots, ids, start, count, last, temperature, top_p, keys, want_logprobs, *,
+        window: int,
+    ):  # fmt: skip
         self.programs.traced["prefill"] += 1
         settings = _slots.RowSettings(temperature, top_p, keys)
         cache, chosen = self.slot_model.prefill_chunk(
             params, cache, slots, ids, start, count, settings, want_logprobs, window=window
         )
-        return cache, (chosen.token, chosen.logprob, chosen.top_token, chosen.top_logprob)
+        # The chosen token is the slot's next input where the prompt ended (other rows: slot S, dropped).
+        tokens = tokens.at[jnp.where(last, slots, self.max_batch)].set(chosen.token[:, 0], mode="drop")
+        return cache, tokens, (chosen.token, chosen.logprob, chosen.top_token, chosen.top_logprob)
 
     def _decode_program(
         self,
@@ -567,6 +630,7 @@ class Engine:
         tokens,
         positions,
         active,
+        count,
         temperature,
         top_p,
         keys,
@@ -579,9 +643,13 @@ class Engine:
         self.programs.traced["decode"] += 1
         settings = _slots.RowSettings(temperature, top_p, keys)
         cache, chosen = self.slot_model.decode_chunk(
-            params, cache, tokens, positions, active, settings, want_logprobs, steps=steps, rows=rows, window=window
-        )
-        return cache, (chosen.token, chosen.logprob, chosen.top_token, chosen.top_logprob)
+            params, cache, tokens, positions, active, settings, want_logprobs, steps=steps, rows=rows, window=window,
+            count=count,
+        )  # fmt: skip
+        # Each decoding slot's next input is the last token the chunk chose for it (the count-th).
+        last = jax.lax.dynamic_index_in_dim(chosen.token, count - 1, axis=1, keepdims=False)
+        tokens = tokens.at[:rows].set(jnp.where(active[:rows], last, tokens[:rows]))
+        return cache, tokens, (chosen.token, chosen.logprob, chosen.top_token, chosen.top_logprob)
 
 
 def _common_prefix(a: list[int], b: list[int]) -> int:

@@ -198,12 +198,14 @@ class SlotModel:
         steps: int,
         rows: int,
         window: int | None = None,
+        count=None,
     ):
-        """`steps` decode steps of the first `rows` slots over the first `window` columns (every
-        decoding slot is among those rows and writes within those columns: a batch of 1 request
-        does not pay for S rows, nor a short one for L columns). tokens, positions: [S] int32 each
-        row's last token and its position; active: [S] bool; want_logprobs: [] bool, whether any
-        row reports log-probabilities. Returns (cache, Chosen [rows, steps])."""
+        """`count` ([] int32, at most `steps`; default `steps`) decode steps of the first `rows` slots
+        over the first `window` columns (every decoding slot is among those rows and writes within
+        those columns: a batch of 1 request does not pay for S rows, nor a short one for L columns).
+        tokens, positions: [S] int32 each row's last token and its position; active: [S] bool;
+        want_logprobs: [] bool, whether any row reports log-probabilities. Returns (cache, Chosen
+        [rows, steps]), whose steps from `count` on are zeros."""
         window = window or self.length
         whole = cache
         cache = [tuple(a[:rows, :, :window] for a in pair) for pair in whole]
@@ -231,7 +233,8 @@ class SlotModel:
             top_token=jnp.zeros((rows, steps, TOP_LOGPROBS), jnp.int32),
             top_logprob=jnp.zeros((rows, steps, TOP_LOGPROBS), jnp.float32),
         )
-        carried, _, chosen = jax.lax.fori_loop(0, steps, step, (carried, tokens, chosen))
+        count = steps if count is None else count
+        carried, _, chosen = jax.lax.fori_loop(0, count, step, (carried, tokens, chosen))
         cache = restore(carried)
         if rows < self.slots or window < self.length:
             cache = [
