@@ -9,9 +9,9 @@ own column instead of one column shared by the batch.
     prefill_chunk   the next C prompt tokens of P slots (row p's at columns start[p] ..) written
                     into their rows; the token after each row's last real token chosen with the
                     slot's settings (the real tokens sit last in the chunk: logits at one index)
-    decode_chunk    K one-token steps of every slot in one program (a `fori_loop`), over the
-                    first W columns of the cache (W: a window holding every decoding row's
-                    positions); rows that are not decoding write nowhere (column W: dropped)
+    decode_chunk    K one-token steps (or fewer: `count`) of every slot in one program (a
+                    `fori_loop`), over the first W columns of the cache (W: a window holding every
+                    decoding row's positions); rows that are not decoding write nowhere (column W)
 
 Per-request sampling settings are per-row arrays (`RowSettings`), so requests coming and going
 never change a program's shape: after the first call of each, nothing is traced again.
