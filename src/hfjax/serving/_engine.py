@@ -642,12 +642,11 @@ class Engine:
     ):
         self.programs.traced["decode"] += 1
         settings = _slots.RowSettings(temperature, top_p, keys)
-        cache, chosen = self.slot_model.decode_chunk(
+        cache, chosen, last = self.slot_model.decode_chunk(
             params, cache, tokens, positions, active, settings, want_logprobs, steps=steps, rows=rows, window=window,
             count=count,
         )  # fmt: skip
-        # Each decoding slot's next input is the last token the chunk chose for it (the count-th).
-        last = jax.lax.dynamic_index_in_dim(chosen.token, count - 1, axis=1, keepdims=False)
+        # Each decoding slot's next input is the last token the chunk chose for it.
         tokens = tokens.at[:rows].set(jnp.where(active[:rows], last, tokens[:rows]))
         return cache, tokens, (chosen.token, chosen.logprob, chosen.top_token, chosen.top_logprob)
 

@@ -205,7 +205,7 @@ class SlotModel:
         those columns: a batch of 1 request does not pay for S rows, nor a short one for L columns).
         tokens, positions: [S] int32 each row's last token and its position; active: [S] bool;
         want_logprobs: [] bool, whether any row reports log-probabilities. Returns (cache, Chosen
-        [rows, steps]), whose steps from `count` on are zeros."""
+        [rows, steps], whose steps from `count` on are zeros; each row's last token chosen [rows])."""
         window = window or self.length
         whole = cache
         cache = [tuple(a[:rows, :, :window] for a in pair) for pair in whole]
@@ -234,14 +234,14 @@ class SlotModel:
             top_logprob=jnp.zeros((rows, steps, TOP_LOGPROBS), jnp.float32),
         )
         count = steps if count is None else count
-        carried, _, chosen = jax.lax.fori_loop(0, count, step, (carried, tokens, chosen))
+        carried, last, chosen = jax.lax.fori_loop(0, count, step, (carried, tokens, chosen))
         cache = restore(carried)
         if rows < self.slots or window < self.length:
             cache = [
                 tuple(jax.lax.dynamic_update_slice(a, part, (0,) * a.ndim) for a, part in zip(pair, parts))
                 for pair, parts in zip(whole, cache)
             ]
-        return cache, chosen
+        return cache, chosen, last
 
 
 def choose(logits, settings: RowSettings, positions, want_logprobs) -> Chosen:
