@@ -13,6 +13,7 @@ import transformers
 import hfjax
 from hfjax import _compilation_cache
 from hfjax.serving import Engine, QueueFullError, SamplingParams
+from hfjax.serving._engine import Request
 from hfjax.serving._text import TextStream
 from hfjax.testing import _tokenizer
 
@@ -101,6 +102,16 @@ def test_greedy_answers_equal_generate_with_16_requests_in_4_slots(model, engine
 def test_a_steady_stream_sends_its_next_chunk_before_the_last_comes_back_and_runs_no_step_past_max_tokens(
     model, engine, monkeypatch
 ):
+    # warm_up timed each decode program; here a chunk of 1 row takes 2/5 of the time of one of all 4
+    # slots, so a lone request's chunks run 4 * 5 / 2 = 10 steps (the request before freed a slot, but
+    # this one came in since).
+    assert set(engine._chunk_seconds) == {(r, w) for r in engine.row_buckets for w in engine.windows}
+    assert all(seconds > 0 for seconds in engine._chunk_seconds.values())
+    timed = {(rows, window): 0.001 * (1 + rows) for rows, window in engine._chunk_seconds}
+    monkeypatch.setattr(engine, "_chunk_seconds", timed)
+    monkeypatch.setattr(engine, "_free_slot", lambda prompt: 0)  # one row (not the one holding its prefix)
+    with engine._lock:
+        engine._unclaimed = 1  # as one request left last (the tests before may have ended several at once)
     order = []
     dispatch, collect = engine._dispatch, engine._collect
 
@@ -116,19 +127,46 @@ def test_a_steady_stream_sends_its_next_chunk_before_the_last_comes_back_and_run
     monkeypatch.setattr(engine, "_dispatch", dispatched)
     monkeypatch.setattr(engine, "_collect", collected)
     ids = _ids(model, PROMPTS[3:4])
-    budget = 1 + 3 * STEPS + 2  # the prefill's token, three whole chunks and one of 2 steps
+    budget = 1 + 10 + 10 + 3  # the prefill's token, two chunks of 10 and one of 3
     got = engine.generate(ids, SamplingParams(max_tokens=budget, temperature=0, ignore_eos=True))[0]
     padded = np.array(ids, np.int32)
     want = np.asarray(model.generate(padded, max_new_tokens=budget, do_sample=False, eos_token_id=[]))[
         0, padded.shape[1] :
     ]
     assert got.token_ids == want.tolist() and got.finish_reason == "length"
-    # The first chunk after a slot freed waits (a new request may be on its way); later ones go
+    # The first chunk after a slot freed waits (another request may be on its way); later ones go
     # ahead until the chunk that ends the request by length.
     assert order == [
-        ("dispatch", 4), ("collect", 4), ("dispatch", 4), ("dispatch", 4), ("collect", 4), ("dispatch", 2),
-        ("collect", 4), ("collect", 2),
+        ("dispatch", 10), ("collect", 10), ("dispatch", 10), ("dispatch", 3), ("collect", 10), ("collect", 3)
     ]  # fmt: skip
+
+
+def test_chunks_of_fewer_rows_run_more_steps_only_while_no_request_waits_reads_its_prompt_or_just_left(model):
+    engine = Engine(model, max_batch=SLOTS, max_model_len=LENGTH, prefill_chunk=CHUNK, decode_steps=STEPS)
+    assert engine.max_decode_steps == 4 * STEPS and engine.row_buckets == (1, 2, 4)
+    window = engine.windows[0]
+    engine._chunk_seconds = {(1, window): 0.002, (2, window): 0.003, (4, window): 0.005}
+    # As many steps as take about the time of STEPS steps of every slot.
+    assert [engine._chunk_steps(rows, window) for rows in (1, 2, 4)] == [10, 6, 4]
+    assert engine._chunk_steps(1, engine.windows[1]) == STEPS  # a window warm_up did not time
+    engine._chunk_seconds[1, window] = 0.0001
+    assert engine._chunk_steps(1, window) == 4 * STEPS  # max_decode_steps at most
+    engine._chunk_seconds[1, window] = 0.002
+    engine._unclaimed = 1  # a request left in the chunk before, and none came in since
+    assert engine._chunk_steps(1, window) == STEPS
+    engine._unclaimed = 0
+    reading = Request([5] * (2 * CHUNK), SamplingParams(max_tokens=4), lambda event: None, None)
+    engine._slots[1] = reading
+    assert engine._chunk_steps(1, window) == STEPS
+    reading.prefilled = len(reading.prompt)
+    assert engine._chunk_steps(1, window) == 10
+    engine._waiting.append(Request([5], SamplingParams(max_tokens=4), lambda event: None, None))
+    assert engine._chunk_steps(1, window) == STEPS
+
+
+def test_max_decode_steps_below_decode_steps_is_refused_by_name(model):
+    with pytest.raises(hfjax.ServingError, match=r"max_decode_steps=2; pass a whole number >= decode_steps=4"):
+        Engine(model, max_batch=SLOTS, max_model_len=LENGTH, decode_steps=4, max_decode_steps=2)
 
 
 def test_chunks_that_outgrow_the_smaller_window_attend_over_the_larger(model, engine):
@@ -347,3 +385,18 @@ def test_serve_without_the_extra_says_what_to_install(monkeypatch, capsys):
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "uvicorn" else real(name, *a))
     assert main(["serve", "--model", "unused"]) == 1
     assert 'pip install "hfjax[serve]"' in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (["--decode-steps", "0"], "--decode-steps=0 must be at least 1"),
+        (["--max-decode-steps", "2"], "--max-decode-steps=2 must be at least --decode-steps=4"),
+    ],
+)
+def test_serve_refuses_bad_chunk_flags_before_loading(capsys, flags, message):
+    from hfjax.cli import main
+
+    assert main(["serve", "--model", "unused", *flags]) == 2  # (the model is never read)
+    err = capsys.readouterr().err
+    assert err.startswith("hfjax serve: ") and message in err and len(err.strip().splitlines()) == 1

@@ -46,7 +46,14 @@ def add_parser(subparsers) -> None:
     parser.add_argument(
         "--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1/ endpoints (else 401)"
     )
-    parser.add_argument("--decode-steps", type=int, default=4, help="decode steps per chunk (default 4)")
+    parser.add_argument("--decode-steps", type=int, default=4, help="decode steps per chunk of every slot (default 4)")
+    parser.add_argument(
+        "--max-decode-steps",
+        type=int,
+        default=None,
+        help="the most decode steps of a chunk of fewer rows, which run as many steps as take about the time of a "
+        "full chunk while no request waits (default: 4 x --decode-steps; equal to it: every chunk the same)",
+    )
     parser.add_argument("--prefill-chunk", type=int, default=64, help="prompt tokens per prefill chunk (default 64)")
     parser.add_argument(
         "--no-prefix-reuse",
@@ -88,6 +95,13 @@ def run(args: argparse.Namespace) -> int:
         if getattr(args, flag) < 1:
             print(f"hfjax serve: --{flag.replace('_', '-')}={getattr(args, flag)} must be at least 1", file=sys.stderr)
             return 2
+    if args.max_decode_steps is not None and args.max_decode_steps < args.decode_steps:
+        print(
+            f"hfjax serve: --max-decode-steps={args.max_decode_steps} must be at least --decode-steps="
+            f"{args.decode_steps}",
+            file=sys.stderr,
+        )
+        return 2
     import uvicorn
 
     import hfjax
@@ -103,7 +117,7 @@ def run(args: argparse.Namespace) -> int:
     if model.task == "text-generation":
         engine = Engine(
             model, max_batch=args.max_batch, max_model_len=args.max_model_len, max_queue=args.max_queue,
-            decode_steps=args.decode_steps, prefill_chunk=args.prefill_chunk, prefill_rows=args.prefill_rows,
+            decode_steps=args.decode_steps, max_decode_steps=args.max_decode_steps, prefill_chunk=args.prefill_chunk, prefill_rows=args.prefill_rows,
             prefix_reuse=not args.no_prefix_reuse,
         )  # fmt: skip
         engine.warm_up()
