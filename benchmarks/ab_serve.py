@@ -39,7 +39,8 @@ KEYS = ("output_tokens_per_s", "ttft_p50_s", "ttft_p99_s", "itl_p50_s", "itl_p99
 def baseline_tree(revision: str, work: pathlib.Path) -> pathlib.Path:
     tree = work / "baseline"
     root = pathlib.Path(__file__).resolve().parent.parent
-    subprocess.run(["git", "-C", str(root), "worktree", "add", "--detach", str(tree), revision], check=True)
+    command = ["git", "-C", str(root), "worktree", "add", "--detach", str(tree), revision]
+    subprocess.run(command, check=True, stdout=sys.stderr)  # (stdout holds the report only)
     return tree
 
 
@@ -122,7 +123,8 @@ def main() -> None:
     finally:
         if tree is not None:
             root = pathlib.Path(__file__).resolve().parent.parent
-            subprocess.run(["git", "-C", str(root), "worktree", "remove", "--force", str(tree)], check=False)
+            command = ["git", "-C", str(root), "worktree", "remove", "--force", str(tree)]
+            subprocess.run(command, check=False, stdout=sys.stderr)
         shutil.rmtree(work, ignore_errors=True)
 
 

@@ -549,10 +549,11 @@ class Engine:
                 request.scheduled = 1
         if not last.any():
             return
-        chosen = [np.asarray(c) for c in chosen]  # [rows, 1] ...
+        ended = [requests[i] for i in np.flatnonzero(last)]
+        chosen = _to_host(chosen, ended, 1)  # [rows, 1] ...
         with self._lock:
             for i in np.flatnonzero(last):
-                self._deliver(requests[i], [c[i] for c in chosen], 1)
+                self._deliver(requests[i], [c if c is None else c[i] for c in chosen], 1)
 
     def _dispatch(self, *, rows: int | None = None, window: int | None = None) -> _Chunk:
         """Sends the next decode chunk of every decoding slot to the device and returns at once. It
@@ -588,11 +589,11 @@ class Engine:
     def _collect(self, chunk: _Chunk) -> None:
         """Waits for a dispatched chunk and hands its tokens to the requests still in their slots (one
         that finished or left since gets nothing more)."""
-        chosen = [np.asarray(c)[:, : chunk.steps] for c in chunk.chosen]  # [rows, steps] ...
+        chosen = _to_host(chunk.chosen, chunk.requests.values(), chunk.steps)  # [rows, steps] ...
         with self._lock:
             for slot, request in chunk.requests.items():
                 if self._slots[slot] is request and not request.finished and not request.cancelled:
-                    self._deliver(request, [c[slot] for c in chosen], chunk.steps)
+                    self._deliver(request, [c if c is None else c[slot] for c in chosen], chunk.steps)
 
     def _chunk_steps(self, rows: int, window: int) -> int:
         """decode_steps; or, for a chunk of fewer rows than the slots while nothing waits or reads its
@@ -616,7 +617,8 @@ class Engine:
 
     def _deliver(self, request: Request, chosen: list[np.ndarray], count: int) -> None:
         """Hands a request its new tokens (chosen: token [T], logprob [T], top ids [T, 20], top logprobs
-        [T, 20]), cut at EOS or max_tokens, and finishes it when one of its stops is met."""
+        [T, 20]; the last three None when no request of the program asked for log-probabilities), cut
+        at EOS or max_tokens, and finishes it when one of its stops is met."""
         tokens, logprob, top_token, top_logprob = chosen
         now = time.perf_counter()
         if request.last_token_time is None:
@@ -718,6 +720,13 @@ class _DeviceCopies:
         if kept is None or not np.array_equal(kept[0], host):
             kept = self._kept[name] = (np.array(host), jnp.asarray(host))
         return kept[1]
+
+
+def _to_host(chosen, requests, steps: int) -> list[np.ndarray | None]:
+    """A program's chosen tokens [rows, steps] on the host; their log-probabilities and the top 20
+    too when one of `requests` asked for them (else None: one copy from the device, not four)."""
+    wanted = any(r.params.logprobs is not None for r in requests)
+    return [np.asarray(c)[:, :steps] if wanted or i == 0 else None for i, c in enumerate(chosen)]
 
 
 def _common_prefix(a: list[int], b: list[int]) -> int:
