@@ -31,17 +31,10 @@ import sys
 import tempfile
 
 sys.path.insert(0, str(pathlib.Path(__file__).parent))
+import ab  # noqa: E402
 import serve  # noqa: E402
 
 KEYS = ("output_tokens_per_s", "ttft_p50_s", "ttft_p99_s", "itl_p50_s", "itl_p99_s")
-
-
-def baseline_tree(revision: str, work: pathlib.Path) -> pathlib.Path:
-    tree = work / "baseline"
-    root = pathlib.Path(__file__).resolve().parent.parent
-    command = ["git", "-C", str(root), "worktree", "add", "--detach", str(tree), revision]
-    subprocess.run(command, check=True, stdout=sys.stderr)  # (stdout holds the report only)
-    return tree
 
 
 async def run(args, checkpoint: pathlib.Path, work: pathlib.Path, sides: dict) -> dict:
@@ -112,8 +105,8 @@ def main() -> None:
         env = {name: dict(item.split("=", 1) for item in shlex.split(text)) for name, text in
                (("A", args.a_env), ("B", args.b_env))}  # fmt: skip
         if args.baseline:
-            tree = baseline_tree(args.baseline, work)
-            env["A"]["PYTHONPATH"] = str(tree / "src")
+            tree = work / "baseline"
+            env["A"]["PYTHONPATH"] = str(ab._checkout(args.baseline, tree))
         sides = {"A": (args.a_flags, env["A"]), "B": (args.b_flags, env["B"])}
         serve.log(
             f"A: {args.baseline or 'this tree'} {args.a_flags} {args.a_env}; B: this tree {args.b_flags} {args.b_env}"
@@ -122,9 +115,8 @@ def main() -> None:
         print(json.dumps({"concurrency": args.concurrency, "requests": args.requests, "rounds": args.rounds, **report}))
     finally:
         if tree is not None:
-            root = pathlib.Path(__file__).resolve().parent.parent
-            command = ["git", "-C", str(root), "worktree", "remove", "--force", str(tree)]
-            subprocess.run(command, check=False, stdout=sys.stderr)
+            command = ["git", "-C", str(ab.ROOT), "worktree", "remove", "--force", str(tree)]
+            subprocess.run(command, check=False, capture_output=True)
         shutil.rmtree(work, ignore_errors=True)
 
 
