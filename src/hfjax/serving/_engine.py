@@ -119,6 +119,11 @@ class Request:
         self.scheduled = 0  # new tokens that programs run so far will have chosen (delivered or not)
 
     @property
+    def reading(self) -> bool:
+        """Its prompt not yet all in its slot's cache."""
+        return self.prefilled < len(self.prompt)
+
+    @property
     def decoding(self) -> bool:
         """In a slot, past its prompt, with tokens still to choose."""
         return (
@@ -419,7 +424,7 @@ class Engine:
                             return
                         self._wake.wait()
                         continue
-                prefilling = [r for r in self._slots if r is not None and r.prefilled < len(r.prompt)]
+                prefilling = [r for r in self._slots if r is not None and r.reading]
                 if prefilling:
                     self._prefill(sorted(prefilling, key=lambda r: r.arrived)[: self.prefill_rows])
                 chunk = self._dispatch() if any(r is not None and r.decoding for r in self._slots) else None
@@ -440,14 +445,17 @@ class Engine:
 
     def _steady(self, chunk: _Chunk) -> bool:
         """Whether the next decode chunk can go before `chunk` is delivered (see `_run`)."""
-        if self._waiting or self._stopping or self._since_freed < 2:
+        if not self._only_decoding() or self._stopping or self._since_freed < 2:
             return False  # (a slot freed by the chunk before: its client's next request is likely on its way)
-        for request in self._slots:
-            if request is not None and (request.cancelled or request.prefilled < len(request.prompt)):
-                return False
+        if any(r is not None and r.cancelled for r in self._slots):
+            return False
         if any(r.scheduled >= r.params.max_tokens for r in chunk.requests.values()):
             return False
         return any(r is not None and r.decoding for r in self._slots)
+
+    def _only_decoding(self) -> bool:
+        """Nothing waits for a slot and no slot reads its prompt."""
+        return not self._waiting and not any(r is not None and r.reading for r in self._slots)
 
     def _admit(self) -> None:
         while self._waiting and None in self._slots:
@@ -605,9 +613,7 @@ class Engine:
         each chunk's tokens wake the event loop and the client.)"""
         full = self._chunk_seconds.get((self.row_buckets[-1], window))
         mine = self._chunk_seconds.get((rows, window))
-        if full is None or mine is None or self._waiting or self._unclaimed:
-            return self.decode_steps
-        if any(r is not None and r.prefilled < len(r.prompt) for r in self._slots):
+        if full is None or mine is None or self._unclaimed or not self._only_decoding():
             return self.decode_steps
         return max(self.decode_steps, min(self.max_decode_steps, int(self.decode_steps * full / mine)))
 
