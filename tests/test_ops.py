@@ -18,7 +18,7 @@ import transformers
 
 import hfjax
 from hfjax import _ops
-from hfjax.tolerances import DEFAULT, EXACT, MATMUL, SCHEDULE
+from hfjax.tolerances import DEFAULT, DIVISION, EXACT, MATMUL, SCHEDULE
 from op_helpers import ATTENTION_CASES, SEED, check_attention, environment, jit_modes, run, to_cpu, to_jax
 from op_helpers import assert_close as _assert_close
 
@@ -176,6 +176,29 @@ def test_copy_from_cpu_tensor_and_to_cpu_tensor(env):
     expected[1:3] = host
     _assert_close(_to_cpu(device), expected, EXACT)
     _assert_close(back, host, EXACT)
+
+
+# -- aten::abs_ ----------------------------------------------------------------
+
+
+def _siglip2_resize_weights(source, center, support):
+    # transformers 5.24's Siglip2 antialiased resize: in-place abs, div and clamp on a temporary
+    return (1 - (source - center[..., None]).abs_().div_(support[..., None])).clamp_(min=0)
+
+
+def _abs_of_a_view(x, center, support):
+    x[1:3].abs_()  # View, written back into x
+    return x
+
+
+@jit_modes
+@pytest.mark.parametrize(
+    "case, tolerance", [(_siglip2_resize_weights, DIVISION), (_abs_of_a_view, EXACT)], ids=["siglip2_weights", "view"]
+)
+def test_in_place_abs_matches_torch(env, case, tolerance, jit):
+    source, center, support = _data(4, 6), _data(4), _data(4).abs() + 1
+    expected = case(source.clone(), center, support)
+    _assert_close(_run(env, case, source, center, support, jit=jit), expected, tolerance)
 
 
 def _tiny_mamba():
@@ -650,6 +673,7 @@ PARITY_TESTS = {
     torch.Tensor.tolist: test_tolist_matches_torch,
     torch.ops.aten._grouped_mm.default: test_grouped_mm_matches_torch,
     torch.ops.aten.copy_: test_copy_matches_torch,
+    torch.ops.aten.abs_: test_in_place_abs_matches_torch,
     torch.ops.aten._is_all_true.default: test_is_all_true_and_is_any_true_match_torch,
     torch.ops.aten._is_any_true.default: test_is_all_true_and_is_any_true_match_torch,
     torch.ops.aten.searchsorted.Tensor: test_searchsorted_tensor_matches_torch,

@@ -19,7 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 import torch
 from torch.utils import _mode_utils, _pytree
-from torchax.ops import mappings, ops_registry
+from torchax.ops import mappings, op_base, ops_registry
 from torchax.tensor import Tensor as _TorchaxTensor
 from torchax.view import View
 
@@ -213,6 +213,17 @@ def _grouped_mm(mat_a, mat_b, offs=None, bias=None, out_dtype=None):
 
 
 # -- in-place copies -----------------------------------------------------------
+
+
+# torchax makes each in-place op of its table from the functional one (`op_base.InplaceOp`: the
+# result written back into the tensor or View); abs_ is not in that table.
+override(
+    torch.ops.aten.abs_,
+    why='torchax has no in-place abs ("unsupported op aten::abs_"); transformers 5.24\'s Siglip2 '
+    "weighs its antialiased position-embedding resize with `(...).abs_().div_(...)`",
+    is_jax_function=False,
+    is_view_op=True,
+)(op_base.InplaceOp(torch.ops.aten.abs))
 
 
 def _broadcasts_to(shape: tuple[int, ...], target: tuple[int, ...]) -> bool:

@@ -34,6 +34,7 @@ BY_FAMILY: dict[str, Tolerance] = {
 # Single ops against torch (or float64 numpy).
 MATMUL = Tolerance(1e-5, "one float32 product of O(1) values: XLA and ATen sum the same terms in another order")
 EXACT = Tolerance(0.0, "copies, index searches, boolean reductions and integer math have one right answer")
+DIVISION = Tolerance(1e-6, "a float32 division of O(1) values: XLA rounds it up to 1 ulp (6e-8) from ATen")
 SCHEDULE = Tolerance(
     0.0,
     "a diffusion noise schedule in float32 (JAX) against float64 (numpy, in diffusers): float32's rounding",
