@@ -4,6 +4,7 @@ and for one family of each kind also op by op (eager), which costs ~4x the compi
 from __future__ import annotations
 
 import pytest
+import transformers
 
 import hfjax
 from hfjax import testing
@@ -27,7 +28,18 @@ def test_family_matches_pytorch(checkpoint, family):
         ("clip", "zero-shot-image-classification", "logits_per_image"),
         ("wav2vec2", "automatic-speech-recognition", "logits"),
         ("vit_mae", "image-feature-extraction", "last_hidden_state"),  # its random patch mask comes as `noise`
-        ("llama4", "image-feature-extraction", "last_hidden_state"),  # a complex rotary buffer
+        pytest.param(
+            "llama4",
+            "image-feature-extraction",
+            "last_hidden_state",  # a complex rotary buffer
+            marks=pytest.mark.xfail(
+                transformers.__version__ == "5.24.0",
+                reason="transformers 5.24.0's Llama4ForConditionalGeneration.forward reads outputs.image_outputs, "
+                "which its language model's output lacks: the PyTorch reference itself raises AttributeError",
+                raises=AttributeError,
+                strict=True,
+            ),
+        ),
         ("siglip2", "image-classification", "logits"),  # tolist() of a View, antialiased resize
     ],
 )
