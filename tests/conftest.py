@@ -17,21 +17,37 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # Two test processes (pytest-xdist) and their jobs share one accelerator: none takes 75% of its memory.
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
-# The tests check what programs compute, not how fast, and compiling is most of their time:
+# The tests check what programs compute, not how fast, and compiling is most of their time. Where
+# they run on the CPU alone (XLA_FLAGS that a backend does not use, or an XLA does not know, abort
+# the process, so these are set only there; each exists in every jax the metadata admits):
 # - LLVM's lowest optimisation level compiles XLA:CPU programs ~15% sooner (XLA's own HLO passes,
 #   whose results some tests read, still run);
-# - XLA:CPU's older elemental emitters instead of its MLIR fusion emitters: a tiny model's first
-#   generate compiles in 0.55-0.75x the time (llama 3.4 -> 1.9 s, t5 4.0 -> 2.2 s, mixtral 5.0 -> 3.7 s);
 # - LLVM's expensive passes off: 7% less CPU for test_generate's greedy tests.
 # The suite's processes (background jobs, servers) inherit them.
-_FAST_COMPILE = (
-    "--xla_backend_optimization_level=0",
-    "--xla_cpu_use_fusion_emitters=false",
-    "--xla_llvm_disable_expensive_passes=true",
-)
-for _flag in _FAST_COMPILE:
-    if _flag.split("=")[0] not in os.environ.get("XLA_FLAGS", ""):
-        os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {_flag}".strip()
+_FAST_CPU_COMPILE = ("--xla_backend_optimization_level=0", "--xla_llvm_disable_expensive_passes=true")
+
+
+def _cpu_only() -> bool:
+    """Whether JAX can only run on the CPU here: told so, or no GPU or TPU plugin is installed."""
+    import importlib.util
+    import pkgutil
+
+    platforms = os.environ.get("JAX_PLATFORMS", "")
+    if platforms:
+        return platforms.split(",")[0] == "cpu"
+    try:
+        import jax_plugins  # the namespace of jax's CUDA and ROCm plugins
+    except ImportError:
+        plugins = []
+    else:
+        plugins = list(pkgutil.iter_modules(jax_plugins.__path__))
+    return not plugins and importlib.util.find_spec("libtpu") is None
+
+
+if _cpu_only():
+    for _flag in _FAST_CPU_COMPILE:
+        if _flag.split("=")[0] not in os.environ.get("XLA_FLAGS", ""):
+            os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {_flag}".strip()
 # No compilation cache or program store (the CLI's default is ~/.cache/hfjax): keeping every
 # program costs more than the few the suite's processes share (test_generate's greedy tests took
 # 8% less CPU without it). The tests of the store give their processes a directory of their own.

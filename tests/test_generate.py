@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-import functools
 import json
 import re
 import warnings
@@ -16,7 +15,7 @@ import transformers
 
 import background
 import hfjax
-from hfjax import _backend, _buckets, _compilation_cache, _env, _specialize, testing, tolerances
+from hfjax import _backend, _buckets, _compilation_cache, _compile, _env, _specialize, testing, tolerances
 from hfjax.generation import _engine, _planning, _settings
 
 PROMPTS = ["Hello there, how are you doing today?", "Hi", "The quick brown fox"]
@@ -84,6 +83,33 @@ def test_greedy_tokens_match_transformers(loaded, family):
     np.testing.assert_array_equal(actual, expected)
     if family in WINDOWED_FAMILIES:
         assert _planning.windows(_buckets.bucket(ids.shape[1]), 128) == (64, 128)
+
+
+def test_mamba_generates_like_transformers_on_its_own_test_config():
+    # transformers' MambaModelTester config, weights spread so that every step picks a new token (the
+    # tiny family's answer repeats one token, which a decode loop that lost its state gives too).
+    # transformers 5.24 renamed the cache argument `cache_params` to `cache` and swallows the old name
+    # in **kwargs: each step then ran from no state.
+    config = transformers.MambaConfig(
+        vocab_size=99, hidden_size=32, num_hidden_layers=2, intermediate_size=32, n_positions=512,
+        bos_token_id=98, eos_token_id=98, pad_token_id=98, tie_word_embeddings=True,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    module = transformers.MambaForCausalLM(config).eval()
+    with torch.no_grad():
+        for parameter in module.parameters():
+            parameter.add_(
+                torch.randn(parameter.shape, generator=torch.Generator().manual_seed(parameter.numel())) * 0.3
+            )
+    ids = torch.randint(0, 98, (4, 7), generator=torch.Generator().manual_seed(1))
+    mask = torch.ones_like(ids)
+    mask[1, :3], mask[2, :1] = 0, 0  # left padding
+    ids[mask == 0] = 98
+    with torch.no_grad():
+        expected = module.generate(ids, attention_mask=mask, max_new_tokens=12, do_sample=False).numpy()
+    assert min(len(set(row)) for row in expected[:, 7:]) >= 4, "the reference repeats itself: the test proves nothing"
+    actual = hfjax.Model.from_module(module).generate(ids.numpy(), mask.numpy(), max_new_tokens=12, do_sample=False)
+    np.testing.assert_array_equal(np.asarray(actual), expected)
 
 
 @pytest.mark.parametrize("family", ["llama", "gemma2", "mamba"])
@@ -511,29 +537,16 @@ def _shapes(model, ids, max_new_tokens: int) -> tuple:
 
 
 def _decode_program(model, prompts, max_new_tokens=4):
-    """(decode function, its arguments) of the engine's decode program for `prompts`."""
+    """(the engine's decode program for `prompts`, as generate called it: its jitted function, its
+    arguments' shapes, and the cache windows it attends in turn)."""
     ids, mask = _batch(model, prompts)
     generator = _engine.Generator(model)
     generator.programs._fingerprint = None  # trace here, rather than read the programs an earlier test stored
-    generator.generate(ids, mask, _settings.resolve(model, ids.shape[1], max_new_tokens=max_new_tokens), seed=0)
-    batch, size, total, settings = _shapes(model, ids, max_new_tokens=max_new_tokens)
-    windows = _planning.windows(size, total)
-    layout = (batch, size, total, settings)
-    prefill = generator.programs._programs[("prefill", batch, size, total, settings)].run
-    state = prefill(
-        model.params,
-        np.zeros((batch, size), np.int32),
-        np.ones((batch, size), np.int32),
-        jax.random.key_data(jax.random.key(0)),
-        np.int32(4),
-        np.int32(0),
-        np.int32(0),
-        None,  # no decoder prompt: a decoder-only model
-    )
-    decode = functools.partial(
-        generator._decode_flat, layout=layout, offset=size, settings=settings, windows=windows, trace_prefill=None
-    )
-    return decode, (model.params, state, np.int32(4))
+    with _compile.recording() as programs:
+        generator.generate(ids, mask, _settings.resolve(model, ids.shape[1], max_new_tokens=max_new_tokens), seed=0)
+    _, size, total, _ = _shapes(model, ids, max_new_tokens=max_new_tokens)
+    (decode,) = [p for p in programs if p.stage == "decode"]
+    return decode.jitted, decode.args, _planning.windows(size, total)
 
 
 def _runs_the_model(loop) -> bool:
@@ -543,16 +556,16 @@ def _runs_the_model(loop) -> bool:
 
 
 def test_decode_is_one_while_loop(loaded):
-    decode, args = _decode_program(loaded("llama"), PROMPTS[:1])
-    jaxpr = jax.make_jaxpr(decode)(*args)
+    decode, args, _ = _decode_program(loaded("llama"), PROMPTS[:1])
+    jaxpr = decode.trace(*args).jaxpr
     loops = [eqn for eqn in jaxpr.eqns if eqn.primitive.name == "while"]
     assert len(loops) == 1  # the whole decode is one loop, not one program call per token
     assert _runs_the_model(loops[0])  # and the model runs inside it
 
 
 def test_a_long_answer_decodes_in_one_loop_per_cache_window(loaded):
-    decode, args = _decode_program(loaded("llama"), PROMPTS[:2], max_new_tokens=LONG)
-    loops = [eqn for eqn in jax.make_jaxpr(decode)(*args).eqns if eqn.primitive.name == "while"]
+    decode, args, _ = _decode_program(loaded("llama"), PROMPTS[:2], max_new_tokens=LONG)
+    loops = [eqn for eqn in decode.trace(*args).jaxpr.eqns if eqn.primitive.name == "while"]
     # Each loop carries the cache layers ([B, H_kv, slots, D]) of its window, and runs the model.
     slots = [{var.aval.shape[2] for var in loop.invars if var.aval.ndim == 4} for loop in loops]
     assert slots == [{64}, {128}]
@@ -567,11 +580,11 @@ def test_a_long_answer_decodes_in_one_loop_per_cache_window(loaded):
 )
 def test_decode_updates_the_cache_without_copying_it(loaded, prompts, new_tokens):
     model = loaded("llama")
-    decode, args = _decode_program(model, prompts, max_new_tokens=new_tokens)
-    text = jax.jit(decode, donate_argnums=1).lower(*args).compile().as_text()
+    decode, args, windows = _decode_program(model, prompts, max_new_tokens=new_tokens)  # the state donated
+    text = decode.lower(*args).compile().as_text()
     full = [leaf.shape for leaf in args[1] if leaf.ndim == 4]  # [B, H_kv, L, D] key and value layers
     assert full, "the state holds no cache layers"
-    windows = decode.keywords["windows"]  # cache lengths attended in turn: each is carried through a loop
+    # windows: cache lengths attended in turn, each carried through a loop
     cache_sizes = {int(np.prod(shape[:2] + (slots,) + shape[3:])) for shape in full for slots in windows}
     copied = [
         int(np.prod([int(d) for d in dims.split(",") if d]))
@@ -605,7 +618,7 @@ def test_streamer_receives_prompt_then_every_token_in_chunks(loaded):
     generator = model._generator
     decode_programs = generator.program_counts["decode"]
     shapes = _shapes(model, ids, max_new_tokens=20)
-    key = ("decode", *shapes, (shapes[2],))  # streamed: the whole cache, one window
+    key = ("decode", *shapes, (shapes[2],), "highest")  # streamed: the whole cache, one window; torch's precision
     program, calls = generator.programs._programs[key], []
     decode = program.run
     program.run = lambda *args: calls.append(len(recorder.puts)) or decode(*args)

@@ -7,6 +7,7 @@ over the labels. Every (text, label) pair runs in one right-padded compiled forw
 
 from __future__ import annotations
 
+import functools
 import string
 from collections.abc import Sequence
 
@@ -14,6 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from . import _compile
 from ._buckets import bucket
 from ._loading import context_length
 
@@ -110,7 +112,7 @@ def label_log_likelihoods(
     return np.concatenate(scores).reshape(len(texts), len(labels))
 
 
-@jax.jit
+@functools.partial(_compile.jit_program, stage="label scores")
 def _continuation_log_prob(logits: jax.Array, ids: jax.Array, weights: jax.Array) -> jax.Array:
     # logits: [B, L, V] predict ids[:, 1:]; weights: [B, L] -> [B]
     log_probs = jax.nn.log_softmax(logits[:, :-1].astype(jnp.float32), axis=-1)

@@ -12,6 +12,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import dataclasses
+import functools
 import sys
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -22,7 +23,7 @@ from torch.nn.utils import stateless
 from torchax.tensor import OperatorNotFound
 from torchax.tensor import Tensor as JaxTensor
 
-from . import _backend, _env, _pytrees, _specialize
+from . import _backend, _env, _precision, _pytrees, _specialize
 from ._errors import DataDependentError, UnsupportedOpError
 
 
@@ -44,13 +45,69 @@ def module_state(module: torch.nn.Module) -> tuple[dict[str, jax.Array], dict[st
     return state, aliases
 
 
+@dataclasses.dataclass(frozen=True)
+class Recorded:
+    """A program called while `recording()` was active: what `jax.export` needs to export it again."""
+
+    stage: str  # what the program is: "forward", "prefill", "decode", "train step", "whole loop", ...
+    jitted: Callable  # the jax.jit function
+    args: tuple  # its arguments, arrays as jax.ShapeDtypeStruct (with their shardings)
+    kwargs: dict  # its static keyword arguments
+
+
+_RECORDINGS: list[list[Recorded]] = []
+
+
+def jit_program(function: Callable, *, stage: str, donate_argnums=(), static_argnames=()) -> Callable:
+    """`jax.jit(function)`. Every XLA program hfjax runs is made here, so that `recording()` sees them
+    all (but the small probes that find the values a model reads, `_specialize.discover`).
+
+    The result has the jitted function's `lower`.
+    """
+    jitted = jax.jit(function, donate_argnums=donate_argnums, static_argnames=static_argnames)
+
+    def call(*args, **kwargs):
+        # (a program called inside another's trace is part of that one)
+        if _RECORDINGS and not any(isinstance(x, jax.core.Tracer) for x in jax.tree_util.tree_leaves(args)):
+            abstract = jax.tree_util.tree_map(_abstract, args)
+            for recording in _RECORDINGS:
+                recording.append(Recorded(stage, jitted, abstract, kwargs))
+        return jitted(*args, **kwargs)
+
+    call.lower = jitted.lower
+    return call
+
+
+def _abstract(x):
+    if isinstance(x, jax.Array):  # an array not committed to its device goes where the others are
+        return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding if x.committed else None)
+    return x
+
+
+@contextlib.contextmanager
+def recording():
+    """Yields a list that gets every program called inside the context, with its arguments' shapes.
+
+    Example:
+      >>> with hfjax._compile.recording() as programs:
+      ...     model.generate(ids, max_new_tokens=4)
+      >>> [p.stage for p in programs]  # ["prefill", "decode"]
+    """
+    recorded: list[Recorded] = []
+    _RECORDINGS.append(recorded)
+    try:
+        yield recorded
+    finally:
+        _RECORDINGS.remove(recorded)
+
+
 @dataclasses.dataclass
 class _Program:
     """One compiled variant family: a method, an argument structure and its static values."""
 
     traced: Callable
     jitted: Callable
-    signature: tuple  # (argument treedef, static leaves, number of leaves), to build its variants
+    signature: tuple  # (argument treedef, static leaves, number of leaves, precision), to build its variants
     out_treedef: Any = None
     out_statics: tuple = ()
     out_inputs: dict = dataclasses.field(default_factory=dict)  # output field -> index of a stateful input
@@ -74,6 +131,7 @@ class JittedModule(torch.nn.Module):
         *,
         params: dict[str, jax.Array] | None = None,
         aliases: dict[str, str] | None = None,
+        matmul_precision: _precision.Precision | None = None,
     ):
         super().__init__()
         if not isinstance(module, torch.nn.Module):
@@ -96,6 +154,7 @@ class JittedModule(torch.nn.Module):
         object.__setattr__(self, "params", params)
         object.__setattr__(self, "_aliases", dict(aliases or {}))
         object.__setattr__(self, "_methods", methods)
+        object.__setattr__(self, "matmul_precision", _precision.check(matmul_precision, caller="hfjax.jit"))
         object.__setattr__(self, "_programs", {})
         object.__setattr__(self, "_trace_counts", collections.Counter())
         object.__setattr__(self, "_module_names", {id(m): n for n, m in module.named_modules()})
@@ -158,7 +217,8 @@ class JittedModule(torch.nn.Module):
             setattr(out, field, originals[index])
         return _env.to_torch(out) if torch_world else out
 
-    def _program(self, method: str, args: tuple, kwargs: dict) -> tuple[_Program, list]:
+    def _program(self, method: str, args: tuple, kwargs: dict, precision: str | None = None) -> tuple[_Program, list]:
+        # precision: the caller's, for a program traced inside another (default: the module's, else torch's now)
         _pytrees.register_tree((args, kwargs))
         path_leaves, treedef = jax.tree_util.tree_flatten_with_path((args, kwargs))
         dynamic, statics = [], []
@@ -169,10 +229,11 @@ class JittedModule(torch.nn.Module):
                 _check_hashable(method, path, leaf)
                 statics.append((i, leaf))
         dynamic = _env.to_jax(dynamic)
-        key = (method, treedef, tuple(statics))
+        precision = precision or _precision.resolve(self.matmul_precision)
+        key = (method, treedef, tuple(statics), precision)
         program = self._programs.get(key)
         if program is None:
-            program = self._build(method, treedef, tuple(statics), len(path_leaves))
+            program = self._build(method, treedef, tuple(statics), len(path_leaves), precision)
             self._programs[key] = program
         return program, dynamic
 
@@ -182,16 +243,19 @@ class JittedModule(torch.nn.Module):
         treedef,
         statics: tuple,
         n_leaves: int,
+        precision: str,
         *,
         specialize_on: tuple | None = None,
     ) -> _Program:
-        # specialize_on: values of the data the code reads (hfjax._specialize); the program then
-        # returns the traced values at those points as a fourth output, its guards.
+        # precision: of float32 products (hfjax._precision); specialize_on: values of the data the
+        # code reads (hfjax._specialize): the program then returns the traced values at those
+        # points as a fourth output, its guards.
         module = self.module
         function = getattr(type(module), method)
         aliases = self._aliases
-        program = _Program(traced=None, jitted=None, signature=(treedef, statics, n_leaves))
+        program = _Program(traced=None, jitted=None, signature=(treedef, statics, n_leaves, precision))
 
+        @functools.partial(_precision.under, precision)
         def traced(params, dynamic, prng_key):
             if isinstance(prng_key, jax.core.Tracer):
                 self._trace_counts[method] += 1
@@ -216,7 +280,7 @@ class JittedModule(torch.nn.Module):
             return (*result, tape.observed)
 
         program.traced = traced
-        program.jitted = jax.jit(traced if specialize_on is None else specialized)
+        program.jitted = jit_program(traced if specialize_on is None else specialized, stage=method)
         return program
 
     def _run_specialized(self, method: str, program: _Program, dynamic: list) -> tuple[_Program, tuple]:
@@ -342,13 +406,22 @@ def _innermost_module(tb, names: dict[int, str]) -> str | None:
     return found
 
 
-def jit(module: torch.nn.Module, methods: Sequence[str] = ("forward",)) -> JittedModule:
+def jit(
+    module: torch.nn.Module,
+    methods: Sequence[str] = ("forward",),
+    *,
+    matmul_precision: _precision.Precision | None = None,
+) -> JittedModule:
     """Compiles the listed methods of a torch module with XLA, weights passed as arguments.
 
     Args:
       module: any `torch.nn.Module` (a transformers or diffusers model, typically).
       methods: names of the methods to compile; each runs as one XLA program per
         argument structure, shapes and static values.
+      matmul_precision: the precision of float32 products and convolutions, as
+        `torch.set_float32_matmul_precision` names it ("highest", "high", "medium"); None follows
+        torch's setting ("highest" unless changed: full float32, as PyTorch computes), read when
+        each program is built.
 
     Returns:
       A `JittedModule`: call it like the module. Inputs may be torch tensors or
@@ -360,4 +433,4 @@ def jit(module: torch.nn.Module, methods: Sequence[str] = ("forward",)) -> Jitte
       >>> out = fast(input_ids, use_cache=False)
       >>> out.logits  # jax.Array
     """
-    return JittedModule(module, methods)
+    return JittedModule(module, methods, matmul_precision=matmul_precision)

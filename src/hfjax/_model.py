@@ -9,7 +9,7 @@ import jax
 import numpy as np
 import torch
 
-from . import _backend, _classify, _dtypes, _embed, _loading, _tasks
+from . import _backend, _classify, _dtypes, _embed, _loading, _precision, _tasks
 from ._compile import JittedModule, module_state
 from ._errors import GenerationError, LoadError
 from .generation import _engine, _multimodal, _planning, _settings
@@ -33,9 +33,23 @@ class Model:
       path: the local checkpoint directory, or None for a model built from a module in memory.
       mesh: the device mesh the weights are split over (`mesh=`), or None. `generate` splits the
         batch over its "data" axis.
+      matmul_precision: the precision of its float32 products ("highest", "high", "medium"), or
+        None: torch's `get_float32_matmul_precision()` when each program is built.
     """
 
-    def __init__(self, module, params, aliases, *, config, tokenizer, task: str, path: pathlib.Path | None, mesh=None):
+    def __init__(
+        self,
+        module,
+        params,
+        aliases,
+        *,
+        config,
+        tokenizer,
+        task: str,
+        path: pathlib.Path | None,
+        mesh=None,
+        matmul_precision: _precision.Precision | None = None,
+    ):
         self.module = module
         self.mesh = mesh
         self.params = params
@@ -44,7 +58,9 @@ class Model:
         self.task = task
         self.path = path
         self.aliases = aliases
-        self.compiled = JittedModule(module, ("forward",), params=params, aliases=aliases)
+        self.compiled = JittedModule(
+            module, ("forward",), params=params, aliases=aliases, matmul_precision=matmul_precision
+        )
         self._generator = None
         self._generation_config = None
         self._processor = None
@@ -59,6 +75,7 @@ class Model:
         dtype=None,
         mesh=None,
         processor=None,
+        matmul_precision: _precision.Precision | None = None,
     ) -> Model:
         """A `Model` of a transformers model already in memory: generate, classify and embed it on JAX.
 
@@ -74,6 +91,7 @@ class Model:
           mesh: as for `hfjax.load`.
           processor: a vision-language model's processor (transformers' AutoProcessor), for
             `hfjax.generation.chat_with_images`; its tokenizer is the default `tokenizer`.
+          matmul_precision: as for `hfjax.load`.
 
         Example:
           >>> torch_model = transformers.AutoModelForCausalLM.from_pretrained(path)
@@ -88,6 +106,7 @@ class Model:
         task = _tasks.check(task, caller="hfjax.Model.from_module") or _tasks.of_module(module)
         dtype = _dtypes.resolve(dtype, caller="hfjax.Model.from_module")
         _mesh.check_mesh(mesh, caller="hfjax.Model.from_module")
+        _precision.check(matmul_precision, caller="hfjax.Model.from_module", error=LoadError)
         backend = _backend.active()
         backend.prepare()
         params, aliases = module_state(module)
@@ -104,7 +123,10 @@ class Model:
         backend.prepare_weights(params)
         if tokenizer is None and processor is not None:
             tokenizer = getattr(processor, "tokenizer", None)
-        model = cls(module, params, aliases, config=module.config, tokenizer=tokenizer, task=task, path=None, mesh=mesh)
+        model = cls(
+            module, params, aliases, config=module.config, tokenizer=tokenizer, task=task, path=None, mesh=mesh,
+            matmul_precision=matmul_precision,
+        )  # fmt: skip
         model.processor = processor
         return model
 
@@ -112,6 +134,12 @@ class Model:
         n = sum(int(np.prod(a.shape)) for a in self.params.values())
         dtypes = sorted({str(a.dtype) for a in self.params.values()})
         return f"hfjax.Model({type(self.module).__name__}, task={self.task!r}, params={n:,}, dtype={'/'.join(dtypes)})"
+
+    @property
+    def matmul_precision(self) -> str | None:
+        """The precision of float32 products in the model's programs (`hfjax.load`'s argument), or
+        None: torch's `get_float32_matmul_precision()`, read when each program is built."""
+        return self.compiled.matmul_precision
 
     @property
     def source(self) -> str:
@@ -365,6 +393,7 @@ def load(
     dtype=None,
     mesh: jax.sharding.Mesh | None = None,
     progress: bool | None = None,
+    matmul_precision: _precision.Precision | None = None,
 ) -> Model:
     """Loads a Hugging Face checkpoint onto JAX.
 
@@ -382,6 +411,11 @@ def load(
       mesh: a `jax.sharding.Mesh` with a "model" axis (see `hfjax.make_mesh`): each weight is
         split over it as `hfjax.parallel.plan` says, read slice by slice into the devices.
       progress: show a progress bar while reading weights (default: for large checkpoints).
+      matmul_precision: the precision of float32 products and convolutions in every program the
+        model runs, as `torch.set_float32_matmul_precision` names it: "highest" (full float32),
+        "high" (TF32 on GPUs, 3 bfloat16 passes on TPUs), "medium" (the backend's fastest: one
+        bfloat16 pass on TPUs). None (the default) follows torch's setting, read when each program
+        is built: "highest" unless the process changed it, so results match PyTorch's.
 
     Returns:
       A `Model`: call it for the compiled forward; `generate`, `generate_text`, `classify`,
@@ -392,8 +426,9 @@ def load(
       >>> model(jnp.array([[1, 2, 3]])).logits.shape
     """
     if isinstance(path_or_hub_id, torch.nn.Module):
-        return Model.from_module(path_or_hub_id, task=task, dtype=dtype, mesh=mesh)
+        return Model.from_module(path_or_hub_id, task=task, dtype=dtype, mesh=mesh, matmul_precision=matmul_precision)
     dtype = _dtypes.resolve(dtype, caller="hfjax.load")
+    _precision.check(matmul_precision, caller="hfjax.load", error=LoadError)
     task = _tasks.check(task, caller="hfjax.load")
     _mesh.check_mesh(mesh, caller="hfjax.load")
     path = _loading.resolve(path_or_hub_id)
@@ -407,7 +442,10 @@ def load(
     shardings = None if mesh is None else _rules.plan(module, mesh).shardings(mesh)
     params, aliases = _loading.load_weights(module, files, dtype, progress=progress, shardings=shardings)
     backend.prepare_weights(params)
-    return Model(module, params, aliases, config=config, tokenizer=_tokenizer(path), task=task, path=path, mesh=mesh)
+    return Model(
+        module, params, aliases, config=config, tokenizer=_tokenizer(path), task=task, path=path, mesh=mesh,
+        matmul_precision=matmul_precision,
+    )  # fmt: skip
 
 
 def _processor(path: pathlib.Path | None):

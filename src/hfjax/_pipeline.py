@@ -216,7 +216,6 @@ def pipeline(task: str, model, *, dtype=None, **kwargs):
       >>> classifier(image)  # [{"label": ..., "score": ...}, ...]
     """
     import transformers
-    from transformers import pipelines
 
     from ._model import Model, load
 
@@ -263,11 +262,20 @@ def pipeline(task: str, model, *, dtype=None, **kwargs):
         kwargs.setdefault("pipeline_class", _audio.speech_pipeline_class())
     # Given a model object, transformers' factory loads the processors it names by path: name the
     # checkpoint for each the pipeline class loads (its `_load_*` flag True, or None: if present).
-    kind = kwargs.get("pipeline_class") or pipelines._resolve_impl(pipelines.check_task(task)[1]["impl"])
+    kind = kwargs.get("pipeline_class") or _pipeline_class(task)
     for component in ("tokenizer", "image_processor", "feature_extractor", "processor"):
         if getattr(kind, f"_load_{component}") is not False:
             kwargs.setdefault(component, str(loaded.path))
     return transformers.pipeline(task, model=JaxBackedModel(loaded), config=str(loaded.path), device="cpu", **kwargs)
+
+
+def _pipeline_class(task: str) -> type:
+    """The pipeline class transformers' factory builds for `task`."""
+    from transformers import pipelines
+
+    impl = pipelines.check_task(task)[1]["impl"]
+    # transformers 5.17 holds the class; later releases a name that `_resolve_impl` imports
+    return impl if isinstance(impl, type) else pipelines._resolve_impl(impl)
 
 
 def _compatible(loaded: str, task: str) -> bool:

@@ -19,7 +19,7 @@ import jax
 import torch
 from torchax.tensor import Tensor as JaxTensor
 
-from .. import _backend, _compile, _dtypes, _env, _loading
+from .. import _backend, _compile, _dtypes, _env, _loading, _precision
 from .._compile import JittedModule
 from .._errors import LoadError, PipelineError
 from ..parallel import _mesh
@@ -60,8 +60,8 @@ class _OnMesh:
     """A compiled component on a device mesh: weights replicated on every device, and each
     array argument's leading (batch) axis split over "data" where it divides."""
 
-    def _program(self, method: str, args: tuple, kwargs: dict):
-        program, dynamic = super()._program(method, args, kwargs)
+    def _program(self, method: str, args: tuple, kwargs: dict, precision: str | None = None):
+        program, dynamic = super()._program(method, args, kwargs, precision)
         return program, [jax.device_put(x, _mesh.batch_sharding(self._mesh, x.shape)) for x in dynamic]
 
 
@@ -94,13 +94,15 @@ def _torch_copy(component: JittedModule) -> torch.nn.Module:
     return fresh.eval()
 
 
-def _compiled_component(name: str, module: torch.nn.Module, mesh=None) -> JittedModule:
+def _compiled_component(name: str, module: torch.nn.Module, mesh=None, matmul_precision=None) -> JittedModule:
     cls = type(module)
     if callable(getattr(cls, "decode", None)) and not name.startswith(_whole_loop.DENOISERS):
         methods = [m for m in ("decode", "encode") if callable(getattr(cls, m, None))]
-        component = (_JittedVae if mesh is None else _JittedVaeOnMesh)(module, methods)
+        kind = _JittedVae if mesh is None else _JittedVaeOnMesh
     else:
-        component = (JittedModule if mesh is None else _JittedOnMesh)(module, ("forward",))
+        methods = ("forward",)
+        kind = JittedModule if mesh is None else _JittedOnMesh
+    component = kind(module, methods, matmul_precision=matmul_precision)
     if mesh is not None:
         replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
         object.__setattr__(component, "params", jax.device_put(component.params, replicated))
@@ -118,7 +120,8 @@ def _on_jax_class(cls: type) -> type:
     @functools.wraps(cls.__call__)
     def __call__(self, *args, **kwargs):
         _check_size(self, kwargs)
-        with _env.env(), _whole_loop.session(self, kwargs) as session:
+        precision = _precision.resolve(self.hfjax_matmul_precision)  # of the steps run op by op too
+        with _env.env(), _precision.products(precision), _whole_loop.session(self, kwargs) as session:
             out = cls.__call__(self, *args, **kwargs)
         self.hfjax_path = session.path
         logger.info("hfjax: %s ran on JAX, %s", cls.__name__, session.describe())
@@ -170,7 +173,7 @@ def _check_size(pipe, kwargs: dict) -> None:
 # ---- public API ------------------------------------------------------------------
 
 
-def to_jax(pipe, *, whole_loop: WholeLoop = False, mesh=None):
+def to_jax(pipe, *, whole_loop: WholeLoop = False, mesh=None, matmul_precision: _precision.Precision | None = None):
     """Makes a diffusers pipeline run on JAX, its heavy parts compiled by XLA.
 
     Moves every nn.Module component's weights and every tensor held by other
@@ -189,6 +192,9 @@ def to_jax(pipe, *, whole_loop: WholeLoop = False, mesh=None):
       mesh: a `jax.sharding.Mesh` with a "data" axis (see `hfjax.make_mesh`): the weights are
         replicated on its devices and each compiled call's batch (images, and their
         classifier-free-guidance copies) is split over "data" where it divides.
+      matmul_precision: the precision of float32 products and convolutions, as
+        `torch.set_float32_matmul_precision` names it ("highest", "high", "medium"); None follows
+        torch's setting when each program is built ("highest" unless changed: as PyTorch on the CPU).
 
     Returns:
       `pipe`, now running on JAX (`save_pretrained` still writes a diffusers pipeline,
@@ -208,6 +214,7 @@ def to_jax(pipe, *, whole_loop: WholeLoop = False, mesh=None):
     if whole_loop not in _WHOLE_LOOP_VALUES:
         raise PipelineError(f"hfjax.to_jax(whole_loop={whole_loop!r}): use one of {_WHOLE_LOOP_VALUES}")
     _mesh.check_mesh(mesh, caller="hfjax.to_jax")
+    _precision.check(matmul_precision, caller="hfjax.to_jax", error=PipelineError)
     if getattr(type(pipe), "_hfjax_on_jax", False):
         return pipe
     _register_vae_outputs()
@@ -218,12 +225,13 @@ def to_jax(pipe, *, whole_loop: WholeLoop = False, mesh=None):
             backend.prepare_module(component)
             _move_module(component)
             # Past DiffusionPipeline.__setattr__, which would record JittedModule in model_index.json.
-            object.__setattr__(pipe, name, _compiled_component(name, component, mesh))
+            object.__setattr__(pipe, name, _compiled_component(name, component, mesh, matmul_precision))
         elif component is not None and hasattr(component, "__dict__"):
             _env.move_tensors(component)
     pipe.__class__ = _on_jax_class(type(pipe))
     pipe.hfjax_path = "per-step"
     pipe.hfjax_whole_loop = whole_loop  # may be changed between calls
+    pipe.hfjax_matmul_precision = matmul_precision
     _whole_loop.install(pipe)
     return pipe
 
@@ -234,6 +242,7 @@ def load_pipeline(
     dtype: str | None = None,
     mesh=None,
     whole_loop: WholeLoop = False,
+    matmul_precision: _precision.Precision | None = None,
 ):
     """Loads a diffusers pipeline (a local directory or a hub id) and runs it on JAX.
 
@@ -244,6 +253,7 @@ def load_pipeline(
       dtype: "float32", "bfloat16" or "float16" (or a torch / jnp dtype); "auto" or None: the checkpoint's.
       mesh: a `jax.sharding.Mesh`: as for `to_jax`.
       whole_loop: as for `to_jax`.
+      matmul_precision: as for `to_jax`.
 
     Returns:
       The pipeline, running on JAX.
@@ -259,7 +269,7 @@ def load_pipeline(
     DiffusionPipeline = _diffusers().DiffusionPipeline
     options = {"torch_dtype": _dtypes.torch_dtype(dtype)} if dtype else {}
     pipe = DiffusionPipeline.from_pretrained(path, **options)
-    return to_jax(pipe, whole_loop=whole_loop, mesh=mesh)
+    return to_jax(pipe, whole_loop=whole_loop, mesh=mesh, matmul_precision=matmul_precision)
 
 
 def _diffusers():

@@ -29,7 +29,7 @@ import jax.numpy as jnp
 import torch
 from torchax.tensor import Tensor as JaxTensor
 
-from .. import _compile, _env
+from .. import _compile, _env, _precision
 from .._compile import JittedModule
 from .._errors import DataDependentError
 
@@ -228,8 +228,9 @@ def install(pipe) -> None:
         denoiser = getattr(pipe, name, None)
         if isinstance(denoiser, JittedModule):
             looped = _looping(type(denoiser))(
-                denoiser.module, ("forward",), params=denoiser.params, aliases=denoiser._aliases
-            )
+                denoiser.module, ("forward",), params=denoiser.params, aliases=denoiser._aliases,
+                matmul_precision=denoiser.matmul_precision,
+            )  # fmt: skip
             for attribute, value in vars(denoiser).items():  # what was set after construction (a mesh)
                 vars(looped).setdefault(attribute, value)
             object.__setattr__(pipe, name, looped)
@@ -324,8 +325,10 @@ def _run_whole_loop(session, scheduler, model_output, timestep, sample, args, kw
     statics = tuple(
         sorted((k, v) for k, v in vars(scheduler).items() if isinstance(v, (int, float, str, bool, type(None))))
     )
+    precision = _precision.resolve(denoiser.matmul_precision)  # the denoiser's program, traced inside, has it too
     key = (
         shape,
+        precision,
         cond_key,
         step_key,
         type(scheduler),
@@ -348,6 +351,7 @@ def _run_whole_loop(session, scheduler, model_output, timestep, sample, args, kw
             model_output,
             step_arrays,
             generator,
+            precision,
         )
     program = programs[key]
     noise = [_draw(shape_, kwargs_, generator) for shape_, kwargs_ in program.draws]
@@ -387,6 +391,7 @@ def _build_loop(
     model_output,
     step_arrays,
     generator,
+    precision: str,
 ) -> _LoopProgram:
     environment = _env.env()
     template = copy.copy(scheduler)
@@ -498,6 +503,7 @@ def _build_loop(
                     denoiser,
                     params,
                     {**cond, shape.sample_name: JaxTensor(x, environment), "timestep": JaxTensor(t, environment)},
+                    precision,
                 )
             eps = out[0].jax()
             if shape.guidance:
@@ -512,7 +518,7 @@ def _build_loop(
         _, rest_latents = jax.lax.scan(body, (latents, carry), (jnp.arange(1, n), stacked))
         return jnp.concatenate([latents[None], rest_latents])
 
-    return _LoopProgram(jax.jit(whole), list(draws))
+    return _LoopProgram(_compile.jit_program(_precision.under(precision, whole), stage="whole loop"), list(draws))
 
 
 def _scheduler_step(scheduler, eps, t, x, step_args):
@@ -520,9 +526,10 @@ def _scheduler_step(scheduler, eps, t, x, step_args):
     return type(scheduler).step(scheduler, eps, t, x, *args, return_dict=False, **kwargs)[0]
 
 
-def _call_denoiser(denoiser: JittedModule, params, kwargs: dict):
+def _call_denoiser(denoiser: JittedModule, params, kwargs: dict, precision: str):
     # The denoiser's program, called with the weights the whole loop was given, so they
-    # stay arguments of the outer program rather than constants folded into it.
-    program, dynamic = denoiser._program("forward", (), kwargs)
+    # stay arguments of the outer program rather than constants folded into it; and with its
+    # precision, whenever the loop is traced.
+    program, dynamic = denoiser._program("forward", (), kwargs, precision)
     out_arrays, _, _ = program.jitted(params, dynamic, _env.prng_key())
     return _env.to_torch(_compile._merge(program.out_treedef, out_arrays, program.out_statics))

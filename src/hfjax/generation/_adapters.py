@@ -50,6 +50,7 @@ class CacheAdapter:
         self.config = module.config
         self.takes_positions = _accepts(module, "position_ids")
         self.takes_logits_to_keep = _accepts(module, "logits_to_keep")
+        self.cache_keyword = _caches.cache_keyword(module)
 
     def prefill(self, ids, mask, sequence, full_mask, offset: int, inputs: dict):
         """(past, encoder output or None, logits [B, V]) after the prompt.
@@ -91,32 +92,28 @@ class StaticCacheAdapter(CacheAdapter):
         # linear-attention or mamba layer zeroes its input's pads by the mask's last P columns
         # (create_recurrent_attention_mask), which in the buffer's mask are future columns.
         seen = mask if any(_caches.recurrent(layer) for layer in cache.layers) else full_mask
-        kwargs = {"use_cache": True, "past_key_values": cache, "attention_mask": _env.to_torch(seen)}
+        kwargs = {"use_cache": True, self.cache_keyword: cache, "attention_mask": _env.to_torch(seen)}
         if self.takes_logits_to_keep:
             kwargs["logits_to_keep"] = 1
         if "position_ids" not in inputs:
             kwargs = self._positions(kwargs, _positions_of(mask))
         kwargs.update({name: _env.to_torch(value) for name, value in inputs.items()})
         out = self.module(input_ids=_env.to_torch(ids), **kwargs)
-        return _env.to_jax(out.past_key_values), None, _last_logits(out)
+        return _env.to_jax(_own_cache(out)), None, _last_logits(out)
 
     def step(self, state, token, slot, window: int):
         kwargs = {
             "use_cache": True,
-            "past_key_values": _env.to_torch(state.cache),
+            self.cache_keyword: _env.to_torch(state.cache),
             "attention_mask": _env.to_torch(state.mask[:, :window]),
         }
         out = self.module(input_ids=_env.to_torch(token), **self._positions(kwargs, state.next_position[:, None] - 1))
-        return _env.to_jax(out.past_key_values), _last_logits(out)
+        return _env.to_jax(_own_cache(out)), _last_logits(out)
 
 
 class StateCacheAdapter(CacheAdapter):
     kind = "state"
     reorders_beams = False
-
-    def __init__(self, module):
-        super().__init__(module)
-        self.cache_argument = "cache_params" if _accepts(module, "cache_params") else "past_key_values"
 
     def prefill(self, ids, mask, sequence, full_mask, offset: int, inputs: dict):
         kwargs = {"use_cache": True, "attention_mask": _env.to_torch(mask)}
@@ -126,7 +123,7 @@ class StateCacheAdapter(CacheAdapter):
         return _env.to_jax(_own_cache(out)), None, _last_logits(out)
 
     def step(self, state, token, slot, window: int):
-        kwargs = {"use_cache": True, self.cache_argument: _env.to_torch(state.cache)}
+        kwargs = {"use_cache": True, self.cache_keyword: _env.to_torch(state.cache)}
         out = self.module(input_ids=_env.to_torch(token), **self._positions(kwargs, state.next_position[:, None] - 1))
         return _env.to_jax(_own_cache(out)), _last_logits(out)
 
@@ -156,13 +153,27 @@ class EncoderDecoderAdapter(CacheAdapter):
         # The cross-attention mask is the encoder's input mask where it covers the encoder's output
         # (token inputs); a mask over feature frames (speech) is not one.
         encoder = (hidden, mask if mask.shape[1] == hidden.shape[1] else None)
-        out = self.module(**_decoder_inputs(encoder, sequence[:, :offset], full_mask, cache, self.encoder_output))
-        return _env.to_jax(out.past_key_values), encoder, _last_logits(out)
+        out = self.module(**self._decoder_inputs(encoder, sequence[:, :offset], full_mask, cache))
+        return _env.to_jax(_own_cache(out)), encoder, _last_logits(out)
 
     def step(self, state, token, slot, window: int):
         cache = _env.to_torch(state.cache)
-        out = self.module(**_decoder_inputs(state.encoder, token, state.mask, cache, self.encoder_output))
-        return _env.to_jax(out.past_key_values), _last_logits(out)
+        out = self.module(**self._decoder_inputs(state.encoder, token, state.mask, cache))
+        return _env.to_jax(_own_cache(out)), _last_logits(out)
+
+    def _decoder_inputs(self, encoder, token, decoder_mask, cache) -> dict:
+        from transformers.modeling_outputs import BaseModelOutput
+
+        hidden, encoder_mask = encoder  # [B, P, H], [B, P] or None
+        # The encoder's other output fields are None, as an encoder run without output_* flags gives them.
+        return {
+            "encoder_outputs": (self.encoder_output or BaseModelOutput)(last_hidden_state=_env.to_torch(hidden)),
+            "attention_mask": None if encoder_mask is None else _env.to_torch(encoder_mask),
+            "decoder_input_ids": _env.to_torch(token),
+            "decoder_attention_mask": _env.to_torch(decoder_mask),
+            self.cache_keyword: cache,
+            "use_cache": True,
+        }
 
 
 class RecomputeAdapter(CacheAdapter):
@@ -205,24 +216,7 @@ def _positions_of(mask):
 
 
 def _own_cache(out):
-    for field in ("past_key_values", "cache_params"):
-        if getattr(out, field, None) is not None:
-            return getattr(out, field)
-    raise GenerationError(
-        f"{type(out).__name__} returned no cache (past_key_values / cache_params) with use_cache=True"
-    )
-
-
-def _decoder_inputs(encoder, token, decoder_mask, cache, encoder_output=None) -> dict:
-    from transformers.modeling_outputs import BaseModelOutput
-
-    hidden, encoder_mask = encoder  # [B, P, H], [B, P] or None
-    # The encoder's other output fields are None, as an encoder run without output_* flags gives them.
-    return dict(
-        encoder_outputs=(encoder_output or BaseModelOutput)(last_hidden_state=_env.to_torch(hidden)),
-        attention_mask=None if encoder_mask is None else _env.to_torch(encoder_mask),
-        decoder_input_ids=_env.to_torch(token),
-        decoder_attention_mask=_env.to_torch(decoder_mask),
-        past_key_values=cache,
-        use_cache=True,
-    )
+    cache = _caches.returned_cache(out)
+    if cache is None:
+        raise GenerationError(f"{type(out).__name__} returned no cache with use_cache=True")
+    return cache

@@ -26,6 +26,25 @@ def static_cache(config, length: int):
     return cache
 
 
+def cache_keyword(module) -> str:
+    """The name under which `module.forward` takes its cache: `cache` (transformers 5.24, which
+    deprecated the others), else the model's own `cache_params` (mamba before 5.24), else
+    `past_key_values`. A forward that takes **kwargs would swallow an old name silently."""
+    import inspect
+
+    parameters = inspect.signature(module.forward).parameters
+    return next((name for name in ("cache", "cache_params") if name in parameters), "past_key_values")
+
+
+def returned_cache(out):
+    """The cache a forward returned (transformers 5.24: `cache`; before: `past_key_values`, or mamba's
+    `cache_params`), or None."""
+    for field in ("cache", "past_key_values", "cache_params"):
+        if field in out.keys():
+            return out[field]
+    return None
+
+
 def recurrent(layer) -> bool:
     """Whether a cache layer holds a linear-attention or mamba layer's states."""
     from transformers import cache_utils

@@ -34,7 +34,7 @@ import jax.numpy as jnp
 import numpy as np
 import torch
 
-from .. import _backend, _compile, _env, _specialize
+from .. import _backend, _compile, _env, _precision, _specialize
 from .._errors import DataDependentError, GenerationError
 from ..parallel import _mesh
 from . import _caches, _choose, _multimodal, _planning, _programs, _sampling
@@ -119,6 +119,7 @@ class Generator:
         (for encoder-decoders [.., D + T]: the decoder prompt, then the new tokens); or
         transformers' Generate*Output."""
         start = time.perf_counter()
+        precision = _precision.resolve(self.model.matmul_precision)  # of this call's programs
         beam = settings.beam
         if beam is not None and streamer is not None:
             raise GenerationError(
@@ -149,7 +150,7 @@ class Generator:
                     f"{_mesh.data_size(self.model.mesh)} devices: hfjax does not split them over it yet; use a mesh "
                     "with data=1 (the weights may still be split over 'model')"
                 )
-            with self._bound(self.model.params):
+            with self._bound(self.model.params), _precision.products(precision):
                 inputs = _multimodal.encode_images_eagerly(self.module, inputs)
             extra = _multimodal.prefill_inputs(self.module, plan, inputs, ids.shape[1])
         batch = plan.prompts * plan.per_prompt  # the rows the caller sees, without beam search
@@ -171,12 +172,12 @@ class Generator:
             # plain containers, which jax.export can keep; the static part is in the key
             extra_args = None if extra is None else (extra.model_inputs, extra.position_shift)
             prefill_args += jax.tree_util.tree_map(self._place, (extra_args, plan.ngram_source))
-        prefill_function = functools.partial(
+        prefill_function = _precision.under(precision, functools.partial(
             self._prefill_flat, layout=layout, offset=plan.offset, settings=compiled,
             static=() if extra is None else extra.static,
-        )  # fmt: skip
+        ))  # fmt: skip
         leaves, fields = self._run_prefill(
-            ("prefill", plan.rows, plan.size, plan.total, compiled, *_multimodal.signature(extra)),
+            ("prefill", plan.rows, plan.size, plan.total, compiled, precision, *_multimodal.signature(extra)),
             prefill_function, prefill_args, metadata=lambda: {"fields": self._slices[layout]},
         )  # fmt: skip
 
@@ -188,12 +189,12 @@ class Generator:
         if streamer is not None:
             streamer.put(torch.as_tensor(first.astype(np.int64)))
         limit = settings.max_new_tokens
-        decode_function = functools.partial(
+        decode_function = _precision.under(precision, functools.partial(
             self._decode_flat, layout=layout, offset=plan.offset, settings=compiled, windows=windows,
             trace_prefill=lambda: jax.eval_shape(prefill_function, *prefill_args),
-        )  # fmt: skip
+        ))  # fmt: skip
         decode = functools.partial(
-            self._run_decode, ("decode", *layout, windows), decode_function, fields=fields
+            self._run_decode, ("decode", *layout, windows, precision), decode_function, fields=fields
         )  # fmt: skip
         steps = 1
         if streamer is None:

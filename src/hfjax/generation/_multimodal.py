@@ -31,6 +31,8 @@ _ENGINE_ARGUMENTS = frozenset(
         "attention_mask",
         "position_ids",
         "past_key_values",
+        "cache",
+        "cache_params",
         "inputs_embeds",
         "cache_position",
         "use_cache",

@@ -31,7 +31,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from .. import _buckets, _loading
+from .. import _buckets, _loading, _precision
 from .._errors import GenerationError, ServingError
 from ..generation import _programs
 from . import _slots
@@ -224,6 +224,7 @@ class Engine:
             else None
         )
         self.programs = _programs.ProgramCache(fingerprint)
+        self.precision = _precision.resolve(model.matmul_precision)  # of every program, fixed for the engine's life
         self._cache = None  # [(keys, values)] per layer, [S, heads, L, head_dim]
         self._slots: list[Request | None] = [None] * max_batch
         self._cached: list[list[int]] = [[] for _ in range(max_batch)]  # token ids whose keys each row holds
@@ -546,8 +547,9 @@ class Engine:
             jnp.asarray(ids), jnp.asarray(start), jnp.asarray(count), jnp.asarray(last), *self._settings(requests),
         )  # fmt: skip
         program = self.programs.get(
-            ("prefill", self.max_batch, self.max_model_len, self.prefill_chunk, rows, window),
-            functools.partial(self._prefill_program, window=window), args, metadata=dict, donate=(1, 2, 3),
+            ("prefill", self.max_batch, self.max_model_len, self.prefill_chunk, rows, window, self.precision),
+            _precision.under(self.precision, functools.partial(self._prefill_program, window=window)), args,
+            metadata=dict, donate=(1, 2, 3),
         )  # fmt: skip
         self._cache, self._tokens, self._device_positions, chosen = program.run(*args)
         for i, request in enumerate(requests):
@@ -582,9 +584,12 @@ class Engine:
             self._sent(f"count {steps}", np.int32(steps)), *self._settings(self._slots),
         )  # fmt: skip
         program = self.programs.get(
-            ("decode", self.max_batch, self.max_model_len, self.max_decode_steps, rows, window),
-            functools.partial(self._decode_program, steps=self.max_decode_steps, rows=rows, window=window), args,
-            metadata=dict, donate=(1, 2, 3),
+            ("decode", self.max_batch, self.max_model_len, self.max_decode_steps, rows, window, self.precision),
+            _precision.under(
+                self.precision,
+                functools.partial(self._decode_program, steps=self.max_decode_steps, rows=rows, window=window),
+            ),
+            args, metadata=dict, donate=(1, 2, 3),
         )  # fmt: skip
         self._cache, self._tokens, self._device_positions, chosen = program.run(*args)
         self._positions = np.where(active, self._positions + steps, self._positions).astype(np.int32)

@@ -97,6 +97,7 @@ class SlotModel:
         self.layer_class = _slot_layer_class()
         self.boolean_mask = getattr(self.config, "_attn_implementation", "sdpa") != "eager"
         self.module_names = {id(m): n for n, m in self.module.named_modules()}
+        self.cache_keyword = _caches.cache_keyword(self.module)
 
     def cache_shapes(self) -> list[tuple[jax.ShapeDtypeStruct, jax.ShapeDtypeStruct]]:
         """Each layer's (keys, values) shape for S slots, read from an abstract run of the model."""
@@ -105,8 +106,10 @@ class SlotModel:
             cache = _caches.static_cache(self.config, self.length)
             with self.bound(params):
                 ids = _env.to_torch(jnp.zeros((1, 1), jnp.int32))
-                out = self.module(input_ids=ids, past_key_values=cache, use_cache=True)
-            return [(_env.to_jax(layer.keys), _env.to_jax(layer.values)) for layer in out.past_key_values.layers]
+                out = self.module(input_ids=ids, use_cache=True, **{self.cache_keyword: cache})
+            return [
+                (_env.to_jax(layer.keys), _env.to_jax(layer.values)) for layer in _caches.returned_cache(out).layers
+            ]
 
         shapes = jax.eval_shape(one_token, self.model.params)
         return [tuple(jax.ShapeDtypeStruct((self.slots, *s.shape[1:]), s.dtype) for s in pair) for pair in shapes]
@@ -136,7 +139,7 @@ class SlotModel:
         else:
             dtype = cache[0][0].dtype
             mask = jnp.where(allowed, jnp.zeros((), dtype), jnp.finfo(dtype).min)
-        kwargs = {"use_cache": True, "past_key_values": past, "attention_mask": _env.to_torch(mask)}
+        kwargs = {"use_cache": True, self.cache_keyword: past, "attention_mask": _env.to_torch(mask)}
         kwargs["position_ids"] = _env.to_torch(positions)
         if keep is not None and "logits_to_keep" in _accepts(self.module):
             kwargs["logits_to_keep"] = _env.to_torch(keep)

@@ -716,7 +716,7 @@ def _generic_overrides(defaults: Mapping[str, Any]) -> dict[str, Any]:
     backbone = defaults.get("backbone_config")
     if isinstance(backbone, dict) and backbone.get("model_type") == "timm_backbone":
         # DETR's timm resnet50 as transformers' ResNet: the timm package is an optional extra.
-        resnet = transformers.CONFIG_MAPPING["resnet"]().to_dict()
+        resnet = default_config("resnet").to_dict()
         stages = [f"stage{i}" for i in backbone.get("out_indices") or (1, 2, 3, 4)]
         overrides["backbone_config"] = {"model_type": "resnet", **_generic_overrides(resnet), "out_features": stages}
         overrides.update({k: False for k in ("use_timm_backbone", "use_pretrained_backbone") if k in defaults})
@@ -787,12 +787,40 @@ def _text_model_types() -> dict[str, Kind]:
     return kinds
 
 
+# transformers 5.17's composite configs take no defaults (5.23 and later give these): (model_type, fields) per part
+_COMPOSITE_DEFAULTS = {
+    "encoder-decoder": {
+        "encoder": ("bert", {}),
+        "decoder": ("bert", {"is_decoder": True, "add_cross_attention": True}),
+    },
+    "vision-encoder-decoder": {
+        "encoder": ("vit", {}),
+        "decoder": ("bert", {"is_decoder": True, "add_cross_attention": True}),
+    },
+    "speech-encoder-decoder": {
+        "encoder": ("wav2vec2", {}),
+        "decoder": ("bert", {"is_decoder": True, "add_cross_attention": True}),
+    },
+}
+
+
+def default_config(model_type: str) -> transformers.PretrainedConfig:
+    """transformers' config of `model_type` with its defaults (a composite one: its parts' defaults)."""
+    if model_type not in _COMPOSITE_DEFAULTS:
+        return transformers.CONFIG_MAPPING[model_type]()
+    parts = {
+        name: transformers.AutoConfig.for_model(part, **fields).to_dict()
+        for name, (part, fields) in _COMPOSITE_DEFAULTS[model_type].items()
+    }
+    return transformers.CONFIG_MAPPING[model_type](**parts)
+
+
 @functools.cache
 def _generic_family(model_type: str) -> Family | None:
     kind = _text_model_types().get(model_type)
     if kind is None or model_type not in transformers.CONFIG_MAPPING:
         return None
-    defaults = transformers.CONFIG_MAPPING[model_type]().to_dict()
+    defaults = default_config(model_type).to_dict()
     return Family(kind, _with_fixes(model_type, _generic_overrides(defaults)), curated=False)
 
 

@@ -222,13 +222,13 @@ def save_generic_media_checkpoint(
 def generic_media_config(model_type: str, *, task: str, **config_overrides: Any) -> transformers.PretrainedConfig:
     """The tiny config `save_generic_media_checkpoint` writes: the model_type's defaults shrunk by field
     name, with its `_GENERIC_FIXES`, labels for image classification, then `config_overrides`."""
-    from ._families import _generic_overrides, _with_fixes
+    from ._families import _generic_overrides, _with_fixes, default_config
 
     if task not in (*MEDIA_TASKS, "image-text-to-text"):
         raise ValueError(f"Unknown media task {task!r}. Use one of: {', '.join(MEDIA_TASKS)}, image-text-to-text.")
     if model_type not in transformers.CONFIG_MAPPING:
         raise ValueError(f"Unknown model family {model_type!r}: not a transformers model_type.")
-    defaults = transformers.CONFIG_MAPPING[model_type]().to_dict()
+    defaults = default_config(model_type).to_dict()
     overrides = _with_fixes(model_type, _generic_overrides(defaults))
     if task == "image-classification":
         overrides.update(_LABELS)

@@ -207,8 +207,7 @@ def tiny_processor(family: str):
     family's image tokens, and a chat template that takes image parts."""
     spec = _spec(family)
     tokenizer = _tokenizer.build("causal", family, dict(spec.tokens))
-    image_class, image_kwargs = spec.image_processor
-    image_processor = getattr(transformers, image_class)(**image_kwargs)
+    image_processor = _image_processor(spec)
     processor_class, processor_kwargs = spec.processor
     if processor_class == "Qwen2VLProcessor" and not transformers.utils.is_torchvision_available():
         raise ImportError(
@@ -224,8 +223,30 @@ def tiny_processor_parts(family: str):
     spec = _spec(family)
     tokenizer = _tokenizer.build("causal", family, dict(spec.tokens))
     tokenizer.chat_template = spec.chat_template
-    image_class, image_kwargs = spec.image_processor
-    return tokenizer, getattr(transformers, image_class)(**image_kwargs)
+    return tokenizer, _image_processor(spec)
+
+
+def _image_processor(spec):
+    name, kwargs = spec.image_processor
+    try:
+        return getattr(transformers, name)(**kwargs)
+    except ImportError:
+        # transformers 5.17's lazy table marks some PIL image processors (Idefics3's) as needing
+        # torchvision; their own module imports without it.
+        import importlib
+        import pkgutil
+
+        folded = name.lower()
+        family = max(
+            (
+                m.name
+                for m in pkgutil.iter_modules(transformers.models.__path__)
+                if folded.startswith(m.name.replace("_", ""))
+            ),
+            key=len,
+        )
+        module = importlib.import_module(f"transformers.models.{family}.image_processing_pil_{family}")
+        return getattr(module, name)(**kwargs)
 
 
 def tiny_vision_language_config(family: str, **overrides: Any) -> transformers.PretrainedConfig:

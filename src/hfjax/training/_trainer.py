@@ -12,7 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from .. import _dtypes
+from .. import _compile, _dtypes, _precision
 from .._errors import TrainingError
 from .._model import Model
 from ..parallel import _mesh
@@ -102,7 +102,7 @@ class Trainer:
             trainable_names = self.lora.trainable
             self._model = Model(
                 module, params, aliases, config=model.config, tokenizer=model.tokenizer, task=model.task,
-                path=None, mesh=model.mesh,
+                path=None, mesh=model.mesh, matmul_precision=model.matmul_precision,
             )  # fmt: skip
             self._model._generation_config = model.generation_config
         self._module, self._aliases = module, aliases
@@ -136,18 +136,24 @@ class Trainer:
         self._traces = 0
         step = _program.step_function(module, aliases, self.settings, optimizer)
 
-        def counted_step(*args):
+        # precision: of float32 products (hfjax._precision), static: a new setting traces a new program
+        def counted_step(*args, precision):
             self._traces += 1
-            return step(*args)
+            with _precision.products(precision):
+                return step(*args)
 
-        self._step = jax.jit(counted_step, donate_argnums=(0, 2, 3))
+        self._step = _compile.jit_program(
+            counted_step, stage="train step", donate_argnums=(0, 2, 3), static_argnames="precision"
+        )
         evaluation = _program.loss_function(
             module, aliases, _program.StepSettings(compute_dtype=compute_dtype, dropout=False)
         )
-        # No dropout in evaluation: the key is never drawn from.
-        self._loss = jax.jit(
-            lambda trainable, frozen, batch: evaluation(trainable, frozen, jax.random.PRNGKey(0), batch)[0]
-        )
+
+        def evaluation_loss(trainable, frozen, batch, *, precision):
+            with _precision.products(precision):  # no dropout in evaluation: the key is never drawn from
+                return evaluation(trainable, frozen, jax.random.PRNGKey(0), batch)[0]
+
+        self._loss = _compile.jit_program(evaluation_loss, stage="evaluation loss", static_argnames="precision")
 
     # -- training ----------------------------------------------------------------
 
@@ -167,7 +173,7 @@ class Trainer:
         batch = self._place(batch)
         with _env_errors(self._module):
             self.trainable, self.opt_state, self.key, metrics = self._step(
-                self.trainable, self.frozen, self.opt_state, self.key, batch
+                self.trainable, self.frozen, self.opt_state, self.key, batch, precision=self._precision()
             )
         self.step_count += 1
         self._publish()
@@ -177,7 +183,8 @@ class Trainer:
 
     def evaluate(self, batches) -> float:
         """The mean of the module's loss over `batches` (each weighs the same), without dropout."""
-        losses = [self._loss(self.trainable, self.frozen, self._place(batch)) for batch in batches]
+        precision = self._precision()
+        losses = [self._loss(self.trainable, self.frozen, self._place(batch), precision=precision) for batch in batches]
         if not losses:
             raise TrainingError("Trainer.evaluate: got no batches; pass an iterable of batches with labels")
         return float(np.mean(jax.device_get(losses)))
@@ -386,6 +393,10 @@ class Trainer:
             config.inference_mode = was
         if self._model.tokenizer is not None:
             self._model.tokenizer.save_pretrained(directory)
+
+    def _precision(self) -> str:
+        # The precision of the step's float32 products: the model's, else torch's setting now.
+        return _precision.resolve(self._base.matmul_precision)
 
     def _place(self, batch: dict) -> dict:
         if not isinstance(batch, dict) or not batch:
