@@ -46,12 +46,16 @@ async def run(args, checkpoint: pathlib.Path, work: pathlib.Path, sides: dict) -
             saved = dict(os.environ)
             os.environ.update(env)
             try:
-                process = serve.start_server("hfjax", checkpoint, port, args, work, shlex.split(flags))
+                tuned = ["--max-batch", str(args.max_batch), "--max-model-len", str(args.max_model_len),
+                         "--prefill-chunk", str(args.prefill_chunk), "--prefill-rows", str(args.prefill_rows),
+                         "--decode-steps", str(args.decode_steps)]  # fmt: skip
+                process = serve.start_server("hfjax", checkpoint, port, work, [*tuned, *shlex.split(flags)])
             finally:
                 os.environ.clear()
                 os.environ.update(saved)
             servers[name] = (url, process)
             await serve.wait_up(url, process)
+            await serve.wait_compiled(url)
             await serve.run_level(url, "bench", args.prompt_tokens, args.new_tokens, 1, 2)  # first requests
             await serve.run_level(url, "bench", args.prompt_tokens, args.new_tokens, args.concurrency, args.concurrency)
         levels = {"A": [], "B": []}

@@ -3,6 +3,7 @@
     python benchmarks/decode.py                 # 20M and 150M Llama, prompts 16/512, batch 1/8, 128 tokens
     python benchmarks/decode.py --quick         # 20M only, prompt 16, 32 tokens, 1 run (~3 min on 2 cores)
     python benchmarks/decode.py --gpu-llama-1b  # Llama-3.2-1B-shaped, bfloat16, on a GPU
+    python benchmarks/decode.py --quantize int8,int4    # and hfjax with quantized weights beside float32's
 
 Methods, each timed on the same random-weight checkpoint and the same random prompts:
   hfjax          model.generate: a compiled prefill, then the whole decode loop as one XLA program (while_loops)
@@ -10,8 +11,19 @@ Methods, each timed on the same random-weight checkpoint and the same random pro
                  transformers model, a StaticCache as a pytree), one host round trip per token
   torch_dynamic  transformers generate, PyTorch eager, dynamic cache
   torch_static   transformers generate, PyTorch eager, cache_implementation="static"
-  torch_compile  transformers generate with cache_implementation="static" and a CompileConfig
-                 (fullgraph=True): transformers torch.compiles the decode step
+  torch_compile  transformers generate with one StaticCache kept across calls (reset in place, so
+                 its tensors keep their addresses) and a CompileConfig (fullgraph=True, mode
+                 reduce-overhead): transformers torch.compiles the decode step, which CUDA graphs
+                 replay on a GPU. The row says whether they did: torch.cuda.CUDAGraph.replay calls
+                 counted over the timed runs (at least one per decode step) and inductor's
+                 cudagraph_skips counter (zero). A cache made per call would be re-recorded each call.
+
+With --quantize, each mode adds a method "hfjax_<mode>": `hfjax.load(path, quantize=mode)` of the same
+checkpoint, timed as hfjax is. Its rows add the weight bytes read per token (quantized weights and
+their scales as held, plus the float embedding row and LM head) and the fraction of the bandwidth
+ceiling at those bytes; "quantized" in the report gives its tokens/s over float hfjax's in the same
+run. A worker process per mode also reports the peak host memory of quantizing while loading the
+largest model (anonymous memory, sampled every millisecond), beside the checkpoint's size.
 
 Every method generates exactly --new-tokens tokens (min_new_tokens = max_new_tokens) greedily.
 Decode tokens/s is (new tokens - 1) / (total - time to first token), per sequence; "total"
@@ -38,9 +50,10 @@ import sys
 import tempfile
 import time
 
-from shapes import LLAMA_1B, LLAMA_20M, LLAMA_150M
+from shapes import LLAMA_1B, LLAMA_20M, LLAMA_150M, LLAMA_TINY
 
 SIZES = {
+    "tiny": LLAMA_TINY,  # plumbing checks only (benchmarks/accelerator.py --cpu-dry-run)
     "20m": LLAMA_20M,
     "150m": LLAMA_150M,
     "llama-1b": LLAMA_1B,
@@ -59,6 +72,9 @@ TARGETS = dict(
     batch8_over_batch1=5.0,
     gpu_fraction_of_ceiling=0.80,
 )
+QUANTIZE_MODES = ("int8", "fp8", "int4")
+QUANTIZED_TARGETS = {"int8": 2.0, "int4": 3.0}  # over float32 hfjax on the CPU (150M Llama, batch 1)
+GPU_QUANTIZED_TARGETS = {"fp8": 1.6, "int8": 1.6}  # over bfloat16 hfjax on a GPU (Llama-3.2-1B)
 _WARMUP_TOKENS = 4  # eager warm-up length; compiled paths warm up at full length (their shapes depend on it)
 _WORKER_TIMEOUT_S = 3600
 
@@ -126,13 +142,16 @@ def torch_worker(args) -> dict:
     ids = torch.as_tensor(prompt_ids(args.batch, args.prompt, model.config.vocab_size)).to(device)
     options = dict(attention_mask=torch.ones_like(ids), do_sample=False, pad_token_id=0, num_beams=args.num_beams)
     beams = args.num_beams > 1  # transformers streams no beam search: time to first token is not measured
-    if args.method != "torch_dynamic":
+    cache = None
+    if args.method == "torch_static":
         options["cache_implementation"] = "static"
     if args.method == "torch_compile":
         compile_config = transformers.CompileConfig(fullgraph=True)
         # generate compiles on accelerators only unless told otherwise; CPU is what we measure here.
         compile_config._compile_all_devices = True
         options["compile_config"] = compile_config
+        cache = transformers.StaticCache(config=model.config, max_cache_len=args.prompt + args.new_tokens)
+        replays = _count_graph_replays(torch) if device == "cuda" else None
 
     def sync():
         if device == "cuda":
@@ -152,6 +171,10 @@ def torch_worker(args) -> dict:
 
     def once(n: int) -> tuple[Timing, object]:
         streamer = None if beams else FirstToken()
+        if cache is not None:
+            with torch.inference_mode():  # its tensors were made in inference mode
+                cache.reset()
+            options["past_key_values"] = cache
         sync()
         start = time.perf_counter()
         with torch.inference_mode():
@@ -164,6 +187,7 @@ def torch_worker(args) -> dict:
     compiled = args.method == "torch_compile"
     try:
         first, _ = once(args.new_tokens if compiled else _WARMUP_TOKENS)
+        replayed_before = replays["count"] if compiled and replays is not None else 0
         results = [once(args.new_tokens) for _ in range(args.runs)]
     except Exception as error:  # reported in the JSON line (e.g. inductor failing on this machine)
         return {"error": f"{type(error).__name__}: {str(error)[:800]}"}
@@ -172,8 +196,40 @@ def torch_worker(args) -> dict:
     if compiled:
         summary["compile_s"] = first.total - summary["total_s"]
         summary["compile_mode"] = dict(fullgraph=True, mode=compile_config.mode, backend=compile_config.backend)
+        summary["cuda_graphs"] = _graph_evidence(torch, replays, replayed_before, args.runs * (args.new_tokens - 1))
     summary["tokens"] = results[0][1][:, args.prompt :].tolist()
     return summary
+
+
+def _count_graph_replays(torch) -> dict:
+    """{"count": CUDA graph replays so far}: torch.compile's CUDA graph trees replay a recorded
+    graph through torch.cuda.CUDAGraph.replay, wrapped here to count the calls."""
+    replays = {"count": 0}
+    original = torch.cuda.CUDAGraph.replay
+
+    def replay(graph):
+        replays["count"] += 1
+        return original(graph)
+
+    torch.cuda.CUDAGraph.replay = replay
+    return replays
+
+
+def _graph_evidence(torch, replays: dict | None, before: int, decode_steps: int) -> dict:
+    """Whether the compiled decode steps ran as CUDA graphs over the timed runs."""
+    if replays is None:
+        return {"applies": False, "why": "CUDA graphs exist on CUDA devices only"}
+    from torch._dynamo.utils import counters
+
+    replayed = replays["count"] - before
+    skips = int(counters["inductor"]["cudagraph_skips"])
+    return {
+        "applies": True,
+        "replays_in_timed_runs": replayed,
+        "decode_steps_in_timed_runs": decode_steps,
+        "cudagraph_skips": skips,
+        "verified": replayed >= decode_steps and skips == 0,
+    }
 
 
 def run_worker(kind: str, env: dict, **flags) -> dict:
@@ -382,6 +438,70 @@ def run_hand_recipe(checkpoint, ids, new_tokens: int, runs: int, dtype: str) -> 
     return summary, results[0][1]
 
 
+def quantized_weight_bytes(model, config) -> dict:
+    """Bytes a quantized model reads per decoded token: every tensor as held (quantized weights with
+    their scales and zero points, float norms and LM head), the embedding table but one row."""
+    import math
+
+    held = {name: math.prod(a.shape) * a.dtype.itemsize for name, a in model.params.items()}
+    table = model.params["model.embed_tokens.weight"]
+    read = sum(held.values())
+    if not config.tie_word_embeddings:
+        read -= held["model.embed_tokens.weight"] - config.hidden_size * table.dtype.itemsize
+    return {"bytes_per_token": read, "quantized_layers": len(model.quantization.layers)}
+
+
+def load_memory_worker(args) -> dict:
+    """Peak anonymous memory (the process's own, not the page cache of the mapped files) while
+    `hfjax.load(checkpoint, quantize=mode)` runs, sampled every millisecond, beside the checkpoint's
+    size and its largest tensor."""
+    import math
+    import threading
+
+    import jax
+    from safetensors import safe_open
+
+    import hfjax
+
+    def anonymous() -> int:
+        with open("/proc/self/status") as f:
+            return int(next(line for line in f if line.startswith("RssAnon")).split()[1]) * 1024
+
+    # The runtime's own memory first (torch, transformers, XLA's client, the CPU kernels): a tiny load.
+    with tempfile.TemporaryDirectory() as scratch:
+        from hfjax import testing
+
+        hfjax.load(testing.save_tiny_checkpoint("llama", scratch), dtype=args.dtype, quantize=args.quantize)
+    before, peak, loading = anonymous(), [0], [True]
+
+    def watch():
+        while loading[0]:
+            peak[0] = max(peak[0], anonymous())
+            time.sleep(0.001)
+
+    watcher = threading.Thread(target=watch)
+    watcher.start()
+    model = hfjax.load(args.checkpoint, dtype=args.dtype, quantize=args.quantize)
+    jax.block_until_ready(model.params)
+    loading[0] = False
+    watcher.join()
+    files = sorted(pathlib.Path(args.checkpoint).glob("*.safetensors"))
+    largest = 0
+    for file in files:
+        with safe_open(file, framework="np") as f:
+            for key in f.keys():
+                piece = f.get_slice(key)
+                largest = max(largest, math.prod(piece.get_shape()) * (4 if piece.get_dtype() == "F32" else 2))
+    checkpoint_bytes = sum(file.stat().st_size for file in files)
+    return {
+        "mode": args.quantize,
+        "peak_bytes": peak[0] - before,
+        "checkpoint_bytes": checkpoint_bytes,
+        "largest_tensor_bytes": largest,
+        "below_checkpoint_plus_one_tensor": peak[0] - before < checkpoint_bytes + largest,
+    }
+
+
 def ttft_worker(args) -> dict:
     """Time to first token of the first generate call in a fresh process (HFJAX_CACHE_DIR set by the caller)."""
     start = time.perf_counter()
@@ -454,6 +574,10 @@ def benchmark(args, work: pathlib.Path, envs: dict[str, dict]) -> dict:
         info = weight_bytes(checkpoint, model.config, itemsize)
         report["models"][size] = info
         log(f"{size}: {info['params']:,} parameters, {info['bytes_per_token'] / 1e6:.1f} MB read per token")
+        quantized = {mode: hfjax.load(checkpoint, dtype=dtype, quantize=mode) for mode in args.quantize}
+        info["quantized"] = {mode: quantized_weight_bytes(q, q.config) for mode, q in quantized.items()}
+        for mode, held in info["quantized"].items():
+            log(f"{size} quantize={mode}: {held['bytes_per_token'] / 1e6:.1f} MB read per token")
         for prompt in args.prompts:
             for batch in args.batches:
                 config = dict(size=size, prompt=prompt, batch=batch)
@@ -495,6 +619,19 @@ def benchmark(args, work: pathlib.Path, envs: dict[str, dict]) -> dict:
                             row["common_prefix_with_hfjax"] = common_prefix(tokens, reference)
                     report["results"].append({**config, "method": method, **row})
                     log("    " + _describe(row))
+                for mode, quantized_model in quantized.items():
+                    log(f"  {size} prompt {prompt} batch {batch}: hfjax quantize={mode} ...")
+                    row, tokens = run_hfjax(
+                        quantized_model,
+                        jax.numpy.asarray(ids),
+                        args.new_tokens,
+                        args.runs,
+                        probe if batch == 1 and args.num_beams == 1 else None,
+                        args.num_beams,
+                    )
+                    row["common_prefix_with_hfjax"] = None if reference is None else common_prefix(tokens, reference)
+                    report["results"].append({**config, "method": f"hfjax_{mode}", **row})
+                    log("    " + _describe(row))
             if "hfjax" in methods and args.num_beams == 1 and 1 in args.batches:
                 for batch in (b for b in args.batches if b > 1):
                     log(f"  {size} prompt {prompt}: hfjax batch {batch} and batch 1 in turn, {args.pairs} pairs ...")
@@ -504,11 +641,18 @@ def benchmark(args, work: pathlib.Path, envs: dict[str, dict]) -> dict:
                         f"    batch {batch} over batch 1: median {scaling['median']:.2f} "
                         f"(pairs {', '.join(f'{r:.2f}' for r in scaling['pairs'])})"
                     )
-        del model
+        del model, quantized
 
     del probe
     if "hfjax" in methods and args.num_beams == 1:
         report["time_to_first_token_new_process"] = _new_process_ttft(args, work, envs["ttft"], dtype)
+    report["quantize"] = args.quantize
+    report["quantized_load_memory"] = {
+        mode: run_worker(
+            "load_memory", envs["torch"], checkpoint=work / _largest(args.sizes), dtype=dtype, quantize=mode
+        )
+        for mode in args.quantize
+    }
     probes.append(measure_bandwidth(args.gpu_llama_1b))
     report["bandwidth_probes"] = [probe for p in probes for probe in p["probes"]]
     adjacent = [gb for row in report["results"] for gb in row.get("runs_adjacent_gb_per_s", [])]
@@ -521,6 +665,7 @@ def benchmark(args, work: pathlib.Path, envs: dict[str, dict]) -> dict:
     )
     _add_ceilings(report)
     report["ratios"] = _ratios(report)
+    report["quantized"] = _quantized_ratios(report)
     report["batch8_over_batch1"] = {
         key: scaling["median"] for key, scaling in report["batch_scaling_alternated"].items()
     }
@@ -571,6 +716,11 @@ def _add_ceilings(report: dict) -> None:
     for row in report["results"]:
         if row["batch"] == 1 and "error" not in row:
             info = report["models"][row["size"]]
+            mode = row["method"].removeprefix("hfjax_") if row["method"].startswith("hfjax_") else None
+            if mode is not None:  # a quantized model reads its own bytes per token
+                info = dict(info, bytes_per_token=info["quantized"][mode]["bytes_per_token"])
+                info["ceiling_tokens_per_s"] = bandwidth / info["bytes_per_token"]
+                row["bytes_per_token"] = info["bytes_per_token"]
             row["fraction_of_ceiling"] = row["decode_tokens_per_s"] / info["ceiling_tokens_per_s"]
             if "runs_adjacent_gb_per_s" in row:
                 # Run by run: the bytes this run read per second over the bandwidth measured just before it.
@@ -578,6 +728,26 @@ def _add_ceilings(report: dict) -> None:
                     rate * info["bytes_per_token"] / (gb * 1e9)
                     for rate, gb in zip(row["runs_decode_tokens_per_s"], row["runs_adjacent_gb_per_s"])
                 )
+
+
+def _quantized_ratios(report: dict) -> dict:
+    """Per configuration and mode: quantized hfjax's decode tokens/s, bytes per token, fraction of
+    the ceiling at those bytes, and its tokens/s over float hfjax's in the same run."""
+    table = {}
+    for row in report["results"]:
+        if not row["method"].startswith("hfjax_") or "error" in row:
+            continue
+        mode = row["method"].removeprefix("hfjax_")
+        key = f"{row['size']}/p{row['prompt']}/b{row['batch']}"
+        float_row = _find(report, row["size"], row["prompt"], row["batch"], "hfjax")
+        table.setdefault(key, {})[mode] = {
+            "decode_tokens_per_s": row["decode_tokens_per_s"],
+            "bytes_per_token": report["models"][row["size"]]["quantized"][mode]["bytes_per_token"],
+            "fraction_of_ceiling": row.get("fraction_of_ceiling"),
+            "fraction_of_adjacent_ceiling": row.get("fraction_of_adjacent_ceiling"),
+            "over_hfjax": None if float_row is None else row["decode_tokens_per_s"] / float_row["decode_tokens_per_s"],
+        }
+    return table
 
 
 def _ratios(report: dict) -> dict:
@@ -629,6 +799,10 @@ def _targets(report: dict, args) -> dict:
     hfjax_row = _find(report, size, prompt, 1, "hfjax") or {}
     ratios = report["ratios"].get(key, {})
     targets = {"config": key}
+    quantized = report.get("quantized", {}).get(key, {})
+    for mode, bound in (GPU_QUANTIZED_TARGETS if args.gpu_llama_1b else QUANTIZED_TARGETS).items():
+        if mode in args.quantize:
+            targets[f"{mode}_over_hfjax"] = check(quantized.get(mode, {}).get("over_hfjax"), bound)
     if args.gpu_llama_1b:
         targets["hfjax_fraction_of_ceiling"] = check(
             hfjax_row.get("fraction_of_ceiling"), TARGETS["gpu_fraction_of_ceiling"]
@@ -673,6 +847,12 @@ def parse_args(argv=None):
     )
     parser.add_argument("--skip", default="", help=f"methods to leave out, comma-separated, of {', '.join(METHODS)}")
     parser.add_argument(
+        "--quantize",
+        default="",
+        help=f"also time hfjax with weights quantized on load, comma-separated modes of {', '.join(QUANTIZE_MODES)} "
+        "(default: none)",
+    )
+    parser.add_argument(
         "--torch-threads",
         type=int,
         default=os.cpu_count(),
@@ -699,7 +879,7 @@ def parse_args(argv=None):
         help="Llama-3.2-1B-shaped model in bfloat16 on the GPU: hfjax vs torch static and torch.compile",
     )
     # Used when this file runs itself as a subprocess.
-    parser.add_argument("--worker", choices=("torch", "ttft"), help=argparse.SUPPRESS)
+    parser.add_argument("--worker", choices=("torch", "ttft", "load_memory"), help=argparse.SUPPRESS)
     parser.add_argument("--checkpoint", help=argparse.SUPPRESS)
     parser.add_argument("--method", choices=TORCH_METHODS, help=argparse.SUPPRESS)
     parser.add_argument("--prompt", type=int, help=argparse.SUPPRESS)
@@ -717,6 +897,7 @@ def parse_args(argv=None):
     args.prompts = [int(p) for p in args.prompts.split(",")]
     args.batches = [int(b) for b in args.batches.split(",")]
     args.skip = _choices("--skip", args.skip, METHODS) if args.skip else []
+    args.quantize = _choices("--quantize", args.quantize, QUANTIZE_MODES) if args.quantize else []
     if args.num_beams < 1:
         raise SystemExit(f"--num-beams={args.num_beams} must be at least 1")
     if args.pairs < 1:
@@ -743,6 +924,9 @@ def main(argv=None) -> None:
         return
     if args.worker == "ttft":
         print(json.dumps(ttft_worker(args)))
+        return
+    if args.worker == "load_memory":
+        print(json.dumps(load_memory_worker(args)))
         return
     if args.device_info:
         print(json.dumps(device_info()))

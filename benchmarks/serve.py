@@ -1,15 +1,20 @@
 """`hfjax serve` against `transformers serve --continuous-batching --device cpu` on one checkpoint.
 
-Both servers answer the same async load generator (streamed /v1/completions, fixed prompt and
-output lengths) at each concurrency level, one server at a time. The checkpoint is a Llama shape
-of shapes.py in float32 with random weights and a word-level tokenizer of the model's whole
-vocabulary (every token decodes to a word, so every streamed token is seen by the client).
-`Model.generate` at batch 1, same lengths, is the concurrency-1 reference: after hfjax's levels,
-one hfjax request and one `Model.generate` call in this process take turns (order swapped every
-pair), and the ratio is the median over pairs (this machine's speed drifts within seconds).
+Three servers, one at a time: hfjax with its default flags (as a user starts it), hfjax with tuned
+flags (`--max-batch 16 --max-model-len 256 --prefill-chunk 32 --prefill-rows 8`, a second row), and
+transformers serve. Each answers two clients at each concurrency level: an async generator (httpx,
+streamed /v1/completions in one process) and the official `openai` client (streamed
+chat.completions, one thread per concurrent client), fixed prompt and output lengths. The
+checkpoint is a Llama shape of shapes.py in float32 with random weights, a 2048-token context in its
+config, and a word-level tokenizer of the model's whole vocabulary (every token decodes to a word,
+so the client sees every streamed token). hfjax is timed once its background compiles are done
+(/metrics' hfjax_programs_pending is 0, after an untimed pass of each level). `Model.generate` at batch 1, same lengths, is the
+concurrency-1 reference: after hfjax's default levels, one hfjax request and one `Model.generate`
+call in this process take turns (order swapped every pair), and the ratio is the median over pairs
+(this machine's speed drifts within seconds).
 
-    python benchmarks/serve.py --quick          # 20m, concurrency 1 and 4
-    python benchmarks/serve.py                  # 20m, concurrency 1, 4, 16, 64
+    python benchmarks/serve.py --quick          # 20m, concurrency 1 and 16
+    python benchmarks/serve.py                  # 20m, concurrency 1, 4, 16
 
 Reported per server and level: output tokens/s and requests/s over the level's wall time, time to
 first token p50/p99, and inter-token latency p50/p99 (per request: (last token - first token) /
@@ -35,9 +40,9 @@ import time
 import numpy as np
 
 sys.path.insert(0, str(pathlib.Path(__file__).parent))
-from shapes import LLAMA_20M, LLAMA_150M  # noqa: E402
+from shapes import LLAMA_20M, LLAMA_150M, LLAMA_TINY  # noqa: E402
 
-SIZES = {"20m": LLAMA_20M, "150m": LLAMA_150M}
+SIZES = {"tiny": LLAMA_TINY, "20m": LLAMA_20M, "150m": LLAMA_150M}
 
 
 def log(message: str) -> None:
@@ -50,7 +55,7 @@ def write_checkpoint(size: str, path: pathlib.Path) -> pathlib.Path:
 
     from hfjax import testing
 
-    testing.save_tiny_checkpoint("llama", path, dtype="float32", max_position_embeddings=4096, **SIZES[size])
+    testing.save_tiny_checkpoint("llama", path, dtype="float32", max_position_embeddings=2048, **SIZES[size])
     vocab = {"<pad>": 0, "<s>": 1, "</s>": 2, **{f"w{i}": i for i in range(3, SIZES[size]["vocab_size"])}}
     words = tokenizers.Tokenizer(tokenizers.models.WordLevel(vocab, unk_token="<pad>"))
     words.pre_tokenizer = tokenizers.pre_tokenizers.WhitespaceSplit()
@@ -69,25 +74,46 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+# hfjax serve's flags per configuration: the defaults, and the tuned second row.
+HFJAX_CONFIGS = {
+    "hfjax": (),
+    "hfjax-tuned": ("--max-batch", "16", "--max-model-len", "256", "--prefill-chunk", "32", "--prefill-rows", "8"),
+}
+
+
 def start_server(
-    kind: str, checkpoint: pathlib.Path, port: int, args, logs: pathlib.Path, flags=()
+    kind: str, checkpoint: pathlib.Path, port: int, logs: pathlib.Path, flags=(), torch_device: str = "cpu"
 ) -> subprocess.Popen:
     env = {**os.environ, "OMP_WAIT_POLICY": "PASSIVE"}
-    if kind == "hfjax":
+    if kind in HFJAX_CONFIGS:
         argv = [
             sys.executable, "-m", "hfjax.cli", "serve", "--model", str(checkpoint), "--port", str(port),
-            "--max-batch", str(args.max_batch), "--max-model-len", str(args.max_model_len),
-            "--max-queue", "1024", "--served-model-name", "bench", "--prefill-chunk", str(args.prefill_chunk),
-            "--prefill-rows", str(args.prefill_rows), "--decode-steps", str(args.decode_steps), *flags,
+            "--max-queue", "1024", "--served-model-name", "bench", *HFJAX_CONFIGS[kind], *flags,
         ]  # fmt: skip
     else:
         transformers_cli = shutil.which("transformers") or str(pathlib.Path(sys.executable).parent / "transformers")
         argv = [
-            transformers_cli, "serve", "--continuous-batching", "--device", "cpu", "--dtype", "float32",
+            transformers_cli, "serve", "--continuous-batching", "--device", torch_device, "--dtype", "float32",
             "--port", str(port), "--host", "127.0.0.1", "--log-level", "warning", str(checkpoint),
         ]  # fmt: skip
     log(f"starting {kind}: {' '.join(argv)}")
     return subprocess.Popen(argv, stdout=open(logs / f"{kind}.log", "a"), stderr=subprocess.STDOUT, env=env)
+
+
+async def wait_compiled(url: str, timeout: float = 900) -> float:
+    """Waits until hfjax serve's background compiles are done; returns the seconds waited."""
+    import httpx
+
+    start = deadline = time.monotonic()
+    deadline += timeout
+    async with httpx.AsyncClient() as http:
+        while time.monotonic() < deadline:
+            text = (await http.get(url + "/metrics", timeout=5)).text
+            pending = [line for line in text.splitlines() if line.startswith("hfjax_programs_pending ")]
+            if not pending or float(pending[0].split()[1]) == 0:  # (a server from before the gauge compiled all first)
+                return time.monotonic() - start
+            await asyncio.sleep(1)
+    raise RuntimeError(f"{url} still compiled after {timeout} s")
 
 
 async def wait_up(url: str, process: subprocess.Popen, timeout: float = 900) -> None:
@@ -137,8 +163,40 @@ def prompt_text(index: int, tokens: int, prefix: int = 0) -> str:
 
 
 async def run_level(
-    url: str, model: str, prompt_tokens: int, new_tokens: int, concurrency: int, requests: int, prefix: int = 0
+    url: str,
+    model: str,
+    prompt_tokens: int,
+    new_tokens: int,
+    concurrency: int,
+    requests: int,
+    prefix: int = 0,
+    client: str = "async",
 ) -> dict:
+    """`requests` streamed requests from `concurrency` clients at once: the async generator, or the
+    official openai client in as many threads."""
+    if client == "openai":
+        results, wall = await asyncio.to_thread(
+            openai_level, url, model, prompt_tokens, new_tokens, concurrency, requests, prefix
+        )
+    else:
+        results, wall = await async_level(url, model, prompt_tokens, new_tokens, concurrency, requests, prefix)
+    ttft = [r["ttft"] for r in results]
+    itl = [r["itl"] for r in results if not np.isnan(r["itl"])]
+    return {
+        "client": client,
+        "concurrency": concurrency,
+        "requests": requests,
+        "output_tokens_per_s": sum(r["tokens"] for r in results) / wall,
+        "requests_per_s": requests / wall,
+        "mean_output_tokens": statistics.mean(r["tokens"] for r in results),
+        "ttft_p50_s": float(np.percentile(ttft, 50)),
+        "ttft_p99_s": float(np.percentile(ttft, 99)),
+        "itl_p50_s": float(np.percentile(itl, 50)) if itl else None,
+        "itl_p99_s": float(np.percentile(itl, 99)) if itl else None,
+    }
+
+
+async def async_level(url, model, prompt_tokens, new_tokens, concurrency, requests, prefix) -> tuple[list, float]:
     import httpx
 
     queue = asyncio.Queue()
@@ -156,20 +214,52 @@ async def run_level(
     async with httpx.AsyncClient(timeout=600, limits=limits) as http:
         start = time.perf_counter()
         await asyncio.gather(*(client(http) for _ in range(concurrency)))
-        wall = time.perf_counter() - start
-    ttft = [r["ttft"] for r in results]
-    itl = [r["itl"] for r in results if not np.isnan(r["itl"])]
-    return {
-        "concurrency": concurrency,
-        "requests": requests,
-        "output_tokens_per_s": sum(r["tokens"] for r in results) / wall,
-        "requests_per_s": requests / wall,
-        "mean_output_tokens": statistics.mean(r["tokens"] for r in results),
-        "ttft_p50_s": float(np.percentile(ttft, 50)),
-        "ttft_p99_s": float(np.percentile(ttft, 99)),
-        "itl_p50_s": float(np.percentile(itl, 50)) if itl else None,
-        "itl_p99_s": float(np.percentile(itl, 99)) if itl else None,
-    }
+        return results, time.perf_counter() - start
+
+
+def openai_level(url, model, prompt_tokens, new_tokens, concurrency, requests, prefix) -> tuple[list, float]:
+    """The official openai client, as a user drives it: one client per thread, streamed chat completions."""
+    import queue as queues
+    import threading
+
+    from openai import OpenAI
+
+    todo = queues.Queue()
+    for i in range(requests):
+        todo.put(i)
+    results, lock = [], threading.Lock()
+
+    def client():
+        openai = OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=600)
+        while True:
+            try:
+                index = todo.get_nowait()
+            except queues.Empty:
+                return
+            messages = [{"role": "user", "content": prompt_text(index, prompt_tokens, prefix)}]
+            start, times = time.perf_counter(), []
+            stream = openai.chat.completions.create(
+                model=model, messages=messages, max_tokens=new_tokens, temperature=0, stream=True
+            )
+            for chunk in stream:
+                for choice in chunk.choices:
+                    text = choice.delta.content or ""
+                    times.extend([time.perf_counter()] * len(text.split()))
+            tokens = len(times)
+            with lock:
+                results.append({
+                    "tokens": tokens,
+                    "ttft": times[0] - start if times else float("nan"),
+                    "itl": (times[-1] - times[0]) / (tokens - 1) if tokens > 1 else float("nan"),
+                })  # fmt: skip
+
+    threads = [threading.Thread(target=client) for _ in range(concurrency)]
+    start = time.perf_counter()
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    return results, time.perf_counter() - start
 
 
 async def bench_server(
@@ -177,19 +267,33 @@ async def bench_server(
 ):
     port = free_port()
     url = f"http://127.0.0.1:{port}"
-    process = start_server(kind, checkpoint, port, args, logs, flags)
+    started = time.monotonic()
+    process = start_server(kind, checkpoint, port, logs, flags, torch_device=args.transformers_device)
     try:
         await wait_up(url, process)
-        model = "bench" if kind == "hfjax" else str(checkpoint)
+        report = {"listening_after_s": time.monotonic() - started}
+        if kind in HFJAX_CONFIGS:
+            report["background_compiles_s"] = await wait_compiled(url)
+        model = "bench" if kind in HFJAX_CONFIGS else str(checkpoint)
         await run_level(url, model, args.prompt_tokens, args.new_tokens, 1, 2)  # warm-up: the first requests
         levels = []
-        for concurrency in [] if shared_prefix_only else args.concurrency:
-            requests = max(args.requests_per_client * concurrency, args.min_requests)
-            log(f"  {kind}: concurrency {concurrency}, {requests} requests ...")
-            level = await run_level(url, model, args.prompt_tokens, args.new_tokens, concurrency, requests)
-            log(f"    {json.dumps(level)}")
-            levels.append(level)
-        if args.prefix_tokens:
+        for client in [] if shared_prefix_only else args.clients:
+            for concurrency in args.concurrency:
+                requests = max(args.requests_per_client * concurrency, args.min_requests)
+                # Untimed first: hfjax compiles the programs this level runs (in the background, its
+                # chunks running on larger ones meanwhile), as a server in steady use has them.
+                await run_level(
+                    url, model, args.prompt_tokens, args.new_tokens, concurrency, concurrency, client=client
+                )
+                if kind in HFJAX_CONFIGS:
+                    await wait_compiled(url)
+                log(f"  {kind}: {client} client, concurrency {concurrency}, {requests} requests ...")
+                level = await run_level(
+                    url, model, args.prompt_tokens, args.new_tokens, concurrency, requests, client=client
+                )
+                log(f"    {json.dumps(level)}")
+                levels.append(level)
+        if args.prefix_tokens and (kind == "hfjax" or shared_prefix_only or kind == "transformers"):
             # One client, prompts that share their first prefix_tokens words (a system prompt).
             log(f"  {kind} {' '.join(flags)}: shared prefix of {args.prefix_tokens} tokens ...")
             level = await run_level(
@@ -197,11 +301,11 @@ async def bench_server(
                 prefix=args.prefix_tokens,
             )  # fmt: skip
             log(f"    {json.dumps(level)}")
-            levels.append({**level, "shared_prefix_tokens": args.prefix_tokens})
+            report["shared_prefix"] = {**level, "shared_prefix_tokens": args.prefix_tokens}
         if reference is not None:
             log(f"  {kind}: one request at a time, taking turns with Model.generate ({args.pairs} pairs) ...")
             await reference.alternate(url, model, args.prompt_tokens, args.pairs)
-        return levels
+        return {**report, "levels": levels}
     finally:
         process.send_signal(signal.SIGTERM)
         try:
@@ -271,38 +375,38 @@ class GenerateReference:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--size", choices=SIZES, default="20m")
-    parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 16, 64])
+    parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 16])
+    parser.add_argument("--clients", nargs="+", default=["async", "openai"], choices=["async", "openai"])
     parser.add_argument("--prompt-tokens", type=int, default=32)
     parser.add_argument("--new-tokens", type=int, default=32)
-    parser.add_argument("--requests-per-client", type=int, default=2)
+    parser.add_argument("--requests-per-client", type=int, default=4)
     parser.add_argument("--min-requests", type=int, default=8)
-    parser.add_argument("--max-batch", type=int, default=16, help="hfjax serve's slots")
-    parser.add_argument("--max-model-len", type=int, default=256, help="hfjax serve's cache columns per slot")
-    parser.add_argument("--prefill-chunk", type=int, default=32, help="hfjax serve's prompt tokens per prefill call")
-    parser.add_argument("--prefill-rows", type=int, default=8, help="hfjax serve's prompts per prefill call")
-    parser.add_argument("--decode-steps", type=int, default=4, help="hfjax serve's decode steps per chunk")
     parser.add_argument(
         "--prefix-tokens", type=int, default=128,
         help="also time one client whose prompts share this many first tokens, hfjax with and without prefix "
         "reuse (0: skip)",
     )  # fmt: skip
-    parser.add_argument("--servers", nargs="+", default=["hfjax", "transformers"], choices=["hfjax", "transformers"])
+    parser.add_argument(
+        "--servers", nargs="+", default=["hfjax", "hfjax-tuned", "transformers"],
+        choices=["hfjax", "hfjax-tuned", "transformers"],
+    )  # fmt: skip
     parser.add_argument(
         "--pairs", type=int, default=16,
         help="turns of one hfjax request and one Model.generate call for the concurrency-1 reference",
     )  # fmt: skip
-    parser.add_argument("--quick", action="store_true", help="concurrency 1 and 4 only")
+    parser.add_argument(
+        "--transformers-device", default="cpu", help="transformers serve's --device (default cpu; cuda on a GPU)"
+    )
+    parser.add_argument("--quick", action="store_true", help="concurrency 1 and 16 only")
     args = parser.parse_args()
     if args.quick:
-        args.concurrency = [1, 4]
+        args.concurrency = [1, 16]
     work = pathlib.Path(tempfile.mkdtemp(prefix="hfjax-bench-serve-"))
     try:
         checkpoint = write_checkpoint(args.size, work / args.size)
         report = {
-            "size": args.size, "dtype": "float32", "prompt_tokens": args.prompt_tokens, "new_tokens": args.new_tokens,
-            "hfjax_max_batch": args.max_batch, "hfjax_max_model_len": args.max_model_len,
-            "hfjax_prefill_chunk": args.prefill_chunk, "hfjax_prefill_rows": args.prefill_rows,
-            "hfjax_decode_steps": args.decode_steps, "servers": {},
+            "size": args.size, "dtype": "float32", "context": 2048, "prompt_tokens": args.prompt_tokens,
+            "new_tokens": args.new_tokens, "hfjax_tuned_flags": " ".join(HFJAX_CONFIGS["hfjax-tuned"]), "servers": {},
         }  # fmt: skip
         log("Model.generate at batch 1 (the concurrency-1 reference) ...")
         reference = GenerateReference(checkpoint, prompt_text(0, args.prompt_tokens), args.new_tokens)
@@ -313,19 +417,30 @@ def main() -> None:
             without = asyncio.run(
                 bench_server("hfjax", checkpoint, args, work, shared_prefix_only=True, flags=("--no-prefix-reuse",))
             )
-            with_reuse = report["servers"]["hfjax"].pop()
-            report["hfjax_shared_prefix"] = {"reuse": with_reuse, "no_reuse": without[0]}
-            report["hfjax_shared_prefix_ttft_p50_saved_s"] = without[0]["ttft_p50_s"] - with_reuse["ttft_p50_s"]
-        if "transformers" in args.servers and args.prefix_tokens:
-            report["transformers_shared_prefix"] = report["servers"]["transformers"].pop()
+            with_reuse = report["servers"]["hfjax"]["shared_prefix"]
+            report["hfjax_shared_prefix"] = {"reuse": with_reuse, "no_reuse": without["shared_prefix"]}
+            report["hfjax_shared_prefix_ttft_p50_saved_s"] = (
+                without["shared_prefix"]["ttft_p50_s"] - with_reuse["ttft_p50_s"]
+            )
         report["model_generate_batch_1"] = reference.report()
-        levels = {k: {lvl["concurrency"]: lvl for lvl in v} for k, v in report["servers"].items()}
-        if "hfjax" in levels and "transformers" in levels:
-            report["hfjax_over_transformers_tokens_per_s"] = {
-                c: levels["hfjax"][c]["output_tokens_per_s"] / levels["transformers"][c]["output_tokens_per_s"]
-                for c in levels["hfjax"]
-                if c in levels["transformers"]
-            }
+
+        def level(kind, client, concurrency):
+            for entry in report["servers"].get(kind, {}).get("levels", []):
+                if entry["client"] == client and entry["concurrency"] == concurrency:
+                    return entry
+            return None
+
+        ratios = {}
+        for kind in ("hfjax", "hfjax-tuned"):
+            for client in args.clients:
+                for concurrency in args.concurrency:
+                    ours, theirs = level(kind, client, concurrency), level("transformers", client, concurrency)
+                    if ours and theirs:
+                        ratios[f"{kind} {client} c{concurrency}"] = {
+                            "tokens_per_s": ours["output_tokens_per_s"] / theirs["output_tokens_per_s"],
+                            "ttft_p99_s": [ours["ttft_p99_s"], theirs["ttft_p99_s"]],
+                        }
+        report["over_transformers"] = ratios
         if "hfjax_taking_turns" in report["model_generate_batch_1"]:
             report["hfjax_c1_over_generate"] = report["model_generate_batch_1"]["hfjax_taking_turns"][
                 "over_generate_median_of_pairs"

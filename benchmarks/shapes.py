@@ -32,3 +32,14 @@ LLAMA_1B = dict(
     tie_word_embeddings=True,
     rope_theta=500000.0,
 )
+
+# A few hundred thousand parameters: for dry runs that check a benchmark's plumbing (not for figures).
+LLAMA_TINY = dict(
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    vocab_size=1024,
+)

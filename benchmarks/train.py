@@ -2,11 +2,14 @@
 
     python benchmarks/train.py                       # 20m and 150m Llama shapes, full and LoRA
     python benchmarks/train.py --sizes 20m --quick   # one model, fewer steps: a few minutes
+    python benchmarks/train.py --sizes 150m --batch 8 --length 512 --compute-dtype bfloat16   # on a GPU
 
 Each (method, size, mode) runs in a process of its own, so that peak memory is that run's and
 no runtime shares the process (PyTorch's workers never import JAX). Every method trains the same
 checkpoint (float32, random weights, `hfjax.testing`) on the same random batches with AdamW
 (lr 1e-4, clipping at 1.0); LoRA is rank 8 on every linear layer of the decoder, through peft.
+With --compute-dtype bfloat16, hfjax's Trainer runs forward and backward in bfloat16
+(compute_dtype) and PyTorch under torch.autocast(bfloat16): both keep float32 weights.
 Reported per run: median step time after the warm-up steps, training tokens/s (batch x length /
 step time), peak memory (CPU: the process's peak resident set; GPU: the device's peak bytes in
 use), the first-step loss (the methods must agree: same weights, same batch), the compile time
@@ -27,9 +30,9 @@ import tempfile
 import time
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
-from shapes import LLAMA_20M, LLAMA_150M  # noqa: E402
+from shapes import LLAMA_20M, LLAMA_150M, LLAMA_TINY  # noqa: E402
 
-SIZES = {"20m": LLAMA_20M, "150m": LLAMA_150M}
+SIZES = {"tiny": LLAMA_TINY, "20m": LLAMA_20M, "150m": LLAMA_150M}
 METHODS = ("hfjax", "torch_eager", "torch_compile")
 LORA = {"r": 8, "lora_alpha": 16, "target_modules": "all-linear"}
 _WORKER_TIMEOUT_S = 3600
@@ -67,7 +70,9 @@ def hfjax_worker(args) -> dict:
 
     model = hfjax.load(args.checkpoint)
     lora = peft.LoraConfig(**LORA) if args.mode == "lora" else None
-    trainer = hfjax.Trainer(model, training.adamw(1e-4), lora=lora, max_grad_norm=1.0, dropout=False)
+    trainer = hfjax.Trainer(
+        model, training.adamw(1e-4), lora=lora, max_grad_norm=1.0, dropout=False, compute_dtype=args.compute_dtype
+    )
     times, losses = [], []
     for ids in batches(args.warmup + args.steps, args.batch, args.length, model.config.vocab_size):
         start = time.perf_counter()
@@ -94,16 +99,20 @@ def torch_worker(args) -> dict:
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=1e-4)
 
+    autocast = dict(device_type=device, dtype=getattr(torch, args.compute_dtype or "float32"))
+    autocast["enabled"] = args.compute_dtype is not None
+
     def step(ids):
         optimizer.zero_grad(set_to_none=True)
-        loss = model(input_ids=ids, labels=ids).loss
+        with torch.autocast(**autocast):
+            loss = model(input_ids=ids, labels=ids).loss
         loss.backward()
         torch.nn.utils.clip_grad_norm_(params, 1.0)
         optimizer.step()
         return loss
 
     if args.method == "torch_compile":
-        step = torch.compile(step)
+        step = torch.compile(step, backend=args.compile_backend)
     times, losses = [], []
     for ids in batches(args.warmup + args.steps, args.batch, args.length, model.config.vocab_size):
         ids = torch.as_tensor(ids).to(device)
@@ -138,7 +147,10 @@ def run_worker(args, method: str, size: str, mode: str, checkpoint: pathlib.Path
         sys.executable, __file__, "--worker", method, "--size", size, "--mode", mode, "--checkpoint", str(checkpoint),
         "--batch", str(args.batch), "--length", str(args.length), "--steps", str(args.steps),
         "--warmup", str(args.warmup), "--torch-threads", str(args.torch_threads),
+        "--compile-backend", args.compile_backend,
     ]  # fmt: skip
+    if args.compute_dtype:
+        command += ["--compute-dtype", args.compute_dtype]
     try:
         done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=_WORKER_TIMEOUT_S)
     except subprocess.TimeoutExpired:
@@ -150,7 +162,7 @@ def run_worker(args, method: str, size: str, mode: str, checkpoint: pathlib.Path
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--sizes", default="20m,150m", help="comma-separated: 20m, 150m")
+    parser.add_argument("--sizes", default="20m,150m", help=f"comma-separated: {', '.join(SIZES)}")
     parser.add_argument("--modes", default="full,lora", help="comma-separated: full, lora")
     parser.add_argument("--methods", default=",".join(METHODS), help=f"comma-separated: {', '.join(METHODS)}")
     parser.add_argument("--batch", type=int, default=4)
@@ -159,6 +171,16 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=2, help="steps before timing (compiles happen here)")
     parser.add_argument("--quick", action="store_true", help="2 timed steps after 1 warm-up")
     parser.add_argument("--torch-threads", type=int, default=os.cpu_count())
+    parser.add_argument(
+        "--compute-dtype",
+        choices=("bfloat16", "float16"),
+        help="train in this dtype: hfjax's compute_dtype against torch.autocast (default: float32 throughout)",
+    )
+    parser.add_argument(
+        "--compile-backend",
+        default="inductor",
+        help="torch.compile backend of torch_compile (default inductor; aot_eager for a quick plumbing check)",
+    )
     parser.add_argument("--worker", choices=METHODS, help=argparse.SUPPRESS)
     parser.add_argument("--size", help=argparse.SUPPRESS)
     parser.add_argument("--mode", help=argparse.SUPPRESS)
@@ -184,13 +206,14 @@ def main() -> None:
                 row = run_worker(args, method, size, mode, checkpoint, env)
                 log(f"  {json.dumps(row)}")
                 rows.append(row)
-    for row in rows:  # against PyTorch eager on the same model and mode
-        eager = next(
-            (r for r in rows if r["method"] == "torch_eager" and r["size"] == row["size"] and r["mode"] == row["mode"]),
-            None,
-        )
-        if eager and "error" not in row and "error" not in eager:
-            row["speedup_vs_torch_eager"] = row["tokens_per_s"] / eager["tokens_per_s"]
+    for row in rows:  # against PyTorch eager and torch.compile on the same model and mode
+        for baseline in ("torch_eager", "torch_compile"):
+            other = next(
+                (r for r in rows if r["method"] == baseline and r["size"] == row["size"] and r["mode"] == row["mode"]),
+                None,
+            )
+            if other and other is not row and "error" not in row and "error" not in other:
+                row[f"speedup_vs_{baseline}"] = row["tokens_per_s"] / other["tokens_per_s"]
     import jax
     import torch
 
@@ -200,6 +223,8 @@ def main() -> None:
         "steps": args.steps,
         "warmup": args.warmup,
         "torch_threads": args.torch_threads,
+        "compute_dtype": args.compute_dtype or "float32",
+        "compile_backend": args.compile_backend,
     }
     print(
         json.dumps(

@@ -10,7 +10,7 @@ import torch
 import torchax
 from torchax.view import View
 
-from hfjax import _ops
+from hfjax.bridge import _ops
 
 SEED = 0
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import ast
 import importlib.metadata
+import inspect
 import pathlib
 
 import jax
@@ -143,6 +144,44 @@ def test_a_classifier_and_an_encoder_in_memory_classify_and_embed(checkpoint):
     encoder = hfjax.Model.from_module(transformers.AutoModel.from_pretrained(checkpoint("bert")).eval(), tokenizer)
     assert encoder.task == "feature-extraction"
     assert encoder.embed(["a cat", "a dog"]).shape == (2, module.config.hidden_size)
+
+
+def _first_input(family: str, config, rng: np.random.Generator) -> np.ndarray:
+    if family == "bert":
+        return rng.integers(4, config.vocab_size, (2, 5))  # input_ids [B, L]
+    if family == "vit":
+        size = config.image_size
+        return rng.standard_normal((2, config.num_channels, size, size)).astype(np.float32)  # pixel_values
+    return (rng.standard_normal((2, 1600)) * 0.1).astype(np.float32)  # input_values [B, samples]: 0.1 s at 16 kHz
+
+
+# (family, task, transformers' class, the name of the forward's first input): text, image and speech.
+FIRST_INPUTS = [
+    ("bert", "text-classification", "AutoModelForSequenceClassification", "input_ids"),
+    ("vit", "image-classification", "AutoModelForImageClassification", "pixel_values"),
+    ("hubert", "automatic-speech-recognition", "AutoModelForCTC", "input_values"),
+]
+
+
+@pytest.mark.parametrize("family, task, auto_class, first", FIRST_INPUTS, ids=[c[0] for c in FIRST_INPUTS])
+def test_a_model_takes_its_inputs_as_the_forward_does(checkpoint, family, task, auto_class, first):
+    """`model(x)` passes x as the forward's first input, keyword arguments by the forward's names;
+    compiled and eager, each equal to the module run by PyTorch."""
+    path = checkpoint(family, task=task)
+    module = getattr(transformers, auto_class).from_pretrained(path).eval()
+    assert next(iter(inspect.signature(module.forward).parameters)) == first
+    inputs = _first_input(family, module.config, np.random.default_rng(0))
+    with torch.no_grad():
+        want = module(torch.from_numpy(inputs)).logits.numpy()
+    model = hfjax.load(path)
+    for got in (model(inputs), model.eager(inputs), model(**{first: inputs})):
+        np.testing.assert_allclose(np.asarray(got.logits), want, atol=tolerances.DEFAULT.atol, rtol=0)
+    if family != "vit":  # a positional second input: the attention mask (a ViT's is its head_mask)
+        mask = np.ones(inputs.shape[:2], np.int32)
+        mask[1, -inputs.shape[1] // 4 :] = 0
+        with torch.no_grad():
+            want = module(torch.from_numpy(inputs), torch.from_numpy(mask)).logits.numpy()
+        np.testing.assert_allclose(np.asarray(model(inputs, mask).logits), want, atol=tolerances.DEFAULT.atol, rtol=0)
 
 
 def test_from_module_refuses_what_is_not_a_transformers_model():

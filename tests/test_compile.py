@@ -14,7 +14,8 @@ import torchax
 import transformers
 
 import hfjax
-from hfjax import _env, testing, tolerances
+from hfjax import testing, tolerances
+from hfjax.bridge import _env
 
 ATOL = tolerances.DEFAULT.atol
 
@@ -146,7 +147,7 @@ def test_unknown_method_is_explained(llama):
 
 def test_transformers_value_checks_do_not_break_jit():
     # prophetnet runs torch_compilable_check on tensor values, which a trace cannot read.
-    from hfjax import _check
+    from hfjax.tasks import _check
 
     report = _check.check_arch("prophetnet", eager=False, repeats=1)
     assert report.passed, report.table()
@@ -230,7 +231,7 @@ class _ExpertLoop(torch.nn.Module):
 
 
 def test_values_that_change_with_every_input_stay_correct_and_end_op_by_op(monkeypatch):
-    from hfjax import _specialize
+    from hfjax.bridge import _specialize
 
     monkeypatch.setattr(_specialize, "MAX_SPECIALIZATIONS", 2)
     model = _ExpertLoop().eval()

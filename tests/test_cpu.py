@@ -21,14 +21,16 @@ import torch
 import torchax
 
 import hfjax
-from hfjax import _backend, _compile, _ops
+import test_quantization  # hfjax.quantization's op: its parity tests are there
+from hfjax import bridge
+from hfjax.bridge import _compile, _ops
 from hfjax.tolerances import EXACT, MATMUL, for_dot_products
 from op_helpers import ATTENTION_CASES, SEED, check_attention, environment, jit_modes, run, to_jax
 from op_helpers import assert_close as _assert_close
 
 cpu = pytest.importorskip("hfjax.cpu", reason="hfjax.cpu is not installed: the generic engine runs on the CPU")
 from hfjax.cpu import _build, _kernels, _pages  # noqa: E402
-from hfjax.cpu import _ops as cpu_ops  # noqa: E402
+from hfjax.cpu import _lowerings as cpu_ops  # noqa: E402
 
 pytestmark = pytest.mark.skipif(jax.default_backend() != "cpu", reason="hfjax.cpu's paths run on XLA:CPU only")
 
@@ -495,6 +497,7 @@ PARITY_TESTS = {
     torch.ops.aten.scaled_dot_product_attention: test_scaled_dot_product_attention_matches_torch,
     torch.ops.aten.index_copy: test_index_copy_matches_torch,
     torch.ops.aten.index_copy_: test_index_copy_matches_torch,
+    torch.ops.hfjax.quantized_linear: test_quantization.test_cpu_kernel_matches_the_dequantized_product,
 }
 
 
@@ -566,5 +569,5 @@ def test_the_loop_carries_the_cache_without_size_one_axes_and_gives_it_back():
     assert carried["keys"].shape == (2, 8, 4) and carried["step"].shape == ()
     back = restore(carried)
     assert back["keys"].shape == (1, 2, 8, 4) and back["step"].shape == (1,)
-    generic, identity = _backend.Backend().loop_carry(cache)
+    generic, identity = bridge.Backend().loop_carry(cache)
     assert generic is cache and identity(cache) is cache

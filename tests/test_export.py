@@ -81,7 +81,8 @@ def _child(directory: pathlib.Path) -> None:
     import torch
 
     import hfjax
-    from hfjax import _backend, _compile, serving, testing, training
+    from hfjax import _backend, serving, testing, training
+    from hfjax.bridge import _compile
     from hfjax.cpu import _build
 
     def path(family, task=None):

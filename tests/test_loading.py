@@ -13,7 +13,7 @@ import transformers
 from safetensors import safe_open
 
 import hfjax
-from hfjax import tolerances
+from hfjax import bridge, tolerances
 
 ATOL = tolerances.DEFAULT.atol
 
@@ -177,3 +177,161 @@ def test_a_key_the_module_has_is_not_renamed_away(checkpoint):
         saved = f.get_tensor("model.norm.weight")
     model = hfjax.load(path)
     np.testing.assert_array_equal(np.asarray(model.params["model.norm.weight"]), saved)
+
+
+# ---- the loader's contract: each tensor in its skeleton dtype, and the `convert` hook -----------
+
+GATE = "model.layers.0.mlp.gate_proj"
+
+
+def _copy_with(tmp_path, source, changes: dict[str, torch.Tensor]) -> pathlib.Path:
+    """A copy of a checkpoint directory whose model.safetensors has `changes` applied (None deletes)."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    path = pathlib.Path(shutil.copytree(source, tmp_path / "checkpoint"))
+    tensors = load_file(path / "model.safetensors")
+    for key, value in changes.items():
+        if value is None:
+            del tensors[key]
+        else:
+            tensors[key] = value
+    save_file(tensors, path / "model.safetensors", metadata={"format": "pt"})
+    return path
+
+
+def _skeleton(path, dtype: str, replace: dict[str, torch.dtype]) -> torch.nn.Module:
+    """The llama skeleton in `dtype`, with the named parameters replaced by meta parameters of other dtypes."""
+    module = bridge.build_skeleton(bridge.read_config(path), "text-generation", dtype)
+    for name, new_dtype in replace.items():
+        owner, _, leaf = name.rpartition(".")
+        old = module.get_parameter(name)
+        setattr(
+            module.get_submodule(owner),
+            leaf,
+            torch.nn.Parameter(torch.empty(old.shape, dtype=new_dtype, device="meta"), requires_grad=False),
+        )
+    return module
+
+
+def _quantized_linear(module, name: str) -> None:
+    # A quantized linear layer, as a quantization method builds one: int8 weight [N, K], float32 scale [N].
+    linear = module.get_submodule(name)
+    with torch.device("meta"):
+        linear.weight = torch.nn.Parameter(torch.empty(linear.weight.shape, dtype=torch.int8), requires_grad=False)
+        linear.weight_scale = torch.nn.Parameter(torch.empty(linear.weight.shape[0]), requires_grad=False)
+
+
+def _stored(path, key: str) -> torch.Tensor:
+    with safe_open(pathlib.Path(path) / "model.safetensors", framework="pt") as f:
+        return f.get_tensor(key)
+
+
+def test_each_tensor_lands_in_its_skeleton_dtype_and_float8_int8_keep_their_bytes(tmp_path, checkpoint):
+    source = checkpoint("llama")
+    fp8 = _stored(source, f"{GATE}.weight").to(torch.float8_e4m3fn)
+    int8 = (_stored(source, "model.layers.0.mlp.up_proj.weight") * 1000).round().clamp(-128, 127).to(torch.int8)
+    path = _copy_with(tmp_path, source, {f"{GATE}.weight": fp8, "model.layers.0.mlp.up_proj.weight": int8})
+    module = _skeleton(
+        path,
+        "bfloat16",
+        {
+            f"{GATE}.weight": torch.float8_e4m3fn,
+            "model.layers.0.mlp.up_proj.weight": torch.int8,
+            "model.layers.0.mlp.down_proj.weight": torch.float32,  # kept in float32 by the model's code, say
+        },
+    )
+    params, _ = bridge.load_weights(module, bridge.weight_files(path), "bfloat16")
+
+    assert params[f"{GATE}.weight"].dtype == jnp.float8_e4m3fn
+    np.testing.assert_array_equal(np.asarray(params[f"{GATE}.weight"]).view(np.uint8), fp8.view(torch.uint8).numpy())
+    assert params["model.layers.0.mlp.up_proj.weight"].dtype == jnp.int8
+    np.testing.assert_array_equal(np.asarray(params["model.layers.0.mlp.up_proj.weight"]), int8.numpy())
+    down = "model.layers.0.mlp.down_proj.weight"
+    assert params[down].dtype == jnp.float32
+    np.testing.assert_array_equal(np.asarray(params[down]), _stored(path, down).numpy())
+    query = "model.layers.0.self_attn.q_proj.weight"
+    assert params[query].dtype == jnp.bfloat16
+    want = _stored(path, query).to(torch.bfloat16).view(torch.int16).numpy()
+    np.testing.assert_array_equal(np.asarray(params[query]).view(np.int16), want)
+
+
+def _quantize(weight: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """int8 [N, K] and float32 scale [N]: symmetric, per output row."""
+    scale = np.abs(weight).max(axis=1) / 127
+    return np.round(weight / scale[:, None]).astype(np.int8), scale.astype(np.float32)
+
+
+def test_convert_splits_a_weight_into_two_names(checkpoint):
+    path = checkpoint("llama")
+    module = _skeleton(path, "bfloat16", {})
+    _quantized_linear(module, GATE)
+    seen = {}
+
+    def convert(name, array):
+        seen[name] = (array.dtype, array.shape)
+        if name != f"{GATE}.weight":
+            return None
+        weight, scale = _quantize(array)
+        return {f"{GATE}.weight": weight, f"{GATE}.weight_scale": scale}
+
+    params, _ = bridge.load_weights(module, bridge.weight_files(path), "bfloat16", convert=convert)
+
+    stored = _stored(path, f"{GATE}.weight").numpy()
+    assert seen[f"{GATE}.weight"] == (np.dtype("float32"), stored.shape), "convert sees the tensor as stored"
+    weight, scale = _quantize(stored)
+    assert params[f"{GATE}.weight"].dtype == jnp.int8 and params[f"{GATE}.weight_scale"].dtype == jnp.float32
+    np.testing.assert_array_equal(np.asarray(params[f"{GATE}.weight"]), weight)
+    np.testing.assert_array_equal(np.asarray(params[f"{GATE}.weight_scale"]), scale)
+    # what convert left to the loader is loaded as usual
+    other = "model.layers.1.mlp.gate_proj.weight"
+    want = _stored(path, other).to(torch.bfloat16).float().numpy()
+    np.testing.assert_array_equal(np.asarray(params[other]).astype(np.float32), want)
+
+
+def test_convert_claims_a_name_the_module_lacks_and_sees_it_first(tmp_path, checkpoint):
+    source = checkpoint("llama")
+    rows = _stored(source, f"{GATE}.weight").shape[0]
+    scale_inv = torch.rand(rows) + 0.5
+    path = _copy_with(tmp_path, source, {f"{GATE}.weight_scale_inv": scale_inv})
+    module = _skeleton(path, "float32", {})
+    _quantized_linear(module, GATE)
+    order = []
+
+    def convert(name, array):
+        order.append(name)
+        if name.endswith(".weight_scale_inv"):  # the module stores its inverse under another name
+            return {name.removesuffix("_inv"): 1 / array}
+        if name == f"{GATE}.weight":
+            return {name: _quantize(array)[0]}
+        return None
+
+    convert.claims = lambda name: name.endswith(".weight_scale_inv")
+    params, _ = bridge.load_weights(module, bridge.weight_files(path), "float32", convert=convert)
+
+    assert order[0] == f"{GATE}.weight_scale_inv" and order.count(f"{GATE}.weight_scale_inv") == 1
+    np.testing.assert_allclose(np.asarray(params[f"{GATE}.weight_scale"]), 1 / scale_inv.numpy(), rtol=1e-6)
+    # without the claim, the extra tensor is not read and the module's scale is missing
+    del convert.claims
+    order.clear()
+    with pytest.raises(hfjax.LoadError, match=r"no weights for 1 parameters.*gate_proj.weight_scale"):
+        bridge.load_weights(module, bridge.weight_files(path), "float32", convert=convert)
+    assert f"{GATE}.weight_scale_inv" not in order
+
+
+def test_convert_returning_a_name_the_module_lacks_is_one_clear_line(checkpoint):
+    path = checkpoint("llama")
+    module = _skeleton(path, "float32", {})
+    with pytest.raises(hfjax.LoadError, match=r"convert returned 'nope' for the checkpoint tensor .*return only"):
+        bridge.load_weights(module, bridge.weight_files(path), "float32", convert=lambda name, array: {"nope": array})
+
+
+def test_a_truncated_file_is_one_clear_line(tmp_path, checkpoint):
+    import shutil
+
+    path = pathlib.Path(shutil.copytree(checkpoint("llama"), tmp_path / "checkpoint"))
+    weights = path / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:-1000])
+    with pytest.raises(hfjax.LoadError, match=r"model.safetensors' ends inside the tensor .*truncated"):
+        hfjax.load(path)

@@ -17,7 +17,8 @@ import torch
 import transformers
 
 import hfjax
-from hfjax import _ops
+import test_quantization  # hfjax.quantization's op: its parity tests are there
+from hfjax.bridge import _ops
 from hfjax.tolerances import DEFAULT, DIVISION, EXACT, MATMUL, SCHEDULE
 from op_helpers import ATTENTION_CASES, SEED, check_attention, environment, jit_modes, run, to_cpu, to_jax
 from op_helpers import assert_close as _assert_close
@@ -687,6 +688,7 @@ PARITY_TESTS = {
     torch.ops.aten.index.Tensor: test_boolean_mask_index_op_matches_torch,
     torch.ops.aten.masked_select: test_masked_select_matches_torch,
     torch.ops.aten.unique_consecutive: test_unique_consecutive_matches_torch,
+    torch.ops.hfjax.quantized_linear: test_quantization.test_quantized_linear_matches_the_dequantized_product,
 }
 
 
@@ -707,7 +709,7 @@ def test_install_puts_every_generic_override_into_the_environment(env):
 def test_hfjax_uses_an_environment_of_its_own():
     import torchax
 
-    from hfjax import _env
+    from hfjax.bridge import _env
 
     assert _env.env() is not torchax.default_env()
     default_ops = torchax.default_env()._ops
@@ -718,7 +720,7 @@ def test_hfjax_uses_an_environment_of_its_own():
 
 
 def test_an_override_registered_later_reaches_hfjax_environment(monkeypatch):
-    from hfjax import _env
+    from hfjax.bridge import _env
 
     op = torch.ops.aten.erfinv.default
 

@@ -14,7 +14,8 @@ import pytest
 import torch
 
 import hfjax
-from hfjax import _compile, tolerances
+from hfjax import tolerances
+from hfjax.bridge import _compile
 
 # torch's setting -> the precision StableHLO's products carry (hfjax._precision's table)
 EXPECTED = {"highest": "HIGHEST", "high": "HIGH", "medium": "DEFAULT"}

@@ -17,7 +17,7 @@ from transformers.utils import ModelOutput
 
 import background
 import hfjax
-from hfjax import _env, _pytrees
+from hfjax.bridge import _env, _pytrees
 
 
 def _import_all_model_modules() -> list[type]:

@@ -1,4 +1,5 @@
-"""hfjax.generation._sampling against transformers' own logits processors, run by PyTorch on the CPU."""
+"""hfjax's token choice (generation._sampling, per row) against transformers' own logits processors, run by
+PyTorch on the CPU, and OpenAI's definition of the presence and frequency penalties."""
 
 from __future__ import annotations
 
@@ -14,16 +15,19 @@ import torch
 import transformers
 
 from hfjax import testing, tolerances
+from hfjax.generation._rows import RowSampling, SamplingFeatures, key_data, row_keys
 from hfjax.generation._sampling import (
-    SamplingConfig,
+    add_biases,
     first_argmax,
-    next_token,
     ngram_bans,
+    pick,
     process_logits,
     seen_mask,
     sequence_bias,
+    update_counts,
     update_seen,
 )
+from hfjax.generation._settings import SamplingConfig
 
 # Probabilities of float32 softmaxes of the same O(1) logits, processed by the same formulas.
 PROBS = tolerances.DEFAULT
@@ -48,7 +52,8 @@ def _tiny_model() -> transformers.PreTrainedModel:
 
 def hf_process(logits: np.ndarray, input_ids: np.ndarray, attention_mask: np.ndarray, config: SamplingConfig):
     """transformers' processed logits [B, V] for `config`, built and ordered by transformers itself."""
-    generation_config = transformers.GenerationConfig(**dataclasses.asdict(config))
+    fields = {k: v for k, v in dataclasses.asdict(config).items() if k not in ("presence_penalty", "frequency_penalty")}
+    generation_config = transformers.GenerationConfig(**fields)
     processors = _tiny_model()._get_logits_processor(
         generation_config=generation_config,
         input_ids_seq_length=input_ids.shape[1],
@@ -72,8 +77,38 @@ def softmax(scores: np.ndarray) -> np.ndarray:
     return torch.softmax(torch.from_numpy(np.array(scores)), dim=-1).numpy()
 
 
-jit_process = jax.jit(process_logits, static_argnames="config")
-jit_next = jax.jit(next_token, static_argnames="config")
+def rows_of(configs, seed: int = 0, biases=None) -> RowSampling:
+    """Each config's row, as the programs take them (device arrays), every row keyed by `seed` and its index."""
+    biases = biases or [{} for _ in configs]
+    rows = RowSampling.build(
+        [(c, b, key_data(seed)) for c, b in zip(configs, biases)], vocab_size=None, bias_slots=max(map(len, biases))
+    )
+    rows = jax.tree_util.tree_map(jnp.asarray, rows)
+    return RowSampling(*rows.leaves()[:-1], key=row_keys(rows.key))
+
+
+@functools.partial(jax.jit, static_argnames="features")
+def _process(logits, seen, counts, rows, *, features):
+    return process_logits(add_biases(logits, rows, features), rows, features, seen=seen, counts=counts)
+
+
+def jit_process(logits, seen, config: SamplingConfig, counts=None):
+    """[B, V]: every row processed with `config`."""
+    features = SamplingFeatures.of([config])
+    return _process(logits, seen, counts, rows_of([config] * logits.shape[0]), features=features)
+
+
+@functools.partial(jax.jit, static_argnames="features")
+def _next(logits, seen, rows, positions, *, features):
+    return pick(process_logits(logits, rows, features, seen=seen), rows, positions, features)
+
+
+def jit_next(logits, seen, config: SamplingConfig, seed: int = 0, positions=None):
+    """[B] int32: every row's next token with `config`, rows keyed by `seed` and their index."""
+    rows = rows_of([config] * logits.shape[0], seed)
+    positions = jnp.zeros(logits.shape[0], jnp.int32) if positions is None else positions
+    return _next(logits, seen, rows, positions, features=SamplingFeatures.of([config]))
+
 
 CASES = {
     "repetition_penalty": SamplingConfig(repetition_penalty=1.3),
@@ -121,7 +156,7 @@ def test_process_logits_matches_transformers(name):
     assert not np.array_equal(expected, logits), f"{name}: transformers left the logits unchanged"
 
     seen = seen_mask(jnp.asarray(input_ids), jnp.asarray(attention_mask), VOCAB)
-    got = np.asarray(jit_process(jnp.asarray(logits), seen, config=config))  # [3, V]
+    got = np.asarray(jit_process(jnp.asarray(logits), seen, config))  # [3, V]
 
     assert got.dtype == np.float32
     np.testing.assert_array_equal(np.isfinite(got), np.isfinite(expected), err_msg="kept tokens differ")
@@ -136,7 +171,7 @@ def test_process_logits_accepts_no_seen_without_penalty():
     input_ids, attention_mask = history(seed=3)
     config = SamplingConfig(do_sample=True, temperature=0.7, top_k=5)
     expected = hf_process(logits, input_ids, attention_mask, config)
-    got = np.asarray(jit_process(jnp.asarray(logits), None, config=config))
+    got = np.asarray(jit_process(jnp.asarray(logits), None, config))
     np.testing.assert_array_equal(np.isfinite(got), np.isfinite(expected))
     np.testing.assert_allclose(softmax(got), softmax(expected), rtol=0, atol=PROBS.atol)
 
@@ -146,10 +181,10 @@ def test_top_p_keeps_every_token_tied_at_the_cut():
     # hfjax keeps all four rather than choose by token id. Untied tokens are cut as in transformers.
     logits = np.array([[3.0, 1.0, 1.0, 1.0, 1.0, -2.0]], np.float32)
     config = SamplingConfig(do_sample=True, top_p=0.5)
-    got = np.asarray(jit_process(jnp.asarray(logits), None, config=config))
+    got = np.asarray(jit_process(jnp.asarray(logits), None, config))
     np.testing.assert_array_equal(np.isfinite(got), [[True, False, False, False, False, False]])
     logits[0, 0] = 1.0
-    got = np.asarray(jit_process(jnp.asarray(logits), None, config=config))
+    got = np.asarray(jit_process(jnp.asarray(logits), None, config))
     np.testing.assert_array_equal(np.isfinite(got), [[True, True, True, True, True, False]])
 
 
@@ -170,7 +205,7 @@ def test_greedy_is_argmax_of_penalized_logits():
     np.testing.assert_array_equal(expected, runner_up)
     seen = seen_mask(jnp.asarray(input_ids), jnp.asarray(attention_mask), VOCAB)
     for seed in (0, 1):  # greedy ignores the key
-        got = jit_next(jnp.asarray(logits), seen, jax.random.key(seed), config=config)
+        got = jit_next(jnp.asarray(logits), seen, config, seed)
         assert got.dtype == jnp.int32
         np.testing.assert_array_equal(np.asarray(got), expected)
 
@@ -197,10 +232,9 @@ DRAWS = 20_000
 
 @functools.cache
 def tiny_counts() -> np.ndarray:
-    """How often each of the 8 tokens is drawn in DRAWS jitted draws with split keys; [8] int64."""
-    keys = jax.random.split(jax.random.key(1234), DRAWS)
-    draw = jax.jit(jax.vmap(lambda key: next_token(jnp.asarray(TINY_LOGITS), None, key, TINY)[0]))
-    tokens = np.asarray(draw(keys))  # [DRAWS]
+    """How often each of the 8 tokens is drawn in DRAWS jitted draws (DRAWS rows, each its own key); [8] int64."""
+    logits = jnp.asarray(np.repeat(TINY_LOGITS, DRAWS, axis=0))
+    tokens = np.asarray(jit_next(logits, None, TINY, seed=1234))  # [DRAWS]
     return np.bincount(tokens, minlength=TINY_LOGITS.shape[1])
 
 
@@ -237,12 +271,63 @@ def test_chi_square_rejects_a_wrong_distribution(wrong):
 def test_same_key_same_tokens_other_key_other_tokens():
     logits = jnp.zeros((256, VOCAB), jnp.float32)  # uniform: every draw is up to the key
     config = SamplingConfig(do_sample=True)
-    first = np.asarray(jit_next(logits, None, jax.random.key(7), config=config))
-    again = np.asarray(jit_next(logits, None, jax.random.key(7), config=config))
-    other = np.asarray(jit_next(logits, None, jax.random.key(8), config=config))
+    first = np.asarray(jit_next(logits, None, config, seed=7))
+    again = np.asarray(jit_next(logits, None, config, seed=7))
+    other = np.asarray(jit_next(logits, None, config, seed=8))
+    later = np.asarray(jit_next(logits, None, config, seed=7, positions=jnp.ones(256, jnp.int32)))
     np.testing.assert_array_equal(first, again)
     assert len(np.unique(first)) > VOCAB // 2, "draws from a uniform distribution barely vary"
     assert np.mean(first == other) < 0.2, "another key gave mostly the same tokens"
+    assert np.mean(first == later) < 0.2, "another position gave mostly the same tokens"
+
+
+def test_rows_with_different_settings_each_match_transformers():
+    # One program, each row its own settings: a server's slots hold requests of every kind at once.
+    configs = [CASES[name] for name in ("top_k", "min_p", "greedy_ignores_warpers", "hot_temperature", "top_k_top_p")]
+    logits = np.random.default_rng(9).normal(0.0, 2.0, (len(configs), VOCAB)).astype(np.float32)
+    input_ids, attention_mask = history(seed=10, batch=3)
+    input_ids, attention_mask = np.resize(input_ids, (len(configs), 12)), np.ones((len(configs), 12), np.int64)
+    seen = seen_mask(jnp.asarray(input_ids), jnp.asarray(attention_mask), VOCAB)
+    features = SamplingFeatures.of(configs)
+    got = np.asarray(_process(jnp.asarray(logits), seen, None, rows_of(configs), features=features))
+    for row, config in enumerate(configs):
+        expected = hf_process(logits[row : row + 1], input_ids[row : row + 1], attention_mask[row : row + 1], config)[0]
+        np.testing.assert_array_equal(np.isfinite(got[row]), np.isfinite(expected), err_msg=str(config))
+        np.testing.assert_allclose(softmax(got[row]), softmax(expected), rtol=0, atol=PROBS.atol)
+
+
+def test_presence_and_frequency_penalties_follow_openais_definition():
+    # OpenAI: mu[j] - c[j] * frequency_penalty - (c[j] > 0) * presence_penalty, c[j] the times the
+    # answer so far holds token j (the prompt's tokens do not count).
+    rng = np.random.default_rng(11)
+    logits = rng.normal(0.0, 2.0, (3, VOCAB)).astype(np.float32)
+    answer = rng.integers(0, VOCAB, (3, 9))
+    counts = np.zeros((3, VOCAB), np.int32)
+    for row, tokens in enumerate(answer):
+        np.add.at(counts[row], tokens, 1)
+    configs = [
+        SamplingConfig(presence_penalty=p, frequency_penalty=f) for p, f in ((0.5, 0.0), (0.0, 0.7), (-1.2, 1.9))
+    ]
+    expected = np.stack([logits[i] - counts[i] * c.frequency_penalty - (counts[i] > 0) * c.presence_penalty
+                         for i, c in enumerate(configs)])  # fmt: skip
+    grown = jnp.zeros((3, VOCAB), jnp.int32)
+    for column in range(answer.shape[1]):
+        grown = update_counts(grown, jnp.asarray(answer[:, column], jnp.int32))
+    np.testing.assert_array_equal(np.asarray(grown), counts)
+    got = _process(jnp.asarray(logits), None, grown, rows_of(configs), features=SamplingFeatures.of(configs))
+    np.testing.assert_allclose(np.asarray(got), expected, rtol=0, atol=tolerances.BIASES.atol)
+
+
+def test_single_token_biases_match_transformers_sequence_bias():
+    logits = np.random.default_rng(12).normal(0.0, 1.0, (2, VOCAB)).astype(np.float32)
+    biases = [{3: 2.5, 7: -float("inf")}, {7: 1.0, 40: -3.0, 41: 0.5}]
+    configs = [SamplingConfig()] * 2
+    features = SamplingFeatures.of(configs, bias_slots=3)
+    got = np.asarray(_process(jnp.asarray(logits), None, None, rows_of(configs, biases=biases), features=features))
+    for row, bias in enumerate(biases):
+        processor = transformers.SequenceBiasLogitsProcessor({(token,): value for token, value in bias.items()})
+        expected = processor(torch.zeros((1, 2), dtype=torch.long), torch.from_numpy(logits[row : row + 1].copy()))[0]
+        np.testing.assert_allclose(got[row], expected.numpy(), rtol=0, atol=tolerances.BIASES.atol)
 
 
 def test_seen_mask_and_update_seen():
@@ -295,6 +380,8 @@ def test_config_is_hashable_and_normalised():
         (dict(repetition_penalty=-1.2), r"repetition_penalty=-1\.2 must be strictly positive"),
         (dict(repetition_penalty=[1.2]), r"repetition_penalty=\[1\.2\] is not a finite number"),
         (dict(do_sample="yes"), r"do_sample='yes' is not a bool"),
+        (dict(presence_penalty=2.5), r"presence_penalty=2\.5 is outside \[-2, 2\]"),
+        (dict(frequency_penalty="x"), r"frequency_penalty='x' is not a finite number"),
     ],
 )
 def test_bad_settings_name_argument_and_value(kwargs, message):
@@ -304,12 +391,15 @@ def test_bad_settings_name_argument_and_value(kwargs, message):
 
 def test_bad_arrays_name_argument_and_shape():
     logits = jnp.zeros((2, VOCAB), jnp.float32)
+    plain = SamplingConfig()
+    penalised = SamplingConfig(repetition_penalty=1.3)
+    rows = rows_of([penalised] * 2)
     with pytest.raises(ValueError, match=r"logits has shape \(2, 1, 50\)"):
-        process_logits(logits[:, None, :], None, SamplingConfig())
-    with pytest.raises(ValueError, match=r"seen is None but repetition_penalty=1\.3"):
-        process_logits(logits, None, SamplingConfig(repetition_penalty=1.3))
+        process_logits(logits[:, None, :], rows_of([plain] * 2), SamplingFeatures.of([plain]))
+    with pytest.raises(ValueError, match=r"seen is None but the settings need a bool array"):
+        process_logits(logits, rows, SamplingFeatures.of([penalised]))
     with pytest.raises(ValueError, match=r"seen is int32 \(2, 50\)"):
-        process_logits(logits, jnp.zeros((2, VOCAB), jnp.int32), SamplingConfig(repetition_penalty=1.3))
+        process_logits(logits, rows, SamplingFeatures.of([penalised]), seen=jnp.zeros((2, VOCAB), jnp.int32))
     ids = jnp.array([[1, 2, VOCAB]])
     with pytest.raises(ValueError, match=r"input_ids\[0, 2\]=50 is outside \[0, vocab_size=50\)"):
         seen_mask(ids, None, VOCAB)

@@ -32,28 +32,37 @@ import torch
 import transformers
 
 import hfjax
-from hfjax import testing, tolerances
+from hfjax import serving, testing, tolerances
 
 fastapi = pytest.importorskip("fastapi", reason="the serve extra is not installed: pip install 'hfjax[serve]'")
 pytest.importorskip("uvicorn", reason="the serve extra is not installed: pip install 'hfjax[serve]'")
 openai = pytest.importorskip("openai", reason="the openai client is a test dependency: pip install openai")
 httpx = pytest.importorskip("httpx", reason="httpx is a test dependency: pip install httpx")
+prometheus_parser = pytest.importorskip(
+    "prometheus_client.parser", reason="the serve extra is not installed: pip install 'hfjax[serve]'"
+)
 
 README = pathlib.Path(__file__).resolve().parent.parent / "README.md"
 README_DIR = "/tmp/hfjax-readme"
 
 
-def _readme_serve() -> tuple[str, str, str]:
-    """The README's Serve section: its `hfjax serve` line, its curl line and its python block."""
+def _readme_serve() -> dict[str, str | list[str]]:
+    """The README's Serve section, in the order a user runs it: the python line that writes the
+    checkpoint, the `hfjax serve` line, the curl lines after it (wait for /health, then ask), and
+    the python block."""
     section = README.read_text().split("\n## Serve\n", 1)[1].split("\n## ", 1)[0]
     lines = re.findall(r"```bash\n(.*?)```", section, flags=re.S)[0].splitlines()
-    serve = next(line for line in lines if line.startswith("hfjax serve"))
-    curl = next(line for line in lines if line.startswith("curl "))
-    return serve, curl, re.findall(r"```python\n(.*?)```", section, flags=re.S)[0]
+    serve = next(i for i, line in enumerate(lines) if line.startswith("hfjax serve"))
+    return {
+        "checkpoint": next(line for line in lines[:serve] if line.startswith("python -c ")),
+        "serve": lines[serve],
+        "curl": [line for line in lines[serve + 1 :] if line.startswith("curl ")],
+        "python": re.findall(r"```python\n(.*?)```", section, flags=re.S)[0],
+    }
 
 
 # The main server is the README's own command, so its examples run against it.
-_SERVE_FLAGS = shlex.split(_readme_serve()[0].rstrip(" &"))
+_SERVE_FLAGS = shlex.split(_readme_serve()["serve"].rstrip(" &"))
 NAME = _SERVE_FLAGS[_SERVE_FLAGS.index("--served-model-name") + 1]
 LENGTH = int(_SERVE_FLAGS[_SERVE_FLAGS.index("--max-model-len") + 1])
 ENCODER, KEY = "tiny-bert", "test-key"
@@ -67,11 +76,13 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _launch(name: str, checkpoint: pathlib.Path, *flags: str) -> None:
+def _launch(name: str, checkpoint: pathlib.Path, *flags: str, model_flag: bool = True) -> None:
+    # model_flag: `--model PATH`; else PATH first, as `vllm serve` takes it (the README's way).
     port = _free_port()
     log = open(_DIRECTORY[0] / f"{name}.log", "w")
     env = {**os.environ, "OMP_WAIT_POLICY": "PASSIVE", "PYTHONPATH": os.pathsep.join(sys.path)}
-    argv = [sys.executable, "-m", "hfjax.cli", "serve", "--model", str(checkpoint), *flags, "--port", str(port)]
+    model = ["--model", str(checkpoint)] if model_flag else [str(checkpoint)]
+    argv = [sys.executable, "-m", "hfjax.cli", "serve", *model, *flags, "--port", str(port)]
     process = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=env)
     SERVERS[name] = {"process": process, "url": f"http://127.0.0.1:{port}", "log": log, "checkpoint": checkpoint}
 
@@ -81,13 +92,13 @@ def start_in_background() -> None:
     if SERVERS:
         return
     _DIRECTORY.append(pathlib.Path(tempfile.mkdtemp(prefix="hfjax-serve-test-")))
-    model_flag = _SERVE_FLAGS.index("--model")
-    readme_path = _SERVE_FLAGS[model_flag + 1]
-    llama = testing.save_tiny_checkpoint("llama", readme_path.replace(README_DIR, str(_DIRECTORY[0])))
+    # The README's own line writes the checkpoint that its `hfjax serve MODEL ...` line serves.
+    exec(shlex.split(_readme_serve()["checkpoint"].replace(README_DIR, str(_DIRECTORY[0])))[2], {})
+    llama = pathlib.Path(_SERVE_FLAGS[2].replace(README_DIR, str(_DIRECTORY[0])))
     bert = testing.save_tiny_checkpoint("bert", _DIRECTORY[0] / "bert", task="feature-extraction")
-    readme_flags = [f for i, f in enumerate(_SERVE_FLAGS[2:], 2) if i not in (model_flag, model_flag + 1)]
+    readme_flags = _SERVE_FLAGS[3:]
     port = readme_flags.index("--port")
-    _launch("main", llama, *readme_flags[:port], *readme_flags[port + 2 :])
+    _launch("main", llama, *readme_flags[:port], *readme_flags[port + 2 :], model_flag=False)
     common = ("--max-model-len", str(LENGTH), "--served-model-name", NAME)
     _launch("small", llama, *common, "--max-batch", "1", "--max-queue", "1", "--api-key", KEY)
     _launch("encoder", bert, "--served-model-name", ENCODER)
@@ -245,18 +256,54 @@ def test_openai_embeddings_equal_pytorch(servers):
     assert error.value.body["param"] == "model"
 
 
+def test_openai_embeddings_of_a_causal_lm_are_its_last_tokens_final_hidden_state(client):
+    texts = ["a cat sat on the mat", "dogs", "the quick brown fox jumps over the lazy dog"]
+    path = SERVERS["main"]["checkpoint"]
+    tokenizer = transformers.AutoTokenizer.from_pretrained(path)
+    module = transformers.AutoModelForCausalLM.from_pretrained(path).eval()
+    want = []
+    for text in texts:  # each alone, unpadded: the last token's hidden state after the final norm
+        with torch.no_grad():
+            hidden = module(**tokenizer([text], return_tensors="pt"), output_hidden_states=True).hidden_states[-1]
+        want.append(torch.nn.functional.normalize(hidden[0, -1], dim=-1).numpy())
+    answer = client.embeddings.create(model=NAME, input=texts, encoding_format="float")
+    tolerance = tolerances.for_family("llama")
+    got = np.array([d.embedding for d in answer.data], np.float32)
+    np.testing.assert_allclose(got, np.array(want), atol=tolerance.atol, err_msg=tolerance.why)
+
+
 def test_models_health_metrics_and_the_page(servers):
     url = servers["main"]
     assert httpx.get(url + "/v1/models").json()["data"][0]["id"] == NAME
     assert httpx.get(url + "/health").json() == {"status": "ok"}
-    metrics = httpx.get(url + "/metrics")
-    assert metrics.headers["content-type"].startswith("text/plain")
+    assert httpx.get(url + "/metrics").headers["content-type"].startswith("text/plain")
+    samples = {name for name, _ in _metrics(url)}
     for name in ("hfjax_time_to_first_token_seconds_bucket", "hfjax_inter_token_latency_seconds_count",
                  "hfjax_num_requests_waiting", "hfjax_batch_occupancy", "hfjax_prompt_tokens_total"):  # fmt: skip
-        assert re.search(rf"^{name}", metrics.text, re.M), name
+        assert name in samples, name
     page = httpx.get(url + "/").text
-    assert "<title>hfjax chat</title>" in page
+    assert "<title>hfjax chat</title>" in page and 'rel="icon" href="/favicon.svg"' in page
     assert not re.search(r"""(src|href)=["']?(https?:)?//""", page), "the page loads nothing from elsewhere"
+    for path in ("/favicon.svg", "/favicon.ico"):
+        icon = httpx.get(url + path)
+        assert icon.status_code == 200 and icon.headers["content-type"] == "image/svg+xml", path
+        assert icon.text.startswith("<svg ")
+
+
+def test_two_apps_in_one_process_keep_their_own_metrics(tmp_path):
+    """Each server's metrics live in a registry of its own: a second app in the process neither collides
+    with the first (prometheus_client refuses a name registered twice) nor counts its requests."""
+    from fastapi.testclient import TestClient
+
+    encoder = hfjax.load(testing.save_tiny_checkpoint("bert", tmp_path / "bert", task="feature-extraction"))
+    first, second = (TestClient(serving.build_app(encoder, served_model_name=ENCODER, engine=None)) for _ in range(2))
+    for client, times in ((first, 2), (second, 1)):
+        for _ in range(times):
+            assert client.get("/v1/models").status_code == 200
+    for client, times in ((first, 2), (second, 1)):
+        families = prometheus_parser.text_string_to_metric_families(client.get("/metrics").text)
+        requests = [s for f in families for s in f.samples if s.name == "hfjax_http_requests_total"]
+        assert [s.value for s in requests if s.labels["endpoint"] == "/v1/models"] == [times]
 
 
 BAD = [
@@ -275,7 +322,7 @@ BAD = [
     ("chat", {"model": NAME, "messages": [{"role": "user", "content": "hi"}], "top_logprobs": 30}, "top_logprobs"),
     (
         "chat",
-        {"model": NAME, "messages": [{"role": "user", "content": "hi"}], "frequency_penalty": 0.5},
+        {"model": NAME, "messages": [{"role": "user", "content": "hi"}], "frequency_penalty": 2.5},
         "frequency_penalty",
     ),
     (
@@ -284,7 +331,11 @@ BAD = [
         "tools",
     ),
     ("completions", {"model": NAME, "prompt": "hi", "echo": True}, "echo"),
-    ("completions", {"model": NAME, "prompt": "hi", "top_k": 5}, "top_k"),
+    ("completions", {"model": NAME, "prompt": "hi", "top_k": -2}, "top_k"),
+    ("completions", {"model": NAME, "prompt": "hi", "repetition_penalty": 0}, "repetition_penalty"),
+    ("completions", {"model": NAME, "prompt": "hi", "logit_bias": {"word": 5}}, "logit_bias"),
+    ("completions", {"model": NAME, "prompt": "hi", "logit_bias": {"7": 101}}, "logit_bias"),
+    ("completions", {"model": NAME, "prompt": "hi", "ignore_eos": "yes"}, "ignore_eos"),
 ]
 
 
@@ -302,8 +353,23 @@ def test_bad_requests_get_an_openai_400_naming_the_field(servers, endpoint, body
 
 def test_the_openai_client_raises_bad_request_with_the_field(client):
     with pytest.raises(openai.BadRequestError) as error:
-        client.chat.completions.create(model=NAME, messages=[{"role": "user", "content": "hi"}], presence_penalty=1.0)
+        client.chat.completions.create(model=NAME, messages=[{"role": "user", "content": "hi"}], presence_penalty=3.0)
     assert error.value.status_code == 400 and error.value.body["param"] == "presence_penalty"
+
+
+def test_sampling_fields_beyond_openais_act_as_in_transformers_and_vllm(client, model):
+    """repetition_penalty (vLLM's extra field) answers as transformers' repetition_penalty does in
+    Model.generate_text; logit_bias and ignore_eos force a token the length of the budget."""
+    settings = {"max_new_tokens": NEW_TOKENS, "do_sample": False, "repetition_penalty": 1.5}
+    want = model.generate_text([CONVERSATIONS[5]], **settings)[0]
+    assert _chat(client, CONVERSATIONS[5], extra_body={"repetition_penalty": 1.5}) == want
+    assert want != _chat(client, CONVERSATIONS[5])  # the penalty changes this answer, so the check can fail
+    token = model.tokenizer.eos_token_id
+    forced = client.completions.create(
+        model=NAME, prompt="river", max_tokens=6, temperature=0, logit_bias={str(token): 100},
+        extra_body={"ignore_eos": True},
+    )  # fmt: skip
+    assert forced.usage.completion_tokens == 6 and forced.choices[0].finish_reason == "length"
 
 
 def test_curl_streams_server_sent_events(servers, expected):
@@ -350,13 +416,10 @@ def _prompt_tokens(model, conversation) -> int:
     return len(model.tokenizer(text, add_special_tokens=False)["input_ids"])
 
 
-def _metrics(url: str) -> dict[str, float]:
-    values = {}
-    for line in httpx.get(url + "/metrics").text.splitlines():
-        if line and not line.startswith("#"):
-            name, value = line.rsplit(" ", 1)
-            values[name] = float(value)
-    return values
+def _metrics(url: str) -> dict[tuple[str, tuple], float]:
+    """/metrics read by prometheus_client's parser: {(sample name, sorted (label, value) pairs): value}."""
+    families = prometheus_parser.text_string_to_metric_families(httpx.get(url + "/metrics").text)
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value for family in families for s in family.samples}
 
 
 def test_load_200_requests_from_32_clients_some_leaving_mid_stream(servers, model, expected):
@@ -406,25 +469,24 @@ def test_load_200_requests_from_32_clients_some_leaving_mid_stream(servers, mode
         assert text == expected[conversation]
         assert usage["prompt_tokens"] == prompt_tokens[conversation]
     deadline = time.monotonic() + 60
-    while (after := _metrics(url))["hfjax_num_requests_running"] and time.monotonic() < deadline:
+    while (after := _metrics(url))[("hfjax_num_requests_running", ())] and time.monotonic() < deadline:
         time.sleep(0.2)  # a request that lost its client leaves at the next chunk boundary
 
-    def delta(name):
-        return after.get(name, 0) - before.get(name, 0)
+    def delta(name, **labels):
+        key = (name, tuple(sorted(labels.items())))
+        return after.get(key, 0) - before.get(key, 0)
 
-    assert after["hfjax_num_requests_running"] == 0 and after["hfjax_num_requests_waiting"] == 0
-    assert after["hfjax_batch_occupancy"] == 0
-    assert delta('hfjax_http_requests_total{endpoint="/v1/chat/completions",code="200"}') == 200
-    finished = {
-        r: delta(f'hfjax_request_success_total{{finished_reason="{r}"}}') for r in ("stop", "length", "cancelled")
-    }
+    for gauge in ("hfjax_num_requests_running", "hfjax_num_requests_waiting", "hfjax_batch_occupancy"):
+        assert after[(gauge, ())] == 0, gauge
+    assert delta("hfjax_http_requests_total", endpoint="/v1/chat/completions", code="200") == 200
+    finished = {r: delta("hfjax_request_success_total", finished_reason=r) for r in ("stop", "length", "cancelled")}
     assert sum(finished.values()) == 200 and finished["cancelled"] <= len(left)
     assert delta("hfjax_prompt_tokens_total") == sum(prompt_tokens[c] for c, *_ in results)
     assert delta("hfjax_generation_tokens_total") >= sum(u["completion_tokens"] for *_, u in completed)
     assert delta("hfjax_time_to_first_token_seconds_count") == 200
 
 
-def test_the_chat_page_streams_an_answer_in_headless_chromium(servers, expected, tmp_path):
+def test_the_chat_page_holds_a_conversation_in_headless_chromium(servers, model, tmp_path):
     webdriver = pytest.importorskip("selenium.webdriver", reason="selenium is a test dependency: pip install selenium")
     chromium = shutil.which("chromium") or shutil.which("chromium-browser")
     driver_path = shutil.which("chromedriver")
@@ -445,26 +507,37 @@ def test_the_chat_page_streams_an_answer_in_headless_chromium(servers, expected,
         "--window-size=1000,700",
     ):
         options.add_argument(flag)
+    # Three messages in one conversation on the server's 256-token context, with the page's default
+    # answer length: the second outgrows the context, so the page leaves the oldest turn out.
+    messages = [CONVERSATIONS[5][0]["content"], "And then?", "What did the miller say?"]
     browser = webdriver.Chrome(options=options, service=webdriver.ChromeService(executable_path=driver_path))
+
+    def ask(text: str) -> tuple[str, str]:
+        done = len(browser.find_elements(By.CSS_SELECTOR, "[data-done='true']"))
+        browser.find_element(By.ID, "input").send_keys(text)
+        browser.find_element(By.ID, "send").click()
+        WebDriverWait(browser, 120).until(lambda b: len(b.find_elements(By.CSS_SELECTOR, "[data-done='true']")) > done)
+        answer = browser.find_elements(By.CSS_SELECTOR, "#messages .message[data-done]")[-1]
+        return answer.get_attribute("textContent"), answer.get_attribute("class")
+
     try:
         browser.get(servers["main"] + "/")
         WebDriverWait(browser, 30).until(lambda b: b.find_element(By.ID, "model").text == NAME)
         browser.find_element(By.ID, "temperature").send_keys("0")
-        browser.find_element(By.ID, "max-tokens").send_keys(str(NEW_TOKENS))
-        browser.find_element(By.ID, "input").send_keys(CONVERSATIONS[5][0]["content"])
-        browser.find_element(By.ID, "send").click()
-        WebDriverWait(browser, 60).until(
-            lambda b: b.find_elements(By.CSS_SELECTOR, ".assistant[data-done='true'], .error[data-done='true']")
-        )
-        answer = browser.find_element(By.CSS_SELECTOR, "#messages .message:last-child")
-        answer_text, answer_class = answer.get_attribute("textContent"), answer.get_attribute("class")
+        answers = [ask(text) for text in messages]
+        notes = [note.text for note in browser.find_elements(By.CSS_SELECTOR, ".note.dropped")]
         stats = browser.find_element(By.ID, "stats").text
         browser.save_screenshot(str(tmp_path / "chat.png"))
+        browser.find_element(By.ID, "new-chat").click()
+        left = browser.find_elements(By.CSS_SELECTOR, "#messages > *")
+        again = ask(messages[0])  # the first message of a new conversation, answered as the first was
     finally:
         browser.quit()
-    assert len(CONVERSATIONS[5]) == 1
-    assert "error" not in answer_class, answer_text
-    assert answer_text == expected[5]
+    assert all("error" not in kind and text for text, kind in answers), answers
+    # The default answer length: 512 tokens at most, and at most half the context.
+    assert answers[0][0] == model.generate_text(CONVERSATIONS[5], max_new_tokens=min(512, LENGTH // 2), do_sample=False)
+    assert notes and all(f"context of {LENGTH} tokens" in note for note in notes), notes
+    assert left == [] and again == answers[0]
     assert re.search(r"\d+ tokens, [\d.]+ tokens/s", stats), stats
     assert (tmp_path / "chat.png").read_bytes()[:4] == b"\x89PNG"
 
@@ -493,12 +566,28 @@ def test_sigterm_finishes_the_answer_in_flight_and_exits_0(servers):
 
 
 def test_the_readme_examples_run_against_its_server(servers):
-    _, curl, python = _readme_serve()
+    readme = _readme_serve()
     port = servers["main"].rsplit(":", 1)[1]
-    out = subprocess.run(curl.replace(":8000", f":{port}"), shell=True, capture_output=True, text=True, timeout=60)
+    wait, ask = readme["curl"]
+    assert "/health" in wait and "--retry-connrefused" in wait, "the README waits for the server before asking"
+    up = subprocess.run(wait.replace(":8000", f":{port}"), shell=True, capture_output=True, text=True, timeout=60)
+    assert up.returncode == 0 and json.loads(up.stdout) == {"status": "ok"}, up.stderr
+    out = subprocess.run(ask.replace(":8000", f":{port}"), shell=True, capture_output=True, text=True, timeout=60)
     answer = json.loads(out.stdout)
     assert answer["object"] == "chat.completion" and answer["usage"]["completion_tokens"] >= 1, out.stdout
     ran = subprocess.run(
-        [sys.executable, "-c", python.replace(":8000", f":{port}")], capture_output=True, text=True, timeout=60
+        [sys.executable, "-c", readme["python"].replace(":8000", f":{port}")],
+        capture_output=True,
+        text=True,
+        timeout=60,
     )
     assert ran.returncode == 0, ran.stderr
+
+
+def test_the_servers_say_no_warning(servers):
+    # Quiet by default: what a server prints while it loads, compiles and answers holds no library's note.
+    from test_readme import WARNING
+
+    for name in ("main", "encoder"):
+        log = (_DIRECTORY[0] / f"{name}.log").read_text()
+        assert not WARNING.search(log), f"{name} server: {log[-3000:]}"

@@ -1,4 +1,5 @@
-"""The continuous-batching engine (hfjax.serving.Engine) in this process, against `Model.generate`."""
+"""The continuous-batching engine (hfjax.serving.Engine) in this process, against `Model.generate` and
+transformers' own processors."""
 
 from __future__ import annotations
 
@@ -8,12 +9,12 @@ import threading
 import jax
 import numpy as np
 import pytest
+import torch
 import transformers
 
 import hfjax
 from hfjax import _compilation_cache
 from hfjax.serving import Engine, QueueFullError, SamplingParams
-from hfjax.serving._engine import Request
 from hfjax.serving._text import TextStream
 from hfjax.testing import _tokenizer
 
@@ -42,7 +43,7 @@ def engine(model, tmp_path_factory):
     store = tmp_path_factory.mktemp("programs")
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(_compilation_cache, "directory", lambda: store)
-        engine = Engine(model, max_batch=SLOTS, max_model_len=LENGTH, prefill_chunk=CHUNK, decode_steps=STEPS)
+        engine = Engine(model, max_num_seqs=SLOTS, max_model_len=LENGTH, prefill_chunk=CHUNK, decode_steps=STEPS)
         engine.warm_up()
     engine.start()
     recording = [True]
@@ -58,9 +59,32 @@ def engine(model, tmp_path_factory):
     engine.stop()
 
 
+class _Calls:
+    """Records what the engine asks its programs to run (the public `compiler.programs`), in order,
+    with the requests' events in between."""
+
+    def __init__(self, engine, monkeypatch):
+        self.log = []
+        programs = engine.compiler.programs
+        decode, prefill = programs.decode, programs.prefill
+
+        def decoding(state, rows, active, count, want, *, decoding_rows, window):
+            self.log.append(("decode", int(count), decoding_rows, window))
+            return decode(state, rows, active, count, want, decoding_rows=decoding_rows, window=window)
+
+        def prefilling(*args, window):
+            self.log.append(("prefill", args[2].shape[0], window))
+            return prefill(*args, window=window)
+
+        monkeypatch.setattr(programs, "decode", decoding)
+        monkeypatch.setattr(programs, "prefill", prefilling)
+
+    def listener(self, event):
+        self.log.append(("event", len(event.token_ids), event.finish_reason))
+
+
 def test_the_first_request_after_warm_up_compiles_nothing(engine):
-    # warm_up's first call read the cache as allocated; jit told that apart from the placed cache
-    # of every later call, and the first request lowered and compiled its prefill again (~0.2 s).
+    assert engine.compiler.pending == 0
     assert FIRST_REQUEST_COMPILES == []
 
 
@@ -68,13 +92,14 @@ def _ids(model, prompts):
     return [model.tokenizer(p)["input_ids"] for p in prompts]
 
 
-def _generate_alone(model, ids: list[list[int]], max_new_tokens: int) -> list[list[int]]:
-    """Model.generate's greedy tokens of each prompt, cut before its first EOS (one left-padded batch:
-    each row gets what its prompt alone would)."""
+def _generate_alone(model, ids: list[list[int]], max_new_tokens: int, **settings) -> list[list[int]]:
+    """Model.generate's tokens of each prompt, cut before its first EOS (one left-padded batch: each
+    row gets what its prompt alone would)."""
     width = max(len(i) for i in ids)
     padded = np.array([[0] * (width - len(i)) + i for i in ids], np.int32)
     mask = np.array([[0] * (width - len(i)) + [1] * len(i) for i in ids], np.int32)
-    out = np.asarray(model.generate(padded, mask, max_new_tokens=max_new_tokens, do_sample=False))[:, width:]
+    settings = {"do_sample": False, **settings}
+    out = np.asarray(model.generate(padded, mask, max_new_tokens=max_new_tokens, **settings))[:, width:]
     rows = []
     for row in out.tolist():
         rows.append(row[: row.index(_tokenizer.EOS_ID)] if _tokenizer.EOS_ID in row else row)
@@ -87,10 +112,9 @@ def test_greedy_answers_equal_generate_with_16_requests_in_4_slots(model, engine
     got = engine.generate(ids, [SamplingParams(max_tokens=b, temperature=0) for b in budgets])
     want = _generate_alone(model, ids, max(budgets))
     assert len({len(i) for i in ids}) > 8 and max(len(i) for i in ids) > 2 * CHUNK
-    # Decode chunks over 48 of the 96 columns, and over all of them, for requests that outgrow 48.
-    assert engine.windows == (LENGTH // 2, LENGTH)
-    ends = [len(i) + b for i, b in zip(ids, budgets)]
-    assert min(ends) + STEPS <= LENGTH // 2 < max(ends)
+    # Chunks attend over windows of 32 and 64 of the 96 columns, and over all of them.
+    assert engine.compiler.grid["decode"][-1] == (SLOTS, LENGTH)
+    assert sorted({w for _, w in engine.compiler.grid["decode"]}) == [32, 64, 96]
     for prompt, budget, event, reference in zip(PROMPTS, budgets, got, want):
         assert event.token_ids == reference[:budget], prompt
         assert event.finish_reason == ("length" if len(reference) >= budget else "stop"), prompt
@@ -99,98 +123,86 @@ def test_greedy_answers_equal_generate_with_16_requests_in_4_slots(model, engine
     assert engine.running == 0 and engine.waiting == 0
 
 
-def test_a_steady_stream_sends_its_next_chunk_before_the_last_comes_back_and_runs_no_step_past_max_tokens(
-    model, engine, monkeypatch
-):
-    # warm_up timed each decode program; here a chunk of 1 row takes 2/5 of the time of one of all 4
-    # slots, so a lone request's chunks run 4 * 5 / 2 = 10 steps (the request before freed a slot, but
-    # this one came in since).
-    assert set(engine._chunk_seconds) == {(r, w) for r in engine.row_buckets for w in engine.windows}
-    assert all(seconds > 0 for seconds in engine._chunk_seconds.values())
-    timed = {(rows, window): 0.001 * (1 + rows) for rows, window in engine._chunk_seconds}
-    monkeypatch.setattr(engine, "_chunk_seconds", timed)
-    monkeypatch.setattr(engine, "_free_slot", lambda prompt: 0)  # one row (not the one holding its prefix)
-    with engine._lock:
-        engine._unclaimed = 1  # as one request left last (the tests before may have ended several at once)
-    order = []
-    dispatch, collect = engine._dispatch, engine._collect
-
-    def dispatched(**kwargs):
-        chunk = dispatch(**kwargs)
-        order.append(("dispatch", chunk.steps))
-        return chunk
-
-    def collected(chunk):
-        order.append(("collect", chunk.steps))
-        collect(chunk)
-
-    monkeypatch.setattr(engine, "_dispatch", dispatched)
-    monkeypatch.setattr(engine, "_collect", collected)
+def test_a_lone_stream_runs_long_chunks_sent_ahead_and_no_step_past_max_tokens(model, engine, monkeypatch):
+    calls = _Calls(engine, monkeypatch)
     ids = _ids(model, PROMPTS[3:4])
-    budget = 1 + 10 + 10 + 3  # the prefill's token, two chunks of 10 and one of 3
-    got = engine.generate(ids, SamplingParams(max_tokens=budget, temperature=0, ignore_eos=True))[0]
+    # A chunk of 1 of the 4 slots runs decode_steps x 4 steps (max_decode_steps, 16), but the first one
+    # after a slot freed (its client may be about to send another request): decode_steps.
+    budget = 1 + 16 + 16 + 3
+    done = threading.Event()
+
+    def listener(event):
+        calls.listener(event)
+        if event.finish_reason:
+            done.set()
+
+    engine.submit(ids[0], SamplingParams(max_tokens=budget, temperature=0, ignore_eos=True), listener)
+    assert done.wait(120)
     padded = np.array(ids, np.int32)
-    want = np.asarray(model.generate(padded, max_new_tokens=budget, do_sample=False, eos_token_id=[]))[
-        0, padded.shape[1] :
-    ]
-    assert got.token_ids == want.tolist() and got.finish_reason == "length"
-    # The first chunk after a slot freed waits (another request may be on its way); later ones go
-    # ahead until the chunk that ends the request by length.
-    assert order == [
-        ("dispatch", 10), ("collect", 10), ("dispatch", 10), ("dispatch", 3), ("collect", 10), ("collect", 3)
-    ]  # fmt: skip
+    want = np.asarray(model.generate(padded, max_new_tokens=budget, do_sample=False, eos_token_id=[]))[0, len(ids[0]) :]
+    assert sum(n for kind, n, *_ in calls.log if kind == "event") == budget
+    decodes = [entry for entry in calls.log if entry[0] == "decode"]
+    counts = [count for _, count, _, _ in decodes]
+    assert sum(counts) == budget - 1 and counts[0] in (STEPS, 4 * STEPS), calls.log  # none past max_tokens
+    assert counts[1:-1] and all(count == 4 * STEPS for count in counts[1:-1]), calls.log
+    assert all(rows == 1 for _, _, rows, _ in decodes)  # one row, not the 4 slots
+    # The last chunk went to the device before the one before it was delivered: sent ahead.
+    order = [entry[:2] for entry in calls.log if entry[0] in ("decode", "event")]
+    last = len(order) - 1 - order[::-1].index(("decode", counts[-1]))
+    assert ("event", counts[-2]) in order[last:], calls.log
+    assert engine.generate(ids, SamplingParams(max_tokens=budget, temperature=0, ignore_eos=True))[0].token_ids == (
+        want.tolist()
+    )
 
 
-def test_chunks_of_fewer_rows_run_more_steps_only_while_no_request_waits_reads_its_prompt_or_just_left(model):
-    engine = Engine(model, max_batch=SLOTS, max_model_len=LENGTH, prefill_chunk=CHUNK, decode_steps=STEPS)
-    assert engine.max_decode_steps == 4 * STEPS and engine.row_buckets == (1, 2, 4)
-    window = engine.windows[0]
-    engine._chunk_seconds = {(1, window): 0.002, (2, window): 0.003, (4, window): 0.005}
-    # As many steps as take about the time of STEPS steps of every slot.
-    assert [engine._chunk_steps(rows, window) for rows in (1, 2, 4)] == [10, 6, 4]
-    assert engine._chunk_steps(1, engine.windows[1]) == STEPS  # a window warm_up did not time
-    engine._chunk_seconds[1, window] = 0.0001
-    assert engine._chunk_steps(1, window) == 4 * STEPS  # max_decode_steps at most
-    engine._chunk_seconds[1, window] = 0.002
-    engine._unclaimed = 1  # a request left in the chunk before, and none came in since
-    assert engine._chunk_steps(1, window) == STEPS
-    engine._unclaimed = 0
-    reading = Request([5] * (2 * CHUNK), SamplingParams(max_tokens=4), lambda event: None, None)
-    engine._slots[1] = reading
-    assert engine._chunk_steps(1, window) == STEPS
-    reading.prefilled = len(reading.prompt)
-    assert engine._chunk_steps(1, window) == 10
-    engine._waiting.append(Request([5], SamplingParams(max_tokens=4), lambda event: None, None))
-    assert engine._chunk_steps(1, window) == STEPS
+def test_a_chunk_runs_decode_steps_while_a_request_waits_or_reads_its_prompt(model, engine, monkeypatch):
+    calls = _Calls(engine, monkeypatch)
+    long_prompt = np.random.default_rng(3).integers(5, 400, 3 * CHUNK).tolist()
+    short = _ids(model, PROMPTS[2:3])[0]
+    # Two requests at once: while the long one reads its prompt over three prefill chunks, the short
+    # one's decode chunks keep to decode_steps.
+    engine.generate([short, long_prompt], SamplingParams(max_tokens=12, temperature=0, ignore_eos=True))
+    log = calls.log
+    last_prefill = max(i for i, entry in enumerate(log) if entry[0] == "prefill")
+    during = [entry[1] for entry in log[:last_prefill] if entry[0] == "decode"]
+    assert during and all(count <= STEPS for count in during), log
 
 
 def test_max_decode_steps_below_decode_steps_is_refused_by_name(model):
     with pytest.raises(hfjax.ServingError, match=r"max_decode_steps=2; pass a whole number >= decode_steps=4"):
-        Engine(model, max_batch=SLOTS, max_model_len=LENGTH, decode_steps=4, max_decode_steps=2)
+        Engine(model, max_num_seqs=SLOTS, max_model_len=LENGTH, decode_steps=4, max_decode_steps=2)
 
 
-def test_chunks_that_outgrow_the_smaller_window_attend_over_the_larger(model, engine):
-    # Prompts of 44-47 tokens: their first decode chunk writes columns 44-50, across the 48-column
-    # window, so it must run over all 96; the 60-token prompt's last prefill chunk (columns 48-59)
-    # too. Greedy answers equal Model.generate's.
-    ids = [np.random.default_rng(n).integers(5, 400, n).tolist() for n in (44, 45, 46, 47, 60)]
+def test_chunks_that_outgrow_a_window_attend_over_the_next(model, engine, monkeypatch):
+    # Prompts of 28-31 tokens: their decode chunks write columns 28-40, across the 32-column window,
+    # so they run over 64; the 60-token prompt's last prefill chunk (columns 48-59) too. Greedy answers
+    # equal Model.generate's.
+    calls = _Calls(engine, monkeypatch)
+    ids = [np.random.default_rng(n).integers(5, 400, n).tolist() for n in (28, 29, 30, 31, 60)]
     got = engine.generate(ids, [SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)] * len(ids))
     for prompt, event in zip(ids, got):
         alone = model.generate(np.array([prompt], np.int32), max_new_tokens=10, min_new_tokens=10, do_sample=False)
         assert event.token_ids == np.asarray(alone)[0, len(prompt) :].tolist()
+    assert {window for kind, *_, window in calls.log if kind == "decode"} >= {64, 96}
 
 
 def test_programs_stay_fixed_over_50_requests_of_mixed_lengths_and_settings(model, engine):
     before = dict(engine.program_counts)
-    # warm_up prepared them all: a prefill chunk and a decode chunk per row bucket (1, 2 and 4 rows)
-    # and window (48 and 96 columns).
-    assert engine.prefill_buckets == engine.row_buckets == (1, 2, 4) and before == {"prefill": 6, "decode": 6}
+    # warm_up prepared them all: a prefill chunk per row bucket (1, 2, 4 rows) and window (32, 64, 96
+    # columns), and a decode chunk per row bucket (1, 2, 4) and window.
+    assert before == {"prefill": 9, "decode": 9}
     ids = _ids(model, [PROMPTS[i % len(PROMPTS)] for i in range(50)])
     params = [
         SamplingParams(
             max_tokens=1 + (3 * i) % 23,
             temperature=(0.0, 0.7, 1.3)[i % 3],
             top_p=(1.0, 0.9, 0.5, 0.2)[i % 4],
+            top_k=(None, 0, 5, 40)[i % 4],
+            min_p=(None, 0.05)[i % 2],
+            repetition_penalty=(None, 1.2, 0.9)[i % 3],
+            presence_penalty=(0.0, 0.5, -0.3)[i % 3],
+            frequency_penalty=(0.0, 0.4)[i % 2],
+            logit_bias=(((5, 2.0), (17, -100.0)) if i % 6 == 0 else ()),
             seed=i,
             stop=("e",) if i % 5 == 0 else (),
             logprobs=(None, 0, 3, 20)[i % 4],
@@ -209,6 +221,67 @@ def test_programs_stay_fixed_over_50_requests_of_mixed_lengths_and_settings(mode
             assert all(lp.logprob <= lp.top[0][1] + 1e-6 for lp in event.logprobs if lp.top)
         if p.stop:
             assert "e" not in event.text
+        if p.logit_bias:
+            assert 17 not in event.token_ids  # a bias of -100: never chosen
+
+
+class _OpenAIPenalties(transformers.LogitsProcessor):
+    """OpenAI's presence and frequency penalties, as its API reference defines them: a token's logit
+    goes down by frequency_penalty times the times the answer holds it, plus presence_penalty once
+    it holds it. transformers has no processor for them; this is the reference."""
+
+    def __init__(self, prompt_length: int, presence: float, frequency: float):
+        self.prompt_length, self.presence, self.frequency = prompt_length, presence, frequency
+
+    def __call__(self, input_ids, scores):
+        answer = input_ids[:, self.prompt_length :]
+        counts = torch.zeros_like(scores).scatter_add_(1, answer, torch.ones_like(answer, dtype=scores.dtype))
+        return scores - counts * self.frequency - (counts > 0).to(scores.dtype) * self.presence
+
+
+@pytest.mark.parametrize(
+    "fields, reference",
+    [
+        ({"repetition_penalty": 1.8}, {"repetition_penalty": 1.8}),
+        ({"repetition_penalty": 0.6}, {"repetition_penalty": 0.6}),
+        (
+            {"logit_bias": ((40, 6.0), (41, 4.5), (300, -100.0))},
+            {"sequence_bias": {(40,): 6.0, (41,): 4.5, (300,): -100.0}},
+        ),
+        ({"presence_penalty": 1.5}, {"openai": (1.5, 0.0)}),
+        ({"frequency_penalty": 0.9, "presence_penalty": -0.5}, {"openai": (-0.5, 0.9)}),
+    ],
+    ids=["repetition", "reward-repetition", "logit-bias", "presence", "frequency"],
+)
+def test_penalties_and_biases_choose_as_transformers_processors_do(model, engine, fields, reference):
+    ids = _ids(model, PROMPTS[5:7])
+    budget = 16
+    got = engine.generate(ids, SamplingParams(max_tokens=budget, temperature=0, ignore_eos=True, **fields))
+    torch_model = transformers.AutoModelForCausalLM.from_pretrained(model.path).eval()
+    for prompt, event in zip(ids, got):
+        options = dict(reference)
+        if "openai" in options:
+            presence, frequency = options.pop("openai")
+            options["logits_processor"] = transformers.LogitsProcessorList(
+                [_OpenAIPenalties(len(prompt), presence, frequency)]
+            )
+        with torch.no_grad():
+            want = torch_model.generate(
+                torch.tensor([prompt]), max_new_tokens=budget, do_sample=False, eos_token_id=None, **options
+            )[0, len(prompt) :].tolist()
+        plain = _generate_alone(model, [prompt], budget)[0]
+        assert event.token_ids == want, fields
+        assert want != plain[: len(want)], "the setting left the greedy answer as it was: the test proves nothing"
+
+
+def test_filters_that_keep_one_token_sample_the_greedy_answer(model, engine):
+    ids = _ids(model, PROMPTS[3:5])
+    greedy = engine.generate(ids, SamplingParams(max_tokens=10, temperature=0))
+    for narrow in ({"top_p": 1e-6}, {"top_k": 1}, {"min_p": 1.0}):
+        got = engine.generate(ids, SamplingParams(max_tokens=10, temperature=1.5, seed=3, **narrow))
+        assert [e.token_ids for e in got] == [e.token_ids for e in greedy], narrow
+    wide = engine.generate(ids, SamplingParams(max_tokens=10, temperature=1.5, top_p=1.0, seed=3))
+    assert [e.token_ids for e in wide] != [e.token_ids for e in greedy]
 
 
 def test_a_seed_gives_the_same_tokens_whatever_else_is_in_the_batch(model, engine):
@@ -216,19 +289,12 @@ def test_a_seed_gives_the_same_tokens_whatever_else_is_in_the_batch(model, engin
     sampled = SamplingParams(max_tokens=12, temperature=1.0, seed=7, ignore_eos=True)
     alone = engine.generate([ids[2]], sampled)[0]
     crowd = engine.generate(ids, [SamplingParams(max_tokens=12, temperature=0.9, seed=i) for i in range(6)])
-    crowd[2] = engine.generate(ids[:3], [*[SamplingParams(max_tokens=9, seed=40 + i) for i in range(2)], sampled])[2]
+    crowd[2] = engine.generate(
+        ids[:3], [*[SamplingParams(max_tokens=9, temperature=1.0, seed=40 + i) for i in range(2)], sampled]
+    )[2]
     assert crowd[2].token_ids == alone.token_ids
     other_seed = engine.generate([ids[2]], SamplingParams(max_tokens=12, temperature=1.0, seed=8, ignore_eos=True))
     assert other_seed[0].token_ids != alone.token_ids
-
-
-def test_top_p_that_keeps_one_token_samples_the_greedy_answer(model, engine):
-    ids = _ids(model, PROMPTS[3:5])
-    greedy = engine.generate(ids, SamplingParams(max_tokens=10, temperature=0))
-    narrow = engine.generate(ids, SamplingParams(max_tokens=10, temperature=1.5, top_p=1e-6, seed=3))
-    wide = engine.generate(ids, SamplingParams(max_tokens=10, temperature=1.5, top_p=1.0, seed=3))
-    assert [e.token_ids for e in narrow] == [e.token_ids for e in greedy]
-    assert [e.token_ids for e in wide] != [e.token_ids for e in greedy]
 
 
 def test_a_cancelled_request_frees_its_slot_for_the_queue(model, engine):
@@ -249,37 +315,90 @@ def test_a_cancelled_request_frees_its_slot_for_the_queue(model, engine):
     assert finished.wait(60)
     assert events[-1].finish_reason == "cancelled" and events[-1].completion_tokens < LENGTH - len(ids)
     # Every slot is free again: a new batch of SLOTS requests all run.
-    again = engine.generate([ids] * SLOTS, SamplingParams(max_tokens=3, ignore_eos=True))  # sampled: EOS may come
+    again = engine.generate([ids] * SLOTS, SamplingParams(max_tokens=3, temperature=0.8, ignore_eos=True))
     assert all(e.finish_reason == "length" for e in again)
     assert engine.running == 0
 
 
 def test_bad_requests_raise_errors_that_name_the_argument(model, engine):
     ids = _ids(model, PROMPTS[:1])[0]
-    with pytest.raises(hfjax.GenerationError, match=r"max_tokens=\d+ with a prompt of \d+ tokens"):
+    with pytest.raises(
+        hfjax.GenerationError,
+        match=r"the prompt has \d+ tokens and max_tokens=96, \d+ in all, more than max_model_len=96",
+    ):
         engine.submit(ids, SamplingParams(max_tokens=LENGTH), lambda e: None)
-    with pytest.raises(hfjax.GenerationError, match="temperature=3"):
-        SamplingParams(max_tokens=1, temperature=3)
     with pytest.raises(hfjax.GenerationError, match="top_p=0"):
-        SamplingParams(max_tokens=1, top_p=0)
+        engine.submit(ids, SamplingParams(max_tokens=1, top_p=0.0), lambda e: None)
+    with pytest.raises(hfjax.GenerationError, match=r"presence_penalty=3.0 is outside \[-2, 2\]"):
+        engine.submit(ids, SamplingParams(max_tokens=1, presence_penalty=3.0), lambda e: None)
+    with pytest.raises(hfjax.GenerationError, match=r"logit_bias names token 99999, outside the vocabulary"):
+        engine.submit(ids, SamplingParams(max_tokens=1, logit_bias=((99999, 1.0),)), lambda e: None)
     with pytest.raises(hfjax.ServingError, match="max_model_len=100000"):
         Engine(model, max_model_len=100_000)
+
+
+def test_slots_come_from_the_kv_cache_memory_budget(model):
+    per_slot = Engine(model, max_num_seqs=1, max_model_len=LENGTH).sizing.bytes_per_slot
+    engine = Engine(model, max_model_len=LENGTH, kv_cache_memory=3 * per_slot + 1)
+    assert engine.max_num_seqs == 3 and engine.sizing.describe().startswith(f"3 sequence slots x {LENGTH} tokens")
+    assert Engine(model, max_num_seqs=2, max_model_len=LENGTH, kv_cache_memory=3 * per_slot).max_num_seqs == 2
+    assert Engine(model, max_model_len=LENGTH).max_num_seqs == 64  # the CPU's most, well within its budget
+    with pytest.raises(hfjax.ServingError, match=rf"holds no slot of max_model_len={LENGTH} tokens"):
+        Engine(model, max_model_len=LENGTH, kv_cache_memory=per_slot - 1)
+
+
+def test_a_started_engine_answers_at_once_and_compiles_what_it_needs_behind(model):
+    # Only the largest programs are compiled before it starts; the first requests run on them (the
+    # same tokens) while their own compile on the engine's second thread, with the one-row programs
+    # of every window (here 32, 64 and 96 columns) compiled ahead.
+    engine = Engine(model, max_num_seqs=SLOTS, max_model_len=LENGTH, prefill_chunk=CHUNK, decode_steps=STEPS)
+    engine.start()
+    try:
+        assert engine.compiler.compiled + engine.compiler.pending >= 2 + 6
+        ids = _ids(model, PROMPTS[:2])
+        got = engine.generate(ids, SamplingParams(max_tokens=8, temperature=0))
+        assert [e.token_ids for e in got] == [w[:8] for w in _generate_alone(model, ids, 8)]
+        deadline = threading.Event()
+        while engine.compiler.pending and not deadline.wait(0.5):
+            pass
+        assert engine.compiler.pending == 0 == engine.metrics.programs_pending
+        assert engine.compiler.compiled >= 2 + 6  # its own programs and the one-row ones
+        again = engine.generate(ids, SamplingParams(max_tokens=8, temperature=0))
+        assert [e.token_ids for e in again] == [e.token_ids for e in got]
+    finally:
+        engine.stop()
 
 
 def test_a_hybrid_model_is_refused_by_name(checkpoint):
     # Qwen3.5's linear-attention layers keep states the slot cache has no place for
     hybrid = hfjax.load(checkpoint("qwen3_5_text"))
     with pytest.raises(hfjax.GenerationError, match="qwen3_5_text also has linear-attention or mamba layers"):
-        Engine(hybrid, max_batch=SLOTS, max_model_len=LENGTH, prefill_chunk=CHUNK, decode_steps=STEPS)
+        Engine(hybrid, max_num_seqs=SLOTS, max_model_len=LENGTH, prefill_chunk=CHUNK, decode_steps=STEPS)
 
 
-def test_a_full_queue_raises_queue_full(model):
-    engine = Engine(model, max_batch=SLOTS, max_model_len=LENGTH, max_queue=1, prefill_chunk=CHUNK, decode_steps=STEPS)
-    engine._thread = threading.Thread()  # accepted, never run: the queue only fills
+def test_a_full_queue_raises_queue_full(model, engine):
+    # A listener runs on the engine's thread: while the first request's listener blocks, nothing is
+    # admitted, and the queue (of one, here) fills.
+    small = Engine(
+        model, max_num_seqs=SLOTS, max_model_len=LENGTH, max_queue=1, prefill_chunk=CHUNK, decode_steps=STEPS
+    )
+    small.start()
+    blocked, release = threading.Event(), threading.Event()
+
+    def blocking(event):
+        blocked.set()
+        release.wait(60)
+
     ids = _ids(model, PROMPTS[:1])[0]
-    engine.submit(ids, SamplingParams(max_tokens=2), lambda e: None)
-    with pytest.raises(QueueFullError, match="max_queue=1"):
-        engine.submit(ids, SamplingParams(max_tokens=2), lambda e: None)
+    try:
+        small.submit(ids, SamplingParams(max_tokens=2, temperature=0), blocking)
+        assert blocked.wait(60)
+        small.submit(ids, SamplingParams(max_tokens=2), lambda e: None)
+        with pytest.raises(QueueFullError, match="max_queue=1"):
+            small.submit(ids, SamplingParams(max_tokens=2), lambda e: None)
+    finally:
+        release.set()
+        small.stop()
 
 
 class _Letters:
@@ -373,7 +492,7 @@ def test_a_prompt_starts_after_the_prefix_a_free_slot_holds_and_answers_the_same
     shared = next(i for i, (a, b) in enumerate(zip(first, second)) if a != b)
     assert shared > CHUNK and engine.metrics.prefix_hit_tokens - hits == shared
     assert got.token_ids == _generate_alone(model, [second], 12)[0][:12]
-    assert engine.program_counts == {"prefill": 6, "decode": 6}
+    assert engine.program_counts == {"prefill": 9, "decode": 9}
 
 
 def test_serve_without_the_extra_says_what_to_install(monkeypatch, capsys):

@@ -7,7 +7,6 @@ writes one JSON record per (family, mesh); the tests here assert on those record
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import json
 import os
@@ -40,15 +39,9 @@ LONG_TOKENS = 70  # past the decode loop's first 64-slot cache window
 
 
 def _cli(argv: list[str]) -> int:
-    from hfjax.cli import launch, shard_plan
+    from hfjax import cli
 
-    parser = argparse.ArgumentParser(prog="hfjax")
-    subparsers = parser.add_subparsers(dest="command")
-    commands = {"shard-plan": shard_plan, "launch": launch}
-    for command in commands.values():
-        command.add_parser(subparsers)
-    args = parser.parse_args(argv)
-    return commands[args.command].run(args)
+    return cli.main(argv)
 
 
 # ---- the child process: 8 simulated devices ---------------------------------------

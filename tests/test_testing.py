@@ -11,7 +11,7 @@ import safetensors.torch
 import torch
 import transformers
 
-from hfjax import _check
+from hfjax.tasks import _check
 from hfjax.testing import FAMILIES, _families, _media, save_tiny_checkpoint, tiny_config, tiny_tokenizer
 
 PROMPT = "The capital of France is"

@@ -393,6 +393,30 @@ def test_a_directory_is_written_whole_or_not_at_all(tmp_path):
     assert (target / "weights").read_text() == "first"
 
 
+# matplotlib's default colours: the first line ("C0") and the second ("C1"), as RGB.
+TRAIN_LINE, EVAL_LINE = (31, 119, 180), (255, 127, 14)
+
+
+def test_plot_losses_draws_the_train_and_eval_curves(tmp_path):
+    import PIL.Image  # pillow: a dependency of matplotlib
+
+    history = [{"step": step, "loss": 3.0 - 0.1 * step} for step in range(1, 21)]
+    for step in (5, 10, 15, 20):
+        history[step - 1]["eval_loss"] = 3.2 - 0.1 * step
+    for measured, name in (
+        (history, "both.png"),
+        ([{k: h[k] for k in ("step", "loss")} for h in history], "train.png"),
+    ):
+        path = training.plot_losses(measured, tmp_path / name)
+        pixels = np.asarray(PIL.Image.open(path).convert("RGB"))  # [360, 640, 3]
+        assert pixels.shape == (360, 640, 3)
+        rows, columns = np.nonzero((pixels == TRAIN_LINE).all(-1))
+        # The loss falls: the line's pixels sit higher (smaller rows) on the left than further right
+        # (the legend's sample of the line sits in the top right, past column 480).
+        assert rows[columns < 160].mean() < rows[(columns > 320) & (columns < 480)].mean()
+        assert (pixels == EVAL_LINE).all(-1).any() == (measured is history)
+
+
 _WORDS = "the cat sat on the mat while the dog ran to the park".split()
 TEXTS = [{"text": " ".join(_WORDS[i % 4 : i % 4 + 2 + i % 6])} for i in range(12)]
 

@@ -158,7 +158,7 @@ def test_bad_images_and_text_only_models_are_one_line_errors(llava, checkpoint, 
 def test_torch_vmap_casts_python_numbers_in_hfjaxs_environment():
     # transformers builds Gemma 3's image-block masks with torch.vmap, which casts Python numbers
     # with .to(dtype): hfjax's environment takes them (torchax's alone raises AttributeError).
-    from hfjax import _env
+    from hfjax.bridge import _env
 
     def window(q, kv):
         return (kv > q - 3) & (kv <= q)

@@ -19,9 +19,11 @@ Public API:
     HfjaxError          base of LoadError, UnsupportedOpError (and its DataDependentError), ShardingError,
                         GenerationError, PipelineError, TrainingError, ServingError
 
-Subpackages: `hfjax.generation` (the engine), `hfjax.serving` (continuous batching, `hfjax serve`), `hfjax.training` (imported when first used), `hfjax.parallel` (meshes, sharding rules),
-`hfjax.diffusion`, `hfjax.cpu` (the CPU's fast paths), `hfjax.testing` (tiny checkpoints),
-`hfjax.cli`. Importing hfjax changes nothing in the process (README.md lists what its calls do).
+Subpackages: `hfjax.bridge` (torch modules as XLA programs: the layer everything else builds on),
+`hfjax.generation` (the engine), `hfjax.serving` (continuous batching, `hfjax serve`),
+`hfjax.training` (imported when first used), `hfjax.parallel` (meshes, sharding rules),
+`hfjax.diffusion`, `hfjax.tasks` (pipelines, speech, parity checks), `hfjax.cpu` (the CPU's fast
+paths, reached only through `hfjax._backend`), `hfjax.testing` (tiny checkpoints), `hfjax.cli`. Importing hfjax changes nothing in the process (README.md lists what its calls do).
 """
 
 from __future__ import annotations
@@ -43,31 +45,28 @@ from ._errors import (
 from ._version import __version__
 
 if TYPE_CHECKING:  # for type checkers and editors; at run time each name is imported when first used
-    from ._check import check
     from ._compilation_cache import set_cache_dir
-    from ._compile import JittedModule, jit
-    from ._model import Model, load
-    from ._ops import override as override_op
-    from ._pipeline import pipeline
-    from ._pytrees import register_pytree, register_stateful
+    from ._model import Model, jit, load
+    from .bridge import JittedModule, override_op, register_pytree, register_stateful
     from .diffusion import load_pipeline, to_jax
     from .parallel import distributed, make_mesh
+    from .tasks import check, pipeline
     from .training import Trainer
 
 # Public name -> (module, attribute). `import hfjax` imports none of them, so it costs little
 # (the command line's `--help` and `launch` need neither torch nor JAX); the first use of a name
 # imports its module. `Trainer` needs the `train` extra (optax).
 _LAZY = {
-    "check": ("._check", "check"),
+    "check": (".tasks", "check"),
     "set_cache_dir": ("._compilation_cache", "set_cache_dir"),
-    "JittedModule": ("._compile", "JittedModule"),
-    "jit": ("._compile", "jit"),
+    "JittedModule": (".bridge", "JittedModule"),
+    "jit": ("._model", "jit"),
     "Model": ("._model", "Model"),
     "load": ("._model", "load"),
-    "override_op": ("._ops", "override"),
-    "pipeline": ("._pipeline", "pipeline"),
-    "register_pytree": ("._pytrees", "register_pytree"),
-    "register_stateful": ("._pytrees", "register_stateful"),
+    "override_op": (".bridge", "override_op"),
+    "pipeline": (".tasks", "pipeline"),
+    "register_pytree": (".bridge", "register_pytree"),
+    "register_stateful": (".bridge", "register_stateful"),
     "load_pipeline": (".diffusion", "load_pipeline"),
     "to_jax": (".diffusion", "to_jax"),
     "distributed": (".parallel", "distributed"),

@@ -1,69 +1,56 @@
-"""The one hook through which a backend package changes how hfjax runs (today: `hfjax.cpu`).
+"""Which backend hook runs (`hfjax.bridge.Backend`): the CPU's (`hfjax.cpu`) on XLA:CPU, else the
+generic one. The only module that reaches `hfjax.cpu`.
 
-The generic engine is backend-neutral. At a few fixed points it asks `active()`, the hook of the
-backend JAX runs on, and the hook may change what happens there:
-
-    prepare()            outside any trace, when a model is loaded or jitted: build what the backend needs
-    name                 which op lowerings of the registry apply (`hfjax.override_op(..., backend=name)`)
-    prepare_weights()    weights just loaded into jax.Arrays
-    prepare_module()     a torch module (a diffusers component) about to move to JAX
-    loop_carry()         the layout in which the decode loop carries its cache
-    custom_calls()       custom calls that exported programs may hold
-    fingerprint()        what the backend adds to the key of a program kept on disk
-
-`Backend`, the default, changes nothing. `hfjax.cpu` provides the CPU's hook; without that package,
-or with HFJAX_CPU_KERNELS=0, the CPU runs the generic engine too.
+On the CPU the hook is `hfjax.cpu.Cpu` unless HFJAX_CPU_KERNELS=0 or the package is absent: then,
+as on GPUs and TPUs, the generic engine runs.
 """
 
 from __future__ import annotations
 
 import functools
 import os
-from collections.abc import Callable
-from typing import Any
 
 import jax
+
+from . import bridge
 
 CPU_SWITCH = "HFJAX_CPU_KERNELS"  # "0" runs the generic engine on the CPU, as if hfjax.cpu were absent
 
 
-class Backend:
-    """The generic engine's hook: every method leaves things as they are."""
-
-    name: str | None = None
-
-    def prepare(self) -> None:
-        """Called outside any trace when a model is loaded or jitted."""
-
-    def prepare_weights(self, params: dict[str, jax.Array]) -> None:
-        """Called with the weights `hfjax.load` has just read."""
-
-    def prepare_module(self, module) -> None:
-        """Called with a torch module whose weights are about to move to JAX (diffusers components)."""
-
-    def loop_carry(self, cache) -> tuple[Any, Callable[[Any], Any]]:
-        """(the cache as the decode loop carries it, a function giving the model's layout back)."""
-        return cache, lambda carried: carried
-
-    def custom_calls(self) -> tuple[str, ...]:
-        """XLA custom-call targets that programs exported with `jax.export` may hold."""
-        return ()
-
-    def fingerprint(self) -> str | None:
-        """What programs kept on disk depend on beyond hfjax's source and the library versions."""
-        return None
-
-    def __repr__(self) -> str:
-        return f"{type(self).__name__}(name={self.name!r})"
-
-
 @functools.cache
-def active() -> Backend:
-    """The hook of the backend JAX runs on (`jax.default_backend()`)."""
+def active() -> bridge.Backend:
+    """The hook of the backend JAX runs on (`jax.default_backend()`), handed to the bridge once."""
+    hook = bridge.Backend()
     if jax.default_backend() == "cpu" and os.environ.get(CPU_SWITCH, "1") != "0":
         try:
             from . import cpu
         except ImportError:
-            return Backend()
-        return cpu.Cpu()
-    return Backend()
+            pass
+        else:
+            hook = cpu.Cpu()
+    bridge.use_hook(hook)
+    return hook
+
+
+# `hfjax build-kernels` reaches the CPU package through here (ImportError where it is absent).
+
+
+def kernel_compiler() -> tuple[str | None, str]:
+    """(the compiler command the CPU kernels build with, or None and why they do not apply here)."""
+    from . import cpu
+
+    return cpu.kernel_compiler()
+
+
+def build_kernels(timeout_s: float) -> str | None:
+    """Builds and loads the CPU kernels now; their digest, or None (`kernels_status()` says why)."""
+    from . import cpu
+
+    return cpu.build_kernels(timeout_s=timeout_s)
+
+
+def kernels_status() -> str:
+    """One line: whether the CPU kernels are loaded in this process, and if not, why."""
+    from . import cpu
+
+    return cpu.kernels_status()

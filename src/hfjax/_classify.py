@@ -15,9 +15,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from . import _compile
+from . import bridge
 from ._buckets import bucket
-from ._loading import context_length
+from .bridge import context_length
 
 DEFAULT_TEMPLATE = "Text: {text}\nQuestion: which of {labels} describes the text?\nAnswer:"
 _TEMPLATE_FIELDS = ("text", "labels")
@@ -112,7 +112,7 @@ def label_log_likelihoods(
     return np.concatenate(scores).reshape(len(texts), len(labels))
 
 
-@functools.partial(_compile.jit_program, stage="label scores")
+@functools.partial(bridge.jit_program, stage="label scores")
 def _continuation_log_prob(logits: jax.Array, ids: jax.Array, weights: jax.Array) -> jax.Array:
     # logits: [B, L, V] predict ids[:, 1:]; weights: [B, L] -> [B]
     log_probs = jax.nn.log_softmax(logits[:, :-1].astype(jnp.float32), axis=-1)

@@ -1,19 +1,18 @@
-"""`hfjax.load`, `Model.from_module` and the `Model` they return."""
+"""`hfjax.load`, `Model.from_module` and the `Model` they return; `hfjax.jit`."""
 
 from __future__ import annotations
 
 import os
 import pathlib
+from collections.abc import Sequence
 
 import jax
 import numpy as np
 import torch
 
-from . import _backend, _classify, _dtypes, _embed, _loading, _precision, _tasks
-from ._compile import JittedModule, module_state
+from . import _backend, _classify, _dtypes, _embed, _tasks, bridge, generation, parallel, quantization
 from ._errors import GenerationError, LoadError
-from .generation import _engine, _multimodal, _planning, _settings
-from .parallel import _mesh, _rules
+from .bridge import JittedModule, module_state
 
 
 class Model:
@@ -35,6 +34,8 @@ class Model:
         batch over its "data" axis.
       matmul_precision: the precision of its float32 products ("highest", "high", "medium"), or
         None: torch's `get_float32_matmul_precision()` when each program is built.
+      quantization: what `quantize=` or a quantized checkpoint made quantized
+        (`hfjax.quantization.Quantized`: its linear layers and their layouts), or None.
     """
 
     def __init__(
@@ -48,7 +49,7 @@ class Model:
         task: str,
         path: pathlib.Path | None,
         mesh=None,
-        matmul_precision: _precision.Precision | None = None,
+        matmul_precision: bridge.Precision | None = None,
     ):
         self.module = module
         self.mesh = mesh
@@ -64,6 +65,7 @@ class Model:
         self._generator = None
         self._generation_config = None
         self._processor = None
+        self.quantization: quantization.Quantized | None = None
 
     @classmethod
     def from_module(
@@ -75,7 +77,9 @@ class Model:
         dtype=None,
         mesh=None,
         processor=None,
-        matmul_precision: _precision.Precision | None = None,
+        matmul_precision: bridge.Precision | None = None,
+        quantize: str | quantization.Quantization | None = None,
+        quantize_lm_head: bool = False,
     ) -> Model:
         """A `Model` of a transformers model already in memory: generate, classify and embed it on JAX.
 
@@ -92,6 +96,8 @@ class Model:
           processor: a vision-language model's processor (transformers' AutoProcessor), for
             `hfjax.generation.chat_with_images`; its tokenizer is the default `tokenizer`.
           matmul_precision: as for `hfjax.load`.
+          quantize, quantize_lm_head: as for `hfjax.load`: the module's linear layers quantized
+            (the module itself is not changed; the Model's `module` is a quantized copy of it).
 
         Example:
           >>> torch_model = transformers.AutoModelForCausalLM.from_pretrained(path)
@@ -105,8 +111,9 @@ class Model:
             )
         task = _tasks.check(task, caller="hfjax.Model.from_module") or _tasks.of_module(module)
         dtype = _dtypes.resolve(dtype, caller="hfjax.Model.from_module")
-        _mesh.check_mesh(mesh, caller="hfjax.Model.from_module")
-        _precision.check(matmul_precision, caller="hfjax.Model.from_module", error=LoadError)
+        parallel.check_mesh(mesh, caller="hfjax.Model.from_module")
+        bridge.check_precision(matmul_precision, caller="hfjax.Model.from_module", error=LoadError)
+        quantize = quantization.settings(quantize, quantize_lm_head, caller="hfjax.Model.from_module")
         backend = _backend.active()
         backend.prepare()
         params, aliases = module_state(module)
@@ -116,8 +123,11 @@ class Model:
                 n: a.astype(target) if jax.numpy.issubdtype(a.dtype, jax.numpy.floating) else a
                 for n, a in params.items()
             }
+        summary = None
+        if quantize is not None:
+            module, params, aliases, summary = quantization.quantize_module(module, params, aliases, quantize)
         if mesh is not None:
-            shardings = _rules.plan(module, mesh).shardings(mesh)
+            shardings = parallel.plan(module, mesh).shardings(mesh)
             replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
             params = {n: jax.device_put(a, shardings.get(n, replicated)) for n, a in params.items()}
         backend.prepare_weights(params)
@@ -128,6 +138,7 @@ class Model:
             matmul_precision=matmul_precision,
         )  # fmt: skip
         model.processor = processor
+        model.quantization = summary
         return model
 
     def __repr__(self):
@@ -146,26 +157,21 @@ class Model:
         """Where the model came from, for messages: its checkpoint directory, or the module's class."""
         return f"the checkpoint at {str(self.path)!r}" if self.path else f"the {type(self.module).__name__} given"
 
-    def __call__(self, input_ids=None, attention_mask=None, **kwargs):
-        """Runs the compiled forward; returns the transformers output type with jax.Array fields.
+    def __call__(self, *args, **kwargs):
+        """Runs the compiled forward on the module's own arguments, positional and keyword, as its
+        `forward` takes them: one array is its first input (`input_ids` of a text model, `pixel_values`
+        of an image classifier, `input_values` of a CTC speech model). Returns the transformers output
+        type with jax.Array fields.
 
         Example:
           >>> out = model(jnp.array([[1, 2, 3]]))
           >>> out.logits.shape  # (1, 3, vocab)
         """
-        if input_ids is not None:
-            kwargs["input_ids"] = input_ids
-        if attention_mask is not None:
-            kwargs["attention_mask"] = attention_mask
-        return self.compiled(**kwargs)
+        return self.compiled(*args, **kwargs)
 
-    def eager(self, input_ids=None, attention_mask=None, **kwargs):
-        """The same forward run op by op through torchax, without jit (for debugging)."""
-        if input_ids is not None:
-            kwargs["input_ids"] = input_ids
-        if attention_mask is not None:
-            kwargs["attention_mask"] = attention_mask
-        return self.compiled.eager("forward")(**kwargs)
+    def eager(self, *args, **kwargs):
+        """The same forward, with the same arguments, run op by op through torchax without jit (for debugging)."""
+        return self.compiled.eager("forward")(*args, **kwargs)
 
     @property
     def processor(self):
@@ -252,27 +258,15 @@ class Model:
                 f"Model.generate: this model was loaded for task={self.task!r}; load a causal or sequence-to-sequence "
                 "LM (hfjax.load(path, task='text-generation'))"
             )
-        decoder_prompt = settings.pop("decoder_input_ids", None)
-        main_input = self.module.main_input_name
-        if getattr(self.config, "is_encoder_decoder", False) and main_input != "input_ids":
-            # The encoder reads features (e.g. Whisper's input_features), by name or first positional.
-            features = settings.pop(main_input, input_ids)
-            ids, mask = _planning.feature_arrays(main_input, features, attention_mask)
-        else:
-            ids, mask = _planning.prompt_arrays(input_ids, attention_mask)
-        if decoder_prompt is not None:
-            if not getattr(self.config, "is_encoder_decoder", False):
-                raise GenerationError(
-                    "Model.generate: decoder_input_ids is for encoder-decoder models; "
-                    f"{type(self.module).__name__} is a decoder: pass the whole prompt as input_ids"
-                )
-            decoder_prompt = _planning.decoder_prompt_array(decoder_prompt, rows=ids.shape[0])
-        inputs, settings = _multimodal.split_model_inputs(self.module, settings)
-        resolved = _settings.resolve(
-            self,
-            ids.shape[1],
-            generation_config,
-            decoder_prompt_length=1 if decoder_prompt is None else decoder_prompt.shape[1],
+        if self._generator is None:
+            self._generator = generation.Generator(self)
+        return generation.generate(
+            self._generator,
+            input_ids,
+            attention_mask,
+            generation_config=generation_config,
+            seed=seed,
+            streamer=streamer,
             max_new_tokens=max_new_tokens,
             min_new_tokens=min_new_tokens,
             do_sample=do_sample,
@@ -284,17 +278,6 @@ class Model:
             eos_token_id=eos_token_id,
             pad_token_id=pad_token_id,
             **settings,
-        )
-        if not getattr(self.config, "is_encoder_decoder", False):
-            _planning.warn_if_right_padded(ids, None if attention_mask is None else mask, resolved)
-        if attention_mask is None:
-            inferred = _planning.infer_mask(ids, resolved)  # int32 [B, S], or None: all ones
-            mask = mask if inferred is None else inferred
-        self._check_context(mask, resolved.max_new_tokens)
-        if self._generator is None:
-            self._generator = _engine.Generator(self)
-        return self._generator.generate(
-            ids, mask, resolved, seed=seed, streamer=streamer, decoder_prompt=decoder_prompt, inputs=inputs
         )
 
     def generate_text(self, prompts, **kwargs) -> str | list[str]:
@@ -357,7 +340,10 @@ class Model:
     def embed(self, texts: str | list[str], *, batch_size: int = 32) -> jax.Array:
         """Sentence embeddings, pooled and normalised as the checkpoint's sentence-transformers config says.
 
-        Without such a config: mean pooling over tokens, then L2 normalisation.
+        Without such a config: L2-normalised mean pooling over an encoder's tokens, or a decoder-only
+        model's last token (as vLLM and sentence-transformers pool decoders). A causal LM, classifier
+        or sequence-to-sequence model embeds through its base model (its encoder); a model of another
+        task raises `hfjax.LoadError`.
 
         Returns:
           float32 jax.Array of shape [len(texts), hidden_size].
@@ -373,18 +359,6 @@ class Model:
         """Timings of the last `generate` call: time_to_first_token, tokens_per_second, ..."""
         return None if self._generator is None else self._generator.last_stats
 
-    def _check_context(self, mask: np.ndarray, max_new_tokens: int) -> None:
-        context = _loading.context_length(self.config)
-        if context is None or getattr(self.config, "is_encoder_decoder", False):
-            return
-        longest = int(mask.sum(axis=1).max())
-        if longest + max_new_tokens > context:
-            raise GenerationError(
-                f"Model.generate: the prompt has {longest} tokens and max_new_tokens={max_new_tokens}, "
-                f"{longest + max_new_tokens} in all, more than the model's context of {context} tokens "
-                f"(config.max_position_embeddings); shorten the prompt or pass max_new_tokens<={context - longest}"
-            )
-
 
 def load(
     path_or_hub_id: str | os.PathLike | torch.nn.Module,
@@ -393,7 +367,9 @@ def load(
     dtype=None,
     mesh: jax.sharding.Mesh | None = None,
     progress: bool | None = None,
-    matmul_precision: _precision.Precision | None = None,
+    matmul_precision: bridge.Precision | None = None,
+    quantize: str | quantization.Quantization | None = None,
+    quantize_lm_head: bool = False,
 ) -> Model:
     """Loads a Hugging Face checkpoint onto JAX.
 
@@ -416,6 +392,14 @@ def load(
         "high" (TF32 on GPUs, 3 bfloat16 passes on TPUs), "medium" (the backend's fastest: one
         bfloat16 pass on TPUs). None (the default) follows torch's setting, read when each program
         is built: "highest" unless the process changed it, so results match PyTorch's.
+      quantize: "int8" (a scale per output channel), "fp8" (e4m3, a scale per output channel) or
+        "int4" (groups of 128 inputs, two values per byte), or a `hfjax.quantization.Quantization`
+        (fp8 in 128 x 128 blocks, another group size): the linear layers of the model's body are
+        quantized one tensor at a time as they are read, and stay quantized on the device; products
+        dequantize inside the compiled programs. Embeddings, norms and the LM head keep `dtype`.
+        A checkpoint published quantized (transformers' fine-grained fp8, compressed-tensors, GPTQ,
+        AWQ) is read as it is, without `quantize`.
+      quantize_lm_head: quantize the LM head too.
 
     Returns:
       A `Model`: call it for the compiled forward; `generate`, `generate_text`, `classify`,
@@ -426,26 +410,65 @@ def load(
       >>> model(jnp.array([[1, 2, 3]])).logits.shape
     """
     if isinstance(path_or_hub_id, torch.nn.Module):
-        return Model.from_module(path_or_hub_id, task=task, dtype=dtype, mesh=mesh, matmul_precision=matmul_precision)
+        return Model.from_module(
+            path_or_hub_id, task=task, dtype=dtype, mesh=mesh, matmul_precision=matmul_precision, quantize=quantize,
+            quantize_lm_head=quantize_lm_head,
+        )  # fmt: skip
     dtype = _dtypes.resolve(dtype, caller="hfjax.load")
-    _precision.check(matmul_precision, caller="hfjax.load", error=LoadError)
+    quantize = quantization.settings(quantize, quantize_lm_head, caller="hfjax.load")
+    bridge.check_precision(matmul_precision, caller="hfjax.load", error=LoadError)
     task = _tasks.check(task, caller="hfjax.load")
-    _mesh.check_mesh(mesh, caller="hfjax.load")
-    path = _loading.resolve(path_or_hub_id)
-    config = _loading.read_config(path)
+    parallel.check_mesh(mesh, caller="hfjax.load")
+    path = bridge.resolve_checkpoint(path_or_hub_id)
+    config = bridge.read_config(path)
     task = task or _tasks.infer(config)
-    files = _loading.weight_files(path)
-    dtype = dtype or _loading.checkpoint_dtype(files)
-    module = _loading.build_skeleton(config, task, dtype)
+    files = bridge.weight_files(path)
+    dtype = dtype or bridge.checkpoint_dtype(files)
+    module = bridge.build_skeleton(config, task, dtype)
+    quantized = quantization.prepare_load(module, config, files, quantize, dtype)  # swaps the quantized layers
+    convert, summary = quantized or (None, None)
     backend = _backend.active()
     backend.prepare()
-    shardings = None if mesh is None else _rules.plan(module, mesh).shardings(mesh)
-    params, aliases = _loading.load_weights(module, files, dtype, progress=progress, shardings=shardings)
+    shardings = None if mesh is None else parallel.plan(module, mesh).shardings(mesh)
+    params, aliases = bridge.load_weights(module, files, dtype, progress=progress, shardings=shardings, convert=convert)
     backend.prepare_weights(params)
-    return Model(
+    model = Model(
         module, params, aliases, config=config, tokenizer=_tokenizer(path), task=task, path=path, mesh=mesh,
         matmul_precision=matmul_precision,
     )  # fmt: skip
+    model.quantization = summary
+    return model
+
+
+def jit(
+    module: torch.nn.Module,
+    methods: Sequence[str] = ("forward",),
+    *,
+    matmul_precision: bridge.Precision | None = None,
+) -> bridge.JittedModule:
+    """Compiles the listed methods of a torch module with XLA, weights passed as arguments.
+
+    Args:
+      module: any `torch.nn.Module` (a transformers or diffusers model, typically).
+      methods: names of the methods to compile; each runs as one XLA program per
+        argument structure, shapes and static values.
+      matmul_precision: the precision of float32 products and convolutions, as
+        `torch.set_float32_matmul_precision` names it ("highest", "high", "medium"); None follows
+        torch's setting ("highest" unless changed: full float32, as PyTorch computes), read when
+        each program is built.
+
+    Returns:
+      A `JittedModule`: call it like the module. Inputs may be torch tensors or
+      jax.Arrays; outputs are the module's usual types holding jax.Arrays (torchax
+      tensors when called with torchax tensors).
+
+    Example:
+      >>> fast = hfjax.jit(model)
+      >>> out = fast(input_ids, use_cache=False)
+      >>> out.logits  # jax.Array
+    """
+    _backend.active()  # the backend's hook first: JittedModule prepares it (the CPU's kernels)
+    return bridge.JittedModule(module, methods, matmul_precision=matmul_precision)
 
 
 def _processor(path: pathlib.Path | None):

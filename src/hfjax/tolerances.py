@@ -54,9 +54,15 @@ PIPELINE_SCORES = Tolerance(
     "transformers' pipelines return as Python floats",
 )
 RESAMPLING = Tolerance(
-    1e-5,
-    "audio resampled by numpy's FFT in float64, returned as float32, against scipy.signal.resample: "
-    "float32 rounding of samples in [-1, 1]",
+    1e-4,
+    "audio resampled by soxr's HQ filter against the exact signal at the new rate (tones below 0.8 of the "
+    "lower rate's Nyquist frequency, 20 ms clear of the ends): the filter's passband ripple and its "
+    "float32 output, up to 2e-5 measured",
+)
+LOSSY_AUDIO = Tolerance(
+    0.2,
+    "Vorbis and MP3 files decoded by libsndfile against the 16-bit PCM they encoded (tones summing to "
+    "at most 0.8): the codecs' loss at libsndfile's default quality, up to 0.14 measured",
 )
 
 # Training: the same steps taken by torch.optim and by hfjax's trainer (3 steps of tiny models).
@@ -85,6 +91,31 @@ PACKING = Tolerance(
     "mask) against it alone: the same float32 sums over a longer, masked row; a leak between the "
     "examples moves them by ~0.1",
 )
+
+# Quantized weights (hfjax.quantization).
+QUANTIZED_PARITY = Tolerance(
+    1e-4,
+    "a quantized model against PyTorch running the float weights its quantized ones stand for: the same "
+    "weights, but hfjax scales a per-channel product's output where PyTorch scales the weight first, and "
+    "the CPU kernel sums each group of inputs apart; float32 rounding of O(1) logits, as DEFAULT",
+)
+FLOAT16_PRODUCT = Tolerance(
+    0.0,
+    "a product of exact float16 factors rounded to float16 once (compressed-tensors dequantizes AWQ's "
+    "float16 scales in float16): at most half an ulp, 2^-11 of the value; bound 2^-10",
+    rtol=2.0**-10,
+)
+# The logits of a tiny random Llama quantized, against the same model unquantized (relative L2 of the
+# logits, in rtol). Each mode's rounding of a weight row of N(0, s) values has an RMS error of about a
+# step / sqrt(12): int8's step is 2 max|w| / 255, ~0.7% of s; e4m3 keeps 3 mantissa bits, ~2.5%;
+# int4's is (max - min) / 15 over a group, ~10%. The logits' relative error follows the weights' (the
+# errors of a layer's inputs average out over its rows); the bounds are three times those sizes, so
+# a layer whose scales or packing are wrong (an error near 1) fails.
+QUANTIZED_LOGITS: dict[str, Tolerance] = {
+    "int8": Tolerance(0.0, "int8 per output channel: weights rounded by ~0.7% (RMS), bound 3x", rtol=0.02),
+    "fp8": Tolerance(0.0, "fp8 e4m3 per output channel: weights rounded by ~2.5% (RMS), bound 3x", rtol=0.07),
+    "int4": Tolerance(0.0, "int4 groups, min to max in 15 steps: weights rounded by ~10% (RMS), bound 3x", rtol=0.3),
+}
 
 # Diffusion images are compared by PSNR, not elementwise.
 IMAGE_PSNR_DB = Tolerance(

@@ -3,7 +3,8 @@
     hfjax demo | check | generate | chat | serve | classify | transcribe | finetune | image | shard-plan | launch | build-kernels
 
 Unlike the library, the command line owns its process: it keeps compiled programs on disk
-($HFJAX_CACHE_DIR, default ~/.cache/hfjax/xla; "off" turns it off).
+($HFJAX_CACHE_DIR, default ~/.cache/hfjax/xla; "off" turns it off). Bad input, whether a flag or
+a checkpoint, is one line on stderr: exit code 2 for flags, 1 for what cannot be loaded or run.
 
 Public names: `main`.
 """
@@ -11,13 +12,14 @@ Public names: `main`.
 from __future__ import annotations
 
 import argparse
-import logging
+import importlib.metadata
 import os
 import sys
-import warnings
 
 from .. import _compilation_cache
 from .._compilation_cache import set_cache_dir
+from .._errors import HfjaxError
+from .._version import __version__
 from . import (
     build_kernels,
     chat,
@@ -32,6 +34,7 @@ from . import (
     shard_plan,
     transcribe,
 )
+from ._options import FlagError, HelpFormatter, Parser
 
 __all__ = ["main"]
 
@@ -51,27 +54,34 @@ _COMMANDS = {
 }
 
 
-def _no_torchvision_fallback_note(record: logging.LogRecord) -> bool:
-    # diffusers' pipelines import transformers' CLIP image processors; without torchvision
-    # transformers substitutes their PIL versions, which is what a pipeline run needs, and
-    # says so on every run.
-    return "requires torchvision (not installed); falling back" not in record.getMessage()
+class _Version(argparse.Action):
+    """`hfjax --version`: hfjax's version and its stack's, from the packages' metadata (nothing is imported)."""
+
+    def __init__(self, option_strings, dest, **kwargs):
+        super().__init__(option_strings, dest=argparse.SUPPRESS, default=argparse.SUPPRESS, nargs=0, **kwargs)
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        stack = []
+        for name in ("jax", "torch", "transformers", "torchax"):
+            try:
+                stack.append(f"{name} {importlib.metadata.version(name)}")
+            except importlib.metadata.PackageNotFoundError:
+                stack.append(f"{name} not installed")
+        print(f"hfjax {__version__} ({', '.join(stack)})")
+        parser.exit()
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        prog="hfjax", description="Run Hugging Face PyTorch models on JAX and XLA, unchanged."
+    parser = Parser(
+        prog="hfjax",
+        description="Run Hugging Face PyTorch models on JAX and XLA, unchanged.",
+        formatter_class=HelpFormatter,
     )
+    parser.add_argument("--version", action=_Version, help="print hfjax's version and its stack's, then exit")
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND")
     for command in _COMMANDS.values():
         command.add_parser(subparsers)
     args = parser.parse_args(argv)
-    # torchax runs JAX with 32-bit integers and floats by design; JAX's note on each 64-bit
-    # cast in the model code (with advice to enable x64) is noise on a terminal.
-    warnings.filterwarnings("ignore", message=r"Explicitly requested dtype (int|uint|float|complex)(64|128)")
-    logging.getLogger("transformers.utils.import_utils").addFilter(
-        _no_torchvision_fallback_note
-    )  # addFilter skips repeats
     if args.command is None:
         parser.print_help()
         return 2
@@ -81,6 +91,12 @@ def main(argv: list[str] | None = None) -> int:
         set_cache_dir(os.environ.get(_compilation_cache.VARIABLE, str(_compilation_cache.DEFAULT)))
     try:
         return _COMMANDS[args.command].run(args)
+    except FlagError as error:
+        print(f"hfjax {args.command}: {error}", file=sys.stderr)
+        return 2
+    except HfjaxError as error:  # a checkpoint that cannot be loaded, a model that cannot do the job, ...
+        print(f"hfjax {args.command}: {error}", file=sys.stderr)
+        return 1
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130

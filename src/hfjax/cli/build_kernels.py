@@ -19,24 +19,24 @@ def add_parser(subparsers) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from hfjax import _backend
+
+    if args.timeout <= 0:
+        print(f"hfjax build-kernels: --timeout={args.timeout} must be > 0 seconds", file=sys.stderr)
+        return 2
     try:
-        from hfjax import cpu
-        from hfjax.cpu import _build
+        command, why_not = _backend.kernel_compiler()
     except ImportError as error:
         print(
             f"hfjax build-kernels: hfjax.cpu is not installed ({error}); the generic engine runs on the CPU",
             file=sys.stderr,
         )
         return 1
-    if args.timeout <= 0:
-        print(f"hfjax build-kernels: --timeout={args.timeout} must be > 0 seconds", file=sys.stderr)
-        return 2
-    command, why_not = _build.compiler()
     if command is None:
         print(f"hfjax build-kernels: not used on this machine: {why_not}")
         return 0
     print(f"hfjax build-kernels: building with {command} (up to {args.timeout:.0f} s)...", file=sys.stderr, flush=True)
     start = time.perf_counter()
-    digest = cpu.build_kernels(timeout_s=args.timeout)
-    print(f"hfjax build-kernels: {cpu.kernels_status()} ({time.perf_counter() - start:.1f} s)")
+    digest = _backend.build_kernels(args.timeout)
+    print(f"hfjax build-kernels: {_backend.kernels_status()} ({time.perf_counter() - start:.1f} s)")
     return 0 if digest is not None else 1

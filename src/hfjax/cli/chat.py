@@ -9,7 +9,15 @@ from __future__ import annotations
 import argparse
 import sys
 
-from .generate import add_generation_arguments, add_image_argument, prepare, print_stats, text_streamer
+from ._options import model_options
+from .generate import (
+    CountCompiles,
+    add_generation_arguments,
+    add_image_argument,
+    prepare,
+    print_stats,
+    text_streamer,
+)
 
 _HELP = "/reset starts a new conversation, /exit quits (so do Ctrl-D and Ctrl-C)"
 
@@ -17,18 +25,18 @@ _HELP = "/reset starts a new conversation, /exit quits (so do Ctrl-D and Ctrl-C)
 def add_parser(subparsers) -> None:
     parser = subparsers.add_parser(
         "chat",
+        parents=[model_options(quantize=True)],
         help="multi-turn chat in the terminal, with the tokenizer's chat template",
         description=f"Chat with a model, one message per line; replies stream as they are generated. {_HELP}.",
     )
-    parser.add_argument("--model", required=True, help="checkpoint directory or hub id")
-    parser.add_argument("--system", default=None, help="a system prompt that starts every conversation")
+    parser.add_argument("--system", default=None, help="a system prompt that starts every conversation (default: none)")
     add_image_argument(parser)
     add_generation_arguments(parser)
 
 
 def run(args: argparse.Namespace) -> int:
-    from hfjax._loading import context_length
     from hfjax._model import chat_prompt
+    from hfjax.bridge import context_length
 
     prepared = prepare(args, "chat")
     if isinstance(prepared, int):
@@ -68,11 +76,14 @@ def run(args: argparse.Namespace) -> int:
         else:
             messages.append({"role": "user", "content": line})
         if args.image:
-            from hfjax.generation._vision_chat import encode
+            from hfjax.generation import encode
 
             encoded, prompt_length = encode(model, [messages])
         else:
-            text = tokenizer(chat_prompt(tokenizer, messages), add_special_tokens=False, return_tensors="np")
+            # verbose=False: a conversation that outgrows the context gets hfjax's own message below.
+            text = tokenizer(
+                chat_prompt(tokenizer, messages), add_special_tokens=False, return_tensors="np", verbose=False
+            )
             encoded = {"input_ids": text["input_ids"], "attention_mask": text["attention_mask"]}
             prompt_length = encoded["input_ids"].shape[1]
         room = kwargs["max_new_tokens"] if context is None else min(kwargs["max_new_tokens"], context - prompt_length)
@@ -84,11 +95,12 @@ def run(args: argparse.Namespace) -> int:
             )
             continue
         try:
-            out = model.generate(
-                **encoded,
-                streamer=text_streamer(model),
-                **{**kwargs, "max_new_tokens": room, "seed": kwargs["seed"] + turn},
-            )
+            with CountCompiles() as compiles:
+                out = model.generate(
+                    **encoded,
+                    streamer=text_streamer(model),
+                    **{**kwargs, "max_new_tokens": room, "seed": kwargs["seed"] + turn},
+                )
         except KeyboardInterrupt:
             messages.pop()
             print("\n[reply interrupted]", file=sys.stderr)
@@ -104,4 +116,4 @@ def run(args: argparse.Namespace) -> int:
         messages.append({"role": "assistant", "content": reply})
         turn += 1
         if args.stats:
-            print_stats(model)
+            print_stats(model, compiles)

@@ -24,10 +24,10 @@ def add_parser(subparsers) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from .. import _check
+    from ..tasks import check, check_arch
 
     options = dict(task=args.task, batch=args.batch, seq_len=args.seq_len, seed=args.seed, eager=not args.no_eager)
-    report = _check.check_arch(args.arch, **options) if args.arch else _check.check(args.model, **options)
+    report = check_arch(args.arch, **options) if args.arch else check(args.model, **options)
     print(report.table())
     if report.error:
         print(f"hfjax check: {report.error}", file=sys.stderr)

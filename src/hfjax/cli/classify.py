@@ -6,20 +6,26 @@ import argparse
 import json
 import sys
 
+from ._options import model_options, quantize_options
+
 
 def add_parser(subparsers) -> None:
     parser = subparsers.add_parser(
         "classify",
+        parents=[model_options(mesh=False, quantize=True)],
         help="label probabilities for texts or an image (a classification head, or zero-shot)",
         description="With a sequence-classification checkpoint, prints its head's probabilities. With a causal LM, "
         "classifies zero-shot: scores each label as the continuation of a prompt built from the text. "
         "With --image, an image classifier (ViT, ...) or, with --labels, a zero-shot one (CLIP, SigLIP). "
         "One line per text or image, best label first.",
     )
-    parser.add_argument("--model", required=True, help="checkpoint directory or hub id")
     parser.add_argument("texts", nargs="*", metavar="TEXT", help="texts to classify")
     parser.add_argument(
-        "--image", action="append", default=None, metavar="FILE", help="an image file to classify (repeatable)"
+        "--image",
+        action="append",
+        default=None,
+        metavar="FILE",
+        help="an image file to classify (repeatable; default: none, classify TEXTs)",
     )
     parser.add_argument(
         "--labels",
@@ -32,12 +38,6 @@ def add_parser(subparsers) -> None:
         default=None,
         help="causal LM only: the prompt, with a {text} field and optionally {labels} "
         "(default: a question that lists the labels)",
-    )
-    parser.add_argument(
-        "--dtype",
-        choices=("float32", "bfloat16", "float16"),
-        default=None,
-        help="weights dtype (default: the checkpoint's)",
     )
     parser.add_argument("--json", action="store_true", help="print one JSON object per text: text, label, scores")
 
@@ -61,7 +61,7 @@ def run(args: argparse.Namespace) -> int:
     if args.image:
         return _classify_images(args, labels)
     try:
-        model = hfjax.load(args.model, dtype=args.dtype)
+        model = hfjax.load(args.model, dtype=args.dtype, **quantize_options(args))
     except ValueError as error:  # LoadError
         print(f"hfjax classify: {error}", file=sys.stderr)
         return 1
@@ -81,10 +81,10 @@ def run(args: argparse.Namespace) -> int:
 
 def _classify_images(args: argparse.Namespace, labels: list[str] | None) -> int:
     import hfjax
-    from hfjax import _loading, _tasks
+    from hfjax import _tasks, bridge
 
     try:
-        task = _tasks.infer(_loading.read_config(_loading.resolve(args.model)))
+        task = _tasks.infer(bridge.read_config(bridge.resolve_checkpoint(args.model)))
         if task not in ("image-classification", "zero-shot-image-classification"):
             raise hfjax.PipelineError(
                 f"--image: {args.model!r} is a {task} model; pass an image-classification checkpoint (ViT, ...) "

@@ -6,12 +6,15 @@ import argparse
 import pathlib
 import sys
 
+from ._options import mesh, model_options
+
 _PEFT_TASKS = {"text-generation": "CAUSAL_LM", "text-classification": "SEQ_CLS", "text2text-generation": "SEQ_2_SEQ_LM"}
 
 
 def add_parser(subparsers) -> None:
     parser = subparsers.add_parser(
         "finetune",
+        parents=[model_options()],
         help="fine-tune a checkpoint (full, or LoRA with --lora-r) on a JSONL or CSV file",
         description='Trains with AdamW and transformers\' linear schedule. Records: {"text"} or {"messages"} '
         '(causal LMs; chat: the loss on the assistant\'s turns), {"text", "label"} (classifiers), '
@@ -19,10 +22,11 @@ def add_parser(subparsers) -> None:
         "peft adapter with --lora-r), loss.png, and OUT/checkpoint: the resumable state, replaced "
         "atomically every --save-every steps.",
     )
-    parser.add_argument("--model", required=True, help="checkpoint directory or hub id")
     parser.add_argument("--data", required=True, help="training data: a .jsonl or .csv file")
     parser.add_argument(
-        "--eval-data", default=None, help="evaluation data (.jsonl or .csv): its mean loss every --eval-every steps"
+        "--eval-data",
+        default=None,
+        help="evaluation data (.jsonl or .csv): its mean loss every --eval-every steps (default: none)",
     )
     parser.add_argument("--out", required=True, help="output directory")
     parser.add_argument("--steps", type=int, required=True, help="optimizer steps in all")
@@ -37,24 +41,31 @@ def add_parser(subparsers) -> None:
     )
     parser.add_argument("--max-length", type=int, default=256, help="tokens per example at most (default 256)")
     parser.add_argument(
-        "--lora-r", type=int, default=None, help="train a LoRA adapter of this rank instead of every weight"
+        "--lora-r",
+        type=int,
+        default=None,
+        help="train a LoRA adapter of this rank instead of every weight (default: train every weight)",
     )
     parser.add_argument("--lora-alpha", type=float, default=None, help="LoRA's alpha (default 2 x rank)")
     parser.add_argument(
         "--lora-targets", default="all-linear", help="comma-separated module names for LoRA (default all-linear)"
     )
     parser.add_argument(
-        "--save-every", type=int, default=None, help="write OUT/checkpoint every K steps (and at the end)"
+        "--save-every",
+        type=int,
+        default=None,
+        help="write OUT/checkpoint every K steps and at the end (default: at the end only)",
     )
     parser.add_argument(
-        "--eval-every", type=int, default=None, help="evaluate on --eval-data every K steps (and at the end)"
+        "--eval-every",
+        type=int,
+        default=None,
+        help="evaluate on --eval-data every K steps and at the end (default: at the end only)",
     )
     parser.add_argument(
         "--resume", action="store_true", help="continue from OUT/checkpoint, exactly as if never stopped"
     )
     parser.add_argument("--seed", type=int, default=0, help="data order and LoRA initialisation (default 0)")
-    parser.add_argument("--data-parallel", type=int, default=1, help="devices the batch is split over (default 1)")
-    parser.add_argument("--model-parallel", type=int, default=1, help="devices each weight is split over (default 1)")
     parser.add_argument(
         "--fully-sharded",
         action="store_true",
@@ -87,10 +98,7 @@ def run(args: argparse.Namespace) -> int:
         )
         return 2
     try:
-        mesh = None
-        if args.data_parallel * args.model_parallel > 1:
-            mesh = hfjax.make_mesh(data=args.data_parallel, model=args.model_parallel)
-        model = hfjax.load(args.model, mesh=mesh)
+        model = hfjax.load(args.model, dtype=args.dtype, mesh=mesh(args))
         lora = None
         if args.lora_r is not None:
             import peft

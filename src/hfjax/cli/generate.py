@@ -6,21 +6,22 @@ Also the generation flags, the model loading and the --stats line that `hfjax ch
 from __future__ import annotations
 
 import argparse
+import contextlib
 import math
 import sys
 
-from .. import _dtypes
+from ._options import at_least_one, mesh, model_options, quantize_options
 
 
 def add_parser(subparsers) -> None:
     parser = subparsers.add_parser(
         "generate",
+        parents=[model_options(quantize=True)],
         help="continue a prompt with a causal LM, streaming the text",
         description="Tokenizes PROMPT, generates with the whole decode loop compiled, and streams the new text "
         "to stdout. Settings not given come from the checkpoint's generation_config.json, except beam search "
         "(num_beams): one streamed answer is decoded greedily or by sampling.",
     )
-    parser.add_argument("--model", required=True, help="checkpoint directory or hub id")
     parser.add_argument("prompt", help="the text to continue (with --image: the question about the images)")
     add_image_argument(parser)
     add_generation_arguments(parser)
@@ -32,42 +33,35 @@ def add_image_argument(parser: argparse.ArgumentParser) -> None:
         action="append",
         default=[],
         metavar="PATH",
-        help="an image file for a vision-language model, put before the text (repeat for several)",
+        help="an image file for a vision-language model, put before the text (repeat for several; default: none)",
     )
 
 
 def add_generation_arguments(parser: argparse.ArgumentParser) -> None:
-    """The flags `generate` and `chat` share: token budget, sampling, seed, dtype, --stats."""
-    parser.add_argument("--max-new-tokens", type=int, default=128, help="most tokens to generate (default 128)")
+    """The flags `generate` and `chat` share: token budget, sampling, seed, --stats."""
+    parser.add_argument("--max-new-tokens", type=int, default=128, help="most tokens to generate")
     parser.add_argument(
-        "--temperature", type=float, default=None, help="sample at this temperature; 0 decodes greedily"
+        "--temperature",
+        type=float,
+        default=None,
+        help="sample at this temperature; 0 decodes greedily (default: the checkpoint's generation_config)",
     )
-    parser.add_argument("--top-k", type=int, default=None, help="sample from the k most likely tokens")
+    parser.add_argument(
+        "--top-k", type=int, default=None, help="sample from the k most likely tokens (default: generation_config's)"
+    )
     parser.add_argument(
         "--top-p",
         type=float,
         default=None,
-        help="sample from the most likely tokens whose probabilities add up to p, in (0, 1]",
+        help="sample from the most likely tokens whose probabilities add up to p, in (0, 1] "
+        "(default: generation_config's)",
     )
+    parser.add_argument("--seed", type=int, default=0, help="sampler seed: the same seed gives the same text")
     parser.add_argument(
-        "--seed", type=int, default=0, help="sampler seed: the same seed gives the same text (default 0)"
+        "--stats",
+        action="store_true",
+        help="print time to first token, tokens/s and whether XLA compiled anything to stderr",
     )
-    parser.add_argument(
-        "--dtype", choices=_dtypes.NAMES, default=None, help="weights dtype (default: the checkpoint's)"
-    )
-    parser.add_argument(
-        "--model-parallel",
-        type=int,
-        default=1,
-        help="split the weights over this many devices (tensor parallel; default 1)",
-    )
-    parser.add_argument(
-        "--data-parallel",
-        type=int,
-        default=1,
-        help="split the batch over this many devices (default 1); data x model devices are used",
-    )
-    parser.add_argument("--stats", action="store_true", help="print time to first token and tokens/s to stderr")
 
 
 def generation_kwargs(args: argparse.Namespace) -> dict:
@@ -80,13 +74,10 @@ def generation_kwargs(args: argparse.Namespace) -> dict:
     Raises:
       ValueError: for a setting out of range, naming the flag's value.
     """
-    from hfjax.generation._sampling import SamplingConfig
-    from hfjax.generation._settings import GenerationSettings
+    from hfjax.generation import GenerationSettings, SamplingConfig
 
     GenerationSettings(max_new_tokens=args.max_new_tokens)
-    for flag in ("model_parallel", "data_parallel"):
-        if getattr(args, flag) < 1:
-            raise ValueError(f"--{flag.replace('_', '-')}={getattr(args, flag)} must be at least 1")
+    at_least_one(args, "model_parallel", "data_parallel")
     sampling = {
         name: getattr(args, name) for name in ("temperature", "top_k", "top_p") if getattr(args, name) is not None
     }
@@ -120,14 +111,11 @@ def prepare(args: argparse.Namespace, command: str):
 def _load_causal_lm(args: argparse.Namespace):
     import hfjax
 
-    mesh = None
-    if args.model_parallel > 1 or args.data_parallel > 1:
-        mesh = hfjax.make_mesh(data=args.data_parallel, model=args.model_parallel)
-    model = hfjax.load(args.model, dtype=args.dtype, mesh=mesh)
+    model = hfjax.load(args.model, dtype=args.dtype, mesh=mesh(args), **quantize_options(args))
     if model.tokenizer is None:
         raise ValueError(f"the checkpoint at {args.model!r} has no tokenizer files, so text cannot be encoded")
     if getattr(args, "image", None):
-        from hfjax.generation._vision_chat import check_takes_images, load_image
+        from hfjax.generation import check_takes_images, load_image
 
         check_takes_images(model, caller=f"--model {args.model!r} with --image")
         for image in args.image:  # a bad file is named before anything is generated
@@ -147,10 +135,46 @@ def text_streamer(model):
     return TextStreamer(model.tokenizer, skip_prompt=True, skip_special_tokens=True)
 
 
-def print_stats(model) -> None:
+class CountCompiles(contextlib.AbstractContextManager):
+    """Counts XLA's compiles while open, and how many of them JAX's persistent compilation cache
+    answered: a program read from the cache (or from hfjax's program store) is not compiled again.
+    The command line owns its process, so it may listen to JAX's monitoring events."""
+
+    _COMPILE = "/jax/core/compile/backend_compile_duration"  # each compile, the cache's answers included
+    _CACHE_HIT = "/jax/compilation_cache/cache_hits"
+
+    def __init__(self):
+        self.requested = self.from_cache = 0
+
+    @property
+    def compiled(self) -> bool:
+        """Whether XLA compiled a program while open."""
+        return self.requested > self.from_cache
+
+    def _duration(self, event: str, seconds: float, **kwargs) -> None:
+        self.requested += event == self._COMPILE
+
+    def _event(self, event: str, **kwargs) -> None:
+        self.from_cache += event == self._CACHE_HIT
+
+    def __enter__(self):
+        import jax
+
+        jax.monitoring.register_event_duration_secs_listener(self._duration)
+        jax.monitoring.register_event_listener(self._event)
+        return self
+
+    def __exit__(self, *exc):
+        import jax
+
+        jax.monitoring.unregister_event_duration_listener(self._duration)
+        jax.monitoring.unregister_event_listener(self._event)
+
+
+def print_stats(model, compiles: CountCompiles) -> None:
     stats = model.last_generation_stats
     rate = f"{stats.tokens_per_second:.1f} tokens/s" if math.isfinite(stats.tokens_per_second) else "no decode steps"
-    compiled = ", compiled in this call" if stats.compiled else ""
+    compiled = ", compiled in this call" if compiles.compiled else ""
     print(
         f"{stats.prompt_tokens} prompt tokens, {stats.new_tokens} new tokens: time to first token "
         f"{stats.time_to_first_token:.3f} s, {rate}, total {stats.total:.3f} s{compiled}",
@@ -164,20 +188,22 @@ def run(args: argparse.Namespace) -> int:
         return prepared
     model, kwargs = prepared
     try:
-        if args.image:
-            from hfjax.generation import chat_with_images
+        with CountCompiles() as compiles:
+            if args.image:
+                from hfjax.generation import chat_with_images
 
-            content = [
-                *({"type": "image", "image": image} for image in args.image),
-                {"type": "text", "text": args.prompt},
-            ]
-            chat_with_images(model, [{"role": "user", "content": content}], streamer=text_streamer(model), **kwargs)
-        else:
-            encoded = model.tokenizer(args.prompt, return_tensors="np")
-            model.generate(encoded["input_ids"], encoded["attention_mask"], streamer=text_streamer(model), **kwargs)
+                content = [
+                    *({"type": "image", "image": image} for image in args.image),
+                    {"type": "text", "text": args.prompt},
+                ]
+                chat_with_images(model, [{"role": "user", "content": content}], streamer=text_streamer(model), **kwargs)
+            else:
+                # verbose=False: a prompt too long for the context is generate's one-line error.
+                encoded = model.tokenizer(args.prompt, return_tensors="np", verbose=False)
+                model.generate(encoded["input_ids"], encoded["attention_mask"], streamer=text_streamer(model), **kwargs)
     except ValueError as error:  # e.g. the prompt and max_new_tokens exceed the model's context
         print(f"hfjax generate: {error}", file=sys.stderr)
         return 1
     if args.stats:
-        print_stats(model)
+        print_stats(model, compiles)
     return 0

@@ -3,27 +3,29 @@
 from __future__ import annotations
 
 import argparse
+import pathlib
 import sys
 import time
+
+from ._options import FlagError, at_least_one, model_options
 
 
 def add_parser(subparsers) -> None:
     parser = subparsers.add_parser(
         "image",
+        parents=[model_options(mesh=False)],
         help="generate an image with a diffusers pipeline compiled by XLA",
         description="Load a diffusers pipeline (directory or hub id) with hfjax.load_pipeline, run it on a "
         "prompt and write the first image as a PNG.",
     )
     parser.add_argument("prompt", help="text prompt")
-    parser.add_argument("--model", required=True, help="pipeline directory (with model_index.json) or hub id")
-    parser.add_argument("--out", required=True, help="PNG file to write")
+    parser.add_argument("--out", required=True, help="PNG file to write (its directory is made if missing)")
     parser.add_argument("--steps", type=int, default=20, help="denoising steps (default 20)")
     parser.add_argument("--guidance", type=float, default=7.5, help="classifier-free guidance scale (default 7.5)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the starting noise (default 0)")
     parser.add_argument("--height", type=int, default=None, help="image height in pixels (default: the pipeline's)")
     parser.add_argument("--width", type=int, default=None, help="image width in pixels (default: the pipeline's)")
-    parser.add_argument("--negative-prompt", default=None, help="what the image should not show")
-    parser.add_argument("--dtype", default=None, help="float32, bfloat16 or float16 (default: the checkpoint's)")
+    parser.add_argument("--negative-prompt", default=None, help="what the image should not show (default: none)")
     parser.add_argument("--whole-loop", action="store_true", help="compile all denoising steps as one program")
     parser.add_argument(
         "--stats", action="store_true", help="run twice and print the time per image with and without compilation"
@@ -36,6 +38,11 @@ def run(args: argparse.Namespace) -> int:
     from .._errors import HfjaxError
     from ..diffusion import load_pipeline
 
+    at_least_one(args, "steps", "height", "width")
+    try:  # before the pipeline runs: a run should not end in a path that cannot be written
+        pathlib.Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    except OSError as error:
+        raise FlagError(f"--out {args.out!r}: cannot make its directory ({error.strerror})") from None
     try:
         pipe = load_pipeline(args.model, dtype=args.dtype, whole_loop="auto" if args.whole_loop else False)
     except HfjaxError as error:

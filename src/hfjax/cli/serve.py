@@ -8,43 +8,55 @@ import importlib.util
 import signal
 import sys
 
-from .. import _dtypes
+from ._options import mesh, model_options, model_path, quantize_options
 
-_EXTRA = ("fastapi", "uvicorn")
+_EXTRA = ("fastapi", "uvicorn", "prometheus_client")
 
 
 def add_parser(subparsers) -> None:
     parser = subparsers.add_parser(
         "serve",
+        parents=[model_options(positional=True, quantize=True)],
         help="serve a model over the OpenAI HTTP API, with continuous batching",
         description="Loads MODEL and answers /v1/chat/completions, /v1/completions (causal LMs), /v1/embeddings "
         "(encoders), /v1/models, /health, /metrics, and a chat page at /. Requests join and leave a batch of "
         "--max-batch sequence slots between decode chunks. SIGTERM stops accepting requests, finishes those in "
         'flight and exits 0. Needs the serve extra: pip install "hfjax[serve]".',
     )
-    parser.add_argument("--model", required=True, help="checkpoint directory or hub id")
     parser.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
     parser.add_argument("--port", type=int, default=8000, help="port to listen on (default 8000)")
     parser.add_argument(
-        "--served-model-name", default=None, help="the model name clients pass (default: the --model argument)"
+        "--served-model-name", default=None, help="the model name clients pass (default: MODEL as given)"
     )
-    parser.add_argument("--max-batch", type=int, default=8, help="sequences decoded together (default 8)")
+    parser.add_argument(
+        "--max-batch",
+        "--max-num-seqs",
+        dest="max_batch",
+        type=int,
+        default=None,
+        help="sequences decoded together, at most (default: as many as the KV cache's memory holds, at most 256 "
+        "on an accelerator and 64 on the CPU)",
+    )
     parser.add_argument(
         "--max-model-len",
         type=int,
         default=None,
-        help="most tokens of one request, prompt and answer (default: the model's context, at most 2048)",
+        help="most tokens of one request, prompt and answer (default: the model's context)",
+    )
+    parser.add_argument(
+        "--kv-cache-memory",
+        type=_byte_count,
+        default=None,
+        help="memory for the KV cache, in bytes or with a unit (4GiB, 512MiB) (default: 80%% of the accelerator's "
+        "free memory; on the CPU a quarter of the free RAM, at most 4GiB)",
     )
     parser.add_argument(
         "--max-queue", type=int, default=256, help="requests waiting for a slot before 429 answers (default 256)"
     )
     parser.add_argument(
-        "--dtype", choices=_dtypes.NAMES, default=None, help="weights dtype (default: the checkpoint's)"
-    )
-    parser.add_argument("--model-parallel", type=int, default=1, help="split the weights over this many devices")
-    parser.add_argument("--data-parallel", type=int, default=1, help="split the batch over this many devices")
-    parser.add_argument(
-        "--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1/ endpoints (else 401)"
+        "--api-key",
+        default=None,
+        help="require 'Authorization: Bearer KEY' on /v1/ endpoints, else 401 (default: no key needed)",
     )
     parser.add_argument("--decode-steps", type=int, default=4, help="decode steps per chunk of every slot (default 4)")
     parser.add_argument(
@@ -63,6 +75,21 @@ def add_parser(subparsers) -> None:
     parser.add_argument(
         "--prefill-rows", type=int, default=4, help="prompts read together in one prefill call (default 4)"
     )
+
+
+def _byte_count(text: str) -> int:
+    units = {"": 1, "b": 1, "kib": 2**10, "mib": 2**20, "gib": 2**30, "kb": 10**3, "mb": 10**6, "gb": 10**9}
+    number = text.strip().lower().rstrip("ibkmg")
+    unit = text.strip().lower()[len(number) :]
+    try:
+        count = int(float(number) * units[unit])
+    except (KeyError, ValueError):
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not a size; pass bytes or a size such as 4GiB or 512MiB"
+        ) from None
+    if count < 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: pass a size above 0, such as 4GiB")
+    return count
 
 
 def _exit_cleanly(signum, frame):
@@ -92,7 +119,7 @@ def run(args: argparse.Namespace) -> int:
         "prefill_rows",
     )
     for flag in flags:
-        if getattr(args, flag) < 1:
+        if getattr(args, flag) is not None and getattr(args, flag) < 1:
             print(f"hfjax serve: --{flag.replace('_', '-')}={getattr(args, flag)} must be at least 1", file=sys.stderr)
             return 2
     if args.max_decode_steps is not None and args.max_decode_steps < args.decode_steps:
@@ -105,31 +132,28 @@ def run(args: argparse.Namespace) -> int:
     import uvicorn
 
     import hfjax
-    from hfjax.serving import Engine
-    from hfjax.serving._app import build_app
+    from hfjax.serving import Engine, build_app
 
-    mesh = None
-    if args.model_parallel * args.data_parallel > 1:
-        mesh = hfjax.make_mesh(data=args.data_parallel, model=args.model_parallel)
-    model = hfjax.load(args.model, dtype=args.dtype, mesh=mesh)
+    path = model_path(args)
+    model = hfjax.load(path, dtype=args.dtype, mesh=mesh(args), **quantize_options(args))
     gc.freeze()  # see below; here it spares the warm-up's compiles the full passes over the model
     engine = None
     if model.task == "text-generation":
         engine = Engine(
-            model, max_batch=args.max_batch, max_model_len=args.max_model_len, max_queue=args.max_queue,
-            decode_steps=args.decode_steps, max_decode_steps=args.max_decode_steps, prefill_chunk=args.prefill_chunk, prefill_rows=args.prefill_rows,
-            prefix_reuse=not args.no_prefix_reuse,
+            model, max_num_seqs=args.max_batch, max_model_len=args.max_model_len, kv_cache_memory=args.kv_cache_memory,
+            max_queue=args.max_queue, decode_steps=args.decode_steps, max_decode_steps=args.max_decode_steps,
+            prefill_chunk=args.prefill_chunk, prefill_rows=args.prefill_rows, prefix_reuse=not args.no_prefix_reuse,
+            progress=lambda line: print(f"hfjax serve: {line}", file=sys.stderr, flush=True),
         )  # fmt: skip
-        engine.warm_up()
+        print(f"hfjax serve: {engine.sizing.describe()}", file=sys.stderr, flush=True)
+        engine.start()  # the largest programs compiled; the others compile in the background
     elif model.task != "feature-extraction":
-        print(
-            f"hfjax serve: {args.model} loads as task={model.task!r}; serve a causal LM or an encoder", file=sys.stderr
-        )
+        print(f"hfjax serve: {path} loads as task={model.task!r}; serve a causal LM or an encoder", file=sys.stderr)
         return 2
     # What is loaded by now lives as long as the server: out of the garbage collector's full passes,
     # which otherwise scanned all of it mid-stream (pauses of 100-270 ms, seen at one stream).
     gc.freeze()
-    name = args.served_model_name or args.model
+    name = args.served_model_name or path
     app = build_app(model, served_model_name=name, engine=engine, api_key=args.api_key)
     print(f"hfjax serve: {name} on http://{args.host}:{args.port}", file=sys.stderr, flush=True)
     # uvicorn shuts down gracefully on SIGTERM (no new connections, the answers in flight finished, the engine

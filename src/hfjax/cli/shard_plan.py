@@ -3,51 +3,38 @@
 from __future__ import annotations
 
 import argparse
-import sys
 
-from .. import _dtypes
+from ._options import at_least_one, model_options, quantize_options
 
 
 def add_parser(subparsers) -> None:
     parser = subparsers.add_parser(
         "shard-plan",
+        parents=[model_options(quantize=True)],
         help="print each parameter's PartitionSpec and bytes per device over a mesh",
         description="Builds the model's structure from config.json (no weights are read; the dtype comes from the "
         "safetensors headers) and prints the PartitionSpec, shape and bytes per device of every parameter, "
-        "then the total per device. Needs no devices: the mesh is only a shape.",
+        "then the total per device. Needs no devices: the mesh is only a shape. A quantized model (--quantize, "
+        "or a checkpoint published quantized) shows its quantized weights and their scales.",
     )
-    parser.add_argument("--model", required=True, help="checkpoint directory or hub id")
-    parser.add_argument(
-        "--model-parallel", type=int, required=True, help="devices along the 'model' axis (tensor parallel)"
-    )
-    parser.add_argument("--data-parallel", type=int, default=1, help="devices along the 'data' axis (default 1)")
     parser.add_argument("--task", default=None, help="transformers pipeline task (default: from config.architectures)")
-    parser.add_argument(
-        "--dtype", choices=_dtypes.NAMES, default=None, help="weights dtype (default: the checkpoint's)"
-    )
 
 
 def run(args: argparse.Namespace) -> int:
     import jax
 
-    from .. import _loading
-    from .._errors import ShardingError
+    from .. import _tasks, bridge, quantization
     from ..parallel import plan
 
-    if args.model_parallel < 1 or args.data_parallel < 1:
-        print(
-            f"hfjax shard-plan: --model-parallel and --data-parallel must be >= 1, got {args.model_parallel} and {args.data_parallel}",
-            file=sys.stderr,
-        )
-        return 2
-    path = _loading.resolve(args.model)
-    config = _loading.read_config(path)
-    dtype = args.dtype or _loading.checkpoint_dtype(_loading.weight_files(path))
+    at_least_one(args, "model_parallel", "data_parallel")
+    path = bridge.resolve_checkpoint(args.model)
+    config = bridge.read_config(path)
+    files = bridge.weight_files(path)
+    dtype = args.dtype or bridge.checkpoint_dtype(files)
+    module = bridge.build_skeleton(config, args.task or _tasks.infer(config), dtype)
+    options = quantize_options(args)
+    settings = quantization.settings(options["quantize"], options["quantize_lm_head"], caller="hfjax shard-plan")
+    quantization.prepare_load(module, config, files, settings, dtype)  # quantized layers as they would load
     mesh = jax.sharding.AbstractMesh((args.data_parallel, args.model_parallel), ("data", "model"))
-    try:
-        shard_plan = plan(config, mesh, task=args.task, dtype=dtype)
-    except ShardingError as error:
-        print(f"hfjax shard-plan: {error}", file=sys.stderr)
-        return 1
-    print(shard_plan.table())
+    print(plan(module, mesh).table())
     return 0

@@ -6,18 +6,20 @@ import argparse
 import json
 import sys
 
+from ._options import model_options
+
 
 def add_parser(subparsers) -> None:
     parser = subparsers.add_parser(
         "transcribe",
+        parents=[model_options(mesh=False)],
         help="transcribe audio files (a CTC model such as wav2vec2, or Whisper)",
         description="Runs transformers' automatic-speech-recognition pipeline with the model on JAX "
-        "(hfjax.pipeline). Audio: PCM WAV files at any sampling rate, resampled to the model's. "
+        "(hfjax.pipeline). Audio: WAV, FLAC, OGG or MP3 files at any sampling rate, resampled to the model's "
+        "(the audio extra: pip install 'hfjax[audio]'). "
         "Prints one line of text per file.",
     )
-    parser.add_argument("--model", required=True, help="checkpoint directory or hub id")
-    parser.add_argument("audio", nargs="+", metavar="AUDIO", help="WAV files to transcribe")
-    parser.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default=None, help="weights dtype")
+    parser.add_argument("audio", nargs="+", metavar="AUDIO", help="audio files to transcribe (WAV, FLAC, OGG, MP3)")
     parser.add_argument("--json", action="store_true", help="print one JSON object per file: file, text")
 
 

@@ -1,10 +1,10 @@
 """Everything hfjax does only to run faster on XLA:CPU, behind the one hook the engine calls.
 
-`Cpu` is the CPU's `hfjax._backend.Backend`: the generic engine asks it at fixed points, and it
+`Cpu` is the CPU's `hfjax.bridge.Backend`: the generic engine asks it at fixed points, and it
 
 - builds hfjax's decoding kernels (`_kernels.cc`, AVX-512) at load time, never inside a trace
   (`prepare`; also `hfjax build-kernels`);
-- installs the CPU's op lowerings (`_ops.py`: kernels, operand swaps, channels-last convolutions);
+- installs the CPU's op lowerings (`_lowerings.py`: kernels, operand swaps, channels-last convolutions);
 - moves loaded weights onto 2 MB pages (`_pages.py`);
 - holds diffusers' convolution weights channels-last (`prepare_module`);
 - carries the decode loop's cache without its size-1 axes (`loop_carry`).
@@ -12,7 +12,8 @@
 Deleting this package, or setting HFJAX_CPU_KERNELS=0, runs the generic engine on the CPU:
 every feature works, only slower. docs/architecture.md says what each part gains.
 
-Public names: `Cpu`, `build_kernels`, `kernels_status`.
+Public names: `Cpu`, `build_kernels`, `kernel_compiler`, `kernels_status`. Only `hfjax._backend`
+imports this package.
 """
 
 from __future__ import annotations
@@ -20,10 +21,10 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from .._backend import Backend
-from . import _build, _ops, _pages
+from ..bridge import Backend
+from . import _build, _lowerings, _pages
 
-__all__ = ["Cpu", "build_kernels", "kernels_status"]
+__all__ = ["Cpu", "build_kernels", "kernel_compiler", "kernels_status"]
 
 
 class Cpu(Backend):
@@ -38,13 +39,13 @@ class Cpu(Backend):
         _pages.huge_pages(params.values())
 
     def prepare_module(self, module) -> None:
-        _ops.store_convolutions_channels_last(module)
+        _lowerings.store_convolutions_channels_last(module)
 
     def loop_carry(self, cache):
         # XLA:CPU drops a batch of 1 from the attention's product, so the product reads each cache
         # layer without that axis. Carried with it, every layer was copied four times per token
         # (0.4 ms of a 150M model's 9 ms at 128 cache slots); carried without it, and updated
-        # without it (`_ops._index_copy`), the product reads the buffer the loop carries.
+        # without it (`_lowerings._index_copy`), the product reads the buffer the loop carries.
         shapes = [jnp.shape(leaf) for leaf in jax.tree_util.tree_leaves(cache)]
         treedef = jax.tree_util.tree_structure(cache)
 
@@ -68,6 +69,11 @@ def build_kernels(timeout_s: float = _build.TIMEOUT_S) -> str | None:
       The library's digest, or None where they are not used; `kernels_status()` says why.
     """
     return _build.build(timeout_s)
+
+
+def kernel_compiler() -> tuple[str | None, str]:
+    """(the C++ compiler that builds the kernels, or None; why not, where None)."""
+    return _build.compiler()
 
 
 def kernels_status() -> str:

@@ -30,7 +30,11 @@ import jax
 logger = logging.getLogger("hfjax")
 
 SOURCE = pathlib.Path(__file__).with_name("_kernels.cc")
-TARGETS = {"hfjax_rows_times_weight": "HfjaxRowsTimesWeight", "hfjax_decode_attention": "HfjaxDecodeAttention"}
+TARGETS = {
+    "hfjax_rows_times_weight": "HfjaxRowsTimesWeight",
+    "hfjax_decode_attention": "HfjaxDecodeAttention",
+    "hfjax_rows_times_quantized": "HfjaxRowsTimesQuantized",
+}
 FLAGS = ("-O3", "-march=native", "-shared", "-fPIC", "-std=c++17", "-w")
 TIMEOUT_S = 300.0
 

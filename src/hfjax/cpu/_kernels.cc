@@ -581,6 +581,227 @@ ffi::Error DecodeAttention(ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k,
   return ffi::Error::Success();
 }
 
+// -- a few rows times a quantized weight ------------------------------------------------------
+//
+// RowsTimesQuantized: x [R, K] times a weight held quantized (hfjax.quantization's Layout):
+// out[r, n] = sum_k x[r, k] * (q[n, k] - zero[n / rs, k / cs]) * scale[n / rs, k / cs], with q int8
+// [N, K], float8 e4m3 [N, K], or 4-bit values packed two per byte [N, K / 2] (input 2i in the low
+// half). The weight is read once, as it is stored (a quarter or an eighth of float32's bytes), and
+// turned into floats in registers; each group of cs inputs is summed on its own, then scaled:
+// sum_g scale[g] * (sum_{k in g} x[k] q[k] - zero[g] * sum_{k in g} x[k]).
+//
+// Each step turns kStepInputs inputs of a weight row into kVecs vectors of floats. The input rows
+// are first rearranged into the order the lanes come out in (for 4-bit values: each step's even
+// inputs, then its odd ones), so every format multiplies the same way.
+
+enum class Stored { kInt8, kFp8, kInt4 };
+
+template <Stored S>
+struct Decode;
+
+#if defined(__AVX512F__)
+
+template <>
+struct Decode<Stored::kInt8> {
+  static constexpr int kVecs = 1;
+  static constexpr int64_t kStepBytes = kLanes;
+  static inline void Step(const uint8_t* w, Vec* out) {
+    out[0] = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w))));
+  }
+};
+
+// e4m3 bytes -> half-precision bits (sign, then the 7 other bits shifted into the half's exponent
+// and mantissa), converted exactly: each value comes out times 2^-8, which the scale puts back.
+template <>
+struct Decode<Stored::kFp8> {
+  static constexpr int kVecs = 1;
+  static constexpr int64_t kStepBytes = kLanes;
+  static inline void Step(const uint8_t* w, Vec* out) {
+    const __m256i words = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w)));
+    const __m256i half = _mm256_and_si256(_mm256_slli_epi16(words, 7), _mm256_set1_epi16(static_cast<short>(0xBF80)));
+    out[0] = _mm512_cvtph_ps(half);
+  }
+};
+
+template <>
+struct Decode<Stored::kInt4> {
+  static constexpr int kVecs = 2;
+  static constexpr int64_t kStepBytes = kLanes;
+  static inline void Step(const uint8_t* w, Vec* out) {
+    const __m512i bytes = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w)));
+    out[0] = _mm512_cvtepi32_ps(_mm512_and_si512(bytes, _mm512_set1_epi32(0xF)));
+    out[1] = _mm512_cvtepi32_ps(_mm512_srli_epi32(bytes, 4));
+  }
+};
+
+#else  // AVX2 with FMA and F16C
+
+template <>
+struct Decode<Stored::kInt8> {
+  static constexpr int kVecs = 1;
+  static constexpr int64_t kStepBytes = kLanes;
+  static inline void Step(const uint8_t* w, Vec* out) {
+    out[0] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(w))));
+  }
+};
+
+template <>
+struct Decode<Stored::kFp8> {
+  static constexpr int kVecs = 1;
+  static constexpr int64_t kStepBytes = kLanes;
+  static inline void Step(const uint8_t* w, Vec* out) {
+    const __m128i words = _mm_cvtepi8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(w)));
+    const __m128i half = _mm_and_si128(_mm_slli_epi16(words, 7), _mm_set1_epi16(static_cast<short>(0xBF80)));
+    out[0] = _mm256_cvtph_ps(half);
+  }
+};
+
+template <>
+struct Decode<Stored::kInt4> {
+  static constexpr int kVecs = 2;
+  static constexpr int64_t kStepBytes = kLanes;
+  static inline void Step(const uint8_t* w, Vec* out) {
+    const __m256i bytes = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(w)));
+    out[0] = _mm256_cvtepi32_ps(_mm256_and_si256(bytes, _mm256_set1_epi32(0xF)));
+    out[1] = _mm256_cvtepi32_ps(_mm256_srli_epi32(bytes, 4));
+  }
+};
+
+#endif
+
+struct Quantized {
+  const float* x;         // [R, K], in the order the decoded lanes come out
+  const uint8_t* w;       // [N, row_bytes]
+  const float* scale;     // [N / rs, G]
+  const float* zero;      // [N / rs, G], or null
+  const float* sums;      // [R, G]: each group's sum of x, where there are zero points
+  float* out;             // [R, N]
+  int64_t k_size, n_size, row_bytes, groups, group_size, rows_per_scale;
+  float unit;             // what each decoded value is short by: 256 for e4m3 read as halves, else 1
+};
+
+// Weight rows [n, n + kAtOnce) times the kRows activation rows, into out[:, n:n + kAtOnce].
+// kGroupSteps: the steps in a group when the group is 128 inputs wide (a loop the compiler unrolls),
+// or 0 for any other width (a scale per channel, other group sizes).
+template <Stored S, int kRows, int kAtOnce, int kGroupSteps>
+inline void MultiplyQuantizedRows(const Quantized& q, int64_t n) {
+  using D = Decode<S>;
+  constexpr int64_t kStepInputs = kLanes * D::kVecs;
+  const int64_t step_bytes = D::kStepBytes;
+  const int64_t steps = kGroupSteps > 0 ? kGroupSteps : q.group_size / kStepInputs;
+  Vec totals[kAtOnce][kRows];
+  float offsets[kAtOnce][kRows] = {};
+  for (int p = 0; p < kAtOnce; ++p)
+    for (int r = 0; r < kRows; ++r) totals[p][r] = Zero();
+  for (int64_t g = 0; g < q.groups; ++g) {
+    Vec sums[kAtOnce][kRows];
+    for (int p = 0; p < kAtOnce; ++p)
+      for (int r = 0; r < kRows; ++r) sums[p][r] = Zero();
+    for (int64_t s = 0; s < steps; ++s) {
+      const int64_t k = g * q.group_size + s * kStepInputs;
+      const int64_t byte = (g * steps + s) * step_bytes;
+      for (int p = 0; p < kAtOnce; ++p) {
+        Vec weights[D::kVecs];
+        D::Step(q.w + (n + p) * q.row_bytes + byte, weights);
+        for (int r = 0; r < kRows; ++r)
+          for (int v = 0; v < D::kVecs; ++v)
+            sums[p][r] = Fma(weights[v], Load(q.x + r * q.k_size + k + v * kLanes), sums[p][r]);
+      }
+    }
+    for (int p = 0; p < kAtOnce; ++p) {
+      const int64_t cell = (n + p) / q.rows_per_scale * q.groups + g;
+      const float scale = q.scale[cell] * q.unit;
+      for (int r = 0; r < kRows; ++r) totals[p][r] = Fma(sums[p][r], Set1(scale), totals[p][r]);
+      if (q.zero != nullptr)
+        for (int r = 0; r < kRows; ++r) offsets[p][r] += q.scale[cell] * q.zero[cell] * q.sums[r * q.groups + g];
+    }
+  }
+  for (int p = 0; p < kAtOnce; ++p)
+    for (int r = 0; r < kRows; ++r) q.out[r * q.n_size + n + p] = ReduceAdd(totals[p][r]) - offsets[p][r];
+}
+
+// As many weight rows at once as keep the sums and totals in registers.
+template <Stored S, int kRows, int kGroupSteps>
+void MultiplyQuantizedRowsFrom(const Quantized& q, int64_t begin, int64_t end) {
+  constexpr int kAtOnce = std::clamp((kRegisters - 4) / (2 * kRows), 1, 4);
+  int64_t n = begin;
+  for (; n + kAtOnce <= end; n += kAtOnce) MultiplyQuantizedRows<S, kRows, kAtOnce, kGroupSteps>(q, n);
+  for (; n < end; ++n) MultiplyQuantizedRows<S, kRows, 1, kGroupSteps>(q, n);
+}
+
+template <Stored S, int kRows>
+void MultiplyQuantizedChunk(const Quantized& q, int64_t begin, int64_t end) {
+  constexpr int kSteps128 = 128 / (kLanes * Decode<S>::kVecs);
+  if (q.group_size == 128 && q.groups > 1) {
+    MultiplyQuantizedRowsFrom<S, kRows, kSteps128>(q, begin, end);
+  } else {
+    MultiplyQuantizedRowsFrom<S, kRows, 0>(q, begin, end);
+  }
+}
+
+using QuantizedChunkFunction = void (*)(const Quantized&, int64_t, int64_t);
+
+template <Stored S>
+constexpr QuantizedChunkFunction kQuantizedChunkFunctions[kMaxRows + 1] = {
+    nullptr,
+    MultiplyQuantizedChunk<S, 1>, MultiplyQuantizedChunk<S, 2>, MultiplyQuantizedChunk<S, 3>, MultiplyQuantizedChunk<S, 4>,
+    MultiplyQuantizedChunk<S, 5>, MultiplyQuantizedChunk<S, 6>, MultiplyQuantizedChunk<S, 7>, MultiplyQuantizedChunk<S, 8>};
+
+// x [R, K] times a quantized weight (see above) -> [R, N], for 1 to 8 rows. Attributes: the output
+// rows and inputs per scale (rs, cs); has_zero: whether `zero` holds zero points (else it is ignored).
+// cs, and K, must be multiples of 32 (a step of 4-bit values on AVX-512).
+ffi::Error RowsTimesQuantized(ffi::Buffer<ffi::F32> x, ffi::AnyBuffer w, ffi::Buffer<ffi::F32> scale,
+                              ffi::Buffer<ffi::F32> zero, ffi::ResultBuffer<ffi::F32> out, int64_t rows_per_scale,
+                              int64_t columns_per_scale, int64_t has_zero) {
+  const auto xd = x.dimensions(), wd = w.dimensions(), sd = scale.dimensions();
+  const ffi::DataType type = w.element_type();
+  const Stored stored = type == ffi::DataType::S8 ? Stored::kInt8 : type == ffi::DataType::U8 ? Stored::kInt4 : Stored::kFp8;
+  if (xd.size() != 2 || wd.size() != 2 || sd.size() != 2 || xd[0] < 1 || xd[0] > kMaxRows ||
+      (type != ffi::DataType::S8 && type != ffi::DataType::U8 && type != ffi::DataType::F8E4M3FN)) {
+    return ffi::Error::InvalidArgument("hfjax_rows_times_quantized takes x [1-8, K], an int8, uint8 or e4m3 weight and scales [G_n, G_k]");
+  }
+  const int64_t rows = xd[0], k_size = xd[1], n_size = wd[0];
+  const int64_t row_bytes = stored == Stored::kInt4 ? k_size / 2 : k_size;
+  const int64_t group_size = std::min(columns_per_scale, k_size);
+  if (wd[1] != row_bytes || k_size % 32 != 0 || group_size % 32 != 0 || k_size % group_size != 0 ||
+      sd[1] != k_size / group_size || sd[0] != (n_size + rows_per_scale - 1) / rows_per_scale ||
+      (has_zero && static_cast<int64_t>(zero.element_count()) != sd[0] * sd[1])) {
+    return ffi::Error::InvalidArgument("hfjax_rows_times_quantized: the weight, scales and x do not agree");
+  }
+  const int64_t groups = sd[1];
+  // The input rows in the order the decoded lanes come out, and each group's sum where there are zero points.
+  std::unique_ptr<float[]> ordered;
+  const float* rows_in = x.typed_data();
+  if (stored == Stored::kInt4) {
+    ordered.reset(new float[rows * k_size]);
+    for (int64_t r = 0; r < rows; ++r)
+      for (int64_t k = 0; k < k_size; k += 2 * kLanes)
+        for (int64_t i = 0; i < kLanes; ++i) {
+          ordered[r * k_size + k + i] = rows_in[r * k_size + k + 2 * i];
+          ordered[r * k_size + k + kLanes + i] = rows_in[r * k_size + k + 2 * i + 1];
+        }
+    rows_in = ordered.get();
+  }
+  std::unique_ptr<float[]> sums;
+  if (has_zero) {
+    sums.reset(new float[rows * groups]());
+    for (int64_t r = 0; r < rows; ++r)
+      for (int64_t k = 0; k < k_size; ++k) sums[r * groups + k / group_size] += x.typed_data()[r * k_size + k];
+  }
+  const Quantized q{rows_in, static_cast<const uint8_t*>(w.untyped_data()), scale.typed_data(),
+                    has_zero ? zero.typed_data() : nullptr, sums.get(), out->typed_data(), k_size, n_size, row_bytes,
+                    groups, group_size, rows_per_scale, stored == Stored::kFp8 ? 256.0f : 1.0f};
+  const QuantizedChunkFunction multiply = stored == Stored::kInt8 ? kQuantizedChunkFunctions<Stored::kInt8>[rows]
+                                          : stored == Stored::kInt4 ? kQuantizedChunkFunctions<Stored::kInt4>[rows]
+                                                                    : kQuantizedChunkFunctions<Stored::kFp8>[rows];
+  const int64_t chunk_rows = ChunkRows(n_size);
+  RunChunks((n_size + chunk_rows - 1) / chunk_rows, [&q, multiply, chunk_rows, n_size](int64_t chunk) {
+    const int64_t begin = chunk * chunk_rows;
+    multiply(q, begin, std::min(n_size, begin + chunk_rows));
+  });
+  return ffi::Error::Success();
+}
+
 }  // namespace
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(HfjaxRowsTimesWeight, RowsTimesWeight,
@@ -597,3 +818,14 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(HfjaxDecodeAttention, DecodeAttention,
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>()
                                   .Attr<float>("scale"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(HfjaxRowsTimesQuantized, RowsTimesQuantized,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Attr<int64_t>("rows_per_scale")
+                                  .Attr<int64_t>("columns_per_scale")
+                                  .Attr<int64_t>("has_zero"));

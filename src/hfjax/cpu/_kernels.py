@@ -19,9 +19,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from ..quantization import Layout, dequantize_jax
 from . import _build
 
-PRODUCT, ATTENTION = _build.TARGETS
+PRODUCT, ATTENTION, QUANTIZED_PRODUCT = _build.TARGETS
 ROWS = range(1, 9)  # activation rows the product takes (batch x new tokens)
 QUERY_ROWS = range(1, 9)  # query rows per key/value head that attention takes (heads per group x tokens)
 
@@ -33,6 +34,21 @@ def usable(*arrays) -> bool:
         and _build.built() is not None
         and jax.default_backend() == "cpu"
         and jax.device_count() == 1
+    )
+
+
+def quantized_usable(rows: jax.Array, weight: jax.Array, columns_per_scale: int) -> bool:
+    """Whether the quantized kernel takes rows [R, K] (float32) times this stored weight: int8,
+    float8 e4m3 or packed 4-bit, with K and the inputs per scale multiples of 32."""
+    k = rows.shape[-1]
+    group = min(columns_per_scale, k)
+    return (
+        weight.ndim == 2
+        and weight.dtype in (jnp.int8, jnp.uint8, jnp.float8_e4m3fn)
+        and k % 32 == 0
+        and group % 32 == 0
+        and k % group == 0
+        and usable(rows)
     )
 
 
@@ -97,3 +113,33 @@ def _attention_backward(scale, saved, grad):
 
 
 decode_attention.defvjp(_attention_forward, _attention_backward)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))
+def rows_times_quantized(rows, weight, scale, zero, rows_per_scale: int, columns_per_scale: int) -> jax.Array:
+    """rows [R, K] @ W.T -> [R, N] for R <= 8, float32, through the kernel, where W [N, K] is held
+    quantized (hfjax.quantization's Layout): weight int8 / e4m3 [N, K] or packed 4-bit uint8
+    [N, K / 2]; scale and zero float32 [ceil(N / rows_per_scale), K / columns_per_scale], zero None
+    where there are no zero points."""
+    result = jax.ShapeDtypeStruct((rows.shape[0], weight.shape[0]), jnp.float32)
+    return jax.ffi.ffi_call(QUANTIZED_PRODUCT, result, vmap_method="sequential")(
+        rows, weight, scale, scale if zero is None else zero,
+        rows_per_scale=np.int64(rows_per_scale), columns_per_scale=np.int64(columns_per_scale),
+        has_zero=np.int64(zero is not None),
+    )  # fmt: skip
+
+
+def _quantized_forward(rows, weight, scale, zero, rows_per_scale, columns_per_scale):
+    out = rows_times_quantized(rows, weight, scale, zero, rows_per_scale, columns_per_scale)
+    return out, (weight, scale, zero)
+
+
+def _quantized_backward(rows_per_scale, columns_per_scale, saved, grad):
+    # The rows' gradient only (QLoRA trains adapters beside the frozen quantized weight), in jnp.
+    weight, scale, zero = saved
+    mode = {jnp.dtype(jnp.int8): "int8", jnp.dtype(jnp.uint8): "int4"}.get(weight.dtype, "fp8")
+    layout = Layout(mode, rows_per_scale, columns_per_scale, zero is not None)
+    return grad @ dequantize_jax(weight, scale, zero, layout, jnp.float32), None, None, None
+
+
+rows_times_quantized.defvjp(_quantized_forward, _quantized_backward)

@@ -1,7 +1,7 @@
 """Diffusers pipelines on JAX.
 
 - `to_jax(pipe)`: moves a built diffusers pipeline's weights and schedulers to JAX and compiles
-  its denoiser, text encoders and VAE (`_pipeline.py`);
+  its denoiser, text encoders and VAE (`_to_jax.py`);
 - `load_pipeline(path)`: `DiffusionPipeline.from_pretrained` then `to_jax`;
 - `whole_loop=True`: every denoising step as one XLA program (`_whole_loop.py`).
 
@@ -10,6 +10,6 @@ diffusers is imported when a pipeline is first used (`pip install "hfjax[diffuse
 Public names: `to_jax`, `load_pipeline`.
 """
 
-from ._pipeline import load_pipeline, to_jax
+from ._to_jax import load_pipeline, to_jax
 
 __all__ = ["load_pipeline", "to_jax"]

@@ -29,9 +29,9 @@ import jax.numpy as jnp
 import torch
 from torchax.tensor import Tensor as JaxTensor
 
-from .. import _compile, _env, _precision
-from .._compile import JittedModule
+from .. import bridge
 from .._errors import DataDependentError
+from ..bridge import JittedModule
 
 logger = logging.getLogger("hfjax")
 
@@ -78,7 +78,7 @@ def _scheduler_state(scheduler) -> tuple[_Boundary, dict[str, jax.Array]]:
 
 
 def _restore_scheduler(scheduler, boundary: _Boundary, carry: dict[str, jax.Array]) -> None:
-    environment = _env.env()
+    environment = bridge.env()
     leaves = [JaxTensor(carry[v], environment) if kind == "dyn" else v for kind, v in boundary.spec]
     vars(scheduler).update(jax.tree_util.tree_unflatten(boundary.treedef, leaves))
 
@@ -89,7 +89,7 @@ def _noise_from(scheduler, make: Callable):
     # from make(shape, kwargs): arrays drawn before the program ran, in the steps' order.
     module = sys.modules[type(scheduler).__module__]
     original = getattr(module, "randn_tensor", None)
-    environment = _env.env()
+    environment = bridge.env()
 
     def randn_tensor(shape, *args, **kwargs):
         return JaxTensor(make(tuple(shape), kwargs), environment)
@@ -177,7 +177,7 @@ def session(pipe, call_kwargs: dict):
     session = _LoopSession(pipe, call_kwargs)
     schedulers = [c for c in pipe.components.values() if c is not None and not isinstance(c, torch.nn.Module)]
     for component in schedulers:
-        _env.move_tensors(component)  # a scheduler swapped in after to_jax holds CPU tensors
+        bridge.move_tensors(component)  # a scheduler swapped in after to_jax holds CPU tensors
     patched = []
     if session.enabled:
         for component in schedulers:
@@ -286,9 +286,9 @@ def _guidance_scale(session: _LoopSession) -> float:
 def _split_static(tree) -> tuple[list[jax.Array], Callable, tuple]:
     # Arrays of `tree` become program arguments; the rest is part of the cache key.
     leaves, treedef = jax.tree_util.tree_flatten(tree)
-    arrays = [_env.to_jax(x) for x in leaves if isinstance(x, torch.Tensor)]
+    arrays = [bridge.to_jax(x) for x in leaves if isinstance(x, torch.Tensor)]
     statics = tuple((i, x) for i, x in enumerate(leaves) if not isinstance(x, torch.Tensor))
-    environment = _env.env()
+    environment = bridge.env()
 
     def rebuild(array_args):
         it = iter(array_args)
@@ -325,7 +325,7 @@ def _run_whole_loop(session, scheduler, model_output, timestep, sample, args, kw
     statics = tuple(
         sorted((k, v) for k, v in vars(scheduler).items() if isinstance(v, (int, float, str, bool, type(None))))
     )
-    precision = _precision.resolve(denoiser.matmul_precision)  # the denoiser's program, traced inside, has it too
+    precision = bridge.resolve_precision(denoiser.matmul_precision)  # the denoiser's program, traced inside, has it too
     key = (
         shape,
         precision,
@@ -341,37 +341,33 @@ def _run_whole_loop(session, scheduler, model_output, timestep, sample, args, kw
     programs = pipe.__dict__.setdefault("_hfjax_loops", {})
     if key not in programs:
         programs[key] = _build_loop(
-            shape,
-            denoiser,
-            scheduler,
-            timesteps,
-            rebuild_cond,
-            rebuild_step,
-            sample,
-            model_output,
-            step_arrays,
-            generator,
-            precision,
-        )
+            _LoopParts(
+                shape=shape, denoiser=denoiser, scheduler=scheduler, timesteps=timesteps, rebuild_cond=rebuild_cond,
+                rebuild_step=rebuild_step, sample=sample, model_output=model_output, step_arrays=step_arrays,
+                precision=precision,
+            )
+        )  # fmt: skip
     program = programs[key]
     noise = [_draw(shape_, kwargs_, generator) for shape_, kwargs_ in program.draws]
     trajectory = program.jitted(
         denoiser.params,
-        _env.to_jax(model_output),
-        _env.to_jax(sample),
+        bridge.to_jax(model_output),
+        bridge.to_jax(sample),
         cond_arrays,
         step_arrays,
         jnp.float32(_guidance_scale(session)),
         noise,
     )
-    environment = _env.env()
+    environment = bridge.env()
     return [JaxTensor(trajectory[i], environment) for i in range(shape.steps)]
 
 
 def _draw(shape: tuple, kwargs: dict, generator):
     from diffusers.utils.torch_utils import randn_tensor
 
-    return _env.to_jax(randn_tensor(shape, generator=generator, device=torch.device("cpu"), dtype=kwargs.get("dtype")))
+    return bridge.to_jax(
+        randn_tensor(shape, generator=generator, device=torch.device("cpu"), dtype=kwargs.get("dtype"))
+    )
 
 
 @dataclasses.dataclass
@@ -380,20 +376,32 @@ class _LoopProgram:
     draws: list  # (shape, randn_tensor kwargs) of each noise draw, in order
 
 
-def _build_loop(
-    shape: _LoopShape,
-    denoiser,
-    scheduler,
-    timesteps,
-    rebuild_cond,
-    rebuild_step,
-    sample,
-    model_output,
-    step_arrays,
-    generator,
-    precision: str,
-) -> _LoopProgram:
-    environment = _env.env()
+@dataclasses.dataclass(frozen=True)
+class _LoopParts:
+    """What the first denoiser call of a session tells about the loop to build."""
+
+    shape: _LoopShape
+    denoiser: Any  # the pipeline's compiled denoiser (a `_LoopDenoiser`)
+    scheduler: Any  # the pipeline's scheduler, as set for this call
+    timesteps: Any  # the loop's timesteps (torchax tensors)
+    rebuild_cond: Callable  # the denoiser's conditioning arguments from their arrays
+    rebuild_step: Callable  # the scheduler step's other arguments from their arrays
+    sample: Any  # the first latents
+    model_output: Any  # the first denoiser output
+    step_arrays: Any  # the scheduler step's other array arguments
+    precision: str  # of float32 products (hfjax.bridge's precision)
+
+
+def _build_loop(parts: _LoopParts) -> _LoopProgram:
+    shape, denoiser, scheduler, timesteps = parts.shape, parts.denoiser, parts.scheduler, parts.timesteps
+    rebuild_cond, rebuild_step, sample, model_output = (
+        parts.rebuild_cond,
+        parts.rebuild_step,
+        parts.sample,
+        parts.model_output,
+    )
+    step_arrays, precision = parts.step_arrays, parts.precision
+    environment = bridge.env()
     template = copy.copy(scheduler)
     vars(template).pop("step", None), vars(template).pop("scale_model_input", None)
     t_values = [JaxTensor(t.jax(), environment) for t in timesteps]
@@ -408,7 +416,7 @@ def _build_loop(
 
     def stand_in(shape_, kwargs_):
         draws.append((shape_, {k: v for k, v in kwargs_.items() if k == "dtype"}))
-        return jnp.zeros(shape_, _env.to_jax(sample).dtype) * probe_zero[0]
+        return jnp.zeros(shape_, bridge.to_jax(sample).dtype) * probe_zero[0]
 
     probe_zero = [None]
 
@@ -436,7 +444,7 @@ def _build_loop(
         return x.jax()
 
     try:
-        jax.eval_shape(discover, _env.to_jax(sample), _env.to_jax(model_output), step_arrays)
+        jax.eval_shape(discover, bridge.to_jax(sample), bridge.to_jax(model_output), step_arrays)
     except _UNTRACEABLE as error:
         raise _NotWholeLoop(
             f"{type(scheduler).__name__}'s arithmetic cannot be traced ({type(error).__name__})"
@@ -518,7 +526,7 @@ def _build_loop(
         _, rest_latents = jax.lax.scan(body, (latents, carry), (jnp.arange(1, n), stacked))
         return jnp.concatenate([latents[None], rest_latents])
 
-    return _LoopProgram(_compile.jit_program(_precision.under(precision, whole), stage="whole loop"), list(draws))
+    return _LoopProgram(bridge.jit_program(bridge.under(precision, whole), stage="whole loop"), list(draws))
 
 
 def _scheduler_step(scheduler, eps, t, x, step_args):
@@ -531,5 +539,5 @@ def _call_denoiser(denoiser: JittedModule, params, kwargs: dict, precision: str)
     # stay arguments of the outer program rather than constants folded into it; and with its
     # precision, whenever the loop is traced.
     program, dynamic = denoiser._program("forward", (), kwargs, precision)
-    out_arrays, _, _ = program.jitted(params, dynamic, _env.prng_key())
-    return _env.to_torch(_compile._merge(program.out_treedef, out_arrays, program.out_statics))
+    out_arrays, _, _ = program.jitted(params, dynamic, bridge.prng_key())
+    return bridge.to_torch(bridge.merge_outputs(program.out_treedef, out_arrays, program.out_statics))

@@ -1,4 +1,4 @@
-"""Text generation on JAX: the engine behind `Model.generate` (and, later, a server's batches).
+"""Text generation on JAX: the engine behind `Model.generate`, and the continuous-batching core under `hfjax serve`.
 
 Parts, one concern each (docs/architecture.md describes the engine's internal API):
     _settings.py   transformers' generation arguments and generation_config.json, merged and
@@ -6,20 +6,57 @@ Parts, one concern each (docs/architecture.md describes the engine's internal AP
     _planning.py   batch planning: padding to buckets and devices, buffer lengths, cache windows
     _adapters.py   how a model keeps its past while decoding, one adapter per cache kind
     _state.py      `DecodeState`, the decode loop's state as a pytree dataclass
-    _choose.py     logits processors, sampling or a beam step, the state moved on by a token
+    _choose.py     the one token choice (`choose_tokens`: biases, processors, penalties, warpers,
+                   the pick), and generate's state moved on by a token or a beam step
     _sampling.py   temperature, top-k / top-p / min-p, repetition penalty, n-gram bans, biases
     _beam.py       beam search steps as transformers runs them
     _caches.py     the static KV cache, cut into windows
     _programs.py   the one program cache: in memory, and on disk as `jax.export` blobs
+    _rows.py       each row's sampling settings as arrays (`RowSampling`), what a program compiles
+                   of the token choice (`SamplingFeatures`)
+    _slots.py      the continuous-batching core: a KV cache of S slots, a chunked multi-row
+                   prefill and an N-step decode over it (`SlotModel`, `SlotPrograms`)
     _engine.py     `Generator`, which drives them for `Model.generate`
+    _generate.py   `generate`: `Model.generate`'s arguments checked and resolved into one engine run
     _multimodal.py prefill-only model inputs (images), multimodal rope positions
     _vision_chat.py `chat_with_images`: conversations with images through a processor
 
-Public names: `GenerationSettings`, `GenerationStats`, `chat_with_images`.
+Public names: `chat_with_images`; for the rest of hfjax: `Generator` and `generate` (Model.generate),
+the one settings type (`GenerationSettings`, `SamplingConfig`, `resolve_settings`), the one context
+check (`check_context`), the continuous-batching core the server drives (`SlotModel`,
+`SlotPrograms`, `SlotState`, `Chosen`, `RowSampling`, `SamplingFeatures`, `key_data`,
+`check_supported`), `cache_keyword` / `returned_cache`, and the CLI's `check_takes_images`,
+`load_image`, `encode`, `GenerationStats`.
 """
 
-from ._engine import GenerationStats
-from ._settings import GenerationSettings
-from ._vision_chat import chat_with_images
+from ._caches import cache_keyword, returned_cache
+from ._engine import GenerationStats, Generator
+from ._generate import check_context, generate
+from ._rows import RowSampling, SamplingFeatures, key_data
+from ._settings import GenerationSettings, SamplingConfig, resolve_settings
+from ._slots import Chosen, SlotModel, SlotPrograms, SlotState, check_supported
+from ._vision_chat import chat_with_images, check_takes_images, encode, load_image
 
-__all__ = ["GenerationSettings", "GenerationStats", "chat_with_images"]
+__all__ = [
+    "Chosen",
+    "GenerationSettings",
+    "GenerationStats",
+    "Generator",
+    "RowSampling",
+    "SamplingConfig",
+    "SamplingFeatures",
+    "SlotModel",
+    "SlotPrograms",
+    "SlotState",
+    "cache_keyword",
+    "chat_with_images",
+    "check_context",
+    "check_supported",
+    "check_takes_images",
+    "encode",
+    "generate",
+    "key_data",
+    "load_image",
+    "resolve_settings",
+    "returned_cache",
+]

@@ -22,7 +22,7 @@ import jax
 import jax.numpy as jnp
 import torch
 
-from .. import _env
+from .. import bridge
 from .._errors import GenerationError
 from . import _caches
 
@@ -32,7 +32,7 @@ def _accepts(module: torch.nn.Module, name: str) -> bool:
 
 
 def _last_logits(out):
-    return _env.to_jax(out.logits)[:, -1].astype(jnp.float32)  # [B, V]
+    return bridge.to_jax(out.logits)[:, -1].astype(jnp.float32)  # [B, V]
 
 
 class CacheAdapter:
@@ -69,7 +69,7 @@ class CacheAdapter:
 
     def _positions(self, kwargs: dict, positions) -> dict:
         if self.takes_positions:
-            kwargs["position_ids"] = _env.to_torch(positions)
+            kwargs["position_ids"] = bridge.to_torch(positions)
         return kwargs
 
 
@@ -92,23 +92,23 @@ class StaticCacheAdapter(CacheAdapter):
         # linear-attention or mamba layer zeroes its input's pads by the mask's last P columns
         # (create_recurrent_attention_mask), which in the buffer's mask are future columns.
         seen = mask if any(_caches.recurrent(layer) for layer in cache.layers) else full_mask
-        kwargs = {"use_cache": True, self.cache_keyword: cache, "attention_mask": _env.to_torch(seen)}
+        kwargs = {"use_cache": True, self.cache_keyword: cache, "attention_mask": bridge.to_torch(seen)}
         if self.takes_logits_to_keep:
             kwargs["logits_to_keep"] = 1
         if "position_ids" not in inputs:
             kwargs = self._positions(kwargs, _positions_of(mask))
-        kwargs.update({name: _env.to_torch(value) for name, value in inputs.items()})
-        out = self.module(input_ids=_env.to_torch(ids), **kwargs)
-        return _env.to_jax(_own_cache(out)), None, _last_logits(out)
+        kwargs.update({name: bridge.to_torch(value) for name, value in inputs.items()})
+        out = self.module(input_ids=bridge.to_torch(ids), **kwargs)
+        return bridge.to_jax(_own_cache(out)), None, _last_logits(out)
 
     def step(self, state, token, slot, window: int):
         kwargs = {
             "use_cache": True,
-            self.cache_keyword: _env.to_torch(state.cache),
-            "attention_mask": _env.to_torch(state.mask[:, :window]),
+            self.cache_keyword: bridge.to_torch(state.cache),
+            "attention_mask": bridge.to_torch(state.mask[:, :window]),
         }
-        out = self.module(input_ids=_env.to_torch(token), **self._positions(kwargs, state.next_position[:, None] - 1))
-        return _env.to_jax(_own_cache(out)), _last_logits(out)
+        out = self.module(input_ids=bridge.to_torch(token), **self._positions(kwargs, state.next_position[:, None] - 1))
+        return bridge.to_jax(_own_cache(out)), _last_logits(out)
 
 
 class StateCacheAdapter(CacheAdapter):
@@ -116,16 +116,16 @@ class StateCacheAdapter(CacheAdapter):
     reorders_beams = False
 
     def prefill(self, ids, mask, sequence, full_mask, offset: int, inputs: dict):
-        kwargs = {"use_cache": True, "attention_mask": _env.to_torch(mask)}
+        kwargs = {"use_cache": True, "attention_mask": bridge.to_torch(mask)}
         if self.takes_logits_to_keep:
             kwargs["logits_to_keep"] = 1
-        out = self.module(input_ids=_env.to_torch(ids), **self._positions(kwargs, _positions_of(mask)))
-        return _env.to_jax(_own_cache(out)), None, _last_logits(out)
+        out = self.module(input_ids=bridge.to_torch(ids), **self._positions(kwargs, _positions_of(mask)))
+        return bridge.to_jax(_own_cache(out)), None, _last_logits(out)
 
     def step(self, state, token, slot, window: int):
-        kwargs = {"use_cache": True, self.cache_keyword: _env.to_torch(state.cache)}
-        out = self.module(input_ids=_env.to_torch(token), **self._positions(kwargs, state.next_position[:, None] - 1))
-        return _env.to_jax(_own_cache(out)), _last_logits(out)
+        kwargs = {"use_cache": True, self.cache_keyword: bridge.to_torch(state.cache)}
+        out = self.module(input_ids=bridge.to_torch(token), **self._positions(kwargs, state.next_position[:, None] - 1))
+        return bridge.to_jax(_own_cache(out)), _last_logits(out)
 
 
 class EncoderDecoderAdapter(CacheAdapter):
@@ -141,11 +141,13 @@ class EncoderDecoderAdapter(CacheAdapter):
     def prefill(self, ids, mask, sequence, full_mask, offset: int, inputs: dict):
         from transformers import EncoderDecoderCache
 
-        inputs = _env.to_torch(ids)
+        inputs = bridge.to_torch(ids)
         if inputs.is_floating_point():
             inputs = inputs.to(self.module.dtype)
-        encoded = self.module.get_encoder()(**{self.module.main_input_name: inputs}, attention_mask=_env.to_torch(mask))
-        hidden = _env.to_jax(encoded.last_hidden_state)  # [B, P, H]
+        encoded = self.module.get_encoder()(
+            **{self.module.main_input_name: inputs}, attention_mask=bridge.to_torch(mask)
+        )
+        hidden = bridge.to_jax(encoded.last_hidden_state)  # [B, P, H]
         self.encoder_output = type(encoded)
         config = self.config.get_text_config(decoder=True)
         total = sequence.shape[1]
@@ -154,12 +156,12 @@ class EncoderDecoderAdapter(CacheAdapter):
         # (token inputs); a mask over feature frames (speech) is not one.
         encoder = (hidden, mask if mask.shape[1] == hidden.shape[1] else None)
         out = self.module(**self._decoder_inputs(encoder, sequence[:, :offset], full_mask, cache))
-        return _env.to_jax(_own_cache(out)), encoder, _last_logits(out)
+        return bridge.to_jax(_own_cache(out)), encoder, _last_logits(out)
 
     def step(self, state, token, slot, window: int):
-        cache = _env.to_torch(state.cache)
+        cache = bridge.to_torch(state.cache)
         out = self.module(**self._decoder_inputs(state.encoder, token, state.mask, cache))
-        return _env.to_jax(_own_cache(out)), _last_logits(out)
+        return bridge.to_jax(_own_cache(out)), _last_logits(out)
 
     def _decoder_inputs(self, encoder, token, decoder_mask, cache) -> dict:
         from transformers.modeling_outputs import BaseModelOutput
@@ -167,10 +169,10 @@ class EncoderDecoderAdapter(CacheAdapter):
         hidden, encoder_mask = encoder  # [B, P, H], [B, P] or None
         # The encoder's other output fields are None, as an encoder run without output_* flags gives them.
         return {
-            "encoder_outputs": (self.encoder_output or BaseModelOutput)(last_hidden_state=_env.to_torch(hidden)),
-            "attention_mask": None if encoder_mask is None else _env.to_torch(encoder_mask),
-            "decoder_input_ids": _env.to_torch(token),
-            "decoder_attention_mask": _env.to_torch(decoder_mask),
+            "encoder_outputs": (self.encoder_output or BaseModelOutput)(last_hidden_state=bridge.to_torch(hidden)),
+            "attention_mask": None if encoder_mask is None else bridge.to_torch(encoder_mask),
+            "decoder_input_ids": bridge.to_torch(token),
+            "decoder_attention_mask": bridge.to_torch(decoder_mask),
             self.cache_keyword: cache,
             "use_cache": True,
         }
@@ -189,10 +191,10 @@ class RecomputeAdapter(CacheAdapter):
     def logits_at(self, sequence, full_mask, index):
         """Logits [B, V] at column `index` of the whole buffer sequence [B, L], run without a cache."""
         kwargs = self._positions(
-            {"attention_mask": _env.to_torch(full_mask), "use_cache": False}, _positions_of(full_mask)
+            {"attention_mask": bridge.to_torch(full_mask), "use_cache": False}, _positions_of(full_mask)
         )
-        out = self.module(input_ids=_env.to_torch(sequence), **kwargs)
-        logits = _env.to_jax(out.logits)  # [B, L, V]
+        out = self.module(input_ids=bridge.to_torch(sequence), **kwargs)
+        logits = bridge.to_jax(out.logits)  # [B, L, V]
         return jax.lax.dynamic_index_in_dim(logits, index, axis=1, keepdims=False).astype(jnp.float32)
 
 

@@ -1,5 +1,9 @@
-"""Choosing each new token inside the decode loop: transformers' logits processors in its order,
-then sampling or a beam search step, and the state moved on by one token."""
+"""Choosing each new token: transformers' logits processors in its order, then each row's pick.
+
+`choose_tokens` is the one token choice every program makes (generate's decode loop, a server's
+prefill and decode chunks): each row's single-token biases, the processors that read the tokens
+so far (static settings; only `Model.generate` sets them), each row's penalties and warpers, then
+the argmax or a draw. `choose` moves generate's decode state on by one token (or one beam step)."""
 
 from __future__ import annotations
 
@@ -7,13 +11,33 @@ import jax
 import jax.numpy as jnp
 
 from . import _beam, _sampling
+from ._rows import RowSampling, SamplingFeatures
 from ._settings import GenerationSettings
 from ._state import DecodeState
 
 
-def needs_seen(settings: GenerationSettings) -> bool:
-    """Whether the state keeps the tokens each row has seen (for the repetition penalty)."""
-    return settings.sampling.repetition_penalty != 1.0
+def choose_tokens(
+    logits,
+    rows: RowSampling,
+    features: SamplingFeatures,
+    positions,
+    *,
+    seen=None,
+    counts=None,
+    history=None,
+):
+    """Each row's next token from `logits` [R, V]: (token [R] int32, processed scores [R, V] float32).
+
+    rows, features: each row's settings and what is compiled (`_rows.py`); positions: [R] int32, the
+    position each new token takes (a sampling row's draw is keyed by its seed and this); seen, counts:
+    [R, V] the rows' tokens so far, where the penalties need them; history: a function of the scores
+    applying the processors that read the tokens so far (generate's static settings), or None.
+    """
+    scores = _sampling.add_biases(logits.astype(jnp.float32), rows, features)
+    if history is not None:
+        scores = history(scores)
+    scores = _sampling.process_logits(scores, rows, features, seen=seen, counts=counts)
+    return _sampling.pick(scores, rows, positions, features), scores
 
 
 def processed(logits, state: DecodeState, end, settings: GenerationSettings):
@@ -68,22 +92,23 @@ def _kept(state: DecodeState, logits, scores) -> DecodeState:
 
 
 def choose(state: DecodeState, logits, offset: int, settings: GenerationSettings) -> DecodeState:
-    """Samples the next token of every row from `logits` [B, V] and appends it to the state."""
+    """Picks the next token of every row from `logits` [B, V] and appends it to the state."""
     if settings.beam is not None:
         return _choose_beams(state, logits, offset, settings)
-    key, draw = jax.random.split(jax.random.wrap_key_data(state.key))
-    scores = _sampling.process_logits(
-        processed(logits, state, offset + state.step, settings), state.seen, settings.sampling
-    )  # [B, V]
+    end = offset + state.step
+    token, scores = choose_tokens(
+        logits, state.rows, settings.features, state.next_position, seen=state.seen, counts=state.counts,
+        history=lambda scores: processed(scores, state, end, settings),
+    )  # fmt: skip
     state = _kept(state, logits, scores)
-    token = _sampling.pick(scores, draw, settings.sampling).astype(jnp.int32)  # [B]
     token = jnp.where(state.done, settings.pad_token_id, token)
     slot = offset + state.step
     sequence = jax.lax.dynamic_update_slice_in_dim(state.sequence, token[:, None], slot, axis=1)
     done = state.done
     if settings.eos_token_ids:
         done = done | jnp.isin(token, jnp.asarray(settings.eos_token_ids))
-    return _advanced(state, sequence, token, slot, state.seen, done=done, key=jax.random.key_data(key))
+    counts = None if state.counts is None else _sampling.update_counts(state.counts, token, ~state.done)
+    return _advanced(state, sequence, token, slot, state.seen, done=done, counts=counts)
 
 
 def _advanced(state: DecodeState, sequence, token, slot, seen, **changes) -> DecodeState:
@@ -104,8 +129,9 @@ def _choose_beams(state: DecodeState, logits, offset: int, settings: GenerationS
     """One beam search step from `logits` [B*K, V]; the cache and `seen` follow the new beams' parents."""
     end = offset + state.step
     # transformers' beam search processes log-probabilities, not logits.
-    log_probs = processed(jax.nn.log_softmax(logits, axis=-1), state, end, settings)
-    log_probs = _sampling.process_logits(log_probs, state.seen, settings.sampling)
+    log_probs = _sampling.add_biases(jax.nn.log_softmax(logits, axis=-1), state.rows, settings.features)
+    log_probs = processed(log_probs, state, end, settings)
+    log_probs = _sampling.process_logits(log_probs, state.rows, settings.features, seen=state.seen, counts=state.counts)
     beams, sequence, parents, keep_going = _beam.step(
         state.beams, log_probs, state.sequence, end, state.step, state.budget, settings.eos_token_ids, settings.beam
     )
@@ -116,9 +142,11 @@ def _choose_beams(state: DecodeState, logits, offset: int, settings: GenerationS
 
     token = jax.lax.dynamic_index_in_dim(sequence, end, axis=1, keepdims=False)  # [B*K] each beam's new token
     seen = None if state.seen is None else state.seen[parents]
+    counts = None if state.counts is None else _sampling.update_counts(state.counts[parents], token)
     return _advanced(
         state, sequence, token, end, seen,
         cache=jax.tree_util.tree_map(follow, state.cache),
         beams=beams,
+        counts=counts,
         done=jnp.broadcast_to(~keep_going, state.done.shape),
     )  # fmt: skip

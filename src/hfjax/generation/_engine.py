@@ -34,10 +34,9 @@ import jax.numpy as jnp
 import numpy as np
 import torch
 
-from .. import _backend, _compile, _env, _precision, _specialize
+from .. import _backend, bridge, parallel
 from .._errors import DataDependentError, GenerationError
-from ..parallel import _mesh
-from . import _caches, _choose, _multimodal, _planning, _programs, _sampling
+from . import _caches, _choose, _multimodal, _planning, _programs, _rows, _sampling
 from ._adapters import adapter_for
 from ._beam import initial as initial_beams
 from ._settings import GenerationSettings
@@ -62,6 +61,26 @@ class GenerationStats:
         return (self.new_tokens - 1) / decode if self.new_tokens > 1 and decode > 0 else float("nan")
 
 
+@dataclasses.dataclass(frozen=True)
+class PrefillArguments:
+    """What a prefill program takes besides the weights (B rows, P prompt columns), the same for every
+    call of one program's key: arrays, never recompiled for other values."""
+
+    ids: jax.Array  # [B, P] int32, padded (an encoder that takes features: its main input)
+    mask: jax.Array  # [B, P] int32
+    rows: tuple  # `RowSampling.leaves()` [B]: each row's sampling settings, every key the call's seed
+    budget: jax.Array  # [] int32: this call's max_new_tokens
+    least: jax.Array  # [] int32: this call's min_new_tokens
+    first_column: jax.Array  # [] int32: where transformers' rows start in the buffer
+    decoder_prompt: jax.Array | None  # encoder-decoders' [B, offset] int32 first decoder tokens, else None
+    extra: tuple | _multimodal.PrefillInputs | None = None  # the prefill's other model inputs (images)
+    ngram_source: jax.Array | None = None  # `BatchPlan.ngram_source`
+
+    def leaves(self) -> tuple:
+        """The fields in order: plain containers, which jax.export keeps (`PrefillArguments(*leaves)`)."""
+        return tuple(getattr(self, field.name) for field in dataclasses.fields(self))
+
+
 class Generator:
     """Compiled generation for one model (an object with `module`, `params`, `aliases`, `mesh`)."""
 
@@ -81,7 +100,7 @@ class Generator:
         self.last_stats = GenerationStats()
         self._module_names = {id(m): n for n, m in model.module.named_modules()}
         # Per program key whose trace reads values of the data (hfjax._specialize): its values.
-        self._specialized: dict[tuple, _specialize.Specializations] = {}
+        self._specialized: dict[tuple, bridge.Specializations] = {}
 
     @property
     def trace_counts(self) -> dict[str, int]:
@@ -119,7 +138,7 @@ class Generator:
         (for encoder-decoders [.., D + T]: the decoder prompt, then the new tokens); or
         transformers' Generate*Output."""
         start = time.perf_counter()
-        precision = _precision.resolve(self.model.matmul_precision)  # of this call's programs
+        precision = bridge.resolve_precision(self.model.matmul_precision)  # of this call's programs
         beam = settings.beam
         if beam is not None and streamer is not None:
             raise GenerationError(
@@ -134,7 +153,7 @@ class Generator:
         plan = _planning.plan_batch(
             ids, mask, settings, encoder_decoder=self.adapter.encoder_decoder,
             pad_to_bucket=self.adapter.pads_prompts and ids.shape == mask.shape,
-            data_devices=_mesh.data_size(self.model.mesh), decoder_prompt=decoder_prompt,
+            data_devices=parallel.data_size(self.model.mesh), decoder_prompt=decoder_prompt,
         )  # fmt: skip
         compiled = _planning.program_settings(settings, plan)
         extra = None
@@ -144,13 +163,13 @@ class Generator:
                     f"Model.generate: {type(self.module).__name__} decodes without a static cache ({self.adapter.kind}), "
                     f"so hfjax cannot give it {', '.join(inputs)} at the prefill only; generate in PyTorch"
                 )
-            if _mesh.data_size(self.model.mesh) > 1:
+            if parallel.data_size(self.model.mesh) > 1:
                 raise GenerationError(
                     f"Model.generate: image inputs ({', '.join(inputs)}) on a mesh with a 'data' axis of "
-                    f"{_mesh.data_size(self.model.mesh)} devices: hfjax does not split them over it yet; use a mesh "
+                    f"{parallel.data_size(self.model.mesh)} devices: hfjax does not split them over it yet; use a mesh "
                     "with data=1 (the weights may still be split over 'model')"
                 )
-            with self._bound(self.model.params), _precision.products(precision):
+            with self._bound(self.model.params), bridge.products(precision):
                 inputs = _multimodal.encode_images_eagerly(self.module, inputs)
             extra = _multimodal.prefill_inputs(self.module, plan, inputs, ids.shape[1])
         batch = plan.prompts * plan.per_prompt  # the rows the caller sees, without beam search
@@ -163,16 +182,20 @@ class Generator:
         # A streamer re-enters the decode program every few tokens: windows cut and written back
         # at each entry would copy more than they save, so it attends over the whole cache.
         windows = self._windows(plan) if streamer is None else (plan.total,)
-        prefill_args = (
-            params, self._place(plan.ids), self._place(plan.mask), jax.random.key_data(jax.random.key(seed)),
-            jnp.int32(settings.max_new_tokens), jnp.int32(settings.min_new_tokens), jnp.int32(plan.first_column),
-            None if plan.decoder_prompt is None else self._place(plan.decoder_prompt),
-        )  # fmt: skip
-        if extra is not None or plan.ngram_source is not None:
-            # plain containers, which jax.export can keep; the static part is in the key
-            extra_args = None if extra is None else (extra.model_inputs, extra.position_shift)
-            prefill_args += jax.tree_util.tree_map(self._place, (extra_args, plan.ngram_source))
-        prefill_function = _precision.under(precision, functools.partial(
+        extra_arrays = None if extra is None else (extra.model_inputs, extra.position_shift)  # its static part: the key
+        arguments = PrefillArguments(
+            ids=self._place(plan.ids),
+            mask=self._place(plan.mask),
+            rows=tuple(self._place(a) for a in settings.row_sampling(plan.rows, _rows.key_data(seed)).leaves()),
+            budget=jnp.int32(settings.max_new_tokens),
+            least=jnp.int32(settings.min_new_tokens),
+            first_column=jnp.int32(plan.first_column),
+            decoder_prompt=None if plan.decoder_prompt is None else self._place(plan.decoder_prompt),
+            extra=jax.tree_util.tree_map(self._place, extra_arrays),
+            ngram_source=None if plan.ngram_source is None else self._place(plan.ngram_source),
+        )
+        prefill_args = (params, arguments.leaves())  # plain containers, which jax.export keeps
+        prefill_function = bridge.under(precision, functools.partial(
             self._prefill_flat, layout=layout, offset=plan.offset, settings=compiled,
             static=() if extra is None else extra.static,
         ))  # fmt: skip
@@ -189,7 +212,7 @@ class Generator:
         if streamer is not None:
             streamer.put(torch.as_tensor(first.astype(np.int64)))
         limit = settings.max_new_tokens
-        decode_function = _precision.under(precision, functools.partial(
+        decode_function = bridge.under(precision, functools.partial(
             self._decode_flat, layout=layout, offset=plan.offset, settings=compiled, windows=windows,
             trace_prefill=lambda: jax.eval_shape(prefill_function, *prefill_args),
         ))  # fmt: skip
@@ -242,7 +265,7 @@ class Generator:
                 program = self.programs.get(key, function, args, metadata=metadata)
                 return program.run(*args), program.metadata["fields"]
             except DataDependentError:
-                specialized = self._specialized[key] = _specialize.Specializations()
+                specialized = self._specialized[key] = bridge.Specializations()
 
         def run_with(values):
             program = self._specialized_program(key, function, values, args, metadata)
@@ -254,7 +277,9 @@ class Generator:
             with jax.disable_jit():  # op by op: every value of the data is at hand
                 return function(*args), metadata()["fields"]
 
-        return _specialize.run(specialized, run_with, lambda known: _specialize.discover(function, args, known), eager)
+        return bridge.run_specialized(
+            specialized, run_with, lambda known: bridge.discover_values(function, args, known), eager
+        )
 
     def _run_decode(self, key: tuple, function, params, leaves: list, limit, *, fields: dict) -> list:
         """Runs the decode program for `key` up to step `limit`; returns the state's leaves. A model
@@ -269,7 +294,7 @@ class Generator:
                     params, leaves, limit
                 )
             except DataDependentError:
-                specialized = self._specialized[key] = _specialize.Specializations()
+                specialized = self._specialized[key] = bridge.Specializations()
         one_step = functools.partial(function, probing=True)
         known = ()  # values found right for the next token
         failed = set()  # keys of the values whose program made no progress from step `at`
@@ -286,8 +311,8 @@ class Generator:
                     self._warn_running_eagerly(specialized, "decode step")
                     with jax.disable_jit():  # op by op: every value of the data is at hand
                         return function(params, leaves, limit)
-                specialized.add(_specialize.discover(one_step, (params, leaves, limit), known))
-                if _specialize.key(specialized.last) in failed:
+                specialized.add(bridge.discover_values(one_step, (params, leaves, limit), known))
+                if bridge.values_key(specialized.last) in failed:
                     raise DataDependentError(
                         "values of the data", None, detail="a decode step's guards disagreed with its values"
                     )
@@ -297,24 +322,24 @@ class Generator:
             leaves, held, observed = program.run(*args)
             if bool(held):
                 return leaves
-            known = observed[: _specialize.first_difference(observed, values) + 1]
+            known = observed[: bridge.first_difference(observed, values) + 1]
             advanced = int(read(leaves, fields, "step")) - at
             if advanced == 0:
-                failed.add(_specialize.key(values))
+                failed.add(bridge.values_key(values))
             elif advanced < 2:
                 specialized.short_runs += 1  # values that change with every token: compiling does not pay
             specialized.last = None
 
-    def _warn_running_eagerly(self, specialized: _specialize.Specializations, stage: str) -> None:
+    def _warn_running_eagerly(self, specialized: bridge.Specializations, stage: str) -> None:
         what = f"Model.generate: {type(self.module).__name__}'s {stage}"
-        _specialize.warn_running_eagerly(what, specialized.sites)
+        bridge.warn_running_eagerly(what, specialized.sites)
 
     def _specialized_program(
         self, key: tuple, function, values: tuple, args: tuple, metadata, donate=()
     ) -> _programs.Program:
         # `function` traced with `values` handed to the model's reads; it returns its guards too.
         return self.programs.get(
-            (*key, "values", _specialize.key(values)), functools.partial(function, values=values), args,
+            (*key, "values", bridge.values_key(values)), functools.partial(function, values=values), args,
             metadata=metadata, donate=donate,
         )  # fmt: skip
 
@@ -339,7 +364,7 @@ class Generator:
         if mesh is None:
             return jnp.asarray(array)
         # Every process holds the whole batch and hands over the rows of its own devices.
-        sharding = _mesh.batch_sharding(mesh, array.shape)
+        sharding = parallel.batch_sharding(mesh, array.shape)
         return jax.make_array_from_callback(array.shape, sharding, lambda index: array[index])
 
     def _windows(self, plan: _planning.BatchPlan) -> tuple[int, ...]:
@@ -349,35 +374,15 @@ class Generator:
 
     # -- traced: flat state in and out ---------------------------------------------
 
-    def _prefill_flat(
-        self,
-        params,
-        ids,
-        mask,
-        key,
-        budget,
-        least,
-        first_column,
-        decoder_prompt,
-        extra=None,
-        ngram_source=None,
-        *,
-        layout,
-        offset,
-        settings,
-        static,
-        values=None,
-    ):
-        # values: the values of the data the model reads (hfjax._specialize), or None; with them,
-        # it returns (leaves, the traced values there: its guards).
-        if extra is not None:
-            extra = _multimodal.PrefillInputs(*extra, static=static)
-        replaying = contextlib.nullcontext() if values is None else _specialize.replaying(values)
+    def _prefill_flat(self, params, arguments: tuple, *, layout, offset, settings, static, values=None):
+        # arguments: `PrefillArguments.leaves()`; values: the values of the data the model reads
+        # (hfjax._specialize), or None; with them, it returns (leaves, the traced values there: its guards).
+        arguments = PrefillArguments(*arguments)
+        if arguments.extra is not None:
+            arguments = dataclasses.replace(arguments, extra=_multimodal.PrefillInputs(*arguments.extra, static=static))
+        replaying = contextlib.nullcontext() if values is None else bridge.replaying(values)
         with replaying as tape:
-            state = self._prefill(
-                params, ids, mask, key, budget, least, first_column, decoder_prompt, extra, ngram_source,
-                offset=offset, settings=settings,
-            )  # fmt: skip
+            state = self._prefill(params, arguments, offset=offset, settings=settings)
         leaves = self._flatten(state, layout)
         return leaves if values is None else (leaves, tape.observed)
 
@@ -387,7 +392,7 @@ class Generator:
         # values: the values of the data the model's step reads (hfjax._specialize), or None; with
         # them, one loop checks them at every token, and it returns (leaves, whether all held, the
         # traced values of the token it stopped before).
-        # probing: one step, outside any loop (for `_specialize.discover`).
+        # probing: one step, outside any loop (for `bridge.discover`).
         if layout not in self._treedefs:
             trace_prefill()  # its program came from disk: trace it abstractly for the state's structure
         self.programs.traced["decode"] += 1
@@ -411,30 +416,14 @@ class Generator:
     # -- traced: prefill ---------------------------------------------------------
 
     def _prefill(
-        self,
-        params,
-        ids,
-        mask,
-        key,
-        budget,
-        least,
-        first_column,
-        decoder_prompt,
-        extra,
-        ngram_source,
-        *,
-        offset: int,
-        settings: GenerationSettings,
+        self, params, arguments: PrefillArguments, *, offset: int, settings: GenerationSettings
     ) -> DecodeState:
-        # ids, mask: [B, P] int32, padded; key: uint32 PRNG key data; budget, least: int32 max_new_tokens and
-        # min_new_tokens; first_column: int32, where transformers' rows start in the buffer; decoder_prompt:
-        # encoder-decoders' [B, offset] int32 first decoder tokens, else None (all arguments, so that they do
-        # not recompile); extra: `_multimodal.PrefillInputs` or None; ngram_source: `BatchPlan.ngram_source`.
         self.programs.traced["prefill"] += 1
+        ids, mask, extra = arguments.ids, arguments.mask, arguments.extra
         batch = ids.shape[0]
         total = offset + settings.max_new_tokens
         if self.adapter.encoder_decoder:
-            prompt = decoder_prompt
+            prompt = arguments.decoder_prompt
             prompt_mask = jnp.ones_like(prompt)
         else:
             prompt, prompt_mask = ids, mask
@@ -463,14 +452,15 @@ class Generator:
             sequence=sequence,
             mask=full_mask,
             next_position=next_position,
-            seen=_sampling.seen_mask(prompt, prompt_mask, vocab) if _choose.needs_seen(settings) else None,
+            seen=_sampling.seen_mask(prompt, prompt_mask, vocab) if settings.features.repetition else None,
+            counts=jnp.zeros((batch, vocab), jnp.int32) if settings.features.presence else None,
             done=jnp.zeros((batch,), bool),
             step=jnp.int32(0),
-            key=key,
-            budget=budget,
-            least=least,
-            first_column=first_column,
-            encoder_ids=ngram_source,
+            rows=_rows.RowSampling(*arguments.rows[:-1], key=_rows.row_keys(arguments.rows[-1])),
+            budget=arguments.budget,
+            least=arguments.least,
+            first_column=arguments.first_column,
+            encoder_ids=arguments.ngram_source,
             logits=buffer(settings.output_logits),
             scores=buffer(settings.output_scores),
             beams=None
@@ -535,9 +525,9 @@ class Generator:
             # A token whose values differ from `values` is thrown away, and the loop stops there
             # with that token's traced values (those up to the first that differs are right).
             state, _, _ = carry
-            with _specialize.replaying(values) as tape:
+            with bridge.replaying(values) as tape:
                 stepped = step(state)
-            held = _specialize.holds(tape.observed, values)
+            held = bridge.holds(tape.observed, values)
             observed = [jnp.asarray(seen).astype(value.dtype) for seen, value in zip(tape.observed, values)]
             return jax.tree_util.tree_map(functools.partial(jnp.where, held), stepped, state), held, observed
 
@@ -548,8 +538,8 @@ class Generator:
     @contextlib.contextmanager
     def _bound(self, params):
         # An op with no lowering is named, with the submodule that called it.
-        with _compile.explain_errors(self.module, self._module_names):
-            with _compile.bound(self.module, params, self.model.aliases, _env.prng_key()) as environment:
+        with bridge.explain_errors(self.module, self._module_names):
+            with bridge.bound(self.module, params, self.model.aliases, bridge.prng_key()) as environment:
                 yield environment
 
 

@@ -78,9 +78,9 @@ class PrefillInputs:
         if _IMAGE_FEATURES in arguments:
             from transformers.modeling_outputs import BaseModelOutputWithPooling
 
-            from .. import _env
+            from .. import bridge
 
-            features = _env.to_torch(arguments.pop(_IMAGE_FEATURES))
+            features = bridge.to_torch(arguments.pop(_IMAGE_FEATURES))
             arguments["mm_encoder_outputs"] = {"image": BaseModelOutputWithPooling(pooler_output=features)}
         constants = {name: jnp.asarray(np.array(values, np.int32)) for name, values in self.static}
         return {**arguments, **constants}
@@ -134,13 +134,13 @@ def prefill_inputs(module, plan: BatchPlan, inputs: dict[str, np.ndarray], promp
 def encode_images_eagerly(module, inputs: dict) -> dict:
     """`inputs` with pixel_values (and pixel_attention_mask) replaced by the image encoder's output,
     run op by op through torchax (the weights bound by the caller), for EAGER_IMAGE_ENCODERS."""
-    from .. import _env
+    from .. import bridge
 
     if type(module).__name__ not in EAGER_IMAGE_ENCODERS or "pixel_values" not in inputs:
         return inputs
     rest = dict(inputs)
     pixels = {
-        name: _env.to_torch(jax.numpy.asarray(rest.pop(name)))
+        name: bridge.to_torch(jax.numpy.asarray(rest.pop(name)))
         for name in ("pixel_values", "pixel_attention_mask")
         if name in rest
     }
@@ -150,7 +150,7 @@ def encode_images_eagerly(module, inputs: dict) -> dict:
         import torch
 
         features = torch.cat(list(features), dim=0)
-    rest[_IMAGE_FEATURES] = np.asarray(_env.to_jax(features))  # [N image tokens, H]
+    rest[_IMAGE_FEATURES] = np.asarray(bridge.to_jax(features))  # [N image tokens, H]
     return rest
 
 

@@ -15,7 +15,7 @@ import numpy as np
 
 from .._buckets import bucket, round_up
 from .._errors import GenerationError
-from ._settings import GenerationSettings
+from ._settings import GenerationSettings, SamplingConfig
 
 CACHE_MULTIPLE = 64  # cache and buffer lengths round up to this, so nearby budgets share programs
 MIN_BUCKET = 16  # the shortest padded prompt
@@ -123,7 +123,8 @@ def plan_batch(
 
 def program_settings(settings: GenerationSettings, plan: BatchPlan) -> GenerationSettings:
     """The settings a program is compiled for: the budget as the whole buffer (this call's budget and
-    minimum are arguments), one row per plan row."""
+    minimum are arguments), one row per plan row, the sampling values and single-token biases as
+    per-row arrays (`GenerationSettings.row_sampling`) and only what they use compiled (`features`)."""
     # encoder_no_repeat_ngram_size holds where there are n-grams to read: a decoder's prompt, an encoder's ids.
     readable = plan.decoder_prompt is None or plan.ngram_source is not None
     return dataclasses.replace(
@@ -132,6 +133,9 @@ def program_settings(settings: GenerationSettings, plan: BatchPlan) -> Generatio
         min_new_tokens=0,
         num_return_sequences=1,
         encoder_no_repeat_ngram_size=settings.encoder_no_repeat_ngram_size if readable else 0,
+        sampling=SamplingConfig(),
+        sequence_bias=tuple(bias for bias in settings.sequence_bias if len(bias[0]) > 1),
+        features=settings.program_features(),
     )
 
 

@@ -28,7 +28,7 @@ from collections.abc import Callable
 
 import jax
 
-from .. import _backend, _compilation_cache, _compile
+from .. import _backend, _compilation_cache, bridge
 
 _SUFFIX = ".hfjax-program"  # JAX's cache only lists its own "*-cache" files
 _HEADER_BYTES = 8  # little-endian length of the JSON metadata that precedes the blob
@@ -122,7 +122,7 @@ class ProgramCache:
         if found is not None:
             exported, kept = found
             self.loaded[key[0]] += 1
-            program = Program(_compile.jit_program(exported.call, stage=key[0], donate_argnums=donate), kept)
+            program = Program(bridge.jit_program(exported.call, stage=key[0], donate_argnums=donate), kept)
         elif path is not None:
             checks = [jax.export.DisabledSafetyCheck.custom_call(t) for t in _backend.active().custom_calls()]
             exported = jax.export.export(jax.jit(function), disabled_checks=checks)(*args)
@@ -130,9 +130,9 @@ class ProgramCache:
             # Running the read-back copy here too makes both processes compile the same module,
             # so the second one finds it in JAX's compilation cache.
             exported = _write(path, exported, kept)
-            program = Program(_compile.jit_program(exported.call, stage=key[0], donate_argnums=donate), kept)
+            program = Program(bridge.jit_program(exported.call, stage=key[0], donate_argnums=donate), kept)
         else:
-            program = Program(_compile.jit_program(function, stage=key[0], donate_argnums=donate), metadata)
+            program = Program(bridge.jit_program(function, stage=key[0], donate_argnums=donate), metadata)
         self._programs[key] = program
         return program
 

@@ -1,22 +1,25 @@
-"""Choosing the next token from the last position's logits, the way transformers does.
+"""Choosing the next token from the last position's logits, the way transformers does, one row at a time.
 
-The decode loop calls these pure-JAX functions inside its jitted `jax.lax.while_loop`s, so
-nothing here branches in Python on array values; `SamplingConfig` is a static argument.
+These are pure-JAX functions the compiled programs call (a decode loop, a server's chunk); nothing
+here branches in Python on array values. Each row has settings of its own (`RowSampling`,
+`_rows.py`); `SamplingFeatures` (static) says which parts are compiled at all.
 
-transformers builds its processors in `GenerationMixin._get_logits_processor`; for the
-settings below the order is
+transformers builds its processors in `GenerationMixin._get_logits_processor`; for the settings
+here the order is
 
-    repetition penalty -> temperature -> top-k -> top-p -> min-p
+    single-token biases -> (the processors that read the tokens so far: `_choose.py`)
+    -> repetition penalty -> presence and frequency penalties (OpenAI's)
+    -> temperature -> top-k -> top-p -> min-p
 
-and the last four (the "warpers") apply only when `do_sample=True`. Filtered tokens get
--inf, and every filter keeps at least one token (transformers' min_tokens_to_keep=1).
+and the last four (the "warpers") apply only to rows that sample. Filtered tokens get -inf, and
+every filter keeps at least one token (transformers' min_tokens_to_keep=1). transformers has no
+presence or frequency penalty: they follow OpenAI's definition (the logit of a token the answer
+holds c times goes down by c * frequency_penalty + presence_penalty), as vLLM applies it.
 """
 
 from __future__ import annotations
 
-import dataclasses
-import math
-import numbers
+from typing import TYPE_CHECKING
 
 import jax
 import jax.numpy as jnp
@@ -24,10 +27,11 @@ import numpy as np
 
 from .._errors import GenerationError
 
+if TYPE_CHECKING:  # annotations only: _rows builds on these functions' inputs
+    from ._rows import RowSampling, SamplingFeatures
+
 __all__ = [
-    "SamplingConfig",
     "process_logits",
-    "next_token",
     "pick",
     "first_argmax",
     "seen_mask",
@@ -37,178 +41,129 @@ __all__ = [
 ]
 
 
-def _real(name: str, value, fix: str) -> float:
-    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value):
-        raise GenerationError(f"{name}={value!r} is not a finite number; {fix}")
-    return float(value)
-
-
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class SamplingConfig:
-    """How to pick the next token; the defaults pick the most likely token (greedy).
-
-    Args:
-        do_sample: draw from the processed distribution instead of taking its argmax.
-        temperature: divide the logits by this (sampling only); must be > 0 when sampling.
-        top_k: keep the k most likely tokens, and any tied with the k-th (sampling only); 0 is off.
-        top_p: keep the fewest most likely tokens whose probabilities add up to top_p or
-            more (sampling only); 1.0 is off.
-        min_p: drop tokens less likely than min_p times the most likely one (sampling only);
-            0.0 is off.
-        repetition_penalty: divide positive logits (multiply negative ones) of tokens already
-            in the sequence by this, in both modes; 1.0 is off.
-
-    Frozen and hashable, so it can be a static argument of `jax.jit`.
-
-    Example:
-        >>> SamplingConfig(do_sample=True, temperature=0.7, top_p=0.9)
-        SamplingConfig(do_sample=True, temperature=0.7, top_k=0, top_p=0.9, min_p=0.0, repetition_penalty=1.0)
-    """
-
-    do_sample: bool = False
-    temperature: float = 1.0
-    top_k: int = 0
-    top_p: float = 1.0
-    min_p: float = 0.0
-    repetition_penalty: float = 1.0
-
-    def __post_init__(self):
-        if not isinstance(self.do_sample, (bool, np.bool_)):
-            raise GenerationError(
-                f"do_sample={self.do_sample!r} is not a bool; pass True to sample or False for greedy decoding"
-            )
-        temperature = _real(
-            "temperature", self.temperature, "pass a value such as 0.7, or 1.0 to leave logits unscaled"
-        )
-        if temperature < 0 or (temperature == 0 and self.do_sample):
-            greedy = " If you want greedy decoding, pass do_sample=False." if temperature == 0 else ""
-            raise GenerationError(
-                f"temperature={self.temperature!r} must be strictly positive when do_sample=True; "
-                f"pass a value such as 0.7, or 1.0 to leave logits unscaled.{greedy}"
-            )
-        if isinstance(self.top_k, bool) or not isinstance(self.top_k, numbers.Integral) or self.top_k < 0:
-            raise GenerationError(
-                f"top_k={self.top_k!r} is not a non-negative integer; pass a value such as 50, or 0 to turn top-k off"
-            )
-        top_p = _real("top_p", self.top_p, "pass a value in (0, 1] such as 0.9, or 1.0 to turn top-p off")
-        if not 0 < top_p <= 1:
-            raise GenerationError(
-                f"top_p={self.top_p!r} is outside (0, 1]; pass a value such as 0.9, or 1.0 to turn top-p off"
-            )
-        min_p = _real("min_p", self.min_p, "pass a value in [0, 1] such as 0.05, or 0.0 to turn min-p off")
-        if not 0 <= min_p <= 1:
-            raise GenerationError(
-                f"min_p={self.min_p!r} is outside [0, 1]; pass a value such as 0.05, or 0.0 to turn min-p off"
-            )
-        penalty = _real(
-            "repetition_penalty", self.repetition_penalty, "pass a value such as 1.2, or 1.0 to turn the penalty off"
-        )
-        if penalty <= 0:
-            raise GenerationError(
-                f"repetition_penalty={self.repetition_penalty!r} must be strictly positive; "
-                "pass a value such as 1.2 (above 1 discourages repeats), or 1.0 to turn the penalty off"
-            )
-        # Plain Python scalars, so equal settings hash and print the same however they were given.
-        for name, value in (
-            ("do_sample", bool(self.do_sample)),
-            ("temperature", temperature),
-            ("top_k", int(self.top_k)),
-            ("top_p", top_p),
-            ("min_p", min_p),
-            ("repetition_penalty", penalty),
-        ):
-            object.__setattr__(self, name, value)
-
-
-def process_logits(logits: jax.Array, seen: jax.Array | None, config: SamplingConfig) -> jax.Array:
-    """The last position's logits after transformers' processors for `config`, in its order.
+def process_logits(
+    logits: jax.Array,
+    rows: RowSampling,
+    features: SamplingFeatures,
+    *,
+    seen: jax.Array | None = None,
+    counts: jax.Array | None = None,
+) -> jax.Array:
+    """The last position's logits after each row's penalties and, for rows that sample, its
+    warpers, in transformers' order (the single-token biases and the processors that read the
+    tokens so far come first: `_choose.choose_tokens`).
 
     Args:
-        logits: [B, V] scores of the next token.
-        seen: [B, V] bool, True for token ids already in the sequence (prompt and generated,
-            pads excluded; see `seen_mask` and `update_seen`). May be None when
-            `config.repetition_penalty` is 1.0.
-        config: the settings; static under `jax.jit`.
+        logits: [R, V] scores of the next token.
+        rows: each row's settings, arrays [R] (`RowSampling`).
+        features: which parts to compile (static; `SamplingFeatures`).
+        seen: [R, V] bool, token ids already in the row (prompt and answer, pads excluded; see
+            `seen_mask` and `update_seen`); needed when `features.repetition`.
+        counts: [R, V] int32, how often the answer holds each token; needed when `features.presence`.
 
     Returns:
-        [B, V] float32 logits; tokens removed by top-k, top-p or min-p are -inf.
+        [R, V] float32; tokens removed by top-k, top-p or min-p are -inf.
 
     Top-p keeps every token tied with the least likely token it keeps; transformers' result on
     such ties depends on the order torch's unstable sort happens to give them.
-
-    Example:
-        >>> config = SamplingConfig(do_sample=True, temperature=0.7, top_k=50, top_p=0.9)
-        >>> scores = process_logits(logits, seen, config)  # [B, V]
     """
     if logits.ndim != 2:
         raise GenerationError(
             f"logits has shape {tuple(logits.shape)}; pass the last position's logits as [batch, vocab], "
             "e.g. logits[:, -1, :]"
         )
-    scores = logits.astype(jnp.float32)  # [B, V]
-    if config.repetition_penalty != 1.0:
-        if seen is None or seen.shape != logits.shape or seen.dtype != jnp.bool_:
-            got = "None" if seen is None else f"{seen.dtype.name} {tuple(seen.shape)}"
-            raise GenerationError(
-                f"seen is {got} but repetition_penalty={config.repetition_penalty} needs a bool array of the "
-                f"logits' shape {tuple(logits.shape)}; build it with seen_mask(input_ids, attention_mask, vocab_size)"
-            )
-        penalized = jnp.where(scores < 0, scores * config.repetition_penalty, scores / config.repetition_penalty)
-        scores = jnp.where(seen, penalized, scores)
-    if not config.do_sample:
+    scores = logits.astype(jnp.float32)  # [R, V]
+    if features.repetition:
+        _check_history(
+            "seen", seen, logits, jnp.bool_, "build it with seen_mask(input_ids, attention_mask, vocab_size)"
+        )
+        penalty = rows.repetition_penalty[:, None]  # [R, 1]
+        penalized = jnp.where(scores < 0, scores * penalty, scores / penalty)
+        scores = jnp.where(seen & (penalty != 1.0), penalized, scores)
+    if features.presence:
+        _check_history("counts", counts, logits, jnp.int32, "count the answer's tokens with update_counts")
+        held = counts.astype(jnp.float32)
+        present = (counts > 0).astype(jnp.float32)
+        scores = scores - held * rows.frequency_penalty[:, None] - present * rows.presence_penalty[:, None]
+    if not features.sampling:
         return scores
-    if config.temperature != 1.0:
-        scores = scores / config.temperature
+    sampling = (rows.temperature > 0)[:, None]  # [R, 1]: the warpers apply to these rows only
+    warped = scores / jnp.where(sampling, rows.temperature[:, None], 1.0)
     vocab = scores.shape[-1]
-    if 0 < config.top_k < vocab:
-        kth = jax.lax.top_k(scores, config.top_k)[0][:, -1:]  # [B, 1]
-        scores = jnp.where(scores < kth, -jnp.inf, scores)
-    if config.top_p < 1.0:
-        scores = _top_p(scores, config.top_p)
-    if config.min_p > 0.0:
-        probs = jax.nn.softmax(scores, axis=-1)  # [B, V]
+    if features.top_k:
+        k = rows.top_k[:, None]  # [R, 1]
+        on = sampling & (k > 0) & (k < vocab)
+
+        def top_k(warped):
+            descending = -jnp.sort(-warped, axis=-1)  # [R, V]
+            kth = jnp.take_along_axis(descending, jnp.clip(k - 1, 0, vocab - 1), axis=-1)  # [R, 1]
+            return jnp.where(on & (warped < kth), -jnp.inf, warped)
+
+        warped = jax.lax.cond(jnp.any(on), top_k, lambda warped: warped, warped)
+    if features.top_p:
+        on = sampling & (rows.top_p[:, None] < 1.0)
+        warped = jax.lax.cond(
+            jnp.any(on),
+            lambda warped: jnp.where(on, top_p_filter(warped, rows.top_p[:, None]), warped),
+            lambda warped: warped,
+            warped,
+        )
+    if features.min_p:
+        probs = jax.nn.softmax(warped, axis=-1)  # [R, V]
         # The most likely token is never below min_p times itself, so one token always stays.
-        floor = config.min_p * jnp.max(probs, axis=-1, keepdims=True)  # [B, 1]
-        scores = jnp.where(probs < floor, -jnp.inf, scores)
-    return scores
+        floor = rows.min_p[:, None] * jnp.max(probs, axis=-1, keepdims=True)  # [R, 1]
+        warped = jnp.where(sampling & (probs < floor), -jnp.inf, warped)
+    return jnp.where(sampling, warped, scores)
 
 
-def _top_p(scores: jax.Array, top_p: float) -> jax.Array:
-    ascending = jnp.sort(scores, axis=-1)  # [B, V]
-    cumulative = jnp.cumsum(jax.nn.softmax(ascending, axis=-1), axis=-1)  # [B, V]
+def _check_history(name: str, value, logits, dtype, fix: str) -> None:
+    if value is None or value.shape != logits.shape or value.dtype != dtype:
+        got = "None" if value is None else f"{value.dtype.name} {tuple(value.shape)}"
+        raise GenerationError(
+            f"{name} is {got} but the settings need a {jnp.dtype(dtype).name} array of the logits' shape "
+            f"{tuple(logits.shape)}; {fix}"
+        )
+
+
+def top_p_filter(scores: jax.Array, top_p) -> jax.Array:
+    """`scores` [R, V] with the tokens outside each row's top-p set to -inf (top_p: a float or [R, 1])."""
+    ascending = jnp.sort(scores, axis=-1)  # [R, V]
+    cumulative = jnp.cumsum(jax.nn.softmax(ascending, axis=-1), axis=-1)  # [R, V]
     # The cumulative sum only grows, so the removed tokens are a prefix of the ascending order;
     # removing at most V - 1 of them keeps the most likely token.
-    removed = jnp.minimum(jnp.sum(cumulative <= 1 - top_p, axis=-1, keepdims=True), scores.shape[-1] - 1)  # [B, 1]
-    smallest_kept = jnp.take_along_axis(ascending, removed, axis=-1)  # [B, 1]
+    removed = jnp.minimum(jnp.sum(cumulative <= 1 - top_p, axis=-1, keepdims=True), scores.shape[-1] - 1)  # [R, 1]
+    smallest_kept = jnp.take_along_axis(ascending, removed, axis=-1)  # [R, 1]
     return jnp.where(scores < smallest_kept, -jnp.inf, scores)
 
 
-def next_token(logits: jax.Array, seen: jax.Array | None, key: jax.Array, config: SamplingConfig) -> jax.Array:
-    """The next token of every row: the argmax of the processed logits, or a draw from them.
+def pick(scores: jax.Array, rows: RowSampling, positions: jax.Array, features: SamplingFeatures) -> jax.Array:
+    """The next token of every row from processed scores [R, V] (`process_logits`'s): the argmax
+    for rows of temperature 0, else a draw from their softmax with the row's key folded with
+    `positions` [R] (the position the new token takes), so a row's tokens depend on its seed and
+    position, never on the other rows. Returns [R] int32."""
+    if not features.sampling:
+        return first_argmax(scores)
+    sampling = rows.temperature > 0  # [R]
 
-    Args:
-        logits: [B, V] scores of the next token.
-        seen: [B, V] bool, as for `process_logits` (None when there is no repetition penalty).
-        key: a JAX PRNG key, used only when `config.do_sample`.
-        config: the settings; static under `jax.jit`.
+    def drawn():
+        def noise(key_data, position):
+            key = jax.random.fold_in(jax.random.wrap_key_data(key_data), position)
+            return jax.random.gumbel(key, scores.shape[-1:], jnp.float32)
 
-    Returns:
-        [B] int32 token ids.
-
-    Example:
-        >>> key = jax.random.key(0)
-        >>> token = next_token(logits, None, key, SamplingConfig(do_sample=True, top_k=50))  # [B]
-    """
-    return pick(process_logits(logits, seen, config), key, config)
-
-
-def pick(scores: jax.Array, key: jax.Array, config: SamplingConfig) -> jax.Array:
-    """The next token of every row from processed scores [B, V] (`process_logits`'s): their
-    argmax, or a draw from their softmax. Returns [B] int32."""
-    if config.do_sample:
         # The Gumbel-max draw that jax.random.categorical makes, with the faster argmax below.
-        scores = scores + jax.random.gumbel(key, scores.shape, scores.dtype)
-    return first_argmax(scores)
+        return jnp.where(sampling, first_argmax(scores + jax.vmap(noise)(rows.key, positions)), greedy)
+
+    greedy = first_argmax(scores)
+    return jax.lax.cond(jnp.any(sampling), drawn, lambda: greedy)
+
+
+def add_biases(scores: jax.Array, rows: RowSampling, features: SamplingFeatures) -> jax.Array:
+    """`scores` [R, V] plus each row's single-token biases (OpenAI's logit_bias; transformers'
+    sequence_bias of one token): [R, V] float32."""
+    if not features.bias_slots:
+        return scores
+    index = jnp.broadcast_to(jnp.arange(scores.shape[0])[:, None], rows.bias_ids.shape)
+    return scores.astype(jnp.float32).at[index, rows.bias_ids].add(rows.bias_values, mode="drop")
 
 
 def first_argmax(scores: jax.Array) -> jax.Array:
@@ -272,9 +227,16 @@ def update_seen(seen: jax.Array, tokens: jax.Array) -> jax.Array:
     """`seen` [B, V] bool with each row's new token `tokens` [B] marked; returns [B, V] bool.
 
     Example:
-        >>> seen = update_seen(seen, next_token(logits, seen, key, config))
+        >>> seen = update_seen(seen, token)
     """
     return seen.at[jnp.arange(seen.shape[0]), tokens].set(True)
+
+
+def update_counts(counts: jax.Array, tokens: jax.Array, counted: jax.Array | None = None) -> jax.Array:
+    """`counts` [R, V] int32 with each row's new token `tokens` [R] counted once more (where
+    `counted` [R] bool, when given); returns [R, V] int32."""
+    one = jnp.ones_like(tokens) if counted is None else counted.astype(counts.dtype)
+    return counts.at[jnp.arange(counts.shape[0]), tokens].add(one)
 
 
 # -- processors that read the tokens so far ------------------------------------------

@@ -20,7 +20,106 @@ import numpy as np
 
 from .._errors import GenerationError
 from ._beam import BeamSettings
-from ._sampling import SamplingConfig
+from ._rows import RowSampling, SamplingFeatures
+
+
+def _real(name: str, value, fix: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value):
+        raise GenerationError(f"{name}={value!r} is not a finite number; {fix}")
+    return float(value)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class SamplingConfig:
+    """How to pick the next token; the defaults pick the most likely token (greedy).
+
+    Args:
+        do_sample: draw from the processed distribution instead of taking its argmax.
+        temperature: divide the logits by this (sampling only); must be > 0 when sampling.
+        top_k: keep the k most likely tokens, and any tied with the k-th (sampling only); 0 is off.
+        top_p: keep the fewest most likely tokens whose probabilities add up to top_p or
+            more (sampling only); 1.0 is off.
+        min_p: drop tokens less likely than min_p times the most likely one (sampling only);
+            0.0 is off.
+        repetition_penalty: divide positive logits (multiply negative ones) of tokens already
+            in the sequence by this, in both modes; 1.0 is off.
+        presence_penalty: subtract this from the logits of tokens the answer already holds, in
+            both modes (OpenAI's); 0.0 is off.
+        frequency_penalty: subtract this times how often the answer holds a token from its logit
+            (OpenAI's); 0.0 is off.
+
+    Frozen and hashable, so it can be a static argument of `jax.jit`.
+
+    Example:
+        >>> SamplingConfig(do_sample=True, temperature=0.7, top_p=0.9)
+        SamplingConfig(do_sample=True, temperature=0.7, top_k=0, top_p=0.9, min_p=0.0, repetition_penalty=1.0, presence_penalty=0.0, frequency_penalty=0.0)
+    """
+
+    do_sample: bool = False
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+
+    def __post_init__(self):
+        if not isinstance(self.do_sample, (bool, np.bool_)):
+            raise GenerationError(
+                f"do_sample={self.do_sample!r} is not a bool; pass True to sample or False for greedy decoding"
+            )
+        temperature = _real(
+            "temperature", self.temperature, "pass a value such as 0.7, or 1.0 to leave logits unscaled"
+        )
+        if temperature < 0 or (temperature == 0 and self.do_sample):
+            greedy = " If you want greedy decoding, pass do_sample=False." if temperature == 0 else ""
+            raise GenerationError(
+                f"temperature={self.temperature!r} must be strictly positive when do_sample=True; "
+                f"pass a value such as 0.7, or 1.0 to leave logits unscaled.{greedy}"
+            )
+        if isinstance(self.top_k, bool) or not isinstance(self.top_k, numbers.Integral) or self.top_k < 0:
+            raise GenerationError(
+                f"top_k={self.top_k!r} is not a non-negative integer; pass a value such as 50, or 0 to turn top-k off"
+            )
+        top_p = _real("top_p", self.top_p, "pass a value in (0, 1] such as 0.9, or 1.0 to turn top-p off")
+        if not 0 < top_p <= 1:
+            raise GenerationError(
+                f"top_p={self.top_p!r} is outside (0, 1]; pass a value such as 0.9, or 1.0 to turn top-p off"
+            )
+        min_p = _real("min_p", self.min_p, "pass a value in [0, 1] such as 0.05, or 0.0 to turn min-p off")
+        if not 0 <= min_p <= 1:
+            raise GenerationError(
+                f"min_p={self.min_p!r} is outside [0, 1]; pass a value such as 0.05, or 0.0 to turn min-p off"
+            )
+        penalty = _real(
+            "repetition_penalty", self.repetition_penalty, "pass a value such as 1.2, or 1.0 to turn the penalty off"
+        )
+        if penalty <= 0:
+            raise GenerationError(
+                f"repetition_penalty={self.repetition_penalty!r} must be strictly positive; "
+                "pass a value such as 1.2 (above 1 discourages repeats), or 1.0 to turn the penalty off"
+            )
+        penalties = {}
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = _real(name, getattr(self, name), f"pass a value in [-2, 2] such as 0.5, or 0.0 to turn {name} off")
+            if not -2 <= value <= 2:
+                raise GenerationError(
+                    f"{name}={getattr(self, name)!r} is outside [-2, 2]; pass a value such as 0.5, or 0.0 to turn it off"
+                )
+            penalties[name] = value
+        # Plain Python scalars, so equal settings hash and print the same however they were given.
+        for name, value in (
+            ("do_sample", bool(self.do_sample)),
+            ("temperature", temperature),
+            ("top_k", int(self.top_k)),
+            ("top_p", top_p),
+            ("min_p", min_p),
+            ("repetition_penalty", penalty),
+            *penalties.items(),
+        ):
+            object.__setattr__(self, name, value)
+
 
 # (token ids, bias): the bias is added to the last id's score when the sequence so far ends
 # with the other ids (transformers' sequence_bias; bad_words_ids are biases of -inf).
@@ -53,6 +152,9 @@ class GenerationSettings:
     output_scores: bool = False  # keep each new token's processed scores
     output_logits: bool = False  # keep each new token's raw logits
     sampling: SamplingConfig = SamplingConfig()
+    # What a program compiles of the token choice (`program_settings` sets it, and the sampling
+    # values and single-token biases go to the program as per-row arrays instead); None: unset.
+    features: SamplingFeatures | None = None
 
     def __post_init__(self):
         if not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 1:
@@ -61,6 +163,25 @@ class GenerationSettings:
             )
         if not isinstance(self.min_new_tokens, int) or self.min_new_tokens < 0:
             raise GenerationError(f"min_new_tokens={self.min_new_tokens!r} must be an integer >= 0")
+
+    def single_token_biases(self) -> dict[int, float]:
+        """{token id: bias} of the sequence biases of one token (OpenAI's logit_bias; transformers'
+        bad_words_ids of one token are biases of -inf), summed where an id repeats."""
+        biases: dict[int, float] = {}
+        for ids, value in self.sequence_bias:
+            if len(ids) == 1:
+                biases[ids[0]] = biases.get(ids[0], 0.0) + value
+        return biases
+
+    def program_features(self) -> SamplingFeatures:
+        """What a program for these settings compiles of the token choice."""
+        return SamplingFeatures.of([self.sampling], bias_slots=len(self.single_token_biases()))
+
+    def row_sampling(self, rows: int, key: np.ndarray, vocab_size: int | None = None) -> RowSampling:
+        """These settings for `rows` rows, each with PRNG key data `key` [2] uint32 (a program folds
+        each row's index into it)."""
+        row = (self.sampling, self.single_token_biases(), key)
+        return RowSampling.build([row] * rows, vocab_size=vocab_size, bias_slots=len(row[1]))
 
 
 # transformers' arguments that hfjax carries out, read from the merged settings.
@@ -174,7 +295,7 @@ def check_names(names) -> None:
             )
 
 
-def resolve(
+def resolve_settings(
     model, prompt_length: int, generation_config=None, *, decoder_prompt_length: int = 1, **overrides
 ) -> GenerationSettings:
     """Merges the checkpoint's generation_config.json, a `generation_config` and keyword

@@ -14,6 +14,7 @@ from typing import Any
 import jax
 
 from ._beam import BeamState
+from ._rows import RowSampling
 
 
 @jax.tree_util.register_dataclass
@@ -27,9 +28,10 @@ class DecodeState:
     mask: jax.Array  # [B, L] int32: 1 where a column is attended to
     next_position: jax.Array  # [B] int32: the position of the next token
     seen: jax.Array | None  # [B, V] bool: tokens so far, for the repetition penalty; else None
+    counts: jax.Array | None  # [B, V] int32: the answer's tokens, for presence / frequency penalties; else None
     done: jax.Array  # [B] bool: rows that have produced EOS
     step: jax.Array  # [] int32: new tokens so far
-    key: jax.Array  # [2] uint32: the sampler's PRNG key data
+    rows: RowSampling  # each row's sampling settings and PRNG key
     budget: jax.Array  # [] int32: this call's max_new_tokens
     least: jax.Array  # [] int32: this call's min_new_tokens
     first_column: jax.Array  # [] int32: where transformers' rows start in `sequence`

@@ -5,7 +5,9 @@
   prints bytes per device), from the registry of per-family `rules`, else a structural fallback;
 - `rules(*families)`: the decorator that registers a family's table of parameter-name regexes
   to roles (`ROLES`);
-- `distributed.initialize()`: joins a multi-process run (`hfjax launch` sets its variables).
+- `distributed.initialize()`: joins a multi-process run (`hfjax launch` sets its variables);
+- for the rest of hfjax: `check_mesh` (a `mesh=` argument), `data_size`, `batch_sharding` and
+  `split_over_data` (arrays over the "data" axis), `axis_sizes`.
 
 `hfjax.load(path, mesh=...)` applies the plan as it reads the weights; XLA's SPMD partitioner
 inserts the collectives.
@@ -14,7 +16,19 @@ inserts the collectives.
 from __future__ import annotations
 
 from . import distributed
-from ._mesh import make_mesh
+from ._mesh import axis_sizes, batch_sharding, check_mesh, data_size, make_mesh, split_over_data
 from ._rules import ROLES, Plan, plan, rules
 
-__all__ = ["ROLES", "Plan", "distributed", "make_mesh", "plan", "rules"]
+__all__ = [
+    "ROLES",
+    "Plan",
+    "axis_sizes",
+    "batch_sharding",
+    "check_mesh",
+    "data_size",
+    "distributed",
+    "make_mesh",
+    "plan",
+    "rules",
+    "split_over_data",
+]

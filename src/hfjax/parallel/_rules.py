@@ -6,6 +6,9 @@ embeddings and the LM head over the vocabulary; norms, biases of row layers and 
 small vectors are replicated. Parameters are replicated over "data". XLA's SPMD
 partitioner inserts the collectives (one all-reduce per attention block and per MLP).
 
+A module may name tensors that split as another of its tensors does (`sharded_like`, e.g. a
+quantized linear layer's scales and zero points follow its weight).
+
 Rules come from one registry, `@rules(family, ...)`: a table of regexes on parameter names
 to roles. Parameters no rule names (and families with no entry) are placed by a fallback
 that reads the module structure; it logs what it could not place and never replicates a
@@ -200,6 +203,7 @@ def plan(model_or_config, mesh, *, task: str | None = None, dtype: str | None = 
         )
 
     specs, shapes, dtypes = {}, {}, {}
+    followers: dict[str, str] = {}  # {name: the tensor it splits as}
     unplaced = []
     buffers = {n for n, _ in module.named_buffers()}
     for name, tensor in _named_tensors(module):
@@ -209,6 +213,10 @@ def plan(model_or_config, mesh, *, task: str | None = None, dtype: str | None = 
             specs[name] = P()
             continue
         owner = _owner(module, name)
+        leader = getattr(owner, "sharded_like", {}).get(name.rsplit(".", 1)[-1])
+        if leader is not None:  # a quantized layer's scales: split as its weight is
+            followers[name] = f"{name.rsplit('.', 1)[0]}.{leader}"
+            continue
         role = next((r for pattern, r in table.items() if re.search(pattern, name)), None)
         if role is None:
             role = _infer_role(name, shape, owner, _owner(module, name.rsplit(".", 1)[0]), config)
@@ -219,6 +227,8 @@ def plan(model_or_config, mesh, *, task: str | None = None, dtype: str | None = 
         if role is None and len(shape) >= 2:
             unplaced.append(name)
         specs[name] = spec
+    for name, leader in followers.items():
+        specs[name] = _follow(specs[leader], shapes[name], sizes)
     large = [n for n in unplaced if _nbytes(shapes[n], dtypes[n]) >= _SMALL_BYTES]
     if large:
         message = f"could not place {len(large)} large matrices, replicated on every device: {', '.join(large[:8])}" + (
@@ -278,6 +288,18 @@ def _spec(role: Role, name: str, shape: tuple[int, ...], owner) -> P:
     if role in ("experts_column", "experts_row") and len(shape) == 3:
         return P(None, "model", None) if role == "experts_column" else P(None, None, "model")
     return P()
+
+
+def _follow(spec: P, shape: tuple[int, ...], sizes: Mapping[str, int]) -> P:
+    # The spec of a tensor that splits as another one of its module does (a quantized weight's
+    # scales [N / r, K / c] as the weight [N, K]): the same axes, on the dimensions it has more than
+    # one entry along and that divide evenly; replicated along the others.
+    axes = []
+    for dim, size in enumerate(shape):
+        axis = spec[dim] if dim < len(spec) else None
+        split = _split_factor(P(axis), sizes) if axis is not None else 1
+        axes.append(axis if axis is not None and size > 1 and size % split == 0 else None)
+    return P(*axes)
 
 
 def _fit(spec: P, name: str, shape: tuple[int, ...], n: int, notes: list[str]) -> P:
@@ -368,10 +390,10 @@ def _as_module(model_or_config, task, dtype):
         return model_or_config
     if hasattr(model_or_config, "module") and isinstance(model_or_config.module, torch.nn.Module):
         return model_or_config.module
-    from .. import _loading, _tasks
+    from .. import _tasks, bridge
 
     config = model_or_config
-    return _loading.build_skeleton(config, task or _tasks.infer(config), dtype or "float32")
+    return bridge.build_skeleton(config, task or _tasks.infer(config), dtype or "float32")
 
 
 def _named_tensors(module):

@@ -1,21 +1,33 @@
-"""Serving: continuous batching over the generation engine's parts, and `hfjax serve`'s HTTP API.
+"""Serving: continuous batching on generation's slot core, and `hfjax serve`'s OpenAI HTTP API.
 
 Parts, one concern each (docs/architecture.md, "Continuous batching", describes the design):
-    _slots.py     the device side: a static KV cache of S sequence slots, `SlotLayer` writing each
-                  row at its own column, and the two programs (a prefill chunk of one slot, a
-                  decode chunk of every slot) with per-row sampling settings
-    _engine.py    the host side: `Engine` (queue, slots, the thread that runs the programs),
-                  `SamplingParams`, `Event`, `QueueFullError`
-    _text.py      incremental detokenising and stop strings (`TextStream`)
-    _metrics.py   counters, gauges and latency histograms in Prometheus' text format
-    _protocol.py  OpenAI request bodies checked into engine calls; OpenAI-shaped errors
-    _app.py       the FastAPI application (needs the `serve` extra: pip install "hfjax[serve]")
-    static/       the chat page served at GET /
+    _requests.py   `SamplingParams` (a request's settings, mapped onto Model.generate's), `Request`,
+                   `Event`, `QueueFullError`
+    _sizing.py     slots and cache length from a memory budget
+    _table.py      the slots' row state on the host: requests, positions, cached prefixes, settings
+    _compiler.py   the programs: which are ready, which a chunk wants, a thread compiling them
+    _scheduler.py  `Engine`: the queue, admission, prefill and decode chunking, cancellation, delivery
+    _text.py       incremental detokenising and stop strings (`TextStream`)
+    _metrics.py    counters, gauges and latency histograms (prometheus_client)
+    _protocol.py   OpenAI request bodies checked into engine calls; OpenAI-shaped errors
+    _app.py        the FastAPI application (needs the `serve` extra: pip install "hfjax[serve]")
+    static/        the chat page served at GET /
 
-Public names: `Engine`, `SamplingParams`, `Event`, `QueueFullError`. The web application is
-built by `hfjax.serving._app.build_app`, imported only by `hfjax serve`.
+The device side (the slot cache, the prefill and decode programs, the token choice) is
+`hfjax.generation`'s, the same core as Model.generate's.
+
+Public names: `Engine`, `SamplingParams`, `Event`, `QueueFullError`, and `build_app` (the web
+application; it imports FastAPI when called, so the package imports without the `serve` extra).
 """
 
-from ._engine import Engine, Event, QueueFullError, SamplingParams
+from ._requests import Event, QueueFullError, SamplingParams
+from ._scheduler import Engine
 
-__all__ = ["Engine", "Event", "QueueFullError", "SamplingParams"]
+__all__ = ["Engine", "Event", "QueueFullError", "SamplingParams", "build_app"]
+
+
+def build_app(model, **options):
+    """The FastAPI application of `hfjax serve` (`_app.build_app`'s arguments); needs the serve extra."""
+    from ._app import build_app as build
+
+    return build(model, **options)

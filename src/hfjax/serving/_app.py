@@ -1,9 +1,9 @@
 """The OpenAI-compatible HTTP API of `hfjax serve`, a FastAPI application around one `Engine`.
 
 Endpoints: POST /v1/chat/completions, /v1/completions, /v1/embeddings; GET /v1/models, /health,
-/metrics (Prometheus text), / (the chat page). Errors answer in OpenAI's shape
-{"error": {"message", "type", "param", "code"}}: 400 for a bad request (FastAPI's 422 is never
-used: bodies are read and checked here), 401 for a missing or wrong API key, 429 for a full queue.
+/metrics (Prometheus' text format, written by prometheus_client), / (the chat page). Errors answer
+in OpenAI's shape {"error": {"message", "type", "param", "code"}}: 400 for a bad request (FastAPI's
+422 is never used: bodies are read and checked here), 401 for a missing or wrong API key, 429 for a full queue.
 """
 
 # FastAPI reads the endpoints' annotations (Request) at run time: no `from __future__ import annotations`.
@@ -18,18 +18,19 @@ import time
 
 import numpy as np
 
-from .._errors import GenerationError
+from .._errors import GenerationError, HfjaxError
 from . import _protocol
-from ._engine import Engine, Event, QueueFullError
 from ._metrics import Metrics
 from ._protocol import ApiError
+from ._requests import Event, QueueFullError
+from ._scheduler import Engine
 
 
 def build_app(model, *, served_model_name: str, engine: Engine | None, api_key: str | None = None):
     """The FastAPI application serving `model` (through `engine` for a causal LM; an encoder
     answers /v1/embeddings only). The engine is started and stopped with the application."""
     from fastapi import FastAPI, Request
-    from fastapi.responses import HTMLResponse, JSONResponse, PlainTextResponse, StreamingResponse
+    from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
 
     metrics = engine.metrics if engine is not None else Metrics(0)
     tokenizer = model.tokenizer
@@ -84,19 +85,28 @@ def build_app(model, *, served_model_name: str, engine: Engine | None, api_key: 
 
     @app.get("/metrics")
     async def prometheus():
-        return PlainTextResponse(metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
+        return Response(metrics.render(), media_type=metrics.content_type)
 
     @app.get("/")
     async def page():
         html = importlib.resources.files("hfjax.serving").joinpath("static/index.html").read_text("utf-8")
         return HTMLResponse(html)
 
+    @app.get("/favicon.svg")
+    @app.get("/favicon.ico")  # where browsers look for it without a <link rel="icon">
+    async def favicon():
+        icon = importlib.resources.files("hfjax.serving").joinpath("static/favicon.svg").read_bytes()
+        return Response(icon, media_type="image/svg+xml", headers={"Cache-Control": "max-age=86400"})
+
     @app.post("/v1/embeddings")
     async def embeddings(request: Request):
         texts, encoding = _protocol.embedding_request(await read_json(request), served_model_name)
         loop = asyncio.get_running_loop()
-        vectors = np.asarray(await loop.run_in_executor(None, model.embed, texts), np.float32)  # [N, H]
-        tokens = sum(len(tokenizer(t)["input_ids"]) for t in texts)
+        try:
+            vectors = np.asarray(await loop.run_in_executor(None, model.embed, texts), np.float32)  # [N, H]
+        except HfjaxError as error:  # a model that embeds no text
+            raise ApiError(400, str(error), param="model", code="model_not_supported") from None
+        tokens = sum(len(tokenizer(t, verbose=False)["input_ids"]) for t in texts)
         data = []
         for i, vector in enumerate(vectors):
             value = (
@@ -126,7 +136,8 @@ def build_app(model, *, served_model_name: str, engine: Engine | None, api_key: 
     async def _answer(request: Request, running: Engine, generation: _protocol.Generation, *, chat: bool):
         if isinstance(generation.prompt, str):
             # A chat prompt holds its template's own special tokens.
-            ids = tokenizer(generation.prompt, add_special_tokens=not chat)["input_ids"]
+            # verbose=False: a prompt too long for the context is the 400 below, not a log line.
+            ids = tokenizer(generation.prompt, add_special_tokens=not chat, verbose=False)["input_ids"]
         else:
             ids = generation.prompt
         generation = _protocol.with_budget(generation, len(ids), running.max_model_len)

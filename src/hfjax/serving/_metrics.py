@@ -1,108 +1,119 @@
-"""The server's counters, gauges and histograms, rendered in Prometheus' text format."""
+"""The server's counters, gauges and latency histograms, kept by prometheus_client in a registry of
+each `Metrics` object's own (so two engines in one process keep apart), served at /metrics."""
 
 from __future__ import annotations
-
-import bisect
-import threading
 
 # Seconds: time to first token and inter-token latency span ~1 ms (a decode step) to minutes (a queue).
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 
 
-class Histogram:
-    """Observations counted into cumulative buckets (Prometheus' `le` buckets), with their sum."""
+def _prometheus():
+    try:
+        import prometheus_client
+    except ImportError as error:
+        raise ImportError(
+            "hfjax.serving's metrics need prometheus_client, part of the serve extra: pip install 'hfjax[serve]'"
+        ) from error
+    return prometheus_client
 
-    def __init__(self, buckets: tuple[float, ...] = LATENCY_BUCKETS):
-        self.buckets = buckets
-        self.counts = [0] * (len(buckets) + 1)  # the last one is +Inf
-        self.sum = 0.0
-        self.count = 0
+
+class Histogram:
+    """A prometheus_client histogram that takes one value observed several times (a decode chunk's
+    tokens share one inter-token latency)."""
+
+    def __init__(self, histogram):
+        self.histogram = histogram
 
     def observe(self, value: float, times: int = 1) -> None:
-        self.counts[bisect.bisect_left(self.buckets, value)] += times
-        self.sum += value * times
-        self.count += times
+        for _ in range(times):
+            self.histogram.observe(value)
 
 
 class Metrics:
-    """What /metrics reports; the engine and the server update it from their threads."""
+    """What /metrics reports; the engine and the server update it from their threads (prometheus_client's
+    metrics are thread-safe).
+
+    Attributes:
+      registry: the prometheus_client `CollectorRegistry` holding them all; `render()` writes it in
+        the text format named by `content_type`.
+      queue_depth, running, programs_pending: gauges, set by assignment (`running` also sets the batch
+        occupancy).
+      prefix_hit_tokens: a counter; `metrics.prefix_hit_tokens += n` adds n.
+      time_to_first_token, inter_token_latency: histograms with `observe(seconds, times=1)`.
+    """
 
     def __init__(self, slots: int):
-        self.lock = threading.Lock()
+        prometheus = _prometheus()
         self.slots = slots
-        self.requests = {}  # {(endpoint, status code): count}
-        self.finished = {}  # {finish reason: count}
-        self.prompt_tokens = 0
-        self.generation_tokens = 0
-        self.prefix_hit_tokens = 0
-        self.queue_depth = 0
-        self.running = 0
-        self.time_to_first_token = Histogram()
-        self.inter_token_latency = Histogram()
+        self.registry = prometheus.CollectorRegistry()
+        self.content_type = prometheus.CONTENT_TYPE_LATEST
+
+        def counter(name: str, help_: str, labels=()):
+            return prometheus.Counter(name, help_, labels, registry=self.registry)
+
+        def gauge(name: str, help_: str):
+            return prometheus.Gauge(name, help_, registry=self.registry)
+
+        def histogram(name: str, help_: str):
+            return Histogram(prometheus.Histogram(name, help_, buckets=LATENCY_BUCKETS, registry=self.registry))
+
+        self._requests = counter(
+            "hfjax_http_requests", "HTTP requests answered, by endpoint and status code.", ("endpoint", "code")
+        )
+        self._finished = counter(
+            "hfjax_request_success", "Generation requests finished, by finish reason.", ("finished_reason",)
+        )
+        self._prompt_tokens = counter("hfjax_prompt_tokens", "Prompt tokens of finished requests.")
+        self._generation_tokens = counter("hfjax_generation_tokens", "Tokens generated for finished requests.")
+        self._prefix_hits = counter("hfjax_prefix_cache_hit_tokens", "Prompt tokens whose keys a slot held already.")
+        self._waiting = gauge("hfjax_num_requests_waiting", "Requests queued for a slot.")
+        self._running = gauge("hfjax_num_requests_running", "Requests holding a slot.")
+        self._occupancy = gauge("hfjax_batch_occupancy", "Fraction of the sequence slots in use.")
+        self._pending = gauge("hfjax_programs_pending", "Programs the engine has still to compile (in the background).")
+        self.time_to_first_token = histogram("hfjax_time_to_first_token_seconds", "Time from arrival to first token.")
+        self.inter_token_latency = histogram("hfjax_inter_token_latency_seconds", "Time between tokens of a request.")
 
     def count_request(self, endpoint: str, status: int) -> None:
-        with self.lock:
-            key = (endpoint, status)
-            self.requests[key] = self.requests.get(key, 0) + 1
+        self._requests.labels(endpoint=endpoint, code=str(status)).inc()
 
     def count_finished(self, reason: str, prompt_tokens: int, generation_tokens: int) -> None:
-        with self.lock:
-            self.finished[reason] = self.finished.get(reason, 0) + 1
-            self.prompt_tokens += prompt_tokens
-            self.generation_tokens += generation_tokens
+        self._finished.labels(finished_reason=reason).inc()
+        self._prompt_tokens.inc(prompt_tokens)
+        self._generation_tokens.inc(generation_tokens)
 
-    def render(self) -> str:
-        """The metrics in Prometheus' text exposition format (version 0.0.4)."""
-        with self.lock:
-            lines = []
+    @property
+    def queue_depth(self) -> int:
+        return int(self.registry.get_sample_value("hfjax_num_requests_waiting"))
 
-            def metric(name: str, kind: str, help_: str, samples: list[tuple[str, float]]):
-                lines.append(f"# HELP {name} {help_}")
-                lines.append(f"# TYPE {name} {kind}")
-                lines.extend(f"{name}{labels} {_number(value)}" for labels, value in samples)
+    @queue_depth.setter
+    def queue_depth(self, waiting: int) -> None:
+        self._waiting.set(waiting)
 
-            metric(
-                "hfjax_http_requests_total", "counter", "HTTP requests answered, by endpoint and status code.",
-                [(f'{{endpoint="{e}",code="{c}"}}', n) for (e, c), n in sorted(self.requests.items())],
-            )  # fmt: skip
-            metric(
-                "hfjax_request_success_total", "counter", "Generation requests finished, by finish reason.",
-                [(f'{{finished_reason="{r}"}}', n) for r, n in sorted(self.finished.items())],
-            )  # fmt: skip
-            metric(
-                "hfjax_prompt_tokens_total",
-                "counter",
-                "Prompt tokens of finished requests.",
-                [("", self.prompt_tokens)],
-            )
-            metric(
-                "hfjax_generation_tokens_total", "counter", "Tokens generated for finished requests.",
-                [("", self.generation_tokens)],
-            )  # fmt: skip
-            metric(
-                "hfjax_prefix_cache_hit_tokens_total", "counter", "Prompt tokens whose keys a slot held already.",
-                [("", self.prefix_hit_tokens)],
-            )  # fmt: skip
-            metric("hfjax_num_requests_waiting", "gauge", "Requests queued for a slot.", [("", self.queue_depth)])
-            metric("hfjax_num_requests_running", "gauge", "Requests holding a slot.", [("", self.running)])
-            metric(
-                "hfjax_batch_occupancy", "gauge", "Fraction of the sequence slots in use.",
-                [("", self.running / self.slots if self.slots else 0.0)],
-            )  # fmt: skip
-            for name, histogram, help_ in (
-                ("hfjax_time_to_first_token_seconds", self.time_to_first_token, "Time from arrival to first token."),
-                ("hfjax_inter_token_latency_seconds", self.inter_token_latency, "Time between tokens of a request."),
-            ):
-                cumulative, samples = 0, []
-                for bound, count in zip((*histogram.buckets, "+Inf"), histogram.counts):
-                    cumulative += count
-                    samples.append((f'_bucket{{le="{bound}"}}', cumulative))
-                samples += [("_sum", histogram.sum), ("_count", histogram.count)]
-                lines.append(f"# HELP {name} {help_}")
-                lines.append(f"# TYPE {name} histogram")
-                lines.extend(f"{name}{suffix} {_number(value)}" for suffix, value in samples)
-            return "\n".join(lines) + "\n"
+    @property
+    def running(self) -> int:
+        return int(self.registry.get_sample_value("hfjax_num_requests_running"))
 
+    @running.setter
+    def running(self, running: int) -> None:
+        self._running.set(running)
+        self._occupancy.set(running / self.slots if self.slots else 0.0)
 
-def _number(value) -> str:
-    return str(value) if isinstance(value, int) else repr(float(value))
+    @property
+    def programs_pending(self) -> int:
+        return int(self.registry.get_sample_value("hfjax_programs_pending"))
+
+    @programs_pending.setter
+    def programs_pending(self, pending: int) -> None:
+        self._pending.set(pending)
+
+    @property
+    def prefix_hit_tokens(self) -> int:
+        return int(self.registry.get_sample_value("hfjax_prefix_cache_hit_tokens_total"))
+
+    @prefix_hit_tokens.setter
+    def prefix_hit_tokens(self, total: int) -> None:
+        self._prefix_hits.inc(total - self.prefix_hit_tokens)  # a counter only grows: inc raises on less
+
+    def render(self) -> bytes:
+        """The registry in Prometheus' text exposition format (`content_type` names its version)."""
+        return _prometheus().generate_latest(self.registry)

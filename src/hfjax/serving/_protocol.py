@@ -1,8 +1,9 @@
 """OpenAI request bodies checked into engine calls, and the OpenAI shape of errors and answers.
 
-Every field a request may carry is listed here: those hfjax carries out, those it accepts only at
-their no-op value (e.g. `frequency_penalty: 0`), and none else: any other field is refused with a
-400 that names it, never ignored.
+Every field a request may carry is listed here: those hfjax carries out (the sampling ones are
+mapped onto Model.generate's settings by `SamplingParams`), those it accepts only at their no-op
+value (e.g. `tools: []`), and none else: any other field is refused with a 400 that names it, never
+ignored.
 """
 
 from __future__ import annotations
@@ -11,7 +12,9 @@ import dataclasses
 import math
 import numbers
 
-from ._engine import SamplingParams
+from .._errors import GenerationError
+from ..generation import check_context
+from ._requests import SamplingParams
 
 
 class ApiError(Exception):
@@ -36,9 +39,6 @@ def invalid(param: str, message: str) -> ApiError:
 
 # Fields accepted only at the value that changes nothing: {field: the values that are no-ops}.
 _NO_OP = {
-    "frequency_penalty": (None, 0, 0.0),
-    "presence_penalty": (None, 0, 0.0),
-    "logit_bias": (None, {}),
     "tools": (None, []),
     "tool_choice": (None, "none"),
     "parallel_tool_calls": (None,),
@@ -56,7 +56,10 @@ _NO_OP = {
     "functions": (None,),
 }
 _IDENTIFIERS = ("user", "metadata")  # labels for the caller's own records: they do not change the answer
-_SAMPLING = ("temperature", "top_p", "seed", "stop", "n", "stream", "stream_options", "model")
+_SAMPLING = (
+    "temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty",
+    "logit_bias", "seed", "stop", "n", "stream", "stream_options", "model", "ignore_eos",
+)  # fmt: skip
 CHAT_FIELDS = {"messages", "max_tokens", "max_completion_tokens", "logprobs", "top_logprobs", *_SAMPLING}
 COMPLETION_FIELDS = {"prompt", "max_tokens", "logprobs", *_SAMPLING}
 
@@ -122,20 +125,57 @@ def _stops(body: dict) -> tuple[str, ...]:
     return tuple(stops)
 
 
+def _logit_bias(body: dict) -> tuple[tuple[int, float], ...]:
+    bias = body.get("logit_bias")
+    if bias is None:
+        return ()
+    if not isinstance(bias, dict):
+        raise invalid("logit_bias", f"logit_bias={bias!r}: pass an object mapping token ids to biases in [-100, 100]")
+    pairs = []
+    for token, value in bias.items():
+        try:
+            token_id = int(token)
+        except (TypeError, ValueError):
+            raise invalid(
+                "logit_bias", f'logit_bias key {token!r} is not a token id; pass ids such as "50256"'
+            ) from None
+        if isinstance(value, bool) or not isinstance(value, numbers.Real) or not -100 <= value <= 100:
+            raise invalid("logit_bias", f"logit_bias[{token!r}]={value!r}: pass a number in [-100, 100]")
+        pairs.append((token_id, float(value)))
+    return tuple(sorted(pairs))
+
+
 def _sampling(body: dict, max_tokens: int, logprobs: int | None) -> list[SamplingParams]:
-    temperature = _number(body, "temperature", 1.0, 0.0, 2.0)
-    top_p = _number(body, "top_p", 1.0, 0.0, 1.0, low_open=True)
+    """One SamplingParams per choice (n). A sampling field left out takes the checkpoint's
+    generation_config.json, as vLLM does."""
+    temperature = _number(body, "temperature", None, 0.0, 2.0)
+    top_p = _number(body, "top_p", None, 0.0, 1.0, low_open=True)
+    top_k = _number(body, "top_k", None, -1, 2**31 - 1, integer=True)  # vLLM's -1 and 0 are off
+    min_p = _number(body, "min_p", None, 0.0, 1.0)
+    repetition = _number(body, "repetition_penalty", None, 0.0, 10.0, low_open=True)
+    presence = _number(body, "presence_penalty", 0.0, -2.0, 2.0)
+    frequency = _number(body, "frequency_penalty", 0.0, -2.0, 2.0)
     seed = _number(body, "seed", None, 0, 2**63 - 1, integer=True)
     n = _number(body, "n", 1, 1, 16, integer=True)
-    stops = _stops(body)
+    ignore_eos = body.get("ignore_eos") or False
+    if not isinstance(ignore_eos, bool):
+        raise invalid("ignore_eos", f"ignore_eos={ignore_eos!r}: pass true or false")
+    stops, bias = _stops(body), _logit_bias(body)
     return [
         SamplingParams(
             max_tokens=max_tokens,
-            temperature=float(temperature),
-            top_p=float(top_p),
+            temperature=None if temperature is None else float(temperature),
+            top_p=None if top_p is None else float(top_p),
+            top_k=None if top_k is None else max(int(top_k), 0),
+            min_p=None if min_p is None else float(min_p),
+            repetition_penalty=None if repetition is None else float(repetition),
+            presence_penalty=float(presence),
+            frequency_penalty=float(frequency),
+            logit_bias=bias,
             seed=None if seed is None else (seed + i) % 2**32,
             stop=stops,
             logprobs=logprobs,
+            ignore_eos=ignore_eos,
         )
         for i in range(n)
     ]
@@ -229,19 +269,15 @@ def embedding_request(body, served: str) -> tuple[list[str], str]:
 def with_budget(generation: Generation, prompt_length: int, max_model_len: int) -> Generation:
     """The request with max_tokens filled in (the rest of the context when unset) and checked
     against the prompt's length."""
-    if prompt_length >= max_model_len:
-        raise invalid(
-            generation.prompt_field,
-            f"the prompt ({generation.prompt_field}) has {prompt_length} tokens; the server's max_model_len="
-            f"{max_model_len} leaves no room for an answer. Shorten the {generation.prompt_field}",
-        )
+    try:
+        check_context(
+            prompt_length, generation.max_tokens, limit=max_model_len, limit_name=f"the server's max_model_len={max_model_len}",
+            budget_name="max_tokens", prompt_name=f"the prompt ({generation.prompt_field})",
+        )  # fmt: skip
+    except GenerationError as error:
+        param = generation.prompt_field if prompt_length >= max_model_len else "max_tokens"
+        raise invalid(param, str(error)) from None
     room = max_model_len - prompt_length
-    if generation.max_tokens is not None and generation.max_tokens > room:
-        raise invalid(
-            "max_tokens",
-            f"max_tokens={generation.max_tokens} with a prompt of {prompt_length} tokens is beyond max_model_len="
-            f"{max_model_len}; pass max_tokens<={room}",
-        )
     budget = generation.max_tokens or room
     params = [dataclasses.replace(p, max_tokens=budget) for p in generation.params]
     return dataclasses.replace(generation, params=params, max_tokens=budget)

@@ -14,7 +14,7 @@ needed. Models have 85k to 235k parameters: hidden size 64, 2 layers, 4 attentio
 size 16 (2 key/value heads where the family has GQA).
 
 Parts: `_families.py` (tiny config sizes per model_type), `_tokenizer.py`, `_checkpoints.py`,
-`_pipelines.py` (diffusers pipelines). They depend on torch, transformers, tokenizers and
+`_diffusion.py` (diffusers pipelines). They depend on torch, transformers, tokenizers and
 diffusers, not on the rest of hfjax.
 
 Vision-language checkpoints (image-text-to-text: LLaVA, Qwen2-VL, Gemma 3, Idefics3,
@@ -28,9 +28,9 @@ processors included: `_media.py`), `PIPELINE_KINDS`, `SCHEDULERS`, `save_tiny_pi
 """
 
 from ._checkpoints import save_tiny_checkpoint, tiny_tokenizer
+from ._diffusion import PIPELINE_KINDS, SCHEDULERS, save_tiny_pipeline
 from ._families import FAMILIES, GENERATION_FAMILIES, tiny_config
 from ._media import MEDIA_FAMILIES
-from ._pipelines import PIPELINE_KINDS, SCHEDULERS, save_tiny_pipeline
 from ._vision_language import VISION_LANGUAGE_FAMILIES, tiny_processor
 
 __all__ = [

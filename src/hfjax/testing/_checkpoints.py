@@ -20,6 +20,7 @@ from ._families import (
     tiny_config,
 )
 from ._tokenizer import MAX_POSITIONS, VOCAB_SIZE
+from ._weights import perturb_constant_parameters
 
 Task = _tasks.Task
 Pooling = Literal["mean", "cls", "lasttoken"]
@@ -63,17 +64,6 @@ def _tasks_for(family: str, config: transformers.PretrainedConfig) -> list[str]:
     spec = family_spec(family)
     kind_tasks = KIND_TASKS[spec.kind] if spec.curated else _tasks.TASKS
     return [task for task in kind_tasks if auto_class_name(_tasks.auto_class(task), config) is not None]
-
-
-@torch.no_grad()
-def perturb_constant_parameters(model: torch.nn.Module, std: float) -> None:
-    # Families initialise biases to 0 and norm scales (and Mamba's D) to 0 or 1. Adding
-    # N(0, std) noise to every such constant tensor lets each parameter change the logits,
-    # so a parity test fails if a bias is dropped or a norm offset is mishandled. Tensors
-    # the family initialised randomly (including special ones like Mamba's A_log) are kept.
-    for param in model.parameters():
-        if param.is_floating_point() and param.numel() > 1 and bool((param == param.flatten()[0]).all()):
-            param.add_(torch.randn_like(param) * std)
 
 
 def _write_sentence_transformers_files(path: pathlib.Path, hidden_size: int, pooling: str) -> None:

@@ -568,7 +568,7 @@ _GENERIC_FIXES: dict[str, dict[str, Any]] = {
             "moe_shared_expert_intermediate_size": _INTERMEDIATE,
         },
     },
-    # -- vision-language models that need their image (hfjax._check._image_text_inputs) --
+    # -- vision-language models that need their image (hfjax.tasks._check._image_text_inputs) --
     # Vision towers initialised with std 1e-10: see _VISIBLE_IMAGE.
     "blip": {"vision_config": _VISIBLE_IMAGE},
     "pix2struct": {"vision_config": _VISIBLE_IMAGE},

@@ -16,7 +16,9 @@ from typing import Any
 import torch
 import transformers
 
+from .. import _quiet
 from . import _tokenizer
+from ._weights import perturb_constant_parameters
 
 _IMAGE_SIZE, _PATCH = 32, 8
 _ENCODER = {"hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4, "intermediate_size": 128}
@@ -205,7 +207,8 @@ def save_media_checkpoint(family: str, path: pathlib.Path, *, task: str | None, 
     if task not in spec.tasks:
         raise ValueError(f"task={task!r} is not available for family {family!r}. Tasks: {', '.join(spec.tasks)}.")
     _save(spec.config(), path, task=task, seed=seed)
-    spec.processor(path).save_pretrained(path)
+    with _quiet.no_torchvision_note():  # the image processors' PIL versions are what it writes
+        spec.processor(path).save_pretrained(path)
     return path
 
 
@@ -238,7 +241,6 @@ def generic_media_config(model_type: str, *, task: str, **config_overrides: Any)
 
 def _save(config: transformers.PretrainedConfig, path: pathlib.Path, *, task: str, seed: int) -> None:
     from .. import _tasks
-    from ._checkpoints import perturb_constant_parameters
     from ._families import auto_class_name
 
     auto = _tasks.auto_class(task, config)

@@ -21,6 +21,7 @@ import transformers
 
 from . import _tokenizer
 from ._tokenizer import BOS_ID, EOS_ID, MAX_POSITIONS, PAD_ID, VOCAB_SIZE
+from ._weights import perturb_constant_parameters
 
 _IMAGE_SIZE, _PATCH = 32, 8
 _TEXT = {
@@ -275,7 +276,6 @@ def save_tiny_vision_language_checkpoint(family: str, path: str | pathlib.Path, 
         >>> model = transformers.AutoModelForImageTextToText.from_pretrained(path)
         >>> processor = transformers.AutoProcessor.from_pretrained(path)
     """
-    from ._checkpoints import perturb_constant_parameters
 
     config = tiny_vision_language_config(family)
     with torch.random.fork_rng(devices=[]):

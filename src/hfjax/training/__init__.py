@@ -11,17 +11,17 @@ Public names:
     tokenize           JSONL / CSV / datasets.Dataset / list records -> Examples for a task
     BatchStream        padded, bucketed batches in a seeded shuffled order
     StepSettings       accumulation, clipping, compute dtype, remat, dropout of a step
-    plot_losses        the loss curve of `Trainer.history` as a PNG (matplotlib, or written with zlib)
+    plot_losses        the loss curve of `Trainer.history` as a PNG, drawn by matplotlib
 
-Parts: `_trainer.py` (Trainer), `_program.py` (the loss and the step as jitted functions),
+Parts: `_trainer.py` (Trainer), `_step.py` (the loss and the step as functions of arrays),
 `_optim.py`, `_lora.py` (peft), `_data.py`, `_save.py` (atomic directories, checkpoints),
-`_plot.py` (the loss curve). Needs the `train` extra: `pip install 'hfjax[train]'` (optax, peft).
+`_plot.py` (the loss curve). Needs the `train` extra: `pip install 'hfjax[train]'` (optax, peft, matplotlib).
 """
 
 from ._data import BatchStream, Examples, tokenize
 from ._optim import adamw, cosine_schedule, decay_mask, linear_schedule, sgd
 from ._plot import loss_curve as plot_losses
-from ._program import StepSettings
+from ._step import StepSettings
 from ._trainer import Trainer
 
 __all__ = [

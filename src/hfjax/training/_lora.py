@@ -17,7 +17,7 @@ import pathlib
 import jax
 import torch
 
-from .. import _compile, _env, _loading
+from .. import _quiet, bridge
 from .._errors import TrainingError
 
 ADAPTER = "default"
@@ -62,9 +62,10 @@ def wrap(module: torch.nn.Module, params: dict, aliases: dict, lora, *, seed: in
             f"hfjax.Trainer(lora=...): the adapter is {getattr(config, 'peft_type', None)}"
             f"{' with use_dora=True' if getattr(config, 'use_dora', False) else ''}; hfjax trains plain LoRA adapters"
         )
-    peft_model = peft.get_peft_model(_meta_copy(module), config)
+    with _quiet.peft_wrapping():
+        peft_model = peft.get_peft_model(_meta_copy(module), config)
     inner = peft_model.base_model.model
-    canonical, new_aliases = _loading.tensor_names(inner)
+    canonical, new_aliases = bridge.tensor_names(inner)
     trainable = [n for n, p in inner.named_parameters() if p.requires_grad]
     saved = saved_names(peft_model, trainable)
     fresh = _initial_lora(inner, config, seed) if adapter_dir is None else _read_adapter(adapter_dir, saved)
@@ -121,7 +122,7 @@ def _initial_lora(inner: torch.nn.Module, config, seed: int) -> dict[str, jax.Ar
             layer.reset_lora_parameters(ADAPTER, config.init_lora_weights)
             for attr, part in zip(("lora_A", "lora_B"), parts):
                 for name, p in part.named_parameters():
-                    values[f"{prefix}.{attr}.{ADAPTER}.{name}"] = _env.torch_to_jax(p)
+                    values[f"{prefix}.{attr}.{ADAPTER}.{name}"] = bridge.torch_to_jax(p)
                 part.to("meta")
     return values
 
@@ -142,7 +143,7 @@ def _read_adapter(directory: pathlib.Path, saved: dict[str, str]) -> dict[str, j
             f"hfjax.Trainer(lora={str(directory)!r}): the adapter lacks {len(missing)} weights the config asks for, "
             f"e.g. {missing[0]!r}; was it saved for this model?"
         )
-    return {name: _env.torch_to_jax(tensors[key]) for name, key in saved.items()}
+    return {name: bridge.torch_to_jax(tensors[key]) for name, key in saved.items()}
 
 
 def merged_params(lora: LoraModule, params: dict) -> dict[str, jax.Array]:
@@ -153,10 +154,10 @@ def merged_params(lora: LoraModule, params: dict) -> dict[str, jax.Array]:
     merged = {original_name(n): a for n, a in params.items() if ".lora_" not in n}
     # modules_to_save: the trained copy replaces the original.
     merged.update({original_name(n): a for n, a in params.items() if f".modules_to_save.{ADAPTER}." in n})
-    with _compile.bound(lora.module, params, lora.aliases, _env.prng_key()):
+    with bridge.bound(lora.module, params, lora.aliases, bridge.prng_key()):
         for prefix, layer in lora.module.named_modules():
             if isinstance(layer, LoraLayer) and ADAPTER in layer.lora_A:
-                delta = _env.to_jax(layer.get_delta_weight(ADAPTER))
+                delta = bridge.to_jax(layer.get_delta_weight(ADAPTER))
                 base = f"{prefix}.weight"
                 merged[base] = (merged[base] + delta.astype(merged[base].dtype)).astype(merged[base].dtype)
     return merged

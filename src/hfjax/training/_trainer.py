@@ -12,11 +12,10 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from .. import _compile, _dtypes, _precision
+from .. import _dtypes, bridge, parallel
 from .._errors import TrainingError
 from .._model import Model
-from ..parallel import _mesh
-from . import _data, _lora, _optim, _plot, _program, _save
+from . import _data, _lora, _optim, _plot, _save, _step
 
 
 class Trainer:
@@ -35,7 +34,8 @@ class Trainer:
         learning rate is reported; otherwise `learning_rate` is NaN.
       lora: None (full fine-tuning), a `peft.LoraConfig`, or the directory of an adapter peft
         saved (training continues from its weights). Only LoRA's weights are trained; the
-        model's own stay as they are, shared.
+        model's own stay as they are, shared. A quantized model (`hfjax.load(path, quantize=...)`)
+        trains LoRA only (QLoRA): its saved adapter is a plain peft adapter for the unquantized model.
       accumulation_steps: micro-batches per optimizer step (the batch's rows split evenly).
       max_grad_norm: clip the gradient's global norm (as `clip_grad_norm_`); None: no clipping.
       compute_dtype: e.g. "bfloat16": forward and backward in that dtype, the trained weights
@@ -87,11 +87,16 @@ class Trainer:
         if max_grad_norm is not None and not max_grad_norm > 0:
             raise TrainingError(f"hfjax.Trainer(max_grad_norm={max_grad_norm!r}): pass a positive number, or None")
         compute_dtype = _dtypes.resolve(compute_dtype, caller="hfjax.Trainer(compute_dtype=...)")
-        self.settings = _program.StepSettings(accumulation_steps, max_grad_norm, compute_dtype, remat, dropout)
+        self.settings = _step.StepSettings(accumulation_steps, max_grad_norm, compute_dtype, remat, dropout)
         self.optimizer = optimizer
         self.seed = seed
         self.lora = None
         self._base = model
+        if lora is None and model.quantization is not None:
+            raise TrainingError(
+                f"hfjax.Trainer: the model is quantized ({model.quantization.source}), so its weights cannot be "
+                "trained; train LoRA adapters over it (lora=peft.LoraConfig(...)), or load it without quantize="
+            )
         if lora is None:
             module, params, aliases = model.module, model.params, model.aliases
             trainable_names = [n for n, _ in module.named_parameters() if n in params]
@@ -111,13 +116,15 @@ class Trainer:
         self.frozen = {n: a for n, a in params.items() if n not in self.trainable}
         mesh = model.mesh
         if fully_sharded:
-            if _mesh.data_size(mesh) < 2:
+            if parallel.data_size(mesh) < 2:
                 raise TrainingError(
                     "hfjax.Trainer(fully_sharded=True): the model has no mesh with several devices on 'data'; load it "
                     "with hfjax.load(path, mesh=hfjax.make_mesh(data=N, model=M)) and N > 1"
                 )
-            self.trainable = {n: jax.device_put(a, _mesh.split_over_data(a, mesh)) for n, a in self.trainable.items()}
-            self.frozen = {n: jax.device_put(a, _mesh.split_over_data(a, mesh)) for n, a in self.frozen.items()}
+            self.trainable = {
+                n: jax.device_put(a, parallel.split_over_data(a, mesh)) for n, a in self.trainable.items()
+            }
+            self.frozen = {n: jax.device_put(a, parallel.split_over_data(a, mesh)) for n, a in self.frozen.items()}
         self.opt_state = optimizer.init(self.trainable)
         if mesh is not None:  # scalars of the optimizer (its step count) live on the mesh too
             replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
@@ -134,26 +141,26 @@ class Trainer:
         self.history: list[dict] = []  # metrics of every step run so far (restored by `resume`)
         self._stale = False
         self._traces = 0
-        step = _program.step_function(module, aliases, self.settings, optimizer)
+        step = _step.step_function(module, aliases, self.settings, optimizer)
 
         # precision: of float32 products (hfjax._precision), static: a new setting traces a new program
         def counted_step(*args, precision):
             self._traces += 1
-            with _precision.products(precision):
+            with bridge.products(precision):
                 return step(*args)
 
-        self._step = _compile.jit_program(
+        self._step = bridge.jit_program(
             counted_step, stage="train step", donate_argnums=(0, 2, 3), static_argnames="precision"
         )
-        evaluation = _program.loss_function(
-            module, aliases, _program.StepSettings(compute_dtype=compute_dtype, dropout=False)
+        evaluation = _step.loss_function(
+            module, aliases, _step.StepSettings(compute_dtype=compute_dtype, dropout=False)
         )
 
         def evaluation_loss(trainable, frozen, batch, *, precision):
-            with _precision.products(precision):  # no dropout in evaluation: the key is never drawn from
+            with bridge.products(precision):  # no dropout in evaluation: the key is never drawn from
                 return evaluation(trainable, frozen, jax.random.PRNGKey(0), batch)[0]
 
-        self._loss = _compile.jit_program(evaluation_loss, stage="evaluation loss", static_argnames="precision")
+        self._loss = bridge.jit_program(evaluation_loss, stage="evaluation loss", static_argnames="precision")
 
     # -- training ----------------------------------------------------------------
 
@@ -318,6 +325,11 @@ class Trainer:
         (for full fine-tuning, the same as `save_pretrained`). Returns the directory."""
         if self.lora is None:
             return self.save_pretrained(directory)
+        if self._base.quantization is not None:
+            raise TrainingError(
+                f"Trainer.merge_and_save: the base model is quantized ({self._base.quantization.source}); save the "
+                "adapter (save_pretrained) and merge it into the unquantized model with peft's merge_and_unload"
+            )
         model = self.model
         merged = _lora.merged_params(self.lora, model.params)
         base = self._base  # the model as given: its module has the unwrapped names
@@ -360,7 +372,7 @@ class Trainer:
 
     def _packs_apart(self, examples: _data.Examples) -> bool:
         ids = list(itertools.islice((t for row in examples.rows for t in row["input_ids"]), 4))
-        return _program.keeps_packed_examples_apart(self.model, ids)
+        return _step.keeps_packed_examples_apart(self.model, ids)
 
     def _params_dtype(self, name: str):
         return self._model.params[name].dtype
@@ -396,7 +408,7 @@ class Trainer:
 
     def _precision(self) -> str:
         # The precision of the step's float32 products: the model's, else torch's setting now.
-        return _precision.resolve(self._base.matmul_precision)
+        return bridge.resolve_precision(self._base.matmul_precision)
 
     def _place(self, batch: dict) -> dict:
         if not isinstance(batch, dict) or not batch:
@@ -410,13 +422,13 @@ class Trainer:
                 array = array.astype(np.int32)  # JAX runs with 32-bit integers
             arrays[name] = jnp.asarray(array) if not isinstance(array, jax.Array) else array
         mesh = self._model.mesh
-        if mesh is not None and _mesh.data_size(mesh) > 1:
-            arrays = {n: jax.device_put(a, _mesh.batch_sharding(mesh, a.shape)) for n, a in arrays.items()}
+        if mesh is not None and parallel.data_size(mesh) > 1:
+            arrays = {n: jax.device_put(a, parallel.batch_sharding(mesh, a.shape)) for n, a in arrays.items()}
         return arrays
 
 
 def _env_errors(module):
-    from .._compile import explain_errors
+    from ..bridge import explain_errors
 
     return explain_errors(module)
 

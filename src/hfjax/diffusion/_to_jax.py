@@ -19,10 +19,9 @@ import jax
 import torch
 from torchax.tensor import Tensor as JaxTensor
 
-from .. import _backend, _compile, _dtypes, _env, _loading, _precision
-from .._compile import JittedModule
+from .. import _backend, _dtypes, _quiet, bridge, parallel
 from .._errors import LoadError, PipelineError
-from ..parallel import _mesh
+from ..bridge import JittedModule
 from . import _whole_loop
 
 logger = logging.getLogger("hfjax")
@@ -35,8 +34,8 @@ _WHOLE_LOOP_VALUES = (False, True, "auto")
 
 
 def _move_module(module: torch.nn.Module) -> None:
-    environment = _env.env()
-    module._apply(lambda t: t if isinstance(t, JaxTensor) else JaxTensor(_env.to_jax(t), environment))
+    environment = bridge.env()
+    module._apply(lambda t: t if isinstance(t, JaxTensor) else JaxTensor(bridge.to_jax(t), environment))
 
 
 class _JittedVae(JittedModule):
@@ -51,7 +50,7 @@ class _JittedVae(JittedModule):
 def _register_vae_outputs() -> None:
     from diffusers.models.autoencoders import vae
 
-    from .._pytrees import register_stateful
+    from ..bridge import register_stateful
 
     register_stateful(vae.DiagonalGaussianDistribution)  # AutoencoderKLOutput.latent_dist
 
@@ -62,7 +61,7 @@ class _OnMesh:
 
     def _program(self, method: str, args: tuple, kwargs: dict, precision: str | None = None):
         program, dynamic = super()._program(method, args, kwargs, precision)
-        return program, [jax.device_put(x, _mesh.batch_sharding(self._mesh, x.shape)) for x in dynamic]
+        return program, [jax.device_put(x, parallel.batch_sharding(self._mesh, x.shape)) for x in dynamic]
 
 
 class _JittedOnMesh(_OnMesh, JittedModule):
@@ -77,7 +76,7 @@ def _torch_copy(component: JittedModule) -> torch.nn.Module:
     """A torch module on the CPU like the one `component` compiles, holding its current weights
     in torch's own layout (parametrized weights evaluated), for `save_pretrained`."""
     module = component.module
-    state = _env.env().j2t_copy(_compile.with_aliases(component.params, component._aliases))
+    state = bridge.env().j2t_copy(bridge.with_aliases(component.params, component._aliases))
     held = ".parametrizations.weight.original"
     for name in [n for n in state if n.endswith(held)]:
         owner = name.removesuffix(held)
@@ -120,8 +119,8 @@ def _on_jax_class(cls: type) -> type:
     @functools.wraps(cls.__call__)
     def __call__(self, *args, **kwargs):
         _check_size(self, kwargs)
-        precision = _precision.resolve(self.hfjax_matmul_precision)  # of the steps run op by op too
-        with _env.env(), _precision.products(precision), _whole_loop.session(self, kwargs) as session:
+        precision = bridge.resolve_precision(self.hfjax_matmul_precision)  # of the steps run op by op too
+        with bridge.env(), bridge.products(precision), _whole_loop.session(self, kwargs) as session:
             out = cls.__call__(self, *args, **kwargs)
         self.hfjax_path = session.path
         logger.info("hfjax: %s ran on JAX, %s", cls.__name__, session.describe())
@@ -173,7 +172,7 @@ def _check_size(pipe, kwargs: dict) -> None:
 # ---- public API ------------------------------------------------------------------
 
 
-def to_jax(pipe, *, whole_loop: WholeLoop = False, mesh=None, matmul_precision: _precision.Precision | None = None):
+def to_jax(pipe, *, whole_loop: WholeLoop = False, mesh=None, matmul_precision: bridge.Precision | None = None):
     """Makes a diffusers pipeline run on JAX, its heavy parts compiled by XLA.
 
     Moves every nn.Module component's weights and every tensor held by other
@@ -213,8 +212,8 @@ def to_jax(pipe, *, whole_loop: WholeLoop = False, mesh=None, matmul_precision: 
         )
     if whole_loop not in _WHOLE_LOOP_VALUES:
         raise PipelineError(f"hfjax.to_jax(whole_loop={whole_loop!r}): use one of {_WHOLE_LOOP_VALUES}")
-    _mesh.check_mesh(mesh, caller="hfjax.to_jax")
-    _precision.check(matmul_precision, caller="hfjax.to_jax", error=PipelineError)
+    parallel.check_mesh(mesh, caller="hfjax.to_jax")
+    bridge.check_precision(matmul_precision, caller="hfjax.to_jax", error=PipelineError)
     if getattr(type(pipe), "_hfjax_on_jax", False):
         return pipe
     _register_vae_outputs()
@@ -227,7 +226,7 @@ def to_jax(pipe, *, whole_loop: WholeLoop = False, mesh=None, matmul_precision: 
             # Past DiffusionPipeline.__setattr__, which would record JittedModule in model_index.json.
             object.__setattr__(pipe, name, _compiled_component(name, component, mesh, matmul_precision))
         elif component is not None and hasattr(component, "__dict__"):
-            _env.move_tensors(component)
+            bridge.move_tensors(component)
     pipe.__class__ = _on_jax_class(type(pipe))
     pipe.hfjax_path = "per-step"
     pipe.hfjax_whole_loop = whole_loop  # may be changed between calls
@@ -242,7 +241,7 @@ def load_pipeline(
     dtype: str | None = None,
     mesh=None,
     whole_loop: WholeLoop = False,
-    matmul_precision: _precision.Precision | None = None,
+    matmul_precision: bridge.Precision | None = None,
 ):
     """Loads a diffusers pipeline (a local directory or a hub id) and runs it on JAX.
 
@@ -264,11 +263,12 @@ def load_pipeline(
       (32, 32)
     """
     dtype = _dtypes.resolve(dtype, caller="hfjax.load_pipeline")
-    _mesh.check_mesh(mesh, caller="hfjax.load_pipeline")
+    parallel.check_mesh(mesh, caller="hfjax.load_pipeline")
     path = _resolve(path_or_hub_id)
     DiffusionPipeline = _diffusers().DiffusionPipeline
     options = {"torch_dtype": _dtypes.torch_dtype(dtype)} if dtype else {}
-    pipe = DiffusionPipeline.from_pretrained(path, **options)
+    with _quiet.no_torchvision_note():
+        pipe = DiffusionPipeline.from_pretrained(path, **options)
     return to_jax(pipe, whole_loop=whole_loop, mesh=mesh, matmul_precision=matmul_precision)
 
 
@@ -294,6 +294,6 @@ def _resolve(path_or_hub_id):
     if path.is_dir():
         return path
     try:
-        return _loading.resolve(path_or_hub_id)
+        return bridge.resolve_checkpoint(path_or_hub_id)
     except LoadError as error:
         raise LoadError(str(error).replace("hfjax.load:", "hfjax.load_pipeline:", 1)) from None

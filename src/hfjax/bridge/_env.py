@@ -17,19 +17,28 @@ import torchax
 from torchax.tensor import Tensor as JaxTensor
 from torchax.tensor import View as JaxView
 
-from . import _backend, _compilation_cache, _ops, _pytrees
+from .. import _compilation_cache
+from . import _hook, _ops, _pytrees
 
 
 @functools.cache
 def env() -> torchax.tensor.Environment:
     """hfjax's torchax environment: torchax's lowerings, then hfjax's overrides for this backend."""
     environment = torchax.tensor.Environment()
-    _ops.install(environment, backend=_backend.active().name)
+    _ops.install(environment, backend=_hook.active().name)
     environment.j2t_copy = _to_cpu_tensors
     environment._to_copy = functools.partial(_to_copy_numbers, environment._to_copy, environment)
     if os.environ.get(_compilation_cache.VARIABLE):
         _compilation_cache.set_cache_dir(os.environ[_compilation_cache.VARIABLE])
     return environment
+
+
+def use_hook(hook: _hook.Backend) -> None:
+    """Makes `hook` the active backend hook (`hfjax._backend.active()` picks it), its op lowerings
+    installed in hfjax's environment, now or when it is made."""
+    _hook.set_active(hook)
+    if env.cache_info().currsize:
+        _ops.install(env(), backend=hook.name)
 
 
 def prng_key() -> jax.Array:
@@ -119,4 +128,6 @@ def torch_to_jax(t: torch.Tensor) -> jax.Array:
         )
     if t.dtype == torch.bfloat16:
         return jax.numpy.asarray(t.float().numpy()).astype(jax.numpy.bfloat16)
+    if t.dtype == torch.float8_e4m3fn:  # numpy has no float8: its bytes, seen as ml_dtypes' type
+        return jax.numpy.asarray(t.cpu().contiguous().view(torch.uint8).numpy().view(jax.numpy.float8_e4m3fn))
     return jax.numpy.asarray(t.cpu().contiguous().numpy())

@@ -16,9 +16,9 @@ import traceback
 import numpy as np
 import torch
 
-from . import _tasks, tolerances
-from ._errors import HfjaxError, UnsupportedOpError
-from ._model import load
+from .. import _tasks, tolerances
+from .._errors import HfjaxError, UnsupportedOpError
+from .._model import load
 
 
 @dataclasses.dataclass(frozen=True)
@@ -506,7 +506,7 @@ def check(
 
 def check_arch(arch: str, *, task: str | None = None, **kwargs) -> CheckReport:
     """`check` on a tiny random checkpoint of a family (model_type) built by hfjax.testing."""
-    from . import testing
+    from .. import testing
 
     with tempfile.TemporaryDirectory(prefix=f"hfjax-{arch}-") as directory:
         path = testing.save_tiny_checkpoint(arch, pathlib.Path(directory) / arch, task=task)

@@ -31,7 +31,7 @@ PRECISIONS: tuple[str, ...] = ("highest", "high", "medium")  # torch.set_float32
 _JAX_NAMES = {"highest": "highest", "high": "high", "medium": "default"}
 
 
-def check(matmul_precision: str | None, *, caller: str, error: type[Exception] = ValueError) -> str | None:
+def check_precision(matmul_precision: str | None, *, caller: str, error: type[Exception] = ValueError) -> str | None:
     """`matmul_precision=` as given to a public call: one of PRECISIONS, or None (follow torch's setting).
 
     Raises:
@@ -45,7 +45,7 @@ def check(matmul_precision: str | None, *, caller: str, error: type[Exception] =
     return matmul_precision
 
 
-def resolve(matmul_precision: str | None = None) -> str:
+def resolve_precision(matmul_precision: str | None = None) -> str:
     """The precision a program built now uses: `matmul_precision`, else torch's current setting."""
     if matmul_precision is not None:
         return matmul_precision

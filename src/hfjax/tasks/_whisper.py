@@ -12,7 +12,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from ._errors import PipelineError
+from .._errors import PipelineError
 
 # Whisper's generate options that hfjax does not carry out: name -> what it asks for.
 _REFUSED = {

@@ -4,7 +4,7 @@
     step(trainable, frozen, opt_state, key, batch)         -> (trainable, opt_state, key, metrics)
 
 `trainable` and `frozen` are {parameter name: jax.Array}; together (with the module's buffers,
-which are frozen) they are the module's state, swapped in by `_compile.bound` for the trace. The
+which are frozen) they are the module's state, swapped in by `bridge.bound` for the trace. The
 loss is the Hugging Face module's own (`labels=` in the batch). The step takes the gradient of it
 with `jax.value_and_grad`, accumulates it over micro-batches in a `lax.scan`, clips it and applies
 the optax update, in one program whose parameter and optimizer-state buffers are donated.
@@ -24,7 +24,7 @@ import optax
 import torch
 from torchax.tensor import Tensor as JaxTensor
 
-from .. import _compile, _dtypes, _env
+from .. import _dtypes, bridge
 from ._optim import learning_rate
 
 
@@ -57,11 +57,11 @@ def loss_function(module: torch.nn.Module, aliases: dict[str, str], settings: St
         params = {**frozen, **trainable}
         if compute is not None:
             params = {n: a.astype(compute) if jnp.issubdtype(a.dtype, jnp.floating) else a for n, a in params.items()}
-        kwargs = _env.to_torch(dict(batch))
+        kwargs = bridge.to_torch(dict(batch))
         if accepts_use_cache:
             kwargs["use_cache"] = False  # no cache object is built in a training forward
         with _mode(module, training=settings.dropout), _remat_layers(module, settings.remat):
-            with _compile.bound(module, params, aliases, key) as environment:
+            with bridge.bound(module, params, aliases, key) as environment:
                 out = module(**kwargs)
                 new_key = environment.prng_key
         if getattr(out, "loss", None) is None:
@@ -69,7 +69,7 @@ def loss_function(module: torch.nn.Module, aliases: dict[str, str], settings: St
                 f"hfjax.Trainer: {type(module).__name__} returned no loss for a batch with keys {sorted(batch)}; "
                 "the batch needs `labels` (token ids with -100 where no loss is taken, or class ids)"
             )
-        return _env.to_jax(out.loss).astype(jnp.float32), new_key
+        return bridge.to_jax(out.loss).astype(jnp.float32), new_key
 
     return loss
 
@@ -175,7 +175,7 @@ def _remat_layers(module: torch.nn.Module, on: bool):
 def _rematerialised(forward: Callable) -> Callable:
     # The layer runs under jax.checkpoint: its torchax tensor arguments and the PRNG key go in as
     # arrays, everything else stays as given; its weights are the enclosing trace's, closed over.
-    environment = _env.env()
+    environment = bridge.env()
 
     def is_tensor(x):
         return isinstance(x, torch.Tensor)

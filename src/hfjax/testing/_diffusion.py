@@ -19,7 +19,8 @@ from typing import Any, Literal
 
 import torch
 
-from . import _checkpoints
+from .. import _quiet
+from ._weights import perturb_constant_parameters
 
 PipelineKind = Literal["stable-diffusion", "sdxl", "sd-img2img", "pixart", "sd3", "flux"]
 SchedulerName = Literal["pndm", "ddim", "euler", "euler-ancestral", "dpm-solver++", "flow-match-euler"]
@@ -328,14 +329,14 @@ def save_tiny_pipeline(
     if kind not in _KINDS:
         raise ValueError(f"save_tiny_pipeline: unknown kind {kind!r}; use one of {PIPELINE_KINDS}")
     build, default_scheduler = _KINDS[kind]
-    with torch.random.fork_rng(devices=[]):
+    with torch.random.fork_rng(devices=[]), _quiet.no_torchvision_note():
         torch.manual_seed(seed)
         pipe = build(_scheduler(scheduler or default_scheduler))
         for component in pipe.components.values():
             if isinstance(component, torch.nn.Module):
                 # diffusers zero-initialises output layers (conv_out, final projections):
                 # without noise every denoiser would predict 0 and every image match.
-                _checkpoints.perturb_constant_parameters(component.eval(), std=0.02)
+                perturb_constant_parameters(component.eval(), std=0.02)
     path = pathlib.Path(path)
     path.mkdir(parents=True, exist_ok=True)
     pipe.save_pretrained(path)

@@ -16,9 +16,10 @@ import jax.numpy as jnp
 import numpy as np
 import torch
 
-from . import _audio, _loading, _tasks
-from ._buckets import bucket
-from ._errors import PipelineError
+from .. import _tasks, bridge
+from .._buckets import bucket
+from .._errors import PipelineError
+from . import _audio
 
 
 class JaxBackedModel:
@@ -196,8 +197,8 @@ def pipeline(task: str, model, *, dtype=None, **kwargs):
     are transformers' own, with the checkpoint's tokenizer, processor, image processor or feature
     extractor. Batches (`batch_size=`) are padded to power-of-two rows, and text encoders' token
     lengths to powers of two (the tokenizer's padding), so few programs are compiled.
-    Speech recognition also takes WAV files and arrays at any sampling rate (resampled to the feature
-    extractor's).
+    Speech recognition also takes audio files (WAV, FLAC, OGG, MP3: the `audio` extra) and arrays at
+    any sampling rate (resampled to the feature extractor's).
 
     Args:
       task: "text-generation", "text2text-generation", "text-classification",
@@ -217,7 +218,7 @@ def pipeline(task: str, model, *, dtype=None, **kwargs):
     """
     import transformers
 
-    from ._model import Model, load
+    from .._model import Model, load
 
     if task not in _tasks.TASKS:
         raise PipelineError(f"hfjax.pipeline: task={task!r} is not supported; use one of {_tasks.TASKS}")
@@ -229,8 +230,8 @@ def pipeline(task: str, model, *, dtype=None, **kwargs):
                 f"load it with hfjax.load(path, task={task!r})"
             )
     elif isinstance(model, (str, os.PathLike)):
-        path = _loading.resolve(model)
-        config = _loading.read_config(path)
+        path = bridge.resolve_checkpoint(model)
+        config = bridge.read_config(path)
         able = _tasks.tasks_of(config)
         if task not in able:
             raise PipelineError(

@@ -14,6 +14,7 @@ import contextlib
 import dataclasses
 import functools
 import sys
+import threading
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -23,8 +24,9 @@ from torch.nn.utils import stateless
 from torchax.tensor import OperatorNotFound
 from torchax.tensor import Tensor as JaxTensor
 
-from . import _backend, _env, _precision, _pytrees, _specialize
-from ._errors import DataDependentError, UnsupportedOpError
+from .. import _quiet
+from .._errors import DataDependentError, UnsupportedOpError
+from . import _env, _hook, _precision, _pytrees, _specialize
 
 
 def module_state(module: torch.nn.Module) -> tuple[dict[str, jax.Array], dict[str, str]]:
@@ -147,14 +149,14 @@ class JittedModule(torch.nn.Module):
                     f"pass names of its methods, e.g. methods=('forward',)"
                 )
         _env.env()  # made before anything is traced or compiled ($HFJAX_CACHE_DIR applies from here)
-        _backend.active().prepare()
+        _hook.active().prepare()
         if params is None:
             params, aliases = module_state(module)
         object.__setattr__(self, "module", module)
         object.__setattr__(self, "params", params)
         object.__setattr__(self, "_aliases", dict(aliases or {}))
         object.__setattr__(self, "_methods", methods)
-        object.__setattr__(self, "matmul_precision", _precision.check(matmul_precision, caller="hfjax.jit"))
+        object.__setattr__(self, "matmul_precision", _precision.check_precision(matmul_precision, caller="hfjax.jit"))
         object.__setattr__(self, "_programs", {})
         object.__setattr__(self, "_trace_counts", collections.Counter())
         object.__setattr__(self, "_module_names", {id(m): n for n, m in module.named_modules()})
@@ -212,7 +214,7 @@ class JittedModule(torch.nn.Module):
         originals = _stateful_inputs(args, kwargs)
         for original, new in zip(originals, _env.to_torch(new_inputs)):
             _pytrees.assign_state(original, new)
-        out = _merge(program.out_treedef, out_arrays, program.out_statics)
+        out = merge_outputs(program.out_treedef, out_arrays, program.out_statics)
         for field, index in program.out_inputs.items():
             setattr(out, field, originals[index])
         return _env.to_torch(out) if torch_world else out
@@ -229,7 +231,7 @@ class JittedModule(torch.nn.Module):
                 _check_hashable(method, path, leaf)
                 statics.append((i, leaf))
         dynamic = _env.to_jax(dynamic)
-        precision = precision or _precision.resolve(self.matmul_precision)
+        precision = precision or _precision.resolve_precision(self.matmul_precision)
         key = (method, treedef, tuple(statics), precision)
         program = self._programs.get(key)
         if program is None:
@@ -289,7 +291,7 @@ class JittedModule(torch.nn.Module):
         prng_key = _env.prng_key()
 
         def run_with(values):
-            key = _specialize.key(values)
+            key = _specialize.values_key(values)
             if key not in program.variants:
                 program.variants[key] = self._build(method, *program.signature, specialize_on=values)
             chosen = program.variants[key]
@@ -302,7 +304,7 @@ class JittedModule(torch.nn.Module):
             unspecialized = self._build(method, *program.signature)
             return unspecialized, unspecialized.traced(self.params, dynamic, prng_key)
 
-        return _specialize.run(
+        return _specialize.run_specialized(
             program.specialized,
             run_with,
             lambda known: self._discover(method, program, dynamic, prng_key, known),
@@ -312,7 +314,7 @@ class JittedModule(torch.nn.Module):
     def _discover(self, method: str, program: _Program, dynamic: list, prng_key, known: list) -> tuple[tuple, list]:
         # Every value of the data this call's trace needs, in order, starting from `known`.
         traced = self._build(method, *program.signature).traced
-        return _specialize.discover(traced, (self.params, dynamic, prng_key), known)
+        return _specialize.discover_values(traced, (self.params, dynamic, prng_key), known)
 
     @contextlib.contextmanager
     def _explain_errors(self):
@@ -338,12 +340,17 @@ def bound(module: torch.nn.Module, params: dict, aliases: dict[str, str], prng_k
 
     Usable inside any JAX trace (jit, while_loop bodies): the weights stay arguments.
     Yields the torchax environment, whose `prng_key` holds the key after the torch code ran.
+    One thread at a time runs torch code this way (a server compiles in a thread of its own while
+    another calls programs): swapping a module's weights is not safe from two threads at once.
     """
     environment = _env.env()
     state = with_aliases(_env.to_torch(dict(params)), aliases)
-    with environment, environment.override_property(prng=prng_key):
+    with _TORCH_CODE, _quiet.torch_code(), environment, environment.override_property(prng=prng_key):
         with stateless._reparametrize_module(module, state, tie_weights=False, strict=False):
             yield environment
+
+
+_TORCH_CODE = threading.RLock()  # see `bound`
 
 
 def with_aliases(state: dict, aliases: dict[str, str]) -> dict:
@@ -372,7 +379,7 @@ def _merge_leaves(n: int, dynamic: list, statics: tuple) -> list:
     return leaves
 
 
-def _merge(treedef, arrays: list, statics: tuple):
+def merge_outputs(treedef, arrays: list, statics: tuple):
     return jax.tree_util.tree_unflatten(treedef, _merge_leaves(treedef.num_leaves, arrays, statics))
 
 
@@ -404,33 +411,3 @@ def _innermost_module(tb, names: dict[int, str]) -> str | None:
             found = f"{names[id(candidate)] or '<root>'} ({type(candidate).__name__})"
         tb = tb.tb_next
     return found
-
-
-def jit(
-    module: torch.nn.Module,
-    methods: Sequence[str] = ("forward",),
-    *,
-    matmul_precision: _precision.Precision | None = None,
-) -> JittedModule:
-    """Compiles the listed methods of a torch module with XLA, weights passed as arguments.
-
-    Args:
-      module: any `torch.nn.Module` (a transformers or diffusers model, typically).
-      methods: names of the methods to compile; each runs as one XLA program per
-        argument structure, shapes and static values.
-      matmul_precision: the precision of float32 products and convolutions, as
-        `torch.set_float32_matmul_precision` names it ("highest", "high", "medium"); None follows
-        torch's setting ("highest" unless changed: full float32, as PyTorch computes), read when
-        each program is built.
-
-    Returns:
-      A `JittedModule`: call it like the module. Inputs may be torch tensors or
-      jax.Arrays; outputs are the module's usual types holding jax.Arrays (torchax
-      tensors when called with torchax tensors).
-
-    Example:
-      >>> fast = hfjax.jit(model)
-      >>> out = fast(input_ids, use_cache=False)
-      >>> out.logits  # jax.Array
-    """
-    return JittedModule(module, methods, matmul_precision=matmul_precision)

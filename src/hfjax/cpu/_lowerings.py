@@ -18,14 +18,14 @@ import torch
 from torchax.ops import op_base
 from torchax.tensor import Tensor as _TorchaxTensor
 
-from .. import _ops
-from .._ops import override
+from ..bridge import attention, check_no_dropout, grouped_scores, override_op, torchax_lowering
+from ..quantization import quantized_linear_jax
 from . import _kernels
 
 # -- convolution -----------------------------------------------------------------
 
 
-@override(
+@override_op(
     torch.ops.aten.convolution,
     backend="cpu",
     why="torchax convolves in torch's channels-first layout; outside loops XLA's CPU backend converts "
@@ -35,7 +35,7 @@ from . import _kernels
 def _convolution(input, weight, bias, stride, padding, dilation, transposed, output_padding, groups):
     # input: [N, C, *spatial] (or [C, *spatial]); weight: [O, C / groups, *kernel] -> [N, O, *spatial']
     if transposed:
-        return _ops.torchax_lowering(torch.ops.aten.convolution)(
+        return torchax_lowering(torch.ops.aten.convolution)(
             input, weight, bias, stride, padding, dilation, transposed, output_padding, groups
         )
     spatial = weight.ndim - 2
@@ -173,8 +173,41 @@ _LINEAR_WHY = (
     "XLA:CPU multiplies 2-64 rows by a transposed [N, K] weight ~1.4x slower than the swapped product; "
     "a thin weight's gradient (LoRA's B) transposes its small operands, not the output's gradient"
 )
-override(torch.nn.functional.linear, why=_LINEAR_WHY, backend="cpu")(_linear)
-override(torch.ops.aten.linear, why=_LINEAR_WHY, backend="cpu")(_linear)
+override_op(torch.nn.functional.linear, why=_LINEAR_WHY, backend="cpu")(_linear)
+override_op(torch.ops.aten.linear, why=_LINEAR_WHY, backend="cpu")(_linear)
+
+
+# -- quantized linear layers (hfjax.quantization) --------------------------------
+
+
+def _quantized_linear(x, weight, scale, zero, bias, mode, rows_per_scale, columns_per_scale):
+    # x: [..., K]; weight: int8 / e4m3 [N, K] or packed 4-bit [N, K / 2] -> [..., N]
+    rows = int(np.prod(x.shape[:-1], dtype=np.int64))
+    if rows in _kernels.ROWS and _kernels.quantized_usable(x, weight, columns_per_scale):  # decoding
+        flat = x.reshape(rows, -1)
+        out = _kernels.rows_times_quantized(flat, weight, scale, zero, rows_per_scale, columns_per_scale)
+        out = out.reshape(*x.shape[:-1], -1)
+        return out if bias is None else out + bias.astype(out.dtype)
+    per_channel = rows_per_scale == 1 and columns_per_scale >= x.shape[-1]
+    if rows in _kernels.ROWS and per_channel and mode == "int8" and x.dtype == jnp.float32:
+        # Without the kernel: products summed as one reduction, which XLA:CPU fuses with the int8
+        # weight's conversion; its dot converts the whole weight into a float32 copy first (~15x slower).
+        flat = x.reshape(rows, 1, -1)  # [R, 1, K]
+        out = jnp.sum(weight.astype(jnp.float32)[None] * flat, axis=-1)  # [R, N]
+        if zero is not None:
+            out = out - jnp.sum(flat, axis=-1) * zero[:, 0]
+        out = (out * scale[:, 0]).reshape(*x.shape[:-1], -1)
+        return out if bias is None else out + bias.astype(out.dtype)
+    return quantized_linear_jax(x, weight, scale, zero, bias, mode, rows_per_scale, columns_per_scale)
+
+
+override_op(
+    torch.ops.hfjax.quantized_linear,
+    backend="cpu",
+    why="a few rows (decoding) times a quantized weight run in hfjax's kernel, which reads the weight as "
+    "stored (1/4 or 1/8 of float32's bytes) and converts it in registers; XLA:CPU converts the whole "
+    "weight to float32 in memory first, on every call",
+)(_quantized_linear)
 
 
 # -- attention -----------------------------------------------------------------
@@ -228,7 +261,7 @@ def _kernel_attention(grouped, key, value, attn_mask, is_causal: bool, scale: fl
 
 def _sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
     # query: [..., Hq, L, D]; key: [..., Hkv, S, D]; value: [..., Hkv, S, Dv] -> [..., Hq, L, Dv]
-    _ops.check_no_dropout(dropout_p)
+    check_no_dropout(dropout_p)
     *batch, heads, length, depth = query.shape
     kv_heads = key.shape[-3]
     rows = heads // kv_heads * length if heads % kv_heads == 0 else 0
@@ -237,16 +270,16 @@ def _sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, sca
         scale = 1.0 / float(np.sqrt(depth)) if scale is None else scale
         out = _kernel_attention(grouped, key, value, attn_mask, is_causal, scale)
         return out.reshape(*batch, heads, length, value.shape[-1])
-    scores = _swapped_scores if 0 < rows <= _SWAPPED_SCORE_ROWS else _ops.grouped_scores
-    return _ops.attention(query, key, value, attn_mask, is_causal, scale, scores=scores)
+    scores = _swapped_scores if 0 < rows <= _SWAPPED_SCORE_ROWS else grouped_scores
+    return attention(query, key, value, attn_mask, is_causal, scale, scores=scores)
 
 
 _SDPA_WHY = (
     "decoding attention (a few query rows per key/value head) runs in hfjax's kernel, scores, "
     "softmax and values in one pass over the cache; without it, the scores as key @ query.T"
 )
-override(torch.nn.functional.scaled_dot_product_attention, why=_SDPA_WHY, backend="cpu")(_sdpa)
-override(torch.ops.aten.scaled_dot_product_attention, why=_SDPA_WHY, backend="cpu")(_sdpa)
+override_op(torch.nn.functional.scaled_dot_product_attention, why=_SDPA_WHY, backend="cpu")(_sdpa)
+override_op(torch.ops.aten.scaled_dot_product_attention, why=_SDPA_WHY, backend="cpu")(_sdpa)
 
 
 # -- cache updates ---------------------------------------------------------------
@@ -273,7 +306,7 @@ _INDEX_COPY_WHY = (
     "torchax decomposes index_copy_ (transformers' StaticCache.update) into a scatter on the full "
     "[B, H, S, D] cache; at batch 1 XLA then copies each cache layer four times per decoded token"
 )
-override(torch.ops.aten.index_copy, why=_INDEX_COPY_WHY, backend="cpu")(_index_copy)
-override(torch.ops.aten.index_copy_, why=_INDEX_COPY_WHY, backend="cpu", is_jax_function=False, is_view_op=True)(
+override_op(torch.ops.aten.index_copy, why=_INDEX_COPY_WHY, backend="cpu")(_index_copy)
+override_op(torch.ops.aten.index_copy_, why=_INDEX_COPY_WHY, backend="cpu", is_jax_function=False, is_view_op=True)(
     op_base.InplaceOp(torch.ops.aten.index_copy)
 )

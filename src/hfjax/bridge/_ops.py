@@ -1,6 +1,6 @@
 """Op lowerings that hfjax adds to or fixes in torchax, all in one registry.
 
-Each override is registered with `@override(aten_op, why=...)` and installed into hfjax's own
+Each override is registered with `@override_op(aten_op, why=...)` and installed into hfjax's own
 torchax environment (`_env.env()`) when that is made. An override registered for a backend
 (`backend="cpu"`, from `hfjax.cpu`) is installed only where that backend's hook is active, after
 the generic ones. Every override has a parity test against the same op run by torch
@@ -42,7 +42,9 @@ _OVERRIDES: dict[tuple[object, str | None], Override] = {}
 _INSTALLED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # environment -> its backend name
 
 
-def override(aten_op, *, why: str, backend: str | None = None, is_jax_function: bool = True, is_view_op: bool = False):
+def override_op(
+    aten_op, *, why: str, backend: str | None = None, is_jax_function: bool = True, is_view_op: bool = False
+):
     """Registers the decorated function as hfjax's lowering of a torch op.
 
     Args:
@@ -170,7 +172,7 @@ def _index_dtype(out_int32: bool):
 # -- mixture of experts --------------------------------------------------------
 
 
-@override(
+@override_op(
     torch.ops.aten._grouped_mm.default,
     why="torchax has no lowering; transformers' default 'grouped_mm' MoE experts call it",
 )
@@ -217,7 +219,7 @@ def _grouped_mm(mat_a, mat_b, offs=None, bias=None, out_dtype=None):
 
 # torchax makes each in-place op of its table from the functional one (`op_base.InplaceOp`: the
 # result written back into the tensor or View); abs_ is not in that table.
-override(
+override_op(
     torch.ops.aten.abs_,
     why='torchax has no in-place abs ("unsupported op aten::abs_"); transformers 5.24\'s Siglip2 '
     "weighs its antialiased position-embedding resize with `(...).abs_().div_(...)`",
@@ -230,7 +232,7 @@ def _broadcasts_to(shape: tuple[int, ...], target: tuple[int, ...]) -> bool:
     return len(shape) <= len(target) and all(s in (1, t) for s, t in zip(reversed(shape), reversed(target)))
 
 
-@override(
+@override_op(
     torch.ops.aten.copy_,
     why="torchax's copy_ reads `src._elem`, which a View lacks (\"'View' object has no attribute "
     "'_elem'\"), and does not broadcast src; state-space and hybrid caches (mamba, jamba, zamba...) "
@@ -277,7 +279,7 @@ class _CheckOutcome(_TorchaxTensor):
         return True if isinstance(value, jax.core.Tracer) else bool(value)
 
 
-@override(
+@override_op(
     torch.ops.aten._is_all_true.default,
     why="torchax has no lowering; torch._check_tensor_all (transformers' torch_compilable_check, "
     "e.g. prophetnet's cached decode, masks) and torch.distributions' argument checks (blt) call it, then "
@@ -288,7 +290,7 @@ def _is_all_true(x):
     return _CheckOutcome(jnp.all(x.jax()), x._env)  # [] bool
 
 
-@override(
+@override_op(
     torch.ops.aten._is_any_true.default,
     why="torchax has no lowering; the twin of _is_all_true",
     is_jax_function=False,
@@ -328,11 +330,11 @@ def _searchsorted(sorted_sequence, values, *, out_int32=False, right=False, side
     return out.astype(_index_dtype(out_int32))
 
 
-override(
+override_op(
     torch.ops.aten.searchsorted.Tensor,
     why="torchax's lowering rejects right=, side= and sorter= with a TypeError and handles only a 1D sorted_sequence",
 )(_searchsorted)
-override(
+override_op(
     torch.ops.aten.searchsorted.Scalar,
     why="torchax has no lowering; diffusers' DPMSolverMultistepScheduler.set_timesteps calls it",
 )(_searchsorted)
@@ -346,7 +348,7 @@ def _concrete_bound(bound):
     return int(concrete(bound.jax(), "a tensor used as a slice bound")) if isinstance(bound, torch.Tensor) else bound
 
 
-@override(
+@override_op(
     torch.Tensor.__getitem__,
     why="torchax keeps a tensor slice bound (x[:, :n], n a 0-d tensor) inside the View it returns, "
     "and using that View fails with 'torchax Tensors can only do math within the torchax "
@@ -385,7 +387,7 @@ def _is_integer(x) -> bool:
     return isinstance(x, int) and not isinstance(x, bool)
 
 
-@override(
+@override_op(
     torch.ops.aten.pow,
     why="torchax raises integers to integer powers in float and casts back, which rounds past "
     "2**24, saturates instead of wrapping, and is wrong for negative exponents; BLT's rolling "
@@ -466,7 +468,7 @@ def _sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, sca
     return attention(query, key, value, attn_mask, is_causal, scale)
 
 
-@override(
+@override_op(
     torch.nn.functional.linear,
     why="torchax names its arguments (self, weights, bias), so torch's own keywords fail: ibert's "
     "QuantLinear calls linear(x, weight=..., bias=...)",
@@ -475,7 +477,7 @@ def linear(input, weight, bias=None):
     return torchax_lowering(torch.nn.functional.linear)(input, weight, bias)
 
 
-@override(
+@override_op(
     torch.ops.aten._upsample_bilinear2d_aa,
     why="torchax's passes its arguments in the wrong order (TypeError: 'tuple' object is not callable); "
     "siglip2 resizes its position embeddings with interpolate(mode='bilinear', antialias=True)",
@@ -499,8 +501,8 @@ SDPA_WHY = (
     "makes such rows, and the NaN then spreads through the cache), where torch gives zeros; it also "
     "copies keys and values once per query head for grouped-query attention"
 )
-override(torch.nn.functional.scaled_dot_product_attention, why=SDPA_WHY)(_sdpa)
-override(torch.ops.aten.scaled_dot_product_attention, why=SDPA_WHY)(_sdpa)
+override_op(torch.nn.functional.scaled_dot_product_attention, why=SDPA_WHY)(_sdpa)
+override_op(torch.ops.aten.scaled_dot_product_attention, why=SDPA_WHY)(_sdpa)
 
 
 # -- values of the data (see hfjax._specialize) --------------------------------
@@ -522,7 +524,7 @@ def _mask_indices(mask) -> tuple[jax.Array, ...]:
     return _true_positions(mask, "the number of True values in a boolean mask index")
 
 
-@override(
+@override_op(
     torch.arange,
     why="torchax's arange needs Python bounds; models that count positions from a cache's length "
     "(led: torch.arange(past_length, past_length + n)) give tensors, whose difference is a value of the data",
@@ -541,7 +543,7 @@ def arange(start, end=None, step=None, *, dtype=None, **_):
     return (start + jnp.arange(int(length)) * step).astype(dtype)
 
 
-@override(
+@override_op(
     torch.ops.aten._local_scalar_dense,
     why="torchax's .item() fails inside a trace; `if mask.any():` and `assert x.max().item() <= n` "
     "(fsmt, led, xlm, flaubert) read a value of the data",
@@ -550,7 +552,7 @@ def _local_scalar_dense(x):
     return concrete(x, ".item() of a tensor (or its truth value)").item()
 
 
-@override(
+@override_op(
     torch.Tensor.tolist,
     why="torch refuses .tolist() on torchax's View (a slice: siglip2's spatial_shapes), and a traced "
     "tensor's list is a value of the data",
@@ -559,7 +561,7 @@ def tolist(x):
     return concrete(x, "Tensor.tolist()").tolist()
 
 
-@override(
+@override_op(
     torch.ops.aten.nonzero,
     why="torchax's nonzero has a size that depends on the data, which a trace cannot have; "
     "MoE expert loops (dbrx, transformers' 'eager' experts) and torch.where(mask) call it",
@@ -572,7 +574,7 @@ def _nonzero(x):
     return jnp.argwhere(x, size=hits).astype(_index_dtype(False))
 
 
-@override(
+@override_op(
     torch.ops.aten.index.Tensor,
     why="torchax indexes with a boolean mask by jnp's own, whose result size depends on the data; "
     "T5 and BART classifiers pool hidden_states[eos_mask]",
@@ -587,7 +589,7 @@ def _index(self, indexes):
     return torchax_lowering(torch.ops.aten.index.Tensor)(self, positional)
 
 
-@override(
+@override_op(
     torch.ops.aten.masked_select,
     why="torchax's masked_select has a size that depends on the data, which a trace cannot have",
 )
@@ -598,7 +600,7 @@ def _masked_select(self, mask):
     return values[positions]
 
 
-@override(
+@override_op(
     torch.ops.aten.unique_consecutive,
     why="torchax's unique_consecutive has a size that depends on the data, which a trace cannot "
     "have; T5 and BART classifiers check their EOS counts with it",

@@ -47,7 +47,7 @@ import numpy as np
 import torch
 import torchax
 
-from ._errors import DataDependentError
+from .._errors import DataDependentError
 
 MAX_SPECIALIZATIONS = 8  # programs per method and argument structure before running op by op
 
@@ -121,7 +121,7 @@ def replaying(values, *, probing: bool = False):
         )
 
 
-def discover(function, args: tuple, known=()) -> tuple[tuple, list[str]]:
+def discover_values(function, args: tuple, known=()) -> tuple[tuple, list[str]]:
     """Every value of the data that tracing `function(*args)` needs, in order, starting from the
     values `known` to be right: one small program per value that is not known in Python (its
     output is the traced value at the next point; XLA keeps only what that value needs).
@@ -175,7 +175,7 @@ class Specializations:
     def add(self, discovered: tuple[tuple, list]) -> tuple:
         """Records values found by `discover` as the ones to run with; returns them."""
         self.last, self.sites = discovered
-        self.built[key(self.last)] = self.last
+        self.built[values_key(self.last)] = self.last
         return self.last
 
     def matching(self, known, excluded: set) -> tuple | None:
@@ -188,7 +188,7 @@ class Specializations:
         return None
 
 
-def run(specializations: Specializations, run_with, discover_from, eager):
+def run_specialized(specializations: Specializations, run_with, discover_from, eager):
     """The result of the program specialised on this call's values of the data: the one that ran
     last if its guards hold, else one built earlier whose values begin with those found right,
     else the one for the values discovered for this call; past `full`, `eager()`.
@@ -205,7 +205,7 @@ def run(specializations: Specializations, run_with, discover_from, eager):
             specializations.last = values
             return result
         known = [np.asarray(value) for value in observed[: wrong + 1]]
-        failed.add(key(values))
+        failed.add(values_key(values))
         values = specializations.matching(known, failed)
     if specializations.full:
         return eager()
@@ -218,7 +218,7 @@ def run(specializations: Specializations, run_with, discover_from, eager):
     return result
 
 
-def key(values: list[np.ndarray] | tuple[np.ndarray, ...]) -> tuple:
+def values_key(values: list[np.ndarray] | tuple[np.ndarray, ...]) -> tuple:
     """A hashable key of recorded values."""
     return tuple((v.dtype.str, v.shape, v.tobytes()) for v in values)
 

@@ -1,0 +1,158 @@
+"""What the subcommands share: the parser class, the help format, and the model options.
+
+The model options (`--model`, `--dtype`, `--model-parallel`, `--data-parallel`) are defined once,
+in `model_options`, with the names vLLM and transformers use as aliases (`--tensor-parallel-size`,
+`--data-parallel-size`, `--dtype auto`); each subcommand takes them as a parent parser.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from .. import _dtypes
+
+DTYPES = ("auto", *_dtypes.NAMES)
+QUANTIZE_MODES = ("int8", "fp8", "int4")  # hfjax.quantization.MODES, without importing it (no torch at parse time)
+
+
+class FlagError(ValueError):
+    """Flags that parse but do not go together, or a value out of range: exit code 2."""
+
+
+class HelpFormatter(argparse.HelpFormatter):
+    """argparse's format, with each option's default after its help, unless the help already
+    says it (a default in words, such as "the checkpoint's") or the option is a switch or required."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        shown = "default" in text or action.required or action.nargs == 0
+        if shown or action.default in (None, argparse.SUPPRESS) or not action.option_strings:
+            return text
+        return f"{text} (default: %(default)s)"
+
+
+class Parser(argparse.ArgumentParser):
+    """An ArgumentParser whose usage errors are one line: the command, what is wrong, where to read more."""
+
+    def __init__(self, *args, **kwargs):
+        kwargs.setdefault("formatter_class", HelpFormatter)
+        super().__init__(*args, **kwargs)
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: {message}; see `{self.prog} --help`\n")
+
+
+def _dtype(value: str) -> str | None:
+    if value not in DTYPES:
+        raise argparse.ArgumentTypeError(f"invalid dtype {value!r}; choose from {', '.join(DTYPES)}")
+    return None if value == "auto" else value
+
+
+def model_options(*, dtype: bool = True, mesh: bool = True, positional: bool = False, quantize: bool = False) -> Parser:
+    """A parent parser with the model options a subcommand takes.
+
+    Args:
+      dtype: add `--dtype` (default auto: the checkpoint's; parsed to None or a dtype name).
+      mesh: add `--model-parallel` / `--tensor-parallel-size` and `--data-parallel` /
+        `--data-parallel-size` (default 1 each).
+      positional: the model may also be given as the first positional argument, as `vllm serve
+        MODEL` takes it (read it with `model_path`); otherwise `--model` is required.
+      quantize: add `--quantize` / `--quantization` and `--quantize-lm-head` (`hfjax.load`'s
+        quantize= and quantize_lm_head=; read them with `load_options`).
+    """
+    parent = Parser(add_help=False)
+    if positional:
+        parent.add_argument(
+            "positional_model", nargs="?", default=None, metavar="MODEL", help="checkpoint directory or hub id"
+        )
+        parent.add_argument("--model", default=None, help="MODEL, given as a flag instead (default: none)")
+    else:
+        parent.add_argument("--model", required=True, help="checkpoint directory or hub id")
+    if dtype:
+        parent.add_argument(
+            "--dtype",
+            type=_dtype,
+            default="auto",
+            metavar="{" + ",".join(DTYPES) + "}",
+            help="weights dtype; auto: the checkpoint's",
+        )
+    if mesh:
+        parent.add_argument(
+            "--model-parallel",
+            "--tensor-parallel-size",
+            dest="model_parallel",
+            type=int,
+            default=1,
+            metavar="N",
+            help="devices each weight is split over (tensor parallel)",
+        )
+        parent.add_argument(
+            "--data-parallel",
+            "--data-parallel-size",
+            dest="data_parallel",
+            type=int,
+            default=1,
+            metavar="N",
+            help="devices the batch is split over; --data-parallel x --model-parallel devices are used",
+        )
+    if quantize:
+        parent.add_argument(
+            "--quantize",
+            "--quantization",
+            dest="quantize",
+            choices=QUANTIZE_MODES,
+            default=None,
+            help="quantize the linear layers while loading: int8 (a scale per output channel), fp8 (e4m3, a "
+            "scale per output channel) or int4 (groups of 128 inputs); a checkpoint published quantized "
+            "(fp8, compressed-tensors, GPTQ, AWQ) is read as it is without it (default: none)",
+        )
+        parent.add_argument("--quantize-lm-head", action="store_true", help="with --quantize: quantize the LM head too")
+    return parent
+
+
+def quantize_options(args: argparse.Namespace) -> dict:
+    """`hfjax.load`'s quantize= and quantize_lm_head= from `--quantize` and `--quantize-lm-head`."""
+    return {"quantize": getattr(args, "quantize", None), "quantize_lm_head": getattr(args, "quantize_lm_head", False)}
+
+
+def model_path(args: argparse.Namespace) -> str:
+    """The model a subcommand with `model_options(positional=True)` was given: MODEL or --model.
+
+    Raises:
+      FlagError: for neither, or two different ones.
+    """
+    given = [m for m in (args.positional_model, args.model) if m is not None]
+    if not given:
+        raise FlagError("no model given; pass it as MODEL or with --model, e.g. `hfjax serve ./my-checkpoint`")
+    if len(set(given)) > 1:
+        raise FlagError(
+            f"two models given: MODEL {args.positional_model!r} and --model {args.model!r}; pass one of them"
+        )
+    return given[0]
+
+
+def at_least_one(args: argparse.Namespace, *names: str) -> None:
+    """Checks that each named integer flag is at least 1.
+
+    Raises:
+      FlagError: naming the first flag that is not, e.g. "--max-batch=0 must be at least 1".
+    """
+    for name in names:
+        value = getattr(args, name)
+        if value is not None and value < 1:
+            raise FlagError(f"--{name.replace('_', '-')}={value} must be at least 1")
+
+
+def mesh(args: argparse.Namespace):
+    """The device mesh of `--data-parallel` x `--model-parallel`, or None for one device.
+
+    Raises:
+      FlagError: for a size below 1.
+      ShardingError: for more devices than there are.
+    """
+    at_least_one(args, "model_parallel", "data_parallel")
+    if args.model_parallel * args.data_parallel == 1:
+        return None
+    import hfjax
+
+    return hfjax.make_mesh(data=args.data_parallel, model=args.model_parallel)

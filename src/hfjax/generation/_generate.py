@@ -1,0 +1,82 @@
+"""`Model.generate`'s arguments, as transformers takes them, turned into one run of the engine:
+prompts and masks checked into arrays, the settings resolved, the context checked."""
+
+from __future__ import annotations
+
+from .. import bridge
+from .._errors import GenerationError
+from . import _multimodal, _planning, _settings
+from ._engine import Generator
+
+
+def generate(generator: Generator, input_ids, attention_mask, *, generation_config, seed: int, streamer, **arguments):
+    """`Model.generate(input_ids, attention_mask, **arguments)` on `generator`'s model (see its docstring)."""
+    model = generator.model
+    config = model.config
+    encoder_decoder = getattr(config, "is_encoder_decoder", False)
+    decoder_prompt = arguments.pop("decoder_input_ids", None)
+    main_input = model.module.main_input_name
+    if encoder_decoder and main_input != "input_ids":
+        # The encoder reads features (e.g. Whisper's input_features), by name or first positional.
+        features = arguments.pop(main_input, input_ids)
+        ids, mask = _planning.feature_arrays(main_input, features, attention_mask)
+    else:
+        ids, mask = _planning.prompt_arrays(input_ids, attention_mask)
+    if decoder_prompt is not None:
+        if not encoder_decoder:
+            raise GenerationError(
+                "Model.generate: decoder_input_ids is for encoder-decoder models; "
+                f"{type(model.module).__name__} is a decoder: pass the whole prompt as input_ids"
+            )
+        decoder_prompt = _planning.decoder_prompt_array(decoder_prompt, rows=ids.shape[0])
+    inputs, arguments = _multimodal.split_model_inputs(model.module, arguments)
+    resolved = _settings.resolve_settings(
+        model,
+        ids.shape[1],
+        generation_config,
+        decoder_prompt_length=1 if decoder_prompt is None else decoder_prompt.shape[1],
+        **arguments,
+    )
+    if not encoder_decoder:
+        _planning.warn_if_right_padded(ids, None if attention_mask is None else mask, resolved)
+    if attention_mask is None:
+        inferred = _planning.infer_mask(ids, resolved)  # int32 [B, S], or None: all ones
+        mask = mask if inferred is None else inferred
+    context = bridge.context_length(config)
+    if not encoder_decoder and context is not None:
+        check_context(
+            int(mask.sum(axis=1).max()), resolved.max_new_tokens, limit=context,
+            limit_name=f"the model's context of {context} tokens (config.max_position_embeddings)",
+            prompt_name="Model.generate: the prompt",
+        )  # fmt: skip
+    return generator.generate(
+        ids, mask, resolved, seed=seed, streamer=streamer, decoder_prompt=decoder_prompt, inputs=inputs
+    )
+
+
+def check_context(
+    prompt_tokens: int,
+    max_new_tokens: int | None,
+    *,
+    limit: int,
+    limit_name: str,
+    budget_name: str = "max_new_tokens",
+    prompt_name: str = "the prompt",
+) -> None:
+    """The one context check (Model.generate, the server's engine and its HTTP requests): raises
+    GenerationError when a prompt of `prompt_tokens` tokens leaves no room for an answer within
+    `limit` tokens, or with `max_new_tokens` new ones (None: unset) goes past them.
+
+    `limit_name` says what the limit is ("the model's context of 256 tokens (config.max_position_embeddings)",
+    "max_model_len=256"); `budget_name` and `prompt_name` name the caller's arguments.
+    """
+    if prompt_tokens >= limit:
+        raise GenerationError(
+            f"{prompt_name} has {prompt_tokens} tokens; {limit_name} leaves no room for an answer. Shorten {prompt_name}"
+        )
+    if max_new_tokens is not None and prompt_tokens + max_new_tokens > limit:
+        raise GenerationError(
+            f"{prompt_name} has {prompt_tokens} tokens and {budget_name}={max_new_tokens}, "
+            f"{prompt_tokens + max_new_tokens} in all, more than {limit_name}; shorten {prompt_name} or pass "
+            f"{budget_name}<={limit - prompt_tokens}"
+        )

@@ -1,0 +1,473 @@
+"""The continuous-batching core: a KV cache of S sequence slots and its two programs.
+
+Each slot is one row of a static KV cache [S, heads, L, head_dim] per layer: its request's token at
+position p has its keys and values in column p. Rows advance independently, so the model is given a
+4-D attention mask built from each row's positions and writes its new keys and values through
+`SlotLayer`, a transformers `StaticLayer` that writes each row at that row's own column.
+
+    prefill_chunk   the next C prompt tokens of P slots written into their rows (each row's real
+                    tokens last in the chunk, so the model makes logits at one index); the token
+                    after each row's last real token chosen with the slot's settings
+    decode_chunk    up to K one-token steps of the first R slots in one program (a `fori_loop`),
+                    over the first W columns of the cache; rows that are not decoding write nowhere
+
+Each slot's sampling settings are per-row arrays (`RowSampling`), and the token choice is the one
+every program makes (`_choose.choose_tokens`), so requests coming and going never change a
+program's shape. `SlotPrograms` keeps the programs (`ProgramCache`: in memory, and on disk as
+`jax.export` blobs), one per (kind, rows, columns), and says which are ready.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import functools
+import inspect
+import threading
+
+import jax
+import jax.numpy as jnp
+
+from .. import _backend, bridge
+from .._errors import GenerationError
+from . import _caches, _programs, _sampling
+from ._adapters import StaticCacheAdapter, adapter_for
+from ._choose import choose_tokens
+from ._rows import RowSampling, SamplingFeatures
+
+TOP_LOGPROBS = 20  # the most alternatives OpenAI's API lets a request ask for per token
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class SlotState:
+    """What the device holds for S slots between programs."""
+
+    cache: list  # [(keys, values)] per layer, each [S, heads, L, head_dim]
+    tokens: jax.Array  # [S] int32: each slot's last token, not yet in its cache
+    positions: jax.Array  # [S] int32: that token's position
+    seen: jax.Array | None  # [S, V] bool: the row's tokens so far (repetition penalty); else None
+    counts: jax.Array | None  # [S, V] int32: the answer's tokens (presence / frequency penalties); else None
+
+    def leaves(self) -> tuple:
+        """The state as plain containers, which `jax.export` keeps (programs take and return these)."""
+        return self.cache, self.tokens, self.positions, self.seen, self.counts
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class Chosen:
+    """The tokens a program chose, with their log-probabilities (R rows, T tokens each)."""
+
+    token: jax.Array  # [R, T] int32
+    logprob: jax.Array  # [R, T] float32: log-softmax of the model's logits at the chosen token
+    top_token: jax.Array  # [R, T, TOP_LOGPROBS] int32: the most likely tokens, most likely first
+    top_logprob: jax.Array  # [R, T, TOP_LOGPROBS] float32
+
+
+def _slot_layer_class():
+    from transformers.cache_utils import StaticLayer
+
+    class SlotLayer(StaticLayer):
+        """A StaticLayer [B, heads, L, head_dim] whose rows are written at their own columns: the
+        keys of row b's query j go to column columns[b, j] (out of range: dropped)."""
+
+        def __init__(self, keys, values, columns):
+            super().__init__(max_cache_len=keys.shape[2])
+            self.keys, self.values, self.columns = keys, values, columns
+            self.dtype, self.device = keys.dtype, keys.device
+            self.is_initialized = True
+
+        def update(self, key_states, value_states, *args, **kwargs):
+            self.keys = _written(self.keys, key_states, self.columns)
+            self.values = _written(self.values, value_states, self.columns)
+            return self.keys, self.values
+
+        def get_seq_length(self):
+            return 0  # positions come from position_ids, the mask is given whole
+
+    return SlotLayer
+
+
+def _written(cache, new, columns):
+    cache, new, columns = bridge.to_jax(cache), bridge.to_jax(new), bridge.to_jax(columns)  # [B,H,L,D] [B,H,q,D] [B,q]
+    rows = jnp.broadcast_to(jnp.arange(new.shape[0], dtype=jnp.int32)[:, None], columns.shape)
+    # Advanced indices around a slice put their dimensions first: cache[rows, :, columns] is [B, q, H, D].
+    updated = cache.at[rows, :, columns].set(jnp.swapaxes(new, 1, 2).astype(cache.dtype), mode="drop")
+    return bridge.to_torch(updated)
+
+
+def check_supported(model, length: int) -> None:
+    """Raises GenerationError for a model the slot cache cannot serve, saying why."""
+    adapter = adapter_for(model.module)
+    if type(adapter) is not StaticCacheAdapter:
+        raise GenerationError(
+            f"hfjax serve batches decoder-only causal LMs with a static KV cache; {type(model.module).__name__} "
+            f"keeps its past as {adapter.kind!r}; use Model.generate for it"
+        )
+    config = model.module.config.get_text_config(decoder=True)
+    if any(_caches.recurrent(layer) for layer in _caches.static_cache(config, 1).layers):
+        raise GenerationError(
+            f"hfjax serve's slot cache holds keys and values per slot; {config.model_type} also has "
+            "linear-attention or mamba layers, whose states it does not keep; use Model.generate for it"
+        )
+    window = getattr(config, "sliding_window", None)
+    if isinstance(window, int) and window < length and _uses_window(config):
+        raise GenerationError(
+            f"max_model_len={length}: {config.model_type} attends over a sliding window of {window} tokens, which "
+            f"the slot cache does not apply; pass max_model_len<={window}"
+        )
+
+
+def _uses_window(config) -> bool:
+    if getattr(config, "use_sliding_window", True) is False:
+        return False
+    types = getattr(config, "layer_types", None)
+    return types is None or "sliding_attention" in types
+
+
+class SlotModel:
+    """A causal LM run over S slots of one static KV cache of L columns (inside traces)."""
+
+    def __init__(self, model, slots: int, length: int):
+        self.model = model
+        self.module = model.module
+        self.config = model.module.config.get_text_config(decoder=True)
+        self.slots, self.length = slots, length
+        self.layer_class = _slot_layer_class()
+        self.boolean_mask = getattr(self.config, "_attn_implementation", "sdpa") != "eager"
+        self.module_names = {id(m): n for n, m in self.module.named_modules()}
+        self.cache_keyword = _caches.cache_keyword(self.module)
+        self.takes_logits_to_keep = "logits_to_keep" in inspect.signature(self.module.forward).parameters
+        self._shapes = None
+
+    def shapes(self) -> tuple[list[tuple[jax.ShapeDtypeStruct, jax.ShapeDtypeStruct]], int]:
+        """(each layer's (keys, values) shape for S slots, the width of the logits), from an
+        abstract run of the model on one token."""
+        if self._shapes is None:
+
+            def one_token(params):
+                cache = _caches.static_cache(self.config, self.length)
+                with self.bound(params):
+                    ids = bridge.to_torch(jnp.zeros((1, 1), jnp.int32))
+                    out = self.module(input_ids=ids, use_cache=True, **{self.cache_keyword: cache})
+                layers = _caches.returned_cache(out).layers
+                return [(bridge.to_jax(layer.keys), bridge.to_jax(layer.values)) for layer in layers], bridge.to_jax(
+                    out.logits
+                )
+
+            layers, logits = jax.eval_shape(one_token, self.model.params)
+            cache = [tuple(jax.ShapeDtypeStruct((self.slots, *s.shape[1:]), s.dtype) for s in pair) for pair in layers]
+            self._shapes = cache, logits.shape[-1]
+        return self._shapes
+
+    def bytes_per_slot(self) -> int:
+        """The KV cache's bytes for one slot of L columns."""
+        cache, _ = self.shapes()
+        return sum(int(s.size // self.slots) * s.dtype.itemsize for pair in cache for s in pair)
+
+    def empty_state(self, features: SamplingFeatures) -> SlotState:
+        """Zeros, placed where the programs' outputs will be (on the weights' device), so the first call
+        and every later one have the same signature."""
+        cache, vocab = self.shapes()
+        weights = next(iter(self.model.params.values())).sharding
+        place = (lambda x: jax.device_put(x, weights)) if len(weights.device_set) == 1 else (lambda x: x)
+        return jax.tree_util.tree_map(
+            place,
+            SlotState(
+                cache=[tuple(jnp.zeros(s.shape, s.dtype) for s in pair) for pair in cache],
+                tokens=jnp.zeros(self.slots, jnp.int32),
+                positions=jnp.zeros(self.slots, jnp.int32),
+                seen=jnp.zeros((self.slots, vocab), bool) if features.repetition else None,
+                counts=jnp.zeros((self.slots, vocab), jnp.int32) if features.presence else None,
+            ),
+        )
+
+    @contextlib.contextmanager
+    def bound(self, params):
+        with bridge.explain_errors(self.module, self.module_names):
+            with bridge.bound(self.module, params, self.model.aliases, bridge.prng_key()):
+                yield
+
+    def run(self, params, cache, ids, positions, columns, keep=None):
+        """Logits [B, q, V] (or at the query indices `keep` [k] int32 only: [B, k, V]) and the cache
+        after ids [B, q] at positions [B, q], whose keys and values go to columns [B, q] (past the
+        cache's end: nowhere)."""
+        from transformers import StaticCache
+
+        length = cache[0][0].shape[2]  # the columns given: all L, or a chunk's window
+        past = StaticCache(config=self.config, max_cache_len=length)
+        past.layers = [
+            self.layer_class(bridge.to_torch(k), bridge.to_torch(v), bridge.to_torch(columns)) for k, v in cache
+        ]
+        every = jnp.arange(length, dtype=jnp.int32)
+        allowed = (every[None, None, :] <= positions[:, :, None])[:, None]  # [B, 1, q, L]
+        if self.boolean_mask:
+            mask = allowed
+        else:
+            dtype = cache[0][0].dtype
+            mask = jnp.where(allowed, jnp.zeros((), dtype), jnp.finfo(dtype).min)
+        kwargs = {"use_cache": True, self.cache_keyword: past, "attention_mask": bridge.to_torch(mask)}
+        kwargs["position_ids"] = bridge.to_torch(positions)
+        if keep is not None and self.takes_logits_to_keep:
+            kwargs["logits_to_keep"] = bridge.to_torch(keep)
+            keep = None
+        out = self.module(input_ids=bridge.to_torch(ids), **kwargs)
+        logits = bridge.to_jax(out.logits).astype(jnp.float32)
+        if keep is not None:
+            logits = jnp.take(logits, keep, axis=1)
+        cache = [(bridge.to_jax(layer.keys), bridge.to_jax(layer.values)) for layer in past.layers]
+        return logits, cache
+
+    # -- the two programs (traced) --------------------------------------------------
+
+    def prefill_chunk(
+        self,
+        params,
+        state: SlotState,
+        rows: RowSampling,
+        which,
+        ids,
+        start,
+        count,
+        last,
+        fresh,
+        want_logprobs,
+        *,
+        window: int,
+        features: SamplingFeatures,
+    ) -> tuple[SlotState, Chosen]:
+        """Prompt chunks of P slots at once: ids [P, C] int32, row p's count[p] real tokens last (at
+        positions start[p]..; the padding before them writes nowhere), so every row's last real
+        token is at index C-1 and the model makes logits there only; which [P] int32, the slots (S:
+        a padding row, which reads zeros and writes nowhere); last [P] bool, the rows whose chunk
+        ends their prompt (their next token becomes the slot's next input); fresh [P] bool, the
+        rows whose request starts here (its penalties' history starts empty). Only the first
+        `window` columns are read and written. Returns (state, Chosen [P, 1])."""
+        slots = self.slots
+        gathered = [tuple(a.at[which, :, :window].get(mode="fill", fill_value=0) for a in pair) for pair in state.cache]
+        chunk = ids.shape[1]
+        offset = jnp.arange(chunk, dtype=jnp.int32)[None, :] - (chunk - count)[:, None]  # [P, C]: < 0 is padding
+        positions = start[:, None] + jnp.maximum(offset, 0)
+        columns = jnp.where(offset >= 0, positions, window)
+        with self.bound(params):
+            logits, gathered = self.run(
+                params, gathered, ids, positions, columns, keep=jnp.array([chunk - 1], jnp.int32)
+            )
+        cache = [
+            tuple(a.at[which, :, :window].set(r, mode="drop") for a, r in zip(pair, new))
+            for pair, new in zip(state.cache, gathered)
+        ]
+        seen = counts = None
+        if state.seen is not None:  # the chunk's real tokens join the row's history
+            before = jnp.where(fresh[:, None], False, state.seen.at[which].get(mode="fill", fill_value=False))
+            real = jnp.where(offset >= 0, ids, before.shape[-1])
+            seen = before.at[jnp.arange(ids.shape[0])[:, None], real].set(True, mode="drop")  # [P, V]
+        if state.counts is not None:
+            counts = jnp.where(fresh[:, None], 0, state.counts.at[which].get(mode="fill", fill_value=0))  # [P, V]
+        mine = jax.tree_util.tree_map(lambda a: a.at[which].get(mode="fill", fill_value=0), rows)
+        token, _ = choose_tokens(logits[:, 0], mine, features, start + count, seen=seen, counts=counts)
+        chosen = _with_logprobs(logits[:, 0], token, want_logprobs)
+        # The chosen token is the slot's next input where the prompt ended (other rows: slot S, dropped),
+        # at the position after the prompt; it joins the row's history.
+        ended = jnp.where(last, which, slots)
+        if seen is not None:
+            seen = jnp.where(last[:, None], _sampling.update_seen(seen, token), seen)
+        if counts is not None:
+            counts = _sampling.update_counts(counts, token, last)
+        state = SlotState(
+            cache=cache,
+            tokens=state.tokens.at[ended].set(token, mode="drop"),
+            positions=state.positions.at[ended].set(start + count, mode="drop"),
+            seen=None if seen is None else state.seen.at[which].set(seen, mode="drop"),
+            counts=None if counts is None else state.counts.at[which].set(counts, mode="drop"),
+        )
+        return state, jax.tree_util.tree_map(lambda a: a[:, None], chosen)
+
+    def decode_chunk(
+        self,
+        params,
+        state: SlotState,
+        rows: RowSampling,
+        active,
+        count,
+        want_logprobs,
+        *,
+        steps: int,
+        decoding_rows: int,
+        window: int,
+        features: SamplingFeatures,
+    ) -> tuple[SlotState, Chosen]:
+        """`count` ([] int32, at most `steps`) decode steps of the first `decoding_rows` slots (R) over
+        the first `window` columns (every decoding slot is among those rows and writes within those
+        columns: one request does not pay for S rows, nor a short one for L columns). active: [S]
+        bool, the decoding slots; want_logprobs: [] bool, whether any row reports log-probabilities.
+        Returns (state with each active row's last token and position moved on, Chosen [R, steps],
+        whose steps from `count` on are zeros)."""
+        r = decoding_rows
+        whole = state.cache
+        cache = [tuple(a[:r, :, :window] for a in pair) for pair in whole]
+        tokens, positions, on = state.tokens[:r], state.positions[:r], active[:r]
+        mine = jax.tree_util.tree_map(lambda a: a[:r], rows)
+        seen = None if state.seen is None else state.seen[:r]
+        counts = None if state.counts is None else state.counts[:r]
+        write_nowhere = jnp.int32(window)
+        # The loop carries the cache in the backend's layout (on the CPU: without size-1 axes, in
+        # which XLA does not copy each layer for the attention kernel on every step).
+        backend = _backend.active()
+        carried, restore = backend.loop_carry(cache)
+
+        def step(i, carry):
+            cache, tokens, seen, counts, chosen = carry
+            at = jnp.minimum(positions + i, write_nowhere - 1)  # a finished row may run past the end
+            write_at = jnp.where(on & (positions + i < write_nowhere), at, write_nowhere)
+            with self.bound(params):
+                logits, cache = self.run(params, restore(cache), tokens[:, None], at[:, None], write_at[:, None])
+            token, _ = choose_tokens(logits[:, 0], mine, features, at + 1, seen=seen, counts=counts)
+            picked = _with_logprobs(logits[:, 0], token, want_logprobs)
+            chosen = jax.tree_util.tree_map(lambda all_, one: all_.at[:, i].set(one), chosen, picked)
+            if seen is not None:
+                seen = jnp.where(on[:, None], _sampling.update_seen(seen, token), seen)
+            if counts is not None:
+                counts = _sampling.update_counts(counts, token, on)
+            return backend.loop_carry(cache)[0], jnp.where(on, token, tokens), seen, counts, chosen
+
+        chosen = Chosen(
+            token=jnp.zeros((r, steps), jnp.int32),
+            logprob=jnp.zeros((r, steps), jnp.float32),
+            top_token=jnp.zeros((r, steps, TOP_LOGPROBS), jnp.int32),
+            top_logprob=jnp.zeros((r, steps, TOP_LOGPROBS), jnp.float32),
+        )
+        carried, tokens, seen, counts, chosen = jax.lax.fori_loop(
+            0, count, step, (carried, tokens, seen, counts, chosen)
+        )
+        cache = restore(carried)
+        if r < self.slots or window < self.length:
+            cache = [
+                tuple(jax.lax.dynamic_update_slice(a, part, (0,) * a.ndim) for a, part in zip(pair, parts))
+                for pair, parts in zip(whole, cache)
+            ]
+        state = SlotState(
+            cache=cache,
+            tokens=state.tokens.at[:r].set(tokens),
+            positions=jnp.where(active, state.positions + count, state.positions),
+            seen=None if seen is None else state.seen.at[:r].set(seen),
+            counts=None if counts is None else state.counts.at[:r].set(counts),
+        )
+        return state, chosen
+
+
+def _with_logprobs(logits, token, want_logprobs) -> Chosen:
+    """Chosen [R] for `token` [R] from `logits` [R, V]: the model's log-probabilities of the token and
+    of its 20 most likely, where `want_logprobs` ([] bool) asks for them (a `lax.cond`: else zeros)."""
+    rows, top = logits.shape[0], min(TOP_LOGPROBS, logits.shape[-1])
+
+    def logprobs():
+        every = jax.nn.log_softmax(logits, axis=-1)  # [R, V]
+        top_logprob, top_token = jax.lax.top_k(every, top)
+        chosen = jnp.take_along_axis(every, token[:, None], axis=-1)[:, 0]
+        return chosen, top_token.astype(jnp.int32), top_logprob
+
+    def none():
+        return jnp.zeros((rows,), jnp.float32), jnp.zeros((rows, top), jnp.int32), jnp.zeros((rows, top), jnp.float32)
+
+    logprob, top_token, top_logprob = jax.lax.cond(want_logprobs, logprobs, none)
+    return Chosen(token=token, logprob=logprob, top_token=top_token, top_logprob=top_logprob)
+
+
+class SlotPrograms:
+    """The slot programs of one `SlotModel`, kept per (kind, rows, columns) in a `ProgramCache` (on
+    disk too, where the weights are on one device), built with one float32 precision and one set of
+    sampling features for the engine's life.
+
+        prefill(state, rows, which, ids, start, count, last, fresh, want_logprobs, window=W) -> (state, Chosen)
+        decode(state, rows, active, count, want_logprobs, decoding_rows=R, window=W) -> (state, Chosen)
+
+    `state` is donated: the programs update the cache in place.
+    """
+
+    def __init__(self, slot_model: SlotModel, *, prefill_chunk: int, steps: int, features: SamplingFeatures):
+        model = slot_model.model
+        self.slot_model = slot_model
+        self.prefill_chunk, self.steps, self.features = prefill_chunk, steps, features
+        fingerprint = (
+            _programs.model_fingerprint(model.module, model.params, model.aliases)
+            if _programs.single_device(model.params)
+            else None
+        )
+        self.cache = _programs.ProgramCache(fingerprint)
+        self.precision = bridge.resolve_precision(model.matmul_precision)  # fixed for the programs' life
+        self.params = model.params
+        self._lock = threading.Lock()
+
+    @property
+    def counts(self) -> dict[str, int]:
+        """Programs prepared per kind in this process, traced or read from disk."""
+        return {kind: self.cache.traced[kind] + self.cache.loaded[kind] for kind in ("prefill", "decode")}
+
+    def key(self, kind: str, rows: int, window: int) -> tuple:
+        extent = self.prefill_chunk if kind == "prefill" else self.steps
+        model = self.slot_model
+        return (kind, model.slots, model.length, extent, rows, window, self.precision, self.features)
+
+    def prefill(
+        self, state: SlotState, rows: RowSampling, which, ids, start, count, last, fresh, want_logprobs, *, window
+    ):
+        program, args = self._prefill(state, rows, which, ids, start, count, last, fresh, want_logprobs, window=window)
+        leaves, chosen = program.run(*args)
+        return SlotState(*leaves), Chosen(*chosen)
+
+    def decode(self, state: SlotState, rows: RowSampling, active, count, want_logprobs, *, decoding_rows, window):
+        program, args = self._decode(
+            state, rows, active, count, want_logprobs, decoding_rows=decoding_rows, window=window
+        )
+        leaves, chosen = program.run(*args)
+        return SlotState(*leaves), Chosen(*chosen)
+
+    def compile_prefill(self, *arguments, window: int) -> None:
+        """Compiles the prefill program for these arguments (arrays or their shapes) without running it."""
+        program, args = self._prefill(*arguments, window=window)
+        program.run.lower(*args).compile()
+
+    def compile_decode(self, *arguments, decoding_rows: int, window: int) -> None:
+        """Compiles the decode program for these arguments (arrays or their shapes) without running it."""
+        program, args = self._decode(*arguments, decoding_rows=decoding_rows, window=window)
+        program.run.lower(*args).compile()
+
+    def _prefill(self, state, rows, which, ids, start, count, last, fresh, want_logprobs, *, window):
+        args = (self.params, state.leaves(), rows.leaves(), which, ids, start, count, last, fresh, want_logprobs)
+        function = functools.partial(self._prefill_program, window=window)
+        return self._program("prefill", which.shape[0], window, function, args), args
+
+    def _decode(self, state, rows, active, count, want_logprobs, *, decoding_rows, window):
+        args = (self.params, state.leaves(), rows.leaves(), active, count, want_logprobs)
+        function = functools.partial(self._decode_program, decoding_rows=decoding_rows, window=window)
+        return self._program("decode", decoding_rows, window, function, args), args
+
+    def _program(self, kind: str, rows: int, window: int, function, args):
+        with self._lock:  # the engine's thread and its compiling one may ask at once
+            return self.cache.get(
+                self.key(kind, rows, window), bridge.under(self.precision, function), args, metadata=dict, donate=(1,)
+            )
+
+    # -- traced: plain containers in and out, so that the programs can be kept on disk -------
+
+    def _prefill_program(self, params, leaves, rows, which, ids, start, count, last, fresh, want_logprobs, *, window):
+        self.cache.traced["prefill"] += 1
+        state, chosen = self.slot_model.prefill_chunk(
+            params, SlotState(*leaves), RowSampling(*rows), which, ids, start, count, last, fresh, want_logprobs,
+            window=window, features=self.features,
+        )  # fmt: skip
+        return state.leaves(), _fields(chosen)
+
+    def _decode_program(self, params, leaves, rows, active, count, want_logprobs, *, decoding_rows, window):
+        self.cache.traced["decode"] += 1
+        state, chosen = self.slot_model.decode_chunk(
+            params, SlotState(*leaves), RowSampling(*rows), active, count, want_logprobs,
+            steps=self.steps, decoding_rows=decoding_rows, window=window, features=self.features,
+        )  # fmt: skip
+        return state.leaves(), _fields(chosen)
+
+
+def _fields(chosen: Chosen) -> tuple:
+    return chosen.token, chosen.logprob, chosen.top_token, chosen.top_logprob

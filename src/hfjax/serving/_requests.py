@@ -1,0 +1,169 @@
+"""A request as the engine takes it: its settings (mapped onto `Model.generate`'s), and what its
+listener receives."""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Callable
+
+from .. import generation
+from .._errors import GenerationError, ServingError
+
+_TOP_LOGPROBS = 20  # the most alternatives OpenAI's API lets a request ask for per token
+
+
+class QueueFullError(ServingError):
+    """The engine's queue holds max_queue requests already; try again later."""
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class SamplingParams:
+    """One request's settings, named as vLLM's SamplingParams and OpenAI's request fields name them.
+
+    A sampling field left None takes the checkpoint's generation_config.json, as `Model.generate`
+    (and vLLM) do; `settings(model)` maps the request onto `Model.generate`'s settings, the one type
+    the engine runs.
+
+    Args:
+        max_tokens: the most tokens to generate (>= 1).
+        temperature: 0 takes the most likely token (greedy); else sample at this temperature.
+        top_p, top_k, min_p: the sampling filters (1.0, 0 and 0.0 are off).
+        repetition_penalty: transformers' (prompt and answer tokens); 1.0 is off.
+        presence_penalty, frequency_penalty: OpenAI's (answer tokens), in [-2, 2]; 0.0 is off.
+        logit_bias: {token id: bias added to its logit} (OpenAI's), at most 64 tokens.
+        seed: the sampler's seed (None: a random one); the same seed gives the same tokens.
+        stop: strings that end the answer where they first appear (not included in it).
+        logprobs: None, or how many most likely alternatives (0..20) to report beside each token.
+        ignore_eos: keep going past the end-of-sequence token.
+    """
+
+    max_tokens: int
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    logprobs: int | None = None
+    ignore_eos: bool = False
+
+    def __post_init__(self):
+        if isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int) or self.max_tokens < 1:
+            raise GenerationError(f"max_tokens={self.max_tokens!r}: pass a whole number >= 1")
+        if self.logprobs is not None and not 0 <= self.logprobs <= _TOP_LOGPROBS:
+            raise GenerationError(f"logprobs={self.logprobs!r}: pass a number of alternatives in [0, 20]")
+        if isinstance(self.logit_bias, dict):
+            object.__setattr__(self, "logit_bias", tuple(sorted(self.logit_bias.items())))
+
+    def settings(self, model) -> generation.GenerationSettings:
+        """This request as `Model.generate`'s settings, over the checkpoint's generation_config.json.
+
+        Raises:
+          GenerationError: a value out of range, naming it.
+        """
+        arguments = {"max_new_tokens": self.max_tokens, "num_beams": 1}  # beam search is generate's alone
+        if self.temperature is not None:
+            arguments["do_sample"] = self.temperature > 0
+            if self.temperature > 0:
+                arguments["temperature"] = self.temperature
+        for name in ("top_p", "top_k", "min_p", "repetition_penalty"):
+            if getattr(self, name) is not None:
+                arguments[name] = getattr(self, name)
+        if self.logit_bias:
+            vocab = getattr(model.config.get_text_config(decoder=True), "vocab_size", None)
+            outside = [token for token, _ in self.logit_bias if token < 0 or (vocab is not None and token >= vocab)]
+            if outside:
+                raise GenerationError(
+                    f"logit_bias names token {outside[0]}, outside the vocabulary [0, {vocab}); pass ids the tokenizer gives"
+                )
+            arguments["sequence_bias"] = {(int(token),): float(bias) for token, bias in self.logit_bias}
+        settings = generation.resolve_settings(model, 1, **arguments)
+        sampling = dataclasses.replace(
+            settings.sampling, presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty
+        )
+        return dataclasses.replace(
+            settings, sampling=sampling, eos_token_ids=() if self.ignore_eos else settings.eos_token_ids
+        )
+
+
+@dataclasses.dataclass
+class TokenLogprob:
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]]  # the most likely (token id, logprob), most likely first
+
+
+@dataclasses.dataclass
+class Event:
+    """What a request's listener gets after each chunk: the new tokens and text, and at the end why."""
+
+    token_ids: list[int]
+    text: str
+    logprobs: list[TokenLogprob] | None
+    finish_reason: str | None  # "stop" (EOS or a stop string), "length" (max_tokens), "cancelled"; None: more comes
+    prompt_tokens: int
+    completion_tokens: int
+
+
+class Request:
+    """A prompt in the engine: queued, then in a slot, then finished."""
+
+    def __init__(
+        self,
+        prompt: list[int],
+        params: SamplingParams,
+        settings: generation.GenerationSettings,
+        listener: Callable[[Event], None],
+        stream,
+    ):
+        self.prompt = prompt
+        self.params = params
+        self.settings = settings
+        self.listener = listener
+        self.text = stream  # a TextStream: the answer's text, stop strings
+        self.arrived = time.perf_counter()
+        self.last_token_time: float | None = None
+        self.generated = 0
+        self.cancelled = False
+        self.finished = False
+        self.slot: int | None = None
+        self.prefilled = 0  # prompt tokens in the slot's cache so far
+        self.started = 0  # where this request's prefill began (after a reused prefix)
+        self.scheduled = 0  # new tokens that programs run so far will have chosen (delivered or not)
+
+    @property
+    def reading(self) -> bool:
+        """Its prompt not yet all in its slot's cache."""
+        return self.prefilled < len(self.prompt)
+
+    @property
+    def decoding(self) -> bool:
+        """In a slot, past its prompt, with tokens still to choose."""
+        return (
+            self.prefilled == len(self.prompt)
+            and not (self.finished or self.cancelled)
+            and self.scheduled < self.settings.max_new_tokens
+        )
+
+    def stops_at(self, token: int) -> bool:
+        """The one end-of-sequence rule: the token is one of the settings' EOS tokens (none with ignore_eos)."""
+        return token in self.settings.eos_token_ids
+
+
+def joined(events: list[Event]) -> Event:
+    """One Event holding all of a request's events."""
+    logprobs = None if events[0].logprobs is None else [lp for e in events for lp in (e.logprobs or [])]
+    last = events[-1]
+    return Event(
+        [t for e in events for t in e.token_ids],
+        "".join(e.text for e in events),
+        logprobs,
+        last.finish_reason,
+        last.prompt_tokens,
+        last.completion_tokens,
+    )

@@ -1,0 +1,562 @@
+"""Continuous batching's host side: the queue, admission, prefill and decode chunking, cancellation.
+
+The engine thread repeats: admit waiting requests into free slots; run one prefill chunk of the
+oldest requests still reading their prompt; run one decode chunk of every decoding slot; hand each
+request its new tokens, text and log-probabilities; free the slots of requests that finished (EOS,
+a stop string, max_tokens) or were cancelled. A running stream therefore waits at most one prefill
+chunk between two decode chunks. While only decoding goes on, the next decode chunk is sent before
+the last one's tokens come back, so the host's work on one chunk overlaps the device's on the next.
+
+The device side is generation's slot core (`generation.SlotModel`, `SlotPrograms`): a chunk
+attends over the fewest columns that hold its rows (windows of 32, 64, ... columns up to
+max_model_len) and runs the fewest rows that hold every decoding slot (1, 2, 4, ... up to the
+slots). Of that grid, only the largest prefill and decode are compiled before the engine starts;
+a chunk whose own program is not ready runs the smallest ready one that holds it (correct, only
+slower), while a second thread compiles the one it wanted, then the rest of the grid, smallest first.
+
+Parts: `_requests.py` (SamplingParams, Request, Event), `_table.py` (the slots' row state),
+`_sizing.py` (slots and cache length from a memory budget), this module (the engine thread),
+`_compiler.py` (the programs: ready, wanted, compiled in the background).
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import threading
+import time
+from collections.abc import Callable
+
+import jax.numpy as jnp
+import numpy as np
+
+from .. import _buckets, generation
+from .._errors import GenerationError, ServingError
+from ._compiler import Compiler
+from ._metrics import Metrics
+from ._requests import Event, QueueFullError, Request, SamplingParams, TokenLogprob, joined
+from ._sizing import Sizing, size_engine
+from ._table import SlotTable
+from ._text import TextStream
+
+
+@dataclasses.dataclass
+class _Chunk:
+    """A decode chunk dispatched and not yet delivered: whose tokens it chooses, and how many."""
+
+    requests: dict[int, Request]  # slot -> the request decoding there when it was dispatched
+    steps: int
+    chosen: generation.Chosen  # token [rows, K], logprob [rows, K], top ids and logprobs [rows, K, 20]
+
+
+class Engine:
+    """Continuous batching of a causal LM over slots of one static KV cache.
+
+    Args:
+        model: a `hfjax.Model` of a decoder-only causal LM with a tokenizer.
+        max_num_seqs: the most requests decoded together (sequence slots); default: as many as the
+            cache's memory holds, at most 256 on an accelerator and 64 on the CPU (`_sizing.py`).
+            (`max_batch` is taken as its old name.)
+        max_model_len: cache columns per slot, prompt plus new tokens of one request at most.
+            Default: the model's context.
+        kv_cache_memory: bytes for the KV cache; default: a share of the device's free memory (80% on
+            an accelerator; on the CPU a quarter of the free RAM, at most 4 GiB).
+        max_queue: requests waiting for a slot beyond which `submit` raises QueueFullError.
+        decode_steps: decode steps per program call (a chunk) of every slot; requests join and leave
+            between chunks.
+        max_decode_steps: the most steps of a chunk of fewer rows (whose steps cost less), while nothing
+            waits, reads its prompt or has just left: decode_steps x (slots' rows / the chunk's rows), at
+            most this many. Default 4 x decode_steps; decode_steps keeps every chunk at decode_steps.
+        prefill_chunk: prompt tokens per prefill call; a long prompt takes several, between decode chunks.
+        prefill_rows: prompts whose next chunk one prefill call reads together (the oldest first).
+        prefix_reuse: start a prompt in the free slot whose cache holds the longest prefix of it (a
+            system prompt, earlier turns of a chat), reading only the rest.
+        progress: called with a line for each step of `start`'s compiles (the CLI prints them).
+
+    Example:
+        >>> engine = Engine(hfjax.load(path)).start()
+        >>> engine.generate([ids], SamplingParams(max_tokens=16, temperature=0))
+    """
+
+    def __init__(
+        self,
+        model,
+        *,
+        max_num_seqs: int | None = None,
+        max_model_len: int | None = None,
+        kv_cache_memory: int | None = None,
+        max_queue: int = 256,
+        decode_steps: int = 4,
+        max_decode_steps: int | None = None,
+        prefill_chunk: int = 32,
+        prefill_rows: int = 4,
+        prefix_reuse: bool = True,
+        max_batch: int | None = None,
+        progress: Callable[[str], None] | None = None,
+    ):
+        if max_batch is not None and max_num_seqs is None:
+            max_num_seqs = max_batch
+        for name, value in (("max_queue", max_queue), ("decode_steps", decode_steps), ("prefill_chunk", prefill_chunk),
+                            ("prefill_rows", prefill_rows)):  # fmt: skip
+            _check_count(name, value)
+        if max_decode_steps is None:
+            max_decode_steps = 4 * decode_steps
+        _check_count("max_decode_steps", max_decode_steps)
+        if max_decode_steps < decode_steps:
+            raise ServingError(
+                f"Engine: max_decode_steps={max_decode_steps!r}; pass a whole number >= decode_steps={decode_steps}"
+            )
+        if model.tokenizer is None:
+            raise ServingError(f"Engine: {model.source} has no tokenizer; serve a checkpoint with tokenizer files")
+        self.model = model
+        self.tokenizer = model.tokenizer
+        self.sizing: Sizing = size_engine(
+            model, max_num_seqs=max_num_seqs, max_model_len=max_model_len, kv_cache_memory=kv_cache_memory
+        )
+        self.max_num_seqs, self.max_model_len = self.sizing.slots, self.sizing.max_model_len
+        self.max_queue = max_queue
+        self.decode_steps, self.max_decode_steps, self.prefill_chunk = decode_steps, max_decode_steps, prefill_chunk
+        self.prefill_rows = min(prefill_rows, self.max_num_seqs)
+        self.features = generation.SamplingFeatures.every()
+        self.metrics = Metrics(self.max_num_seqs)
+        slot_model = generation.SlotModel(model, self.max_num_seqs, self.max_model_len)
+        programs = generation.SlotPrograms(
+            slot_model, prefill_chunk=prefill_chunk, steps=max_decode_steps, features=self.features
+        )
+        self.compiler = Compiler(
+            programs,
+            self._grid(),
+            progress=progress,
+            pending=lambda count: setattr(self.metrics, "programs_pending", count),
+        )
+        self.metrics.programs_pending = self.compiler.pending
+        self.table = SlotTable(
+            self.max_num_seqs, vocab_size=slot_model.shapes()[1], bias_slots=self.features.bias_slots,
+            prefix_reuse=prefix_reuse,
+        )  # fmt: skip
+        self._slot_model = slot_model
+        self._state: generation.SlotState | None = None
+        self._waiting: collections.deque[Request] = collections.deque()
+        self._lock = threading.Lock()
+        self._wake = threading.Condition(self._lock)
+        self._thread: threading.Thread | None = None
+        self._stopping = False
+        self._error: BaseException | None = None
+        self._since_freed = 0  # decode chunks dispatched since a slot was last freed
+        self._unclaimed = 0  # slots freed since the last decode chunk, less requests admitted since
+        _check_checkpoint_settings(SamplingParams(max_tokens=1).settings(model), model)
+
+    # -- the caller's side ------------------------------------------------------------
+
+    @property
+    def max_batch(self) -> int:
+        """The slots (`max_num_seqs`'s old name)."""
+        return self.max_num_seqs
+
+    @property
+    def program_counts(self) -> dict[str, int]:
+        """Programs prepared per kind in this process, traced or read from disk."""
+        return self.compiler.programs.counts
+
+    @property
+    def running(self) -> int:
+        return self.table.occupied
+
+    @property
+    def waiting(self) -> int:
+        return len(self._waiting)
+
+    def start(self) -> Engine:
+        """Compiles the largest prefill and decode programs (the ones every chunk can fall back on),
+        allocates the cache, and starts the engine thread and the compiling one (idempotent)."""
+        if self._thread is None:
+            self._allocate()
+            self.compiler.prepare_fallbacks(self._example_args)
+            self.compiler.start()
+            self._thread = threading.Thread(target=self._run, name="hfjax-engine", daemon=True)
+            self._thread.start()
+        return self
+
+    def warm_up(self) -> None:
+        """Compiles every program of the grid now, before `start` (tests and benchmarks that must not
+        see a compile; a server compiles them in the background instead)."""
+        if self._thread is not None:
+            raise ServingError("Engine.warm_up: call it before start(), while no request is running")
+        self._allocate()
+        self.compiler.prepare_all(self._example_args)
+
+    def stop(self, *, drain: bool = True, timeout: float | None = None) -> None:
+        """Stops the threads: after finishing every queued and running request (drain), or at once."""
+        with self._lock:
+            self._stopping = True
+            if not drain:
+                for request in [*self._waiting, *filter(None, self.table.requests)]:
+                    request.cancelled = True
+            self._wake.notify_all()
+        if self._thread is not None:
+            self._thread.join(timeout)
+        self.compiler.stop()
+
+    def check_prompt(self, prompt: list[int], params: SamplingParams) -> None:
+        """Raises GenerationError when prompt and max_tokens do not fit a slot, naming which."""
+        if not prompt:
+            raise GenerationError("the prompt is empty; pass at least one token")
+        generation.check_context(
+            len(prompt), params.max_tokens, limit=self.max_model_len, limit_name=f"max_model_len={self.max_model_len}",
+            budget_name="max_tokens",
+        )  # fmt: skip
+
+    def submit(self, prompt: list[int], params: SamplingParams, listener: Callable[[Event], None]) -> Request:
+        """Queues a prompt (token ids); `listener` gets an Event after each chunk, on the engine thread.
+
+        Raises:
+            GenerationError: the prompt and max_tokens do not fit max_model_len, or a setting is out of range.
+            QueueFullError: max_queue requests are waiting already.
+            ServingError: the engine has stopped, or failed.
+        """
+        self.check_prompt(prompt, params)
+        settings = params.settings(self.model)
+        request = Request(list(prompt), params, settings, listener, TextStream(self.tokenizer, params.stop))
+        with self._lock:
+            if self._error is not None:
+                raise ServingError(f"the engine failed: {self._error!r}") from self._error
+            if self._stopping or self._thread is None:
+                raise ServingError("the engine is not running (start() it, or it is shutting down)")
+            if len(self._waiting) >= self.max_queue:
+                raise QueueFullError(
+                    f"{len(self._waiting)} requests are waiting, max_queue={self.max_queue}; try again later"
+                )
+            self._waiting.append(request)
+            self.metrics.queue_depth = len(self._waiting)
+            self._wake.notify_all()
+        return request
+
+    def cancel(self, request: Request) -> None:
+        """Drops a request (its client left): at once from the queue, from a slot at the next chunk boundary."""
+        with self._lock:
+            request.cancelled = True
+            if request in self._waiting:
+                self._waiting.remove(request)
+                self.metrics.queue_depth = len(self._waiting)
+                self._finish(request, "cancelled")
+            self._wake.notify_all()
+
+    def generate(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams]) -> list[Event]:
+        """Runs prompts (token ids) together and waits: one Event per prompt with all of its tokens and text."""
+        params = params if isinstance(params, list) else [params] * len(prompts)
+        if len(params) != len(prompts):
+            raise ServingError(
+                f"Engine.generate: {len(prompts)} prompts and {len(params)} SamplingParams; pass one per prompt"
+            )
+        results: list[list[Event]] = [[] for _ in prompts]
+        done = threading.Semaphore(0)
+
+        def listener(kept: list[Event]):
+            def call(event: Event):
+                kept.append(event)
+                if event.finish_reason is not None:
+                    done.release()
+
+            return call
+
+        for prompt, p, kept in zip(prompts, params, results):
+            self.submit(prompt, p, listener(kept))
+        for _ in prompts:
+            while not done.acquire(timeout=1.0):
+                if self._error is not None:
+                    raise ServingError(f"the engine failed: {self._error!r}") from self._error
+        return [joined(events) for events in results]
+
+    # -- programs ----------------------------------------------------------------------
+
+    def _grid(self) -> dict[str, list[tuple[int, int]]]:
+        """Every (rows, window) a prefill and a decode chunk may run, smallest first."""
+        windows = _windows(self.max_model_len)
+        decode_rows = _powers(self.max_num_seqs)
+        prefill_rows = _powers(self.prefill_rows)
+        return {
+            "prefill": [(r, w) for w in windows for r in prefill_rows],
+            "decode": [(r, w) for w in windows for r in decode_rows],
+        }
+
+    def _allocate(self) -> None:
+        if self._state is None:
+            self._state = self._slot_model.empty_state(self.features)
+
+    def _example_args(self, kind: str, rows: int, window: int) -> tuple:
+        """Arguments like those the engine passes, for compiling a program ahead of its first call."""
+        if kind == "prefill":
+            return self._prefill_args(
+                np.full(rows, self.max_num_seqs, np.int32), np.zeros((rows, self.prefill_chunk), np.int32),
+                np.zeros(rows, np.int32), np.ones(rows, np.int32), np.zeros(rows, bool), np.zeros(rows, bool), False,
+            )  # fmt: skip
+        return self._decode_args(np.zeros(self.max_num_seqs, bool), 1, False)
+
+    def _prefill_args(self, which, ids, start, count, last, fresh, want_logprobs) -> tuple:
+        return (
+            self._state, self.table.sampling(), jnp.asarray(which), jnp.asarray(ids), jnp.asarray(start),
+            jnp.asarray(count), jnp.asarray(last), jnp.asarray(fresh), self.table.copies("want", np.bool_(want_logprobs)),
+        )  # fmt: skip
+
+    def _decode_args(self, active, steps: int, want_logprobs) -> tuple:
+        copies = self.table.copies
+        return (
+            self._state, self.table.sampling(), copies("active", active), copies(f"count {steps}", np.int32(steps)),
+            copies("want", np.bool_(want_logprobs)),
+        )  # fmt: skip
+
+    # -- the engine thread --------------------------------------------------------------
+
+    def _run(self) -> None:
+        try:
+            while True:
+                with self._lock:
+                    self._release_cancelled()
+                    self._admit()
+                    if not any(self.table.requests):
+                        if self._stopping:
+                            return
+                        self._wake.wait()
+                        continue
+                reading = self.table.reading()
+                if reading:
+                    self._prefill(reading[: self.prefill_rows])
+                chunk = self._dispatch() if self.table.decoding() else None
+                while chunk is not None:
+                    # The next chunk goes to the device before this one's tokens come back, so the
+                    # host's work on them (text, events, the server's sends) overlaps its compute.
+                    # Not while a request waits, reads its prompt or left, nor around a slot that
+                    # frees: a new request would wait for that chunk too.
+                    ahead = self._dispatch() if self._steady(chunk) else None
+                    self._collect(chunk)
+                    chunk = ahead
+        except BaseException as error:  # noqa: BLE001 (handed to every waiting caller)
+            self._error = error
+            with self._lock:
+                for request in [*self._waiting, *filter(None, self.table.requests)]:
+                    self._finish(request, "error")
+            raise
+
+    def _steady(self, chunk: _Chunk) -> bool:
+        """Whether the next decode chunk can go before `chunk` is delivered (see `_run`)."""
+        if not self._only_decoding() or self._stopping or self._since_freed < 2:
+            return False  # (a slot freed by the chunk before: its client's next request is likely on its way)
+        if any(r is not None and r.cancelled for r in self.table.requests):
+            return False
+        if any(r.scheduled >= r.settings.max_new_tokens for r in chunk.requests.values()):
+            return False
+        return bool(self.table.decoding())
+
+    def _only_decoding(self) -> bool:
+        """Nothing waits for a slot and no slot reads its prompt."""
+        return not self._waiting and not self.table.reading()
+
+    def _admit(self) -> None:
+        while self._waiting and self.table.free():
+            request = self._waiting.popleft()
+            if request.cancelled:
+                self._finish(request, "cancelled")
+                continue
+            self.table.assign(request)
+            self.metrics.prefix_hit_tokens += request.prefilled
+            self._unclaimed = max(self._unclaimed - 1, 0)
+        self.metrics.queue_depth = len(self._waiting)
+        self.metrics.running = self.running
+
+    def _release_cancelled(self) -> None:
+        for request in self.table.requests:
+            if request is not None and request.cancelled:
+                self._finish(request, "cancelled")
+
+    def _finish(self, request: Request, reason: str, event: Event | None = None) -> None:
+        if request.finished:
+            return
+        request.finished = True
+        if request.slot is not None:
+            self.table.release(request)
+            self._since_freed = 0
+            self._unclaimed += 1
+        self.metrics.running = self.running
+        self.metrics.count_finished(reason, len(request.prompt), request.generated)
+        if event is None:
+            event = Event([], request.text.rest(), None, reason, len(request.prompt), request.generated)
+        request.listener(event)
+
+    def _prefill(self, requests: list[Request]) -> None:
+        """The next prompt chunk of each request in one program, over the fewest columns that hold every chunk."""
+        chunk_size = self.prefill_chunk
+        rows = _buckets.bucket(len(requests), smallest=1, limit=self.prefill_rows)
+        which = np.full(rows, self.max_num_seqs, np.int32)  # padding rows: slot S, out of range
+        ids = np.zeros((rows, chunk_size), np.int32)
+        start, count = np.zeros(rows, np.int32), np.ones(rows, np.int32)
+        last, fresh = np.zeros(rows, bool), np.zeros(rows, bool)
+        for i, request in enumerate(requests):
+            chunk = request.prompt[request.prefilled : request.prefilled + chunk_size]
+            which[i], start[i], count[i] = request.slot, request.prefilled, len(chunk)
+            ids[i, chunk_size - len(chunk) :] = chunk  # the real tokens last: logits at one index
+            last[i] = request.prefilled + len(chunk) == len(request.prompt)
+            fresh[i] = request.prefilled == request.started
+        want = any(r.params.logprobs is not None for r in requests)
+        rows, window = self.compiler.program_for("prefill", rows, int((start + count).max()))
+        if rows > len(which):  # a larger ready program: more padding rows
+            extra = rows - len(which)
+            which = np.concatenate([which, np.full(extra, self.max_num_seqs, np.int32)])
+            ids = np.concatenate([ids, np.zeros((extra, chunk_size), np.int32)])
+            start, count = (
+                np.concatenate([start, np.zeros(extra, np.int32)]),
+                np.concatenate([count, np.ones(extra, np.int32)]),
+            )
+            last, fresh = np.concatenate([last, np.zeros(extra, bool)]), np.concatenate([fresh, np.zeros(extra, bool)])
+        args = self._prefill_args(which, ids, start, count, last, fresh, want)
+        self._state, chosen = self.compiler.programs.prefill(*args, window=window)
+        for i, request in enumerate(requests):
+            request.prefilled += int(count[i])
+            if last[i]:
+                self.table.positions[request.slot] = len(request.prompt)
+                request.scheduled = 1
+        if not last.any():
+            return
+        ended = [requests[i] for i in np.flatnonzero(last)]
+        chosen = _to_host(chosen, ended, 1)  # [rows, 1] ...
+        with self._lock:
+            for i in np.flatnonzero(last):
+                self._deliver(requests[i], [c if c is None else c[i] for c in chosen], 1)
+
+    def _dispatch(self) -> _Chunk:
+        """Sends the next decode chunk of every decoding slot to the device and returns at once. It
+        runs `_chunk_steps` steps, or fewer: as many as the request that needs most still needs."""
+        requests = self.table.decoding()
+        active = np.zeros(self.max_num_seqs, bool)
+        active[list(requests)] = True
+        most = max((r.settings.max_new_tokens - r.scheduled for r in requests.values()), default=self.decode_steps)
+        rows = _buckets.bucket(max(requests) + 1, smallest=1, limit=self.max_num_seqs)
+        steps = min(self._chunk_steps(rows), most)
+        end = int(self.table.positions[active].max(initial=0)) + steps  # every column the chunk writes
+        rows, window = self.compiler.program_for("decode", rows, end)
+        want = any(r.params.logprobs is not None for r in requests.values())
+        args = self._decode_args(active, steps, want)
+        self._state, chosen = self.compiler.programs.decode(*args, decoding_rows=rows, window=window)
+        self.table.positions = np.where(active, self.table.positions + steps, self.table.positions).astype(np.int32)
+        for request in requests.values():
+            request.scheduled += steps
+        self._since_freed += 1
+        self._unclaimed = 0
+        return _Chunk(requests, steps, chosen)
+
+    def _collect(self, chunk: _Chunk) -> None:
+        """Waits for a dispatched chunk and hands its tokens to the requests still in their slots (one
+        that finished or left since gets nothing more)."""
+        chosen = _to_host(chunk.chosen, chunk.requests.values(), chunk.steps)  # [rows, steps] ...
+        with self._lock:
+            for slot, request in chunk.requests.items():
+                if self.table.requests[slot] is request and not request.finished and not request.cancelled:
+                    self._deliver(request, [c if c is None else c[slot] for c in chosen], chunk.steps)
+
+    def _chunk_steps(self, rows: int) -> int:
+        """decode_steps; or, for a chunk of fewer rows than the slots while nothing waits or reads its
+        prompt and no request left in the chunk before without another coming in since (its client's
+        next request is likely on its way, and would wait for this chunk), decode_steps times as many
+        as the slots' rows are to the chunk's, max_decode_steps at most: a lone request makes fewer
+        round trips (each chunk's tokens wake the server's event loop and the client), and a
+        newcomer waits no longer than a chunk of every slot takes."""
+        if self._unclaimed or not self._only_decoding():
+            return self.decode_steps
+        return min(self.max_decode_steps, self.decode_steps * max(1, self.max_num_seqs // rows))
+
+    def _deliver(self, request: Request, chosen: list[np.ndarray], count: int) -> None:
+        """Hands a request its new tokens (chosen: token [T], logprob [T], top ids [T, 20], top logprobs
+        [T, 20]; the last three None when no request of the program asked for log-probabilities), cut
+        at EOS or max_tokens, and finishes it when one of its stops is met."""
+        tokens, logprob, top_token, top_logprob = chosen
+        now = time.perf_counter()
+        if request.last_token_time is None:
+            self.metrics.time_to_first_token.observe(now - request.arrived)
+        else:
+            self.metrics.inter_token_latency.observe((now - request.last_token_time) / count, count)
+        request.last_token_time = now
+        reason = None
+        kept = []
+        for t in range(count):
+            token = int(tokens[t])
+            if request.stops_at(token):
+                reason = "stop"
+                request.generated += 1
+                break
+            kept.append(t)
+            request.generated += 1
+            if request.generated >= request.settings.max_new_tokens:
+                reason = "length"
+                break
+        ids = [int(tokens[t]) for t in kept]
+        text, stopped = request.text.add(ids)
+        if stopped:
+            reason = "stop"
+        logprobs = None
+        if request.params.logprobs is not None:
+            alternatives = request.params.logprobs
+            logprobs = [
+                TokenLogprob(
+                    int(tokens[t]), float(logprob[t]),
+                    [(int(i), float(v)) for i, v in zip(top_token[t][:alternatives], top_logprob[t][:alternatives])],
+                )
+                for t in kept
+            ]  # fmt: skip
+        if reason is not None:
+            text += request.text.rest() if not stopped else ""
+        event = Event(ids, text, logprobs, reason, len(request.prompt), request.generated)
+        if reason is None:
+            request.listener(event)
+        else:
+            self._finish(request, reason, event)
+
+
+def _check_checkpoint_settings(settings: generation.GenerationSettings, model) -> None:
+    """Raises ServingError where the checkpoint's generation_config.json asks for a processor that
+    reads the tokens so far, which only `Model.generate` carries out (the engine never drops one)."""
+    unsupported = {
+        "no_repeat_ngram_size": settings.no_repeat_ngram_size,
+        "encoder_no_repeat_ngram_size": settings.encoder_no_repeat_ngram_size,
+        "sequence_bias (of several tokens)": [b for b in settings.sequence_bias if len(b[0]) > 1],
+        "suppress_tokens": settings.suppress_tokens,
+        "begin_suppress_tokens": settings.begin_suppress_tokens,
+        "forced_bos_token_id": settings.forced_bos_token_id,
+        "forced_eos_token_id": settings.forced_eos_token_ids,
+        "min_new_tokens": settings.min_new_tokens,
+    }
+    named = [name for name, value in unsupported.items() if value]
+    if named:
+        raise ServingError(
+            f"Engine: the generation_config.json of {model.source} sets {', '.join(named)}, which hfjax serve does not "
+            "carry out (Model.generate does); remove them from that file to serve the checkpoint"
+        )
+
+
+def _check_count(name: str, value) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ServingError(f"Engine: {name}={value!r}; pass a whole number >= 1")
+
+
+def _powers(limit: int) -> list[int]:
+    """Powers of two below `limit`, then `limit`."""
+    return sorted({_buckets.bucket(n, smallest=1, limit=limit) for n in range(1, limit + 1)})
+
+
+SMALLEST_WINDOW = 32  # columns of the smallest window a chunk attends over
+
+
+def _windows(length: int) -> list[int]:
+    """The column counts chunks attend over: 32, 64, 128, ... below `length`, then `length` itself,
+    so a request of n tokens pays for fewer than 2n columns (and at least 32)."""
+    windows, window = [], SMALLEST_WINDOW
+    while window < length:
+        windows.append(window)
+        window *= 2
+    return [*windows, length]
+
+
+def _to_host(chosen: generation.Chosen, requests, steps: int) -> list[np.ndarray | None]:
+    """A program's chosen tokens [rows, steps] on the host; their log-probabilities and the top 20
+    too when one of `requests` asked for them (else None: one copy from the device, not four)."""
+    wanted = any(r.params.logprobs is not None for r in requests)
+    fields = (chosen.token, chosen.logprob, chosen.top_token, chosen.top_logprob)
+    return [np.asarray(c)[:, :steps] if wanted or i == 0 else None for i, c in enumerate(fields)]

@@ -1,0 +1,106 @@
+"""The engine's row state on the host: which request holds each slot, what each slot's cache holds,
+each slot's settings, and the device copies of the small arrays the programs take."""
+
+from __future__ import annotations
+
+import secrets
+
+import jax.numpy as jnp
+import numpy as np
+
+from .. import _buckets, generation
+from ._requests import Request
+
+
+class SlotTable:
+    """S slots: their requests, positions, cached tokens and sampling settings (host arrays)."""
+
+    def __init__(self, slots: int, *, vocab_size: int, bias_slots: int, prefix_reuse: bool):
+        self.slots = slots
+        self.prefix_reuse = prefix_reuse
+        self.requests: list[Request | None] = [None] * slots
+        self.cached: list[list[int]] = [[] for _ in range(slots)]  # token ids whose keys each row holds
+        self.positions = np.zeros(slots, np.int32)  # each slot's last token's position, as the device has it
+        self.rows = generation.RowSampling.empty(slots, vocab_size=vocab_size, bias_slots=bias_slots)
+        self.vocab_size, self.bias_slots = vocab_size, bias_slots
+        self.copies = DeviceCopies()
+
+    @property
+    def occupied(self) -> int:
+        return sum(request is not None for request in self.requests)
+
+    def free(self) -> bool:
+        return None in self.requests
+
+    def decoding(self) -> dict[int, Request]:
+        """{slot: request} of the slots whose request decodes."""
+        return {slot: r for slot, r in enumerate(self.requests) if r is not None and r.decoding}
+
+    def reading(self) -> list[Request]:
+        """The requests still reading their prompt, oldest first."""
+        return sorted((r for r in self.requests if r is not None and r.reading), key=lambda r: r.arrived)
+
+    def assign(self, request: Request) -> int:
+        """Puts `request` in the lowest free slot (low slots keep decode chunks small: a chunk runs
+        the rows up to the highest busy slot, in buckets), or in a free slot whose cached tokens
+        share a longer prefix with its prompt, among those that widen the chunk no more than the
+        lowest would; returns the slot. A reused prefix is not read again (at least the last prompt
+        token runs, for the logits of the first new token); with a repetition penalty the whole
+        prompt is read, which its history needs."""
+        free = [slot for slot, held in enumerate(self.requests) if held is None]
+        busy = [slot for slot, held in enumerate(self.requests) if held is not None]
+        widest = _buckets.bucket(max([*busy, free[0]]) + 1, smallest=1, limit=self.slots)
+        free = [slot for slot in free if slot < widest]
+        reuse = self.prefix_reuse and request.settings.sampling.repetition_penalty == 1.0
+        slot = max(free, key=lambda s: (_common_prefix(self.cached[s], request.prompt), -s)) if reuse else free[0]
+        reused = min(_common_prefix(self.cached[slot], request.prompt), len(request.prompt) - 1) if reuse else 0
+        request.prefilled = request.started = reused
+        request.slot = slot
+        self.requests[slot] = request
+        self.cached[slot] = []
+        seed = request.params.seed if request.params.seed is not None else secrets.randbits(32)
+        settings = request.settings
+        row = generation.RowSampling.build(
+            [(settings.sampling, settings.single_token_biases(), generation.key_data(seed))],
+            vocab_size=self.vocab_size,
+            bias_slots=self.bias_slots,
+        )
+        self.rows.set_row(slot, row)
+        return slot
+
+    def release(self, request: Request) -> None:
+        """Frees the request's slot, remembering what its cache holds for certain: the prompt read
+        so far and every new token fed back (all but the last kept one, which a chunk may or may not
+        have run)."""
+        slot = request.slot
+        self.requests[slot] = None
+        fed = request.text.ids[:-1] if request.prefilled == len(request.prompt) else []
+        self.cached[slot] = request.prompt[: request.prefilled] + fed
+        self.positions[slot] = 0
+
+    def sampling(self) -> generation.RowSampling:
+        """The slots' settings as device arrays (sent only when the host's have changed)."""
+        return generation.RowSampling(*(self.copies(f"rows.{i}", array) for i, array in enumerate(self.rows.leaves())))
+
+
+class DeviceCopies:
+    """Device copies of the engine's small host arrays (settings, the decoding slots, ...), each sent
+    again only when the host's array has changed since: in a steady decode a chunk sends nothing."""
+
+    def __init__(self):
+        self._sent: dict[str, tuple[np.ndarray, object]] = {}
+
+    def __call__(self, name: str, host: np.ndarray):
+        kept = self._sent.get(name)
+        if kept is None or kept[0].shape != np.shape(host) or not np.array_equal(kept[0], host):
+            kept = self._sent[name] = (np.array(host, copy=True), jnp.asarray(host))
+        return kept[1]
+
+
+def _common_prefix(a: list[int], b: list[int]) -> int:
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
