@@ -87,6 +87,7 @@ def worker(args) -> dict:
 
         import hfjax
 
+        hfjax.load  # noqa: B018  (hfjax's loader module is imported lazily: here, as transformers' model code)
         _import_model_code(args.checkpoint, "AutoModelForCausalLM")
         jax.devices()  # the backend's start-up is not loading
     else:
