@@ -429,7 +429,7 @@ class Engine:
         active = np.zeros(self.max_num_seqs, bool)
         active[list(requests)] = True
         most = max((r.settings.max_new_tokens - r.scheduled for r in requests.values()), default=self.decode_steps)
-        rows = _buckets.bucket(max(requests) + 1, smallest=1, limit=self.max_num_seqs)
+        rows = self.table.decode_rows(max(requests))
         steps = min(self._chunk_steps(rows), most)
         end = int(self.table.positions[active].max(initial=0)) + steps  # every column the chunk writes
         rows, window = self.compiler.program_for("decode", rows, end)

@@ -40,6 +40,11 @@ class SlotTable:
         """The requests still reading their prompt, oldest first."""
         return sorted((r for r in self.requests if r is not None and r.reading), key=lambda r: r.arrived)
 
+    def decode_rows(self, highest: int) -> int:
+        """The rows a decode chunk runs while `highest` is the highest slot in it: slots 0..highest,
+        in buckets of powers of two (the chunk's programs are compiled per bucket)."""
+        return _buckets.bucket(highest + 1, smallest=1, limit=self.slots)
+
     def assign(self, request: Request) -> int:
         """Puts `request` in the lowest free slot (low slots keep decode chunks small: a chunk runs
         the rows up to the highest busy slot, in buckets), or in a free slot whose cached tokens
@@ -49,7 +54,7 @@ class SlotTable:
         prompt is read, which its history needs."""
         free = [slot for slot, held in enumerate(self.requests) if held is None]
         busy = [slot for slot, held in enumerate(self.requests) if held is not None]
-        widest = _buckets.bucket(max([*busy, free[0]]) + 1, smallest=1, limit=self.slots)
+        widest = self.decode_rows(max([*busy, free[0]]))
         free = [slot for slot in free if slot < widest]
         reuse = self.prefix_reuse and request.settings.sampling.repetition_penalty == 1.0
         slot = max(free, key=lambda s: (_common_prefix(self.cached[s], request.prompt), -s)) if reuse else free[0]
