@@ -7,7 +7,7 @@
 
 Methods, each run in a new process of its own, in alternating order (A B C D D C B A ...):
   hfjax           hfjax.load(path), every array ready (`block_until_ready`), on JAX's default device
-  hfjax_4k_pages  the same with HFJAX_HUGE_PAGES=0, so the CPU hook leaves the weights on 4 KB pages (CPU only)
+  hfjax_huge_pages  the same with HFJAX_HUGE_PAGES=1, so the CPU hook moves the weights onto 2 MB pages (CPU only)
   transformers    AutoModelForCausalLM.from_pretrained(path) (device_map="cuda" with --device gpu). On
                   the CPU its tensors map the file and nothing is read until first used
                   (its RSS hardly rises), so this times little more than building the module:
@@ -43,8 +43,8 @@ import time
 from shapes import LLAMA_1B, LLAMA_20M, LLAMA_150M
 
 SIZES = {"tiny": {}, "20m": LLAMA_20M, "150m": LLAMA_150M, "llama-1b": LLAMA_1B}
-METHODS = ("hfjax", "hfjax_4k_pages", "transformers", "transformers_read", "safetensors")
-CPU_ONLY = ("hfjax_4k_pages", "transformers_read")
+METHODS = ("hfjax", "hfjax_huge_pages", "transformers", "transformers_read", "safetensors")
+CPU_ONLY = ("hfjax_huge_pages", "transformers_read")
 TARGETS = dict(hfjax_over_safetensors=0.8, hfjax_over_transformers=1.0, gpu_warm_llama_1b_s=2.0)
 _WORKER_TIMEOUT_S = 900
 
@@ -82,7 +82,7 @@ def worker(args) -> dict:
     if args.method == "safetensors":
         import ml_dtypes  # noqa: F401  (numpy learns bfloat16 and float8 names)
         from safetensors import safe_open
-    elif args.method in ("hfjax", "hfjax_4k_pages"):
+    elif args.method in ("hfjax", "hfjax_huge_pages"):
         import jax
 
         import hfjax
@@ -107,7 +107,7 @@ def worker(args) -> dict:
             with safe_open(file, framework="np") as f:
                 kept += [f.get_tensor(key) for key in f.keys()]
         where = "numpy"
-    elif args.method in ("hfjax", "hfjax_4k_pages"):
+    elif args.method in ("hfjax", "hfjax_huge_pages"):
         model = hfjax.load(args.checkpoint, dtype=args.load_dtype, progress=False)
         jax.block_until_ready(model.params)
         where = str(next(iter(model.params.values())).device)
@@ -137,8 +137,8 @@ def worker(args) -> dict:
 
 def run_worker(method: str, checkpoint: pathlib.Path, args) -> dict:
     env = {**os.environ, "OMP_WAIT_POLICY": "PASSIVE"}
-    if method == "hfjax_4k_pages":
-        env["HFJAX_HUGE_PAGES"] = "0"
+    if method == "hfjax_huge_pages":
+        env["HFJAX_HUGE_PAGES"] = "1"
     if args.device == "cpu":
         env["JAX_PLATFORMS"] = "cpu"
         env["CUDA_VISIBLE_DEVICES"] = ""

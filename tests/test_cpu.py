@@ -548,9 +548,11 @@ def _linux_collapses_pages() -> bool:
 def test_weights_move_to_huge_pages_with_their_values(monkeypatch):
     weight = jax.random.normal(jax.random.key(0), (4096, 2048))  # 32 MB that XLA allocated
     before = np.asarray(weight).copy()
+    monkeypatch.delenv("HFJAX_HUGE_PAGES", raising=False)
+    assert _pages.huge_pages([weight]) == 0  # opt-in
     monkeypatch.setenv("HFJAX_HUGE_PAGES", "0")
     assert _pages.huge_pages([weight]) == 0
-    monkeypatch.delenv("HFJAX_HUGE_PAGES")
+    monkeypatch.setenv("HFJAX_HUGE_PAGES", "1")
     moved = _pages.huge_pages([weight])
     np.testing.assert_array_equal(np.asarray(weight), before)
     if not _linux_collapses_pages():

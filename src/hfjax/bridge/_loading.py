@@ -30,6 +30,7 @@ import torch
 
 from .. import _dtypes, _tasks
 from .._errors import LoadError
+from ._env import env
 from ._reading import Reader, Stored, read_header
 
 _HUB_FILES = ["*.json", "*.safetensors", "*.model", "*.txt", "*.jinja", "1_Pooling/*"]
@@ -279,13 +280,20 @@ def load_weights(
             params[produced] = landing.land_produced(produced, value, source=name)
 
     window = max(min(_WINDOW, sum(s.nbytes for s in every) // 8), max((s.nbytes for s in every), default=0))
+    named = _stored_as_named(headers, expected, aliases)
     with Reader(window) as reader, concurrent.futures.ThreadPoolExecutor(1) as side:
         # transformers builds its conversion rules once per process (~900 regular expressions,
-        # 0.1 s and more); meanwhile the tensors stored under the module's own names and shapes
-        # are read, and the plan keeps those it agrees with.
-        rules = side.submit(_conversion_rules, module)
-        early = {} if convert is not None else land(_stored_as_named(headers, expected, aliases))
-        plan = _plan(module, headers, expected, aliases, convert, rules.result())
+        # 0.1 s and more). A checkpoint whose every tensor is stored under a name and shape the
+        # module has needs none of them (`_plan` keeps a key the module has), so they are not
+        # built; else they are built on a side thread while the tensors stored under the
+        # module's own names are read, and the plan keeps those reads it agrees with. hfjax's
+        # torchax environment, made once per process (its PRNG key compiles, ~0.07 s), is made
+        # there too.
+        every_named = len(named) == len(every)
+        rules = None if every_named else side.submit(_conversion_rules, module)
+        side.submit(env)
+        early = {} if convert is not None else land(named)
+        plan = _plan(module, headers, expected, aliases, convert, ([], []) if every_named else rules.result())
         bar.total = plan.total_bytes
         bar.refresh()
         for name, stored in plan.direct.items():

@@ -5,7 +5,7 @@
 - builds hfjax's decoding kernels (`_kernels.cc`, AVX-512) at load time, never inside a trace
   (`prepare`; also `hfjax build-kernels`);
 - installs the CPU's op lowerings (`_lowerings.py`: kernels, operand swaps, channels-last convolutions);
-- moves loaded weights onto 2 MB pages (`_pages.py`);
+- moves loaded weights onto 2 MB pages when asked (`_pages.py`, HFJAX_HUGE_PAGES=1);
 - holds diffusers' convolution weights channels-last (`prepare_module`);
 - carries the decode loop's cache without its size-1 axes (`loop_carry`).
 

@@ -1,4 +1,4 @@
-"""Weights in host memory moved onto 2 MB pages, where Linux lets a process ask for it."""
+"""Weights in host memory moved onto 2 MB pages, when asked (HFJAX_HUGE_PAGES=1) and Linux allows it."""
 
 from __future__ import annotations
 
@@ -19,16 +19,18 @@ def _madvise():
 
 
 def huge_pages(arrays) -> int:
-    """Moves CPU weights into 2 MB pages, where Linux lets a process ask for it (MADV_COLLAPSE);
-    returns the bytes moved.
+    """With HFJAX_HUGE_PAGES=1, moves CPU weights into 2 MB pages where Linux lets a process ask
+    for it (MADV_COLLAPSE); returns the bytes moved.
 
-    Decoding reads every weight once per token. On 4 KB pages that is a page-table walk every
-    4 KB; on 2 MB pages the 150M benchmark model decodes 6% faster at batch 1 and 8% at batch
-    8 (benchmarks/README.md). XLA allocates with 4 KB pages, and the collapse keeps addresses
-    and contents, so it is safe on live buffers. Elsewhere (another OS or accelerator, an older
-    kernel, transparent huge pages turned off, HFJAX_HUGE_PAGES=0) it does nothing.
+    Decoding reads every weight once per token: on 4 KB pages a page-table walk every 4 KB. On a
+    Xeon with the AVX-512 kernels, 2 MB pages made the 150M benchmark model's decode step 0.94x as
+    long at batch 1 and 0.92x at batch 8; on a 2-core AMD VM without them, 52.1 against 53.0
+    tokens/s (no gain), while the collapse added 1.1-1.7 s to loading 612 MB (docs/architecture.md).
+    So it is opt-in. XLA allocates with 4 KB pages, and the collapse keeps addresses and contents,
+    so it is safe on live buffers. Elsewhere (another OS or accelerator, an older kernel,
+    transparent huge pages turned off) it does nothing.
     """
-    if platform.system() != "Linux" or os.environ.get("HFJAX_HUGE_PAGES", "1") == "0":
+    if platform.system() != "Linux" or os.environ.get("HFJAX_HUGE_PAGES", "0") != "1":
         return 0
     moved = 0
     for array in arrays:
