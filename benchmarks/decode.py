@@ -45,12 +45,12 @@ import json
 import os
 import pathlib
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
 
 from shapes import LLAMA_1B, LLAMA_20M, LLAMA_150M, LLAMA_TINY
+from workers import run_json
 
 SIZES = {
     "tiny": LLAMA_TINY,  # plumbing checks only (benchmarks/accelerator.py --cpu-dry-run)
@@ -240,14 +240,7 @@ def run_worker(kind: str, env: dict, **flags) -> dict:
             command.append(f"--{name.replace('_', '-')}")
         elif value not in (None, False):
             command += [f"--{name.replace('_', '-')}", str(value)]
-    try:
-        done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=_WORKER_TIMEOUT_S)
-    except subprocess.TimeoutExpired:
-        return {"error": f"worker {kind} timed out after {_WORKER_TIMEOUT_S} s"}
-    lines = done.stdout.strip().splitlines()
-    if done.returncode != 0 or not lines:
-        return {"error": f"worker {kind} exited with {done.returncode}: {done.stderr.strip()[-800:]}"}
-    return json.loads(lines[-1])
+    return run_json(command, env, timeout=_WORKER_TIMEOUT_S, what=f"worker {kind}")
 
 
 # ---------------------------------------------------------------- JAX side

@@ -35,12 +35,12 @@ import json
 import os
 import pathlib
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
 
 from shapes import LLAMA_1B, LLAMA_20M, LLAMA_150M
+from workers import run_json
 
 SIZES = {"tiny": {}, "20m": LLAMA_20M, "150m": LLAMA_150M, "llama-1b": LLAMA_1B}
 METHODS = ("hfjax", "hfjax_huge_pages", "transformers", "transformers_read", "safetensors")
@@ -147,14 +147,7 @@ def run_worker(method: str, checkpoint: pathlib.Path, args) -> dict:
     command = [sys.executable, __file__, "--worker", method, "--checkpoint", str(checkpoint), "--device", args.device]
     if args.load_dtype:
         command += ["--load-dtype", args.load_dtype]
-    try:
-        done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=_WORKER_TIMEOUT_S)
-    except subprocess.TimeoutExpired:
-        return {"error": f"{method} timed out after {_WORKER_TIMEOUT_S} s"}
-    lines = done.stdout.strip().splitlines()
-    if done.returncode != 0 or not lines:
-        return {"error": f"{method} exited with {done.returncode}: {done.stderr.strip()[-800:]}"}
-    return json.loads(lines[-1])
+    return run_json(command, env, timeout=_WORKER_TIMEOUT_S, what=method)
 
 
 # ---------------------------------------------------------------- the page cache
