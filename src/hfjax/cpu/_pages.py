@@ -22,8 +22,8 @@ def huge_pages(arrays) -> int:
     """With HFJAX_HUGE_PAGES=1, moves CPU weights into 2 MB pages where Linux lets a process ask
     for it (MADV_COLLAPSE); returns the bytes moved.
 
-    Decoding reads every weight once per token: on 4 KB pages a page-table walk every 4 KB. On a
-    Xeon with the AVX-512 kernels, 2 MB pages made the 150M benchmark model's decode step 0.94x as
+    Decoding reads every weight once per token: on 4 KB pages a page-table walk every 4 KB. On an
+    AVX-512 EPYC with hfjax's kernels, 2 MB pages made the 150M benchmark model's decode step 0.94x as
     long at batch 1 and 0.92x at batch 8; on a 2-core AMD VM without them, 52.1 against 53.0
     tokens/s (no gain), while the collapse added 1.1-1.7 s to loading 612 MB (docs/architecture.md).
     So it is opt-in. XLA allocates with 4 KB pages, and the collapse keeps addresses and contents,
