@@ -24,13 +24,13 @@ import os
 import pathlib
 import resource
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 from shapes import LLAMA_20M, LLAMA_150M, LLAMA_TINY  # noqa: E402
+from workers import run_json  # noqa: E402
 
 SIZES = {"tiny": LLAMA_TINY, "20m": LLAMA_20M, "150m": LLAMA_150M}
 METHODS = ("hfjax", "torch_eager", "torch_compile")
@@ -151,13 +151,8 @@ def run_worker(args, method: str, size: str, mode: str, checkpoint: pathlib.Path
     ]  # fmt: skip
     if args.compute_dtype:
         command += ["--compute-dtype", args.compute_dtype]
-    try:
-        done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=_WORKER_TIMEOUT_S)
-    except subprocess.TimeoutExpired:
-        return {"method": method, "size": size, "mode": mode, "error": f"timed out after {_WORKER_TIMEOUT_S} s"}
-    if done.returncode != 0:
-        return {"method": method, "size": size, "mode": mode, "error": done.stderr.strip().splitlines()[-1:]}
-    return json.loads(done.stdout.strip().splitlines()[-1])
+    row = run_json(command, env, timeout=_WORKER_TIMEOUT_S, what=f"worker {method} {size} {mode}")
+    return {"method": method, "size": size, "mode": mode, **row} if "error" in row else row
 
 
 def main() -> None:
