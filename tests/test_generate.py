@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import re
 import warnings
@@ -480,6 +481,38 @@ def test_sampling_with_top_k_1_is_greedy(loaded):
     np.testing.assert_array_equal(sampled, greedy)
 
 
+# -- one engine: generate runs on the server's slot core where it can ------------------
+
+ON_SLOTS = {
+    "greedy_across_windows": dict(max_new_tokens=LONG, min_new_tokens=0),
+    "sampling": dict(max_new_tokens=NEW_TOKENS, do_sample=True, temperature=0.7, top_k=20, seed=4),
+    "top_p_and_repetition_penalty": dict(
+        max_new_tokens=NEW_TOKENS, do_sample=True, top_p=0.8, repetition_penalty=1.3, seed=2
+    ),
+    "min_p_and_samples_per_prompt": dict(
+        max_new_tokens=NEW_TOKENS, do_sample=True, min_p=0.05, num_return_sequences=2, seed=6
+    ),
+    "single_token_bias": dict(max_new_tokens=NEW_TOKENS, sequence_bias={(5,): 4.0, (9,): -2.0}),
+}
+
+
+@pytest.mark.parametrize("name", ON_SLOTS)
+def test_generate_on_the_slot_core_gives_the_generators_tokens(loaded, monkeypatch, name):
+    # The slot core (hfjax serve's programs) runs these calls; `Generator`'s own programs run what it
+    # cannot (beams, processors that read the tokens so far, images, meshes). Both give one answer.
+    from hfjax.generation import _on_slots, _slots
+
+    model = loaded("llama")
+    ids, mask = _batch(model)
+    decodes = []
+    decode = _slots.SlotPrograms.decode
+    monkeypatch.setattr(_slots.SlotPrograms, "decode", lambda self, *a, **k: decodes.append(1) or decode(self, *a, **k))
+    on_slots = np.asarray(model.generate(ids, mask, **ON_SLOTS[name]))
+    assert decodes, "the call did not run on the slot core"
+    monkeypatch.setattr(_on_slots.SlotRuns, "takes", lambda self, *args: False)
+    np.testing.assert_array_equal(on_slots, np.asarray(model.generate(ids, mask, **ON_SLOTS[name])))
+
+
 # -- long answers: the decode loop attends over growing windows of the cache ---------
 
 
@@ -537,9 +570,9 @@ def _shapes(model, ids, max_new_tokens: int) -> tuple:
     return ids.shape[0], size, total, dataclasses.replace(settings, max_new_tokens=total - size, min_new_tokens=0)
 
 
-def _decode_program(model, prompts, max_new_tokens=4):
-    """(the engine's decode program for `prompts`, as generate called it: its jitted function, its
-    arguments' shapes, and the cache windows it attends in turn)."""
+def _decode_programs(model, prompts, max_new_tokens=4):
+    """(the decode programs generate called for `prompts`, one per cache window it attends in turn:
+    each as (its jitted function, its arguments' shapes), and those windows)."""
     ids, mask = _batch(model, prompts)
     generator = _engine.Generator(model)
     generator.programs._fingerprint = None  # trace here, rather than read the programs an earlier test stored
@@ -548,8 +581,7 @@ def _decode_program(model, prompts, max_new_tokens=4):
             ids, mask, _settings.resolve_settings(model, ids.shape[1], max_new_tokens=max_new_tokens), seed=0
         )
     _, size, total, _ = _shapes(model, ids, max_new_tokens=max_new_tokens)
-    (decode,) = [p for p in programs if p.stage == "decode"]
-    return decode.jitted, decode.args, _planning.windows(size, total)
+    return [(p.jitted, p.args) for p in programs if p.stage == "decode"], _planning.windows(size, total)
 
 
 def _runs_the_model(loop) -> bool:
@@ -558,18 +590,22 @@ def _runs_the_model(loop) -> bool:
     return "dot_general" in body or any(target in body for target in _backend.active().custom_calls())
 
 
+def _loops(decode, args) -> list:
+    return [eqn for eqn in decode.trace(*args).jaxpr.eqns if eqn.primitive.name == "while"]
+
+
 def test_decode_is_one_while_loop(loaded):
-    decode, args, _ = _decode_program(loaded("llama"), PROMPTS[:1])
-    jaxpr = decode.trace(*args).jaxpr
-    loops = [eqn for eqn in jaxpr.eqns if eqn.primitive.name == "while"]
-    assert len(loops) == 1  # the whole decode is one loop, not one program call per token
-    assert _runs_the_model(loops[0])  # and the model runs inside it
+    (decode,), _ = _decode_programs(loaded("llama"), PROMPTS[:1])
+    (loop,) = _loops(*decode)  # the whole decode is one loop, not one program call per token
+    assert _runs_the_model(loop)  # and the model runs inside it
 
 
 def test_a_long_answer_decodes_in_one_loop_per_cache_window(loaded):
-    decode, args, _ = _decode_program(loaded("llama"), PROMPTS[:2], max_new_tokens=LONG)
-    loops = [eqn for eqn in decode.trace(*args).jaxpr.eqns if eqn.primitive.name == "while"]
-    # Each loop carries the cache layers ([B, H_kv, slots, D]) of its window, and runs the model.
+    decodes, windows = _decode_programs(loaded("llama"), PROMPTS[:2], max_new_tokens=LONG)
+    assert windows == (64, 128)
+    # One program call per window, each one loop that carries the cache layers ([B, H_kv, W, D]) of
+    # its window and runs the model.
+    loops = [loop for decode in decodes for loop in _loops(*decode)]
     slots = [{var.aval.shape[2] for var in loop.invars if var.aval.ndim == 4} for loop in loops]
     assert slots == [{64}, {128}]
     assert all(_runs_the_model(loop) for loop in loops)
@@ -583,17 +619,37 @@ def test_a_long_answer_decodes_in_one_loop_per_cache_window(loaded):
 )
 def test_decode_updates_the_cache_without_copying_it(loaded, prompts, new_tokens):
     model = loaded("llama")
-    decode, args, windows = _decode_program(model, prompts, max_new_tokens=new_tokens)  # the state donated
-    text = decode.lower(*args).compile().as_text()
-    full = [leaf.shape for leaf in args[1] if leaf.ndim == 4]  # [B, H_kv, L, D] key and value layers
-    assert full, "the state holds no cache layers"
-    # windows: cache lengths attended in turn, each carried through a loop
-    cache_sizes = {int(np.prod(shape[:2] + (slots,) + shape[3:])) for shape in full for slots in windows}
-    copied = [
-        int(np.prod([int(d) for d in dims.split(",") if d]))
-        for dims in re.findall(r"= f32\[([\d,]*)\]\S* copy\(", text)
-    ]
-    assert not cache_sizes & set(copied), f"cache layers are copied every token: {sorted(copied)}"
+    decodes, windows = _decode_programs(model, prompts, max_new_tokens=new_tokens)  # the state donated
+    for decode, args in decodes:
+        text = decode.lower(*args).compile().as_text()
+        full = [leaf.shape for leaf in jax.tree_util.tree_leaves(args[1][0])]  # [B, H_kv, L, D] key and value layers
+        assert full, "the state holds no cache layers"
+        # windows: cache lengths attended in turn, each carried through a loop
+        cache_sizes = {int(np.prod(shape[:2] + (slots,) + shape[3:])) for shape in full for slots in windows}
+        copied = [
+            int(np.prod([int(d) for d in dims.split(",") if d]))
+            for dims in re.findall(r"= f32\[([\d,]*)\]\S* copy\(", _loop_bodies(text))
+        ]
+        assert not cache_sizes & set(copied), f"cache layers are copied every token: {sorted(copied)}"
+
+
+def _loop_bodies(text: str) -> str:
+    """The computations of an HLO module's text that `while` instructions run as their bodies (and
+    those they call): what runs at every token."""
+    computations = dict(re.findall(r"^(?:ENTRY )?%?(\S+) [^\n]*\{\n(.*?)^\}", text, flags=re.M | re.S))
+    names = re.findall(r"\bwhile\([^\n]*body=%?([\w.\-]+)", text)
+    seen, bodies = set(), []
+    while names:
+        name = names.pop()
+        if name in seen or name not in computations:
+            continue
+        seen.add(name)
+        bodies.append(computations[name])
+        names += re.findall(
+            r"(?:calls|to_apply|body|condition|branch_computations)=\{?%?([\w.\-]+)", computations[name]
+        )
+    assert bodies, "no while loop in the decode program"
+    return "\n".join(bodies)
 
 
 # -- streaming ---------------------------------------------------------------------
@@ -620,14 +676,13 @@ def test_streamer_receives_prompt_then_every_token_in_chunks(loaded):
     unstreamed = np.asarray(model.generate(ids, mask, max_new_tokens=20))
     generator = model._generator
     decode_programs = generator.program_counts["decode"]
-    shapes = _shapes(model, ids, max_new_tokens=20)
-    # streamed: the whole cache, one window (the key ends with the windows and the precision)
-    (key,) = [
-        k for k in generator.programs.keys() if k[0] == "decode" and k[1:4] == shapes[:3] and k[-2] == (shapes[2],)
-    ]
-    program, calls = generator.programs._programs[key], []
-    decode = program.run
-    program.run = lambda *args: calls.append(len(recorder.puts)) or decode(*args)
+    # streamed: the whole cache, one window, the program the unstreamed call ran (a 64-token cache)
+    calls = []
+    for key, program in generator.programs._programs.items():
+        if key[0] == "decode":
+            program.run = functools.partial(
+                lambda run, *args: calls.append(len(recorder.puts)) or run(*args), program.run
+            )
     streamed = np.asarray(model.generate(ids, mask, max_new_tokens=20, streamer=recorder))
     assert recorder.ended
     np.testing.assert_array_equal(recorder.puts[0], ids)
@@ -904,7 +959,8 @@ def _private_store(model, directory, monkeypatch):
 
 
 def test_a_stored_prefill_without_its_decode_loop_still_generates(loaded, tmp_path, monkeypatch):
-    # The decode loop needs the state's structure, which only tracing the prefill gives.
+    # The slot core's decode program is traced on its own (`Generator`'s own decode loop needs the
+    # state's structure, which only tracing the prefill gives).
     model = loaded("llama")
     _private_store(model, tmp_path, monkeypatch)
     ids, mask = _batch(model, PROMPTS[:1])
@@ -915,7 +971,7 @@ def test_a_stored_prefill_without_its_decode_loop_still_generates(loaded, tmp_pa
         fresh.programs.path(key).unlink(missing_ok=True)
     model._generator = fresh
     np.testing.assert_array_equal(np.asarray(model.generate(ids, mask, max_new_tokens=6)), expected)
-    assert fresh.load_counts["prefill"] == 1 and fresh.trace_counts == {"prefill": 1, "decode": 1}
+    assert fresh.load_counts["prefill"] == 1 and fresh.trace_counts == {"prefill": 0, "decode": 1}
 
 
 def test_an_unreadable_stored_program_is_traced_again(loaded, tmp_path, monkeypatch):

@@ -36,6 +36,7 @@ def choose_tokens(
     scores = _sampling.add_biases(logits.astype(jnp.float32), rows, features)
     if history is not None:
         scores = history(scores)
+    scores = _sampling.hold_back(scores, rows, features, positions)
     scores = _sampling.process_logits(scores, rows, features, seen=seen, counts=counts)
     return _sampling.pick(scores, rows, positions, features), scores
 

@@ -10,6 +10,10 @@ Stages (gpt-fast's names):
                    decoder's static cache is attended in growing windows (`_planning.windows`):
                    one loop per window, in the same program.
 
+A call that the continuous-batching core carries out runs on it instead (`_on_slots.SlotRuns`:
+decoder-only, static cache, no beams, no processor that reads the tokens so far, ...), with the
+programs `hfjax serve` runs; `Generator`'s own programs below run the rest.
+
 `Generator` drives the parts, each of which another front end (a server's slots, a trainer's
 evaluation) can drive too:
   _planning.plan_batch   prompts padded and laid out (a pure function)
@@ -39,6 +43,7 @@ from .._errors import DataDependentError, GenerationError
 from . import _caches, _choose, _multimodal, _planning, _programs, _rows, _sampling
 from ._adapters import adapter_for
 from ._beam import initial as initial_beams
+from ._on_slots import SlotRuns
 from ._settings import GenerationSettings
 from ._state import DecodeState, field_slices, read
 
@@ -101,6 +106,8 @@ class Generator:
         self._module_names = {id(m): n for n, m in model.module.named_modules()}
         # Per program key whose trace reads values of the data (hfjax._specialize): its values.
         self._specialized: dict[tuple, bridge.Specializations] = {}
+        self.reads_data = False  # a trace found the model reading values of its data: no slot runs
+        self.slot_runs = SlotRuns(self)
 
     @property
     def trace_counts(self) -> dict[str, int]:
@@ -156,6 +163,15 @@ class Generator:
             data_devices=parallel.data_size(self.model.mesh), decoder_prompt=decoder_prompt,
         )  # fmt: skip
         compiled = _planning.program_settings(settings, plan)
+        prepared_before = sum(self.program_counts.values())
+        if self.slot_runs.takes(plan, settings, inputs):
+            ran = self.slot_runs.generate(ids, plan, settings, compiled, seed=seed, streamer=streamer)
+            if ran is not None:
+                new, ttft = ran
+                batch = plan.prompts * plan.per_prompt
+                prompt = np.repeat(ids, plan.per_prompt, axis=0).astype(np.int32)
+                self._stats(mask, new.shape[1], ttft, start, prepared_before)
+                return jnp.asarray(np.concatenate([prompt, new[:batch]], axis=1))
         extra = None
         if inputs:
             if not self.adapter.takes_prefill_inputs:
@@ -176,7 +192,6 @@ class Generator:
         if streamer is not None:
             streamer.put(torch.as_tensor(ids.astype(np.int64)))
 
-        prepared_before = sum(self.program_counts.values())
         params = self.model.params
         layout = (plan.rows, plan.offset, plan.total, compiled)
         # A streamer re-enters the decode program every few tokens: windows cut and written back
@@ -247,6 +262,10 @@ class Generator:
         out = jnp.asarray(np.concatenate([prompt.astype(np.int32), new], axis=1))
         if settings.return_dict_in_generate:
             out = self._output(out, field, batch, steps, beams=beam is not None)
+        self._stats(mask, steps, ttft, start, prepared_before)
+        return out
+
+    def _stats(self, mask: np.ndarray, steps: int, ttft: float, start: float, prepared_before: int) -> None:
         self.last_stats = GenerationStats(
             prompt_tokens=int(mask.sum()),
             new_tokens=steps,
@@ -254,7 +273,6 @@ class Generator:
             total=time.perf_counter() - start,
             compiled=sum(self.program_counts.values()) > prepared_before,
         )
-        return out
 
     def _run_prefill(self, key: tuple, function, args: tuple, *, metadata) -> tuple[list, dict]:
         """Runs the prefill program for `key`; returns (the state's leaves, where its fields lie).

@@ -5,7 +5,8 @@ request of its own. Either way the program takes one `RowSampling` of per-row ar
 and a static `SamplingFeatures` says which parts of the token choice it compiles at all:
 
     RowSampling       temperature, top-k, top-p, min-p, repetition / presence / frequency
-                      penalties, single-token logit biases and a PRNG key, one row each
+                      penalties, single-token logit biases, the position before which held-back
+                      tokens are not chosen, and a PRNG key, one row each
     SamplingFeatures  which of those any row may use (hashable: part of a program's key)
 
 Rows of temperature 0 take the most likely token (transformers' do_sample=False): the warpers
@@ -37,6 +38,8 @@ class SamplingFeatures:
     repetition: bool = False  # transformers' repetition penalty: prompt and answer tokens
     presence: bool = False  # OpenAI's presence and frequency penalties: answer tokens
     bias_slots: int = 0  # single-token biases per row (0: none)
+    # Tokens no row chooses before its `min_position` (Model.generate's EOS under min_new_tokens).
+    held_back: tuple[int, ...] = ()
 
     @classmethod
     def of(cls, configs: Sequence, bias_slots: int = 0) -> SamplingFeatures:
@@ -74,7 +77,8 @@ class RowSampling:
     frequency_penalty: np.ndarray  # [R] float32; 0: off
     bias_ids: np.ndarray  # [R, K] int32: token ids of single-token biases; past the vocabulary where unused
     bias_values: np.ndarray  # [R, K] float32
-    key: np.ndarray  # [R, 2] uint32: each row's PRNG key data
+    min_position: np.ndarray  # [R] int32: the first position whose token may be a held-back one; 0: off
+    key: np.ndarray  # [R, 2] uint32: each row's PRNG key data (the last field)
 
     @classmethod
     def build(
@@ -116,6 +120,7 @@ class RowSampling:
             frequency_penalty=column("frequency_penalty", np.float32),
             bias_ids=bias_ids,
             bias_values=bias_values,
+            min_position=np.zeros(count, np.int32),
             key=np.stack([np.asarray(key, np.uint32) for _, _, key in rows]).reshape(count, 2),
         )
 
@@ -132,7 +137,7 @@ class RowSampling:
             min_p=filled(0.0, np.float32), repetition_penalty=filled(1.0, np.float32),
             presence_penalty=filled(0.0, np.float32), frequency_penalty=filled(0.0, np.float32),
             bias_ids=filled(unused, np.int32, (count, bias_slots)), bias_values=filled(0.0, np.float32, (count, bias_slots)),
-            key=filled(0, np.uint32, (count, 2)),
+            min_position=filled(0, np.int32), key=filled(0, np.uint32, (count, 2)),
         )  # fmt: skip
 
     def leaves(self) -> tuple:

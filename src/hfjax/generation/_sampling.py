@@ -157,6 +157,15 @@ def pick(scores: jax.Array, rows: RowSampling, positions: jax.Array, features: S
     return jax.lax.cond(jnp.any(sampling), drawn, lambda: greedy)
 
 
+def hold_back(scores: jax.Array, rows: RowSampling, features: SamplingFeatures, positions) -> jax.Array:
+    """`scores` [R, V] with `features.held_back` at -inf in the rows whose new token's position
+    (`positions` [R] int32) is before their `min_position` (transformers' MinNewTokensLengthLogitsProcessor)."""
+    if not features.held_back:
+        return scores
+    held = jnp.isin(jnp.arange(scores.shape[-1]), jnp.asarray(features.held_back, jnp.int32))
+    return jnp.where(held[None, :] & (positions < rows.min_position)[:, None], -jnp.inf, scores)
+
+
 def add_biases(scores: jax.Array, rows: RowSampling, features: SamplingFeatures) -> jax.Array:
     """`scores` [R, V] plus each row's single-token biases (OpenAI's logit_bias; transformers'
     sequence_bias of one token): [R, V] float32."""

@@ -63,6 +63,7 @@ class Chosen:
     logprob: jax.Array  # [R, T] float32: log-softmax of the model's logits at the chosen token
     top_token: jax.Array  # [R, T, TOP_LOGPROBS] int32: the most likely tokens, most likely first
     top_logprob: jax.Array  # [R, T, TOP_LOGPROBS] float32
+    ran: jax.Array  # [] int32: the steps run (T where no row stops early; see `decode_chunk`)
 
 
 def _slot_layer_class():
@@ -91,10 +92,21 @@ def _slot_layer_class():
 
 def _written(cache, new, columns):
     cache, new, columns = bridge.to_jax(cache), bridge.to_jax(new), bridge.to_jax(columns)  # [B,H,L,D] [B,H,q,D] [B,q]
+    new = new.astype(cache.dtype)
+    if columns.shape == (1, 1):
+        # One row's one token (a decode step at batch 1): XLA turns the scatter below into an update of
+        # a slice whose bounds check reads the old layer, and then copies the whole layer at every
+        # step; a `cond` on the column writes in place, or not at all.
+        column = columns[0, 0]
+        written = jax.lax.cond(
+            column < cache.shape[2],
+            lambda: jax.lax.dynamic_update_slice(cache, new, (0, 0, column, 0)),
+            lambda: cache,
+        )
+        return bridge.to_torch(written)
     rows = jnp.broadcast_to(jnp.arange(new.shape[0], dtype=jnp.int32)[:, None], columns.shape)
     # Advanced indices around a slice put their dimensions first: cache[rows, :, columns] is [B, q, H, D].
-    updated = cache.at[rows, :, columns].set(jnp.swapaxes(new, 1, 2).astype(cache.dtype), mode="drop")
-    return bridge.to_torch(updated)
+    return bridge.to_torch(cache.at[rows, :, columns].set(jnp.swapaxes(new, 1, 2), mode="drop"))
 
 
 def check_supported(model, length: int) -> None:
@@ -149,8 +161,8 @@ class SlotModel:
             def one_token(params):
                 cache = _caches.static_cache(self.config, self.length)
                 with self.bound(params):
-                    ids = bridge.to_torch(jnp.zeros((1, 1), jnp.int32))
-                    out = self.module(input_ids=ids, use_cache=True, **{self.cache_keyword: cache})
+                    ids = bridge.to_torch(jnp.zeros((1, 1), jnp.int32))  # position 0, as `run` gives positions
+                    out = self.module(input_ids=ids, position_ids=ids, use_cache=True, **{self.cache_keyword: cache})
                 layers = _caches.returned_cache(out).layers
                 return [(bridge.to_jax(layer.keys), bridge.to_jax(layer.values)) for layer in layers], bridge.to_jax(
                     out.logits
@@ -282,7 +294,7 @@ class SlotModel:
             seen=None if seen is None else state.seen.at[which].set(seen, mode="drop"),
             counts=None if counts is None else state.counts.at[which].set(counts, mode="drop"),
         )
-        return state, jax.tree_util.tree_map(lambda a: a[:, None], chosen)
+        return state, dataclasses.replace(chosen, **{f: getattr(chosen, f)[:, None] for f in _PER_TOKEN})
 
     def decode_chunk(
         self,
@@ -297,13 +309,16 @@ class SlotModel:
         decoding_rows: int,
         window: int,
         features: SamplingFeatures,
+        stop_tokens: tuple[int, ...] = (),
     ) -> tuple[SlotState, Chosen]:
         """`count` ([] int32, at most `steps`) decode steps of the first `decoding_rows` slots (R) over
         the first `window` columns (every decoding slot is among those rows and writes within those
         columns: one request does not pay for S rows, nor a short one for L columns). active: [S]
         bool, the decoding slots; want_logprobs: [] bool, whether any row reports log-probabilities.
-        Returns (state with each active row's last token and position moved on, Chosen [R, steps],
-        whose steps from `count` on are zeros)."""
+        With `stop_tokens`, the loop ends early once every active row's last token is one of them
+        (`Model.generate`'s EOS rule; a server stops its requests on the host).
+        Returns (state with each active row's last token and position moved on by the steps run,
+        Chosen [R, steps], whose steps from `Chosen.ran` on are zeros)."""
         r = decoding_rows
         whole = state.cache
         cache = [tuple(a[:r, :, :window] for a in pair) for pair in whole]
@@ -316,30 +331,41 @@ class SlotModel:
         # which XLA does not copy each layer for the attention kernel on every step).
         backend = _backend.active()
         carried, restore = backend.loop_carry(cache)
+        stops = jnp.asarray(stop_tokens, jnp.int32) if stop_tokens else None
 
-        def step(i, carry):
-            cache, tokens, seen, counts, chosen = carry
+        def finished(tokens):  # [R] bool: rows with no step left to run
+            return ~on if stops is None else ~on | jnp.isin(tokens, stops)
+
+        def running(carry):
+            i, _, tokens, *_ = carry
+            return (i < count) & ~jnp.all(finished(tokens))
+
+        def step(carry):
+            i, cache, tokens, seen, counts, chosen = carry
             at = jnp.minimum(positions + i, write_nowhere - 1)  # a finished row may run past the end
             write_at = jnp.where(on & (positions + i < write_nowhere), at, write_nowhere)
             with self.bound(params):
                 logits, cache = self.run(params, restore(cache), tokens[:, None], at[:, None], write_at[:, None])
             token, _ = choose_tokens(logits[:, 0], mine, features, at + 1, seen=seen, counts=counts)
             picked = _with_logprobs(logits[:, 0], token, want_logprobs)
-            chosen = jax.tree_util.tree_map(lambda all_, one: all_.at[:, i].set(one), chosen, picked)
+            chosen = dataclasses.replace(
+                chosen, **{f: getattr(chosen, f).at[:, i].set(getattr(picked, f)) for f in _PER_TOKEN}
+            )
             if seen is not None:
                 seen = jnp.where(on[:, None], _sampling.update_seen(seen, token), seen)
             if counts is not None:
                 counts = _sampling.update_counts(counts, token, on)
-            return backend.loop_carry(cache)[0], jnp.where(on, token, tokens), seen, counts, chosen
+            return i + 1, backend.loop_carry(cache)[0], jnp.where(on, token, tokens), seen, counts, chosen
 
         chosen = Chosen(
             token=jnp.zeros((r, steps), jnp.int32),
             logprob=jnp.zeros((r, steps), jnp.float32),
             top_token=jnp.zeros((r, steps, TOP_LOGPROBS), jnp.int32),
             top_logprob=jnp.zeros((r, steps, TOP_LOGPROBS), jnp.float32),
+            ran=jnp.int32(0),
         )
-        carried, tokens, seen, counts, chosen = jax.lax.fori_loop(
-            0, count, step, (carried, tokens, seen, counts, chosen)
+        ran, carried, tokens, seen, counts, chosen = jax.lax.while_loop(
+            running, step, (jnp.int32(0), carried, tokens, seen, counts, chosen)
         )
         cache = restore(carried)
         if r < self.slots or window < self.length:
@@ -350,11 +376,11 @@ class SlotModel:
         state = SlotState(
             cache=cache,
             tokens=state.tokens.at[:r].set(tokens),
-            positions=jnp.where(active, state.positions + count, state.positions),
+            positions=jnp.where(active, state.positions + ran, state.positions),
             seen=None if seen is None else state.seen.at[:r].set(seen),
             counts=None if counts is None else state.counts.at[:r].set(counts),
         )
-        return state, chosen
+        return state, dataclasses.replace(chosen, ran=ran)
 
 
 def _with_logprobs(logits, token, want_logprobs) -> Chosen:
@@ -372,7 +398,7 @@ def _with_logprobs(logits, token, want_logprobs) -> Chosen:
         return jnp.zeros((rows,), jnp.float32), jnp.zeros((rows, top), jnp.int32), jnp.zeros((rows, top), jnp.float32)
 
     logprob, top_token, top_logprob = jax.lax.cond(want_logprobs, logprobs, none)
-    return Chosen(token=token, logprob=logprob, top_token=top_token, top_logprob=top_logprob)
+    return Chosen(token=token, logprob=logprob, top_token=top_token, top_logprob=top_logprob, ran=jnp.int32(1))
 
 
 class SlotPrograms:
@@ -386,16 +412,28 @@ class SlotPrograms:
     `state` is donated: the programs update the cache in place.
     """
 
-    def __init__(self, slot_model: SlotModel, *, prefill_chunk: int, steps: int, features: SamplingFeatures):
+    def __init__(
+        self,
+        slot_model: SlotModel,
+        *,
+        prefill_chunk: int,
+        steps: int,
+        features: SamplingFeatures,
+        stop_tokens: tuple[int, ...] = (),
+        cache: _programs.ProgramCache | None = None,
+    ):
         model = slot_model.model
         self.slot_model = slot_model
         self.prefill_chunk, self.steps, self.features = prefill_chunk, steps, features
-        fingerprint = (
-            _programs.model_fingerprint(model.module, model.params, model.aliases)
-            if _programs.single_device(model.params)
-            else None
-        )
-        self.cache = _programs.ProgramCache(fingerprint)
+        self.stop_tokens = stop_tokens
+        if cache is None:
+            fingerprint = (
+                _programs.model_fingerprint(model.module, model.params, model.aliases)
+                if _programs.single_device(model.params)
+                else None
+            )
+            cache = _programs.ProgramCache(fingerprint)
+        self.cache = cache
         self.precision = bridge.resolve_precision(model.matmul_precision)  # fixed for the programs' life
         self.params = model.params
         self._lock = threading.Lock()
@@ -408,7 +446,8 @@ class SlotPrograms:
     def key(self, kind: str, rows: int, window: int) -> tuple:
         extent = self.prefill_chunk if kind == "prefill" else self.steps
         model = self.slot_model
-        return (kind, model.slots, model.length, extent, rows, window, self.precision, self.features)
+        stops = self.stop_tokens if kind == "decode" else ()
+        return (kind, model.slots, model.length, extent, rows, window, self.precision, self.features, stops)
 
     def prefill(
         self, state: SlotState, rows: RowSampling, which, ids, start, count, last, fresh, want_logprobs, *, window
@@ -465,9 +504,13 @@ class SlotPrograms:
         state, chosen = self.slot_model.decode_chunk(
             params, SlotState(*leaves), RowSampling(*rows), active, count, want_logprobs,
             steps=self.steps, decoding_rows=decoding_rows, window=window, features=self.features,
+            stop_tokens=self.stop_tokens,
         )  # fmt: skip
         return state.leaves(), _fields(chosen)
 
 
+_PER_TOKEN = ("token", "logprob", "top_token", "top_logprob")  # Chosen's [R, T, ...] fields
+
+
 def _fields(chosen: Chosen) -> tuple:
-    return chosen.token, chosen.logprob, chosen.top_token, chosen.top_logprob
+    return tuple(getattr(chosen, field.name) for field in dataclasses.fields(chosen))

@@ -1,0 +1,174 @@
+"""`Model.generate` on the continuous-batching core (`_slots.py`): every row admitted at once, as
+one prefill chunk, then decoded to its end, so that one-shot generation and `hfjax serve` run the
+same programs.
+
+    SlotRuns.takes(plan, settings, inputs)   whether a call can run on the slot core
+    SlotRuns.generate(...)                   the call's new tokens, as `Generator.generate` gives them
+
+A call runs here when the slot core carries out everything it asks: a decoder-only model with a
+static KV cache that takes `position_ids`, left-padded prompts, no beams, no processor that reads
+the tokens so far (n-gram bans, forced or suppressed tokens, sequence biases of more than one
+token), no prefill-only inputs (images), no `return_dict_in_generate`, weights off a
+mesh, and a model that reads no values of its data. `Generator` runs the rest.
+
+Rows are the plan's rows, in its order, with the same PRNG keys (the seed with the row's index
+folded in) and positions (a prompt's first real token at 0), so a call gives the tokens
+`Generator` gives. The decode runs over the cache in the windows `_planning.windows` names, one
+program call per window (each stops as soon as every row has produced an EOS token); a streamer
+gets its tokens every `STREAM_CHUNK` steps.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+
+import jax.numpy as jnp
+import numpy as np
+import torch
+
+from .. import bridge
+from .._errors import DataDependentError, GenerationError
+from . import _planning, _rows
+from ._adapters import StaticCacheAdapter
+from ._settings import GenerationSettings
+from ._slots import SlotModel, SlotPrograms, check_supported
+
+STREAM_CHUNK = 8  # decode steps per host round trip when streaming (as `Generator`)
+
+
+def _reads_history(settings: GenerationSettings) -> bool:
+    """Whether a processor of these settings reads the tokens so far (which the slot core does not keep)."""
+    return bool(
+        any(len(ids) > 1 for ids, _ in settings.sequence_bias)
+        or settings.no_repeat_ngram_size
+        or settings.encoder_no_repeat_ngram_size
+        or settings.forced_bos_token_id is not None
+        or settings.forced_eos_token_ids
+        or settings.suppress_tokens
+        or settings.begin_suppress_tokens
+    )
+
+
+def _left_padded(mask: np.ndarray) -> bool:
+    """Whether each row of `mask` [B, S] is zeros, then ones (the slot prefill's layout)."""
+    count = mask.sum(axis=1, keepdims=True)
+    return bool(np.array_equal(mask, np.arange(mask.shape[1])[None, :] >= mask.shape[1] - count))
+
+
+class SlotRuns:
+    """`Model.generate` calls on the slot core, for one `Generator` (whose program cache they share)."""
+
+    def __init__(self, generator):
+        self.generator = generator
+        self.model = generator.model
+        adapter = generator.adapter
+        self.possible = type(adapter) is StaticCacheAdapter and not adapter.encoder_decoder and adapter.takes_positions
+        self._models: dict[tuple, SlotModel] = {}
+        self._programs: dict[tuple, SlotPrograms] = {}
+
+    def takes(self, plan: _planning.BatchPlan, settings: GenerationSettings, inputs) -> bool:
+        """Whether this call runs on the slot core (the module docstring says which do)."""
+        if not self.possible or self.model.mesh is not None or inputs or self.generator.reads_data:
+            return False
+        if settings.beam is not None or settings.return_dict_in_generate or _reads_history(settings):
+            return False
+        if not _left_padded(plan.mask):
+            return False
+        try:
+            check_supported(self.model, plan.total)  # no recurrent layers; a sliding window wider than the cache
+        except GenerationError:
+            return False
+        return True
+
+    def generate(
+        self,
+        ids: np.ndarray,
+        plan: _planning.BatchPlan,
+        settings: GenerationSettings,
+        compiled: GenerationSettings,
+        *,
+        seed: int,
+        streamer,
+    ) -> tuple[np.ndarray, float] | None:
+        """(new tokens int32 [plan.rows, T], padded with pad_token_id after a row's EOS; the seconds to
+        the first token), or None where the model turned out to read values of its data (then
+        `Generator` runs the call)."""
+        start = time.perf_counter()
+        rows, budget = plan.rows, settings.max_new_tokens
+        precision = bridge.resolve_precision(self.model.matmul_precision)
+        lengths = plan.mask.sum(axis=1).astype(np.int32)
+        features = compiled.features
+        if settings.min_new_tokens and settings.eos_token_ids:  # EOS held back for the first min_new_tokens
+            features = dataclasses.replace(features, held_back=settings.eos_token_ids)
+        programs = self._programs_for(plan, features, settings.eos_token_ids, precision)
+        sampling = settings.row_sampling(rows, _rows.key_data(seed))
+        sampling.key = np.asarray(_rows.row_keys(jnp.asarray(sampling.key)))  # each row's index folded in
+        sampling.min_position = lengths + np.int32(settings.min_new_tokens)
+        sampling = _rows.RowSampling(*(jnp.asarray(a) for a in sampling.leaves()))
+        every = jnp.ones(rows, bool)
+        try:  # the state's shapes come from an abstract run of the model, which may read its data too
+            state = programs.slot_model.empty_state(features)
+            state, chosen = programs.prefill(
+                state, sampling, jnp.arange(rows, dtype=jnp.int32), jnp.asarray(plan.ids), jnp.zeros(rows, jnp.int32),
+                jnp.asarray(lengths), every, every, jnp.bool_(False), window=plan.total,
+            )  # fmt: skip
+        except DataDependentError:
+            self.generator.reads_data = True
+            return None
+        first = np.asarray(chosen.token)[:, 0]
+        ttft = time.perf_counter() - start
+        if streamer is not None:
+            streamer.put(torch.as_tensor(ids.astype(np.int64)))
+            streamer.put(torch.as_tensor(first[: plan.prompts * plan.per_prompt].astype(np.int64)))
+        stops = np.asarray(settings.eos_token_ids, np.int32)
+        done = np.isin(first, stops)
+        produced = [first[:, None]]
+        steps, position = 1, int(lengths.max())
+        # A streamer re-enters the decode every few tokens: windows cut at each entry would copy more
+        # than they save, so it attends over the whole cache (as `Generator`).
+        windows = _planning.windows(plan.offset, plan.total) if streamer is None else (plan.total,)
+        for window in windows:
+            while steps < budget and not done.all() and position < window:
+                count = min(budget - steps, window - position)
+                if streamer is not None:
+                    count = min(count, STREAM_CHUNK)
+                try:
+                    state, chosen = programs.decode(
+                        state, sampling, every, jnp.int32(count), jnp.bool_(False), decoding_rows=rows, window=window
+                    )
+                except DataDependentError:
+                    self.generator.reads_data = True
+                    return None
+                ran = int(chosen.ran)
+                tokens = np.asarray(chosen.token)[:, :ran]
+                produced.append(tokens)
+                done |= np.isin(tokens, stops).any(axis=1)
+                steps, position = steps + ran, position + ran
+                if streamer is not None:
+                    for token in _padded(np.concatenate(produced, axis=1), stops, settings.pad_token_id)[
+                        : plan.prompts * plan.per_prompt, -ran:
+                    ].T:
+                        streamer.put(torch.as_tensor(token.astype(np.int64)))
+        if streamer is not None:
+            streamer.end()
+        return _padded(np.concatenate(produced, axis=1), stops, settings.pad_token_id), ttft
+
+    def _programs_for(self, plan: _planning.BatchPlan, features, stops: tuple, precision) -> SlotPrograms:
+        model_key = (plan.rows, plan.total)
+        if model_key not in self._models:
+            self._models[model_key] = SlotModel(self.model, plan.rows, plan.total)
+        key = (*model_key, plan.size, features, stops, precision)
+        if key not in self._programs:
+            self._programs[key] = SlotPrograms(
+                self._models[model_key], prefill_chunk=plan.size, steps=plan.total - plan.offset,
+                features=features, stop_tokens=stops, cache=self.generator.programs,
+            )  # fmt: skip
+        return self._programs[key]
+
+
+def _padded(tokens: np.ndarray, stops: np.ndarray, pad: int) -> np.ndarray:
+    """`tokens` [R, T] with every token after a row's first stop token set to `pad`."""
+    stopped = np.cumsum(np.isin(tokens, stops), axis=1)
+    after = (stopped - np.isin(tokens, stops)) > 0  # a stop token itself stays
+    return np.where(after, pad, tokens).astype(np.int32)
