@@ -172,6 +172,17 @@ def test_eos_stops_rows_and_pads_them_like_transformers(loaded):
     assert (actual[0, ids.shape[1] + 3 :] == 7).all()
 
 
+def test_rows_that_stop_at_different_steps_end_the_answer_where_the_last_stops(loaded):
+    model = loaded("llama")
+    ids, mask = _batch(model, PROMPTS[:2])
+    free = np.asarray(model.generate(ids, mask, max_new_tokens=NEW_TOKENS))[:, ids.shape[1] :]
+    eos = [int(free[0, 1]), int(free[1, 4])]  # row 0 stops first, row 1 by its fifth token
+    expected = _torch_generate(model, ids, mask, max_new_tokens=NEW_TOKENS, eos_token_id=eos, pad_token_id=7)
+    actual = np.asarray(model.generate(ids, mask, max_new_tokens=NEW_TOKENS, eos_token_id=eos, pad_token_id=7))
+    np.testing.assert_array_equal(actual, expected)
+    assert actual.shape[1] <= ids.shape[1] + 5  # no step after both rows stopped
+
+
 def test_min_new_tokens_holds_eos_back_like_transformers(loaded):
     model = loaded("llama")
     ids, mask = _batch(model)

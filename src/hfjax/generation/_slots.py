@@ -315,8 +315,9 @@ class SlotModel:
         the first `window` columns (every decoding slot is among those rows and writes within those
         columns: one request does not pay for S rows, nor a short one for L columns). active: [S]
         bool, the decoding slots; want_logprobs: [] bool, whether any row reports log-probabilities.
-        With `stop_tokens`, the loop ends early once every active row's last token is one of them
-        (`Model.generate`'s EOS rule; a server stops its requests on the host).
+        With `stop_tokens`, a row whose last token is one of them keeps it (it has stopped), and the
+        loop ends early once every active row has stopped (`Model.generate`'s EOS rule; a server
+        stops its requests on the host).
         Returns (state with each active row's last token and position moved on by the steps run,
         Chosen [R, steps], whose steps from `Chosen.ran` on are zeros)."""
         r = decoding_rows
@@ -333,12 +334,12 @@ class SlotModel:
         carried, restore = backend.loop_carry(cache)
         stops = jnp.asarray(stop_tokens, jnp.int32) if stop_tokens else None
 
-        def finished(tokens):  # [R] bool: rows with no step left to run
-            return ~on if stops is None else ~on | jnp.isin(tokens, stops)
+        def going(tokens):  # [R] bool: the rows with steps left to run (a row that stopped keeps its stop token)
+            return on if stops is None else on & ~jnp.isin(tokens, stops)
 
         def running(carry):
             i, _, tokens, *_ = carry
-            return (i < count) & ~jnp.all(finished(tokens))
+            return (i < count) & jnp.any(going(tokens))
 
         def step(carry):
             i, cache, tokens, seen, counts, chosen = carry
@@ -355,7 +356,7 @@ class SlotModel:
                 seen = jnp.where(on[:, None], _sampling.update_seen(seen, token), seen)
             if counts is not None:
                 counts = _sampling.update_counts(counts, token, on)
-            return i + 1, backend.loop_carry(cache)[0], jnp.where(on, token, tokens), seen, counts, chosen
+            return i + 1, backend.loop_carry(cache)[0], jnp.where(going(tokens), token, tokens), seen, counts, chosen
 
         chosen = Chosen(
             token=jnp.zeros((r, steps), jnp.int32),
