@@ -162,7 +162,7 @@ class SlotRuns:
         if key not in self._programs:
             self._programs[key] = SlotPrograms(
                 self._models[model_key], prefill_chunk=plan.size, steps=plan.total - plan.offset,
-                features=features, stop_tokens=stops, cache=self.generator.programs,
+                features=features, stop_tokens=stops, logprobs=False, cache=self.generator.programs,
             )  # fmt: skip
         return self._programs[key]
 

@@ -310,6 +310,7 @@ class SlotModel:
         window: int,
         features: SamplingFeatures,
         stop_tokens: tuple[int, ...] = (),
+        logprobs: bool = True,
     ) -> tuple[SlotState, Chosen]:
         """`count` ([] int32, at most `steps`) decode steps of the first `decoding_rows` slots (R) over
         the first `window` columns (every decoding slot is among those rows and writes within those
@@ -318,6 +319,8 @@ class SlotModel:
         With `stop_tokens`, a row whose last token is one of them keeps it (it has stopped), and the
         loop ends early once every active row has stopped (`Model.generate`'s EOS rule; a server
         stops its requests on the host).
+        `logprobs=False` compiles no log-probabilities at all (`Model.generate`'s calls; its
+        Chosen's log-probability fields are then [R, 0, ...]).
         Returns (state with each active row's last token and position moved on by the steps run,
         Chosen [R, steps], whose steps from `Chosen.ran` on are zeros)."""
         r = decoding_rows
@@ -348,21 +351,25 @@ class SlotModel:
             with self.bound(params):
                 logits, cache = self.run(params, restore(cache), tokens[:, None], at[:, None], write_at[:, None])
             token, _ = choose_tokens(logits[:, 0], mine, features, at + 1, seen=seen, counts=counts)
-            picked = _with_logprobs(logits[:, 0], token, want_logprobs)
-            chosen = dataclasses.replace(
-                chosen, **{f: getattr(chosen, f).at[:, i].set(getattr(picked, f)) for f in _PER_TOKEN}
-            )
+            if logprobs:
+                picked = _with_logprobs(logits[:, 0], token, want_logprobs)
+                chosen = dataclasses.replace(
+                    chosen, **{f: getattr(chosen, f).at[:, i].set(getattr(picked, f)) for f in _PER_TOKEN}
+                )
+            else:
+                chosen = dataclasses.replace(chosen, token=chosen.token.at[:, i].set(token))
             if seen is not None:
                 seen = jnp.where(on[:, None], _sampling.update_seen(seen, token), seen)
             if counts is not None:
                 counts = _sampling.update_counts(counts, token, on)
             return i + 1, backend.loop_carry(cache)[0], jnp.where(going(tokens), token, tokens), seen, counts, chosen
 
+        kept = steps if logprobs else 0
         chosen = Chosen(
             token=jnp.zeros((r, steps), jnp.int32),
-            logprob=jnp.zeros((r, steps), jnp.float32),
-            top_token=jnp.zeros((r, steps, TOP_LOGPROBS), jnp.int32),
-            top_logprob=jnp.zeros((r, steps, TOP_LOGPROBS), jnp.float32),
+            logprob=jnp.zeros((r, kept), jnp.float32),
+            top_token=jnp.zeros((r, kept, TOP_LOGPROBS), jnp.int32),
+            top_logprob=jnp.zeros((r, kept, TOP_LOGPROBS), jnp.float32),
             ran=jnp.int32(0),
         )
         ran, carried, tokens, seen, counts, chosen = jax.lax.while_loop(
@@ -410,7 +417,10 @@ class SlotPrograms:
         prefill(state, rows, which, ids, start, count, last, fresh, want_logprobs, window=W) -> (state, Chosen)
         decode(state, rows, active, count, want_logprobs, decoding_rows=R, window=W) -> (state, Chosen)
 
-    `state` is donated: the programs update the cache in place.
+    `state` is donated: the programs update the cache in place. `stop_tokens`: the decode ends when
+    every active row has stopped at one (`Model.generate`'s EOS; a server stops on the host);
+    `logprobs=False`: the decode computes and returns no log-probabilities (`Model.generate`).
+    `cache`: the `ProgramCache` to keep the programs in (`Model.generate` shares `Generator`'s).
     """
 
     def __init__(
@@ -421,12 +431,13 @@ class SlotPrograms:
         steps: int,
         features: SamplingFeatures,
         stop_tokens: tuple[int, ...] = (),
+        logprobs: bool = True,
         cache: _programs.ProgramCache | None = None,
     ):
         model = slot_model.model
         self.slot_model = slot_model
         self.prefill_chunk, self.steps, self.features = prefill_chunk, steps, features
-        self.stop_tokens = stop_tokens
+        self.stop_tokens, self.logprobs = stop_tokens, logprobs
         if cache is None:
             fingerprint = (
                 _programs.model_fingerprint(model.module, model.params, model.aliases)
@@ -447,8 +458,11 @@ class SlotPrograms:
     def key(self, kind: str, rows: int, window: int) -> tuple:
         extent = self.prefill_chunk if kind == "prefill" else self.steps
         model = self.slot_model
-        stops = self.stop_tokens if kind == "decode" else ()
-        return (kind, model.slots, model.length, extent, rows, window, self.precision, self.features, stops)
+        # The decode's own settings (the prefill's program does not depend on them).
+        stops, logprobs = (self.stop_tokens, self.logprobs) if kind == "decode" else ((), True)
+        return (
+            kind, model.slots, model.length, extent, rows, window, self.precision, self.features, stops, logprobs,
+        )  # fmt: skip
 
     def prefill(
         self, state: SlotState, rows: RowSampling, which, ids, start, count, last, fresh, want_logprobs, *, window
@@ -505,7 +519,7 @@ class SlotPrograms:
         state, chosen = self.slot_model.decode_chunk(
             params, SlotState(*leaves), RowSampling(*rows), active, count, want_logprobs,
             steps=self.steps, decoding_rows=decoding_rows, window=window, features=self.features,
-            stop_tokens=self.stop_tokens,
+            stop_tokens=self.stop_tokens, logprobs=self.logprobs,
         )  # fmt: skip
         return state.leaves(), _fields(chosen)
 
