@@ -109,9 +109,10 @@ class SlotRuns:
         every = jnp.ones(rows, bool)
         try:  # the state's shapes come from an abstract run of the model, which may read its data too
             state = programs.slot_model.empty_state(features)
+            # The prefill's window: the prompts' columns, the only ones it reads and writes.
             state, chosen = programs.prefill(
                 state, sampling, jnp.arange(rows, dtype=jnp.int32), jnp.asarray(plan.ids), jnp.zeros(rows, jnp.int32),
-                jnp.asarray(lengths), every, every, jnp.bool_(False), window=plan.total,
+                jnp.asarray(lengths), every, every, jnp.bool_(False), window=plan.size,
             )  # fmt: skip
         except DataDependentError:
             self.generator.reads_data = True
