@@ -162,8 +162,11 @@ def hold_back(scores: jax.Array, rows: RowSampling, features: SamplingFeatures, 
     (`positions` [R] int32) is before their `min_position` (transformers' MinNewTokensLengthLogitsProcessor)."""
     if not features.held_back:
         return scores
-    held = jnp.isin(jnp.arange(scores.shape[-1]), jnp.asarray(features.held_back, jnp.int32))
-    return jnp.where(held[None, :] & (positions < rows.min_position)[:, None], -jnp.inf, scores)
+    # Only the held-back columns are read and written: a select over all [R, V] scores made a batch-1
+    # decode step of an 8-layer Llama on the CPU about 5% slower.
+    ids = jnp.asarray(features.held_back, jnp.int32)
+    early = (positions < rows.min_position)[:, None]
+    return scores.at[:, ids].set(jnp.where(early, -jnp.inf, scores[:, ids]), mode="drop")
 
 
 def add_biases(scores: jax.Array, rows: RowSampling, features: SamplingFeatures) -> jax.Array:
