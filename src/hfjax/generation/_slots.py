@@ -8,8 +8,10 @@ position p has its keys and values in column p. Rows advance independently, so t
     prefill_chunk   the next C prompt tokens of P slots written into their rows (each row's real
                     tokens last in the chunk, so the model makes logits at one index); the token
                     after each row's last real token chosen with the slot's settings
-    decode_chunk    up to K one-token steps of the first R slots in one program (a `fori_loop`),
-                    over the first W columns of the cache; rows that are not decoding write nowhere
+    decode_chunk    up to K one-token steps of the first R slots in one program (a `while_loop`,
+                    which ends early once every row has stopped, where the program has stop
+                    tokens), over the first W columns of the cache; rows that are not decoding
+                    write nowhere
 
 Each slot's sampling settings are per-row arrays (`RowSampling`), and the token choice is the one
 every program makes (`_choose.choose_tokens`), so requests coming and going never change a
