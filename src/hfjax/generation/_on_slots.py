@@ -122,9 +122,9 @@ class SlotRuns:
         if streamer is not None:
             streamer.put(torch.as_tensor(ids.astype(np.int64)))
             streamer.put(torch.as_tensor(first[: plan.prompts * plan.per_prompt].astype(np.int64)))
-        stops = np.asarray(settings.eos_token_ids, np.int32)
+        stops, pad = np.asarray(settings.eos_token_ids, np.int32), settings.pad_token_id
         done = np.isin(first, stops)
-        produced = [first[:, None]]
+        produced = [first[:, None]]  # each call's tokens, pad_token_id after a row's stop
         steps, position = 1, int(lengths.max())
         # A streamer re-enters the decode every few tokens: windows cut at each entry would copy more
         # than they save, so it attends over the whole cache (as `Generator`).
@@ -142,18 +142,16 @@ class SlotRuns:
                     self.generator.reads_data = True
                     return None
                 ran = int(chosen.ran)
-                tokens = np.asarray(chosen.token)[:, :ran]
+                tokens = np.where(done[:, None], pad, _padded(np.asarray(chosen.token)[:, :ran], stops, pad))
                 produced.append(tokens)
                 done |= np.isin(tokens, stops).any(axis=1)
                 steps, position = steps + ran, position + ran
                 if streamer is not None:
-                    for token in _padded(np.concatenate(produced, axis=1), stops, settings.pad_token_id)[
-                        : plan.prompts * plan.per_prompt, -ran:
-                    ].T:
+                    for token in tokens[: plan.prompts * plan.per_prompt].T:
                         streamer.put(torch.as_tensor(token.astype(np.int64)))
         if streamer is not None:
             streamer.end()
-        return _padded(np.concatenate(produced, axis=1), stops, settings.pad_token_id), ttft
+        return np.concatenate(produced, axis=1).astype(np.int32), ttft
 
     def _programs_for(self, plan: _planning.BatchPlan, features, stops: tuple, precision) -> SlotPrograms:
         model_key = (plan.rows, plan.total)
