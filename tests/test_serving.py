@@ -3,6 +3,7 @@ transformers' own processors."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import threading
 
@@ -65,12 +66,16 @@ class _Calls:
 
     def __init__(self, engine, monkeypatch):
         self.log = []
+        self.logprobs = []  # each decode chunk's: whether its program computes log-probabilities
         programs = engine.compiler.programs
         decode, prefill = programs.decode, programs.prefill
 
-        def decoding(state, rows, active, count, want, *, decoding_rows, window):
+        def decoding(state, rows, active, count, want, *, decoding_rows, window, logprobs):
             self.log.append(("decode", int(count), decoding_rows, window))
-            return decode(state, rows, active, count, want, decoding_rows=decoding_rows, window=window)
+            self.logprobs.append(logprobs)
+            return decode(
+                state, rows, active, count, want, decoding_rows=decoding_rows, window=window, logprobs=logprobs
+            )
 
         def prefilling(*args, window):
             self.log.append(("prefill", args[2].shape[0], window))
@@ -168,6 +173,22 @@ def test_a_chunk_runs_decode_steps_while_a_request_waits_or_reads_its_prompt(mod
     assert during and all(count <= STEPS for count in during), log
 
 
+def test_decode_chunks_compute_log_probabilities_only_while_a_request_asks(model, engine, monkeypatch):
+    calls = _Calls(engine, monkeypatch)
+    ids = _ids(model, PROMPTS[:2])
+    greedy = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+    alone = engine.generate(ids[:1], greedy)[0]
+    assert calls.logprobs and not any(calls.logprobs), calls.log
+    calls.logprobs.clear()
+    both = engine.generate(ids, [greedy, dataclasses.replace(greedy, logprobs=3)])
+    assert any(calls.logprobs), calls.log
+    assert both[0].token_ids == alone.token_ids and both[0].logprobs is None
+    reference = model.generate(np.array(ids[1:], np.int32), max_new_tokens=12, do_sample=False, eos_token_id=[])
+    assert both[1].token_ids == np.asarray(reference)[0, len(ids[1]) :].tolist()
+    assert len(both[1].logprobs) == 12 and all(len(lp.top) == 3 for lp in both[1].logprobs)
+    assert all(lp.top[0][0] == token for lp, token in zip(both[1].logprobs, both[1].token_ids))  # greedy: the top one
+
+
 def test_max_decode_steps_below_decode_steps_is_refused_by_name(model):
     with pytest.raises(hfjax.ServingError, match=r"max_decode_steps=2; pass a whole number >= decode_steps=4"):
         Engine(model, max_num_seqs=SLOTS, max_model_len=LENGTH, decode_steps=4, max_decode_steps=2)
@@ -189,8 +210,8 @@ def test_chunks_that_outgrow_a_window_attend_over_the_next(model, engine, monkey
 def test_programs_stay_fixed_over_50_requests_of_mixed_lengths_and_settings(model, engine):
     before = dict(engine.program_counts)
     # warm_up prepared them all: a prefill chunk per row bucket (1, 2, 4 rows) and window (32, 64, 96
-    # columns), and a decode chunk per row bucket (1, 2, 4) and window.
-    assert before == {"prefill": 9, "decode": 9}
+    # columns), and a decode chunk per row bucket (1, 2, 4) and window, with log-probabilities and without.
+    assert before == {"prefill": 9, "decode": 18}
     ids = _ids(model, [PROMPTS[i % len(PROMPTS)] for i in range(50)])
     params = [
         SamplingParams(
@@ -492,7 +513,7 @@ def test_a_prompt_starts_after_the_prefix_a_free_slot_holds_and_answers_the_same
     shared = next(i for i, (a, b) in enumerate(zip(first, second)) if a != b)
     assert shared > CHUNK and engine.metrics.prefix_hit_tokens - hits == shared
     assert got.token_ids == _generate_alone(model, [second], 12)[0][:12]
-    assert engine.program_counts == {"prefill": 9, "decode": 9}
+    assert engine.program_counts == {"prefill": 9, "decode": 18}
 
 
 def test_serve_without_the_extra_says_what_to_install(monkeypatch, capsys):

@@ -136,8 +136,9 @@ class SlotRuns:
                     count = min(count, STREAM_CHUNK)
                 try:
                     state, chosen = programs.decode(
-                        state, sampling, every, jnp.int32(count), jnp.bool_(False), decoding_rows=rows, window=window
-                    )
+                        state, sampling, every, jnp.int32(count), jnp.bool_(False),
+                        decoding_rows=rows, window=window, logprobs=False,
+                    )  # fmt: skip
                 except DataDependentError:
                     self.generator.reads_data = True
                     return None
@@ -161,7 +162,7 @@ class SlotRuns:
         if key not in self._programs:
             self._programs[key] = SlotPrograms(
                 self._models[model_key], prefill_chunk=plan.size, steps=plan.total - plan.offset,
-                features=features, stop_tokens=stops, logprobs=False, cache=self.generator.programs,
+                features=features, stop_tokens=stops, cache=self.generator.programs,
             )  # fmt: skip
         return self._programs[key]
 

@@ -417,11 +417,13 @@ class SlotPrograms:
     sampling features for the engine's life.
 
         prefill(state, rows, which, ids, start, count, last, fresh, want_logprobs, window=W) -> (state, Chosen)
-        decode(state, rows, active, count, want_logprobs, decoding_rows=R, window=W) -> (state, Chosen)
+        decode(state, rows, active, count, want_logprobs, decoding_rows=R, window=W, logprobs=True)
+            -> (state, Chosen)
 
     `state` is donated: the programs update the cache in place. `stop_tokens`: the decode ends when
-    every active row has stopped at one (`Model.generate`'s EOS; a server stops on the host);
-    `logprobs=False`: the decode computes and returns no log-probabilities (`Model.generate`).
+    every active row has stopped at one (`Model.generate`'s EOS; a server stops on the host).
+    A decode with `logprobs=False` is a program of its own that computes and returns no
+    log-probabilities (`Model.generate`'s, and a server's chunks in which no request asks for them).
     `cache`: the `ProgramCache` to keep the programs in (`Model.generate` shares `Generator`'s).
     """
 
@@ -433,13 +435,12 @@ class SlotPrograms:
         steps: int,
         features: SamplingFeatures,
         stop_tokens: tuple[int, ...] = (),
-        logprobs: bool = True,
         cache: _programs.ProgramCache | None = None,
     ):
         model = slot_model.model
         self.slot_model = slot_model
         self.prefill_chunk, self.steps, self.features = prefill_chunk, steps, features
-        self.stop_tokens, self.logprobs = stop_tokens, logprobs
+        self.stop_tokens = stop_tokens
         if cache is None:
             fingerprint = (
                 _programs.model_fingerprint(model.module, model.params, model.aliases)
@@ -457,11 +458,12 @@ class SlotPrograms:
         """Programs prepared per kind in this process, traced or read from disk."""
         return {kind: self.cache.traced[kind] + self.cache.loaded[kind] for kind in ("prefill", "decode")}
 
-    def key(self, kind: str, rows: int, window: int) -> tuple:
+    def key(self, kind: str, rows: int, window: int, logprobs: bool = True) -> tuple:
         extent = self.prefill_chunk if kind == "prefill" else self.steps
         model = self.slot_model
         # The decode's own settings (the prefill's program does not depend on them).
-        stops, logprobs = (self.stop_tokens, self.logprobs) if kind == "decode" else ((), True)
+        stops = self.stop_tokens if kind == "decode" else ()
+        logprobs = logprobs or kind != "decode"
         return (
             kind, model.slots, model.length, extent, rows, window, self.precision, self.features, stops, logprobs,
         )  # fmt: skip
@@ -473,9 +475,11 @@ class SlotPrograms:
         leaves, chosen = program.run(*args)
         return SlotState(*leaves), Chosen(*chosen)
 
-    def decode(self, state: SlotState, rows: RowSampling, active, count, want_logprobs, *, decoding_rows, window):
+    def decode(
+        self, state: SlotState, rows: RowSampling, active, count, want_logprobs, *, decoding_rows, window, logprobs=True
+    ):
         program, args = self._decode(
-            state, rows, active, count, want_logprobs, decoding_rows=decoding_rows, window=window
+            state, rows, active, count, want_logprobs, decoding_rows=decoding_rows, window=window, logprobs=logprobs
         )
         leaves, chosen = program.run(*args)
         return SlotState(*leaves), Chosen(*chosen)
@@ -485,26 +489,26 @@ class SlotPrograms:
         program, args = self._prefill(*arguments, window=window)
         program.run.lower(*args).compile()
 
-    def compile_decode(self, *arguments, decoding_rows: int, window: int) -> None:
+    def compile_decode(self, *arguments, decoding_rows: int, window: int, logprobs: bool = True) -> None:
         """Compiles the decode program for these arguments (arrays or their shapes) without running it."""
-        program, args = self._decode(*arguments, decoding_rows=decoding_rows, window=window)
+        program, args = self._decode(*arguments, decoding_rows=decoding_rows, window=window, logprobs=logprobs)
         program.run.lower(*args).compile()
 
     def _prefill(self, state, rows, which, ids, start, count, last, fresh, want_logprobs, *, window):
         args = (self.params, state.leaves(), rows.leaves(), which, ids, start, count, last, fresh, want_logprobs)
         function = functools.partial(self._prefill_program, window=window)
-        return self._program("prefill", which.shape[0], window, function, args), args
+        return self._program(self.key("prefill", which.shape[0], window), function, args), args
 
-    def _decode(self, state, rows, active, count, want_logprobs, *, decoding_rows, window):
+    def _decode(self, state, rows, active, count, want_logprobs, *, decoding_rows, window, logprobs):
         args = (self.params, state.leaves(), rows.leaves(), active, count, want_logprobs)
-        function = functools.partial(self._decode_program, decoding_rows=decoding_rows, window=window)
-        return self._program("decode", decoding_rows, window, function, args), args
+        function = functools.partial(
+            self._decode_program, decoding_rows=decoding_rows, window=window, logprobs=logprobs
+        )
+        return self._program(self.key("decode", decoding_rows, window, logprobs), function, args), args
 
-    def _program(self, kind: str, rows: int, window: int, function, args):
+    def _program(self, key: tuple, function, args):
         with self._lock:  # the engine's thread and its compiling one may ask at once
-            return self.cache.get(
-                self.key(kind, rows, window), bridge.under(self.precision, function), args, metadata=dict, donate=(1,)
-            )
+            return self.cache.get(key, bridge.under(self.precision, function), args, metadata=dict, donate=(1,))
 
     # -- traced: plain containers in and out, so that the programs can be kept on disk -------
 
@@ -516,12 +520,12 @@ class SlotPrograms:
         )  # fmt: skip
         return state.leaves(), _fields(chosen)
 
-    def _decode_program(self, params, leaves, rows, active, count, want_logprobs, *, decoding_rows, window):
+    def _decode_program(self, params, leaves, rows, active, count, want_logprobs, *, decoding_rows, window, logprobs):
         self.cache.traced["decode"] += 1
         state, chosen = self.slot_model.decode_chunk(
             params, SlotState(*leaves), RowSampling(*rows), active, count, want_logprobs,
             steps=self.steps, decoding_rows=decoding_rows, window=window, features=self.features,
-            stop_tokens=self.stop_tokens, logprobs=self.logprobs,
+            stop_tokens=self.stop_tokens, logprobs=logprobs,
         )  # fmt: skip
         return state.leaves(), _fields(chosen)
 

@@ -2,11 +2,14 @@
 
 A chunk of R rows over W columns runs the program compiled for (R, W) when it is ready, else the
 smallest ready one that holds it (more rows and columns: the same tokens, only slower), and asks
-for its own. Before the engine starts, only the largest prefill and decode are compiled (every
-chunk fits them); then a thread compiles what chunks ask for, and, while none asks, the one-row
-programs of short windows that a lone client's requests run. No request waits for a compile, the
-server listens after two of them, and a grid of many rows and windows (49 decode programs for 64
-slots and 2048 columns) is compiled only as far as the traffic needs it.
+for its own. Decode programs come in two kinds: "decode" computes no log-probabilities, for chunks
+in which no request asks for them (most traffic: no top-20 buffers or `cond` in its loop), and
+"decode_logprobs" does, for the others; a "decode" chunk may run either. Before the engine starts,
+only the largest prefill and "decode_logprobs" are compiled (every chunk fits them); then a thread
+compiles what chunks ask for, and, while none asks, the one-row prefill and "decode" programs of
+short windows that a lone client's requests run. No request waits for a compile, the server listens
+after two of them, and a grid of many rows and windows (49 decode programs for 64 slots and 2048
+columns) is compiled only as far as the traffic needs it.
 """
 
 from __future__ import annotations
@@ -23,6 +26,9 @@ from .. import generation
 
 logger = logging.getLogger("hfjax")
 AHEAD_WINDOW = 512  # columns: the longest window compiled before a chunk asks for it
+# The kinds of program whose ready cells a chunk of each kind may run (the first: its own).
+RUNS_ON = {"prefill": ("prefill",), "decode": ("decode", "decode_logprobs"), "decode_logprobs": ("decode_logprobs",)}
+FALLBACKS = ("prefill", "decode_logprobs")  # compiled before the engine starts: every chunk fits their largest
 
 
 class Compiler:
@@ -57,15 +63,17 @@ class Compiler:
             return len({cell for cell in (*self._wanted, *self._ahead()) if cell[1:] not in self._ready[cell[0]]})
 
     def prepare_fallbacks(self, example: Callable) -> None:
-        """Compiles the largest prefill and decode now (every chunk fits them)."""
+        """Compiles the largest prefill and "decode_logprobs" now (every chunk fits them)."""
         self._example = example
-        largest = [(kind, *cells[-1]) for kind, cells in self.grid.items()]
-        self._prepare_now(largest)
+        self._prepare_now(self._fallbacks())
 
     def prepare_all(self, example: Callable) -> None:
         """Compiles every program of the grid now."""
         self._example = example
         self._prepare_now([(kind, *cell) for kind, cells in self.grid.items() for cell in cells])
+
+    def _fallbacks(self) -> list[tuple[str, int, int]]:
+        return [(kind, *self.grid[kind][-1]) for kind in FALLBACKS]
 
     def start(self) -> None:
         if self._thread is None:
@@ -79,19 +87,20 @@ class Compiler:
         if self._thread is not None:
             self._thread.join()
 
-    def program_for(self, kind: str, rows: int, columns: int) -> tuple[int, int]:
-        """(rows, window) of the program a chunk of `rows` rows whose rows end by column `columns`
-        runs: its own where it is ready, else the smallest ready one holding it (its own is asked for)."""
-        cells = self.grid[kind]
-        own = next(cell for cell in cells if cell[0] >= rows and cell[1] >= columns)
+    def program_for(self, kind: str, rows: int, columns: int) -> tuple[str, int, int]:
+        """(kind, rows, window) of the program a chunk of `kind` with `rows` rows whose rows end by
+        column `columns` runs: its own where it is ready, else the smallest ready one holding it of a
+        kind in RUNS_ON[kind] (its own is asked for)."""
+        own = next(cell for cell in self.grid[kind] if cell[0] >= rows and cell[1] >= columns)
         if own in self._ready[kind]:
-            return own
+            return (kind, *own)
         with self._lock:
             if (kind, *own) not in self._wanted:
                 self._wanted.append((kind, *own))
                 self._wake.notify_all()
-        ready = [cell for cell in self._ready[kind] if cell[0] >= own[0] and cell[1] >= own[1]]
-        return min(ready, key=lambda cell: (cell[0] * cell[1], cell))
+        ready = [(other, *cell) for other in RUNS_ON[kind] for cell in self._ready[other]
+                 if cell[0] >= own[0] and cell[1] >= own[1]]  # fmt: skip
+        return min(ready, key=lambda cell: (cell[1] * cell[2], RUNS_ON[kind].index(cell[0]), cell))
 
     def _prepare_now(self, cells: list[tuple[str, int, int]]) -> None:
         todo = [cell for cell in cells if cell[1:] not in self._ready[cell[0]]]
@@ -108,7 +117,9 @@ class Compiler:
         if kind == "prefill":
             self.programs.compile_prefill(*arguments, window=window)
         else:
-            self.programs.compile_decode(*arguments, decoding_rows=rows, window=window)
+            self.programs.compile_decode(
+                *arguments, decoding_rows=rows, window=window, logprobs=kind == "decode_logprobs"
+            )
         seconds = time.perf_counter() - start
         with self._lock:
             self._ready[kind].add((rows, window))
@@ -118,8 +129,9 @@ class Compiler:
         return seconds
 
     def _ahead(self) -> list[tuple[str, int, int]]:
-        """The programs compiled while no chunk asks for one: one row over the windows a short chat needs."""
-        return [(kind, rows, window) for kind, cells in self.grid.items() for rows, window in cells
+        """The programs compiled while no chunk asks for one: one row over the windows a short chat
+        (without log-probabilities) needs."""
+        return [(kind, rows, window) for kind in ("prefill", "decode") for rows, window in self.grid[kind]
                 if rows == 1 and window <= AHEAD_WINDOW]  # fmt: skip
 
     def _next(self) -> tuple[str, int, int] | None:

@@ -10,9 +10,10 @@ the last one's tokens come back, so the host's work on one chunk overlaps the de
 The device side is generation's slot core (`generation.SlotModel`, `SlotPrograms`): a chunk
 attends over the fewest columns that hold its rows (windows of 32, 64, ... columns up to
 max_model_len) and runs the fewest rows that hold every decoding slot (1, 2, 4, ... up to the
-slots). Of that grid, only the largest prefill and decode are compiled before the engine starts;
-a chunk whose own program is not ready runs the smallest ready one that holds it (correct, only
-slower), while a second thread compiles the one it wanted, then the rest of the grid, smallest first.
+slots), with log-probabilities or without. Of that grid, only the largest prefill and
+log-probability decode are compiled before the engine starts; a chunk whose own program is not
+ready runs the smallest ready one that holds it (correct, only slower), while a second thread
+compiles the one it wanted, then the rest of the grid, smallest first.
 
 Parts: `_requests.py` (SamplingParams, Request, Event), `_table.py` (the slots' row state),
 `_sizing.py` (slots and cache length from a memory budget), this module (the engine thread),
@@ -270,13 +271,15 @@ class Engine:
     # -- programs ----------------------------------------------------------------------
 
     def _grid(self) -> dict[str, list[tuple[int, int]]]:
-        """Every (rows, window) a prefill and a decode chunk may run, smallest first."""
+        """Every (rows, window) a prefill and a decode chunk (with log-probabilities or without) may run,
+        smallest first."""
         windows = _windows(self.max_model_len)
         decode_rows = _powers(self.max_num_seqs)
         prefill_rows = _powers(self.prefill_rows)
         return {
             "prefill": [(r, w) for w in windows for r in prefill_rows],
             "decode": [(r, w) for w in windows for r in decode_rows],
+            "decode_logprobs": [(r, w) for w in windows for r in decode_rows],
         }
 
     def _allocate(self) -> None:
@@ -397,7 +400,7 @@ class Engine:
             last[i] = request.prefilled + len(chunk) == len(request.prompt)
             fresh[i] = request.prefilled == request.started
         want = any(r.params.logprobs is not None for r in requests)
-        rows, window = self.compiler.program_for("prefill", rows, int((start + count).max()))
+        _, rows, window = self.compiler.program_for("prefill", rows, int((start + count).max()))
         if rows > len(which):  # a larger ready program: more padding rows
             extra = rows - len(which)
             which = np.concatenate([which, np.full(extra, self.max_num_seqs, np.int32)])
@@ -432,10 +435,12 @@ class Engine:
         rows = self.table.decode_rows(max(requests))
         steps = min(self._chunk_steps(rows), most)
         end = int(self.table.positions[active].max(initial=0)) + steps  # every column the chunk writes
-        rows, window = self.compiler.program_for("decode", rows, end)
         want = any(r.params.logprobs is not None for r in requests.values())
+        kind, rows, window = self.compiler.program_for("decode_logprobs" if want else "decode", rows, end)
         args = self._decode_args(active, steps, want)
-        self._state, chosen = self.compiler.programs.decode(*args, decoding_rows=rows, window=window)
+        self._state, chosen = self.compiler.programs.decode(
+            *args, decoding_rows=rows, window=window, logprobs=kind == "decode_logprobs"
+        )
         self.table.positions = np.where(active, self.table.positions + steps, self.table.positions).astype(np.int32)
         for request in requests.values():
             request.scheduled += steps
