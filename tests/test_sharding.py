@@ -73,6 +73,7 @@ def _child(out: pathlib.Path) -> None:
                 with _prefill_state(model) as state:
                     got = np.asarray(model.generate(ids, max_new_tokens=NEW_TOKENS, do_sample=False)).tolist()
                 record["tokens"], record["want_tokens"] = got, want_tokens
+                record["on_slots"] = bool(model._generator.slot_runs._programs)  # the slot core ran it
                 record["split"] = sum("model" in spec for spec in plan.values())
                 record["bad_shards"] = _bad_shards(model.params, plan, model_size)
                 record["kv_cache"] = _kv_cache_shards(state)
@@ -81,6 +82,12 @@ def _child(out: pathlib.Path) -> None:
                     long = dict(max_new_tokens=LONG_TOKENS, min_new_tokens=LONG_TOKENS, do_sample=False)
                     record["long_tokens"] = np.asarray(model.generate(ids, **long)).tolist()
                     record["want_long_tokens"] = np.asarray(reference.generate(ids, **long)).tolist()
+                if family == "llama":
+                    # hfjax serve's engine on the mesh: its slot state split as generate's.
+                    record["served"] = _served(model)
+                    record["want_served"] = np.asarray(
+                        reference.generate(ids, max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS, do_sample=False)
+                    )[:, ids.shape[1] :].tolist()
                 if family == "llama" and data > 1:
                     # A batch that does not divide over "data" is padded for the mesh, then trimmed.
                     odd = np.array(PROMPTS + PROMPTS[:1], np.int32)
@@ -107,6 +114,18 @@ def _child(out: pathlib.Path) -> None:
     (out / "records.json").write_text(json.dumps(records))
     # Two processes of one run (`hfjax launch`) on llama's checkpoint, against its one-device tokens.
     (out / "two_processes.json").write_text(json.dumps(_two_processes(out, out / "llama", one_device["llama"])))
+
+
+def _served(model) -> list[list[int]]:
+    """Greedy answers of PROMPTS from `serving.Engine` (4 slots), NEW_TOKENS each."""
+    from hfjax.serving import Engine, SamplingParams
+
+    engine = Engine(model, max_num_seqs=4, max_model_len=64).start()
+    try:
+        params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0, ignore_eos=True)
+        return [event.token_ids for event in engine.generate(PROMPTS, params)]
+    finally:
+        engine.stop()
 
 
 def _diffusion_records(out: pathlib.Path) -> list[dict]:
@@ -185,8 +204,9 @@ def _bad_shards(params, plan, model_size: int) -> list[str]:
 
 @contextlib.contextmanager
 def _prefill_state(model):
-    """Catches what the compiled prefill returns (the decode loop's state, as a flat list) while
-    the block generates, by wrapping the engine's prefill program."""
+    """Catches what the compiled prefill returns (the decode's state and the first tokens) while the
+    block generates, by wrapping the prefill program (the slot core's or `Generator`'s: they share
+    the program cache)."""
     from hfjax.generation import _engine
 
     generator = model._generator or _engine.Generator(model)
@@ -208,8 +228,10 @@ def _prefill_state(model):
 
 
 def _kv_cache_shards(state) -> list[list[int]]:
-    # The shard shapes of the KV cache in the prefill's state ([B, KV heads, L, D] blocks, then the full shape).
-    leaves = [leaf for leaf in state[-1] if leaf.ndim == 4]
+    # The shard shapes of the KV cache in the last prefill's output ([B, KV heads, L, D] blocks, then the full shape).
+    import jax
+
+    leaves = [leaf for leaf in jax.tree_util.tree_leaves(state[-1]) if leaf.ndim == 4]
     return [list(leaf.sharding.shard_shape(leaf.shape)) + list(leaf.shape) for leaf in leaves]
 
 
@@ -245,6 +267,9 @@ def test_sharded_model_matches_one_device(records, family, mesh):
     assert "error" not in record, record.get("error")
     assert record["max_diff"] <= DEFAULT.atol, f"logits differ by {record['max_diff']} (tolerance {DEFAULT.atol})"
     assert record["tokens"] == record["want_tokens"]
+    if family == "llama":  # a mesh of one process runs generate on the slot core (hfjax serve's programs)
+        assert record["on_slots"]
+        assert record["served"] == record["want_served"]
     assert record["bad_shards"] == []
     if mesh[1] > 1:
         assert record["split"] > 0

@@ -19,7 +19,7 @@ Parts, one concern each (docs/architecture.md describes the engine's internal AP
     _on_slots.py   `Model.generate` on the slot core: every row admitted at once, decoded to its end
     _engine.py     `Generator`, which runs `Model.generate`: on the slot core where that carries
                    out the call (`_on_slots`), else with its own programs (beams, processors that
-                   read the tokens so far, other caches, images, meshes)
+                   read the tokens so far, other caches, images, multi-process meshes)
     _generate.py   `generate`: `Model.generate`'s arguments checked and resolved into one engine run
     _multimodal.py prefill-only model inputs (images), multimodal rope positions
     _vision_chat.py `chat_with_images`: conversations with images through a processor

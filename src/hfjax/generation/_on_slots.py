@@ -8,8 +8,8 @@ same programs.
 A call runs here when the slot core carries out everything it asks: a decoder-only model with a
 static KV cache that takes `position_ids`, left-padded prompts, no beams, no processor that reads
 the tokens so far (n-gram bans, forced or suppressed tokens, sequence biases of more than one
-token), no prefill-only inputs (images), no `return_dict_in_generate`, weights off a
-mesh, and a model that reads no values of its data. `Generator` runs the rest.
+token), no prefill-only inputs (images), no `return_dict_in_generate`, weights on one device or
+on a mesh of one process, and a model that reads no values of its data. `Generator` runs the rest.
 
 Rows are the plan's rows, in its order, with the same PRNG keys (the seed with the row's index
 folded in) and positions (a prompt's first real token at 0), so a call gives the tokens
@@ -23,6 +23,7 @@ from __future__ import annotations
 import dataclasses
 import time
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import torch
@@ -69,7 +70,9 @@ class SlotRuns:
 
     def takes(self, plan: _planning.BatchPlan, settings: GenerationSettings, inputs) -> bool:
         """Whether this call runs on the slot core (the module docstring says which do)."""
-        if not self.possible or self.model.mesh is not None or inputs or self.generator.reads_data:
+        if not self.possible or inputs or self.generator.reads_data:
+            return False
+        if self.model.mesh is not None and jax.process_count() > 1:  # the slot state is placed by one process
             return False
         if settings.beam is not None or settings.return_dict_in_generate or _reads_history(settings):
             return False

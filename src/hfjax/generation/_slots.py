@@ -30,7 +30,7 @@ import threading
 import jax
 import jax.numpy as jnp
 
-from .. import _backend, bridge
+from .. import _backend, bridge, parallel
 from .._errors import GenerationError
 from . import _caches, _programs, _sampling
 from ._adapters import StaticCacheAdapter, adapter_for
@@ -181,21 +181,32 @@ class SlotModel:
         return sum(int(s.size // self.slots) * s.dtype.itemsize for pair in cache for s in pair)
 
     def empty_state(self, features: SamplingFeatures) -> SlotState:
-        """Zeros, placed where the programs' outputs will be (on the weights' device), so the first call
-        and every later one have the same signature."""
+        """Zeros, placed where the programs' outputs will be, so the first call and every later one
+        have the same signature: on the weights' device; on a mesh (one process), the slots split over
+        "data" and each layer's cache over "model" by heads, where they divide."""
         cache, vocab = self.shapes()
-        weights = next(iter(self.model.params.values())).sharding
-        place = (lambda x: jax.device_put(x, weights)) if len(weights.device_set) == 1 else (lambda x: x)
-        return jax.tree_util.tree_map(
-            place,
-            SlotState(
-                cache=[tuple(jnp.zeros(s.shape, s.dtype) for s in pair) for pair in cache],
-                tokens=jnp.zeros(self.slots, jnp.int32),
-                positions=jnp.zeros(self.slots, jnp.int32),
-                seen=jnp.zeros((self.slots, vocab), bool) if features.repetition else None,
-                counts=jnp.zeros((self.slots, vocab), jnp.int32) if features.presence else None,
-            ),
+        state = SlotState(
+            cache=[tuple(jnp.zeros(s.shape, s.dtype) for s in pair) for pair in cache],
+            tokens=jnp.zeros(self.slots, jnp.int32),
+            positions=jnp.zeros(self.slots, jnp.int32),
+            seen=jnp.zeros((self.slots, vocab), bool) if features.repetition else None,
+            counts=jnp.zeros((self.slots, vocab), jnp.int32) if features.presence else None,
         )
+        mesh = self.model.mesh
+        if mesh is not None:
+            return jax.device_put(state, jax.tree_util.tree_map(lambda a: self._sharding(mesh, a), state))
+        weights = next(iter(self.model.params.values())).sharding
+        if len(weights.device_set) == 1:
+            return jax.device_put(state, weights)
+        return state
+
+    def _sharding(self, mesh, array) -> jax.sharding.NamedSharding:
+        """A state array's place on `mesh`: slots over "data", a cache's heads ([S, heads, L, D]) over "model"."""
+        data, model = parallel.data_size(mesh), dict(mesh.shape).get("model", 1)
+        rows = "data" if data > 1 and self.slots % data == 0 else None
+        if array.ndim == 4 and model > 1 and array.shape[1] % model == 0:
+            return jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(rows, "model"))
+        return jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(rows))
 
     @contextlib.contextmanager
     def bound(self, params):
