@@ -312,6 +312,22 @@ def test_return_dict_in_generate_gives_transformers_scores_and_logits(loaded, fa
     assert isinstance(plain, jax.Array)
 
 
+def test_return_dict_in_generate_alone_runs_on_the_slot_core_and_gives_transformers_output(loaded, monkeypatch):
+    from hfjax.generation import _slots
+
+    model = loaded("llama")
+    ids, mask = _batch(model)
+    decodes = []
+    decode = _slots.SlotPrograms.decode
+    monkeypatch.setattr(_slots.SlotPrograms, "decode", lambda self, *a, **k: decodes.append(1) or decode(self, *a, **k))
+    settings = dict(max_new_tokens=6, do_sample=False, return_dict_in_generate=True)
+    expected = _torch_output(model, ids, mask, **settings)
+    actual = model.generate(ids, mask, **settings)
+    assert decodes, "the call did not run on the slot core"
+    assert type(actual) is type(expected) and actual.scores is None and actual.logits is None
+    np.testing.assert_array_equal(np.asarray(actual.sequences), expected.sequences.numpy())
+
+
 def test_suppressing_a_forced_token_is_refused_as_transformers_refuses_it(loaded):
     model = loaded("bart")
     ids, mask = _batch(model)

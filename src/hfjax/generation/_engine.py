@@ -171,7 +171,10 @@ class Generator:
                 batch = plan.prompts * plan.per_prompt
                 prompt = np.repeat(ids, plan.per_prompt, axis=0).astype(np.int32)
                 self._stats(mask, new.shape[1], ttft, start, prepared_before)
-                return jnp.asarray(np.concatenate([prompt, new[:batch]], axis=1))
+                out = jnp.asarray(np.concatenate([prompt, new[:batch]], axis=1))
+                if settings.return_dict_in_generate:  # the sequences only (scores and logits: below)
+                    out = self._output(out, lambda name: None, batch, new.shape[1], beams=False)
+                return out
         extra = None
         if inputs:
             if not self.adapter.takes_prefill_inputs:

@@ -8,8 +8,9 @@ same programs.
 A call runs here when the slot core carries out everything it asks: a decoder-only model with a
 static KV cache that takes `position_ids`, left-padded prompts, no beams, no processor that reads
 the tokens so far (n-gram bans, forced or suppressed tokens, sequence biases of more than one
-token), no prefill-only inputs (images), no `return_dict_in_generate`, weights on one device or
-on a mesh of one process, and a model that reads no values of its data. `Generator` runs the rest.
+token), no prefill-only inputs (images), no `output_scores` / `output_logits` (a stopped row's
+next inputs are its stop token here, transformers' pad tokens there), weights on one device or on
+a mesh of one process, and a model that reads no values of its data. `Generator` runs the rest.
 
 Rows are the plan's rows, in its order, with the same PRNG keys (the seed with the row's index
 folded in) and positions (a prompt's first real token at 0), so a call gives the tokens
@@ -74,7 +75,7 @@ class SlotRuns:
             return False
         if self.model.mesh is not None and jax.process_count() > 1:  # the slot state is placed by one process
             return False
-        if settings.beam is not None or settings.return_dict_in_generate or _reads_history(settings):
+        if settings.beam is not None or settings.output_scores or settings.output_logits or _reads_history(settings):
             return False
         if not _left_padded(plan.mask):
             return False
