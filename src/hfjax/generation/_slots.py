@@ -193,7 +193,7 @@ class SlotModel:
             counts=jnp.zeros((self.slots, vocab), jnp.int32) if features.presence else None,
         )
         mesh = self.model.mesh
-        if mesh is not None:
+        if mesh is not None and jax.process_count() == 1:  # several processes: left to the programs
             return jax.device_put(state, jax.tree_util.tree_map(lambda a: self._sharding(mesh, a), state))
         weights = next(iter(self.model.params.values())).sharding
         if len(weights.device_set) == 1:
