@@ -238,7 +238,12 @@ CONSTRAINT_CASES = [(name, "llama") for name in CONSTRAINTS] + [
 
 
 @pytest.mark.parametrize("name, family", CONSTRAINT_CASES)
-def test_token_constraints_match_transformers(loaded, family, name):
+def test_token_constraints_match_transformers(loaded, monkeypatch, family, name):
+    from hfjax.generation import _slots
+
+    decodes = []  # a decoder's calls run on the slot core (hfjax serve's programs)
+    decode = _slots.SlotPrograms.decode
+    monkeypatch.setattr(_slots.SlotPrograms, "decode", lambda self, *a, **k: decodes.append(1) or decode(self, *a, **k))
     model = loaded(family)
     ids, mask = _batch(model)
     plain = _torch_generate(model, ids, mask, max_new_tokens=NEW_TOKENS)
@@ -248,8 +253,10 @@ def test_token_constraints_match_transformers(loaded, family, name):
     settings = {"max_new_tokens": NEW_TOKENS, **CONSTRAINTS[name](plain[:, start:], start, forced)}
     expected = _torch_generate(model, ids, mask, **settings)
     assert not np.array_equal(expected, plain)  # the setting changes this output
+    decodes.clear()
     actual = np.asarray(model.generate(ids, mask, **settings))
     np.testing.assert_array_equal(actual, expected)
+    assert bool(decodes) == (model.task != "text2text-generation")
 
 
 @pytest.mark.parametrize("family, beams", [("llama", 1), ("llama", 2), ("t5", 1)])
@@ -520,6 +527,17 @@ ON_SLOTS = {
         max_new_tokens=NEW_TOKENS, do_sample=True, min_p=0.05, num_return_sequences=2, seed=6
     ),
     "single_token_bias": dict(max_new_tokens=NEW_TOKENS, sequence_bias={(5,): 4.0, (9,): -2.0}),
+    # The processors that read the tokens so far, sampled, with EOS held back and forced at the end.
+    "ngram_bans_and_sequence_biases": dict(
+        max_new_tokens=NEW_TOKENS,
+        do_sample=True,
+        seed=5,
+        no_repeat_ngram_size=2,
+        encoder_no_repeat_ngram_size=2,
+        sequence_bias={(5, 9): -3.0, (7,): 1.0},
+        min_new_tokens=4,
+        forced_eos_token_id=2,
+    ),
 }
 
 
@@ -539,6 +557,25 @@ def test_generate_on_the_slot_core_gives_the_generators_tokens(loaded, monkeypat
     assert decodes, "the call did not run on the slot core"
     monkeypatch.setattr(_on_slots.SlotRuns, "takes", lambda self, *args: False)
     np.testing.assert_array_equal(on_slots, np.asarray(model.generate(ids, mask, **ON_SLOTS[name])))
+
+
+@pytest.mark.parametrize("family", ["mistral", "gemma2", "gemma3_text"])
+def test_sliding_window_models_run_on_the_slot_core_like_transformers(loaded, monkeypatch, family):
+    # Mistral slides in every layer (one mask); Gemma 2 and 3 alternate sliding and full layers (a mask
+    # per kind). The answers pass the 64-token window, so a key outside it would change them.
+    from hfjax.generation import _slots
+
+    model = loaded(family)
+    window = model.module.config.sliding_window
+    ids, mask = _batch(model)
+    new = dict(max_new_tokens=LONG, min_new_tokens=LONG, do_sample=False)
+    assert ids.shape[1] + LONG > window + 8
+    decodes = []
+    decode = _slots.SlotPrograms.decode
+    monkeypatch.setattr(_slots.SlotPrograms, "decode", lambda self, *a, **k: decodes.append(1) or decode(self, *a, **k))
+    actual = np.asarray(model.generate(ids, mask, **new))
+    assert decodes, "the call did not run on the slot core"
+    np.testing.assert_array_equal(actual, _torch_generate(model, ids, mask, **new))
 
 
 # -- long answers: the decode loop attends over growing windows of the cache ---------

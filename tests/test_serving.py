@@ -397,6 +397,27 @@ def test_a_hybrid_model_is_refused_by_name(checkpoint):
         Engine(hybrid, max_num_seqs=SLOTS, max_model_len=LENGTH, prefill_chunk=CHUNK, decode_steps=STEPS)
 
 
+def test_a_sliding_window_model_serves_answers_past_its_window_like_transformers(checkpoint):
+    # Gemma 3 alternates layers that attend over the last 64 positions with full ones; answers of 80
+    # tokens in a 256-column cache pass the window, where a key outside it would change the tokens.
+    gemma = hfjax.load(checkpoint("gemma3_text"))
+    assert gemma.module.config.sliding_window == 64
+    engine = Engine(gemma, max_num_seqs=2, max_model_len=256, prefill_chunk=CHUNK, decode_steps=STEPS)
+    engine.start()
+    try:
+        ids = _ids(gemma, PROMPTS[4:7])  # three requests for two slots: one waits for a free slot
+        got = engine.generate(ids, SamplingParams(max_tokens=80, temperature=0, ignore_eos=True))
+    finally:
+        engine.stop()
+    torch_model = transformers.AutoModelForCausalLM.from_pretrained(gemma.path).eval()
+    for prompt, event in zip(ids, got):
+        with torch.no_grad():
+            want = torch_model.generate(torch.tensor([prompt]), max_new_tokens=80, do_sample=False, eos_token_id=None)[
+                0, len(prompt) :
+            ].tolist()
+        assert event.token_ids == want
+
+
 def test_a_full_queue_raises_queue_full(model, engine):
     # A listener runs on the engine's thread: while the first request's listener blocks, nothing is
     # admitted, and the queue (of one, here) fills.

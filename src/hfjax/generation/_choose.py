@@ -11,7 +11,7 @@ import jax
 import jax.numpy as jnp
 
 from . import _beam, _sampling
-from ._rows import RowSampling, SamplingFeatures
+from ._rows import HistoryRules, RowSampling, SamplingFeatures
 from ._settings import GenerationSettings
 from ._state import DecodeState
 
@@ -34,9 +34,11 @@ def choose_tokens(
     applying the processors that read the tokens so far (generate's static settings), or None.
     """
     scores = _sampling.add_biases(logits.astype(jnp.float32), rows, features)
+    # transformers holds EOS back after the biases and n-gram bans, before the forced tokens: a ban
+    # commutes with those biases and bans, and the forced tokens override it.
+    scores = _sampling.hold_back(scores, rows, features, positions)
     if history is not None:
         scores = history(scores)
-    scores = _sampling.hold_back(scores, rows, features, positions)
     scores = _sampling.process_logits(scores, rows, features, seen=seen, counts=counts)
     return _sampling.pick(scores, rows, positions, features), scores
 
@@ -45,40 +47,96 @@ def processed(logits, state: DecodeState, end, settings: GenerationSettings):
     """`logits` [B, V] after transformers' processors that come before repetition penalty and
     sampling, in its order. The rows so far are `state.sequence`'s columns [first_column, end)."""
     step, vocab_size = state.step, logits.shape[-1]
-    vocab = jnp.arange(vocab_size)
-    sequence, first = state.sequence, state.first_column
-    if settings.sequence_bias:  # transformers' first processor; bad_words_ids are -inf biases
-        logits = logits + _sampling.sequence_bias(sequence, first, end, settings.sequence_bias, vocab_size)
-    if settings.no_repeat_ngram_size:
-        banned = _sampling.ngram_bans(sequence, first, end, settings.no_repeat_ngram_size, vocab_size)
-        logits = jnp.where(banned, -jnp.inf, logits)
-    if settings.encoder_no_repeat_ngram_size:
-        # The encoder's ids; a decoder's "encoder input" is its prompt, in the buffer before the new tokens.
-        if state.encoder_ids is not None:
-            source, source_start, source_end = state.encoder_ids, 0, state.encoder_ids.shape[1]
-        else:
-            source, source_start, source_end = sequence, first, end - step
-        banned = _sampling.encoder_ngram_bans(
-            source, source_start, source_end, sequence, first, end, settings.encoder_no_repeat_ngram_size, vocab_size
-        )
-        logits = jnp.where(banned, -jnp.inf, logits)
-    if settings.eos_token_ids:  # min_new_tokens and min_length
-        held = jnp.isin(vocab, jnp.asarray(settings.eos_token_ids)) & (step < state.least)
+    if settings.eos_token_ids:  # min_new_tokens and min_length (bans commute with the biases and bans before them)
+        held = jnp.isin(jnp.arange(vocab_size), jnp.asarray(settings.eos_token_ids)) & (step < state.least)
         logits = jnp.where(held[None, :], -jnp.inf, logits)
+    rules = settings.history_rules()
+    if rules is None:
+        return logits
+    # The encoder's ids; a decoder's "encoder input" is its prompt, in the buffer before the new tokens.
+    if state.encoder_ids is not None:
+        source = (state.encoder_ids, 0, state.encoder_ids.shape[1])
+    else:
+        source = (state.sequence, state.first_column, end - step)
+    return apply_rules(
+        logits, rules, state.sequence, state.first_column, end, step=step, last_step=state.budget - 1, source=source
+    )
+
+
+def apply_rules(scores, rules: HistoryRules, sequence, start, end, *, step, last_step, source):
+    """`scores` [B, V] after `rules` (generate's processors that read the tokens so far), in
+    transformers' order.
+
+    Args:
+        sequence: [B, L] int32, each row's tokens so far (transformers' input_ids, pads included) in
+            its columns [start, end); start and end are [] (every row's) or [B] int32.
+        step, last_step: the new token's index in the answer and the budget's last, [] or [B].
+        source: (ids [B, S], start, end), the n-grams `prompt_ngram_size` bans: a decoder's prompt,
+            an encoder's ids.
+    """
+    vocab_size = scores.shape[-1]
+    vocab = jnp.arange(vocab_size)
+    if rules.sequence_bias:  # transformers' first processor; bad_words_ids are -inf biases
+        scores = scores + _each_row(
+            lambda tokens, first, last: _sampling.sequence_bias(tokens, first, last, rules.sequence_bias, vocab_size),
+            sequence, start, end,
+        )  # fmt: skip
+    if rules.no_repeat_ngram_size:
+        banned = _each_row(
+            lambda tokens, first, last: _sampling.ngram_bans(tokens, first, last, rules.no_repeat_ngram_size, vocab_size),
+            sequence, start, end,
+        )  # fmt: skip
+        scores = jnp.where(banned, -jnp.inf, scores)
+    if rules.prompt_ngram_size:
+        ids, first_id, end_id = source
+
+        def bans(tokens, first, last, ids, first_id, end_id):
+            return _sampling.encoder_ngram_bans(
+                ids, first_id, end_id, tokens, first, last, rules.prompt_ngram_size, vocab_size
+            )
+
+        if all(jnp.ndim(x) == 0 for x in (start, end, first_id, end_id)):
+            banned = bans(sequence, start, end, ids, first_id, end_id)
+        else:
+            rows = sequence.shape[0]
+            each = [jnp.broadcast_to(x, (rows,)) for x in (start, end, first_id, end_id)]
+            banned = jax.vmap(
+                lambda tokens, first, last, row_ids, first_id, end_id: bans(
+                    tokens[None], first, last, row_ids[None], first_id, end_id
+                )[0]
+            )(sequence, each[0], each[1], ids, each[2], each[3])
+        scores = jnp.where(banned, -jnp.inf, scores)
     # As transformers' forced-token processors: the forced token scores 0 and every other -inf,
     # whatever the processors before had done to them.
-    if settings.forced_bos_token_id is not None:  # where the row holds one token (a decoder's start), as transformers
-        forced = jnp.where(vocab == settings.forced_bos_token_id, 0.0, -jnp.inf)
-        logits = jnp.where(end - first == 1, forced[None, :], logits)
-    if settings.forced_eos_token_ids:
-        forced = jnp.where(jnp.isin(vocab, jnp.asarray(settings.forced_eos_token_ids)), 0.0, -jnp.inf)
-        logits = jnp.where(step == state.budget - 1, forced[None, :], logits)
-    if settings.suppress_tokens:
-        logits = jnp.where(jnp.isin(vocab, jnp.asarray(settings.suppress_tokens))[None, :], -jnp.inf, logits)
-    if settings.begin_suppress_tokens:
-        at_begin = (step == settings.begin_suppress_step) & jnp.isin(vocab, jnp.asarray(settings.begin_suppress_tokens))
-        logits = jnp.where(at_begin[None, :], -jnp.inf, logits)
-    return logits
+    if rules.forced_bos_token_id is not None:  # where the row holds one token (a decoder's start), as transformers
+        forced = jnp.where(vocab == rules.forced_bos_token_id, 0.0, -jnp.inf)
+        scores = jnp.where(_column(end - start == 1), forced[None, :], scores)
+    if rules.forced_eos_token_ids:
+        forced = jnp.where(jnp.isin(vocab, jnp.asarray(rules.forced_eos_token_ids)), 0.0, -jnp.inf)
+        scores = jnp.where(_column(step == last_step), forced[None, :], scores)
+    if rules.suppress_tokens:
+        scores = jnp.where(jnp.isin(vocab, jnp.asarray(rules.suppress_tokens))[None, :], -jnp.inf, scores)
+    if rules.begin_suppress_tokens:
+        at_begin = _column(step == rules.begin_suppress_step) & jnp.isin(
+            vocab, jnp.asarray(rules.begin_suppress_tokens)
+        )
+        scores = jnp.where(at_begin, -jnp.inf, scores)
+    return scores
+
+
+def _each_row(function, sequence, start, end):
+    """function(sequence [B, L], start, end) -> [B, V] with start and end [] for every row, or [B]:
+    then each row's own (a vmap over rows)."""
+    if jnp.ndim(start) == 0 and jnp.ndim(end) == 0:
+        return function(sequence, start, end)
+    rows = sequence.shape[0]
+    start, end = jnp.broadcast_to(start, (rows,)), jnp.broadcast_to(end, (rows,))
+    return jax.vmap(lambda tokens, first, last: function(tokens[None], first, last)[0])(sequence, start, end)
+
+
+def _column(condition):
+    """A condition [] or [B] as one that broadcasts over [B, V]."""
+    return condition[:, None] if jnp.ndim(condition) == 1 else condition
 
 
 def _kept(state: DecodeState, logits, scores) -> DecodeState:

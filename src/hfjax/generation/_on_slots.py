@@ -6,11 +6,13 @@ same programs.
     SlotRuns.generate(...)                   the call's new tokens, as `Generator.generate` gives them
 
 A call runs here when the slot core carries out everything it asks: a decoder-only model with a
-static KV cache that takes `position_ids`, left-padded prompts, no beams, no processor that reads
-the tokens so far (n-gram bans, forced or suppressed tokens, sequence biases of more than one
-token), no prefill-only inputs (images), no `output_scores` / `output_logits` (a stopped row's
+static KV cache that takes `position_ids` (full or sliding-window attention), left-padded prompts,
+no beams, no prefill-only inputs (images), no `output_scores` / `output_logits` (a stopped row's
 next inputs are its stop token here, transformers' pad tokens there), weights on one device or on
 a mesh of one process, and a model that reads no values of its data. `Generator` runs the rest.
+The processors that read the tokens so far (n-gram bans, sequence biases, forced and suppressed
+tokens) run here as `HistoryRules`, over each row's tokens as transformers' input_ids hold them
+(the caller's pads first).
 
 Rows are the plan's rows, in its order, with the same PRNG keys (the seed with the row's index
 folded in) and positions (a prompt's first real token at 0), so a call gives the tokens
@@ -32,24 +34,10 @@ import torch
 from .. import bridge
 from .._errors import DataDependentError, GenerationError
 from . import _planning, _rows
-from ._adapters import StaticCacheAdapter
 from ._settings import GenerationSettings
 from ._slots import SlotModel, SlotPrograms, check_supported
 
 STREAM_CHUNK = 8  # decode steps per host round trip when streaming (as `Generator`)
-
-
-def _reads_history(settings: GenerationSettings) -> bool:
-    """Whether a processor of these settings reads the tokens so far (which the slot core does not keep)."""
-    return bool(
-        any(len(ids) > 1 for ids, _ in settings.sequence_bias)
-        or settings.no_repeat_ngram_size
-        or settings.encoder_no_repeat_ngram_size
-        or settings.forced_bos_token_id is not None
-        or settings.forced_eos_token_ids
-        or settings.suppress_tokens
-        or settings.begin_suppress_tokens
-    )
 
 
 def _left_padded(mask: np.ndarray) -> bool:
@@ -65,7 +53,11 @@ class SlotRuns:
         self.generator = generator
         self.model = generator.model
         adapter = generator.adapter
-        self.possible = type(adapter) is StaticCacheAdapter and not adapter.encoder_decoder and adapter.takes_positions
+        try:
+            check_supported(self.model)  # a static KV cache of full or sliding-window attention layers
+            self.possible = not adapter.encoder_decoder and adapter.takes_positions
+        except GenerationError:
+            self.possible = False
         self._models: dict[tuple, SlotModel] = {}
         self._programs: dict[tuple, SlotPrograms] = {}
 
@@ -73,17 +65,11 @@ class SlotRuns:
         """Whether this call runs on the slot core (the module docstring says which do)."""
         if not self.possible or inputs or self.generator.reads_data:
             return False
-        if self.model.mesh is not None and jax.process_count() > 1:  # the slot state is placed by one process
+        if self.model.mesh is not None and jax.process_count() > 1:  # `SlotModel.empty_state` places for one process
             return False
-        if settings.beam is not None or settings.output_scores or settings.output_logits or _reads_history(settings):
+        if settings.beam is not None or settings.output_scores or settings.output_logits:
             return False
-        if not _left_padded(plan.mask):
-            return False
-        try:
-            check_supported(self.model, plan.total)  # no recurrent layers; a sliding window wider than the cache
-        except GenerationError:
-            return False
-        return True
+        return _left_padded(plan.mask)
 
     def generate(
         self,
@@ -105,10 +91,15 @@ class SlotRuns:
         features = compiled.features
         if settings.min_new_tokens and settings.eos_token_ids:  # EOS held back for the first min_new_tokens
             features = dataclasses.replace(features, held_back=settings.eos_token_ids)
+        features = dataclasses.replace(features, history=compiled.history_rules())
         programs = self._programs_for(plan, features, settings.eos_token_ids, precision)
         sampling = settings.row_sampling(rows, _rows.key_data(seed))
         sampling.key = np.asarray(_rows.row_keys(jnp.asarray(sampling.key)))  # each row's index folded in
         sampling.min_position = lengths + np.int32(settings.min_new_tokens)
+        # The rules that read the tokens so far see transformers' input_ids: the caller's pads, then the row.
+        sampling.pads = (plan.size - plan.first_column - lengths).astype(np.int32)
+        sampling.first_new = lengths
+        sampling.last_new = lengths + np.int32(budget - 1)
         sampling = _rows.RowSampling(*(jnp.asarray(a) for a in sampling.leaves()))
         every = jnp.ones(rows, bool)
         try:  # the state's shapes come from an abstract run of the model, which may read its data too

@@ -6,8 +6,10 @@ and a static `SamplingFeatures` says which parts of the token choice it compiles
 
     RowSampling       temperature, top-k, top-p, min-p, repetition / presence / frequency
                       penalties, single-token logit biases, the position before which held-back
-                      tokens are not chosen, and a PRNG key, one row each
-    SamplingFeatures  which of those any row may use (hashable: part of a program's key)
+                      tokens are not chosen, where the row's answer starts and ends, and a PRNG
+                      key, one row each
+    SamplingFeatures  which of those any row may use (hashable: part of a program's key), and
+                      `HistoryRules`: generate's processors that read the tokens so far
 
 Rows of temperature 0 take the most likely token (transformers' do_sample=False): the warpers
 (temperature, top-k, top-p, min-p) do not apply to them, the penalties and biases do.
@@ -28,6 +30,26 @@ MAX_LOGIT_BIAS = 64
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
+class HistoryRules:
+    """`Model.generate`'s processors that read each row's tokens so far or count its new tokens, in
+    transformers' order (static: part of a program's key; a server's requests set none of them)."""
+
+    sequence_bias: tuple[tuple[tuple[int, ...], float], ...] = ()  # biases of two or more tokens
+    no_repeat_ngram_size: int = 0
+    prompt_ngram_size: int = 0  # a decoder's encoder_no_repeat_ngram_size: n-grams of its prompt
+    forced_bos_token_id: int | None = None  # where the row holds one token
+    forced_eos_token_ids: tuple[int, ...] = ()  # at the budget's last new token
+    suppress_tokens: tuple[int, ...] = ()
+    begin_suppress_tokens: tuple[int, ...] = ()
+    begin_suppress_step: int = 0  # the new token at which begin_suppress_tokens apply
+
+    @property
+    def reads_tokens(self) -> bool:
+        """Whether a rule reads the tokens themselves (a program then keeps each row's in its state)."""
+        return bool(self.sequence_bias or self.no_repeat_ngram_size or self.prompt_ngram_size)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
 class SamplingFeatures:
     """Which parts of the token choice a program compiles (any row may use them)."""
 
@@ -40,6 +62,7 @@ class SamplingFeatures:
     bias_slots: int = 0  # single-token biases per row (0: none)
     # Tokens no row chooses before its `min_position` (Model.generate's EOS under min_new_tokens).
     held_back: tuple[int, ...] = ()
+    history: HistoryRules | None = None  # Model.generate's processors that read the tokens so far
 
     @classmethod
     def of(cls, configs: Sequence, bias_slots: int = 0) -> SamplingFeatures:
@@ -78,6 +101,12 @@ class RowSampling:
     bias_ids: np.ndarray  # [R, K] int32: token ids of single-token biases; past the vocabulary where unused
     bias_values: np.ndarray  # [R, K] float32
     min_position: np.ndarray  # [R] int32: the first position whose token may be a held-back one; 0: off
+    # Where `SamplingFeatures.history` rules count from (0 where a program has none): the pads before
+    # the row's first token in transformers' input_ids, the position of its first new token, and that
+    # of its budget's last.
+    pads: np.ndarray  # [R] int32
+    first_new: np.ndarray  # [R] int32
+    last_new: np.ndarray  # [R] int32
     key: np.ndarray  # [R, 2] uint32: each row's PRNG key data (the last field)
 
     @classmethod
@@ -121,6 +150,9 @@ class RowSampling:
             bias_ids=bias_ids,
             bias_values=bias_values,
             min_position=np.zeros(count, np.int32),
+            pads=np.zeros(count, np.int32),
+            first_new=np.zeros(count, np.int32),
+            last_new=np.zeros(count, np.int32),
             key=np.stack([np.asarray(key, np.uint32) for _, _, key in rows]).reshape(count, 2),
         )
 
@@ -137,7 +169,8 @@ class RowSampling:
             min_p=filled(0.0, np.float32), repetition_penalty=filled(1.0, np.float32),
             presence_penalty=filled(0.0, np.float32), frequency_penalty=filled(0.0, np.float32),
             bias_ids=filled(unused, np.int32, (count, bias_slots)), bias_values=filled(0.0, np.float32, (count, bias_slots)),
-            min_position=filled(0, np.int32), key=filled(0, np.uint32, (count, 2)),
+            min_position=filled(0, np.int32), pads=filled(0, np.int32), first_new=filled(0, np.int32),
+            last_new=filled(0, np.int32), key=filled(0, np.uint32, (count, 2)),
         )  # fmt: skip
 
     def leaves(self) -> tuple:

@@ -20,7 +20,7 @@ import numpy as np
 
 from .._errors import GenerationError
 from ._beam import BeamSettings
-from ._rows import RowSampling, SamplingFeatures
+from ._rows import HistoryRules, RowSampling, SamplingFeatures
 
 
 def _real(name: str, value, fix: str) -> float:
@@ -176,6 +176,21 @@ class GenerationSettings:
     def program_features(self) -> SamplingFeatures:
         """What a program for these settings compiles of the token choice."""
         return SamplingFeatures.of([self.sampling], bias_slots=len(self.single_token_biases()))
+
+    def history_rules(self) -> HistoryRules | None:
+        """The processors of these settings that read a row's tokens so far or count its new tokens, or
+        None where there are none (a decoder's: encoder_no_repeat_ngram_size reads its prompt)."""
+        rules = HistoryRules(
+            sequence_bias=tuple(bias for bias in self.sequence_bias if len(bias[0]) > 1),
+            no_repeat_ngram_size=self.no_repeat_ngram_size,
+            prompt_ngram_size=self.encoder_no_repeat_ngram_size,
+            forced_bos_token_id=self.forced_bos_token_id,
+            forced_eos_token_ids=self.forced_eos_token_ids,
+            suppress_tokens=self.suppress_tokens,
+            begin_suppress_tokens=self.begin_suppress_tokens,
+            begin_suppress_step=self.begin_suppress_step if self.begin_suppress_tokens else 0,
+        )
+        return None if rules == HistoryRules() else rules
 
     def row_sampling(self, rows: int, key: np.ndarray, vocab_size: int | None = None) -> RowSampling:
         """These settings for `rows` rows, each with PRNG key data `key` [2] uint32 (a program folds

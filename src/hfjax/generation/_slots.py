@@ -34,7 +34,7 @@ from .. import _backend, bridge, parallel
 from .._errors import GenerationError
 from . import _caches, _programs, _sampling
 from ._adapters import StaticCacheAdapter, adapter_for
-from ._choose import choose_tokens
+from ._choose import apply_rules, choose_tokens
 from ._rows import RowSampling, SamplingFeatures
 
 TOP_LOGPROBS = 20  # the most alternatives OpenAI's API lets a request ask for per token
@@ -50,10 +50,13 @@ class SlotState:
     positions: jax.Array  # [S] int32: that token's position
     seen: jax.Array | None  # [S, V] bool: the row's tokens so far (repetition penalty); else None
     counts: jax.Array | None  # [S, V] int32: the answer's tokens (presence / frequency penalties); else None
+    # [S, 2L] int32: each row's tokens so far as transformers' input_ids hold them (its pads first, see
+    # `RowSampling.pads`), where a `HistoryRules` rule reads them (Model.generate's); else None
+    history: jax.Array | None = None
 
     def leaves(self) -> tuple:
         """The state as plain containers, which `jax.export` keeps (programs take and return these)."""
-        return self.cache, self.tokens, self.positions, self.seen, self.counts
+        return self.cache, self.tokens, self.positions, self.seen, self.counts, self.history
 
 
 @jax.tree_util.register_dataclass
@@ -111,7 +114,7 @@ def _written(cache, new, columns):
     return bridge.to_torch(cache.at[rows, :, columns].set(jnp.swapaxes(new, 1, 2), mode="drop"))
 
 
-def check_supported(model, length: int) -> None:
+def check_supported(model) -> None:
     """Raises GenerationError for a model the slot cache cannot serve, saying why."""
     adapter = adapter_for(model.module)
     if type(adapter) is not StaticCacheAdapter:
@@ -125,19 +128,38 @@ def check_supported(model, length: int) -> None:
             f"hfjax serve's slot cache holds keys and values per slot; {config.model_type} also has "
             "linear-attention or mamba layers, whose states it does not keep; use Model.generate for it"
         )
-    window = getattr(config, "sliding_window", None)
-    if isinstance(window, int) and window < length and _uses_window(config):
+    unknown = sorted(_layer_kinds(config) - set(MASKS))
+    if unknown:
         raise GenerationError(
-            f"max_model_len={length}: {config.model_type} attends over a sliding window of {window} tokens, which "
-            f"the slot cache does not apply; pass max_model_len<={window}"
+            f"hfjax serve's slot cache masks full and sliding-window attention; {config.model_type} also has "
+            f"{', '.join(unknown)} layers; use Model.generate for it"
         )
 
 
-def _uses_window(config) -> bool:
-    if getattr(config, "use_sliding_window", True) is False:
-        return False
+MASKS = ("full_attention", "sliding_attention")  # the attention masks the slot programs build
+
+
+def _layer_kinds(config) -> set[str]:
+    """The masks the attention layers read, as transformers' models choose them: by `layer_types` where
+    the config has them (recurrent layers left out: `check_supported` refuses those), else one mask for
+    every layer, sliding where `sliding_window` is set (Mistral's rule)."""
     types = getattr(config, "layer_types", None)
-    return types is None or "sliding_attention" in types
+    if types is not None:
+        return set(types) - set(_RECURRENT_KINDS)
+    sliding = getattr(config, "sliding_window", None) is not None and getattr(config, "use_sliding_window", True)
+    return {"sliding_attention" if sliding else "full_attention"}
+
+
+_RECURRENT_KINDS = ("linear_attention", "mamba", "conv", "recurrent")
+
+
+def _sliding_window(config, length: int) -> int | None:
+    """The sliding window the slot programs mask with over a cache of `length` columns, or None where
+    none does (no sliding layer, or a window no narrower than the cache: it hides nothing)."""
+    window = getattr(config, "sliding_window", None)
+    if "sliding_attention" not in _layer_kinds(config) or not isinstance(window, int) or window >= length:
+        return None
+    return window
 
 
 class SlotModel:
@@ -150,6 +172,10 @@ class SlotModel:
         self.slots, self.length = slots, length
         self.layer_class = _slot_layer_class()
         self.boolean_mask = getattr(self.config, "_attn_implementation", "sdpa") != "eager"
+        # Sliding-window layers see only the last `window` positions; where every layer slides, one mask
+        # serves them all, and where some do not, the model takes a mask per kind of layer (a dict).
+        self.window = _sliding_window(self.config, length)
+        self.mask_kinds = _layer_kinds(self.config) if self.window is not None else {"full_attention"}
         self.module_names = {id(m): n for n, m in self.module.named_modules()}
         self.cache_keyword = _caches.cache_keyword(self.module)
         self.takes_logits_to_keep = "logits_to_keep" in inspect.signature(self.module.forward).parameters
@@ -191,6 +217,11 @@ class SlotModel:
             positions=jnp.zeros(self.slots, jnp.int32),
             seen=jnp.zeros((self.slots, vocab), bool) if features.repetition else None,
             counts=jnp.zeros((self.slots, vocab), jnp.int32) if features.presence else None,
+            history=(
+                jnp.zeros((self.slots, 2 * self.length), jnp.int32)
+                if features.history is not None and features.history.reads_tokens
+                else None
+            ),
         )
         mesh = self.model.mesh
         if mesh is not None and jax.process_count() == 1:  # several processes: left to the programs
@@ -225,14 +256,15 @@ class SlotModel:
         past.layers = [
             self.layer_class(bridge.to_torch(k), bridge.to_torch(v), bridge.to_torch(columns)) for k, v in cache
         ]
-        every = jnp.arange(length, dtype=jnp.int32)
-        allowed = (every[None, None, :] <= positions[:, :, None])[:, None]  # [B, 1, q, L]
-        if self.boolean_mask:
-            mask = allowed
-        else:
-            dtype = cache[0][0].dtype
-            mask = jnp.where(allowed, jnp.zeros((), dtype), jnp.finfo(dtype).min)
-        kwargs = {"use_cache": True, self.cache_keyword: past, "attention_mask": bridge.to_torch(mask)}
+        every = jnp.arange(length, dtype=jnp.int32)[None, None, :]
+        masks = {}
+        for kind in self.mask_kinds:
+            allowed = every <= positions[:, :, None]  # [B, q, L]
+            if kind == "sliding_attention":  # transformers' sliding window: the key within `window` of the query
+                allowed &= every > positions[:, :, None] - self.window
+            masks[kind] = bridge.to_torch(self._mask(allowed[:, None], cache[0][0].dtype))  # [B, 1, q, L]
+        mask = masks if len(masks) > 1 else next(iter(masks.values()))
+        kwargs = {"use_cache": True, self.cache_keyword: past, "attention_mask": mask}
         kwargs["position_ids"] = bridge.to_torch(positions)
         if keep is not None and self.takes_logits_to_keep:
             kwargs["logits_to_keep"] = bridge.to_torch(keep)
@@ -243,6 +275,11 @@ class SlotModel:
             logits = jnp.take(logits, keep, axis=1)
         cache = [(bridge.to_jax(layer.keys), bridge.to_jax(layer.values)) for layer in past.layers]
         return logits, cache
+
+    def _mask(self, allowed, dtype):
+        """The attention mask of `allowed` [B, 1, q, L] bool in the form the attention takes: the booleans,
+        or (eager attention) zeros where allowed and the dtype's minimum elsewhere."""
+        return allowed if self.boolean_mask else jnp.where(allowed, jnp.zeros((), dtype), jnp.finfo(dtype).min)
 
     # -- the two programs (traced) --------------------------------------------------
 
@@ -291,7 +328,17 @@ class SlotModel:
         if state.counts is not None:
             counts = jnp.where(fresh[:, None], 0, state.counts.at[which].get(mode="fill", fill_value=0))  # [P, V]
         mine = jax.tree_util.tree_map(lambda a: a.at[which].get(mode="fill", fill_value=0), rows)
-        token, _ = choose_tokens(logits[:, 0], mine, features, start + count, seen=seen, counts=counts)
+        history = None
+        if state.history is not None:  # the chunk's real tokens, and a fresh row's pads before them
+            column = offset + (start + mine.pads)[:, None]  # [P, C]
+            written = (offset >= 0) | (fresh[:, None] & (column >= 0))
+            column = jnp.where(written, column, state.history.shape[1])  # past the end: dropped
+            before = state.history.at[which].get(mode="fill", fill_value=0)
+            history = before.at[jnp.arange(ids.shape[0])[:, None], column].set(ids, mode="drop")  # [P, 2L]
+        token, _ = choose_tokens(
+            logits[:, 0], mine, features, start + count, seen=seen, counts=counts,
+            history=_history_rules(features, mine, history, start + count),
+        )  # fmt: skip
         chosen = _with_logprobs(logits[:, 0], token, want_logprobs)
         # The chosen token is the slot's next input where the prompt ended (other rows: slot S, dropped),
         # at the position after the prompt; it joins the row's history.
@@ -306,6 +353,7 @@ class SlotModel:
             positions=state.positions.at[ended].set(start + count, mode="drop"),
             seen=None if seen is None else state.seen.at[which].set(seen, mode="drop"),
             counts=None if counts is None else state.counts.at[which].set(counts, mode="drop"),
+            history=None if history is None else state.history.at[which].set(history, mode="drop"),
         )
         return state, dataclasses.replace(chosen, **{f: getattr(chosen, f)[:, None] for f in _PER_TOKEN})
 
@@ -343,6 +391,7 @@ class SlotModel:
         mine = jax.tree_util.tree_map(lambda a: a[:r], rows)
         seen = None if state.seen is None else state.seen[:r]
         counts = None if state.counts is None else state.counts[:r]
+        history = None if state.history is None else state.history[:r]
         write_nowhere = jnp.int32(window)
         # The loop carries the cache in the backend's layout (on the CPU: without size-1 axes, in
         # which XLA does not copy each layer for the attention kernel on every step).
@@ -358,12 +407,18 @@ class SlotModel:
             return (i < count) & jnp.any(going(tokens))
 
         def step(carry):
-            i, cache, tokens, seen, counts, chosen = carry
+            i, cache, tokens, seen, counts, history, chosen = carry
             at = jnp.minimum(positions + i, write_nowhere - 1)  # a finished row may run past the end
             write_at = jnp.where(on & (positions + i < write_nowhere), at, write_nowhere)
             with self.bound(params):
                 logits, cache = self.run(params, restore(cache), tokens[:, None], at[:, None], write_at[:, None])
-            token, _ = choose_tokens(logits[:, 0], mine, features, at + 1, seen=seen, counts=counts)
+            if history is not None:  # the step's input joins the row's tokens so far
+                column = jnp.where(write_at < write_nowhere, mine.pads + at, history.shape[1])
+                history = history.at[jnp.arange(r), column].set(tokens, mode="drop")
+            token, _ = choose_tokens(
+                logits[:, 0], mine, features, at + 1, seen=seen, counts=counts,
+                history=_history_rules(features, mine, history, at + 1),
+            )  # fmt: skip
             if logprobs:
                 picked = _with_logprobs(logits[:, 0], token, want_logprobs)
                 chosen = dataclasses.replace(
@@ -375,7 +430,8 @@ class SlotModel:
                 seen = jnp.where(on[:, None], _sampling.update_seen(seen, token), seen)
             if counts is not None:
                 counts = _sampling.update_counts(counts, token, on)
-            return i + 1, backend.loop_carry(cache)[0], jnp.where(going(tokens), token, tokens), seen, counts, chosen
+            tokens = jnp.where(going(tokens), token, tokens)
+            return i + 1, backend.loop_carry(cache)[0], tokens, seen, counts, history, chosen
 
         kept = steps if logprobs else 0
         chosen = Chosen(
@@ -385,8 +441,8 @@ class SlotModel:
             top_logprob=jnp.zeros((r, kept, TOP_LOGPROBS), jnp.float32),
             ran=jnp.int32(0),
         )
-        ran, carried, tokens, seen, counts, chosen = jax.lax.while_loop(
-            running, step, (jnp.int32(0), carried, tokens, seen, counts, chosen)
+        ran, carried, tokens, seen, counts, history, chosen = jax.lax.while_loop(
+            running, step, (jnp.int32(0), carried, tokens, seen, counts, history, chosen)
         )
         cache = restore(carried)
         if r < self.slots or window < self.length:
@@ -400,8 +456,23 @@ class SlotModel:
             positions=jnp.where(active, state.positions + ran, state.positions),
             seen=None if seen is None else state.seen.at[:r].set(seen),
             counts=None if counts is None else state.counts.at[:r].set(counts),
+            history=None if history is None else state.history.at[:r].set(history),
         )
         return state, dataclasses.replace(chosen, ran=ran)
+
+
+def _history_rules(features: SamplingFeatures, rows: RowSampling, history, positions):
+    """The scores function applying `features.history` (generate's processors that read the tokens so
+    far) to rows whose new tokens take `positions` [R], over their tokens `history` [R, 2L] (or None
+    where no rule reads them); None where there are no such rules."""
+    rules = features.history
+    if rules is None:
+        return None
+    step = positions - rows.first_new
+    return functools.partial(
+        apply_rules, rules=rules, sequence=history, start=0, end=rows.pads + positions, step=step,
+        last_step=rows.last_new - rows.first_new, source=(history, 0, rows.pads + rows.first_new),
+    )  # fmt: skip
 
 
 def _with_logprobs(logits, token, want_logprobs) -> Chosen:

@@ -57,7 +57,7 @@ def size_engine(model, *, max_num_seqs: int | None, max_model_len: int | None, k
             f"Engine: max_model_len={max_model_len} is beyond the model's context of {context} tokens "
             f"(config.max_position_embeddings); pass max_model_len<={context}"
         )
-    generation.check_supported(model, max_model_len)
+    generation.check_supported(model)
     per_slot = generation.SlotModel(model, 1, max_model_len).bytes_per_slot()
     if kv_cache_memory is not None:
         budget, source = kv_cache_memory, "kv_cache_memory"
