@@ -62,7 +62,8 @@ _RECORDINGS: list[list[Recorded]] = []
 
 def jit_program(function: Callable, *, stage: str, donate_argnums=(), static_argnames=()) -> Callable:
     """`jax.jit(function)`. Every XLA program hfjax runs is made here, so that `recording()` sees them
-    all (but the small probes that find the values a model reads, `_specialize.discover`).
+    all (but the small probes that find the values a model reads, `_specialize.discover`, and the
+    few-op helpers that make the slot core's empty state and its rows' PRNG keys).
 
     The result has the jitted function's `lower`.
     """

@@ -50,8 +50,9 @@ class SlotState:
     positions: jax.Array  # [S] int32: that token's position
     seen: jax.Array | None  # [S, V] bool: the row's tokens so far (repetition penalty); else None
     counts: jax.Array | None  # [S, V] int32: the answer's tokens (presence / frequency penalties); else None
-    # [S, 2L] int32: each row's tokens so far as transformers' input_ids hold them (its pads first, see
-    # `RowSampling.pads`), where a `HistoryRules` rule reads them (Model.generate's); else None
+    # [S, L] int32: each row's tokens so far as transformers' input_ids hold them (its pads first, see
+    # `RowSampling.pads`), where a `HistoryRules` rule reads them (Model.generate's: its L columns hold
+    # the prompt bucket and the budget, so the caller's narrower padded prompt and the answer fit); else None
     history: jax.Array | None = None
 
     def leaves(self) -> tuple:
@@ -180,6 +181,7 @@ class SlotModel:
         self.cache_keyword = _caches.cache_keyword(self.module)
         self.takes_logits_to_keep = "logits_to_keep" in inspect.signature(self.module.forward).parameters
         self._shapes = None
+        self._empty = {}  # the programs that make `empty_state`, per state layout
 
     def shapes(self) -> tuple[list[tuple[jax.ShapeDtypeStruct, jax.ShapeDtypeStruct]], int]:
         """(each layer's (keys, values) shape for S slots, the width of the logits), from an
@@ -209,27 +211,35 @@ class SlotModel:
     def empty_state(self, features: SamplingFeatures) -> SlotState:
         """Zeros, placed where the programs' outputs will be, so the first call and every later one
         have the same signature: on the weights' device; on a mesh (one process), the slots split over
-        "data" and each layer's cache over "model" by heads, where they divide."""
-        cache, vocab = self.shapes()
-        state = SlotState(
-            cache=[tuple(jnp.zeros(s.shape, s.dtype) for s in pair) for pair in cache],
-            tokens=jnp.zeros(self.slots, jnp.int32),
-            positions=jnp.zeros(self.slots, jnp.int32),
-            seen=jnp.zeros((self.slots, vocab), bool) if features.repetition else None,
-            counts=jnp.zeros((self.slots, vocab), jnp.int32) if features.presence else None,
-            history=(
-                jnp.zeros((self.slots, 2 * self.length), jnp.int32)
-                if features.history is not None and features.history.reads_tokens
-                else None
-            ),
+        "data" and each layer's cache over "model" by heads, where they divide. Made by one program
+        (kept per layout): a zeros call per array cost `Model.generate` ~8 ms a call."""
+        layout = (
+            features.repetition,
+            features.presence,
+            features.history is not None and features.history.reads_tokens,
         )
-        mesh = self.model.mesh
-        if mesh is not None and jax.process_count() == 1:  # several processes: left to the programs
-            return jax.device_put(state, jax.tree_util.tree_map(lambda a: self._sharding(mesh, a), state))
-        weights = next(iter(self.model.params.values())).sharding
-        if len(weights.device_set) == 1:
-            return jax.device_put(state, weights)
-        return state
+        if layout not in self._empty:
+            cache, vocab = self.shapes()
+            repetition, presence, history = layout
+
+            def zeros() -> SlotState:
+                return SlotState(
+                    cache=[tuple(jnp.zeros(s.shape, s.dtype) for s in pair) for pair in cache],
+                    tokens=jnp.zeros(self.slots, jnp.int32),
+                    positions=jnp.zeros(self.slots, jnp.int32),
+                    seen=jnp.zeros((self.slots, vocab), bool) if repetition else None,
+                    counts=jnp.zeros((self.slots, vocab), jnp.int32) if presence else None,
+                    history=jnp.zeros((self.slots, self.length), jnp.int32) if history else None,
+                )
+
+            mesh, placed = self.model.mesh, None  # None: left to the programs (weights over several processes)
+            if mesh is not None and jax.process_count() == 1:
+                placed = jax.tree_util.tree_map(lambda a: self._sharding(mesh, a), jax.eval_shape(zeros))
+            elif mesh is None:
+                weights = next(iter(self.model.params.values())).sharding
+                placed = weights if len(weights.device_set) == 1 else None
+            self._empty[layout] = jax.jit(zeros, out_shardings=placed)
+        return self._empty[layout]()
 
     def _sharding(self, mesh, array) -> jax.sharding.NamedSharding:
         """A state array's place on `mesh`: slots over "data", a cache's heads ([S, heads, L, D]) over "model"."""
@@ -334,7 +344,7 @@ class SlotModel:
             written = (offset >= 0) | (fresh[:, None] & (column >= 0))
             column = jnp.where(written, column, state.history.shape[1])  # past the end: dropped
             before = state.history.at[which].get(mode="fill", fill_value=0)
-            history = before.at[jnp.arange(ids.shape[0])[:, None], column].set(ids, mode="drop")  # [P, 2L]
+            history = before.at[jnp.arange(ids.shape[0])[:, None], column].set(ids, mode="drop")  # [P, L]
         token, _ = choose_tokens(
             logits[:, 0], mine, features, start + count, seen=seen, counts=counts,
             history=_history_rules(features, mine, history, start + count),
@@ -463,7 +473,7 @@ class SlotModel:
 
 def _history_rules(features: SamplingFeatures, rows: RowSampling, history, positions):
     """The scores function applying `features.history` (generate's processors that read the tokens so
-    far) to rows whose new tokens take `positions` [R], over their tokens `history` [R, 2L] (or None
+    far) to rows whose new tokens take `positions` [R], over their tokens `history` [R, L] (or None
     where no rule reads them); None where there are no such rules."""
     rules = features.history
     if rules is None:
