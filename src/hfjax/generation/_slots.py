@@ -142,16 +142,13 @@ MASKS = ("full_attention", "sliding_attention")  # the attention masks the slot 
 
 def _layer_kinds(config) -> set[str]:
     """The masks the attention layers read, as transformers' models choose them: by `layer_types` where
-    the config has them (recurrent layers left out: `check_supported` refuses those), else one mask for
-    every layer, sliding where `sliding_window` is set (Mistral's rule)."""
+    the config has them, else one mask for every layer, sliding where `sliding_window` is set (Mistral's
+    rule). Read after `check_supported` has refused recurrent layers (`_caches.recurrent`)."""
     types = getattr(config, "layer_types", None)
     if types is not None:
-        return set(types) - set(_RECURRENT_KINDS)
+        return set(types)
     sliding = getattr(config, "sliding_window", None) is not None and getattr(config, "use_sliding_window", True)
     return {"sliding_attention" if sliding else "full_attention"}
-
-
-_RECURRENT_KINDS = ("linear_attention", "mamba", "conv", "recurrent")
 
 
 def _sliding_window(config, length: int) -> int | None:
