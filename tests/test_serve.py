@@ -336,6 +336,8 @@ BAD = [
     ("completions", {"model": NAME, "prompt": "hi", "logit_bias": {"word": 5}}, "logit_bias"),
     ("completions", {"model": NAME, "prompt": "hi", "logit_bias": {"7": 101}}, "logit_bias"),
     ("completions", {"model": NAME, "prompt": "hi", "ignore_eos": "yes"}, "ignore_eos"),
+    ("completions", {"model": NAME, "prompt": "hi", "max_tokens": 4, "min_tokens": 5}, "min_tokens"),
+    ("chat", {"model": NAME, "messages": [{"role": "user", "content": "hi"}], "min_tokens": LENGTH}, "min_tokens"),
 ]
 
 
@@ -359,7 +361,8 @@ def test_the_openai_client_raises_bad_request_with_the_field(client):
 
 def test_sampling_fields_beyond_openais_act_as_in_transformers_and_vllm(client, model):
     """repetition_penalty (vLLM's extra field) answers as transformers' repetition_penalty does in
-    Model.generate_text; logit_bias and ignore_eos force a token the length of the budget."""
+    Model.generate_text; logit_bias and ignore_eos force a token the length of the budget; min_tokens
+    holds EOS back as min_new_tokens does."""
     settings = {"max_new_tokens": NEW_TOKENS, "do_sample": False, "repetition_penalty": 1.5}
     want = model.generate_text([CONVERSATIONS[5]], **settings)[0]
     assert _chat(client, CONVERSATIONS[5], extra_body={"repetition_penalty": 1.5}) == want
@@ -370,6 +373,17 @@ def test_sampling_fields_beyond_openais_act_as_in_transformers_and_vllm(client, 
         extra_body={"ignore_eos": True},
     )  # fmt: skip
     assert forced.usage.completion_tokens == 6 and forced.choices[0].finish_reason == "length"
+    # vLLM's min_tokens: EOS, favoured at every step, is held back for 4 tokens, as transformers'
+    # min_new_tokens holds it.
+    held = client.completions.create(
+        model=NAME, prompt="river", max_tokens=6, temperature=0, logit_bias={str(token): 100},
+        extra_body={"min_tokens": 4},
+    )  # fmt: skip
+    want = model.generate_text(
+        ["river"], max_new_tokens=6, do_sample=False, min_new_tokens=4, sequence_bias={(token,): 100.0}
+    )[0]  # fmt: skip
+    assert held.usage.completion_tokens == 5 and held.choices[0].finish_reason == "stop"
+    assert held.choices[0].text == want
 
 
 def test_curl_streams_server_sent_events(servers, expected):

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import shutil
 import threading
 
 import jax
@@ -293,6 +294,60 @@ def test_penalties_and_biases_choose_as_transformers_processors_do(model, engine
         plain = _generate_alone(model, [prompt], budget)[0]
         assert event.token_ids == want, fields
         assert want != plain[: len(want)], "the setting left the greedy answer as it was: the test proves nothing"
+
+
+def test_the_checkpoints_processors_that_read_the_tokens_so_far_serve_as_in_transformers(model, tmp_path):
+    # A generation_config.json with n-gram bans, a bad word of two tokens, a suppressed token, and a
+    # min_length counted from each prompt's own length, with EOS so favoured that every answer ends
+    # where min_length first lets it: the programs compile the rules in, the rows count from their own
+    # prompts, and each answer is transformers' generate of the same checkpoint.
+    ids = _ids(model, [PROMPTS[0], PROMPTS[2], PROMPTS[9]])
+    plain = _generate_alone(model, ids, 40)
+    path = tmp_path / "rules"
+    shutil.copytree(model.path, path)
+    config = json.loads((path / "generation_config.json").read_text())
+    config.update(
+        no_repeat_ngram_size=2, bad_words_ids=[plain[0][1:3]], suppress_tokens=[plain[1][0]], min_length=40,
+        sequence_bias=[[[_tokenizer.EOS_ID], 60.0]],
+    )  # fmt: skip
+    (path / "generation_config.json").write_text(json.dumps(config))
+    ruled = hfjax.load(str(path))
+    engine = Engine(ruled, max_num_seqs=2, max_model_len=LENGTH, prefill_chunk=CHUNK, decode_steps=STEPS)
+    assert engine.features.history is not None and engine.features.held_back == (_tokenizer.EOS_ID,)
+    engine.start()
+    try:
+        got = engine.generate(ids, SamplingParams(max_tokens=48, temperature=0))  # three requests, two slots
+    finally:
+        engine.stop()
+    torch_model = transformers.AutoModelForCausalLM.from_pretrained(path).eval()
+    assert len({len(i) for i in ids}) == 3 and all(len(i) < 40 for i in ids)
+    for prompt, event, alone in zip(ids, got, plain):
+        with torch.no_grad():
+            want = torch_model.generate(torch.tensor([prompt]), max_new_tokens=48)[0, len(prompt) :].tolist()
+        assert want[-1] == _tokenizer.EOS_ID and len(want) == 40 - len(prompt) + 1
+        assert event.token_ids == want[:-1] and event.finish_reason == "stop"
+        assert want[:-1] != alone[: len(want) - 1], (
+            "the rules left the greedy answer as it was: the test proves nothing"
+        )
+
+
+def test_min_tokens_holds_eos_back_as_transformers_min_new_tokens(model, engine):
+    ids = _ids(model, PROMPTS[5:7])
+    favoured = ((_tokenizer.EOS_ID, 60.0),)  # EOS is every step's most likely token
+    got = engine.generate(
+        ids, [SamplingParams(max_tokens=12, temperature=0, logit_bias=favoured, min_tokens=m) for m in (5, 0)]
+    )
+    torch_model = transformers.AutoModelForCausalLM.from_pretrained(model.path).eval()
+    for prompt, least, event in zip(ids, (5, 0), got):
+        with torch.no_grad():
+            want = torch_model.generate(
+                torch.tensor([prompt]), max_new_tokens=12, do_sample=False, min_new_tokens=least,
+                sequence_bias={(_tokenizer.EOS_ID,): 60.0},
+            )[0, len(prompt) :].tolist()  # fmt: skip
+        assert want[-1] == _tokenizer.EOS_ID and len(want) == least + 1
+        assert event.token_ids == want[:-1] and event.finish_reason == "stop" and event.completion_tokens == least + 1
+    with pytest.raises(hfjax.GenerationError, match=r"min_tokens=13 is more than max_tokens=12; pass min_tokens<=12"):
+        SamplingParams(max_tokens=12, min_tokens=13)
 
 
 def test_filters_that_keep_one_token_sample_the_greedy_answer(model, engine):

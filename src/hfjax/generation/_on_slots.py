@@ -93,13 +93,10 @@ class SlotRuns:
             features = dataclasses.replace(features, held_back=settings.eos_token_ids)
         features = dataclasses.replace(features, history=compiled.history_rules())
         programs = self._programs_for(plan, features, settings.eos_token_ids, precision)
-        sampling = settings.row_sampling(rows, _rows.key_data(seed))
-        sampling.key = _ROW_KEYS(sampling.key)  # each row's index folded in
-        sampling.min_position = lengths + np.int32(settings.min_new_tokens)
         # The rules that read the tokens so far see transformers' input_ids: the caller's pads, then the row.
-        sampling.pads = (plan.size - plan.first_column - lengths).astype(np.int32)
-        sampling.first_new = lengths
-        sampling.last_new = lengths + np.int32(budget - 1)
+        pads = plan.size - plan.first_column - lengths
+        sampling = settings.row_sampling(rows, _rows.key_data(seed), lengths=lengths, pads=pads)
+        sampling.key = _ROW_KEYS(sampling.key)  # each row's index folded in
         # The host's arrays go to the device in one call: a few milliseconds less per call than one each.
         every = np.ones(rows, bool)
         sampling, which, prompts, starts, counts, every, no = jax.device_put(

@@ -192,11 +192,34 @@ class GenerationSettings:
         )
         return None if rules == HistoryRules() else rules
 
-    def row_sampling(self, rows: int, key: np.ndarray, vocab_size: int | None = None) -> RowSampling:
+    def row_sampling(
+        self,
+        rows: int,
+        key: np.ndarray,
+        vocab_size: int | None = None,
+        *,
+        bias_slots: int | None = None,
+        lengths: np.ndarray | None = None,
+        pads: np.ndarray | int = 0,
+    ) -> RowSampling:
         """These settings for `rows` rows, each with PRNG key data `key` [2] uint32 (a program folds
-        each row's index into it)."""
+        each row's index into it), and `bias_slots` single-token biases (default: as many as the
+        settings hold).
+
+        On the slot core, `lengths` [R] gives each row's prompt tokens (its first new token's
+        position), from which the EOS hold-back of min_new_tokens and the `HistoryRules` count, and
+        `pads` [R] the pads before the row in transformers' input_ids (which those rules read)."""
         row = (self.sampling, self.single_token_biases(), key)
-        return RowSampling.build([row] * rows, vocab_size=vocab_size, bias_slots=len(row[1]))
+        slots = len(row[1]) if bias_slots is None else bias_slots
+        sampling = RowSampling.build([row] * rows, vocab_size=vocab_size, bias_slots=slots)
+        if lengths is not None:
+            lengths = np.asarray(lengths, np.int32)
+            held = self.min_new_tokens if self.eos_token_ids else 0
+            sampling.min_position = np.where(held > 0, lengths + np.int32(held), 0).astype(np.int32)
+            sampling.pads = np.broadcast_to(np.asarray(pads, np.int32), (rows,)).copy()
+            sampling.first_new = lengths
+            sampling.last_new = lengths + np.int32(self.max_new_tokens - 1)
+        return sampling
 
 
 # transformers' arguments that hfjax carries out, read from the merged settings.

@@ -58,7 +58,7 @@ _NO_OP = {
 _IDENTIFIERS = ("user", "metadata")  # labels for the caller's own records: they do not change the answer
 _SAMPLING = (
     "temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty",
-    "logit_bias", "seed", "stop", "n", "stream", "stream_options", "model", "ignore_eos",
+    "logit_bias", "seed", "stop", "n", "stream", "stream_options", "model", "ignore_eos", "min_tokens",
 )  # fmt: skip
 CHAT_FIELDS = {"messages", "max_tokens", "max_completion_tokens", "logprobs", "top_logprobs", *_SAMPLING}
 COMPLETION_FIELDS = {"prompt", "max_tokens", "logprobs", *_SAMPLING}
@@ -145,9 +145,9 @@ def _logit_bias(body: dict) -> tuple[tuple[int, float], ...]:
     return tuple(sorted(pairs))
 
 
-def _sampling(body: dict, max_tokens: int, logprobs: int | None) -> list[SamplingParams]:
+def _sampling(body: dict, max_tokens: int | None, logprobs: int | None, max_model_len: int) -> list[SamplingParams]:
     """One SamplingParams per choice (n). A sampling field left out takes the checkpoint's
-    generation_config.json, as vLLM does."""
+    generation_config.json, as vLLM does. `max_tokens` None: up to the context (`with_budget` sets it)."""
     temperature = _number(body, "temperature", None, 0.0, 2.0)
     top_p = _number(body, "top_p", None, 0.0, 1.0, low_open=True)
     top_k = _number(body, "top_k", None, -1, 2**31 - 1, integer=True)  # vLLM's -1 and 0 are off
@@ -156,6 +156,7 @@ def _sampling(body: dict, max_tokens: int, logprobs: int | None) -> list[Samplin
     presence = _number(body, "presence_penalty", 0.0, -2.0, 2.0)
     frequency = _number(body, "frequency_penalty", 0.0, -2.0, 2.0)
     seed = _number(body, "seed", None, 0, 2**63 - 1, integer=True)
+    least = _number(body, "min_tokens", None, 0, max_tokens or max_model_len, integer=True)  # vLLM's field
     n = _number(body, "n", 1, 1, 16, integer=True)
     ignore_eos = body.get("ignore_eos") or False
     if not isinstance(ignore_eos, bool):
@@ -163,7 +164,7 @@ def _sampling(body: dict, max_tokens: int, logprobs: int | None) -> list[Samplin
     stops, bias = _stops(body), _logit_bias(body)
     return [
         SamplingParams(
-            max_tokens=max_tokens,
+            max_tokens=max_tokens or max_model_len,  # a stand-in until `with_budget`
             temperature=None if temperature is None else float(temperature),
             top_p=None if top_p is None else float(top_p),
             top_k=None if top_k is None else max(int(top_k), 0),
@@ -176,6 +177,7 @@ def _sampling(body: dict, max_tokens: int, logprobs: int | None) -> list[Samplin
             stop=stops,
             logprobs=logprobs,
             ignore_eos=ignore_eos,
+            min_tokens=least,
         )
         for i in range(n)
     ]
@@ -232,7 +234,7 @@ def chat_request(body, served: str, max_model_len: int, apply_template) -> Gener
     except Exception as error:  # noqa: BLE001 - the template's own message says what is wrong
         raise invalid("messages", f"the chat template could not be applied: {error}") from None
     stream, usage = _stream(body)
-    params = _sampling(body, max_tokens or 1, top if logprobs else None)
+    params = _sampling(body, max_tokens, top if logprobs else None, max_model_len)
     return Generation(prompt, params, stream, usage, max_tokens, "messages")
 
 
@@ -249,7 +251,7 @@ def completion_request(body, served: str, max_model_len: int) -> Generation:
     max_tokens = _number(body, "max_tokens", 16, 1, max_model_len, integer=True)
     logprobs = _number(body, "logprobs", None, 0, 20, integer=True)
     stream, usage = _stream(body)
-    return Generation(prompt, _sampling(body, max_tokens, logprobs), stream, usage, max_tokens, "prompt")
+    return Generation(prompt, _sampling(body, max_tokens, logprobs, max_model_len), stream, usage, max_tokens, "prompt")
 
 
 def embedding_request(body, served: str) -> tuple[list[str], str]:
@@ -279,5 +281,12 @@ def with_budget(generation: Generation, prompt_length: int, max_model_len: int) 
         raise invalid(param, str(error)) from None
     room = max_model_len - prompt_length
     budget = generation.max_tokens or room
+    least = max((p.min_tokens or 0 for p in generation.params), default=0)
+    if least > budget:  # (max_tokens unset: the rest of the context)
+        raise invalid(
+            "min_tokens",
+            f"min_tokens={least} is more than the {budget} tokens the prompt leaves of the server's "
+            f"max_model_len={max_model_len}; pass min_tokens<={budget} or a shorter prompt",
+        )
     params = [dataclasses.replace(p, max_tokens=budget) for p in generation.params]
     return dataclasses.replace(generation, params=params, max_tokens=budget)

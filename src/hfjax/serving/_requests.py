@@ -34,6 +34,9 @@ class SamplingParams:
         logit_bias: {token id: bias added to its logit} (OpenAI's), at most 64 tokens.
         seed: the sampler's seed (None: a random one); the same seed gives the same tokens.
         stop: strings that end the answer where they first appear (not included in it).
+        min_tokens: the fewest new tokens before an end-of-sequence token may end the answer (vLLM's
+            name; transformers' min_new_tokens, whose processor holds EOS back). None: the
+            checkpoint's (min_new_tokens, min_length), else 0.
         logprobs: None, or how many most likely alternatives (0..20) to report beside each token.
         ignore_eos: keep going past the end-of-sequence token.
     """
@@ -51,17 +54,27 @@ class SamplingParams:
     stop: tuple[str, ...] = ()
     logprobs: int | None = None
     ignore_eos: bool = False
+    min_tokens: int | None = None
 
     def __post_init__(self):
         if isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int) or self.max_tokens < 1:
             raise GenerationError(f"max_tokens={self.max_tokens!r}: pass a whole number >= 1")
+        if self.min_tokens is not None and (
+            isinstance(self.min_tokens, bool) or not isinstance(self.min_tokens, int) or self.min_tokens < 0
+        ):
+            raise GenerationError(f"min_tokens={self.min_tokens!r}: pass a whole number >= 0")
+        if self.min_tokens is not None and self.min_tokens > self.max_tokens:
+            raise GenerationError(
+                f"min_tokens={self.min_tokens} is more than max_tokens={self.max_tokens}; pass min_tokens<={self.max_tokens}"
+            )
         if self.logprobs is not None and not 0 <= self.logprobs <= _TOP_LOGPROBS:
             raise GenerationError(f"logprobs={self.logprobs!r}: pass a number of alternatives in [0, 20]")
         if isinstance(self.logit_bias, dict):
             object.__setattr__(self, "logit_bias", tuple(sorted(self.logit_bias.items())))
 
-    def settings(self, model) -> generation.GenerationSettings:
-        """This request as `Model.generate`'s settings, over the checkpoint's generation_config.json.
+    def settings(self, model, prompt_length: int = 1) -> generation.GenerationSettings:
+        """This request as `Model.generate`'s settings, over the checkpoint's generation_config.json
+        (whose min_length counts the prompt's `prompt_length` tokens, as transformers counts it).
 
         Raises:
           GenerationError: a value out of range, naming it.
@@ -74,6 +87,8 @@ class SamplingParams:
         for name in ("top_p", "top_k", "min_p", "repetition_penalty"):
             if getattr(self, name) is not None:
                 arguments[name] = getattr(self, name)
+        if self.min_tokens is not None:
+            arguments.update(min_new_tokens=self.min_tokens, min_length=0)
         if self.logit_bias:
             vocab = getattr(model.config.get_text_config(decoder=True), "vocab_size", None)
             outside = [token for token, _ in self.logit_bias if token < 0 or (vocab is not None and token >= vocab)]
@@ -82,7 +97,7 @@ class SamplingParams:
                     f"logit_bias names token {outside[0]}, outside the vocabulary [0, {vocab}); pass ids the tokenizer gives"
                 )
             arguments["sequence_bias"] = {(int(token),): float(bias) for token, bias in self.logit_bias}
-        settings = generation.resolve_settings(model, 1, **arguments)
+        settings = generation.resolve_settings(model, prompt_length, **arguments)
         sampling = dataclasses.replace(
             settings.sampling, presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty
         )

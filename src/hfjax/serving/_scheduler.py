@@ -118,7 +118,18 @@ class Engine:
         self.max_queue = max_queue
         self.decode_steps, self.max_decode_steps, self.prefill_chunk = decode_steps, max_decode_steps, prefill_chunk
         self.prefill_rows = min(prefill_rows, self.max_num_seqs)
-        self.features = generation.SamplingFeatures.every()
+        # Every request's settings come over the checkpoint's generation_config.json: its processors
+        # that read the tokens so far (n-gram bans, biases of several tokens, forced and suppressed
+        # tokens) are the same for every request, so the programs compile them in, as they compile
+        # the hold-back of its EOS tokens that a request's min_tokens (or the checkpoint's) asks for.
+        checkpoint = SamplingParams(max_tokens=1).settings(model, prompt_length=2)
+        self.features = dataclasses.replace(
+            generation.SamplingFeatures.every(),
+            held_back=checkpoint.eos_token_ids,
+            history=checkpoint.history_rules(),
+        )
+        if self.features.history is not None and self.features.history.reads_tokens:
+            prefix_reuse = False  # a reused prefix's tokens are not read again into the row's history
         self.metrics = Metrics(self.max_num_seqs)
         slot_model = generation.SlotModel(model, self.max_num_seqs, self.max_model_len)
         programs = generation.SlotPrograms(
@@ -145,7 +156,6 @@ class Engine:
         self._error: BaseException | None = None
         self._since_freed = 0  # decode chunks dispatched since a slot was last freed
         self._unclaimed = 0  # slots freed since the last decode chunk, less requests admitted since
-        _check_checkpoint_settings(SamplingParams(max_tokens=1).settings(model), model)
 
     # -- the caller's side ------------------------------------------------------------
 
@@ -216,7 +226,12 @@ class Engine:
             ServingError: the engine has stopped, or failed.
         """
         self.check_prompt(prompt, params)
-        settings = params.settings(self.model)
+        settings = params.settings(self.model, prompt_length=len(prompt))
+        if settings.history_rules() != self.features.history:
+            raise GenerationError(
+                f"this request's {len(prompt)}-token prompt changes the processors of {self.model.source}'s "
+                "generation_config.json (begin_suppress_tokens after forced_bos_token_id); send a longer prompt"
+            )
         request = Request(list(prompt), params, settings, listener, TextStream(self.tokenizer, params.stop))
         with self._lock:
             if self._error is not None:
@@ -513,27 +528,6 @@ class Engine:
             request.listener(event)
         else:
             self._finish(request, reason, event)
-
-
-def _check_checkpoint_settings(settings: generation.GenerationSettings, model) -> None:
-    """Raises ServingError where the checkpoint's generation_config.json asks for a processor that
-    reads the tokens so far, which only `Model.generate` carries out (the engine never drops one)."""
-    unsupported = {
-        "no_repeat_ngram_size": settings.no_repeat_ngram_size,
-        "encoder_no_repeat_ngram_size": settings.encoder_no_repeat_ngram_size,
-        "sequence_bias (of several tokens)": [b for b in settings.sequence_bias if len(b[0]) > 1],
-        "suppress_tokens": settings.suppress_tokens,
-        "begin_suppress_tokens": settings.begin_suppress_tokens,
-        "forced_bos_token_id": settings.forced_bos_token_id,
-        "forced_eos_token_id": settings.forced_eos_token_ids,
-        "min_new_tokens": settings.min_new_tokens,
-    }
-    named = [name for name, value in unsupported.items() if value]
-    if named:
-        raise ServingError(
-            f"Engine: the generation_config.json of {model.source} sets {', '.join(named)}, which hfjax serve does not "
-            "carry out (Model.generate does); remove them from that file to serve the checkpoint"
-        )
 
 
 def _check_count(name: str, value) -> None:

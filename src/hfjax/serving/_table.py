@@ -64,11 +64,8 @@ class SlotTable:
         self.requests[slot] = request
         self.cached[slot] = []
         seed = request.params.seed if request.params.seed is not None else secrets.randbits(32)
-        settings = request.settings
-        row = generation.RowSampling.build(
-            [(settings.sampling, settings.single_token_biases(), generation.key_data(seed))],
-            vocab_size=self.vocab_size,
-            bias_slots=self.bias_slots,
+        row = request.settings.row_sampling(
+            1, generation.key_data(seed), self.vocab_size, bias_slots=self.bias_slots, lengths=[len(request.prompt)]
         )
         self.rows.set_row(slot, row)
         return slot
