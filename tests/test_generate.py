@@ -335,6 +335,40 @@ def test_return_dict_in_generate_alone_runs_on_the_slot_core_and_gives_transform
     np.testing.assert_array_equal(np.asarray(actual.sequences), expected.sequences.numpy())
 
 
+def test_scores_and_logits_run_on_the_slot_core_and_equal_transformers_past_a_rows_eos(loaded, monkeypatch):
+    # Row 0 stops at its third token; transformers then feeds it pad tokens, which its repetition
+    # penalty and n-gram ban read, while the other rows go on: every step's scores of every row,
+    # the stopped one's included, are transformers'.
+    from hfjax.generation import _slots
+
+    model = loaded("llama")
+    # Prompts of one length: transformers before 5.23 penalises a batch's left pads as seen tokens
+    # (see test_sampling.py), a difference this test is not about.
+    words = model.tokenizer(" ".join(PROMPTS * 3), return_tensors="np")["input_ids"][0]
+    ids = np.stack([words[i : i + 12] for i in (0, 13, 26)]).astype(np.int64)
+    mask = np.ones_like(ids)
+    tolerance = tolerances.for_family(model.config.model_type)
+    decodes = []
+    decode = _slots.SlotPrograms.decode
+    monkeypatch.setattr(_slots.SlotPrograms, "decode", lambda self, *a, **k: decodes.append(1) or decode(self, *a, **k))
+    settings = dict(max_new_tokens=8, do_sample=False, repetition_penalty=1.3, no_repeat_ngram_size=2)
+    free = _torch_generate(model, ids, mask, eos_token_id=None, **settings)[:, ids.shape[1] :]
+    eos = int(free[0, 2])
+    assert not np.isin(free[1:, :3], eos).any(), "another row stops as early: pick another prompt"
+    settings.update(
+        eos_token_id=eos, pad_token_id=7, return_dict_in_generate=True, output_scores=True, output_logits=True
+    )
+    expected = _torch_output(model, ids, mask, **settings)
+    actual = model.generate(ids, mask, **settings)
+    assert decodes, "the call did not run on the slot core"
+    sequences = expected.sequences.numpy()
+    assert (sequences[0, ids.shape[1] + 3 :] == 7).all() and len(expected.scores) > 4  # the others went on
+    np.testing.assert_array_equal(np.asarray(actual.sequences), sequences)
+    assert len(actual.scores) == len(expected.scores) == len(actual.logits) == len(expected.logits)
+    for mine, theirs in zip(actual.scores + actual.logits, expected.scores + expected.logits):
+        _assert_scores_equal(mine, theirs, tolerance)
+
+
 def test_suppressing_a_forced_token_is_refused_as_transformers_refuses_it(loaded):
     model = loaded("bart")
     ids, mask = _batch(model)

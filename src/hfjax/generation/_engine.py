@@ -167,13 +167,13 @@ class Generator:
         if self.slot_runs.takes(plan, settings, inputs):
             ran = self.slot_runs.generate(ids, plan, settings, compiled, seed=seed, streamer=streamer)
             if ran is not None:
-                new, ttft = ran
+                new, ttft, kept = ran
                 batch = plan.prompts * plan.per_prompt
                 prompt = np.repeat(ids, plan.per_prompt, axis=0).astype(np.int32)
                 self._stats(mask, new.shape[1], ttft, start, prepared_before)
                 out = jnp.asarray(np.concatenate([prompt, new[:batch]], axis=1))
-                if settings.return_dict_in_generate:  # the sequences only (scores and logits: below)
-                    out = self._output(out, lambda name: None, batch, new.shape[1], beams=False)
+                if settings.return_dict_in_generate:
+                    out = self._output(out, kept.get, batch, new.shape[1], beams=False)
                 return out
         extra = None
         if inputs:

@@ -7,9 +7,10 @@ same programs.
 
 A call runs here when the slot core carries out everything it asks: a decoder-only model with a
 static KV cache that takes `position_ids` (full or sliding-window attention), left-padded prompts,
-no beams, no prefill-only inputs (images), no `output_scores` / `output_logits` (a stopped row's
-next inputs are its stop token here, transformers' pad tokens there), weights on one device or on
-a mesh of one process, and a model that reads no values of its data. `Generator` runs the rest.
+no beams, no prefill-only inputs (images), weights on one device or on a mesh of one process, and
+a model that reads no values of its data. `Generator` runs the rest. A row that has stopped runs
+on pad tokens until every row has, as transformers feeds it, so the processed scores and raw
+logits that `output_scores` / `output_logits` keep are transformers' for every row and step.
 The processors that read the tokens so far (n-gram bans, sequence biases, forced and suppressed
 tokens) run here as `HistoryRules`, over each row's tokens as transformers' input_ids hold them
 (the caller's pads first).
@@ -67,7 +68,7 @@ class SlotRuns:
             return False
         if self.model.mesh is not None and jax.process_count() > 1:  # `SlotModel.empty_state` places for one process
             return False
-        if settings.beam is not None or settings.output_scores or settings.output_logits:
+        if settings.beam is not None:
             return False
         return _left_padded(plan.mask)
 
@@ -80,9 +81,10 @@ class SlotRuns:
         *,
         seed: int,
         streamer,
-    ) -> tuple[np.ndarray, float] | None:
+    ) -> tuple[np.ndarray, float, dict[str, jax.Array]] | None:
         """(new tokens int32 [plan.rows, T], padded with pad_token_id after a row's EOS; the seconds to
-        the first token), or None where the model turned out to read values of its data (then
+        the first token; {"scores", "logits": [plan.rows, T, V] float32} that output_scores and
+        output_logits ask for), or None where the model turned out to read values of its data (then
         `Generator` runs the call)."""
         start = time.perf_counter()
         rows, budget = plan.rows, settings.max_new_tokens
@@ -92,7 +94,8 @@ class SlotRuns:
         if settings.min_new_tokens and settings.eos_token_ids:  # EOS held back for the first min_new_tokens
             features = dataclasses.replace(features, held_back=settings.eos_token_ids)
         features = dataclasses.replace(features, history=compiled.history_rules())
-        programs = self._programs_for(plan, features, settings.eos_token_ids, precision)
+        kept = tuple(name for name in ("scores", "logits") if getattr(settings, f"output_{name}"))
+        programs = self._programs_for(plan, features, settings, kept, precision)
         # The rules that read the tokens so far see transformers' input_ids: the caller's pads, then the row.
         pads = plan.size - plan.first_column - lengths
         sampling = settings.row_sampling(rows, _rows.key_data(seed), lengths=lengths, pads=pads)
@@ -119,6 +122,7 @@ class SlotRuns:
         stops, pad = np.asarray(settings.eos_token_ids, np.int32), settings.pad_token_id
         done = np.isin(first, stops)
         produced = [first[:, None]]  # each call's tokens, pad_token_id after a row's stop
+        kept_values = {name: [getattr(chosen, name)] for name in kept}  # each call's [rows, steps, V]
         steps, position = 1, int(lengths.max())
         # A streamer re-enters the decode every few tokens: windows cut at each entry would copy more
         # than they save, so it attends over the whole cache (as `Generator`).
@@ -137,6 +141,8 @@ class SlotRuns:
                     self.generator.reads_data = True
                     return None
                 ran = int(chosen.ran)
+                for name, values in kept_values.items():
+                    values.append(getattr(chosen, name)[:, :ran])
                 tokens = np.where(done[:, None], pad, _padded(np.asarray(chosen.token)[:, :ran], stops, pad))
                 produced.append(tokens)
                 done |= np.isin(tokens, stops).any(axis=1)
@@ -146,17 +152,21 @@ class SlotRuns:
                         streamer.put(torch.as_tensor(token.astype(np.int64)))
         if streamer is not None:
             streamer.end()
-        return np.concatenate(produced, axis=1).astype(np.int32), ttft
+        kept_values = {name: jnp.concatenate(values, axis=1) for name, values in kept_values.items()}
+        return np.concatenate(produced, axis=1).astype(np.int32), ttft, kept_values
 
-    def _programs_for(self, plan: _planning.BatchPlan, features, stops: tuple, precision) -> SlotPrograms:
+    def _programs_for(
+        self, plan: _planning.BatchPlan, features, settings: GenerationSettings, kept: tuple[str, ...], precision
+    ) -> SlotPrograms:
         model_key = (plan.rows, plan.total)
         if model_key not in self._models:
             self._models[model_key] = SlotModel(self.model, plan.rows, plan.total)
-        key = (*model_key, plan.size, features, stops, precision)
+        stops, pad = settings.eos_token_ids, settings.pad_token_id
+        key = (*model_key, plan.size, features, stops, pad, kept, precision)
         if key not in self._programs:
             self._programs[key] = SlotPrograms(
                 self._models[model_key], prefill_chunk=plan.size, steps=plan.total - plan.offset,
-                features=features, stop_tokens=stops, cache=self.generator.programs,
+                features=features, stop_tokens=stops, pad_token=pad, kept=kept, cache=self.generator.programs,
             )  # fmt: skip
         return self._programs[key]
 

@@ -38,6 +38,7 @@ from ._choose import apply_rules, choose_tokens
 from ._rows import RowSampling, SamplingFeatures
 
 TOP_LOGPROBS = 20  # the most alternatives OpenAI's API lets a request ask for per token
+STOPPED = -1  # `SlotState.tokens` of a row past its stop token
 
 
 @jax.tree_util.register_dataclass
@@ -46,7 +47,9 @@ class SlotState:
     """What the device holds for S slots between programs."""
 
     cache: list  # [(keys, values)] per layer, each [S, heads, L, head_dim]
-    tokens: jax.Array  # [S] int32: each slot's last token, not yet in its cache
+    # [S] int32: each slot's last token, not yet in its cache; STOPPED where a row (Model.generate's)
+    # has stopped and its stop token is in the cache: it runs on pad tokens (`decode_chunk`)
+    tokens: jax.Array
     positions: jax.Array  # [S] int32: that token's position
     seen: jax.Array | None  # [S, V] bool: the row's tokens so far (repetition penalty); else None
     counts: jax.Array | None  # [S, V] int32: the answer's tokens (presence / frequency penalties); else None
@@ -70,6 +73,10 @@ class Chosen:
     top_token: jax.Array  # [R, T, TOP_LOGPROBS] int32: the most likely tokens, most likely first
     top_logprob: jax.Array  # [R, T, TOP_LOGPROBS] float32
     ran: jax.Array  # [] int32: the steps run (T where no row stops early; see `decode_chunk`)
+    # Model.generate's return_dict_in_generate: each new token's processed scores and raw logits
+    # [R, T, V] float32, where the programs keep them (`SlotPrograms.kept`); else None.
+    scores: jax.Array | None = None
+    logits: jax.Array | None = None
 
 
 def _slot_layer_class():
@@ -305,6 +312,7 @@ class SlotModel:
         *,
         window: int,
         features: SamplingFeatures,
+        kept: tuple[str, ...] = (),
     ) -> tuple[SlotState, Chosen]:
         """Prompt chunks of P slots at once: ids [P, C] int32, row p's count[p] real tokens last (at
         positions start[p]..; the padding before them writes nowhere), so every row's last real
@@ -312,7 +320,8 @@ class SlotModel:
         a padding row, which reads zeros and writes nowhere); last [P] bool, the rows whose chunk
         ends their prompt (their next token becomes the slot's next input); fresh [P] bool, the
         rows whose request starts here (its penalties' history starts empty). Only the first
-        `window` columns are read and written. Returns (state, Chosen [P, 1])."""
+        `window` columns are read and written. `kept`: "scores" and / or "logits", the first new
+        token's processed scores and raw logits to return (see `Chosen`). Returns (state, Chosen [P, 1])."""
         slots = self.slots
         gathered = [tuple(a.at[which, :, :window].get(mode="fill", fill_value=0) for a in pair) for pair in state.cache]
         chunk = ids.shape[1]
@@ -342,11 +351,12 @@ class SlotModel:
             column = jnp.where(written, column, state.history.shape[1])  # past the end: dropped
             before = state.history.at[which].get(mode="fill", fill_value=0)
             history = before.at[jnp.arange(ids.shape[0])[:, None], column].set(ids, mode="drop")  # [P, L]
-        token, _ = choose_tokens(
+        token, scores = choose_tokens(
             logits[:, 0], mine, features, start + count, seen=seen, counts=counts,
             history=_history_rules(features, mine, history, start + count),
         )  # fmt: skip
         chosen = _with_logprobs(logits[:, 0], token, want_logprobs)
+        chosen = dataclasses.replace(chosen, **_kept(kept, scores=scores, logits=logits[:, 0]))
         # The chosen token is the slot's next input where the prompt ended (other rows: slot S, dropped),
         # at the position after the prompt; it joins the row's history.
         ended = jnp.where(last, which, slots)
@@ -362,7 +372,8 @@ class SlotModel:
             counts=None if counts is None else state.counts.at[which].set(counts, mode="drop"),
             history=None if history is None else state.history.at[which].set(history, mode="drop"),
         )
-        return state, dataclasses.replace(chosen, **{f: getattr(chosen, f)[:, None] for f in _PER_TOKEN})
+        per_token = [f for f in (*_PER_TOKEN, *_KEPT) if getattr(chosen, f) is not None]
+        return state, dataclasses.replace(chosen, **{f: getattr(chosen, f)[:, None] for f in per_token})
 
     def decode_chunk(
         self,
@@ -378,7 +389,9 @@ class SlotModel:
         window: int,
         features: SamplingFeatures,
         stop_tokens: tuple[int, ...] = (),
+        pad_token: int = 0,
         logprobs: bool = True,
+        kept: tuple[str, ...] = (),
     ) -> tuple[SlotState, Chosen]:
         """`count` ([] int32, at most `steps`) decode steps of the first `decoding_rows` slots (R) over
         the first `window` columns (every decoding slot is among those rows and writes within those
@@ -386,9 +399,10 @@ class SlotModel:
         bool, the decoding slots; want_logprobs: [] bool, whether any row reports log-probabilities.
         With `stop_tokens`, a row whose last token is one of them keeps it (it has stopped), and the
         loop ends early once every active row has stopped (`Model.generate`'s EOS rule; a server
-        stops its requests on the host).
+        stops its requests on the host); until then a stopped row runs on `pad_token`, which its
+        tokens so far take in, as transformers' generate feeds a finished row (its scores are kept).
         `logprobs=False` compiles no log-probabilities at all (`Model.generate`'s calls; its
-        Chosen's log-probability fields are then [R, 0, ...]).
+        Chosen's log-probability fields are then [R, 0, ...]). `kept`: as the prefill's, per step.
         Returns (state with each active row's last token and position moved on by the steps run,
         Chosen [R, steps], whose steps from `Chosen.ran` on are zeros)."""
         r = decoding_rows
@@ -406,8 +420,8 @@ class SlotModel:
         carried, restore = backend.loop_carry(cache)
         stops = jnp.asarray(stop_tokens, jnp.int32) if stop_tokens else None
 
-        def going(tokens):  # [R] bool: the rows with steps left to run (a row that stopped keeps its stop token)
-            return on if stops is None else on & ~jnp.isin(tokens, stops)
+        def going(tokens):  # [R] bool: the rows with steps left to run (not at a stop token, nor past one)
+            return on if stops is None else on & ~jnp.isin(tokens, stops) & (tokens != STOPPED)
 
         def running(carry):
             i, _, tokens, *_ = carry
@@ -417,15 +431,22 @@ class SlotModel:
             i, cache, tokens, seen, counts, history, chosen = carry
             at = jnp.minimum(positions + i, write_nowhere - 1)  # a finished row may run past the end
             write_at = jnp.where(on & (positions + i < write_nowhere), at, write_nowhere)
+            going_now = going(tokens)
+            # A row's stop token runs once, as any token; after it, pad tokens (transformers' rows).
+            inputs = tokens if stops is None else jnp.where(tokens == STOPPED, jnp.int32(pad_token), tokens)
             with self.bound(params):
-                logits, cache = self.run(params, restore(cache), tokens[:, None], at[:, None], write_at[:, None])
+                logits, cache = self.run(params, restore(cache), inputs[:, None], at[:, None], write_at[:, None])
             if history is not None:  # the step's input joins the row's tokens so far
                 column = jnp.where(write_at < write_nowhere, mine.pads + at, history.shape[1])
-                history = history.at[jnp.arange(r), column].set(tokens, mode="drop")
-            token, _ = choose_tokens(
+                history = history.at[jnp.arange(r), column].set(inputs, mode="drop")
+            token, scores = choose_tokens(
                 logits[:, 0], mine, features, at + 1, seen=seen, counts=counts,
                 history=_history_rules(features, mine, history, at + 1),
             )  # fmt: skip
+            kept_now = _kept(kept, scores=scores, logits=logits[:, 0])
+            chosen = dataclasses.replace(chosen, **{f: getattr(chosen, f).at[:, i].set(v) for f, v in kept_now.items()})
+            # What the row's tokens so far take in: the token, or a stopped row's pad.
+            appended = token if stops is None else jnp.where(going_now, token, jnp.int32(pad_token))
             if logprobs:
                 picked = _with_logprobs(logits[:, 0], token, want_logprobs)
                 chosen = dataclasses.replace(
@@ -434,19 +455,20 @@ class SlotModel:
             else:
                 chosen = dataclasses.replace(chosen, token=chosen.token.at[:, i].set(token))
             if seen is not None:
-                seen = jnp.where(on[:, None], _sampling.update_seen(seen, token), seen)
+                seen = jnp.where(on[:, None], _sampling.update_seen(seen, appended), seen)
             if counts is not None:
-                counts = _sampling.update_counts(counts, token, on)
-            tokens = jnp.where(going(tokens), token, tokens)
+                counts = _sampling.update_counts(counts, appended, on)
+            tokens = jnp.where(going_now, token, jnp.where(on, STOPPED, tokens))  # (no stop tokens: going_now is on)
             return i + 1, backend.loop_carry(cache)[0], tokens, seen, counts, history, chosen
 
-        kept = steps if logprobs else 0
+        reported = steps if logprobs else 0
         chosen = Chosen(
             token=jnp.zeros((r, steps), jnp.int32),
-            logprob=jnp.zeros((r, kept), jnp.float32),
-            top_token=jnp.zeros((r, kept, TOP_LOGPROBS), jnp.int32),
-            top_logprob=jnp.zeros((r, kept, TOP_LOGPROBS), jnp.float32),
+            logprob=jnp.zeros((r, reported), jnp.float32),
+            top_token=jnp.zeros((r, reported, TOP_LOGPROBS), jnp.int32),
+            top_logprob=jnp.zeros((r, reported, TOP_LOGPROBS), jnp.float32),
             ran=jnp.int32(0),
+            **{f: jnp.zeros((r, steps, self.shapes()[1]), jnp.float32) for f in kept},
         )
         ran, carried, tokens, seen, counts, history, chosen = jax.lax.while_loop(
             running, step, (jnp.int32(0), carried, tokens, seen, counts, history, chosen)
@@ -510,7 +532,10 @@ class SlotPrograms:
             -> (state, Chosen)
 
     `state` is donated: the programs update the cache in place. `stop_tokens`: the decode ends when
-    every active row has stopped at one (`Model.generate`'s EOS; a server stops on the host).
+    every active row has stopped at one (`Model.generate`'s EOS, a stopped row running on
+    `pad_token` until then; a server stops on the host). `kept`: "scores" and / or "logits", each new
+    token's processed scores and raw logits the programs return (`Model.generate`'s output_scores
+    and output_logits).
     A decode with `logprobs=False` is a program of its own that computes and returns no
     log-probabilities (`Model.generate`'s, and a server's chunks in which no request asks for them).
     `cache`: the `ProgramCache` to keep the programs in (`Model.generate` shares `Generator`'s).
@@ -524,12 +549,14 @@ class SlotPrograms:
         steps: int,
         features: SamplingFeatures,
         stop_tokens: tuple[int, ...] = (),
+        pad_token: int = 0,
+        kept: tuple[str, ...] = (),
         cache: _programs.ProgramCache | None = None,
     ):
         model = slot_model.model
         self.slot_model = slot_model
         self.prefill_chunk, self.steps, self.features = prefill_chunk, steps, features
-        self.stop_tokens = stop_tokens
+        self.stop_tokens, self.pad_token, self.kept = stop_tokens, pad_token, kept
         if cache is None:
             fingerprint = (
                 _programs.model_fingerprint(model.module, model.params, model.aliases)
@@ -551,10 +578,11 @@ class SlotPrograms:
         extent = self.prefill_chunk if kind == "prefill" else self.steps
         model = self.slot_model
         # The decode's own settings (the prefill's program does not depend on them).
-        stops = self.stop_tokens if kind == "decode" else ()
+        stops = (self.stop_tokens, self.pad_token) if kind == "decode" and self.stop_tokens else ()
         logprobs = logprobs or kind != "decode"
         return (
             kind, model.slots, model.length, extent, rows, window, self.precision, self.features, stops, logprobs,
+            self.kept,
         )  # fmt: skip
 
     def prefill(
@@ -605,7 +633,7 @@ class SlotPrograms:
         self.cache.traced["prefill"] += 1
         state, chosen = self.slot_model.prefill_chunk(
             params, SlotState(*leaves), RowSampling(*rows), which, ids, start, count, last, fresh, want_logprobs,
-            window=window, features=self.features,
+            window=window, features=self.features, kept=self.kept,
         )  # fmt: skip
         return state.leaves(), _fields(chosen)
 
@@ -614,12 +642,18 @@ class SlotPrograms:
         state, chosen = self.slot_model.decode_chunk(
             params, SlotState(*leaves), RowSampling(*rows), active, count, want_logprobs,
             steps=self.steps, decoding_rows=decoding_rows, window=window, features=self.features,
-            stop_tokens=self.stop_tokens, logprobs=logprobs,
+            stop_tokens=self.stop_tokens, pad_token=self.pad_token, logprobs=logprobs, kept=self.kept,
         )  # fmt: skip
         return state.leaves(), _fields(chosen)
 
 
 _PER_TOKEN = ("token", "logprob", "top_token", "top_logprob")  # Chosen's [R, T, ...] fields
+_KEPT = ("scores", "logits")  # Chosen's [R, T, V] fields, where a program keeps them
+
+
+def _kept(kept: tuple[str, ...], **values) -> dict:
+    """The values of `values` ({"scores": [R, V], "logits": [R, V]}) that `kept` names."""
+    return {name: values[name] for name in kept}
 
 
 def _fields(chosen: Chosen) -> tuple:
