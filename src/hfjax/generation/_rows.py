@@ -32,7 +32,8 @@ MAX_LOGIT_BIAS = 64
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class HistoryRules:
     """`Model.generate`'s processors that read each row's tokens so far or count its new tokens, in
-    transformers' order (static: part of a program's key; a server's requests set none of them)."""
+    transformers' order (static: part of a program's key; a server compiles its checkpoint's
+    generation_config.json's, the same for every request)."""
 
     sequence_bias: tuple[tuple[tuple[int, ...], float], ...] = ()  # biases of two or more tokens
     no_repeat_ngram_size: int = 0
