@@ -72,7 +72,7 @@ class SamplingParams:
         if isinstance(self.logit_bias, dict):
             object.__setattr__(self, "logit_bias", tuple(sorted(self.logit_bias.items())))
 
-    def settings(self, model, prompt_length: int = 1) -> generation.GenerationSettings:
+    def settings(self, model, prompt_length: int) -> generation.GenerationSettings:
         """This request as `Model.generate`'s settings, over the checkpoint's generation_config.json
         (whose min_length counts the prompt's `prompt_length` tokens, as transformers counts it).
 

@@ -122,6 +122,8 @@ class Engine:
         # that read the tokens so far (n-gram bans, biases of several tokens, forced and suppressed
         # tokens) are the same for every request, so the programs compile them in, as they compile
         # the hold-back of its EOS tokens that a request's min_tokens (or the checkpoint's) asks for.
+        # (As for a prompt of several tokens: one of a single token may move begin_suppress_tokens
+        # after a forced_bos_token_id, which `submit` refuses.)
         checkpoint = SamplingParams(max_tokens=1).settings(model, prompt_length=2)
         self.features = dataclasses.replace(
             generation.SamplingFeatures.every(),
