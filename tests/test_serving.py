@@ -515,6 +515,32 @@ def test_text_stream_holds_back_a_possible_stop_string_and_cuts_at_it():
     assert stream.rest() == ""
 
 
+def test_text_stream_counts_a_stop_string_only_where_it_ends_after_min_tokens():
+    """vLLM's rule: the first min_tokens tokens' text cannot end the answer, a stop string ending
+    in a later token's text does (one that straddles the boundary too)."""
+    letters = [ord(c) for c in "xabyab"]
+    assert TextStream(_Letters(), stops=("ab",), min_tokens=3).add(letters) == ("xaby", True)
+    assert TextStream(_Letters(), stops=("ab",), min_tokens=2).add(letters) == ("x", True)
+    stream = TextStream(_Letters(), stops=("ab",), min_tokens=3)
+    assert stream.add(letters[:3]) == ("xab", False)  # still inside the first three tokens
+    assert stream.add(letters[3:]) == ("y", True)
+
+
+def test_min_tokens_lets_a_stop_string_end_the_answer_only_after_them(model, engine):
+    ids = _ids(model, PROMPTS[3:4])
+    [alone] = engine.generate(ids, [SamplingParams(max_tokens=16, temperature=0)])
+    first = model.tokenizer.decode(alone.token_ids[:1], skip_special_tokens=True).strip()
+    assert first, "the answer's first token has no text: the test proves nothing"
+    [early, late] = engine.generate(
+        ids * 2, [SamplingParams(max_tokens=16, temperature=0, stop=(first,), min_tokens=m) for m in (0, 1)]
+    )
+    assert early.finish_reason == "stop" and first not in early.text
+    # After the first token's text, the answer runs to the stop string's next end, or to its length.
+    cut = alone.text.find(first, alone.text.index(first) + 1)
+    assert late.text == (alone.text if cut < 0 else alone.text[:cut])
+    assert late.finish_reason == ("length" if cut < 0 else "stop")
+
+
 class _Counting:
     """A tokenizer that counts the ids it is asked to decode."""
 

@@ -33,7 +33,8 @@ class SamplingParams:
         presence_penalty, frequency_penalty: OpenAI's (answer tokens), in [-2, 2]; 0.0 is off.
         logit_bias: {token id: bias added to its logit} (OpenAI's), at most 64 tokens.
         seed: the sampler's seed (None: a random one); the same seed gives the same tokens.
-        stop: strings that end the answer where they first appear (not included in it).
+        stop: strings that end the answer where they first appear (not included in it), as in vLLM
+            only where they end after the first min_tokens tokens.
         min_tokens: the fewest new tokens before an end-of-sequence token may end the answer (vLLM's
             name; transformers' min_new_tokens, whose processor holds EOS back). None: the
             checkpoint's (min_new_tokens, min_length), else 0.

@@ -234,7 +234,8 @@ class Engine:
                 f"this request's {len(prompt)}-token prompt changes the processors of {self.model.source}'s "
                 "generation_config.json (begin_suppress_tokens after forced_bos_token_id); send a longer prompt"
             )
-        request = Request(list(prompt), params, settings, listener, TextStream(self.tokenizer, params.stop))
+        text = TextStream(self.tokenizer, params.stop, min_tokens=params.min_tokens or 0)
+        request = Request(list(prompt), params, settings, listener, text)
         with self._lock:
             if self._error is not None:
                 raise ServingError(f"the engine failed: {self._error!r}") from self._error

@@ -18,26 +18,36 @@ class TextStream:
 
     A piece is held back while it ends in an unfinished character (a byte-level token that is
     part of one) or in the start of a stop string. `add` returns the new safe text and whether
-    a stop string appeared; the text never includes the stop string itself.
+    a stop string appeared; the text never includes the stop string itself. As in vLLM, a stop
+    string counts only where it ends in the text of a token after the first `min_tokens`.
 
     Example:
         >>> stream = TextStream(tokenizer, stops=("\\n\\n",))
         >>> piece, stopped = stream.add([1234, 98])
     """
 
-    def __init__(self, tokenizer, stops: tuple[str, ...] = ()):
+    def __init__(self, tokenizer, stops: tuple[str, ...] = (), *, min_tokens: int = 0):
         self.tokenizer = tokenizer
         self.stops = tuple(s for s in stops if s)
+        self.min_tokens = min_tokens
         self.ids: list[int] = []
         self.text = ""  # the text of ids[:read]
         self.read = 0  # ids whose text is in self.text
         self.sent = 0  # characters of the text handed out
+        self.unchecked = 0  # characters of the text in which no stop string may end (the first min_tokens tokens')
+        self.exempt_final = min_tokens == 0  # whether `unchecked` is final
 
     def add(self, ids: list[int]) -> tuple[str, bool]:
         """(the new text that is safe to send, whether a stop string has appeared)."""
         self.ids.extend(ids)
         self._decode_new()
-        found = [i for i in (self.text.find(stop, max(self.sent - len(stop), 0)) for stop in self.stops) if i >= 0]
+        if self.read <= self.min_tokens:
+            self.unchecked = len(self.text)
+        elif not self.exempt_final:  # the first min_tokens ids' text is exempt, the rest is not
+            self.unchecked = len(self.tokenizer.decode(self.ids[: self.min_tokens], skip_special_tokens=True))
+            self.exempt_final = True
+        start = max(self.sent, self.unchecked + 1)  # a stop string must end past both
+        found = [i for i in (self.text.find(stop, max(start - len(stop), 0)) for stop in self.stops) if i >= 0]
         if found:
             end = min(found)
             piece, self.sent, self.text = self.text[self.sent : end], end, self.text[:end]
