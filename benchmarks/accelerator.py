@@ -12,7 +12,9 @@ benchmark steps run the scripts beside this one, which measure each peer in a pr
   decode     decode.py --gpu-llama-1b: Llama-3.2-1B shape, bfloat16, prompt 128, 128 tokens, batch 1
              and 8: hfjax against transformers eager (static cache) and transformers' torch.compile
              path (mode reduce-overhead, one StaticCache kept across calls), whose CUDA graph
-             replays are counted: its row says `cuda_graphs.verified`
+             replays are counted: its row says `cuda_graphs.verified`; then hfjax at batch 1 under
+             each lever of the GPU hook (`hfjax.gpu`: command buffers for the decode loop, cuDNN
+             attention), alternated with the default
   load       load.py: the Llama-3.2-1B-shaped bfloat16 checkpoint (2.47 GB): hfjax.load against
              from_pretrained(device_map="cuda") and a plain safetensors read, warm and cold page cache
   diffusion  diffusion.py --sizes sd2: Stable Diffusion 2 base's shapes, 512 px, 20 steps, bfloat16:
@@ -89,10 +91,10 @@ STEPS = (
     Step(
         "decode",
         "Llama-3.2-1B shape, bf16, batch 1 and 8: hfjax vs transformers eager and torch.compile (CUDA graphs)",
-        gpu="decode.py --gpu-llama-1b --prompts 128 --batches 1,8 --runs 2 --pairs 2",
+        gpu="decode.py --gpu-llama-1b --prompts 128 --batches 1,8 --runs 2 --pairs 2 --gpu-levers",
         dry="decode.py --sizes tiny --prompts 8 --batches 1 --new-tokens 4 --runs 1 --pairs 1 "
-        "--skip hand_recipe,torch_dynamic",
-        limit_s=140,
+        "--skip hand_recipe,torch_dynamic --gpu-levers",
+        limit_s=170,
         dry_limit_s=300,
     ),
     Step(
@@ -243,6 +245,10 @@ def _decode(result: dict) -> dict:
             figures["compile_mode"] = row.get("compile_mode")
         out[f"{row['method']}/p{row['prompt']}/b{row['batch']}"] = figures
     out["ratios"] = result.get("ratios")
+    out["gpu_levers"] = {
+        config: {"hook": levers["hook"], "over_default": levers["over_default"], "tok_s": levers["decode_tokens_per_s"]}
+        for config, levers in (result.get("gpu_levers") or {}).items()
+    }
     out["time_to_first_token_new_process"] = {
         label: (result.get("time_to_first_token_new_process") or {}).get(label, {}).get("time_to_first_token_s")
         for label in ("cold", "warm")

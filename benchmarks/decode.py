@@ -389,6 +389,51 @@ def alternate_batches(model, prompt: int, batch: int, new_tokens: int, pairs: in
     return {"median": statistics.median(ratios), "pairs": ratios}
 
 
+# hfjax.gpu's levers, off by default until a GPU has measured them (issue 36): the switches each sets.
+GPU_LEVERS = {
+    "default": {},
+    "command_buffers": {"HFJAX_GPU_COMMAND_BUFFERS": "1"},
+    "cudnn_attention": {"HFJAX_GPU_ATTENTION": "cudnn"},
+    "both": {"HFJAX_GPU_COMMAND_BUFFERS": "1", "HFJAX_GPU_ATTENTION": "cudnn"},
+}
+
+
+def gpu_levers(model, ids, new_tokens: int, runs: int, rounds: int) -> dict:
+    """hfjax's decode tokens/s under each of the GPU hook's levers, in one process: each lever's
+    programs are its own (a fresh `Generator`, compiled with the lever's switches set), and the levers
+    take turns, the order reversed every round (A B C D D C B A ...). Off a GPU the hook is another,
+    the switches do nothing, and the rows only check that this runs."""
+    import numpy as np
+
+    from hfjax import _backend
+
+    generators, rates, tokens = {}, {name: [] for name in GPU_LEVERS}, {}
+    for turn in range(rounds):
+        for name in list(GPU_LEVERS) if turn % 2 == 0 else list(GPU_LEVERS)[::-1]:
+            saved = {key: os.environ.get(key) for key in GPU_LEVERS["both"]}
+            os.environ.update(GPU_LEVERS[name])
+            try:
+                model._generator = generators.get(name)  # None: a new one, whose programs read the switches
+                row, tokens[name] = run_hfjax(model, ids, new_tokens, runs)
+                generators[name] = model._generator
+            finally:
+                for key, value in saved.items():
+                    if value is None:
+                        os.environ.pop(key, None)
+                    else:
+                        os.environ[key] = value
+            rates[name].append(row["decode_tokens_per_s"])
+    medians = {name: statistics.median(values) for name, values in rates.items()}
+    return {
+        "hook": _backend.active().name,  # "gpu" where the levers act
+        "switches": GPU_LEVERS,
+        "decode_tokens_per_s": medians,
+        "runs": rates,
+        "over_default": {name: medians[name] / medians["default"] for name in GPU_LEVERS},
+        "same_tokens_as_default": {name: bool(np.array_equal(tokens[name], tokens["default"])) for name in GPU_LEVERS},
+    }
+
+
 def run_hand_recipe(checkpoint, ids, new_tokens: int, runs: int, dtype: str) -> tuple[dict, object]:
     """The write-ups' recipe, on transformers 5: jit one step with a StaticCache, loop in Python."""
     import jax
@@ -552,6 +597,7 @@ def benchmark(args, work: pathlib.Path, envs: dict[str, dict]) -> dict:
         "models": {},
         "results": [],
         "batch_scaling_alternated": {},
+        "gpu_levers": {},
         "torch_settings": {"threads": args.torch_threads, "OMP_WAIT_POLICY": envs["torch"].get("OMP_WAIT_POLICY")},
     }
     log(f"device: {report['device']}")
@@ -634,6 +680,16 @@ def benchmark(args, work: pathlib.Path, envs: dict[str, dict]) -> dict:
                         f"    batch {batch} over batch 1: median {scaling['median']:.2f} "
                         f"(pairs {', '.join(f'{r:.2f}' for r in scaling['pairs'])})"
                     )
+            if args.gpu_levers and "hfjax" in methods and args.num_beams == 1 and prompt == args.prompts[0]:
+                log(f"  {size} prompt {prompt} batch 1: hfjax under each GPU lever, {args.pairs} rounds ...")
+                ids = jax.numpy.asarray(prompt_ids(1, prompt, model.config.vocab_size).astype("int32"))
+                levers = gpu_levers(model, ids, args.new_tokens, args.runs, args.pairs)
+                model._generator = None
+                report["gpu_levers"][f"{size}/p{prompt}/b1"] = levers
+                log(
+                    f"    hook {levers['hook']}: "
+                    + ", ".join(f"{k} {v:.2f}x" for k, v in levers["over_default"].items())
+                )
         del model, quantized
 
     del probe
@@ -864,6 +920,12 @@ def parse_args(argv=None):
         default=1,
         help="beam search with this many beams (default 1: greedy); the hand recipe, which is greedy, "
         "is left out, and tokens/s include the prefill, as transformers streams no beam search",
+    )
+    parser.add_argument(
+        "--gpu-levers",
+        action="store_true",
+        help="also decode at batch 1 under each of hfjax.gpu's levers (HFJAX_GPU_COMMAND_BUFFERS, "
+        "HFJAX_GPU_ATTENTION), alternated with the default, --pairs rounds; they act on a GPU only",
     )
     parser.add_argument("--device-info", action="store_true", help="print the device and versions as JSON and exit")
     parser.add_argument(

@@ -99,13 +99,16 @@ def test_no_module_imports_another_subpackages_private_module():
     assert reaching == [], "imports of another subpackage's private module:\n" + "\n".join(reaching)
 
 
-def test_only_the_backend_hook_reaches_into_hfjax_cpu():
+@pytest.mark.parametrize("backend", ["cpu", "gpu"])
+def test_only_the_backend_hook_reaches_into_a_backend_package(backend):
     reaching = [
         module
         for module, targets in GRAPH.items()
-        if _subpackage(module) != "cpu" and module != "hfjax._backend" and any(_subpackage(t) == "cpu" for t in targets)
+        if _subpackage(module) != backend
+        and module != "hfjax._backend"
+        and any(_subpackage(t) == backend for t in targets)
     ]
-    assert reaching == [], f"modules other than hfjax._backend import hfjax.cpu: {reaching}"
+    assert reaching == [], f"modules other than hfjax._backend import hfjax.{backend}: {reaching}"
 
 
 @pytest.mark.parametrize("package", SUBPACKAGES)

@@ -1,8 +1,10 @@
-"""Which backend hook runs (`hfjax.bridge.Backend`): the CPU's (`hfjax.cpu`) on XLA:CPU, else the
-generic one. The only module that reaches `hfjax.cpu`.
+"""Which backend hook runs (`hfjax.bridge.Backend`): the CPU's (`hfjax.cpu`) on XLA:CPU, the GPU's
+(`hfjax.gpu`) on XLA:GPU, else the generic one. The only module that reaches `hfjax.cpu` and
+`hfjax.gpu`.
 
 On the CPU the hook is `hfjax.cpu.Cpu` unless HFJAX_CPU_KERNELS=0 or the package is absent: then,
-as on GPUs and TPUs, the generic engine runs.
+as on TPUs, the generic engine runs. On a GPU it is `hfjax.gpu.Gpu`, whose levers are off unless
+asked for (HFJAX_GPU_COMMAND_BUFFERS, HFJAX_GPU_ATTENTION): it then runs the generic engine too.
 """
 
 from __future__ import annotations
@@ -28,6 +30,10 @@ def active() -> bridge.Backend:
             pass
         else:
             hook = cpu.Cpu()
+    elif jax.default_backend() == "gpu":
+        from . import gpu
+
+        hook = gpu.Gpu()
     bridge.use_hook(hook)
     return hook
 

@@ -65,9 +65,12 @@ def jit_program(function: Callable, *, stage: str, donate_argnums=(), static_arg
     all (but the small probes that find the values a model reads, `_specialize.discover`, and the
     few-op helpers that make the slot core's empty state and its rows' PRNG keys).
 
+    The program is compiled with the active backend hook's options for `stage`
+    (`Backend.compiler_options`; the GPU's command buffers for its loops), else XLA's defaults.
     The result has the jitted function's `lower`.
     """
-    jitted = jax.jit(function, donate_argnums=donate_argnums, static_argnames=static_argnames)
+    options = _hook.active().compiler_options(stage)  # the backend's, for this stage (e.g. the GPU's command buffers)
+    jitted = jax.jit(function, donate_argnums=donate_argnums, static_argnames=static_argnames, compiler_options=options)
 
     def call(*args, **kwargs):
         # (a program called inside another's trace is part of that one)

@@ -1,4 +1,4 @@
-"""The hook through which a backend package changes how hfjax runs (today: `hfjax.cpu`).
+"""The hook through which a backend package changes how hfjax runs (`hfjax.cpu`, `hfjax.gpu`).
 
 The generic engine is backend-neutral. At a few fixed points it asks the active hook, which may
 change what happens there:
@@ -9,10 +9,11 @@ change what happens there:
     prepare_module()     a torch module (a diffusers component) about to move to JAX
     loop_carry()         the layout in which the decode loop carries its cache
     custom_calls()       custom calls that exported programs may hold
+    compiler_options()   XLA options a program of one stage is compiled with (`jit_program`)
     fingerprint()        what the backend adds to the key of a program kept on disk
 
 `Backend`, the default, changes nothing. `hfjax._backend.active()` picks the hook of the backend JAX
-runs on (the one place that reaches `hfjax.cpu`) and hands it to the bridge (`_env.use_hook`);
+runs on (the one place that reaches `hfjax.cpu` and `hfjax.gpu`) and hands it to the bridge (`_env.use_hook`);
 until then the generic hook answers.
 """
 
@@ -45,6 +46,11 @@ class Backend:
     def custom_calls(self) -> tuple[str, ...]:
         """XLA custom-call targets that programs exported with `jax.export` may hold."""
         return ()
+
+    def compiler_options(self, stage: str) -> dict[str, str] | None:
+        """XLA's per-program options (debug options by name) for the programs of `stage` ("decode",
+        "whole loop", "train step", ...); None: XLA's defaults."""
+        return None
 
     def fingerprint(self) -> str | None:
         """What programs kept on disk depend on beyond hfjax's source and the library versions."""

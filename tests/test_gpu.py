@@ -1,0 +1,114 @@
+"""The GPU's hook (`hfjax.gpu`), on the CPU: what it asks of XLA, and its attention lowering.
+
+The levers only pay on a GPU (benchmarks/decode.py --gpu-levers measures them there); here the
+tests check what can be checked without one: that the looping programs get the command-buffer
+option only when asked, that XLA takes that option as hfjax passes it, that a model generates the
+same tokens under the hook with both levers on, and that the attention lowering equals torch's
+(with XLA's implementation of `jax.nn.dot_product_attention`, the call cuDNN runs on a GPU).
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import pytest
+import torch
+
+from hfjax import bridge, gpu
+from hfjax.bridge import _ops
+from hfjax.gpu import _attention
+from op_helpers import ATTENTION_CASES, check_attention, environment, jit_modes
+
+
+@pytest.fixture(scope="module")
+def env():
+    return environment(backend="gpu")
+
+
+def test_only_looping_programs_get_command_buffers_and_only_when_asked(monkeypatch):
+    hook = gpu.Gpu()
+    monkeypatch.delenv(gpu.COMMAND_BUFFERS, raising=False)
+    assert all(hook.compiler_options(stage) is None for stage in ("decode", "whole loop", "prefill"))
+    default = hook.fingerprint()
+    monkeypatch.setenv(gpu.COMMAND_BUFFERS, "1")
+    options = hook.compiler_options("decode")
+    assert "WHILE" in options["xla_gpu_enable_command_buffer"].split(",")
+    assert hook.compiler_options("whole loop") == options and hook.compiler_options("prefill") is None
+    assert hook.fingerprint() != default  # programs kept on disk are kept apart
+    # XLA takes the option as the hook writes it (on the CPU it changes nothing).
+    loop = jax.jit(lambda x: jax.lax.fori_loop(0, 3, lambda i, y: y * 2, x), compiler_options=options)
+    assert loop(jnp.ones(2)).tolist() == [8.0, 8.0]
+
+
+@jit_modes
+@pytest.mark.parametrize("case", ATTENTION_CASES)
+def test_fused_attention_matches_torch(env, case, jit, monkeypatch):
+    monkeypatch.setenv(_attention.ATTENTION, "cudnn")
+    check_attention(env, case, jit)
+
+
+def test_the_switch_alone_runs_the_fused_call(monkeypatch):
+    calls = []
+    monkeypatch.setattr(_attention, "fused", lambda *args, **kwargs: calls.append(kwargs["implementation"]) or args[0])
+    q, k = jnp.ones((1, 4, 3, 8), jnp.bfloat16), jnp.ones((1, 2, 5, 8), jnp.bfloat16)
+    monkeypatch.delenv(_attention.ATTENTION, raising=False)
+    _attention._sdpa(q, k, k)
+    assert calls == []
+    monkeypatch.setenv(_attention.ATTENTION, "cudnn")
+    _attention._sdpa(q, k, k)
+    _attention._sdpa(q, k, k, attn_mask=jnp.zeros((5,), jnp.float32))  # a float mask: the generic lowering
+    assert calls == ["cudnn" if jax.default_backend() == "gpu" else "xla"]
+    monkeypatch.setenv(_attention.ATTENTION, "flash")
+    with pytest.raises(ValueError, match="HFJAX_GPU_ATTENTION='flash': pass one of generic, cudnn"):
+        _attention.choice()
+
+
+def test_every_gpu_override_has_a_reason_and_a_parity_test():
+    registered = {entry.op: entry for entry in _ops.registered() if entry.backend == "gpu"}
+    tested = {torch.nn.functional.scaled_dot_product_attention, torch.ops.aten.scaled_dot_product_attention}
+    assert set(registered) == tested and all(entry.why.strip() for entry in registered.values())
+
+
+_UNDER_THE_HOOK = r"""
+import sys, jax, numpy as np
+jax.default_backend = lambda: "gpu"  # the hook hfjax picks on a GPU, on this CPU
+import hfjax
+from hfjax import _backend, testing
+path = testing.save_tiny_checkpoint("llama", sys.argv[1])
+model = hfjax.load(path)
+hook = _backend.active()
+assert type(hook).__name__ == "Gpu", hook
+asked = {}
+options = hook.compiler_options
+hook.compiler_options = lambda stage: asked.setdefault(stage, options(stage))
+ids = np.array([[5, 6, 7, 8], [0, 0, 9, 10]], np.int32)
+out = model.generate(ids, attention_mask=(ids > 0).astype(np.int32), max_new_tokens=6, do_sample=False)
+print("TOKENS", np.asarray(out).tolist())
+print("OPTIONS", sorted((stage, str(value)) for stage, value in asked.items()))
+"""
+
+
+def test_generate_under_the_gpu_hook_with_both_levers_gives_the_default_tokens(tmp_path):
+    def tokens(**switches):
+        env = {**os.environ, "OMP_WAIT_POLICY": "PASSIVE", **switches}
+        ran = subprocess.run(
+            [sys.executable, "-c", _UNDER_THE_HOOK, str(tmp_path / "llama")],
+            capture_output=True, text=True, timeout=600, env=env,
+        )  # fmt: skip
+        assert ran.returncode == 0, ran.stdout[-2000:] + ran.stderr[-3000:]
+        lines = ran.stdout.splitlines()
+        return [line for line in lines if line.startswith("TOKENS")], [
+            line for line in lines if line.startswith("OPTIONS")
+        ]
+
+    levers, options = tokens(**{gpu.COMMAND_BUFFERS: "1", _attention.ATTENTION: "cudnn"})
+    default, default_options = tokens()
+    assert levers and levers == default
+    # generate's decode program was compiled with the command buffers, and only with the switch
+    assert "('decode', \"{'xla_gpu_enable_command_buffer'" in options[0] and "WHILE" in options[0]
+    assert "('decode', 'None')" in default_options[0]
+    assert bridge.Backend().compiler_options("decode") is None
