@@ -407,30 +407,39 @@ def gpu_levers(model, ids, new_tokens: int, runs: int, rounds: int) -> dict:
 
     from hfjax import _backend
 
-    generators, rates, tokens = {}, {name: [] for name in GPU_LEVERS}, {}
+    generators, rates, tokens, errors = {}, {name: [] for name in GPU_LEVERS}, {}, {}
     for turn in range(rounds):
         for name in list(GPU_LEVERS) if turn % 2 == 0 else list(GPU_LEVERS)[::-1]:
+            if name in errors:
+                continue
             saved = {key: os.environ.get(key) for key in GPU_LEVERS["both"]}
             os.environ.update(GPU_LEVERS[name])
             try:
                 model._generator = generators.get(name)  # None: a new one, whose programs read the switches
                 row, tokens[name] = run_hfjax(model, ids, new_tokens, runs)
                 generators[name] = model._generator
+                rates[name].append(row["decode_tokens_per_s"])
+            except Exception as error:  # noqa: BLE001 (a lever that fails is recorded; the others run)
+                errors[name] = f"{type(error).__name__}: {error}"[:2000]
+                log(f"    {name}: {errors[name][:300]}")
             finally:
                 for key, value in saved.items():
                     if value is None:
                         os.environ.pop(key, None)
                     else:
                         os.environ[key] = value
-            rates[name].append(row["decode_tokens_per_s"])
-    medians = {name: statistics.median(values) for name, values in rates.items()}
+    medians = {name: statistics.median(values) for name, values in rates.items() if values}
+    default = medians.get("default")
     return {
         "hook": _backend.active().name,  # "gpu" where the levers act
         "switches": GPU_LEVERS,
         "decode_tokens_per_s": medians,
         "runs": rates,
-        "over_default": {name: medians[name] / medians["default"] for name in GPU_LEVERS},
-        "same_tokens_as_default": {name: bool(np.array_equal(tokens[name], tokens["default"])) for name in GPU_LEVERS},
+        "over_default": {name: rate / default for name, rate in medians.items()} if default else {},
+        "same_tokens_as_default": {
+            name: bool(np.array_equal(tokens[name], tokens["default"])) for name in tokens if "default" in tokens
+        },
+        **({"error": errors} if errors else {}),
     }
 
 
