@@ -2,9 +2,10 @@
 
 The levers only pay on a GPU (benchmarks/decode.py --gpu-levers measures them there); here the
 tests check what can be checked without one: that the looping programs get the command-buffer
-option only when asked, that XLA takes that option as hfjax passes it, that a model generates the
-same tokens under the hook with both levers on, and that the attention lowering equals torch's
-(with XLA's implementation of `jax.nn.dot_product_attention`, the call cuDNN runs on a GPU).
+option only when asked, that XLA takes that option as hfjax passes it, that a model under the hook
+with both levers on generates transformers' tokens through the fused attention call, and that the
+attention lowering equals torch's (with XLA's implementation of `jax.nn.dot_product_attention`,
+the call cuDNN runs on a GPU).
 """
 
 from __future__ import annotations
@@ -17,8 +18,9 @@ import jax
 import jax.numpy as jnp
 import pytest
 import torch
+import transformers
 
-from hfjax import bridge, gpu
+from hfjax import bridge, gpu, testing
 from hfjax.bridge import _ops
 from hfjax.gpu import _attention
 from op_helpers import ATTENTION_CASES, check_attention, environment, jit_modes
@@ -75,40 +77,52 @@ def test_every_gpu_override_has_a_reason_and_a_parity_test():
 
 _UNDER_THE_HOOK = r"""
 import sys, jax, numpy as np
-jax.default_backend = lambda: "gpu"  # the hook hfjax picks on a GPU, on this CPU
-import hfjax
+cpu = jax.default_backend
+jax.default_backend = lambda: "gpu"  # the hook hfjax picks on a GPU ...
 from hfjax import _backend, testing
-path = testing.save_tiny_checkpoint("llama", sys.argv[1])
-model = hfjax.load(path)
 hook = _backend.active()
+jax.default_backend = cpu  # ... whose attention switch then runs XLA's implementation of the fused call
 assert type(hook).__name__ == "Gpu", hook
-asked = {}
-options = hook.compiler_options
+import hfjax
+from hfjax.gpu import _attention
+fused, asked = [], {}
+call, options = _attention.fused, hook.compiler_options
+_attention.fused = lambda *args, **kwargs: fused.append(kwargs["implementation"]) or call(*args, **kwargs)
 hook.compiler_options = lambda stage: asked.setdefault(stage, options(stage))
-ids = np.array([[5, 6, 7, 8], [0, 0, 9, 10]], np.int32)
-out = model.generate(ids, attention_mask=(ids > 0).astype(np.int32), max_new_tokens=6, do_sample=False)
+model = hfjax.load(sys.argv[1])
+ids = np.array(eval(sys.argv[2]), np.int32)
+out = model.generate(ids, attention_mask=(ids > 0).astype(np.int32), max_new_tokens=8, do_sample=False)
 print("TOKENS", np.asarray(out).tolist())
 print("OPTIONS", sorted((stage, str(value)) for stage, value in asked.items()))
+print("FUSED", sorted(set(fused)))
 """
+PROMPTS = [[5, 6, 7, 8, 9, 10], [0, 0, 0, 11, 12, 13]]  # the second left-padded: rows that attend to nothing
 
 
-def test_generate_under_the_gpu_hook_with_both_levers_gives_the_default_tokens(tmp_path):
-    def tokens(**switches):
+def test_generate_under_the_gpu_hook_with_both_levers_gives_transformers_tokens(tmp_path):
+    path = testing.save_tiny_checkpoint("llama", tmp_path / "llama")
+
+    def run(**switches) -> dict[str, str]:
         env = {**os.environ, "OMP_WAIT_POLICY": "PASSIVE", **switches}
         ran = subprocess.run(
-            [sys.executable, "-c", _UNDER_THE_HOOK, str(tmp_path / "llama")],
+            [sys.executable, "-c", _UNDER_THE_HOOK, str(path), repr(PROMPTS)],
             capture_output=True, text=True, timeout=600, env=env,
         )  # fmt: skip
         assert ran.returncode == 0, ran.stdout[-2000:] + ran.stderr[-3000:]
-        lines = ran.stdout.splitlines()
-        return [line for line in lines if line.startswith("TOKENS")], [
-            line for line in lines if line.startswith("OPTIONS")
-        ]
+        return dict(line.split(" ", 1) for line in ran.stdout.splitlines() if line.split(" ")[0].isupper())
 
-    levers, options = tokens(**{gpu.COMMAND_BUFFERS: "1", _attention.ATTENTION: "cudnn"})
-    default, default_options = tokens()
-    assert levers and levers == default
+    ids = torch.tensor(PROMPTS)
+    with torch.no_grad():
+        want = (
+            transformers.AutoModelForCausalLM.from_pretrained(path)
+            .eval()
+            .generate(ids, attention_mask=(ids > 0).long(), max_new_tokens=8, do_sample=False, pad_token_id=0)
+        )
+    levers = run(**{gpu.COMMAND_BUFFERS: "1", _attention.ATTENTION: "cudnn"})
+    assert levers["TOKENS"] == str(want.tolist())
+    assert levers["FUSED"] == "['xla']"  # the fused call ran (on a GPU: cuDNN's)
     # generate's decode program was compiled with the command buffers, and only with the switch
-    assert "('decode', \"{'xla_gpu_enable_command_buffer'" in options[0] and "WHILE" in options[0]
-    assert "('decode', 'None')" in default_options[0]
+    assert "('decode', \"{'xla_gpu_enable_command_buffer'" in levers["OPTIONS"] and "WHILE" in levers["OPTIONS"]
+    default = run()
+    assert default["FUSED"] == "[]" and "('decode', 'None')" in default["OPTIONS"]
     assert bridge.Backend().compiler_options("decode") is None
