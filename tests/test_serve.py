@@ -338,6 +338,9 @@ BAD = [
     ("completions", {"model": NAME, "prompt": "hi", "ignore_eos": "yes"}, "ignore_eos"),
     ("completions", {"model": NAME, "prompt": "hi", "max_tokens": 4, "min_tokens": 5}, "min_tokens"),
     ("chat", {"model": NAME, "messages": [{"role": "user", "content": "hi"}], "min_tokens": LENGTH}, "min_tokens"),
+    ("completions", {"model": NAME, "prompt": "hi", "stop_token_ids": [3, -1]}, "stop_token_ids"),
+    ("completions", {"model": NAME, "prompt": "hi", "stop_token_ids": "3"}, "stop_token_ids"),
+    ("completions", {"model": NAME, "prompt": "hi", "stop_token_ids": [3], "min_tokens": 2}, "stop_token_ids"),
 ]
 
 
@@ -362,7 +365,7 @@ def test_the_openai_client_raises_bad_request_with_the_field(client):
 def test_sampling_fields_beyond_openais_act_as_in_transformers_and_vllm(client, model):
     """repetition_penalty (vLLM's extra field) answers as transformers' repetition_penalty does in
     Model.generate_text; logit_bias and ignore_eos force a token the length of the budget; min_tokens
-    holds EOS back as min_new_tokens does."""
+    holds EOS back as min_new_tokens does; stop_token_ids end the answer with the token, as vLLM's."""
     settings = {"max_new_tokens": NEW_TOKENS, "do_sample": False, "repetition_penalty": 1.5}
     want = model.generate_text([CONVERSATIONS[5]], **settings)[0]
     assert _chat(client, CONVERSATIONS[5], extra_body={"repetition_penalty": 1.5}) == want
@@ -384,6 +387,20 @@ def test_sampling_fields_beyond_openais_act_as_in_transformers_and_vllm(client, 
     )[0]  # fmt: skip
     assert held.usage.completion_tokens == 5 and held.choices[0].finish_reason == "stop"
     assert held.choices[0].text == want
+    # vLLM's stop_token_ids: the answer ends with the first of them it generates, that token included.
+    alone = model.generate(
+        model.tokenizer(["river"], return_tensors="np")["input_ids"], max_new_tokens=6, do_sample=False
+    )[0, -6:].tolist()
+    third = alone[2]
+    assert model.tokenizer.eos_token_id not in alone[:3], (
+        "the answer ends before its third token: the check proves nothing"
+    )
+    ended = client.completions.create(
+        model=NAME, prompt="river", max_tokens=6, temperature=0, extra_body={"stop_token_ids": [third]}
+    )
+    count = alone.index(third) + 1
+    assert ended.choices[0].finish_reason == "stop" and ended.usage.completion_tokens == count < 6
+    assert ended.choices[0].text == model.tokenizer.decode(alone[:count], skip_special_tokens=True)
 
 
 def test_curl_streams_server_sent_events(servers, expected):

@@ -526,6 +526,22 @@ def test_text_stream_counts_a_stop_string_only_where_it_ends_after_min_tokens():
     assert stream.add(letters[3:]) == ("y", True)
 
 
+def test_stop_token_ids_end_the_answer_with_that_token(model, engine):
+    ids = _ids(model, PROMPTS[4:5])
+    [alone] = engine.generate(ids, [SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)])
+    fourth = alone.token_ids[3]
+    [ended] = engine.generate(
+        ids, [SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, stop_token_ids=[fourth])]
+    )
+    count = alone.token_ids.index(fourth) + 1
+    assert ended.token_ids == alone.token_ids[:count] and ended.finish_reason == "stop" and count < 12
+    assert ended.text == model.tokenizer.decode(alone.token_ids[:count], skip_special_tokens=True)
+    with pytest.raises(hfjax.GenerationError, match=r"stop_token_ids with min_tokens=2: .*send one of the two"):
+        SamplingParams(max_tokens=12, stop_token_ids=[fourth], min_tokens=2)
+    with pytest.raises(hfjax.GenerationError, match=r"stop_token_ids names token 99999, outside the vocabulary"):
+        engine.submit(ids[0], SamplingParams(max_tokens=4, stop_token_ids=[99999]), lambda event: None)
+
+
 def test_min_tokens_lets_a_stop_string_end_the_answer_only_after_them(model, engine):
     ids = _ids(model, PROMPTS[3:4])
     [alone] = engine.generate(ids, [SamplingParams(max_tokens=16, temperature=0)])

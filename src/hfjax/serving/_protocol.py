@@ -59,6 +59,7 @@ _IDENTIFIERS = ("user", "metadata")  # labels for the caller's own records: they
 _SAMPLING = (
     "temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty",
     "logit_bias", "seed", "stop", "n", "stream", "stream_options", "model", "ignore_eos", "min_tokens",
+    "stop_token_ids",
 )  # fmt: skip
 CHAT_FIELDS = {"messages", "max_tokens", "max_completion_tokens", "logprobs", "top_logprobs", *_SAMPLING}
 COMPLETION_FIELDS = {"prompt", "max_tokens", "logprobs", *_SAMPLING}
@@ -125,6 +126,22 @@ def _stops(body: dict) -> tuple[str, ...]:
     return tuple(stops)
 
 
+def _stop_token_ids(body: dict, min_tokens: int | None) -> tuple[int, ...]:
+    """vLLM's stop_token_ids: token ids that end the answer (kept in it)."""
+    ids = body.get("stop_token_ids")
+    if ids is None:
+        return ()
+    if not isinstance(ids, list) or not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in ids):
+        raise invalid("stop_token_ids", f"stop_token_ids={ids!r}: pass a list of token ids, whole numbers >= 0")
+    if ids and min_tokens:
+        raise invalid(
+            "stop_token_ids",
+            f"stop_token_ids with min_tokens={min_tokens}: hfjax holds back only the checkpoint's end-of-sequence "
+            "tokens for min_tokens (vLLM holds back stop_token_ids too); send one of the two",
+        )
+    return tuple(ids)
+
+
 def _logit_bias(body: dict) -> tuple[tuple[int, float], ...]:
     bias = body.get("logit_bias")
     if bias is None:
@@ -161,7 +178,7 @@ def _sampling(body: dict, max_tokens: int | None, logprobs: int | None, max_mode
     ignore_eos = body.get("ignore_eos") or False
     if not isinstance(ignore_eos, bool):
         raise invalid("ignore_eos", f"ignore_eos={ignore_eos!r}: pass true or false")
-    stops, bias = _stops(body), _logit_bias(body)
+    stops, stop_ids, bias = _stops(body), _stop_token_ids(body, least), _logit_bias(body)
     return [
         SamplingParams(
             max_tokens=max_tokens or max_model_len,  # a stand-in until `with_budget`
@@ -175,6 +192,7 @@ def _sampling(body: dict, max_tokens: int | None, logprobs: int | None, max_mode
             logit_bias=bias,
             seed=None if seed is None else (seed + i) % 2**32,
             stop=stops,
+            stop_token_ids=stop_ids,
             logprobs=logprobs,
             ignore_eos=ignore_eos,
             min_tokens=least,

@@ -35,6 +35,8 @@ class SamplingParams:
         seed: the sampler's seed (None: a random one); the same seed gives the same tokens.
         stop: strings that end the answer where they first appear (not included in it), as in vLLM
             only where they end after the first min_tokens tokens.
+        stop_token_ids: tokens that end the answer when generated, included in it (vLLM's field;
+            its text too, unless it is a special token); not with min_tokens.
         min_tokens: the fewest new tokens before an end-of-sequence token may end the answer (vLLM's
             name; transformers' min_new_tokens, whose processor holds EOS back). None: the
             checkpoint's (min_new_tokens, min_length), else 0.
@@ -53,6 +55,7 @@ class SamplingParams:
     logit_bias: tuple[tuple[int, float], ...] = ()
     seed: int | None = None
     stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
     logprobs: int | None = None
     ignore_eos: bool = False
     min_tokens: int | None = None
@@ -67,6 +70,14 @@ class SamplingParams:
         if self.min_tokens is not None and self.min_tokens > self.max_tokens:
             raise GenerationError(
                 f"min_tokens={self.min_tokens} is more than max_tokens={self.max_tokens}; pass min_tokens<={self.max_tokens}"
+            )
+        object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
+        if not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in self.stop_token_ids):
+            raise GenerationError(f"stop_token_ids={list(self.stop_token_ids)!r}: pass token ids, whole numbers >= 0")
+        if self.stop_token_ids and self.min_tokens:
+            raise GenerationError(
+                f"stop_token_ids with min_tokens={self.min_tokens}: hfjax holds back only the checkpoint's "
+                "end-of-sequence tokens for min_tokens (vLLM holds back stop_token_ids too); send one of the two"
             )
         if self.logprobs is not None and not 0 <= self.logprobs <= _TOP_LOGPROBS:
             raise GenerationError(f"logprobs={self.logprobs!r}: pass a number of alternatives in [0, 20]")
@@ -90,8 +101,13 @@ class SamplingParams:
                 arguments[name] = getattr(self, name)
         if self.min_tokens is not None:
             arguments.update(min_new_tokens=self.min_tokens, min_length=0)
+        vocab = getattr(model.config.get_text_config(decoder=True), "vocab_size", None)
+        if vocab is not None and any(token >= vocab for token in self.stop_token_ids):
+            raise GenerationError(
+                f"stop_token_ids names token {max(self.stop_token_ids)}, outside the vocabulary [0, {vocab}); "
+                "pass ids the tokenizer gives"
+            )
         if self.logit_bias:
-            vocab = getattr(model.config.get_text_config(decoder=True), "vocab_size", None)
             outside = [token for token, _ in self.logit_bias if token < 0 or (vocab is not None and token >= vocab)]
             if outside:
                 raise GenerationError(
@@ -169,6 +185,10 @@ class Request:
     def stops_at(self, token: int) -> bool:
         """The one end-of-sequence rule: the token is one of the settings' EOS tokens (none with ignore_eos)."""
         return token in self.settings.eos_token_ids
+
+    def ends_with(self, token: int) -> bool:
+        """Whether the token ends the answer as its last token (one of the request's stop_token_ids)."""
+        return token in self.params.stop_token_ids
 
 
 def joined(events: list[Event]) -> Event:

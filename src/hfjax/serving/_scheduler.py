@@ -507,6 +507,9 @@ class Engine:
                 break
             kept.append(t)
             request.generated += 1
+            if request.ends_with(token):
+                reason = "stop"
+                break
             if request.generated >= request.settings.max_new_tokens:
                 reason = "length"
                 break
