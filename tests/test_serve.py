@@ -341,6 +341,12 @@ BAD = [
     ("completions", {"model": NAME, "prompt": "hi", "stop_token_ids": [3, -1]}, "stop_token_ids"),
     ("completions", {"model": NAME, "prompt": "hi", "stop_token_ids": "3"}, "stop_token_ids"),
     ("completions", {"model": NAME, "prompt": "hi", "stop_token_ids": [3], "min_tokens": 2}, "stop_token_ids"),
+    ("completions", {"model": NAME, "prompt": "hi", "stop_token_ids": [99999]}, "stop_token_ids"),
+    (
+        "chat",
+        {"model": NAME, "messages": [{"role": "user", "content": "hi"}], "logit_bias": {"99999": 5}},
+        "logit_bias",
+    ),
 ]
 
 

@@ -141,6 +141,9 @@ def build_app(model, *, served_model_name: str, engine: Engine | None, api_key: 
         else:
             ids = generation.prompt
         generation = _protocol.with_budget(generation, len(ids), running.max_model_len)
+        _protocol.check_token_ids(
+            generation, getattr(running.model.config.get_text_config(decoder=True), "vocab_size", None)
+        )
         loop = asyncio.get_running_loop()
         events: asyncio.Queue[tuple[int, Event]] = asyncio.Queue()
         submitted = []
