@@ -14,7 +14,7 @@ import numbers
 
 from .._errors import GenerationError
 from ..generation import check_context
-from ._requests import SamplingParams
+from ._requests import SamplingParams, stop_token_ids_problem
 
 
 class ApiError(Exception):
@@ -131,14 +131,9 @@ def _stop_token_ids(body: dict, min_tokens: int | None) -> tuple[int, ...]:
     ids = body.get("stop_token_ids")
     if ids is None:
         return ()
-    if not isinstance(ids, list) or not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in ids):
-        raise invalid("stop_token_ids", f"stop_token_ids={ids!r}: pass a list of token ids, whole numbers >= 0")
-    if ids and min_tokens:
-        raise invalid(
-            "stop_token_ids",
-            f"stop_token_ids with min_tokens={min_tokens}: hfjax holds back only the checkpoint's end-of-sequence "
-            "tokens for min_tokens (vLLM holds back stop_token_ids too); send one of the two",
-        )
+    problem = stop_token_ids_problem(ids, min_tokens)
+    if problem:
+        raise invalid("stop_token_ids", problem)
     return tuple(ids)
 
 

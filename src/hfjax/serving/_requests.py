@@ -72,13 +72,9 @@ class SamplingParams:
                 f"min_tokens={self.min_tokens} is more than max_tokens={self.max_tokens}; pass min_tokens<={self.max_tokens}"
             )
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
-        if not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in self.stop_token_ids):
-            raise GenerationError(f"stop_token_ids={list(self.stop_token_ids)!r}: pass token ids, whole numbers >= 0")
-        if self.stop_token_ids and self.min_tokens:
-            raise GenerationError(
-                f"stop_token_ids with min_tokens={self.min_tokens}: hfjax holds back only the checkpoint's "
-                "end-of-sequence tokens for min_tokens (vLLM holds back stop_token_ids too); send one of the two"
-            )
+        problem = stop_token_ids_problem(list(self.stop_token_ids), self.min_tokens)
+        if problem:
+            raise GenerationError(problem)
         if self.logprobs is not None and not 0 <= self.logprobs <= _TOP_LOGPROBS:
             raise GenerationError(f"logprobs={self.logprobs!r}: pass a number of alternatives in [0, 20]")
         if isinstance(self.logit_bias, dict):
@@ -121,6 +117,18 @@ class SamplingParams:
         return dataclasses.replace(
             settings, sampling=sampling, eos_token_ids=() if self.ignore_eos else settings.eos_token_ids
         )
+
+
+def stop_token_ids_problem(ids, min_tokens: int | None) -> str | None:
+    """What is wrong with vLLM's stop_token_ids field `ids` beside min_tokens, in one line; else None."""
+    if not isinstance(ids, list) or not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in ids):
+        return f"stop_token_ids={ids!r}: pass a list of token ids, whole numbers >= 0"
+    if ids and min_tokens:
+        return (
+            f"stop_token_ids with min_tokens={min_tokens}: hfjax holds back only the checkpoint's end-of-sequence "
+            "tokens for min_tokens (vLLM holds back stop_token_ids too); send one of the two"
+        )
+    return None
 
 
 @dataclasses.dataclass
