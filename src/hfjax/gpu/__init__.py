@@ -25,8 +25,9 @@ from . import _attention
 __all__ = ["Gpu"]
 
 COMMAND_BUFFERS = "HFJAX_GPU_COMMAND_BUFFERS"
-# XLA's default command buffer kinds, plus the loops: a decode step's kernels inside the `while` become one graph.
-# (A per-program option lists every kind: XLA takes no "+while" there.)
+# The kinds XLA puts in command buffers by default (as read from its flags' defaults in 2026; not checked on a
+# GPU), plus the loops, so that the kernels of a decode step inside the `while` become one graph. A per-program
+# option lists every kind: XLA takes no "+while" there.
 LOOP_COMMAND_BUFFERS = "FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,WHILE,CONDITIONAL"
 LOOPING_STAGES = ("decode", "whole loop")  # the `jit_program` stages whose program is a device-side loop
 
