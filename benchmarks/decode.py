@@ -48,6 +48,7 @@ import statistics
 import sys
 import tempfile
 import time
+from unittest import mock
 
 from shapes import LLAMA_1B, LLAMA_20M, LLAMA_150M, LLAMA_TINY
 from workers import run_json
@@ -412,22 +413,15 @@ def gpu_levers(model, ids, new_tokens: int, runs: int, rounds: int) -> dict:
         for name in list(GPU_LEVERS) if turn % 2 == 0 else list(GPU_LEVERS)[::-1]:
             if name in errors:
                 continue
-            saved = {key: os.environ.get(key) for key in GPU_LEVERS["both"]}
-            os.environ.update(GPU_LEVERS[name])
             try:
-                model._generator = generators.get(name)  # None: a new one, whose programs read the switches
-                row, tokens[name] = run_hfjax(model, ids, new_tokens, runs)
-                generators[name] = model._generator
+                with mock.patch.dict(os.environ, GPU_LEVERS[name]):  # the switches, for this lever's calls only
+                    model._generator = generators.get(name)  # None: a new one, whose programs read the switches
+                    row, tokens[name] = run_hfjax(model, ids, new_tokens, runs)
+                    generators[name] = model._generator
                 rates[name].append(row["decode_tokens_per_s"])
             except Exception as error:  # noqa: BLE001 (a lever that fails is recorded; the others run)
                 errors[name] = f"{type(error).__name__}: {error}"[:2000]
                 log(f"    {name}: {errors[name][:300]}")
-            finally:
-                for key, value in saved.items():
-                    if value is None:
-                        os.environ.pop(key, None)
-                    else:
-                        os.environ[key] = value
     medians = {name: statistics.median(values) for name, values in rates.items() if values}
     default = medians.get("default")
     return {

@@ -398,8 +398,8 @@ class SlotModel:
         columns: one request does not pay for S rows, nor a short one for L columns). active: [S]
         bool, the decoding slots; want_logprobs: [] bool, whether any row reports log-probabilities.
         With `stop_tokens`, a row whose last token is one of them has stopped (its stop token runs
-        once more, then `STOPPED` marks it), and the loop ends early once every active row has stopped (`Model.generate`'s EOS rule; a server
-        stops its requests on the host); until then a stopped row runs on `pad_token`, which its
+        once more, then `STOPPED` marks it), and the loop ends early once every active row has
+        stopped (`Model.generate`'s EOS rule; a server stops its requests on the host); until then a stopped row runs on `pad_token`, which its
         tokens so far take in, as transformers' generate feeds a finished row (its scores are kept).
         `logprobs=False` compiles no log-probabilities at all (`Model.generate`'s calls; its
         Chosen's log-probability fields are then [R, 0, ...]). `kept`: as the prefill's, per step.

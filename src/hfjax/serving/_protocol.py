@@ -283,16 +283,9 @@ def embedding_request(body, served: str) -> tuple[list[str], str]:
 
 def check_token_ids(generation: Generation, vocab_size: int | None) -> None:
     """A 400 naming logit_bias or stop_token_ids where one names a token outside the vocabulary."""
-    if vocab_size is None:
-        return
-    params = generation.params[0]  # (every choice has the same fields)
-    for field, tokens in (("logit_bias", [t for t, _ in params.logit_bias]), ("stop_token_ids", params.stop_token_ids)):
-        outside = [t for t in tokens if t >= vocab_size]
-        if outside:
-            raise invalid(
-                field,
-                f"{field} names token {outside[0]}, outside the vocabulary [0, {vocab_size}); pass ids the tokenizer gives",
-            )
+    problem = generation.params[0].vocabulary_problem(vocab_size)  # (every choice has the same fields)
+    if problem:
+        raise invalid(*problem)
 
 
 def with_budget(generation: Generation, prompt_length: int, max_model_len: int) -> Generation:

@@ -80,6 +80,17 @@ class SamplingParams:
         if isinstance(self.logit_bias, dict):
             object.__setattr__(self, "logit_bias", tuple(sorted(self.logit_bias.items())))
 
+    def vocabulary_problem(self, vocab_size: int | None) -> tuple[str, str] | None:
+        """(the field, one line naming the token and the fix) where logit_bias or stop_token_ids names
+        a token outside the vocabulary [0, vocab_size) (None: only negative ids are outside); else None."""
+        for field, tokens in (("logit_bias", [t for t, _ in self.logit_bias]), ("stop_token_ids", self.stop_token_ids)):
+            outside = [t for t in tokens if t < 0 or (vocab_size is not None and t >= vocab_size)]
+            if outside:
+                return field, (
+                    f"{field} names token {outside[0]}, outside the vocabulary [0, {vocab_size}); pass ids the tokenizer gives"
+                )
+        return None
+
     def settings(self, model, prompt_length: int) -> generation.GenerationSettings:
         """This request as `Model.generate`'s settings, over the checkpoint's generation_config.json
         (whose min_length counts the prompt's `prompt_length` tokens, as transformers counts it).
@@ -97,18 +108,10 @@ class SamplingParams:
                 arguments[name] = getattr(self, name)
         if self.min_tokens is not None:
             arguments.update(min_new_tokens=self.min_tokens, min_length=0)
-        vocab = getattr(model.config.get_text_config(decoder=True), "vocab_size", None)
-        if vocab is not None and any(token >= vocab for token in self.stop_token_ids):
-            raise GenerationError(
-                f"stop_token_ids names token {max(self.stop_token_ids)}, outside the vocabulary [0, {vocab}); "
-                "pass ids the tokenizer gives"
-            )
+        problem = self.vocabulary_problem(getattr(model.config.get_text_config(decoder=True), "vocab_size", None))
+        if problem:
+            raise GenerationError(problem[1])
         if self.logit_bias:
-            outside = [token for token, _ in self.logit_bias if token < 0 or (vocab is not None and token >= vocab)]
-            if outside:
-                raise GenerationError(
-                    f"logit_bias names token {outside[0]}, outside the vocabulary [0, {vocab}); pass ids the tokenizer gives"
-                )
             arguments["sequence_bias"] = {(int(token),): float(bias) for token, bias in self.logit_bias}
         settings = generation.resolve_settings(model, prompt_length, **arguments)
         sampling = dataclasses.replace(
