@@ -3,11 +3,12 @@
     python benchmarks/ab.py --baseline efddf78               # this tree against a commit (a git worktree)
     python benchmarks/ab.py --b-env HFJAX_CPU_KERNELS=0      # this tree, with and without the CPU hook
     python benchmarks/ab.py --a-env CXX=/bin/false --busy 0,1  # kernels off (A) and on (B), alone and beside a busy process
+    python benchmarks/ab.py --baseline efddf78 --num-beams 4   # beam search, this tree against a commit
 
 Each round runs A, then B, then B, then A (so neither side always runs first), each in a fresh
 process that loads the same checkpoint (the `150m` Llama shape of decode.py by default), warms
-up at the timed length, and times `--runs` greedy generates of exactly `--new-tokens` tokens at
-each batch size. Reported: per side and batch, the median decode tokens/s per sequence over all
+up at the timed length, and times `--runs` greedy generates (or beam searches of `--num-beams`
+beams) of exactly `--new-tokens` tokens at each batch size. Reported: per side and batch, the median decode tokens/s per sequence over all
 runs, and B over A (the median of the per-round ratios). `--busy 0,1` runs every round once
 alone and once with one single-threaded CPU-bound process beside each worker, and reports each
 side's tokens/s beside it over its tokens/s alone (the median of the per-round ratios): how much
@@ -50,16 +51,18 @@ def worker(args) -> dict:
     for batch in args.batches:
         ids = np.random.default_rng(0).integers(8, model.config.vocab_size, (batch, args.prompt)).astype(np.int32)
 
-        generate(model, ids, args.new_tokens)  # compile, and warm up
-        rates[str(batch)] = [generate(model, ids, args.new_tokens) for _ in range(args.runs)]
+        generate(model, ids, args.new_tokens, args.num_beams)  # compile, and warm up
+        rates[str(batch)] = [generate(model, ids, args.new_tokens, args.num_beams) for _ in range(args.runs)]
     return {"hfjax": str(pathlib.Path(hfjax.__file__).parent), "tokens_per_s": rates}
 
 
-def generate(model, ids, new_tokens: int) -> float:
-    """Decode tokens/s per sequence of one greedy generate of exactly `new_tokens` tokens."""
+def generate(model, ids, new_tokens: int, num_beams: int = 1) -> float:
+    """Decode tokens/s per sequence of one greedy generate (or beam search) of exactly `new_tokens` tokens."""
     import jax
 
-    out = model.generate(ids, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False)
+    out = model.generate(
+        ids, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False, num_beams=num_beams
+    )
     jax.block_until_ready(out)
     return model.last_generation_stats.tokens_per_second
 
@@ -75,7 +78,7 @@ def _side_env(source: pathlib.Path, extra: list[str]) -> dict:
 
 def _run_side(args, env: dict, busy: int) -> dict:
     command = [sys.executable, __file__, "--worker", "--checkpoint", str(args.checkpoint), "--prompt", str(args.prompt),
-               "--new-tokens", str(args.new_tokens), "--runs", str(args.runs),
+               "--new-tokens", str(args.new_tokens), "--runs", str(args.runs), "--num-beams", str(args.num_beams),
                "--batches", ",".join(map(str, args.batches))]  # fmt: skip
     others = [subprocess.Popen([sys.executable, "-c", _BUSY]) for _ in range(busy)]
     try:
@@ -113,6 +116,7 @@ def main() -> None:
     parser.add_argument("--batches", default="1,8", help="batch sizes (default 1,8)")
     parser.add_argument("--prompt", type=int, default=16, help="prompt tokens (default 16)")
     parser.add_argument("--new-tokens", type=int, default=128, help="new tokens per generate (default 128)")
+    parser.add_argument("--num-beams", type=int, default=1, help="beams per prompt (default 1: greedy)")
     parser.add_argument("--runs", type=int, default=3, help="timed generates per batch size and worker (default 3)")
     parser.add_argument("--rounds", type=int, default=3, help="A-B-B-A rounds (default 3)")
     parser.add_argument(
@@ -126,9 +130,10 @@ def main() -> None:
         print(json.dumps(worker(args)))
         return
     levels = [int(level) for level in args.busy.split(",")]
-    if args.rounds < 1 or args.runs < 1 or min(levels) < 0:
+    if args.rounds < 1 or args.runs < 1 or args.num_beams < 1 or min(levels) < 0:
         raise SystemExit(
-            f"--rounds={args.rounds} and --runs={args.runs} must be at least 1, --busy={args.busy} at least 0"
+            f"--rounds={args.rounds}, --runs={args.runs} and --num-beams={args.num_beams} must be at least 1, "
+            f"--busy={args.busy} at least 0"
         )
 
     with tempfile.TemporaryDirectory(prefix="hfjax-ab-") as tmp:
@@ -157,7 +162,7 @@ def main() -> None:
                                capture_output=True)  # fmt: skip
 
     report = {"baseline": args.baseline or "this tree", "a_env": args.a_env, "b_env": args.b_env, "size": args.size,
-              "prompt": args.prompt, "new_tokens": args.new_tokens, "busy_levels": levels,
+              "prompt": args.prompt, "new_tokens": args.new_tokens, "num_beams": args.num_beams, "busy_levels": levels,
               "seconds": round(time.perf_counter() - start, 1), "batches": {}}  # fmt: skip
     for batch in map(str, args.batches):
         entry = {}

@@ -470,8 +470,20 @@ BEAMS = {
 BEAM_CASES = [(name, "llama") for name in BEAMS] + [("plain", f) for f in ("gpt2", "recurrent_gemma", "t5", "bart")]
 
 
+# Beam search runs on the slot core (hfjax serve's cache and prefill) for decoder-only models with a
+# static cache; `Generator`'s own programs run it for the other pasts.
+BEAMS_ON_SLOTS = ("llama", "gpt2")
+
+
 @pytest.mark.parametrize("name, family", BEAM_CASES)
-def test_beam_search_matches_transformers(loaded, family, name):
+def test_beam_search_matches_transformers(loaded, monkeypatch, family, name):
+    from hfjax.generation import _slot_beams
+
+    searches = []
+    search = _slot_beams.SlotBeams.search
+    monkeypatch.setattr(
+        _slot_beams.SlotBeams, "search", lambda self, *a, **k: searches.append(1) or search(self, *a, **k)
+    )
     model = loaded(family)
     ids, mask = _batch(model)
     start = _decoder_length(model, ids)
@@ -490,6 +502,7 @@ def test_beam_search_matches_transformers(loaded, family, name):
     settings["eos_token_id"] = eos
     actual = np.asarray(model.generate(ids, mask, **settings))
     np.testing.assert_array_equal(actual, expected)
+    assert bool(searches) == (family in BEAMS_ON_SLOTS)
 
 
 def test_beam_search_refuses_what_it_cannot_do(loaded):
@@ -615,12 +628,22 @@ def test_sliding_window_models_run_on_the_slot_core_like_transformers(loaded, mo
 # -- long answers: the decode loop attends over growing windows of the cache ---------
 
 
-def test_long_beam_search_crosses_cache_windows_like_transformers(loaded):
+def test_long_beam_search_crosses_cache_windows_like_transformers(loaded, monkeypatch):
+    from hfjax.generation import _slot_beams
+
+    windows = set()
+    search = _slot_beams.SlotBeams.search
+    monkeypatch.setattr(
+        _slot_beams.SlotBeams,
+        "search",
+        lambda self, *a, window, **k: windows.add(window) or search(self, *a, window=window, **k),
+    )
     model = loaded("llama")
     ids, mask = _batch(model)
     settings = dict(max_new_tokens=LONG, min_new_tokens=LONG, num_beams=3, repetition_penalty=2.0)
     expected = _torch_generate(model, ids, mask, **settings)
     np.testing.assert_array_equal(np.asarray(model.generate(ids, mask, **settings)), expected)
+    assert len(windows) > 1, "the search did not cross the slot cache's windows"
 
 
 def test_a_streamed_long_answer_is_the_windowed_one(loaded):

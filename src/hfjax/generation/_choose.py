@@ -33,14 +33,22 @@ def choose_tokens(
     [R, V] the rows' tokens so far, where the penalties need them; history: a function of the scores
     applying the processors that read the tokens so far (generate's static settings), or None.
     """
+    scores = process_scores(logits, rows, features, positions, seen=seen, counts=counts, history=history)
+    return _sampling.pick(scores, rows, positions, features), scores
+
+
+def process_scores(
+    logits, rows: RowSampling, features: SamplingFeatures, positions, *, seen=None, counts=None, history=None
+):
+    """`logits` [R, V] after every processor and warper `choose_tokens` applies, in transformers' order
+    (its arguments): [R, V] float32. Beam search on the slot core scores its log-probabilities with it."""
     scores = _sampling.add_biases(logits.astype(jnp.float32), rows, features)
     # transformers holds EOS back after the biases and n-gram bans, before the forced tokens: a ban
     # commutes with those biases and bans, and the forced tokens override it.
     scores = _sampling.hold_back(scores, rows, features, positions)
     if history is not None:
         scores = history(scores)
-    scores = _sampling.process_logits(scores, rows, features, seen=seen, counts=counts)
-    return _sampling.pick(scores, rows, positions, features), scores
+    return _sampling.process_logits(scores, rows, features, seen=seen, counts=counts)
 
 
 def processed(logits, state: DecodeState, end, settings: GenerationSettings):

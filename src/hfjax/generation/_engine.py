@@ -11,8 +11,9 @@ Stages (gpt-fast's names):
                    one loop per window, in the same program.
 
 A call that the continuous-batching core carries out runs on it instead (`_on_slots.SlotRuns`:
-decoder-only, static cache, no beams, no processor that reads the tokens so far, ...), with the
-programs `hfjax serve` runs; `Generator`'s own programs below run the rest.
+decoder-only, a static KV cache, left-padded prompts, no images, ...; beam search as a program
+family of its own over the slot cache, `_slot_beams`), with the programs `hfjax serve` runs;
+`Generator`'s own programs below run the rest.
 
 `Generator` drives the parts, each of which another front end (a server's slots, a trainer's
 evaluation) can drive too:
@@ -167,13 +168,12 @@ class Generator:
         if self.slot_runs.takes(plan, settings, inputs):
             ran = self.slot_runs.generate(ids, plan, settings, compiled, seed=seed, streamer=streamer)
             if ran is not None:
-                new, ttft, kept = ran
-                batch = plan.prompts * plan.per_prompt
-                prompt = np.repeat(ids, plan.per_prompt, axis=0).astype(np.int32)
+                new, ttft, kept = ran  # the caller's rows: num_return_sequences per prompt
+                prompt = np.repeat(ids, settings.num_return_sequences, axis=0).astype(np.int32)
                 self._stats(mask, new.shape[1], ttft, start, prepared_before)
-                out = jnp.asarray(np.concatenate([prompt, new[:batch]], axis=1))
+                out = jnp.asarray(np.concatenate([prompt, new], axis=1))
                 if settings.return_dict_in_generate:
-                    out = self._output(out, kept.get, batch, new.shape[1], beams=False)
+                    out = self._output(out, kept.get, new.shape[0], new.shape[1], beams=beam is not None)
                 return out
         extra = None
         if inputs:

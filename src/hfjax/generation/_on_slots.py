@@ -7,8 +7,9 @@ same programs.
 
 A call runs here when the slot core carries out everything it asks: a decoder-only model with a
 static KV cache that takes `position_ids` (full or sliding-window attention), left-padded prompts,
-no beams, no prefill-only inputs (images), weights on one device or on a mesh of one process, and
-a model that reads no values of its data. `Generator` runs the rest. A row that has stopped runs
+no prefill-only inputs (images), weights on one device or on a mesh of one process, and a model
+that reads no values of its data. `Generator` runs the rest. Beam search runs its own programs
+over the same cache (`_slot_beams`), from the slot prefill's logits. A row that has stopped runs
 on pad tokens until every row has, as transformers feeds it, so the processed scores and raw
 logits that `output_scores` / `output_logits` keep are transformers' for every row and step.
 The processors that read the tokens so far (n-gram bans, sequence biases, forced and suppressed
@@ -36,6 +37,7 @@ from .. import bridge
 from .._errors import DataDependentError, GenerationError
 from . import _planning, _rows
 from ._settings import GenerationSettings
+from ._slot_beams import BeamCarry, SlotBeams
 from ._slots import SlotModel, SlotPrograms, check_supported
 
 STREAM_CHUNK = 8  # decode steps per host round trip when streaming (as `Generator`)
@@ -61,14 +63,13 @@ class SlotRuns:
             self.possible = False
         self._models: dict[tuple, SlotModel] = {}
         self._programs: dict[tuple, SlotPrograms] = {}
+        self._beams: dict[tuple, SlotBeams] = {}
 
     def takes(self, plan: _planning.BatchPlan, settings: GenerationSettings, inputs) -> bool:
         """Whether this call runs on the slot core (the module docstring says which do)."""
         if not self.possible or inputs or self.generator.reads_data:
             return False
         if self.model.mesh is not None and jax.process_count() > 1:  # `SlotModel.empty_state` places for one process
-            return False
-        if settings.beam is not None:
             return False
         return _left_padded(plan.mask)
 
@@ -82,10 +83,12 @@ class SlotRuns:
         seed: int,
         streamer,
     ) -> tuple[np.ndarray, float, dict[str, jax.Array]] | None:
-        """(new tokens int32 [plan.rows, T], padded with pad_token_id after a row's EOS; the seconds to
-        the first token; {"scores", "logits": [plan.rows, T, V] float32} that output_scores and
-        output_logits ask for), or None where the model turned out to read values of its data (then
-        `Generator` runs the call)."""
+        """(new tokens int32 [prompts * num_return_sequences, T], padded with pad_token_id after a
+        row's EOS (beam search: each prompt's best finished sequences, best first, `fill_token_id`
+        after each one's end); the seconds to the first token (beam search: to the prefill's
+        logits); {"scores", "logits": [rows, T, V] float32} that output_scores and output_logits ask
+        for), or None where the model turned out to read values of its data (then `Generator` runs
+        the call)."""
         start = time.perf_counter()
         rows, budget = plan.rows, settings.max_new_tokens
         precision = bridge.resolve_precision(self.model.matmul_precision)
@@ -95,6 +98,9 @@ class SlotRuns:
             features = dataclasses.replace(features, held_back=settings.eos_token_ids)
         features = dataclasses.replace(features, history=compiled.history_rules())
         kept = tuple(name for name in ("scores", "logits") if getattr(settings, f"output_{name}"))
+        beam = settings.beam
+        if beam is not None:  # the search starts from the prefill's raw logits
+            kept = ("logits",)
         programs = self._programs_for(plan, features, settings, kept, precision)
         # The rules that read the tokens so far see transformers' input_ids: the caller's pads, then the row.
         pads = plan.size - plan.first_column - lengths
@@ -105,15 +111,19 @@ class SlotRuns:
         sampling, which, prompts, starts, counts, every, no = jax.device_put(
             (sampling, np.arange(rows, dtype=np.int32), plan.ids, np.zeros(rows, np.int32), lengths, every, np.False_)
         )
+        # Beam search takes no token from the prefill: its rows' next tokens come from the search.
+        last = every if beam is None else jax.device_put(np.zeros(rows, bool))
         try:  # the state's shapes come from an abstract run of the model, which may read its data too
             state = programs.slot_model.empty_state(features)
             # The prefill's window: the prompts' columns, the only ones it reads and writes.
             state, chosen = programs.prefill(
-                state, sampling, which, prompts, starts, counts, every, every, no, window=plan.size
+                state, sampling, which, prompts, starts, counts, last, every, no, window=plan.size
             )
         except DataDependentError:
             self.generator.reads_data = True
             return None
+        if beam is not None:
+            return self._search(state, sampling, chosen.logits[:, 0], plan, settings, features, start)
         first = np.asarray(chosen.token)[:, 0]
         ttft = time.perf_counter() - start
         if streamer is not None:
@@ -153,7 +163,45 @@ class SlotRuns:
         if streamer is not None:
             streamer.end()
         kept_values = {name: jnp.concatenate(values, axis=1) for name, values in kept_values.items()}
-        return np.concatenate(produced, axis=1).astype(np.int32), ttft, kept_values
+        caller = plan.prompts * plan.per_prompt  # the rows past the plan's padding to the "data" devices
+        return np.concatenate(produced, axis=1)[:caller].astype(np.int32), ttft, kept_values
+
+    def _search(self, state, sampling, logits, plan, settings: GenerationSettings, features, start: float):
+        """Beam search from the prefill's `logits` [rows, V] (`_slot_beams`); returns as `generate`."""
+        beam, budget = settings.beam, settings.max_new_tokens
+        jax.block_until_ready(logits)
+        ttft = time.perf_counter() - start
+        key = (plan.rows, plan.total, features, beam, settings.eos_token_ids)
+        if key not in self._beams:
+            self._beams[key] = SlotBeams(
+                self._models[plan.rows, plan.total], features=features, settings=beam, eos=settings.eos_token_ids,
+                cache=self.generator.programs,
+            )  # fmt: skip
+        beams = self._beams[key]
+        width = plan.total - plan.offset  # the new tokens' columns: at least the budget
+        carry = BeamCarry.first(logits, budget, width, beam)
+        lengths = jax.device_put(plan.mask.sum(axis=1).astype(np.int32))
+        steps, position = 0, int(plan.mask.sum(axis=1).max())
+        for window in _planning.windows(plan.offset, plan.total):
+            while steps < budget and position < window:
+                count = min(budget - steps, window - position)
+                try:
+                    state, carry = beams.search(state, sampling, carry, lengths, jnp.int32(count), window=window)
+                except DataDependentError:
+                    self.generator.reads_data = True
+                    return None
+                ran = int(carry.step) - steps
+                steps, position = steps + ran, position + ran
+                if not bool(carry.going):
+                    break
+            if not bool(carry.going):
+                break
+        # Each prompt's best finished sequences, best first, as long as the longest returned one.
+        returned = settings.num_return_sequences
+        finished = np.asarray(carry.beams.finished).reshape(plan.padded_prompts, beam.num_beams, width)
+        lengths = np.asarray(carry.beams.finished_length)[: plan.prompts, :returned]
+        new = finished[: plan.prompts, :returned, : int(lengths.max())]
+        return new.reshape(plan.prompts * returned, -1).astype(np.int32), ttft, {}
 
     def _programs_for(
         self, plan: _planning.BatchPlan, features, settings: GenerationSettings, kept: tuple[str, ...], precision

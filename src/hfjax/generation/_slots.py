@@ -353,7 +353,7 @@ class SlotModel:
             history = before.at[jnp.arange(ids.shape[0])[:, None], column].set(ids, mode="drop")  # [P, L]
         token, scores = choose_tokens(
             logits[:, 0], mine, features, start + count, seen=seen, counts=counts,
-            history=_history_rules(features, mine, history, start + count),
+            history=history_rules(features, mine, history, start + count),
         )  # fmt: skip
         chosen = _with_logprobs(logits[:, 0], token, want_logprobs)
         chosen = dataclasses.replace(chosen, **_kept(kept, scores=scores, logits=logits[:, 0]))
@@ -441,7 +441,7 @@ class SlotModel:
                 history = history.at[jnp.arange(r), column].set(inputs, mode="drop")
             token, scores = choose_tokens(
                 logits[:, 0], mine, features, at + 1, seen=seen, counts=counts,
-                history=_history_rules(features, mine, history, at + 1),
+                history=history_rules(features, mine, history, at + 1),
             )  # fmt: skip
             kept_now = _kept(kept, scores=scores, logits=logits[:, 0])
             chosen = dataclasses.replace(chosen, **{f: getattr(chosen, f).at[:, i].set(v) for f, v in kept_now.items()})
@@ -490,7 +490,7 @@ class SlotModel:
         return state, dataclasses.replace(chosen, ran=ran)
 
 
-def _history_rules(features: SamplingFeatures, rows: RowSampling, history, positions):
+def history_rules(features: SamplingFeatures, rows: RowSampling, history, positions):
     """The scores function applying `features.history` (generate's processors that read the tokens so
     far) to rows whose new tokens take `positions` [R], over their tokens `history` [R, L] (or None
     where no rule reads them); None where there are no such rules."""
