@@ -340,7 +340,11 @@ BAD = [
     ("chat", {"model": NAME, "messages": [{"role": "user", "content": "hi"}], "min_tokens": LENGTH}, "min_tokens"),
     ("completions", {"model": NAME, "prompt": "hi", "stop_token_ids": [3, -1]}, "stop_token_ids"),
     ("completions", {"model": NAME, "prompt": "hi", "stop_token_ids": "3"}, "stop_token_ids"),
-    ("completions", {"model": NAME, "prompt": "hi", "stop_token_ids": [3], "min_tokens": 2}, "stop_token_ids"),
+    (
+        "completions",
+        {"model": NAME, "prompt": "hi", "stop_token_ids": list(range(17)), "min_tokens": 2},
+        "stop_token_ids",
+    ),
     ("completions", {"model": NAME, "prompt": "hi", "stop_token_ids": [99999]}, "stop_token_ids"),
     (
         "chat",
@@ -407,6 +411,18 @@ def test_sampling_fields_beyond_openais_act_as_in_transformers_and_vllm(client, 
     count = alone.index(third) + 1
     assert ended.choices[0].finish_reason == "stop" and ended.usage.completion_tokens == count < 6
     assert ended.choices[0].text == model.tokenizer.decode(alone[:count], skip_special_tokens=True)
+    # min_tokens holds stop_token_ids back as it holds EOS (vLLM's): favoured at every step, the stop
+    # token ends the answer right after the first 3 tokens, as transformers' min_new_tokens with it as EOS.
+    held = client.completions.create(
+        model=NAME, prompt="river", max_tokens=6, temperature=0, logit_bias={str(third): 100},
+        extra_body={"stop_token_ids": [third], "min_tokens": 3, "ignore_eos": True},
+    )  # fmt: skip
+    want = model.generate_text(
+        ["river"], max_new_tokens=6, do_sample=False, min_new_tokens=3, eos_token_id=[third],
+        sequence_bias={(third,): 100.0},
+    )[0]  # fmt: skip
+    assert held.usage.completion_tokens == 4 and held.choices[0].finish_reason == "stop"
+    assert held.choices[0].text == want
 
 
 def test_curl_streams_server_sent_events(servers, expected):

@@ -15,7 +15,7 @@ import torch
 import transformers
 
 import hfjax
-from hfjax import _compilation_cache
+from hfjax import _compilation_cache, generation
 from hfjax.serving import Engine, QueueFullError, SamplingParams
 from hfjax.serving._text import TextStream
 from hfjax.testing import _tokenizer
@@ -313,7 +313,7 @@ def test_the_checkpoints_processors_that_read_the_tokens_so_far_serve_as_in_tran
     (path / "generation_config.json").write_text(json.dumps(config))
     ruled = hfjax.load(str(path))
     engine = Engine(ruled, max_num_seqs=2, max_model_len=LENGTH, prefill_chunk=CHUNK, decode_steps=STEPS)
-    assert engine.features.history is not None and engine.features.held_back == (_tokenizer.EOS_ID,)
+    assert engine.features.history is not None and engine.features.held_slots > 0  # EOS held back per row
     engine.start()
     try:
         got = engine.generate(ids, SamplingParams(max_tokens=48, temperature=0))  # three requests, two slots
@@ -536,8 +536,25 @@ def test_stop_token_ids_end_the_answer_with_that_token(model, engine):
     count = alone.token_ids.index(fourth) + 1
     assert ended.token_ids == alone.token_ids[:count] and ended.finish_reason == "stop" and count < 12
     assert ended.text == model.tokenizer.decode(alone.token_ids[:count], skip_special_tokens=True)
-    with pytest.raises(hfjax.GenerationError, match=r"stop_token_ids with min_tokens=2: .*send one of the two"):
-        SamplingParams(max_tokens=12, stop_token_ids=[fourth], min_tokens=2)
+    # As vLLM's, min_tokens holds stop_token_ids back as it holds EOS: favoured at every step, the stop
+    # token comes at once after the first 3 tokens; transformers' min_new_tokens with it as EOS agrees.
+    bias = {"ignore_eos": True, "logit_bias": {fourth: 100.0}, "temperature": 0}
+    [now, held] = engine.generate(
+        ids * 2, [SamplingParams(max_tokens=12, stop_token_ids=[fourth], min_tokens=m, **bias) for m in (0, 3)]
+    )
+    assert now.token_ids == [fourth]
+    want = np.asarray(
+        model.generate(
+            np.asarray(ids), max_new_tokens=12, do_sample=False, min_new_tokens=3, eos_token_id=[fourth],
+            sequence_bias={(fourth,): 100.0},
+        )
+    )[0, len(ids[0]) :].tolist()  # fmt: skip
+    assert held.token_ids == want[: want.index(fourth) + 1] and len(held.token_ids) == 4
+    assert held.finish_reason == "stop"
+    many = list(range(generation.MAX_HELD_STOP_TOKENS + 1))
+    with pytest.raises(hfjax.GenerationError, match=r"stop_token_ids holds 17 tokens with min_tokens=2; .*pass fewer"):
+        SamplingParams(max_tokens=12, stop_token_ids=many, min_tokens=2)
+    SamplingParams(max_tokens=12, stop_token_ids=many)  # without min_tokens, none is held back
     with pytest.raises(hfjax.GenerationError, match=r"stop_token_ids names token 99999, outside the vocabulary"):
         engine.submit(ids[0], SamplingParams(max_tokens=4, stop_token_ids=[99999]), lambda event: None)
 

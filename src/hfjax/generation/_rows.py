@@ -6,7 +6,8 @@ and a static `SamplingFeatures` says which parts of the token choice it compiles
 
     RowSampling       temperature, top-k, top-p, min-p, repetition / presence / frequency
                       penalties, single-token logit biases, the position before which held-back
-                      tokens are not chosen, where the row's answer starts and ends, and a PRNG
+                      tokens (the program's, and the row's own) are not chosen, where the row's
+                      answer starts and ends, and a PRNG
                       key, one row each
     SamplingFeatures  which of those any row may use (hashable: part of a program's key), and
                       `HistoryRules`: generate's processors that read the tokens so far
@@ -27,6 +28,8 @@ from .._errors import GenerationError
 
 # Single-token biases a server's row may carry (OpenAI's logit_bias); a row holds them sparsely.
 MAX_LOGIT_BIAS = 64
+# vLLM's stop_token_ids that a server's row holds back under min_tokens, beside its EOS tokens.
+MAX_HELD_STOP_TOKENS = 16
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -63,6 +66,9 @@ class SamplingFeatures:
     bias_slots: int = 0  # single-token biases per row (0: none)
     # Tokens no row chooses before its `min_position` (Model.generate's EOS under min_new_tokens).
     held_back: tuple[int, ...] = ()
+    # Tokens of each row's own (`RowSampling.held_ids`) that it does not choose before its `min_position`
+    # (a server's: each request's EOS tokens and vLLM's stop_token_ids under min_tokens); 0: none.
+    held_slots: int = 0
     history: HistoryRules | None = None  # Model.generate's processors that read the tokens so far
 
     @classmethod
@@ -102,6 +108,7 @@ class RowSampling:
     bias_ids: np.ndarray  # [R, K] int32: token ids of single-token biases; past the vocabulary where unused
     bias_values: np.ndarray  # [R, K] float32
     min_position: np.ndarray  # [R] int32: the first position whose token may be a held-back one; 0: off
+    held_ids: np.ndarray  # [R, H] int32: the row's own held-back tokens; past the vocabulary where unused
     # Where `SamplingFeatures.history` rules count from (0 where a program has none): the pads before
     # the row's first token in transformers' input_ids, the position of its first new token, and that
     # of its budget's last.
@@ -117,9 +124,10 @@ class RowSampling:
         *,
         vocab_size: int | None,
         bias_slots: int,
+        held_slots: int = 0,
     ) -> RowSampling:
         """From (a `SamplingConfig`, {token id: bias}, key data [2] uint32) per row; ids are checked against
-        `vocab_size` where it is known."""
+        `vocab_size` where it is known. No row holds a token back (`held_ids` unused, `min_position` 0)."""
         count = len(rows)
         unused = np.iinfo(np.int32).max if vocab_size is None else vocab_size  # an id past the logits: dropped
         bias_ids = np.full((count, bias_slots), unused, np.int32)
@@ -151,6 +159,7 @@ class RowSampling:
             bias_ids=bias_ids,
             bias_values=bias_values,
             min_position=np.zeros(count, np.int32),
+            held_ids=np.full((count, held_slots), unused, np.int32),
             pads=np.zeros(count, np.int32),
             first_new=np.zeros(count, np.int32),
             last_new=np.zeros(count, np.int32),
@@ -158,7 +167,7 @@ class RowSampling:
         )
 
     @classmethod
-    def empty(cls, count: int, *, vocab_size: int | None, bias_slots: int) -> RowSampling:
+    def empty(cls, count: int, *, vocab_size: int | None, bias_slots: int, held_slots: int = 0) -> RowSampling:
         """R rows that take the most likely token, with nothing else on."""
         unused = np.iinfo(np.int32).max if vocab_size is None else vocab_size
 
@@ -170,7 +179,8 @@ class RowSampling:
             min_p=filled(0.0, np.float32), repetition_penalty=filled(1.0, np.float32),
             presence_penalty=filled(0.0, np.float32), frequency_penalty=filled(0.0, np.float32),
             bias_ids=filled(unused, np.int32, (count, bias_slots)), bias_values=filled(0.0, np.float32, (count, bias_slots)),
-            min_position=filled(0, np.int32), pads=filled(0, np.int32), first_new=filled(0, np.int32),
+            min_position=filled(0, np.int32), held_ids=filled(unused, np.int32, (count, held_slots)),
+            pads=filled(0, np.int32), first_new=filled(0, np.int32),
             last_new=filled(0, np.int32), key=filled(0, np.uint32, (count, 2)),
         )  # fmt: skip
 

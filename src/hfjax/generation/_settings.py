@@ -199,6 +199,8 @@ class GenerationSettings:
         vocab_size: int | None = None,
         *,
         bias_slots: int | None = None,
+        held_slots: int = 0,
+        stop_token_ids: tuple[int, ...] = (),
         lengths: np.ndarray | None = None,
         pads: np.ndarray | int = 0,
     ) -> RowSampling:
@@ -208,13 +210,22 @@ class GenerationSettings:
 
         On the slot core, `lengths` [R] gives each row's prompt tokens (its first new token's
         position), from which the EOS hold-back of min_new_tokens and the `HistoryRules` count, and
-        `pads` [R] the pads before the row in transformers' input_ids (which those rules read)."""
+        `pads` [R] the pads before the row in transformers' input_ids (which those rules read).
+        With `held_slots`, each row holds its own tokens back (`RowSampling.held_ids`): the EOS
+        tokens and vLLM's `stop_token_ids` (a server's rows; else the program holds EOS back)."""
         row = (self.sampling, self.single_token_biases(), key)
         slots = len(row[1]) if bias_slots is None else bias_slots
-        sampling = RowSampling.build([row] * rows, vocab_size=vocab_size, bias_slots=slots)
+        sampling = RowSampling.build([row] * rows, vocab_size=vocab_size, bias_slots=slots, held_slots=held_slots)
+        held_ids = (*self.eos_token_ids, *(stop_token_ids if self.min_new_tokens else ())) if held_slots else ()
+        if len(held_ids) > held_slots:
+            raise GenerationError(
+                f"stop_token_ids holds {len(stop_token_ids)} tokens beside {len(self.eos_token_ids)} end-of-sequence "
+                f"tokens, more than the {held_slots} a row holds back for min_tokens; pass fewer stop_token_ids"
+            )
+        sampling.held_ids[:, : len(held_ids)] = held_ids
         if lengths is not None:
             lengths = np.asarray(lengths, np.int32)
-            held = self.min_new_tokens if self.eos_token_ids else 0
+            held = self.min_new_tokens if self.eos_token_ids or held_ids else 0
             sampling.min_position = np.where(held > 0, lengths + np.int32(held), 0).astype(np.int32)
             sampling.pads = np.broadcast_to(np.asarray(pads, np.int32), (rows,)).copy()
             sampling.first_new = lengths

@@ -36,7 +36,8 @@ class SamplingParams:
         stop: strings that end the answer where they first appear (not included in it), as in vLLM
             only where they end after the first min_tokens tokens.
         stop_token_ids: tokens that end the answer when generated, included in it (vLLM's field;
-            its text too, unless it is a special token); not with min_tokens.
+            its text too, unless it is a special token); held back, as EOS is, for the first
+            min_tokens tokens (at most 16 of them then).
         min_tokens: the fewest new tokens before an end-of-sequence token may end the answer (vLLM's
             name; transformers' min_new_tokens, whose processor holds EOS back). None: the
             checkpoint's (min_new_tokens, min_length), else 0.
@@ -114,6 +115,12 @@ class SamplingParams:
         if self.logit_bias:
             arguments["sequence_bias"] = {(int(token),): float(bias) for token, bias in self.logit_bias}
         settings = generation.resolve_settings(model, prompt_length, **arguments)
+        if len(self.stop_token_ids) > generation.MAX_HELD_STOP_TOKENS and settings.min_new_tokens:
+            raise GenerationError(  # the checkpoint's min_new_tokens (a request's min_tokens is checked on arrival)
+                f"stop_token_ids holds {len(self.stop_token_ids)} tokens and the checkpoint's generation_config.json "
+                f"sets min_new_tokens={settings.min_new_tokens}; a row holds back at most "
+                f"{generation.MAX_HELD_STOP_TOKENS} of them until then; pass fewer, or min_tokens=0"
+            )
         sampling = dataclasses.replace(
             settings.sampling, presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty
         )
@@ -126,10 +133,10 @@ def stop_token_ids_problem(ids, min_tokens: int | None) -> str | None:
     """What is wrong with vLLM's stop_token_ids field `ids` beside min_tokens, in one line; else None."""
     if not isinstance(ids, list) or not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in ids):
         return f"stop_token_ids={ids!r}: pass a list of token ids, whole numbers >= 0"
-    if ids and min_tokens:
+    if min_tokens and len(ids) > generation.MAX_HELD_STOP_TOKENS:
         return (
-            f"stop_token_ids with min_tokens={min_tokens}: hfjax holds back only the checkpoint's end-of-sequence "
-            "tokens for min_tokens (vLLM holds back stop_token_ids too); send one of the two"
+            f"stop_token_ids holds {len(ids)} tokens with min_tokens={min_tokens}; a row holds back at most "
+            f"{generation.MAX_HELD_STOP_TOKENS} of them until min_tokens; pass fewer"
         )
     return None
 

@@ -121,13 +121,14 @@ class Engine:
         # Every request's settings come over the checkpoint's generation_config.json: its processors
         # that read the tokens so far (n-gram bans, biases of several tokens, forced and suppressed
         # tokens) are the same for every request, so the programs compile them in, as they compile
-        # the hold-back of its EOS tokens that a request's min_tokens (or the checkpoint's) asks for.
+        # Each row holds its own EOS tokens and stop_token_ids back where its min_tokens (or the
+        # checkpoint's min_new_tokens) asks (vLLM holds both back).
         # (As for a prompt of several tokens: one of a single token may move begin_suppress_tokens
         # after a forced_bos_token_id, which `submit` refuses.)
         checkpoint = SamplingParams(max_tokens=1).settings(model, prompt_length=2)
         self.features = dataclasses.replace(
             generation.SamplingFeatures.every(),
-            held_back=checkpoint.eos_token_ids,
+            held_slots=len(checkpoint.eos_token_ids) + generation.MAX_HELD_STOP_TOKENS,
             history=checkpoint.history_rules(),
         )
         if self.features.history is not None and self.features.history.reads_tokens:
@@ -146,7 +147,7 @@ class Engine:
         self.metrics.programs_pending = self.compiler.pending
         self.table = SlotTable(
             self.max_num_seqs, vocab_size=slot_model.shapes()[1], bias_slots=self.features.bias_slots,
-            prefix_reuse=prefix_reuse,
+            held_slots=self.features.held_slots, prefix_reuse=prefix_reuse,
         )  # fmt: skip
         self._slot_model = slot_model
         self._state: generation.SlotState | None = None

@@ -15,14 +15,16 @@ from ._requests import Request
 class SlotTable:
     """S slots: their requests, positions, cached tokens and sampling settings (host arrays)."""
 
-    def __init__(self, slots: int, *, vocab_size: int, bias_slots: int, prefix_reuse: bool):
+    def __init__(self, slots: int, *, vocab_size: int, bias_slots: int, held_slots: int, prefix_reuse: bool):
         self.slots = slots
         self.prefix_reuse = prefix_reuse
         self.requests: list[Request | None] = [None] * slots
         self.cached: list[list[int]] = [[] for _ in range(slots)]  # token ids whose keys each row holds
         self.positions = np.zeros(slots, np.int32)  # each slot's last token's position, as the device has it
-        self.rows = generation.RowSampling.empty(slots, vocab_size=vocab_size, bias_slots=bias_slots)
-        self.vocab_size, self.bias_slots = vocab_size, bias_slots
+        self.rows = generation.RowSampling.empty(
+            slots, vocab_size=vocab_size, bias_slots=bias_slots, held_slots=held_slots
+        )
+        self.vocab_size, self.bias_slots, self.held_slots = vocab_size, bias_slots, held_slots
         self.copies = DeviceCopies()
 
     @property
@@ -65,8 +67,9 @@ class SlotTable:
         self.cached[slot] = []
         seed = request.params.seed if request.params.seed is not None else secrets.randbits(32)
         row = request.settings.row_sampling(
-            1, generation.key_data(seed), self.vocab_size, bias_slots=self.bias_slots, lengths=[len(request.prompt)]
-        )
+            1, generation.key_data(seed), self.vocab_size, bias_slots=self.bias_slots, held_slots=self.held_slots,
+            stop_token_ids=request.params.stop_token_ids, lengths=[len(request.prompt)],
+        )  # fmt: skip
         self.rows.set_row(slot, row)
         return slot
 
