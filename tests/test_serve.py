@@ -331,6 +331,8 @@ BAD = [
         "tools",
     ),
     ("completions", {"model": NAME, "prompt": "hi", "echo": True}, "echo"),
+    ("completions", {"model": NAME, "prompt": "hi", "include_stop_str_in_output": True}, "include_stop_str_in_output"),
+    ("completions", {"model": NAME, "prompt": "hi", "skip_special_tokens": False}, "skip_special_tokens"),
     ("completions", {"model": NAME, "prompt": "hi", "top_k": -2}, "top_k"),
     ("completions", {"model": NAME, "prompt": "hi", "repetition_penalty": 0}, "repetition_penalty"),
     ("completions", {"model": NAME, "prompt": "hi", "logit_bias": {"word": 5}}, "logit_bias"),
@@ -423,6 +425,12 @@ def test_sampling_fields_beyond_openais_act_as_in_transformers_and_vllm(client, 
     )[0]  # fmt: skip
     assert held.usage.completion_tokens == 4 and held.choices[0].finish_reason == "stop"
     assert held.choices[0].text == want
+    # vLLM's detokenizing fields at their defaults (which some clients send) change nothing.
+    defaults = {"skip_special_tokens": True, "spaces_between_special_tokens": True, "include_stop_str_in_output": False}
+    stopped = client.completions.create(
+        model=NAME, prompt="river", max_tokens=6, temperature=0, extra_body={"stop_token_ids": [third], **defaults}
+    )
+    assert stopped.choices[0].text == ended.choices[0].text
 
 
 def test_curl_streams_server_sent_events(servers, expected):

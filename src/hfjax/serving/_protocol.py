@@ -54,6 +54,10 @@ _NO_OP = {
     "audio": (None,),
     "function_call": (None,),
     "functions": (None,),
+    # vLLM's detokenizing fields, which some clients send at their defaults: hfjax's text is theirs
+    "skip_special_tokens": (None, True),
+    "spaces_between_special_tokens": (None, True),
+    "include_stop_str_in_output": (None, False),
 }
 _IDENTIFIERS = ("user", "metadata")  # labels for the caller's own records: they do not change the answer
 _SAMPLING = (
