@@ -180,27 +180,24 @@ class SlotRuns:
         beams = self._beams[key]
         width = plan.total - plan.offset  # the new tokens' columns: at least the budget
         carry = BeamCarry.first(logits, budget, width, beam)
-        lengths = jax.device_put(plan.mask.sum(axis=1).astype(np.int32))
-        steps, position = 0, int(plan.mask.sum(axis=1).max())
+        lengths = plan.mask.sum(axis=1).astype(np.int32)
+        prompt_lengths = jax.device_put(lengths)
+        steps, position = 0, int(lengths.max())  # the tokens chosen, the column the next one takes
         for window in _planning.windows(plan.offset, plan.total):
-            while steps < budget and position < window:
-                count = min(budget - steps, window - position)
+            while steps < budget and position < window and bool(carry.going):
+                count = jnp.int32(min(budget - steps, window - position))
                 try:
-                    state, carry = beams.search(state, sampling, carry, lengths, jnp.int32(count), window=window)
+                    state, carry = beams.search(state, sampling, carry, prompt_lengths, count, window=window)
                 except DataDependentError:
                     self.generator.reads_data = True
                     return None
                 ran = int(carry.step) - steps
                 steps, position = steps + ran, position + ran
-                if not bool(carry.going):
-                    break
-            if not bool(carry.going):
-                break
         # Each prompt's best finished sequences, best first, as long as the longest returned one.
         returned = settings.num_return_sequences
         finished = np.asarray(carry.beams.finished).reshape(plan.padded_prompts, beam.num_beams, width)
-        lengths = np.asarray(carry.beams.finished_length)[: plan.prompts, :returned]
-        new = finished[: plan.prompts, :returned, : int(lengths.max())]
+        length = int(np.asarray(carry.beams.finished_length)[: plan.prompts, :returned].max())
+        new = finished[: plan.prompts, :returned, :length]
         return new.reshape(plan.prompts * returned, -1).astype(np.int32), ttft, {}
 
     def _programs_for(
