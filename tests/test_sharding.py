@@ -376,15 +376,21 @@ def test_shard_plan_cli(checkpoint, capsys):
     assert "num_attention_heads=8" in capsys.readouterr().err
 
 
-# Two processes of one jax.distributed run, through `hfjax launch`, against one device.
+# Two processes of one jax.distributed run, through `hfjax launch`, against one device; the call
+# runs on the slot core (the decode programs of `hfjax serve`), whose arrays span both processes.
 _RUN = f"""
 import sys, json, numpy as np, jax, hfjax
 from hfjax import parallel
+from hfjax.generation import _slots
 hfjax.distributed.initialize()  # hfjax launch has joined the run already: nothing more to do
 assert jax.process_count() == 2 and jax.device_count() == 8
+decodes = []
+decode = _slots.SlotPrograms.decode
+_slots.SlotPrograms.decode = lambda self, *a, **k: decodes.append(1) or decode(self, *a, **k)
 model = hfjax.load(sys.argv[1], mesh=parallel.make_mesh(data=2, model=4))
 out = model.generate(np.array({PROMPTS}, np.int32), max_new_tokens={NEW_TOKENS}, do_sample=False)
 print('TOKENS', json.dumps(np.asarray(out).tolist()))
+print('SLOT DECODES', len(decodes))
 """
 
 
@@ -397,9 +403,11 @@ def _two_processes(out: pathlib.Path, path: pathlib.Path, want: list) -> dict:
     command = [sys.executable, "-m", "hfjax.cli", "launch", "--nproc", "2", "--devices-per-proc", "4", "--",
                str(out / "run.py"), str(path)]  # fmt: skip
     launched = subprocess.run(command, capture_output=True, text=True, timeout=600)
-    tokens = [json.loads(line.split("TOKENS", 1)[1]) for line in launched.stdout.splitlines() if "TOKENS" in line]
+    lines = launched.stdout.splitlines()
+    tokens = [json.loads(line.split("TOKENS", 1)[1]) for line in lines if "TOKENS" in line]
+    decodes = [int(line.split("SLOT DECODES", 1)[1]) for line in lines if "SLOT DECODES" in line]
     output = (launched.stdout + launched.stderr)[-4000:]
-    return {"code": launched.returncode, "tokens": tokens, "want": want, "output": output}
+    return {"code": launched.returncode, "tokens": tokens, "want": want, "decodes": decodes, "output": output}
 
 
 def test_two_processes_give_one_device_tokens():
@@ -408,6 +416,7 @@ def test_two_processes_give_one_device_tokens():
     result = json.loads((child.directory / "two_processes.json").read_text())
     assert result["code"] == 0, result["output"]
     assert result["tokens"] == [result["want"], result["want"]], result["output"]
+    assert len(result["decodes"]) == 2 and min(result["decodes"]) > 0, "the call did not run on the slot core"
 
 
 if __name__ == "__main__":

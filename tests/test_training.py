@@ -471,3 +471,32 @@ def test_packing_is_refused_where_examples_would_see_each_other(checkpoint):
     bert = hfjax.Trainer(hfjax.load(checkpoint("bert", task="text-classification")), training.sgd(1e-2))
     with pytest.raises(hfjax.TrainingError, match="packs causal-LM examples; these are classification examples"):
         bert.fit([{"text": "a", "label": 0}], steps=1, batch_size=1, packing=True)
+
+
+_THREAD_MADE_ENVIRONMENT = """
+import sys, threading, numpy as np, optax, hfjax
+from hfjax import bridge
+# The environment made in another thread first, as hfjax.load's reading threads may make it: this
+# thread's torchax settings (its PRNG key) are then made on its first torch code, a traced step.
+maker = threading.Thread(target=bridge.env)
+maker.start()
+maker.join()
+model = hfjax.load(sys.argv[1])
+trainer = hfjax.Trainer(model, optax.sgd(1e-3), dropout=False)
+ids = np.arange(3, 19, dtype=np.int32).reshape(2, 8)
+trainer.step({"input_ids": ids, "labels": ids})
+print("LOGITS", np.asarray(trainer.model(input_ids=ids).logits).shape)
+"""
+
+
+def test_a_train_step_that_is_a_threads_first_torch_code_leaks_no_tracer(checkpoint):
+    import subprocess
+    import sys
+
+    path = checkpoint("llama")
+    result = subprocess.run(
+        [sys.executable, "-c", _THREAD_MADE_ENVIRONMENT, str(path)],
+        capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_WAIT_POLICY": "PASSIVE"},
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "LOGITS (2, 8, " in result.stdout

@@ -348,6 +348,10 @@ def bound(module: torch.nn.Module, params: dict, aliases: dict[str, str], prng_k
     another calls programs): swapping a module's weights is not safe from two threads at once.
     """
     environment = _env.env()
+    # torchax keeps its settings per thread, made on a thread's first use: made here inside a trace
+    # (a thread's first torch code is a traced train step where the loader's threads made the
+    # environment), its PRNG key would be a tracer, kept after the trace and leaked into later calls.
+    _env.prng_key()
     state = with_aliases(_env.to_torch(dict(params)), aliases)
     with _TORCH_CODE, _quiet.torch_code(), environment, environment.override_property(prng=prng_key):
         with stateless._reparametrize_module(module, state, tie_weights=False, strict=False):

@@ -223,7 +223,7 @@ class Generator:
         )  # fmt: skip
 
         def field(name: str) -> np.ndarray:
-            return _host(read(leaves, fields, name))
+            return parallel.to_host(read(leaves, fields, name))
 
         first = field("sequence")[:batch, plan.offset]
         ttft = time.perf_counter() - start
@@ -384,9 +384,7 @@ class Generator:
         mesh = self.model.mesh
         if mesh is None:
             return jnp.asarray(array)
-        # Every process holds the whole batch and hands over the rows of its own devices.
-        sharding = parallel.batch_sharding(mesh, array.shape)
-        return jax.make_array_from_callback(array.shape, sharding, lambda index: array[index])
+        return parallel.place_rows(mesh, array)
 
     def _windows(self, plan: _planning.BatchPlan) -> tuple[int, ...]:
         if not self.adapter.windowable:
@@ -562,14 +560,3 @@ class Generator:
         with bridge.explain_errors(self.module, self._module_names):
             with bridge.bound(self.module, params, self.model.aliases, bridge.prng_key()) as environment:
                 yield environment
-
-
-def _host(array: jax.Array | None) -> np.ndarray | None:
-    """The whole of `array` on this host, also when other processes hold some of its rows."""
-    if array is None:
-        return None
-    if array.is_fully_addressable or array.is_fully_replicated:
-        return np.asarray(array)
-    from jax.experimental import multihost_utils
-
-    return np.asarray(multihost_utils.process_allgather(array, tiled=True))

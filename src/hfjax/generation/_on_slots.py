@@ -7,7 +7,7 @@ same programs.
 
 A call runs here when the slot core carries out everything it asks: a decoder-only model with a
 static KV cache that takes `position_ids` (full or sliding-window attention), left-padded prompts,
-no prefill-only inputs (images), weights on one device or on a mesh of one process, and a model
+no prefill-only inputs (images), weights on one device or on a mesh (of one process or several), and a model
 that reads no values of its data. `Generator` runs the rest. Beam search runs its own programs
 over the same cache (`_slot_beams`), from the slot prefill's logits. A row that has stopped runs
 on pad tokens until every row has, as transformers feeds it, so the processed scores and raw
@@ -33,7 +33,7 @@ import jax.numpy as jnp
 import numpy as np
 import torch
 
-from .. import bridge
+from .. import bridge, parallel
 from .._errors import DataDependentError, GenerationError
 from . import _planning, _rows
 from ._settings import GenerationSettings
@@ -68,8 +68,6 @@ class SlotRuns:
     def takes(self, plan: _planning.BatchPlan, settings: GenerationSettings, inputs) -> bool:
         """Whether this call runs on the slot core (the module docstring says which do)."""
         if not self.possible or inputs or self.generator.reads_data:
-            return False
-        if self.model.mesh is not None and jax.process_count() > 1:  # `SlotModel.empty_state` places for one process
             return False
         return _left_padded(plan.mask)
 
@@ -106,13 +104,21 @@ class SlotRuns:
         pads = plan.size - plan.first_column - lengths
         sampling = settings.row_sampling(rows, _rows.key_data(seed), lengths=lengths, pads=pads)
         sampling.key = _ROW_KEYS(sampling.key)  # each row's index folded in
-        # The host's arrays go to the device in one call: a few milliseconds less per call than one each.
         every = np.ones(rows, bool)
-        sampling, which, prompts, starts, counts, every, no = jax.device_put(
-            (sampling, np.arange(rows, dtype=np.int32), plan.ids, np.zeros(rows, np.int32), lengths, every, np.False_)
-        )
         # Beam search takes no token from the prefill: its rows' next tokens come from the search.
-        last = every if beam is None else jax.device_put(np.zeros(rows, bool))
+        last = every if beam is None else np.zeros(rows, bool)
+        sampling, which, prompts, starts, counts, every, last, no = self._to_device(
+            (
+                sampling,
+                np.arange(rows, dtype=np.int32),
+                plan.ids,
+                np.zeros(rows, np.int32),
+                lengths,
+                every,
+                last,
+                np.False_,
+            )
+        )
         try:  # the state's shapes come from an abstract run of the model, which may read its data too
             state = programs.slot_model.empty_state(features)
             # The prefill's window: the prompts' columns, the only ones it reads and writes.
@@ -124,7 +130,7 @@ class SlotRuns:
             return None
         if beam is not None:
             return self._search(state, sampling, chosen.logits[:, 0], plan, settings, features, start)
-        first = np.asarray(chosen.token)[:, 0]
+        first = parallel.to_host(chosen.token)[:, 0]
         ttft = time.perf_counter() - start
         if streamer is not None:
             streamer.put(torch.as_tensor(ids.astype(np.int64)))
@@ -144,16 +150,16 @@ class SlotRuns:
                     count = min(count, STREAM_CHUNK)
                 try:
                     state, chosen = programs.decode(
-                        state, sampling, every, jnp.int32(count), no,
+                        state, sampling, every, np.int32(count), no,
                         decoding_rows=rows, window=window, logprobs=False,
                     )  # fmt: skip
                 except DataDependentError:
                     self.generator.reads_data = True
                     return None
-                ran = int(chosen.ran)
+                ran = int(parallel.to_host(chosen.ran))
                 for name, values in kept_values.items():
                     values.append(getattr(chosen, name)[:, :ran])
-                tokens = np.where(done[:, None], pad, _padded(np.asarray(chosen.token)[:, :ran], stops, pad))
+                tokens = np.where(done[:, None], pad, _padded(parallel.to_host(chosen.token)[:, :ran], stops, pad))
                 produced.append(tokens)
                 done |= np.isin(tokens, stops).any(axis=1)
                 steps, position = steps + ran, position + ran
@@ -162,14 +168,15 @@ class SlotRuns:
                         streamer.put(torch.as_tensor(token.astype(np.int64)))
         if streamer is not None:
             streamer.end()
-        kept_values = {name: jnp.concatenate(values, axis=1) for name, values in kept_values.items()}
+        kept_values = {name: parallel.to_host(jnp.concatenate(values, axis=1)) for name, values in kept_values.items()}
         caller = plan.prompts * plan.per_prompt  # the rows past the plan's padding to the "data" devices
         return np.concatenate(produced, axis=1)[:caller].astype(np.int32), ttft, kept_values
 
     def _search(self, state, sampling, logits, plan, settings: GenerationSettings, features, start: float):
         """Beam search from the prefill's `logits` [rows, V] (`_slot_beams`); returns as `generate`."""
         beam, budget = settings.beam, settings.max_new_tokens
-        jax.block_until_ready(logits)
+        carry = _FIRST_CARRY(logits, budget, width=plan.total - plan.offset, settings=beam)
+        jax.block_until_ready(carry)
         ttft = time.perf_counter() - start
         key = (plan.rows, plan.total, features, beam, settings.eos_token_ids)
         if key not in self._beams:
@@ -178,27 +185,34 @@ class SlotRuns:
                 cache=self.generator.programs,
             )  # fmt: skip
         beams = self._beams[key]
-        width = plan.total - plan.offset  # the new tokens' columns: at least the budget
-        carry = BeamCarry.first(logits, budget, width, beam)
         lengths = plan.mask.sum(axis=1).astype(np.int32)
-        prompt_lengths = jax.device_put(lengths)
+        prompt_lengths = self._to_device(lengths)
         steps, position = 0, int(lengths.max())  # the tokens chosen, the column the next one takes
         for window in _planning.windows(plan.offset, plan.total):
-            while steps < budget and position < window and bool(carry.going):
-                count = jnp.int32(min(budget - steps, window - position))
+            while steps < budget and position < window and bool(parallel.to_host(carry.going)):
+                count = np.int32(min(budget - steps, window - position))
                 try:
                     state, carry = beams.search(state, sampling, carry, prompt_lengths, count, window=window)
                 except DataDependentError:
                     self.generator.reads_data = True
                     return None
-                ran = int(carry.step) - steps
+                ran = int(parallel.to_host(carry.step)) - steps
                 steps, position = steps + ran, position + ran
         # Each prompt's best finished sequences, best first, as long as the longest returned one.
         returned = settings.num_return_sequences
-        finished = np.asarray(carry.beams.finished).reshape(plan.padded_prompts, beam.num_beams, width)
-        length = int(np.asarray(carry.beams.finished_length)[: plan.prompts, :returned].max())
+        width = plan.total - plan.offset
+        finished = parallel.to_host(carry.beams.finished).reshape(plan.padded_prompts, beam.num_beams, width)
+        length = int(parallel.to_host(carry.beams.finished_length)[: plan.prompts, :returned].max())
         new = finished[: plan.prompts, :returned, :length]
         return new.reshape(plan.prompts * returned, -1).astype(np.int32), ttft, {}
+
+    def _to_device(self, tree):
+        """Host arrays for the programs, in one call (a few milliseconds less per call than one each); on
+        a mesh over several processes, each as one array over the mesh (`parallel.place_rows`)."""
+        mesh = self.model.mesh
+        if mesh is not None and jax.process_count() > 1:
+            return jax.tree_util.tree_map(lambda array: parallel.place_rows(mesh, array), tree)
+        return jax.device_put(tree)
 
     def _programs_for(
         self, plan: _planning.BatchPlan, features, settings: GenerationSettings, kept: tuple[str, ...], precision
@@ -218,6 +232,8 @@ class SlotRuns:
 
 # [R, 2] uint32 key data with each row's index folded in, as one program (eagerly: 4 ms a call).
 _ROW_KEYS = jax.jit(_rows.row_keys)
+# Beam search's carry after the prefill, as one program, placed as the prefill's logits are.
+_FIRST_CARRY = jax.jit(BeamCarry.first, static_argnames=("width", "settings"))
 
 
 def _padded(tokens: np.ndarray, stops: np.ndarray, pad: int) -> np.ndarray:

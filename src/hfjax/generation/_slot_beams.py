@@ -42,15 +42,16 @@ class BeamCarry:
     going: jax.Array  # [] bool: whether a beam may still change the answer
 
     @classmethod
-    def first(cls, logits, budget: int, width: int, settings: BeamSettings) -> BeamCarry:
-        """The carry after the prefill: logits [R, V] of each beam's first new token; `width` >= budget."""
+    def first(cls, logits, budget, *, width: int, settings: BeamSettings) -> BeamCarry:
+        """The carry after the prefill: logits [R, V] of each beam's first new token; budget: [] int32,
+        max_new_tokens, at most `width`."""
         sequence = jnp.full((logits.shape[0], width), settings.fill_token_id, jnp.int32)
         return cls(
             beams=_beam.initial(logits.shape[0] // settings.num_beams, settings, sequence),
             sequence=sequence,
             logits=logits.astype(jnp.float32),
             step=jnp.int32(0),
-            budget=jnp.int32(budget),
+            budget=jnp.asarray(budget, jnp.int32),
             going=jnp.bool_(True),
         )
 

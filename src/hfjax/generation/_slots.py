@@ -214,8 +214,8 @@ class SlotModel:
 
     def empty_state(self, features: SamplingFeatures) -> SlotState:
         """Zeros, placed where the programs' outputs will be, so the first call and every later one
-        have the same signature: on the weights' device; on a mesh (one process), the slots split over
-        "data" and each layer's cache over "model" by heads, where they divide. Made by one program
+        have the same signature: on the weights' device; on a mesh (of one process or several), the
+        slots split over "data" and each layer's cache over "model" by heads, where they divide. Made by one program
         (kept per layout): a zeros call per array cost `Model.generate` ~8 ms a call."""
         layout = (
             features.repetition,
@@ -236,10 +236,10 @@ class SlotModel:
                     history=jnp.zeros((self.slots, self.length), jnp.int32) if history else None,
                 )
 
-            mesh, placed = self.model.mesh, None  # None: left to the programs (weights over several processes)
-            if mesh is not None and jax.process_count() == 1:
+            mesh, placed = self.model.mesh, None  # None: left to the programs (weights over several devices)
+            if mesh is not None:
                 placed = jax.tree_util.tree_map(lambda a: self._sharding(mesh, a), jax.eval_shape(zeros))
-            elif mesh is None:
+            else:
                 weights = next(iter(self.model.params.values())).sharding
                 placed = weights if len(weights.device_set) == 1 else None
             self._empty[layout] = jax.jit(zeros, out_shardings=placed)

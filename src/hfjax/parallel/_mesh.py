@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import jax
+import numpy as np
 from jax.sharding import PartitionSpec as P
 
 from .._errors import ShardingError
@@ -63,6 +64,26 @@ def batch_sharding(mesh, shape: tuple[int, ...]) -> jax.sharding.NamedSharding:
     data = data_size(mesh)
     split = data > 1 and len(shape) >= 1 and shape[0] % data == 0
     return jax.sharding.NamedSharding(mesh, P("data") if split else P())
+
+
+def place_rows(mesh, array) -> jax.Array:
+    """A host array [B, ...] (or a scalar) as one array over `mesh`: its rows split over "data" where
+    they divide, else replicated. Every process holds the whole array and hands over its own
+    devices' part, so it works on a mesh that spans several processes."""
+    array = np.asarray(array)
+    sharding = batch_sharding(mesh, array.shape)
+    return jax.make_array_from_callback(array.shape, sharding, lambda index: array[index])
+
+
+def to_host(array: jax.Array | None) -> np.ndarray | None:
+    """The whole of `array` on this host, also where other processes hold some of its rows."""
+    if array is None:
+        return None
+    if array.is_fully_addressable or array.is_fully_replicated:
+        return np.asarray(array)
+    from jax.experimental import multihost_utils
+
+    return np.asarray(multihost_utils.process_allgather(array, tiled=True))
 
 
 def check_mesh(mesh, *, caller: str) -> None:
