@@ -591,8 +591,8 @@ ON_SLOTS = {
 @pytest.mark.parametrize("name", ON_SLOTS)
 def test_generate_on_the_slot_core_gives_the_generators_tokens(loaded, monkeypatch, name):
     # The slot core (hfjax serve's programs) runs these calls; `Generator`'s own programs run what it
-    # cannot (beams, processors that read the tokens so far, images, meshes of several processes). Both
-    # give one answer.
+    # cannot (other caches, images, models without position_ids, right-padded prompts). Both give one
+    # answer.
     from hfjax.generation import _on_slots, _slots
 
     model = loaded("llama")

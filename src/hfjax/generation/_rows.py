@@ -7,8 +7,7 @@ and a static `SamplingFeatures` says which parts of the token choice it compiles
     RowSampling       temperature, top-k, top-p, min-p, repetition / presence / frequency
                       penalties, single-token logit biases, the position before which held-back
                       tokens (the program's, and the row's own) are not chosen, where the row's
-                      answer starts and ends, and a PRNG
-                      key, one row each
+                      answer starts and ends, and a PRNG key, one row each
     SamplingFeatures  which of those any row may use (hashable: part of a program's key), and
                       `HistoryRules`: generate's processors that read the tokens so far
 

@@ -215,8 +215,8 @@ class SlotModel:
     def empty_state(self, features: SamplingFeatures) -> SlotState:
         """Zeros, placed where the programs' outputs will be, so the first call and every later one
         have the same signature: on the weights' device; on a mesh (of one process or several), the
-        slots split over "data" and each layer's cache over "model" by heads, where they divide. Made by one program
-        (kept per layout): a zeros call per array cost `Model.generate` ~8 ms a call."""
+        slots split over "data" and each layer's cache over "model" by heads, where they divide. Made
+        by one program (kept per layout): a zeros call per array cost `Model.generate` ~8 ms a call."""
         layout = (
             features.repetition,
             features.presence,
