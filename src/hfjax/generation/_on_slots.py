@@ -92,8 +92,8 @@ class SlotRuns:
         precision = bridge.resolve_precision(self.model.matmul_precision)
         lengths = plan.mask.sum(axis=1).astype(np.int32)
         features = compiled.features
-        if settings.min_new_tokens and settings.eos_token_ids:  # EOS held back for the first min_new_tokens
-            features = dataclasses.replace(features, held_back=settings.eos_token_ids)
+        if settings.min_new_tokens:  # each row holds its EOS tokens back for the first min_new_tokens
+            features = dataclasses.replace(features, held_slots=len(settings.eos_token_ids))
         features = dataclasses.replace(features, history=compiled.history_rules())
         kept = tuple(name for name in ("scores", "logits") if getattr(settings, f"output_{name}"))
         beam = settings.beam
@@ -102,7 +102,9 @@ class SlotRuns:
         programs = self._programs_for(plan, features, settings, kept, precision)
         # The rules that read the tokens so far see transformers' input_ids: the caller's pads, then the row.
         pads = plan.size - plan.first_column - lengths
-        sampling = settings.row_sampling(rows, _rows.key_data(seed), lengths=lengths, pads=pads)
+        sampling = settings.row_sampling(
+            rows, _rows.key_data(seed), held_slots=features.held_slots, lengths=lengths, pads=pads
+        )
         sampling.key = _ROW_KEYS(sampling.key)  # each row's index folded in
         every = np.ones(rows, bool)
         # Beam search takes no token from the prefill: its rows' next tokens come from the search.
@@ -129,7 +131,7 @@ class SlotRuns:
             self.generator.reads_data = True
             return None
         if beam is not None:
-            return self._search(state, sampling, chosen.logits[:, 0], plan, settings, features, start)
+            return self._search(state, sampling, chosen.logits[:, 0], lengths, plan, settings, features, start)
         first = parallel.to_host(chosen.token)[:, 0]
         ttft = time.perf_counter() - start
         if streamer is not None:
@@ -172,10 +174,12 @@ class SlotRuns:
         caller = plan.prompts * plan.per_prompt  # the rows past the plan's padding to the "data" devices
         return np.concatenate(produced, axis=1)[:caller].astype(np.int32), ttft, kept_values
 
-    def _search(self, state, sampling, logits, plan, settings: GenerationSettings, features, start: float):
-        """Beam search from the prefill's `logits` [rows, V] (`_slot_beams`); returns as `generate`."""
+    def _search(self, state, sampling, logits, lengths, plan, settings: GenerationSettings, features, start: float):
+        """Beam search from the prefill's `logits` [rows, V] (`_slot_beams`) of prompts of `lengths` [rows]
+        tokens; returns as `generate`."""
         beam, budget = settings.beam, settings.max_new_tokens
-        carry = _FIRST_CARRY(logits, budget, width=plan.total - plan.offset, settings=beam)
+        width = plan.total - plan.offset  # the new tokens' columns: at least the budget
+        carry = _FIRST_CARRY(logits, budget, width=width, settings=beam)
         jax.block_until_ready(carry)
         ttft = time.perf_counter() - start
         key = (plan.rows, plan.total, features, beam, settings.eos_token_ids)
@@ -185,7 +189,6 @@ class SlotRuns:
                 cache=self.generator.programs,
             )  # fmt: skip
         beams = self._beams[key]
-        lengths = plan.mask.sum(axis=1).astype(np.int32)
         prompt_lengths = self._to_device(lengths)
         steps, position = 0, int(lengths.max())  # the tokens chosen, the column the next one takes
         for window in _planning.windows(plan.offset, plan.total):
@@ -200,7 +203,6 @@ class SlotRuns:
                 steps, position = steps + ran, position + ran
         # Each prompt's best finished sequences, best first, as long as the longest returned one.
         returned = settings.num_return_sequences
-        width = plan.total - plan.offset
         finished = parallel.to_host(carry.beams.finished).reshape(plan.padded_prompts, beam.num_beams, width)
         length = int(parallel.to_host(carry.beams.finished_length)[: plan.prompts, :returned].max())
         new = finished[: plan.prompts, :returned, :length]

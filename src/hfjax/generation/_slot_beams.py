@@ -26,7 +26,7 @@ from . import _beam, _programs, _sampling
 from ._beam import BeamSettings, BeamState
 from ._choose import process_scores
 from ._rows import RowSampling, SamplingFeatures
-from ._slots import SlotModel, SlotState, history_rules
+from ._slots import SlotModel, SlotState, history_rules, written_back
 
 
 @jax.tree_util.register_dataclass
@@ -124,13 +124,9 @@ def search_steps(
     _, carried, seen, counts, history, carry = jax.lax.while_loop(
         running, step, (jnp.int32(0), carried, state.seen, state.counts, state.history, carry)
     )
-    cache = restore(carried)
-    if window < slot_model.length:
-        cache = [
-            tuple(jax.lax.dynamic_update_slice(a, part, (0,) * a.ndim) for a, part in zip(pair, parts))
-            for pair, parts in zip(whole, cache)
-        ]
-    state = dataclasses.replace(state, cache=cache, seen=seen, counts=counts, history=history)
+    state = dataclasses.replace(
+        state, cache=written_back(whole, restore(carried)), seen=seen, counts=counts, history=history
+    )
     return state, carry
 
 

@@ -473,12 +473,7 @@ class SlotModel:
         ran, carried, tokens, seen, counts, history, chosen = jax.lax.while_loop(
             running, step, (jnp.int32(0), carried, tokens, seen, counts, history, chosen)
         )
-        cache = restore(carried)
-        if r < self.slots or window < self.length:
-            cache = [
-                tuple(jax.lax.dynamic_update_slice(a, part, (0,) * a.ndim) for a, part in zip(pair, parts))
-                for pair, parts in zip(whole, cache)
-            ]
+        cache = written_back(whole, restore(carried))
         state = SlotState(
             cache=cache,
             tokens=state.tokens.at[:r].set(tokens),
@@ -488,6 +483,17 @@ class SlotModel:
             history=None if history is None else state.history.at[:r].set(history),
         )
         return state, dataclasses.replace(chosen, ran=ran)
+
+
+def written_back(whole: list, parts: list) -> list:
+    """The cache `whole` [(keys, values)] per layer with `parts`, a program's leading rows and columns
+    of it (`cache[:R, :, :W]`), written back in place; `parts` itself where it is the whole cache."""
+    if all(part.shape == a.shape for pair, new in zip(whole, parts) for a, part in zip(pair, new)):
+        return parts
+    return [
+        tuple(jax.lax.dynamic_update_slice(a, part, (0,) * a.ndim) for a, part in zip(pair, new))
+        for pair, new in zip(whole, parts)
+    ]
 
 
 def history_rules(features: SamplingFeatures, rows: RowSampling, history, positions):
