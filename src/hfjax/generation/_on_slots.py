@@ -92,8 +92,8 @@ class SlotRuns:
         precision = bridge.resolve_precision(self.model.matmul_precision)
         lengths = plan.mask.sum(axis=1).astype(np.int32)
         features = compiled.features
-        if settings.min_new_tokens:  # each row holds its EOS tokens back for the first min_new_tokens
-            features = dataclasses.replace(features, held_slots=len(settings.eos_token_ids))
+        if settings.min_new_tokens and settings.eos_token_ids:  # EOS held back for the first min_new_tokens
+            features = dataclasses.replace(features, held_back=settings.eos_token_ids)
         features = dataclasses.replace(features, history=compiled.history_rules())
         kept = tuple(name for name in ("scores", "logits") if getattr(settings, f"output_{name}"))
         beam = settings.beam
@@ -102,9 +102,7 @@ class SlotRuns:
         programs = self._programs_for(plan, features, settings, kept, precision)
         # The rules that read the tokens so far see transformers' input_ids: the caller's pads, then the row.
         pads = plan.size - plan.first_column - lengths
-        sampling = settings.row_sampling(
-            rows, _rows.key_data(seed), held_slots=features.held_slots, lengths=lengths, pads=pads
-        )
+        sampling = settings.row_sampling(rows, _rows.key_data(seed), lengths=lengths, pads=pads)
         sampling.key = _ROW_KEYS(sampling.key)  # each row's index folded in
         every = np.ones(rows, bool)
         # Beam search takes no token from the prefill: its rows' next tokens come from the search.

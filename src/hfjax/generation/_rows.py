@@ -5,9 +5,9 @@ request of its own. Either way the program takes one `RowSampling` of per-row ar
 and a static `SamplingFeatures` says which parts of the token choice it compiles at all:
 
     RowSampling       temperature, top-k, top-p, min-p, repetition / presence / frequency
-                      penalties, single-token logit biases, the tokens a row holds back and the
-                      position before which it does, where the row's answer starts and ends, and
-                      a PRNG key, one row each
+                      penalties, single-token logit biases, the position before which held-back
+                      tokens (the program's, and the row's own) are not chosen, where the row's
+                      answer starts and ends, and a PRNG key, one row each
     SamplingFeatures  which of those any row may use (hashable: part of a program's key), and
                       `HistoryRules`: generate's processors that read the tokens so far
 
@@ -63,8 +63,10 @@ class SamplingFeatures:
     repetition: bool = False  # transformers' repetition penalty: prompt and answer tokens
     presence: bool = False  # OpenAI's presence and frequency penalties: answer tokens
     bias_slots: int = 0  # single-token biases per row (0: none)
-    # How many tokens of its own (`RowSampling.held_ids`) a row may hold back before its `min_position`:
-    # its EOS tokens (min_new_tokens, min_length) and, on a server, vLLM's stop_token_ids; 0: none.
+    # Tokens no row chooses before its `min_position` (Model.generate's EOS under min_new_tokens).
+    held_back: tuple[int, ...] = ()
+    # Tokens of each row's own (`RowSampling.held_ids`) that it does not choose before its `min_position`
+    # (a server's: each request's EOS tokens and vLLM's stop_token_ids under min_tokens); 0: none.
     held_slots: int = 0
     history: HistoryRules | None = None  # Model.generate's processors that read the tokens so far
 

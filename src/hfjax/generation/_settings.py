@@ -211,8 +211,8 @@ class GenerationSettings:
         On the slot core, `lengths` [R] gives each row's prompt tokens (its first new token's
         position), from which the EOS hold-back of min_new_tokens and the `HistoryRules` count, and
         `pads` [R] the pads before the row in transformers' input_ids (which those rules read).
-        With `held_slots`, each row holds its own tokens back (`RowSampling.held_ids`) until
-        min_new_tokens: the EOS tokens, and vLLM's `stop_token_ids` (a server's)."""
+        With `held_slots`, each row holds its own tokens back (`RowSampling.held_ids`): the EOS
+        tokens and vLLM's `stop_token_ids` (a server's rows; else the program holds EOS back)."""
         row = (self.sampling, self.single_token_biases(), key)
         slots = len(row[1]) if bias_slots is None else bias_slots
         sampling = RowSampling.build([row] * rows, vocab_size=vocab_size, bias_slots=slots, held_slots=held_slots)
