@@ -370,13 +370,16 @@ def load(
     matmul_precision: bridge.Precision | None = None,
     quantize: str | quantization.Quantization | None = None,
     quantize_lm_head: bool = False,
+    revision: str | None = None,
+    token: str | bool | None = None,
 ) -> Model:
     """Loads a Hugging Face checkpoint onto JAX.
 
     Args:
-      path_or_hub_id: a local checkpoint directory (config.json + *.safetensors), or a hub id
-        such as "org/name" where the Hugging Face Hub is reachable. A transformers model already
-        in memory is taken too (`Model.from_module`, which also takes its tokenizer).
+      path_or_hub_id: a local checkpoint directory (config.json + *.safetensors), or a Hugging Face
+        Hub id such as "Qwen/Qwen3-0.6B", downloaded into huggingface_hub's cache (HF_HUB_CACHE;
+        with HF_HUB_OFFLINE=1 read from there only). A transformers model already in memory is
+        taken too (`Model.from_module`, which also takes its tokenizer).
       task: a transformers pipeline task: "text-generation", "text2text-generation",
         "text-classification", "zero-shot-classification", "feature-extraction",
         "image-classification", "zero-shot-image-classification", "image-feature-extraction",
@@ -400,6 +403,9 @@ def load(
         A checkpoint published quantized (transformers' fine-grained fp8, compressed-tensors, GPTQ,
         AWQ) is read as it is, without `quantize`.
       quantize_lm_head: quantize the LM head too.
+      revision: for a hub id, the branch, tag or commit hash to load (default: the main branch).
+      token: for a hub id, the access token for a gated or private repository (default: the one
+        `hf auth login` stored, or HF_TOKEN), as transformers' `from_pretrained` takes it.
 
     Returns:
       A `Model`: call it for the compiled forward; `generate`, `generate_text`, `classify`,
@@ -419,7 +425,7 @@ def load(
     bridge.check_precision(matmul_precision, caller="hfjax.load", error=LoadError)
     task = _tasks.check(task, caller="hfjax.load")
     parallel.check_mesh(mesh, caller="hfjax.load")
-    path = bridge.resolve_checkpoint(path_or_hub_id)
+    path = bridge.resolve_checkpoint(path_or_hub_id, revision=revision, token=token)
     config = bridge.read_config(path)
     task = task or _tasks.infer(config)
     files = bridge.weight_files(path)

@@ -9,6 +9,7 @@ pieces and imports them from here, never from the private modules:
     _compile     `JittedModule` (a module's methods as programs, weights as arguments), `bound`
                  (torch code run with given weights inside any trace), `jit_program` and `recording`
     _specialize  programs specialised on the values that model code reads, with guards
+    _hub         a path or a Hugging Face Hub id -> a local checkpoint directory (downloading it)
     _loading     checkpoint -> meta skeleton + jax.Array weights, transformers' conversion rules
     _reading     safetensors files -> host arrays: headers read by hand, tensors on a pool of threads
     _precision   float32 products as PyTorch computes them (torch's matmul precision setting)
@@ -31,13 +32,13 @@ from ._compile import (
 )
 from ._env import env, is_array, move_tensors, prng_key, set_prng_key, to_jax, to_torch, torch_to_jax, use_hook
 from ._hook import Backend
+from ._hub import resolve_checkpoint
 from ._loading import (
     build_skeleton,
     checkpoint_dtype,
     context_length,
     load_weights,
     read_config,
-    resolve_checkpoint,
     tensor_names,
     weight_files,
 )

@@ -1,4 +1,4 @@
-"""Checkpoint directory (or hub id) -> HF module skeleton + {name: jax.Array}.
+"""Checkpoint directory -> HF module skeleton + {name: jax.Array}.
 
 The module is built with its parameters on the meta device, so torch never holds the weights.
 The weights are read from the safetensors files by their header's offsets, several tensors at a
@@ -18,7 +18,6 @@ import copy
 import dataclasses
 import json
 import math
-import os
 import pathlib
 import re
 from typing import Protocol
@@ -33,48 +32,9 @@ from .._errors import LoadError
 from ._env import env
 from ._reading import Reader, Stored, read_header
 
-_HUB_FILES = ["*.json", "*.safetensors", "*.model", "*.txt", "*.jinja", "1_Pooling/*"]
 # Bytes read ahead of the tensor being placed: at most this, and an eighth of the checkpoint (so
 # that what is in flight stays small beside the model), but never less than its largest tensor.
 _WINDOW = 256 * 2**20
-
-
-# ---- where the files are ------------------------------------------------------
-
-
-def resolve_checkpoint(path_or_hub_id: str | os.PathLike) -> pathlib.Path:
-    """A local checkpoint directory for a path or a hub id (downloading where a hub is reachable)."""
-    path = pathlib.Path(path_or_hub_id).expanduser()
-    if path.is_dir():
-        if not (path / "config.json").is_file():
-            raise LoadError(
-                f"hfjax.load: {str(path)!r} is a directory but holds no config.json; pass a checkpoint directory"
-            )
-        return path
-    text = str(path_or_hub_id)
-    looks_local = text.startswith((".", "/", "~")) or text.count("/") > 1 or path.suffix != ""
-    if looks_local or not re.fullmatch(r"[\w.-]+(/[\w.-]+)?", text):
-        raise LoadError(
-            f"hfjax.load: no checkpoint directory at {text!r}; pass an existing local path or a hub id like 'org/name'"
-        )
-    return _download(text)
-
-
-def _download(repo_id: str) -> pathlib.Path:
-    from huggingface_hub import snapshot_download
-    from huggingface_hub.errors import LocalEntryNotFoundError, RepositoryNotFoundError
-
-    try:
-        return pathlib.Path(snapshot_download(repo_id, allow_patterns=_HUB_FILES))
-    except RepositoryNotFoundError:
-        raise LoadError(
-            f"hfjax.load: {repo_id!r} is neither a local directory nor a model on the Hugging Face Hub"
-        ) from None
-    except (LocalEntryNotFoundError, OSError) as error:
-        raise LoadError(
-            f"hfjax.load: {repo_id!r} is not a local directory and the Hugging Face Hub could not be reached "
-            f"({type(error).__name__}); pass a local path to a checkpoint directory"
-        ) from None
 
 
 # ---- config, task, class --------------------------------------------------------

@@ -20,7 +20,7 @@ import torch
 from torchax.tensor import Tensor as JaxTensor
 
 from .. import _backend, _dtypes, _quiet, bridge, parallel
-from .._errors import LoadError, PipelineError
+from .._errors import PipelineError
 from ..bridge import JittedModule
 from . import _whole_loop
 
@@ -242,17 +242,21 @@ def load_pipeline(
     mesh=None,
     whole_loop: WholeLoop = False,
     matmul_precision: bridge.Precision | None = None,
+    revision: str | None = None,
+    token: str | bool | None = None,
 ):
     """Loads a diffusers pipeline (a local directory or a hub id) and runs it on JAX.
 
     `diffusers.DiffusionPipeline.from_pretrained` followed by `to_jax`.
 
     Args:
-      path_or_hub_id: a directory holding model_index.json, or a hub id "org/name".
+      path_or_hub_id: a directory holding model_index.json, or a Hugging Face Hub id "org/name"
+        (downloaded into huggingface_hub's cache: each component's config and safetensors).
       dtype: "float32", "bfloat16" or "float16" (or a torch / jnp dtype); "auto" or None: the checkpoint's.
       mesh: a `jax.sharding.Mesh`: as for `to_jax`.
       whole_loop: as for `to_jax`.
       matmul_precision: as for `to_jax`.
+      revision, token: for a hub id, as for `hfjax.load`.
 
     Returns:
       The pipeline, running on JAX.
@@ -264,7 +268,9 @@ def load_pipeline(
     """
     dtype = _dtypes.resolve(dtype, caller="hfjax.load_pipeline")
     parallel.check_mesh(mesh, caller="hfjax.load_pipeline")
-    path = _resolve(path_or_hub_id)
+    path = bridge.resolve_checkpoint(
+        path_or_hub_id, revision=revision, token=token, kind="pipeline", caller="hfjax.load_pipeline"
+    )
     DiffusionPipeline = _diffusers().DiffusionPipeline
     options = {"torch_dtype": _dtypes.torch_dtype(dtype)} if dtype else {}
     with _quiet.no_torchvision_note():
@@ -280,20 +286,3 @@ def _diffusers():
             'hfjax\'s diffusion pipelines need diffusers; install it with `pip install "hfjax[diffusers]"`'
         ) from None
     return diffusers
-
-
-def _resolve(path_or_hub_id):
-    import pathlib
-
-    path = pathlib.Path(path_or_hub_id).expanduser()
-    if path.is_dir() and not (path / "model_index.json").is_file():
-        raise LoadError(
-            f"hfjax.load_pipeline: {str(path)!r} is a directory but holds no model_index.json; "
-            "pass a diffusers pipeline directory (save it with pipe.save_pretrained)"
-        )
-    if path.is_dir():
-        return path
-    try:
-        return bridge.resolve_checkpoint(path_or_hub_id)
-    except LoadError as error:
-        raise LoadError(str(error).replace("hfjax.load:", "hfjax.load_pipeline:", 1)) from None
