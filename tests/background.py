@@ -1,6 +1,8 @@
 """Processes that test modules start as soon as the suite is collected, so that they run beside
 the rest of it (one test process rarely keeps both of the suite's 2 cores busy).
 
+`free_port()` and `wait_until_healthy(...)` start and wait for a server process (`hfjax serve`).
+
 A module defines `start_in_background()`, which conftest.py calls once after collection, and
 which calls `start(name, argv, seconds=...)` for each of its jobs; a test then calls
 `finished(name, starter)`, which waits for the job (calling `starter` first if nothing has, as
@@ -14,10 +16,12 @@ import dataclasses
 import os
 import pathlib
 import shutil
+import socket
 import subprocess
 import sys
 import tempfile
 import threading
+import time
 from collections.abc import Callable
 
 
@@ -102,3 +106,30 @@ def clean_up() -> None:
                 job.process.kill()
             if job.directory is not None:
                 shutil.rmtree(job.directory, ignore_errors=True)
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on now."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_until_healthy(
+    process: subprocess.Popen, url: str, log: pathlib.Path, *, name: str, timeout: float = 600
+) -> str:
+    """Waits until the server `process` answers 200 on `url`/health and returns `url`; raises
+    AssertionError with the end of its `log` if it exits first, or after `timeout` seconds."""
+    import httpx
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            raise AssertionError(f"{name} server exited: {log.read_text()[-3000:]}")
+        try:
+            if httpx.get(url + "/health", timeout=2).status_code == 200:
+                return url
+        except httpx.TransportError:
+            pass
+        time.sleep(0.3)
+    raise AssertionError(f"{name} server did not answer /health in {timeout} s")

@@ -20,7 +20,6 @@ import re
 import shlex
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -31,6 +30,7 @@ import pytest
 import torch
 import transformers
 
+import background
 import hfjax
 from hfjax import serving, testing, tolerances
 
@@ -70,15 +70,9 @@ SERVERS: dict[str, dict] = {}
 _DIRECTORY: list[pathlib.Path] = []
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _launch(name: str, checkpoint: pathlib.Path, *flags: str, model_flag: bool = True) -> None:
     # model_flag: `--model PATH`; else PATH first, as `vllm serve` takes it (the README's way).
-    port = _free_port()
+    port = background.free_port()
     log = open(_DIRECTORY[0] / f"{name}.log", "w")
     env = {**os.environ, "OMP_WAIT_POLICY": "PASSIVE", "PYTHONPATH": os.pathsep.join(sys.path)}
     model = ["--model", str(checkpoint)] if model_flag else [str(checkpoint)]
@@ -117,17 +111,8 @@ def _stop_all() -> None:
 
 def _wait_until_up(name: str, timeout: float = 600) -> str:
     server = SERVERS[name]
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if server["process"].poll() is not None:
-            raise AssertionError(f"{name} server exited: {(_DIRECTORY[0] / f'{name}.log').read_text()[-3000:]}")
-        try:
-            if httpx.get(server["url"] + "/health", timeout=2).status_code == 200:
-                return server["url"]
-        except httpx.TransportError:
-            pass
-        time.sleep(0.3)
-    raise AssertionError(f"{name} server did not answer /health in {timeout} s")
+    log = _DIRECTORY[0] / f"{name}.log"
+    return background.wait_until_healthy(server["process"], server["url"], log, name=name, timeout=timeout)
 
 
 @pytest.fixture(scope="module")
