@@ -216,6 +216,8 @@ def test_the_text_generation_pipeline_takes_a_hub_id(online, local):
     from_directory = hfjax.pipeline("text-generation", model=str(local["qwen3"]))(prompt, **settings)
     assert from_hub == from_directory
     assert from_hub[0]["generated_text"].startswith(prompt)
+    with pytest.raises(hfjax.PipelineError, match=r"revision= and token= choose what a hub id downloads"):
+        hfjax.pipeline("text-generation", model=hfjax.load(local["qwen3"]), revision="v2.0")
 
 
 def test_load_pipeline_takes_a_hub_id_and_fetches_no_weight_variants(online, tmp_path):

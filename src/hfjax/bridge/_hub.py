@@ -36,7 +36,7 @@ _LAYOUTS = {
         "config.json",
         "checkpoint",
         "",
-        ("*.json", "*.model", "*.txt", "*.jinja", "1_Pooling/*"),
+        ("*.json", "*.model", "*.tiktoken", "*.txt", "*.jinja", "1_Pooling/*"),
         ("*.safetensors",),
     ),
     # A diffusers pipeline: model_index.json and each component's folder; weight variants

@@ -230,6 +230,11 @@ def pipeline(task: str, model, *, dtype=None, revision: str | None = None, token
                 f"hfjax.pipeline: the model was loaded for task={loaded.task!r}, not {task!r}; "
                 f"load it with hfjax.load(path, task={task!r})"
             )
+        if revision is not None or token is not None:
+            raise PipelineError(
+                "hfjax.pipeline: revision= and token= choose what a hub id downloads; the model is loaded already, "
+                "so pass them to hfjax.load, or pass the hub id as model="
+            )
     elif isinstance(model, (str, os.PathLike)):
         path = bridge.resolve_checkpoint(model, revision=revision, token=token, caller="hfjax.pipeline")
         config = bridge.read_config(path)
