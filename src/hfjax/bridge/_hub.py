@@ -26,6 +26,7 @@ class _Layout:
     hint: str  # how to make one, where an error asks for one
     files: tuple[str, ...]  # what to download besides the weights (fnmatch patterns; `*` crosses folders)
     weights: tuple[str, ...]  # the weights, where no index names them
+    index: str | None = None  # the file that names the weight files, where there is one
     skipped: tuple[str, ...] = ()
 
 
@@ -38,6 +39,7 @@ _LAYOUTS = {
         "",
         ("*.json", "*.model", "*.tiktoken", "*.txt", "*.jinja", "1_Pooling/*"),
         ("*.safetensors",),
+        index="model.safetensors.index.json",
     ),
     # A diffusers pipeline: model_index.json and each component's folder; weight variants
     # (`name.fp16.safetensors`) are skipped, as from_pretrained without `variant=` skips them.
@@ -47,7 +49,7 @@ _LAYOUTS = {
         " (save it with pipe.save_pretrained)",
         ("model_index.json", "*/*.json", "*/*.txt", "*/*.model", "*/*.jinja"),
         ("*/*.safetensors",),
-        ("*.*.safetensors",),
+        skipped=("*.*.safetensors",),
     ),
 }
 
@@ -121,8 +123,8 @@ def _download(repo_id: str, layout: _Layout, revision: str | None, token, caller
     """The repository's snapshot folder: first its small files, then the weights its index names (or
     the layout's weight patterns), at the commit the first download found."""
     folder = _snapshot(repo_id, layout, layout.files, revision, revision, token, caller)
-    index = folder / "model.safetensors.index.json"
-    if layout.marker == "config.json" and index.is_file():
+    index = folder / layout.index if layout.index else None
+    if index is not None and index.is_file():
         weights = tuple(sorted(set(json.loads(index.read_text())["weight_map"].values())))
     else:
         weights = layout.weights
