@@ -21,9 +21,9 @@ def add_parser(subparsers) -> None:
         parents=[model_options(positional=True, quantize=True)],
         help="serve a model over the OpenAI HTTP API, with continuous batching",
         description="Loads MODEL and answers /v1/chat/completions, /v1/completions (causal LMs), /v1/embeddings "
-        "(encoders), /v1/models, /tokenize, /detokenize, /version, /health, /metrics, and a chat page at /. Requests join and leave a batch of "
-        "--max-batch sequence slots between decode chunks. SIGTERM stops accepting requests, finishes those in "
-        'flight and exits 0. Needs the serve extra: pip install "hfjax[serve]".',
+        "(encoders), /v1/models, /tokenize, /detokenize, /version, /health, /metrics, and a chat page at /. "
+        "Requests join and leave a batch of --max-batch sequence slots between decode chunks. SIGTERM stops "
+        'accepting requests, finishes those in flight and exits 0. Needs the serve extra: pip install "hfjax[serve]".',
     )
     parser.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
     parser.add_argument("--port", type=int, default=8000, help="port to listen on (default 8000)")
@@ -184,8 +184,9 @@ def run(args: argparse.Namespace) -> int:
     if model.task == "text-generation":
         engine = Engine(
             model, max_num_seqs=args.max_batch, max_model_len=args.max_model_len, kv_cache_memory=args.kv_cache_memory,
-            gpu_memory_utilization=args.gpu_memory_utilization, max_queue=args.max_queue, decode_steps=args.decode_steps, max_decode_steps=args.max_decode_steps,
-            prefill_chunk=args.prefill_chunk, prefill_rows=args.prefill_rows, prefix_reuse=args.enable_prefix_caching,
+            gpu_memory_utilization=args.gpu_memory_utilization, max_queue=args.max_queue,
+            decode_steps=args.decode_steps, max_decode_steps=args.max_decode_steps, prefill_chunk=args.prefill_chunk,
+            prefill_rows=args.prefill_rows, prefix_reuse=args.enable_prefix_caching,
             progress=lambda line: print(f"hfjax serve: {line}", file=sys.stderr, flush=True),
         )  # fmt: skip
         print(f"hfjax serve: {engine.sizing.describe()}", file=sys.stderr, flush=True)

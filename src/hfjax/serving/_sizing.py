@@ -96,11 +96,10 @@ def size_engine(
 
 def default_budget() -> tuple[int, str]:
     """(bytes for the KV cache, where that figure comes from) on the device JAX runs on."""
-    device = jax.devices()[0]
-    stats = device.memory_stats() if device.platform != "cpu" else None
-    if stats and "bytes_limit" in stats:
-        free = stats["bytes_limit"] - stats.get("bytes_in_use", 0)
-        return int(free * ACCELERATOR_SHARE), f"{ACCELERATOR_SHARE:.0%} of {device.device_kind}'s free memory"
+    memory = _device_memory()
+    if memory is not None:
+        total, used, name = memory
+        return int((total - used) * ACCELERATOR_SHARE), f"{ACCELERATOR_SHARE:.0%} of {name}'s free memory"
     available = _ram()[1]
     share = min(CPU_MOST, int(available * CPU_SHARE))
     return share, f"a quarter of the {_size(available)} of free RAM, at most {_size(CPU_MOST)}"
@@ -115,10 +114,10 @@ def utilization_budget(fraction: float) -> tuple[int, str]:
     Raises:
       ServingError: a fraction that leaves nothing for the cache, naming the sizes and the fix.
     """
-    device = jax.devices()[0]
-    stats = device.memory_stats() if device.platform != "cpu" else None
-    if stats and "bytes_limit" in stats:
-        total, used, what = stats["bytes_limit"], stats.get("bytes_in_use", 0), f"{device.device_kind}'s memory"
+    memory = _device_memory()
+    if memory is not None:
+        total, used, name = memory
+        what = f"{name}'s memory"
     else:
         total, available = _ram()
         used, what = total - available, "the RAM"
@@ -129,6 +128,15 @@ def utilization_budget(fraction: float) -> tuple[int, str]:
             f"less than the {_size(used)} in use already; pass a larger fraction, or kv_cache_memory"
         )
     return budget, f"gpu_memory_utilization={fraction} of {what} ({_size(total)}), less {_size(used)} in use"
+
+
+def _device_memory() -> tuple[int, int, str] | None:
+    """(bytes JAX may allocate, bytes in use, the device's kind) on an accelerator; None on the CPU."""
+    device = jax.devices()[0]
+    stats = device.memory_stats() if device.platform != "cpu" else None
+    if not stats or "bytes_limit" not in stats:
+        return None
+    return stats["bytes_limit"], stats.get("bytes_in_use", 0), device.device_kind
 
 
 def _ram() -> tuple[int, int]:
