@@ -4,7 +4,7 @@ Three servers run in processes of their own, started as soon as the suite is col
   chat     a tiny Llama whose chat template reads `enable_thinking` (as Qwen3's does), sized by
            --kv-cache-memory with --gpu-memory-utilization beside it
   quiet    the same model with --disable-log-requests, --disable-log-stats, --no-enable-prefix-caching
-  encoder  a tiny BERT whose config.json names its Matryoshka dimensions
+  encoder  a tiny BERT whose config.json names its Matryoshka dimensions, --uvicorn-log-level warning
 References: transformers' tokenizer and chat template, PyTorch's embeddings, the openai client.
 """
 
@@ -89,7 +89,7 @@ def start_in_background() -> None:
     _launch("chat", llama, *sizing, "--kv-cache-memory", "64MiB", "--gpu-memory-utilization", "0.5")
     quiet = ("--disable-log-requests", "--disable-log-stats", "--no-enable-prefix-caching")
     _launch("quiet", llama, *sizing, *quiet)
-    _launch("encoder", bert, "--served-model-name", ENCODER)
+    _launch("encoder", bert, "--served-model-name", ENCODER, "--uvicorn-log-level", "warning")
     atexit.register(_stop_all)
 
 
@@ -254,6 +254,7 @@ def test_dimensions_truncate_a_matryoshka_models_embeddings_and_normalise_them(s
     error = _openai_400(_post(servers["chat"] + "/v1/embeddings", {"model": NAME, "input": texts, "dimensions": 8}),
                         "dimensions")  # fmt: skip
     assert "Matryoshka" in error["message"]
+    assert "INFO:" not in _log("encoder"), "--uvicorn-log-level warning: no access or start-up lines"
 
 
 def _prefix_hits(url: str) -> float:

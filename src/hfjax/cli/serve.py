@@ -101,6 +101,12 @@ def add_parser(subparsers) -> None:
         help="no access line per request ('INFO:     127.0.0.1:PORT - \"POST /v1/chat/completions HTTP/1.1\" 200 OK')",
     )
     parser.add_argument(
+        "--uvicorn-log-level",
+        choices=("critical", "error", "warning", "info", "debug", "trace"),
+        default="info",
+        help="uvicorn's log level; above info, no access lines and no start-up lines of uvicorn's",
+    )
+    parser.add_argument(
         "--disable-log-stats",
         action="store_true",
         help="no stats line (prompt and generation tokens/s, requests running and waiting) every 10 s while busy",
@@ -209,9 +215,9 @@ def run(args: argparse.Namespace) -> int:
     # uvicorn shuts down gracefully on SIGTERM (no new connections, the answers in flight finished, the engine
     # stopped), then raises the signal again under the handler it found: this one makes that an exit with 0.
     signal.signal(signal.SIGTERM, _exit_cleanly)
-    # log_level info: uvicorn's access line per request, as vLLM's server logs it.
+    # At log level info uvicorn writes an access line per request, as vLLM's server does.
     uvicorn.run(
-        app, host=args.host, port=args.port, log_level="info", access_log=not args.disable_log_requests,
+        app, host=args.host, port=args.port, log_level=args.uvicorn_log_level, access_log=not args.disable_log_requests,
         timeout_graceful_shutdown=None,
     )  # fmt: skip
     return 0
