@@ -166,7 +166,7 @@ def test_vllms_flag_names_and_positional_model():
     assert _options.model_path(SUBCOMMANDS["serve"].parse_args(["ckpt", "--model", "ckpt"])) == "ckpt"
     # The engine-sizing flags keep their own names.
     args = SUBCOMMANDS["serve"].parse_args(["ckpt", "--max-batch", "5", "--max-model-len", "64", "--no-prefix-reuse"])
-    assert (args.max_batch, args.max_model_len, args.no_prefix_reuse) == (5, 64, True)
+    assert (args.max_batch, args.max_model_len, args.enable_prefix_caching) == (5, 64, False)
     for name in ("generate", "chat", "finetune", "shard-plan"):
         args = SUBCOMMANDS[name].parse_args(
             ["--model", "m", "--tensor-parallel-size", "2", "--data-parallel-size", "3"]

@@ -13,6 +13,11 @@ from .. import _dtypes
 
 DTYPES = ("auto", *_dtypes.NAMES)
 QUANTIZE_MODES = ("int8", "fp8", "int4")  # hfjax.quantization.MODES, without importing it (no torch at parse time)
+# vLLM's --quantization names of the checkpoint formats hfjax reads: {name: the config's quant_method}.
+QUANTIZATION_METHODS = {
+    "awq": "awq", "awq_marlin": "awq", "gptq": "gptq", "gptq_marlin": "gptq", "fp8": "fp8",
+    "compressed-tensors": "compressed-tensors",
+}  # fmt: skip
 
 
 class FlagError(ValueError):
@@ -57,8 +62,8 @@ def model_options(*, dtype: bool = True, mesh: bool = True, positional: bool = F
         `--data-parallel-size` (default 1 each).
       positional: the model may also be given as the first positional argument, as `vllm serve
         MODEL` takes it (read it with `model_path`); otherwise `--model` is required.
-      quantize: add `--quantize` / `--quantization` and `--quantize-lm-head` (`hfjax.load`'s
-        quantize= and quantize_lm_head=; read them with `load_options`).
+      quantize: add `--quantize`, `--quantization` and `--quantize-lm-head` (`hfjax.load`'s
+        quantize= and quantize_lm_head=; read them with `quantize_options`).
     """
     parent = Parser(add_help=False)
     if positional:
@@ -98,21 +103,67 @@ def model_options(*, dtype: bool = True, mesh: bool = True, positional: bool = F
     if quantize:
         parent.add_argument(
             "--quantize",
-            "--quantization",
-            dest="quantize",
             choices=QUANTIZE_MODES,
             default=None,
             help="quantize the linear layers while loading: int8 (a scale per output channel), fp8 (e4m3, a "
             "scale per output channel) or int4 (groups of 128 inputs); a checkpoint published quantized "
             "(fp8, compressed-tensors, GPTQ, AWQ) is read as it is without it (default: none)",
         )
+        parent.add_argument(
+            "--quantization",
+            default=None,
+            metavar="METHOD",
+            help="vLLM's flag: the checkpoint's quantization method ("
+            + ", ".join(QUANTIZATION_METHODS)
+            + "; the config's quant_method), which hfjax reads without it; a method that is not the "
+            "checkpoint's is an error. On an unquantized checkpoint, fp8 quantizes as --quantize fp8 does (weights "
+            "only, where vLLM's dynamic fp8 also quantizes activations), and int8 and int4 as --quantize does "
+            "(default: none)",
+        )
         parent.add_argument("--quantize-lm-head", action="store_true", help="with --quantize: quantize the LM head too")
     return parent
 
 
-def quantize_options(args: argparse.Namespace) -> dict:
-    """`hfjax.load`'s quantize= and quantize_lm_head= from `--quantize` and `--quantize-lm-head`."""
-    return {"quantize": getattr(args, "quantize", None), "quantize_lm_head": getattr(args, "quantize_lm_head", False)}
+def quantize_options(args: argparse.Namespace, model: str | None = None) -> dict:
+    """`hfjax.load`'s quantize= and quantize_lm_head= from `--quantize`, `--quantization` and
+    `--quantize-lm-head`, for the checkpoint `model` (default: `--model`).
+
+    Raises:
+      FlagError: `--quantization` naming a method hfjax does not read, or not the checkpoint's, or
+        given with `--quantize`.
+    """
+    quantize = getattr(args, "quantize", None)
+    method = getattr(args, "quantization", None)
+    if method is not None:
+        quantize = _quantize_for(method, quantize, model if model is not None else args.model)
+    return {"quantize": quantize, "quantize_lm_head": getattr(args, "quantize_lm_head", False)}
+
+
+def _quantize_for(method: str, quantize: str | None, model: str) -> str | None:
+    # --quantization METHOD checked against the checkpoint's quant_method; what to quantize on load, if anything.
+    from .. import bridge, quantization
+
+    allowed = ", ".join([*QUANTIZATION_METHODS, "int8", "int4"])
+    if method not in QUANTIZATION_METHODS and method not in QUANTIZE_MODES:
+        raise FlagError(f"--quantization {method}: hfjax does not read {method} checkpoints; pass one of {allowed}")
+    if quantize is not None:
+        raise FlagError(f"--quantization {method} and --quantize {quantize}: pass one of them")
+    found = quantization.checkpoint_method(bridge.read_config(bridge.resolve_checkpoint(model)))
+    if found is None:
+        if method not in QUANTIZE_MODES:
+            raise FlagError(
+                f"--quantization {method}: the checkpoint is not quantized (its config.json has no "
+                "quantization_config); leave --quantization out, or pass --quantization fp8 to quantize it on load"
+            )
+        return method
+    if found not in QUANTIZATION_METHODS.values():
+        return None  # a format hfjax cannot read: hfjax.load says so, naming it
+    if QUANTIZATION_METHODS.get(method) != found:
+        raise FlagError(
+            f"--quantization {method} does not match the checkpoint's quantization, {found} (config.json's "
+            f"quantization_config.quant_method); pass --quantization {found} or leave it out"
+        )
+    return None
 
 
 def model_path(args: argparse.Namespace) -> str:

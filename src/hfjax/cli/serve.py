@@ -21,9 +21,9 @@ def add_parser(subparsers) -> None:
         parents=[model_options(positional=True, quantize=True)],
         help="serve a model over the OpenAI HTTP API, with continuous batching",
         description="Loads MODEL and answers /v1/chat/completions, /v1/completions (causal LMs), /v1/embeddings "
-        "(encoders), /v1/models, /health, /metrics, and a chat page at /. Requests join and leave a batch of "
-        "--max-batch sequence slots between decode chunks. SIGTERM stops accepting requests, finishes those in "
-        'flight and exits 0. Needs the serve extra: pip install "hfjax[serve]".',
+        "(encoders), /v1/models, /tokenize, /detokenize, /version, /health, /metrics, and a chat page at /. "
+        "Requests join and leave a batch of --max-batch sequence slots between decode chunks. SIGTERM stops "
+        'accepting requests, finishes those in flight and exits 0. Needs the serve extra: pip install "hfjax[serve]".',
     )
     parser.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
     parser.add_argument("--port", type=int, default=8000, help="port to listen on (default 8000)")
@@ -49,8 +49,19 @@ def add_parser(subparsers) -> None:
         "--kv-cache-memory",
         type=_byte_count,
         default=None,
-        help="memory for the KV cache, in bytes or with a unit (4GiB, 512MiB) (default: 80%% of the accelerator's "
-        "free memory; on the CPU a quarter of the free RAM, at most 4GiB)",
+        help="memory for the KV cache, in bytes or with a unit (4GiB, 512MiB); it overrides "
+        "--gpu-memory-utilization (default: 80%% of the accelerator's free memory; on the CPU a quarter of the "
+        "free RAM, at most 4GiB)",
+    )
+    parser.add_argument(
+        "--gpu-memory-utilization",
+        type=_fraction,
+        default=None,
+        metavar="FRACTION",
+        help="vLLM's sizing of the KV cache: it takes FRACTION, in (0, 1], of the device's memory less what is in "
+        "use once the model is loaded; the device's memory is what JAX may allocate on an accelerator, and on the "
+        "CPU the machine's RAM, less the RAM every process uses; not used with --kv-cache-memory (default: unset, "
+        "--kv-cache-memory's default)",
     )
     parser.add_argument(
         "--max-queue", type=int, default=256, help="requests waiting for a slot before 429 answers (default 256)"
@@ -70,9 +81,35 @@ def add_parser(subparsers) -> None:
     )
     parser.add_argument("--prefill-chunk", type=int, default=64, help="prompt tokens per prefill chunk (default 64)")
     parser.add_argument(
+        "--enable-prefix-caching",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="start a prompt in the free slot whose KV cache holds the longest prefix of it, reading only the "
+        "rest; --no-enable-prefix-caching reads every prompt whole",
+    )
+    parser.add_argument(
         "--no-prefix-reuse",
+        dest="enable_prefix_caching",
+        action="store_false",
+        help="the same as --no-enable-prefix-caching (its older name)",
+    )
+    parser.add_argument(
+        "--disable-log-requests",
+        "--disable-uvicorn-access-log",
+        dest="disable_log_requests",
         action="store_true",
-        help="read every prompt whole, even when a free slot holds the keys of its first tokens",
+        help="no access line per request ('INFO:     127.0.0.1:PORT - \"POST /v1/chat/completions HTTP/1.1\" 200 OK')",
+    )
+    parser.add_argument(
+        "--uvicorn-log-level",
+        choices=("critical", "error", "warning", "info", "debug", "trace"),
+        default="info",
+        help="uvicorn's log level; above info, no access lines and no start-up lines of uvicorn's",
+    )
+    parser.add_argument(
+        "--disable-log-stats",
+        action="store_true",
+        help="no stats line (prompt and generation tokens/s, requests running and waiting) every 10 s while busy",
     )
     parser.add_argument(
         "--prefill-rows", type=int, default=4, help="prompts read together in one prefill call (default 4)"
@@ -92,6 +129,16 @@ def _byte_count(text: str) -> int:
     if count < 1:
         raise argparse.ArgumentTypeError(f"{text!r}: pass a size above 0, such as 4GiB")
     return count
+
+
+def _fraction(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = None
+    if value is None or not 0 < value <= 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is out of range; pass a fraction in (0, 1], such as 0.9")
+    return value
 
 
 def _exit_cleanly(signum, frame):
@@ -137,14 +184,15 @@ def run(args: argparse.Namespace) -> int:
     from hfjax.serving import Engine, build_app
 
     path = model_path(args)
-    model = hfjax.load(path, dtype=args.dtype, mesh=mesh(args), **quantize_options(args))
+    model = hfjax.load(path, dtype=args.dtype, mesh=mesh(args), **quantize_options(args, path))
     gc.freeze()  # see below; here it spares the warm-up's compiles the full passes over the model
     engine = None
     if model.task == "text-generation":
         engine = Engine(
             model, max_num_seqs=args.max_batch, max_model_len=args.max_model_len, kv_cache_memory=args.kv_cache_memory,
-            max_queue=args.max_queue, decode_steps=args.decode_steps, max_decode_steps=args.max_decode_steps,
-            prefill_chunk=args.prefill_chunk, prefill_rows=args.prefill_rows, prefix_reuse=not args.no_prefix_reuse,
+            gpu_memory_utilization=args.gpu_memory_utilization, max_queue=args.max_queue,
+            decode_steps=args.decode_steps, max_decode_steps=args.max_decode_steps, prefill_chunk=args.prefill_chunk,
+            prefill_rows=args.prefill_rows, prefix_reuse=args.enable_prefix_caching,
             progress=lambda line: print(f"hfjax serve: {line}", file=sys.stderr, flush=True),
         )  # fmt: skip
         print(f"hfjax serve: {engine.sizing.describe()}", file=sys.stderr, flush=True)
@@ -161,10 +209,15 @@ def run(args: argparse.Namespace) -> int:
     # 16 (medians of five A-B pairs of servers, 2 CPU cores; docs/architecture.md).
     sys.setswitchinterval(_SWITCH_INTERVAL_S)
     name = args.served_model_name or path
-    app = build_app(model, served_model_name=name, engine=engine, api_key=args.api_key)
+    stats = None if args.disable_log_stats else lambda line: print(f"hfjax serve: {line}", file=sys.stderr, flush=True)
+    app = build_app(model, served_model_name=name, engine=engine, api_key=args.api_key, log_stats=stats)
     print(f"hfjax serve: {name} on http://{args.host}:{args.port}", file=sys.stderr, flush=True)
     # uvicorn shuts down gracefully on SIGTERM (no new connections, the answers in flight finished, the engine
     # stopped), then raises the signal again under the handler it found: this one makes that an exit with 0.
     signal.signal(signal.SIGTERM, _exit_cleanly)
-    uvicorn.run(app, host=args.host, port=args.port, log_level="warning", timeout_graceful_shutdown=None)
+    # At log level info uvicorn writes an access line per request, as vLLM's server does.
+    uvicorn.run(
+        app, host=args.host, port=args.port, log_level=args.uvicorn_log_level, access_log=not args.disable_log_requests,
+        timeout_graceful_shutdown=None,
+    )  # fmt: skip
     return 0

@@ -16,9 +16,10 @@ Parts: `_schemes.py` (the layouts and the host-side quantizers), `_linear.py` (t
 
 Public names: `MODES`, `Quantization`, `Quantized`, `Layout`, `QuantizedLinear`, `quantize`, `dequantize`,
 `dequantize_torch`, `dequantize_jax`, `quantized_linear_jax`, `prepare_load`, `quantize_module`, `settings`,
-`linear_layers`, `default_targets`, `unpack_jax`.
+`linear_layers`, `default_targets`, `unpack_jax`, `checkpoint_method`.
 """
 
+from ._formats import checkpoint_method
 from ._linear import QuantizedLinear, dequantize_jax, dequantize_torch, quantized_linear_jax, unpack_jax
 from ._plan import (
     Quantization,
@@ -37,6 +38,7 @@ __all__ = [
     "Quantization",
     "Quantized",
     "QuantizedLinear",
+    "checkpoint_method",
     "default_targets",
     "dequantize",
     "dequantize_jax",

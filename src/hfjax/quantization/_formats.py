@@ -335,6 +335,26 @@ _FORMATS = {"fp8": FineGrainedFp8, "compressed-tensors": CompressedTensors, "gpt
 _NAMED = {"bitsandbytes": "bitsandbytes", "bitsandbytes_4bit": "bitsandbytes", "bitsandbytes_8bit": "bitsandbytes"}
 
 
+def _quantization_config(config) -> dict | None:
+    quantization = getattr(config, "quantization_config", None)
+    if quantization is None or isinstance(quantization, dict):
+        return quantization
+    return quantization.to_dict()
+
+
+def checkpoint_method(config) -> str | None:
+    """The quantization method of a checkpoint's config (its quantization_config.quant_method,
+    lower-case: "fp8", "compressed-tensors", "gptq", "awq", "bitsandbytes", ...; "" where it names
+    none), or None for an unquantized checkpoint."""
+    quantization = _quantization_config(config)
+    if quantization is None:
+        return None
+    method = str(quantization.get("quant_method", "")).lower()
+    if method == "bitsandbytes" or quantization.get("load_in_4bit") or quantization.get("load_in_8bit"):
+        method = "bitsandbytes"
+    return method
+
+
 def checkpoint_format(config, headers: dict, files: list[pathlib.Path]) -> Format | None:
     """The format of a checkpoint whose config has a quantization_config, or None without one.
 
@@ -342,14 +362,10 @@ def checkpoint_format(config, headers: dict, files: list[pathlib.Path]) -> Forma
       LoadError: a quantization hfjax cannot read (bitsandbytes, GGUF, HQQ, ...), in one line that
         names it and says what to do.
     """
-    quantization = getattr(config, "quantization_config", None)
-    if quantization is None:
+    method = checkpoint_method(config)
+    if method is None:
         return None
-    if not isinstance(quantization, dict):
-        quantization = quantization.to_dict()
-    method = str(quantization.get("quant_method", "")).lower()
-    if method == "bitsandbytes" or quantization.get("load_in_4bit") or quantization.get("load_in_8bit"):
-        method = "bitsandbytes"
+    quantization = _quantization_config(config)
     if method not in _FORMATS:
         shown = _NAMED.get(method, method or "an unnamed method")
         raise LoadError(

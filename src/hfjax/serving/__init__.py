@@ -8,7 +8,7 @@ Parts, one concern each (docs/architecture.md, "Continuous batching", describes 
     _compiler.py   the programs: which are ready, which a chunk wants, a thread compiling them
     _scheduler.py  `Engine`: the queue, admission, prefill and decode chunking, cancellation, delivery
     _text.py       incremental detokenising and stop strings (`TextStream`)
-    _metrics.py    counters, gauges and latency histograms (prometheus_client)
+    _metrics.py    counters, gauges and latency histograms (prometheus_client), and vLLM's stats line
     _protocol.py   OpenAI request bodies checked into engine calls; OpenAI-shaped errors
     _app.py        the FastAPI application (needs the `serve` extra: pip install "hfjax[serve]")
     static/        the chat page served at GET /

@@ -1,9 +1,11 @@
 """The OpenAI-compatible HTTP API of `hfjax serve`, a FastAPI application around one `Engine`.
 
-Endpoints: POST /v1/chat/completions, /v1/completions, /v1/embeddings; GET /v1/models, /health,
-/metrics (Prometheus' text format, written by prometheus_client), / (the chat page). Errors answer
-in OpenAI's shape {"error": {"message", "type", "param", "code"}}: 400 for a bad request (FastAPI's
-422 is never used: bodies are read and checked here), 401 for a missing or wrong API key, 429 for a full queue.
+Endpoints: POST /v1/chat/completions, /v1/completions, /v1/embeddings, and vLLM's /tokenize and
+/detokenize; GET /v1/models, /v1/models/{id}, /health, /version, /metrics (Prometheus' text format,
+written by prometheus_client), / (the chat page). Errors answer in OpenAI's shape {"error":
+{"message", "type", "param", "code"}}: 400 for a bad request (FastAPI's 422 is never used: bodies
+are read and checked here), 401 for a missing or wrong API key, 404 for an unknown model id, 429 for
+a full queue.
 """
 
 # FastAPI reads the endpoints' annotations (Request) at run time: no `from __future__ import annotations`.
@@ -15,33 +17,59 @@ import importlib.resources
 import json
 import secrets
 import time
+from collections.abc import Callable
 
 import numpy as np
 
+from .. import bridge
+from .._embed import pooling_config
 from .._errors import GenerationError, HfjaxError
+from .._version import __version__
 from . import _protocol
-from ._metrics import Metrics
+from ._metrics import Metrics, StatsLine
 from ._protocol import ApiError
 from ._requests import Event, QueueFullError
 from ._scheduler import Engine
 
 
-def build_app(model, *, served_model_name: str, engine: Engine | None, api_key: str | None = None):
+def build_app(
+    model,
+    *,
+    served_model_name: str,
+    engine: Engine | None,
+    api_key: str | None = None,
+    log_stats: Callable[[str], None] | None = None,
+    stats_interval: float = 10.0,
+):
     """The FastAPI application serving `model` (through `engine` for a causal LM; an encoder
-    answers /v1/embeddings only). The engine is started and stopped with the application."""
+    answers /v1/embeddings only). The engine is started and stopped with the application.
+    `log_stats`, where given, is called every `stats_interval` seconds while the engine is busy
+    with vLLM's stats line (prompt and generation tokens/s, requests running and waiting)."""
     from fastapi import FastAPI, Request
     from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
 
     metrics = engine.metrics if engine is not None else Metrics(0)
     tokenizer = model.tokenizer
     max_model_len = engine.max_model_len if engine is not None else None
+    context = max_model_len or bridge.context_length(model.config) or tokenizer.model_max_length
     created = int(time.time())
+
+    async def stats_lines():
+        stats = StatsLine(metrics)
+        while True:
+            await asyncio.sleep(stats_interval)
+            line = stats.next()
+            if line is not None:
+                log_stats(line)
 
     @contextlib.asynccontextmanager
     async def lifespan(app):
         if engine is not None:
             engine.start()
+        stats_task = asyncio.create_task(stats_lines()) if engine is not None and log_stats is not None else None
         yield
+        if stats_task is not None:
+            stats_task.cancel()
         if engine is not None:
             # In-flight requests have been answered by now (uvicorn waits for them on SIGTERM).
             await asyncio.get_running_loop().run_in_executor(None, engine.stop)
@@ -76,12 +104,47 @@ def build_app(model, *, served_model_name: str, engine: Engine | None, api_key: 
     async def health():
         return {"status": "ok"}
 
+    entry = {"id": served_model_name, "object": "model", "created": created, "owned_by": "hfjax"}
+    if max_model_len is not None:
+        entry["max_model_len"] = max_model_len
+
     @app.get("/v1/models")
     async def models():
-        entry = {"id": served_model_name, "object": "model", "created": created, "owned_by": "hfjax"}
-        if max_model_len is not None:
-            entry["max_model_len"] = max_model_len
         return {"object": "list", "data": [entry]}
+
+    @app.get("/v1/models/{model_id:path}")
+    async def one_model(model_id: str):
+        if model_id != served_model_name:
+            raise ApiError(
+                404, f"the model {model_id!r} does not exist here; this server serves {served_model_name!r}",
+                param="model", code="model_not_found",
+            )  # fmt: skip
+        return entry
+
+    @app.get("/version")
+    async def version():
+        return {"version": __version__}
+
+    @app.post("/tokenize")
+    async def tokenize(request: Request):
+        asked = _protocol.tokenize_request(await read_json(request), served_model_name)
+        text = asked.prompt
+        if asked.messages is not None:
+            try:
+                text = tokenizer.apply_chat_template(
+                    asked.messages, add_generation_prompt=asked.add_generation_prompt,
+                    continue_final_message=asked.continue_final_message, tokenize=False, **asked.template_kwargs,
+                )  # fmt: skip
+            except Exception as error:  # noqa: BLE001 - the template's own message says what is wrong
+                raise _protocol.invalid("messages", f"the chat template could not be applied: {error}") from None
+        ids = tokenizer(text, add_special_tokens=asked.add_special_tokens, verbose=False)["input_ids"]
+        strs = tokenizer.convert_ids_to_tokens(ids) if asked.return_token_strs else None
+        return {"count": len(ids), "max_model_len": context, "tokens": ids, "token_strs": strs}
+
+    @app.post("/detokenize")
+    async def detokenize(request: Request):
+        ids = _protocol.detokenize_request(await read_json(request), served_model_name, len(tokenizer))
+        return {"prompt": tokenizer.decode(ids)}
 
     @app.get("/metrics")
     async def prometheus():
@@ -100,12 +163,17 @@ def build_app(model, *, served_model_name: str, engine: Engine | None, api_key: 
 
     @app.post("/v1/embeddings")
     async def embeddings(request: Request):
-        texts, encoding = _protocol.embedding_request(await read_json(request), served_model_name)
+        texts, encoding, dimensions = _protocol.embedding_request(await read_json(request), served_model_name)
         loop = asyncio.get_running_loop()
         try:
             vectors = np.asarray(await loop.run_in_executor(None, model.embed, texts), np.float32)  # [N, H]
         except HfjaxError as error:  # a model that embeds no text
             raise ApiError(400, str(error), param="model", code="model_not_supported") from None
+        if dimensions is not None:  # Matryoshka: the first values, normalised again where the model normalises
+            _protocol.check_dimensions(dimensions, model.config, vectors.shape[1], served_model_name)
+            vectors = vectors[:, :dimensions]  # [N, dimensions]
+            if pooling_config(model.path)[1]:
+                vectors = vectors / np.maximum(np.linalg.norm(vectors, axis=-1, keepdims=True), 1e-12)
         tokens = sum(len(tokenizer(t, verbose=False)["input_ids"]) for t in texts)
         data = []
         for i, vector in enumerate(vectors):
@@ -123,7 +191,9 @@ def build_app(model, *, served_model_name: str, engine: Engine | None, api_key: 
         running = needs_engine("/v1/chat/completions")
         generation = _protocol.chat_request(
             await read_json(request), served_model_name, running.max_model_len,
-            lambda messages: tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False),
+            lambda messages, **kwargs: tokenizer.apply_chat_template(
+                messages, add_generation_prompt=True, tokenize=False, **kwargs
+            ),
         )  # fmt: skip
         return await _answer(request, running, generation, chat=True)
 

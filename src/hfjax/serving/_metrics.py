@@ -3,6 +3,8 @@ each `Metrics` object's own (so two engines in one process keep apart), served a
 
 from __future__ import annotations
 
+import time
+
 # Seconds: time to first token and inter-token latency span ~1 ms (a decode step) to minutes (a queue).
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 
@@ -40,6 +42,8 @@ class Metrics:
         occupancy).
       prefix_hit_tokens: a counter; `metrics.prefix_hit_tokens += n` adds n.
       time_to_first_token, inter_token_latency: histograms with `observe(seconds, times=1)`.
+      prompt_tokens_read, tokens_generated: plain counts of the tokens the engine has read from prompts
+        (less the prefixes a slot held) and generated, so far.
     """
 
     def __init__(self, slots: int):
@@ -72,6 +76,10 @@ class Metrics:
         self._pending = gauge("hfjax_programs_pending", "Programs the engine has still to compile (in the background).")
         self.time_to_first_token = histogram("hfjax_time_to_first_token_seconds", "Time from arrival to first token.")
         self.inter_token_latency = histogram("hfjax_inter_token_latency_seconds", "Time between tokens of a request.")
+        # Tokens read from prompts and generated, counted as the engine goes (the stats line's rates;
+        # the engine thread alone writes them).
+        self.prompt_tokens_read = 0
+        self.tokens_generated = 0
 
     def count_request(self, endpoint: str, status: int) -> None:
         self._requests.labels(endpoint=endpoint, code=str(status)).inc()
@@ -117,3 +125,35 @@ class Metrics:
     def render(self) -> bytes:
         """The registry in Prometheus' text exposition format (`content_type` names its version)."""
         return _prometheus().generate_latest(self.registry)
+
+
+class StatsLine:
+    """vLLM's periodic stats line from a `Metrics`: the prompt and generation tokens/s since the last
+    line, the requests running and waiting, the slots in use and the share of prompt tokens whose keys
+    a slot held."""
+
+    def __init__(self, metrics: Metrics):
+        self.metrics = metrics
+        self._last = self._sample()
+
+    def _sample(self) -> tuple[float, int, int, int]:
+        m = self.metrics
+        return time.monotonic(), m.prompt_tokens_read, m.tokens_generated, m.prefix_hit_tokens
+
+    def next(self) -> str | None:
+        """The line for the time since the last call, or None where nothing ran, waited or was read."""
+        now, read, generated, hits = sample = self._sample()
+        then, read_before, generated_before, hits_before = self._last
+        self._last = sample
+        m = self.metrics
+        read, generated, hits = read - read_before, generated - generated_before, hits - hits_before
+        if not (read or generated or m.running or m.queue_depth):
+            return None
+        seconds = max(now - then, 1e-9)
+        prompt_total = read + hits
+        return (
+            f"Avg prompt throughput: {read / seconds:.1f} tokens/s, Avg generation throughput: "
+            f"{generated / seconds:.1f} tokens/s, Running: {m.running} reqs, Waiting: {m.queue_depth} reqs, "
+            f"Slots in use: {m.running / max(m.slots, 1):.1%}, "
+            f"Prefix cache hit rate: {hits / prompt_total if prompt_total else 0.0:.1%}"
+        )

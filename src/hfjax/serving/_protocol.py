@@ -26,6 +26,7 @@ class ApiError(Exception):
         self.kind = kind or {
             400: "invalid_request_error",
             401: "invalid_request_error",
+            404: "invalid_request_error",
             429: "rate_limit_exceeded",
         }.get(status, "server_error")
 
@@ -65,7 +66,15 @@ _SAMPLING = (
     "logit_bias", "seed", "stop", "n", "stream", "stream_options", "model", "ignore_eos", "min_tokens",
     "stop_token_ids",
 )  # fmt: skip
-CHAT_FIELDS = {"messages", "max_tokens", "max_completion_tokens", "logprobs", "top_logprobs", *_SAMPLING}
+CHAT_FIELDS = {
+    "messages", "max_tokens", "max_completion_tokens", "logprobs", "top_logprobs", "chat_template_kwargs", *_SAMPLING
+}  # fmt: skip
+# apply_chat_template's own arguments, which chat_template_kwargs may not set: its template variables only.
+_TEMPLATE_ARGUMENTS = (
+    "conversation", "messages", "tools", "documents", "chat_template", "add_generation_prompt",
+    "continue_final_message", "tokenize", "padding", "truncation", "max_length", "return_tensors", "return_dict",
+    "return_assistant_tokens_mask", "tokenizer_kwargs",
+)  # fmt: skip
 COMPLETION_FIELDS = {"prompt", "max_tokens", "logprobs", *_SAMPLING}
 
 
@@ -221,10 +230,28 @@ def _max_tokens(body: dict, names: tuple[str, ...], max_model_len: int) -> tuple
     return None, names[0]
 
 
-def chat_request(body, served: str, max_model_len: int, apply_template) -> Generation:
-    """A /v1/chat/completions body checked; `apply_template(messages)` gives the prompt text."""
-    body = check_fields(body, CHAT_FIELDS)
-    check_model(body, served)
+def template_kwargs(body: dict) -> dict:
+    """vLLM's chat_template_kwargs: extra variables for the chat template (e.g. Qwen3's enable_thinking)."""
+    kwargs = body.get("chat_template_kwargs")
+    if kwargs is None:
+        return {}
+    if not isinstance(kwargs, dict):
+        raise invalid(
+            "chat_template_kwargs",
+            f'chat_template_kwargs={kwargs!r}: pass an object of template variables, e.g. {{"enable_thinking": false}}',
+        )
+    for name in kwargs:
+        if name in _TEMPLATE_ARGUMENTS:
+            raise invalid(
+                "chat_template_kwargs",
+                f"chat_template_kwargs[{name!r}] is an argument of apply_chat_template, not a template variable; "
+                "leave it out",
+            )
+    return kwargs
+
+
+def messages_of(body: dict) -> list[dict]:
+    """The request's `messages` checked, text content parts joined into one string per message."""
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise invalid("messages", "the request has no 'messages'; pass a list of {'role': ..., 'content': ...}")
@@ -239,6 +266,16 @@ def chat_request(body, served: str, max_model_len: int, apply_template) -> Gener
             messages[i] = message
         elif not isinstance(content, str):
             raise invalid(f"messages[{i}].content", f"messages[{i}].content={content!r}: pass a string")
+    return messages
+
+
+def chat_request(body, served: str, max_model_len: int, apply_template) -> Generation:
+    """A /v1/chat/completions body checked; `apply_template(messages, **chat_template_kwargs)` gives the
+    prompt text."""
+    body = check_fields(body, CHAT_FIELDS)
+    check_model(body, served)
+    messages = messages_of(body)
+    kwargs = template_kwargs(body)
     max_tokens, _ = _max_tokens(body, ("max_completion_tokens", "max_tokens"), max_model_len)
     logprobs = body.get("logprobs") or False
     if not isinstance(logprobs, bool):
@@ -247,7 +284,7 @@ def chat_request(body, served: str, max_model_len: int, apply_template) -> Gener
     if body.get("top_logprobs") is not None and not logprobs:
         raise invalid("top_logprobs", "top_logprobs needs logprobs=true")
     try:
-        prompt = apply_template(messages)
+        prompt = apply_template(messages, **kwargs)
     except Exception as error:  # noqa: BLE001 - the template's own message says what is wrong
         raise invalid("messages", f"the chat template could not be applied: {error}") from None
     stream, usage = _stream(body)
@@ -271,9 +308,9 @@ def completion_request(body, served: str, max_model_len: int) -> Generation:
     return Generation(prompt, _sampling(body, max_tokens, logprobs, max_model_len), stream, usage, max_tokens, "prompt")
 
 
-def embedding_request(body, served: str) -> tuple[list[str], str]:
-    """A /v1/embeddings body checked: (texts, encoding format "float" or "base64")."""
-    body = check_fields(body, {"input", "model", "encoding_format"})
+def embedding_request(body, served: str) -> tuple[list[str], str, int | None]:
+    """A /v1/embeddings body checked: (texts, encoding format "float" or "base64", dimensions or None)."""
+    body = check_fields(body, {"input", "model", "encoding_format", "dimensions"})
     check_model(body, served)
     texts = body.get("input")
     texts = [texts] if isinstance(texts, str) else texts
@@ -282,7 +319,94 @@ def embedding_request(body, served: str) -> tuple[list[str], str]:
     encoding = body.get("encoding_format") or "float"
     if encoding not in ("float", "base64"):
         raise invalid("encoding_format", f"encoding_format={encoding!r}: pass 'float' or 'base64'")
-    return texts, encoding
+    return texts, encoding, _number(body, "dimensions", None, 1, 2**31 - 1, integer=True)
+
+
+def check_dimensions(dimensions: int, config, width: int, served: str) -> None:
+    """A 400 naming `dimensions` unless the model was trained for Matryoshka truncation to that many,
+    as vLLM reads it from config.json: `matryoshka_dimensions` (the sizes allowed) or `is_matryoshka`."""
+    sizes = getattr(config, "matryoshka_dimensions", None)
+    if not sizes and not getattr(config, "is_matryoshka", False):
+        raise invalid(
+            "dimensions",
+            f"dimensions={dimensions}: {served!r} is not a Matryoshka model (its config.json has neither "
+            "is_matryoshka nor matryoshka_dimensions), so a shorter embedding would lose its meaning; leave "
+            "dimensions out",
+        )
+    if sizes and dimensions not in sizes:
+        raise invalid("dimensions", f"dimensions={dimensions}: {served!r} supports dimensions in {list(sizes)}")
+    if dimensions > width:
+        raise invalid("dimensions", f"dimensions={dimensions} is more than the {width} of {served!r}'s embeddings")
+
+
+_TOKENIZE_FIELDS = {"model", "add_special_tokens", "return_token_strs"}
+_TOKENIZE_CHAT_FIELDS = {*_TOKENIZE_FIELDS, "messages", "add_generation_prompt", "continue_final_message",
+                         "chat_template_kwargs"}  # fmt: skip
+
+
+@dataclasses.dataclass(frozen=True)
+class Tokenize:
+    """A checked /tokenize body (vLLM's): a prompt, or messages to apply the chat template to."""
+
+    prompt: str | None
+    messages: list[dict] | None
+    add_special_tokens: bool
+    add_generation_prompt: bool
+    continue_final_message: bool
+    template_kwargs: dict
+    return_token_strs: bool
+
+
+def _flag(body: dict, name: str, default: bool) -> bool:
+    value = body.get(name)
+    if value is None:
+        return default
+    if not isinstance(value, bool):
+        raise invalid(name, f"{name}={value!r}: pass true or false")
+    return value
+
+
+def _optional_model(body: dict, served: str) -> None:
+    if body.get("model") is not None:
+        check_model(body, served)
+
+
+def tokenize_request(body, served: str) -> Tokenize:
+    """A /tokenize body checked: {prompt} or {messages, add_generation_prompt, ...}, `model` optional."""
+    chat = isinstance(body, dict) and "messages" in body
+    body = check_fields(body, _TOKENIZE_CHAT_FIELDS if chat else {*_TOKENIZE_FIELDS, "prompt"})
+    _optional_model(body, served)
+    strs = _flag(body, "return_token_strs", False)
+    if not chat:
+        prompt = body.get("prompt")
+        if not isinstance(prompt, str):
+            raise invalid("prompt", "the request has no 'prompt'; pass a string, or 'messages' for a chat")
+        return Tokenize(prompt, None, _flag(body, "add_special_tokens", True), False, False, {}, strs)
+    generation_prompt = _flag(body, "add_generation_prompt", True)
+    continue_final = _flag(body, "continue_final_message", False)
+    if generation_prompt and continue_final:
+        raise invalid(
+            "continue_final_message",
+            "continue_final_message=true continues the last message, add_generation_prompt=true starts a new one; "
+            "pass add_generation_prompt=false with it",
+        )
+    return Tokenize(
+        None, messages_of(body), _flag(body, "add_special_tokens", False), generation_prompt, continue_final,
+        template_kwargs(body), strs,
+    )  # fmt: skip
+
+
+def detokenize_request(body, served: str, vocab_size: int) -> list[int]:
+    """A /detokenize body checked: its token ids, each in [0, vocab_size)."""
+    body = check_fields(body, {"model", "tokens"})
+    _optional_model(body, served)
+    tokens = body.get("tokens")
+    if not isinstance(tokens, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in tokens):
+        raise invalid("tokens", f"tokens={tokens!r}: pass a list of token ids")
+    outside = [t for t in tokens if not 0 <= t < vocab_size]
+    if outside:
+        raise invalid("tokens", f"tokens holds {outside[0]}, outside the vocabulary [0, {vocab_size})")
+    return tokens
 
 
 def check_token_ids(generation: Generation, vocab_size: int | None) -> None:

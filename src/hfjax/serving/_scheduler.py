@@ -62,6 +62,10 @@ class Engine:
             Default: the model's context.
         kv_cache_memory: bytes for the KV cache; default: a share of the device's free memory (80% on
             an accelerator; on the CPU a quarter of the free RAM, at most 4 GiB).
+        gpu_memory_utilization: vLLM's sizing, where kv_cache_memory is not given: the KV cache takes
+            this fraction, in (0, 1], of the device's memory less what is in use when the engine is
+            built (the weights); the device's memory is what JAX may allocate on an accelerator, the
+            machine's RAM on the CPU (less the RAM every process uses).
         max_queue: requests waiting for a slot beyond which `submit` raises QueueFullError.
         decode_steps: decode steps per program call (a chunk) of every slot; requests join and leave
             between chunks.
@@ -86,6 +90,7 @@ class Engine:
         max_num_seqs: int | None = None,
         max_model_len: int | None = None,
         kv_cache_memory: int | None = None,
+        gpu_memory_utilization: float | None = None,
         max_queue: int = 256,
         decode_steps: int = 4,
         max_decode_steps: int | None = None,
@@ -112,8 +117,9 @@ class Engine:
         self.model = model
         self.tokenizer = model.tokenizer
         self.sizing: Sizing = size_engine(
-            model, max_num_seqs=max_num_seqs, max_model_len=max_model_len, kv_cache_memory=kv_cache_memory
-        )
+            model, max_num_seqs=max_num_seqs, max_model_len=max_model_len, kv_cache_memory=kv_cache_memory,
+            gpu_memory_utilization=gpu_memory_utilization,
+        )  # fmt: skip
         self.max_num_seqs, self.max_model_len = self.sizing.slots, self.sizing.max_model_len
         self.max_queue = max_queue
         self.decode_steps, self.max_decode_steps, self.prefill_chunk = decode_steps, max_decode_steps, prefill_chunk
@@ -431,6 +437,7 @@ class Engine:
             last, fresh = np.concatenate([last, np.zeros(extra, bool)]), np.concatenate([fresh, np.zeros(extra, bool)])
         args = self._prefill_args(which, ids, start, count, last, fresh, want)
         self._state, chosen = self.compiler.programs.prefill(*args, window=window)
+        self.metrics.prompt_tokens_read += int(count[: len(requests)].sum())
         for i, request in enumerate(requests):
             request.prefilled += int(count[i])
             if last[i]:
@@ -500,6 +507,7 @@ class Engine:
         request.last_token_time = now
         reason = None
         kept = []
+        before = request.generated
         for t in range(count):
             token = int(tokens[t])
             if request.stops_at(token):
@@ -514,6 +522,7 @@ class Engine:
             if request.generated >= request.settings.max_new_tokens:
                 reason = "length"
                 break
+        self.metrics.tokens_generated += request.generated - before
         ids = [int(tokens[t]) for t in kept]
         text, stopped = request.text.add(ids)
         if stopped:

@@ -38,9 +38,18 @@ class Sizing:
         )
 
 
-def size_engine(model, *, max_num_seqs: int | None, max_model_len: int | None, kv_cache_memory: int | None) -> Sizing:
+def size_engine(
+    model,
+    *,
+    max_num_seqs: int | None,
+    max_model_len: int | None,
+    kv_cache_memory: int | None,
+    gpu_memory_utilization: float | None = None,
+) -> Sizing:
     """The slots and cache length for `model`: max_model_len (default: the model's context), and as
     many slots as the budget holds, at most max_num_seqs (default: 256 on an accelerator, 64 on the CPU).
+    The budget is kv_cache_memory bytes where given (gpu_memory_utilization is then not used), else
+    `utilization_budget(gpu_memory_utilization)` where that is given, else `default_budget()`.
 
     Raises:
       ServingError: a value out of range, or a budget that holds no slot, naming what to pass.
@@ -49,6 +58,13 @@ def size_engine(model, *, max_num_seqs: int | None, max_model_len: int | None, k
                         ("kv_cache_memory", kv_cache_memory)):  # fmt: skip
         if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
             raise ServingError(f"Engine: {name}={value!r}; pass a whole number >= 1")
+    utilization = gpu_memory_utilization
+    if utilization is not None and (
+        isinstance(utilization, bool) or not isinstance(utilization, (int, float)) or not 0 < utilization <= 1
+    ):
+        raise ServingError(
+            f"Engine: gpu_memory_utilization={utilization!r} is out of range; pass a fraction in (0, 1], such as 0.9"
+        )
     context = bridge.context_length(model.module.config.get_text_config(decoder=True))
     if max_model_len is None:
         max_model_len = context or DEFAULT_LENGTH
@@ -61,6 +77,10 @@ def size_engine(model, *, max_num_seqs: int | None, max_model_len: int | None, k
     per_slot = generation.SlotModel(model, 1, max_model_len).bytes_per_slot()
     if kv_cache_memory is not None:
         budget, source = kv_cache_memory, "kv_cache_memory"
+        if gpu_memory_utilization is not None:
+            source += f"; gpu_memory_utilization={gpu_memory_utilization} not used"
+    elif gpu_memory_utilization is not None:
+        budget, source = utilization_budget(gpu_memory_utilization)
     else:
         budget, source = default_budget()
     kind = "cpu" if jax.default_backend() == "cpu" else "accelerator"
@@ -76,25 +96,58 @@ def size_engine(model, *, max_num_seqs: int | None, max_model_len: int | None, k
 
 def default_budget() -> tuple[int, str]:
     """(bytes for the KV cache, where that figure comes from) on the device JAX runs on."""
-    device = jax.devices()[0]
-    stats = device.memory_stats() if device.platform != "cpu" else None
-    if stats and "bytes_limit" in stats:
-        free = stats["bytes_limit"] - stats.get("bytes_in_use", 0)
-        return int(free * ACCELERATOR_SHARE), f"{ACCELERATOR_SHARE:.0%} of {device.device_kind}'s free memory"
-    available = _available_ram()
+    memory = _device_memory()
+    if memory is not None:
+        total, used, name = memory
+        return int((total - used) * ACCELERATOR_SHARE), f"{ACCELERATOR_SHARE:.0%} of {name}'s free memory"
+    available = _ram()[1]
     share = min(CPU_MOST, int(available * CPU_SHARE))
     return share, f"a quarter of the {_size(available)} of free RAM, at most {_size(CPU_MOST)}"
 
 
-def _available_ram() -> int:
+def utilization_budget(fraction: float) -> tuple[int, str]:
+    """(bytes for the KV cache, where that figure comes from): `fraction` of the device's memory less
+    what is in use now (the weights, and on the CPU every process's RAM), as vLLM's
+    --gpu-memory-utilization. The device's memory is what JAX may allocate on an accelerator
+    (`bytes_limit`), the machine's RAM (MemTotal, in use: MemTotal - MemAvailable) on the CPU.
+
+    Raises:
+      ServingError: a fraction that leaves nothing for the cache, naming the sizes and the fix.
+    """
+    memory = _device_memory()
+    if memory is not None:
+        total, used, name = memory
+        what = f"{name}'s memory"
+    else:
+        total, available = _ram()
+        used, what = total - available, "the RAM"
+    budget = int(total * fraction) - used
+    if budget < 1:
+        raise ServingError(
+            f"Engine: gpu_memory_utilization={fraction} of {what} ({_size(total)}) is {_size(int(total * fraction))}, "
+            f"less than the {_size(used)} in use already; pass a larger fraction, or kv_cache_memory"
+        )
+    return budget, f"gpu_memory_utilization={fraction} of {what} ({_size(total)}), less {_size(used)} in use"
+
+
+def _device_memory() -> tuple[int, int, str] | None:
+    """(bytes JAX may allocate, bytes in use, the device's kind) on an accelerator; None on the CPU."""
+    device = jax.devices()[0]
+    stats = device.memory_stats() if device.platform != "cpu" else None
+    if not stats or "bytes_limit" not in stats:
+        return None
+    return stats["bytes_limit"], stats.get("bytes_in_use", 0), device.device_kind
+
+
+def _ram() -> tuple[int, int]:
+    """(total, available) bytes of RAM."""
     try:
         with open("/proc/meminfo") as meminfo:
-            for line in meminfo:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+            fields = dict(line.split(":", 1) for line in meminfo)
+        return int(fields["MemTotal"].split()[0]) * 1024, int(fields["MemAvailable"].split()[0]) * 1024
+    except (OSError, KeyError, ValueError):
+        page = os.sysconf("SC_PAGE_SIZE")
+        return os.sysconf("SC_PHYS_PAGES") * page, os.sysconf("SC_AVPHYS_PAGES") * page
 
 
 def _size(count: int) -> str:
