@@ -10,7 +10,7 @@ import contextlib
 import math
 import sys
 
-from ._options import at_least_one, mesh, model_options, quantize_options
+from ._options import at_least_one, mesh, model_options, model_path, quantize_options
 
 
 def add_parser(subparsers) -> None:
@@ -96,6 +96,7 @@ def prepare(args: argparse.Namespace, command: str):
     """Checks the flags, then loads the model: returns (model, `Model.generate` keyword
     arguments), or, after printing the error on one line, the exit code: 2 for a bad flag,
     1 for a model that cannot generate text."""
+    args.model = model_path(args)
     try:
         kwargs = generation_kwargs(args)
     except ValueError as error:
