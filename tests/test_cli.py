@@ -66,13 +66,17 @@ def test_console_script_help_and_version():
 # Each subcommand that reads a checkpoint, given one that does not exist.
 MISSING = {
     "check": ["--model", "{missing}"],
+    "check MODEL": ["{missing}"],
     "generate": ["--model", "{missing}", "Hello"],
+    "generate MODEL": ["{missing}", "--temperature", "0", "Hello"],
     "chat": ["--model", "{missing}"],
     "serve": ["{missing}"],
     "serve --model": ["--model", "{missing}"],
     "classify": ["--model", "{missing}", "I loved it"],
     "classify --image": ["--model", "{missing}", "--image", "{missing}.png"],
+    "classify MODEL": ["{missing}", "I loved it"],
     "transcribe": ["--model", "{missing}", "{missing}.wav"],
+    "transcribe MODEL": ["{missing}", "{missing}.wav"],
     "finetune": ["--model", "{missing}", "--data", "{missing}.jsonl", "--out", "{missing}-out", "--steps", "1"],
     "image": ["--model", "{missing}", "a red cat", "--out", "{missing}.png"],
     "shard-plan": ["--model", "{missing}", "--model-parallel", "2"],
@@ -108,9 +112,11 @@ def test_every_subcommand_that_reads_a_checkpoint_is_tried_with_a_missing_one():
         ),
         (["serve", "M", "--dtype", "int4"], "argument --dtype: invalid dtype 'int4'"),
         (["image", "--model", "M", "cat", "--out", "x.png", "--dtype", "fp16"], "invalid dtype 'fp16'"),
-        (["generate", "Hi"], "the following arguments are required: --model"),
+        (["generate", "Hi"], "no model given; pass it as MODEL or with --model, e.g. `hfjax generate ./my-"),
         (["serve"], "no model given; pass it as MODEL or with --model"),
         (["serve", "a", "--model", "b"], "two models given: MODEL 'a' and --model 'b'"),
+        (["generate", "a", "Hi", "--model", "b"], "two models given: MODEL 'a' and --model 'b'"),
+        (["check", "M", "--arch", "llama"], "--arch 'llama' builds a model of its own; pass --arch or a MODEL"),
         (["serve", "M", "--max-num-seqs", "0"], "--max-batch=0 must be at least 1"),
         (["serve", "M", "--tensor-parallel-size", "0"], "--model-parallel=0 must be at least 1"),
         (["shard-plan", "--model", "M", "--data-parallel-size", "0"], "--data-parallel=0 must be at least 1"),
@@ -187,6 +193,50 @@ def test_help_shows_every_options_default(name):
         if action.default is not None:
             assert re.search(r"default:? ", text), text
     assert "default" in parser.format_help()
+
+
+@pytest.mark.parametrize("name", SUBCOMMANDS)
+def test_help_says_each_default_one_way(name):
+    # argparse's "(default: X)", the form HelpFormatter appends and vLLM prints, never "(default X)".
+    parser = SUBCOMMANDS[name]
+    formatter = parser._get_formatter()
+    for action in parser._actions:
+        if action.help not in (None, argparse.SUPPRESS):
+            text = formatter._expand_help(action)
+            assert not re.search(r"\bdefault\b(?!: )", text), f"hfjax {name} {action.dest}: {text!r}"
+
+
+# Each subcommand that loads a model, with the rest of what it needs.
+REST = {
+    "check": [],
+    "generate": ["Hi"],
+    "chat": [],
+    "serve": [],
+    "classify": ["I loved it", "Terrible."],
+    "transcribe": ["a.wav", "b.wav"],
+    "finetune": ["--data", "d.jsonl", "--out", "o", "--steps", "1"],
+    "image": ["a red cat", "--out", "cat.png"],
+    "shard-plan": [],
+}
+
+
+def test_every_subcommand_that_loads_a_model_is_tried_positionally():
+    assert set(REST) == {case.split()[0] for case in MISSING}
+
+
+@pytest.mark.parametrize("name", REST)
+def test_the_model_is_the_first_argument_or_model(name):
+    parser, rest = SUBCOMMANDS[name], REST[name]
+    stats = ["--stats"] if name in ("generate", "image") else []
+    positional = _options.parse_command(parser, ["ckpt", *stats, *rest])  # an option before the other positionals
+    flag = _options.parse_command(parser, [*rest, "--model", "ckpt"])
+    for args in (positional, flag):
+        assert _options.model_path(args) == "ckpt", args
+        others = [a.dest for a in parser._actions if not a.option_strings and a.dest != "positional_model"]
+        assert [getattr(args, dest) for dest in others] == [getattr(positional, dest) for dest in others]
+    if name not in ("classify", "transcribe"):  # (whose first TEXT or AUDIO file would be read as MODEL)
+        with pytest.raises(_options.FlagError, match="no model given"):
+            _options.model_path(_options.parse_command(parser, rest))
 
 
 def test_the_readme_lists_every_flag_of_every_subcommand():

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import json
 import re
+import subprocess
+import sys
 import warnings
 
 import jax
@@ -249,3 +252,39 @@ def test_values_that_change_with_every_input_stay_correct_and_end_op_by_op(monke
 def test_a_plain_trace_names_the_line_that_reads_the_data():
     with pytest.raises(hfjax.DataDependentError, match=r"runs in torch.unique_consecutive at test_compile\.py:\d+"):
         hfjax.jit(_EosPooler().eval()).lower("forward", torch.tensor([[5, 6, 2, 7], [8, 2, 9, 1]]))
+
+
+# A process of its own, with a compilation cache of its own (the suite's is off): a program is
+# compiled, then asked for again once the process has forgotten it, then compiled on another thread.
+_CACHED = """
+import json, sys, threading
+import jax, jax.numpy as jnp
+import hfjax
+from hfjax import bridge
+
+hfjax.set_cache_dir(sys.argv[1])
+x = jnp.arange(4.0)
+program = bridge.jit_program(lambda v: jnp.sin(v) * 3, stage="test")
+with bridge.Compiles() as first:
+    program.lower(x).compile()
+jax.clear_caches()
+with bridge.Compiles() as again:
+    program.lower(x).compile()
+other = bridge.jit_program(lambda v: jnp.cos(v) + 1, stage="test")
+with bridge.Compiles() as elsewhere:
+    thread = threading.Thread(target=lambda: other.lower(x).compile())
+    thread.start()
+    thread.join()
+print(json.dumps([[c.requested, c.from_cache, c.compiled] for c in (first, again, elsewhere)]))
+"""
+
+
+def test_compiles_tells_a_compile_from_a_cache_hit_on_its_own_thread(tmp_path):
+    done = subprocess.run(
+        [sys.executable, "-c", _CACHED, str(tmp_path / "xla")], capture_output=True, text=True, timeout=300
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    first, again, elsewhere = json.loads(done.stdout.splitlines()[-1])
+    assert first == [1, 0, True]  # XLA compiled it
+    assert again == [1, 1, False]  # the cache answered
+    assert elsewhere == [0, 0, False]  # another thread's compile is not this one's

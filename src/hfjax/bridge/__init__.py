@@ -7,7 +7,8 @@ pieces and imports them from here, never from the private modules:
     _ops         the registry of op lowerings (`override_op`) and the generic ones
     _pytrees     Hugging Face output and cache types as JAX pytrees, by field name
     _compile     `JittedModule` (a module's methods as programs, weights as arguments), `bound`
-                 (torch code run with given weights inside any trace), `jit_program` and `recording`
+                 (torch code run with given weights inside any trace), `jit_program`, `recording`
+                 and `Compiles` (whether XLA compiled, or JAX's compilation cache answered)
     _specialize  programs specialised on the values that model code reads, with guards
     _hub         a path or a Hugging Face Hub id -> a local checkpoint directory (downloading it)
     _loading     checkpoint -> meta skeleton + jax.Array weights, transformers' conversion rules
@@ -20,6 +21,7 @@ The bridge depends on no other part of hfjax but the top-level helpers (`_errors
 """
 
 from ._compile import (
+    Compiles,
     JittedModule,
     Recorded,
     bound,
@@ -62,6 +64,7 @@ __all__ = [
     "MAX_SPECIALIZATIONS",
     "PRECISIONS",
     "Backend",
+    "Compiles",
     "JittedModule",
     "Precision",
     "Recorded",

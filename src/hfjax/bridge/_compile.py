@@ -90,6 +90,46 @@ def _abstract(x):
     return x
 
 
+class Compiles(contextlib.AbstractContextManager):
+    """Counts, while open, the programs this thread asks XLA for and how many of them JAX's persistent
+    compilation cache answers (`hfjax.set_cache_dir`), from JAX's monitoring events, listened to only
+    while open. A program this process already holds is neither.
+
+    Example:
+      >>> with Compiles() as compiles:
+      ...     program.lower(*args).compile()
+      >>> compiles.compiled  # False: read from the cache
+    """
+
+    _COMPILE = "/jax/core/compile/backend_compile_duration"  # each program asked for, the cache's answers too
+    _CACHE_HIT = "/jax/compilation_cache/cache_hits"
+
+    def __init__(self):
+        self.requested = self.from_cache = 0
+        self._thread = threading.get_ident()
+
+    @property
+    def compiled(self) -> bool:
+        """Whether XLA compiled a program while open (rather than reading it from the cache)."""
+        return self.requested > self.from_cache
+
+    def _duration(self, event: str, seconds: float, **kwargs) -> None:
+        self.requested += event == self._COMPILE and threading.get_ident() == self._thread
+
+    def _event(self, event: str, **kwargs) -> None:
+        self.from_cache += event == self._CACHE_HIT and threading.get_ident() == self._thread
+
+    def __enter__(self):
+        self._thread = threading.get_ident()
+        jax.monitoring.register_event_duration_secs_listener(self._duration)
+        jax.monitoring.register_event_listener(self._event)
+        return self
+
+    def __exit__(self, *exc):
+        jax.monitoring.unregister_event_duration_listener(self._duration)
+        jax.monitoring.unregister_event_listener(self._event)
+
+
 @contextlib.contextmanager
 def recording():
     """Yields a list that gets every program called inside the context, with its arguments' shapes.

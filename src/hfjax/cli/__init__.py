@@ -34,7 +34,7 @@ from . import (
     shard_plan,
     transcribe,
 )
-from ._options import FlagError, HelpFormatter, Parser
+from ._options import FlagError, HelpFormatter, Parser, parse_command
 
 __all__ = ["main"]
 
@@ -81,7 +81,12 @@ def main(argv: list[str] | None = None) -> int:
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND")
     for command in _COMMANDS.values():
         command.add_parser(subparsers)
-    args = parser.parse_args(argv)
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv and argv[0] in subparsers.choices:
+        args = parse_command(subparsers.choices[argv[0]], argv[1:])
+        args.command = argv[0]
+    else:
+        args = parser.parse_args(argv)
     if args.command is None:
         parser.print_help()
         return 2

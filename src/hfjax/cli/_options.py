@@ -1,8 +1,10 @@
 """What the subcommands share: the parser class, the help format, and the model options.
 
-The model options (`--model`, `--dtype`, `--model-parallel`, `--data-parallel`) are defined once,
-in `model_options`, with the names vLLM and transformers use as aliases (`--tensor-parallel-size`,
-`--data-parallel-size`, `--dtype auto`); each subcommand takes them as a parent parser.
+The model options (MODEL or `--model`, `--dtype`, `--model-parallel`, `--data-parallel`) are defined
+once, in `model_options`, with the names vLLM and transformers use as aliases (`--tensor-parallel-size`,
+`--data-parallel-size`, `--dtype auto`); each subcommand takes them as a parent parser. As `vllm serve
+MODEL` and `transformers chat MODEL` do, every subcommand that loads a model takes it as its first
+positional argument, or as `--model`.
 """
 
 from __future__ import annotations
@@ -53,26 +55,24 @@ def _dtype(value: str) -> str | None:
     return None if value == "auto" else value
 
 
-def model_options(*, dtype: bool = True, mesh: bool = True, positional: bool = False, quantize: bool = False) -> Parser:
+def model_options(*, dtype: bool = True, mesh: bool = True, quantize: bool = False) -> Parser:
     """A parent parser with the model options a subcommand takes.
+
+    The model is the first positional argument, MODEL, or `--model` (read it with `model_path`;
+    parse with `parse_command`, which lets options come between MODEL and the other positionals).
 
     Args:
       dtype: add `--dtype` (default auto: the checkpoint's; parsed to None or a dtype name).
       mesh: add `--model-parallel` / `--tensor-parallel-size` and `--data-parallel` /
         `--data-parallel-size` (default 1 each).
-      positional: the model may also be given as the first positional argument, as `vllm serve
-        MODEL` takes it (read it with `model_path`); otherwise `--model` is required.
       quantize: add `--quantize`, `--quantization` and `--quantize-lm-head` (`hfjax.load`'s
         quantize= and quantize_lm_head=; read them with `quantize_options`).
     """
     parent = Parser(add_help=False)
-    if positional:
-        parent.add_argument(
-            "positional_model", nargs="?", default=None, metavar="MODEL", help="checkpoint directory or hub id"
-        )
-        parent.add_argument("--model", default=None, help="MODEL, given as a flag instead (default: none)")
-    else:
-        parent.add_argument("--model", required=True, help="checkpoint directory or hub id")
+    parent.add_argument(
+        "positional_model", nargs="?", default=None, metavar="MODEL", help="checkpoint directory or hub id"
+    )
+    parent.add_argument("--model", default=None, help="MODEL, given as a flag instead (default: none)")
     if dtype:
         parent.add_argument(
             "--dtype",
@@ -126,7 +126,7 @@ def model_options(*, dtype: bool = True, mesh: bool = True, positional: bool = F
 
 def quantize_options(args: argparse.Namespace, model: str | None = None) -> dict:
     """`hfjax.load`'s quantize= and quantize_lm_head= from `--quantize`, `--quantization` and
-    `--quantize-lm-head`, for the checkpoint `model` (default: `--model`).
+    `--quantize-lm-head`, for the checkpoint `model` (default: MODEL or `--model`).
 
     Raises:
       FlagError: `--quantization` naming a method hfjax does not read, or not the checkpoint's, or
@@ -135,7 +135,7 @@ def quantize_options(args: argparse.Namespace, model: str | None = None) -> dict
     quantize = getattr(args, "quantize", None)
     method = getattr(args, "quantization", None)
     if method is not None:
-        quantize = _quantize_for(method, quantize, model if model is not None else args.model)
+        quantize = _quantize_for(method, quantize, model if model is not None else model_path(args))
     return {"quantize": quantize, "quantize_lm_head": getattr(args, "quantize_lm_head", False)}
 
 
@@ -166,15 +166,33 @@ def _quantize_for(method: str, quantize: str | None, model: str) -> str | None:
     return None
 
 
+def parse_command(parser: argparse.ArgumentParser, argv: list[str]) -> argparse.Namespace:
+    """A subcommand's arguments. One that takes a model (`model_options`) allows options between its
+    positional arguments (as `parse_intermixed_args` reads them): `hfjax generate MODEL --stats PROMPT`
+    reads as `hfjax generate MODEL PROMPT --stats`. With `--model`, one whose MODEL is followed by a
+    list of positionals (classify's TEXTs, transcribe's AUDIO files) takes them all into that list.
+    """
+    positionals = [action for action in parser._actions if not action.option_strings]
+    if not positionals or positionals[0].dest != "positional_model":
+        return parser.parse_args(argv)
+    args = parser.parse_intermixed_args(argv)
+    listed = positionals[1] if len(positionals) > 1 and positionals[1].nargs in ("*", "+") else None
+    if listed is not None and args.model is not None and args.positional_model is not None:
+        setattr(args, listed.dest, [args.positional_model, *getattr(args, listed.dest)])
+        args.positional_model = None
+    return args
+
+
 def model_path(args: argparse.Namespace) -> str:
-    """The model a subcommand with `model_options(positional=True)` was given: MODEL or --model.
+    """The model a subcommand with `model_options` was given: MODEL or --model.
 
     Raises:
       FlagError: for neither, or two different ones.
     """
     given = [m for m in (args.positional_model, args.model) if m is not None]
     if not given:
-        raise FlagError("no model given; pass it as MODEL or with --model, e.g. `hfjax serve ./my-checkpoint`")
+        command = getattr(args, "command", None) or "COMMAND"
+        raise FlagError(f"no model given; pass it as MODEL or with --model, e.g. `hfjax {command} ./my-checkpoint ...`")
     if len(set(given)) > 1:
         raise FlagError(
             f"two models given: MODEL {args.positional_model!r} and --model {args.model!r}; pass one of them"

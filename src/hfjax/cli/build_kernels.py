@@ -15,7 +15,7 @@ def add_parser(subparsers) -> None:
         "~/.cache/hfjax/kernels (once per machine), checks and loads them, and prints whether they are used. "
         "Exit code 0 when they are loaded or do not apply to this machine, 1 when a build failed.",
     )
-    parser.add_argument("--timeout", type=float, default=300.0, help="seconds the compiler may take (default 300)")
+    parser.add_argument("--timeout", type=float, default=300.0, help="seconds the compiler may take (default: 300)")
 
 
 def run(args: argparse.Namespace) -> int:

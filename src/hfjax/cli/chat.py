@@ -11,7 +11,6 @@ import sys
 
 from ._options import model_options
 from .generate import (
-    CountCompiles,
     add_generation_arguments,
     add_image_argument,
     prepare,
@@ -35,8 +34,8 @@ def add_parser(subparsers) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from hfjax import bridge
     from hfjax._model import chat_prompt
-    from hfjax.bridge import context_length
 
     prepared = prepare(args, "chat")
     if isinstance(prepared, int):
@@ -49,7 +48,7 @@ def run(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return 1
-    context = context_length(model.config)
+    context = bridge.context_length(model.config)
     start = [{"role": "system", "content": args.system}] if args.system else []
     messages = list(start)
     interactive = sys.stdin.isatty()
@@ -95,7 +94,7 @@ def run(args: argparse.Namespace) -> int:
             )
             continue
         try:
-            with CountCompiles() as compiles:
+            with bridge.Compiles() as compiles:
                 out = model.generate(
                     **encoded,
                     streamer=text_streamer(model),

@@ -6,7 +6,7 @@ import argparse
 import json
 import sys
 
-from ._options import model_options, quantize_options
+from ._options import model_options, model_path, quantize_options
 
 
 def add_parser(subparsers) -> None:
@@ -19,7 +19,12 @@ def add_parser(subparsers) -> None:
         "With --image, an image classifier (ViT, ...) or, with --labels, a zero-shot one (CLIP, SigLIP). "
         "One line per text or image, best label first.",
     )
-    parser.add_argument("texts", nargs="*", metavar="TEXT", help="texts to classify")
+    parser.add_argument(
+        "texts",
+        nargs="*",
+        metavar="TEXT",
+        help="texts to classify, after MODEL (with --model: every positional argument)",
+    )
     parser.add_argument(
         "--image",
         action="append",
@@ -43,6 +48,7 @@ def add_parser(subparsers) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    args.model = model_path(args)
     import hfjax
 
     labels = None
@@ -56,7 +62,10 @@ def run(args: argparse.Namespace) -> int:
         print("hfjax classify: pass texts or --image, not both", file=sys.stderr)
         return 2
     if not args.image and not args.texts:
-        print("hfjax classify: nothing to classify; pass texts, or --image FILE", file=sys.stderr)
+        print(
+            f"hfjax classify: nothing to classify; pass texts after MODEL {args.model!r}, or --image FILE",
+            file=sys.stderr,
+        )
         return 2
     if args.image:
         return _classify_images(args, labels)

@@ -24,11 +24,13 @@ def add_parser(subparsers) -> None:
         "loads it with hfjax.load, and compares hfjax against PyTorch on the same inputs.",
     )
     parser.add_argument(
-        "--family", default="llama", help="model family to build (default llama; see hfjax.testing.FAMILIES)"
+        "--family", default="llama", help="model family to build (default: llama; see hfjax.testing.FAMILIES)"
     )
     parser.add_argument("--out", default=None, help="directory to keep the checkpoint in (default: a temporary one)")
-    parser.add_argument("--batch", type=int, default=1, help="batch size (default 1)")
-    parser.add_argument("--seq-len", type=int, default=128, help="tokens per sequence (default 128)")
+    parser.add_argument("--batch", type=int, default=1, help="rows of the compared forward's random input (default: 1)")
+    parser.add_argument(
+        "--seq-len", type=int, default=128, help="tokens per row of the compared forward's random input (default: 128)"
+    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -45,14 +47,18 @@ def run(args: argparse.Namespace) -> int:
         prompt = "The quick brown fox jumps over the lazy dog."
         if model.tokenizer is not None:
             ids = model.tokenizer(prompt, return_tensors="np")["input_ids"]
-            print(f"prompt:     {prompt!r} -> {ids.shape[1]} tokens")
+            print(f"tokenizer:  {prompt!r} -> {ids.shape[1]} token ids")
+        print(
+            f"compared:   a forward on random token ids, batch {args.batch} x {args.seq_len} tokens "
+            "(--batch, --seq-len)"
+        )
         report = hfjax.check(path, batch=args.batch, seq_len=args.seq_len, repeats=5)
     print(report.table())
     jit_rows = [r for r in report.rows if r.path == "jit" and r.seconds]
     if report.torch_seconds and jit_rows:
         speedup = report.torch_seconds / jit_rows[0].seconds
         print(
-            f"forward, batch {args.batch} x {args.seq_len} tokens: PyTorch {report.torch_seconds * 1e3:.1f} ms, "
+            f"forward:    PyTorch {report.torch_seconds * 1e3:.1f} ms, "
             f"hfjax {jit_rows[0].seconds * 1e3:.1f} ms ({speedup:.2f}x)"
         )
     print("parity: " + ("PASS" if report.passed else "FAIL"))

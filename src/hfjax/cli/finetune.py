@@ -6,7 +6,7 @@ import argparse
 import pathlib
 import sys
 
-from ._options import mesh, model_options
+from ._options import mesh, model_options, model_path
 
 _PEFT_TASKS = {"text-generation": "CAUSAL_LM", "text-classification": "SEQ_CLS", "text2text-generation": "SEQ_2_SEQ_LM"}
 
@@ -30,25 +30,25 @@ def add_parser(subparsers) -> None:
     )
     parser.add_argument("--out", required=True, help="output directory")
     parser.add_argument("--steps", type=int, required=True, help="optimizer steps in all")
-    parser.add_argument("--batch-size", type=int, default=8, help="rows per step (default 8)")
-    parser.add_argument("--learning-rate", type=float, default=5e-5, help="peak learning rate (default 5e-5)")
-    parser.add_argument("--warmup-steps", type=int, default=0, help="linear warmup steps (default 0)")
+    parser.add_argument("--batch-size", type=int, default=8, help="rows per step (default: 8)")
+    parser.add_argument("--learning-rate", type=float, default=5e-5, help="peak learning rate (default: 5e-5)")
+    parser.add_argument("--warmup-steps", type=int, default=0, help="linear warmup steps (default: 0)")
     parser.add_argument(
-        "--weight-decay", type=float, default=0.0, help="AdamW's decay, not on biases and norms (default 0)"
+        "--weight-decay", type=float, default=0.0, help="AdamW's decay, not on biases and norms (default: 0)"
     )
     parser.add_argument(
-        "--max-grad-norm", type=float, default=1.0, help="clip the gradient's norm to this (default 1.0; 0: off)"
+        "--max-grad-norm", type=float, default=1.0, help="clip the gradient's norm to this (default: 1.0; 0: off)"
     )
-    parser.add_argument("--max-length", type=int, default=256, help="tokens per example at most (default 256)")
+    parser.add_argument("--max-length", type=int, default=256, help="tokens per example at most (default: 256)")
     parser.add_argument(
         "--lora-r",
         type=int,
         default=None,
         help="train a LoRA adapter of this rank instead of every weight (default: train every weight)",
     )
-    parser.add_argument("--lora-alpha", type=float, default=None, help="LoRA's alpha (default 2 x rank)")
+    parser.add_argument("--lora-alpha", type=float, default=None, help="LoRA's alpha (default: 2 x rank)")
     parser.add_argument(
-        "--lora-targets", default="all-linear", help="comma-separated module names for LoRA (default all-linear)"
+        "--lora-targets", default="all-linear", help="comma-separated module names for LoRA (default: all-linear)"
     )
     parser.add_argument(
         "--save-every",
@@ -65,7 +65,7 @@ def add_parser(subparsers) -> None:
     parser.add_argument(
         "--resume", action="store_true", help="continue from OUT/checkpoint, exactly as if never stopped"
     )
-    parser.add_argument("--seed", type=int, default=0, help="data order and LoRA initialisation (default 0)")
+    parser.add_argument("--seed", type=int, default=0, help="data order and LoRA initialisation (default: 0)")
     parser.add_argument(
         "--fully-sharded",
         action="store_true",
@@ -85,6 +85,7 @@ def run(args: argparse.Namespace) -> int:
     import hfjax
     from hfjax import training
 
+    args.model = model_path(args)
     out = pathlib.Path(args.out)
     checkpoint = out / "checkpoint"
     for flag, value in [("--steps", args.steps), ("--batch-size", args.batch_size)]:

@@ -6,11 +6,10 @@ Also the generation flags, the model loading and the --stats line that `hfjax ch
 from __future__ import annotations
 
 import argparse
-import contextlib
 import math
 import sys
 
-from ._options import at_least_one, mesh, model_options, quantize_options
+from ._options import at_least_one, mesh, model_options, model_path, quantize_options
 
 
 def add_parser(subparsers) -> None:
@@ -96,6 +95,7 @@ def prepare(args: argparse.Namespace, command: str):
     """Checks the flags, then loads the model: returns (model, `Model.generate` keyword
     arguments), or, after printing the error on one line, the exit code: 2 for a bad flag,
     1 for a model that cannot generate text."""
+    args.model = model_path(args)
     try:
         kwargs = generation_kwargs(args)
     except ValueError as error:
@@ -135,43 +135,8 @@ def text_streamer(model):
     return TextStreamer(model.tokenizer, skip_prompt=True, skip_special_tokens=True)
 
 
-class CountCompiles(contextlib.AbstractContextManager):
-    """Counts XLA's compiles while open, and how many of them JAX's persistent compilation cache
-    answered: a program read from the cache (or from hfjax's program store) is not compiled again.
-    The command line owns its process, so it may listen to JAX's monitoring events."""
-
-    _COMPILE = "/jax/core/compile/backend_compile_duration"  # each compile, the cache's answers included
-    _CACHE_HIT = "/jax/compilation_cache/cache_hits"
-
-    def __init__(self):
-        self.requested = self.from_cache = 0
-
-    @property
-    def compiled(self) -> bool:
-        """Whether XLA compiled a program while open."""
-        return self.requested > self.from_cache
-
-    def _duration(self, event: str, seconds: float, **kwargs) -> None:
-        self.requested += event == self._COMPILE
-
-    def _event(self, event: str, **kwargs) -> None:
-        self.from_cache += event == self._CACHE_HIT
-
-    def __enter__(self):
-        import jax
-
-        jax.monitoring.register_event_duration_secs_listener(self._duration)
-        jax.monitoring.register_event_listener(self._event)
-        return self
-
-    def __exit__(self, *exc):
-        import jax
-
-        jax.monitoring.unregister_event_duration_listener(self._duration)
-        jax.monitoring.unregister_event_listener(self._event)
-
-
-def print_stats(model, compiles: CountCompiles) -> None:
+def print_stats(model, compiles) -> None:
+    """The --stats line on stderr; `compiles`: the call's `hfjax.bridge.Compiles`."""
     stats = model.last_generation_stats
     rate = f"{stats.tokens_per_second:.1f} tokens/s" if math.isfinite(stats.tokens_per_second) else "no decode steps"
     compiled = ", compiled in this call" if compiles.compiled else ""
@@ -183,12 +148,14 @@ def print_stats(model, compiles: CountCompiles) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from hfjax import bridge
+
     prepared = prepare(args, "generate")
     if isinstance(prepared, int):
         return prepared
     model, kwargs = prepared
     try:
-        with CountCompiles() as compiles:
+        with bridge.Compiles() as compiles:
             if args.image:
                 from hfjax.generation import chat_with_images
 

@@ -7,7 +7,7 @@ import pathlib
 import sys
 import time
 
-from ._options import FlagError, at_least_one, model_options
+from ._options import FlagError, at_least_one, model_options, model_path
 
 
 def add_parser(subparsers) -> None:
@@ -20,9 +20,9 @@ def add_parser(subparsers) -> None:
     )
     parser.add_argument("prompt", help="text prompt")
     parser.add_argument("--out", required=True, help="PNG file to write (its directory is made if missing)")
-    parser.add_argument("--steps", type=int, default=20, help="denoising steps (default 20)")
-    parser.add_argument("--guidance", type=float, default=7.5, help="classifier-free guidance scale (default 7.5)")
-    parser.add_argument("--seed", type=int, default=0, help="seed of the starting noise (default 0)")
+    parser.add_argument("--steps", type=int, default=20, help="denoising steps (default: 20)")
+    parser.add_argument("--guidance", type=float, default=7.5, help="classifier-free guidance scale (default: 7.5)")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the starting noise (default: 0)")
     parser.add_argument("--height", type=int, default=None, help="image height in pixels (default: the pipeline's)")
     parser.add_argument("--width", type=int, default=None, help="image width in pixels (default: the pipeline's)")
     parser.add_argument("--negative-prompt", default=None, help="what the image should not show (default: none)")
@@ -38,6 +38,7 @@ def run(args: argparse.Namespace) -> int:
     from .._errors import HfjaxError
     from ..diffusion import load_pipeline
 
+    args.model = model_path(args)
     at_least_one(args, "steps", "height", "width")
     try:  # before the pipeline runs: a run should not end in a path that cannot be written
         pathlib.Path(args.out).parent.mkdir(parents=True, exist_ok=True)

@@ -46,7 +46,9 @@ def add_parser(subparsers) -> None:
         "arguments). Output lines are prefixed with the process id. Exits with the first non-zero exit code.",
     )
     parser.add_argument("--nproc", type=int, required=True, help="number of processes")
-    parser.add_argument("--devices-per-proc", type=int, default=4, help="simulated CPU devices per process (default 4)")
+    parser.add_argument(
+        "--devices-per-proc", type=int, default=4, help="simulated CPU devices per process (default: 4)"
+    )
     parser.add_argument("--port", type=int, default=None, help="coordinator port on 127.0.0.1 (default: a free one)")
     # dest "argv": the top-level parser already stores the subcommand's name in "command".
     parser.add_argument(

@@ -18,15 +18,15 @@ _SWITCH_INTERVAL_S = 0.0005  # the GIL's, in the server's process (below)
 def add_parser(subparsers) -> None:
     parser = subparsers.add_parser(
         "serve",
-        parents=[model_options(positional=True, quantize=True)],
+        parents=[model_options(quantize=True)],
         help="serve a model over the OpenAI HTTP API, with continuous batching",
         description="Loads MODEL and answers /v1/chat/completions, /v1/completions (causal LMs), /v1/embeddings "
         "(encoders), /v1/models, /tokenize, /detokenize, /version, /health, /metrics, and a chat page at /. "
         "Requests join and leave a batch of --max-batch sequence slots between decode chunks. SIGTERM stops "
         'accepting requests, finishes those in flight and exits 0. Needs the serve extra: pip install "hfjax[serve]".',
     )
-    parser.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
-    parser.add_argument("--port", type=int, default=8000, help="port to listen on (default 8000)")
+    parser.add_argument("--host", default="127.0.0.1", help="address to listen on (default: 127.0.0.1)")
+    parser.add_argument("--port", type=int, default=8000, help="port to listen on (default: 8000)")
     parser.add_argument(
         "--served-model-name", default=None, help="the model name clients pass (default: MODEL as given)"
     )
@@ -64,14 +64,14 @@ def add_parser(subparsers) -> None:
         "--kv-cache-memory's default)",
     )
     parser.add_argument(
-        "--max-queue", type=int, default=256, help="requests waiting for a slot before 429 answers (default 256)"
+        "--max-queue", type=int, default=256, help="requests waiting for a slot before 429 answers (default: 256)"
     )
     parser.add_argument(
         "--api-key",
         default=None,
         help="require 'Authorization: Bearer KEY' on /v1/ endpoints, else 401 (default: no key needed)",
     )
-    parser.add_argument("--decode-steps", type=int, default=4, help="decode steps per chunk of every slot (default 4)")
+    parser.add_argument("--decode-steps", type=int, default=4, help="decode steps per chunk of every slot (default: 4)")
     parser.add_argument(
         "--max-decode-steps",
         type=int,
@@ -79,7 +79,7 @@ def add_parser(subparsers) -> None:
         help="the most decode steps of a chunk of fewer rows, which run as many steps as take about the time of a "
         "full chunk while no request waits (default: 4 x --decode-steps; equal to it: every chunk the same)",
     )
-    parser.add_argument("--prefill-chunk", type=int, default=64, help="prompt tokens per prefill chunk (default 64)")
+    parser.add_argument("--prefill-chunk", type=int, default=64, help="prompt tokens per prefill chunk (default: 64)")
     parser.add_argument(
         "--enable-prefix-caching",
         action=argparse.BooleanOptionalAction,
@@ -112,7 +112,7 @@ def add_parser(subparsers) -> None:
         help="no stats line (prompt and generation tokens/s, requests running and waiting) every 10 s while busy",
     )
     parser.add_argument(
-        "--prefill-rows", type=int, default=4, help="prompts read together in one prefill call (default 4)"
+        "--prefill-rows", type=int, default=4, help="prompts read together in one prefill call (default: 4)"
     )
 
 

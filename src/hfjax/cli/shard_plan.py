@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from ._options import at_least_one, model_options, quantize_options
+from ._options import at_least_one, model_options, model_path, quantize_options
 
 
 def add_parser(subparsers) -> None:
@@ -26,6 +26,7 @@ def run(args: argparse.Namespace) -> int:
     from .. import _tasks, bridge, quantization
     from ..parallel import plan
 
+    args.model = model_path(args)
     at_least_one(args, "model_parallel", "data_parallel")
     path = bridge.resolve_checkpoint(args.model)
     config = bridge.read_config(path)

@@ -6,7 +6,7 @@ import argparse
 import json
 import sys
 
-from ._options import model_options
+from ._options import model_options, model_path
 
 
 def add_parser(subparsers) -> None:
@@ -19,11 +19,17 @@ def add_parser(subparsers) -> None:
         "(the audio extra: pip install 'hfjax[audio]'). "
         "Prints one line of text per file.",
     )
-    parser.add_argument("audio", nargs="+", metavar="AUDIO", help="audio files to transcribe (WAV, FLAC, OGG, MP3)")
+    parser.add_argument(
+        "audio",
+        nargs="+",
+        metavar="AUDIO",
+        help="audio files to transcribe (WAV, FLAC, OGG, MP3), after MODEL (with --model: every positional argument)",
+    )
     parser.add_argument("--json", action="store_true", help="print one JSON object per file: file, text")
 
 
 def run(args: argparse.Namespace) -> int:
+    args.model = model_path(args)
     import hfjax
 
     try:

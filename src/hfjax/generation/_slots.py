@@ -607,15 +607,21 @@ class SlotPrograms:
         leaves, chosen = program.run(*args)
         return SlotState(*leaves), Chosen(*chosen)
 
-    def compile_prefill(self, *arguments, window: int) -> None:
-        """Compiles the prefill program for these arguments (arrays or their shapes) without running it."""
-        program, args = self._prefill(*arguments, window=window)
-        program.run.lower(*args).compile()
+    def compile_prefill(self, *arguments, window: int) -> bool:
+        """Compiles the prefill program for these arguments (arrays or their shapes) without running it.
+        Returns whether it was loaded from the compilation cache, XLA compiling nothing."""
+        with bridge.Compiles() as compiles:
+            program, args = self._prefill(*arguments, window=window)
+            program.run.lower(*args).compile()
+        return not compiles.compiled
 
-    def compile_decode(self, *arguments, decoding_rows: int, window: int, logprobs: bool = True) -> None:
-        """Compiles the decode program for these arguments (arrays or their shapes) without running it."""
-        program, args = self._decode(*arguments, decoding_rows=decoding_rows, window=window, logprobs=logprobs)
-        program.run.lower(*args).compile()
+    def compile_decode(self, *arguments, decoding_rows: int, window: int, logprobs: bool = True) -> bool:
+        """Compiles the decode program for these arguments (arrays or their shapes) without running it.
+        Returns whether it was loaded from the compilation cache, XLA compiling nothing."""
+        with bridge.Compiles() as compiles:
+            program, args = self._decode(*arguments, decoding_rows=decoding_rows, window=window, logprobs=logprobs)
+            program.run.lower(*args).compile()
+        return not compiles.compiled
 
     def _prefill(self, state, rows, which, ids, start, count, last, fresh, want_logprobs, *, window):
         args = (self.params, state.leaves(), rows.leaves(), which, ids, start, count, last, fresh, want_logprobs)

@@ -105,19 +105,23 @@ class Compiler:
     def _prepare_now(self, cells: list[tuple[str, int, int]]) -> None:
         todo = [cell for cell in cells if cell[1:] not in self._ready[cell[0]]]
         for n, (kind, rows, window) in enumerate(todo, 1):
-            seconds = self._compile(kind, rows, window)
+            seconds, cached = self._compile(kind, rows, window)
             if self.progress is not None:
+                done = "loaded" if cached else "compiled"
+                where = " from the cache" if cached else ""
                 self.progress(
-                    f"compiled the {kind} program for {rows} rows x {window} columns ({n}/{len(todo)}): {seconds:.1f} s"
+                    f"{done} the {kind} program for {rows} rows x {window} columns{where} ({n}/{len(todo)}): "
+                    f"{seconds:.1f} s"
                 )
 
-    def _compile(self, kind: str, rows: int, window: int) -> float:
+    def _compile(self, kind: str, rows: int, window: int) -> tuple[float, bool]:
+        """Compiles one program: (its seconds, whether it was loaded from the compilation cache)."""
         start = time.perf_counter()
         arguments = jax.tree_util.tree_map(_abstract, self._example(kind, rows, window))
         if kind == "prefill":
-            self.programs.compile_prefill(*arguments, window=window)
+            cached = self.programs.compile_prefill(*arguments, window=window)
         else:
-            self.programs.compile_decode(
+            cached = self.programs.compile_decode(
                 *arguments, decoding_rows=rows, window=window, logprobs=kind == "decode_logprobs"
             )
         seconds = time.perf_counter() - start
@@ -126,7 +130,7 @@ class Compiler:
             self.seconds += seconds
             self.compiled += 1
         self._report_pending(self.pending)
-        return seconds
+        return seconds, cached
 
     def _ahead(self) -> list[tuple[str, int, int]]:
         """The programs compiled while no chunk asks for one: one row over the windows a short chat
@@ -153,8 +157,13 @@ class Compiler:
                     cell = self._next()
                 if self._stopping:
                     return
-            seconds = self._compile(*cell)
-            logger.info("hfjax serve: compiled the %s program for %d rows x %d columns in %.1f s", *cell, seconds)
+            seconds, cached = self._compile(*cell)
+            logger.info(
+                "hfjax serve: %s the %s program for %d rows x %d columns in %.1f s",
+                "loaded" if cached else "compiled",
+                *cell,
+                seconds,
+            )
 
 
 def _abstract(x):
