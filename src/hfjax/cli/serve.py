@@ -61,7 +61,7 @@ def add_parser(subparsers) -> None:
         help="vLLM's sizing of the KV cache: it takes FRACTION, in (0, 1], of the device's memory less what is in "
         "use once the model is loaded; the device's memory is what JAX may allocate on an accelerator, and on the "
         "CPU the machine's RAM, less the RAM every process uses; not used with --kv-cache-memory (default: unset, "
-        "--kv-cache-memory's default)",
+        "when --kv-cache-memory's sizing applies)",
     )
     parser.add_argument(
         "--max-queue", type=int, default=256, help="requests waiting for a slot before 429 answers (default: 256)"
