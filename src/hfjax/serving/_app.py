@@ -3,7 +3,9 @@
 Endpoints: POST /v1/chat/completions, /v1/completions, /v1/embeddings; GET /v1/models, /health,
 /metrics (Prometheus' text format, written by prometheus_client), / (the chat page). Errors answer
 in OpenAI's shape {"error": {"message", "type", "param", "code"}}: 400 for a bad request (FastAPI's
-422 is never used: bodies are read and checked here), 401 for a missing or wrong API key, 429 for a full queue.
+422 is never used: bodies are read and checked here), 401 for a missing or wrong API key, 404 and 405 for
+a path or method not served, 429 for a full queue, 500 for a failure of the server's own (its traceback
+in the log).
 """
 
 # FastAPI reads the endpoints' annotations (Request) at run time: no `from __future__ import annotations`.
@@ -18,6 +20,7 @@ import time
 
 import numpy as np
 
+from .. import bridge
 from .._errors import GenerationError, HfjaxError
 from . import _protocol
 from ._metrics import Metrics
@@ -31,11 +34,15 @@ def build_app(model, *, served_model_name: str, engine: Engine | None, api_key: 
     answers /v1/embeddings only). The engine is started and stopped with the application."""
     from fastapi import FastAPI, Request
     from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
+    from starlette.exceptions import HTTPException
 
     metrics = engine.metrics if engine is not None else Metrics(0)
     tokenizer = model.tokenizer
     max_model_len = engine.max_model_len if engine is not None else None
     created = int(time.time())
+    if tokenizer is not None:  # (without one, Model.embed answers that it has none)
+        longest = _protocol.longest_token(tokenizer)
+        embed_length = bridge.context_length(model.config) or tokenizer.model_max_length  # where Model.embed cuts
 
     @contextlib.asynccontextmanager
     async def lifespan(app):
@@ -57,12 +64,24 @@ def build_app(model, *, served_model_name: str, engine: Engine | None, api_key: 
     async def api_error(request: Request, error: ApiError):
         return error_response(error)
 
+    @app.exception_handler(HTTPException)
+    async def http_error(request: Request, error: HTTPException):  # a path or method not served
+        return JSONResponse(
+            ApiError(
+                error.status_code, f"{request.method} {request.url.path}: {error.detail}", kind="invalid_request_error"
+            ).body(),
+            status_code=error.status_code,
+            headers=error.headers,
+        )
+
+    @app.exception_handler(Exception)
+    async def internal_error(request: Request, error: Exception):
+        # Starlette raises the error again once this answer is sent: the server's log gets its traceback.
+        message = f"the server failed on this request ({type(error).__name__}); see the server's log"
+        return error_response(ApiError(500, message, kind="internal_server_error"))
+
     async def read_json(request: Request):
-        raw = await request.body()
-        try:
-            return json.loads(raw)
-        except (json.JSONDecodeError, UnicodeDecodeError) as error:
-            raise _protocol.invalid("body", f"the request body is not valid JSON: {error}") from None
+        return _protocol.parse_body(await request.body())
 
     def needs_engine(endpoint: str) -> Engine:
         if engine is None:
@@ -101,12 +120,18 @@ def build_app(model, *, served_model_name: str, engine: Engine | None, api_key: 
     @app.post("/v1/embeddings")
     async def embeddings(request: Request):
         texts, encoding = _protocol.embedding_request(await read_json(request), served_model_name)
-        loop = asyncio.get_running_loop()
+        for i, text in enumerate(texts if tokenizer is not None else ()):
+            field = f"input[{i}]" if len(texts) > 1 else "input"
+            _protocol.check_length(text, field, embed_length, longest, f"the model's context of {embed_length}")
+
+        def embed():  # [N, H], and the tokens read
+            vectors = np.asarray(model.embed(texts), np.float32)
+            return vectors, sum(len(ids) for ids in tokenizer(texts, verbose=False)["input_ids"])
+
         try:
-            vectors = np.asarray(await loop.run_in_executor(None, model.embed, texts), np.float32)  # [N, H]
+            vectors, tokens = await asyncio.get_running_loop().run_in_executor(None, embed)
         except HfjaxError as error:  # a model that embeds no text
             raise ApiError(400, str(error), param="model", code="model_not_supported") from None
-        tokens = sum(len(tokenizer(t, verbose=False)["input_ids"]) for t in texts)
         data = []
         for i, vector in enumerate(vectors):
             value = (
@@ -135,6 +160,10 @@ def build_app(model, *, served_model_name: str, engine: Engine | None, api_key: 
 
     async def _answer(request: Request, running: Engine, generation: _protocol.Generation, *, chat: bool):
         if isinstance(generation.prompt, str):
+            _protocol.check_length(
+                generation.prompt, generation.prompt_field, running.max_model_len, longest,
+                f"the server's max_model_len={running.max_model_len}",
+            )  # fmt: skip
             # A chat prompt holds its template's own special tokens.
             # verbose=False: a prompt too long for the context is the 400 below, not a log line.
             ids = tokenizer(generation.prompt, add_special_tokens=not chat, verbose=False)["input_ids"]
