@@ -68,8 +68,8 @@ MISSING = {
     "check": ["--model", "{missing}"],
     "generate": ["--model", "{missing}", "Hello"],
     "chat": ["--model", "{missing}"],
-    "serve": ["{missing}"],
-    "serve --model": ["--model", "{missing}"],
+    "serve": ["{missing}", "--port", "0"],  # (any free port: serve binds its port before it loads)
+    "serve --model": ["--model", "{missing}", "--port", "0"],
     "classify": ["--model", "{missing}", "I loved it"],
     "classify --image": ["--model", "{missing}", "--image", "{missing}.png"],
     "transcribe": ["--model", "{missing}", "{missing}.wav"],
