@@ -271,7 +271,7 @@ def bodies(draw, path: str, model: str = NAME):
 
 
 _FUZZ = hypothesis.settings(
-    max_examples=250, deadline=None, derandomize=True, database=None, suppress_health_check=list(hypothesis.HealthCheck)
+    max_examples=400, deadline=None, derandomize=True, database=None, suppress_health_check=list(hypothesis.HealthCheck)
 )
 
 
@@ -382,6 +382,32 @@ def test_unknown_paths_and_methods_answer_in_openais_shape(http):
         assert answer.status_code == status
         assert answer.json()["error"]["type"] == "invalid_request_error"
         assert path in answer.json()["error"]["message"]
+
+
+def test_an_unexpected_error_is_a_500_in_openais_shape(checkpoint, monkeypatch):
+    """The last line of defence (none of the bodies above reaches it): an exception the endpoint does
+    not expect answers OpenAI's shape, type internal_server_error, not Starlette's plain text."""
+    from fastapi.testclient import TestClient
+
+    import hfjax
+    from hfjax import serving
+
+    encoder = hfjax.load(checkpoint("bert", task="feature-extraction"))
+
+    def embed(texts):
+        raise RuntimeError("a failure of the server's own")
+
+    monkeypatch.setattr(encoder, "embed", embed)
+    app = serving.build_app(encoder, served_model_name=ENCODER, engine=None)
+    with TestClient(app, raise_server_exceptions=False) as client:
+        answer = client.post(EMBEDDINGS, json={"model": ENCODER, "input": "hi"})
+    assert answer.status_code == 500
+    assert answer.json() == {
+        "error": {
+            "message": "the server failed on this request (RuntimeError); see the server's log",
+            "type": "internal_server_error", "param": None, "code": None,
+        }
+    }  # fmt: skip
 
 
 def test_a_taken_port_is_refused_in_one_line_before_the_model_loads(checkpoint):
