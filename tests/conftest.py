@@ -73,8 +73,9 @@ def pytest_configure(config):
 # training jobs, the servers), so that those processes run beside everything else rather than
 # after it; then the longest. Ordered by test count, as xdist does by default, the README's job
 # started last and one core idled for its last ~2 minutes. Modules not named keep their order.
-_FIRST = ("test_readme", "test_sharding", "test_training_runs", "test_serve", "test_generate", "test_ops",
-          "test_cpu", "test_diffusion", "test_testing", "test_sampling", "test_training", "test_parity")  # fmt: skip
+_FIRST = ("test_readme", "test_sharding", "test_training_runs", "test_serve", "test_serve_fuzz", "test_generate",
+          "test_ops", "test_cpu", "test_diffusion", "test_testing", "test_sampling", "test_training",
+          "test_parity")  # fmt: skip
 
 
 def pytest_collection_modifyitems(session, config, items):

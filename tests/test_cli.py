@@ -70,8 +70,8 @@ MISSING = {
     "generate": ["--model", "{missing}", "Hello"],
     "generate MODEL": ["{missing}", "--temperature", "0", "Hello"],
     "chat": ["--model", "{missing}"],
-    "serve": ["{missing}"],
-    "serve --model": ["--model", "{missing}"],
+    "serve": ["{missing}", "--port", "0"],  # (any free port: serve binds its port before it loads)
+    "serve --model": ["--model", "{missing}", "--port", "0"],
     "classify": ["--model", "{missing}", "I loved it"],
     "classify --image": ["--model", "{missing}", "--image", "{missing}.png"],
     "classify MODEL": ["{missing}", "I loved it"],

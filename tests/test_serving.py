@@ -409,6 +409,11 @@ def test_bad_requests_raise_errors_that_name_the_argument(model, engine):
         engine.submit(ids, SamplingParams(max_tokens=1, presence_penalty=3.0), lambda e: None)
     with pytest.raises(hfjax.GenerationError, match=r"logit_bias names token 99999, outside the vocabulary"):
         engine.submit(ids, SamplingParams(max_tokens=1, logit_bias=((99999, 1.0),)), lambda e: None)
+    with pytest.raises(hfjax.GenerationError, match=r"logit_bias holds 65 tokens; pass at most 64"):
+        SamplingParams(max_tokens=1, logit_bias={token: 1.0 for token in range(65)})
+    for outside in (-1, model.config.vocab_size, 2**40):  # (2**40: past int32, as the slot arrays hold ids)
+        with pytest.raises(hfjax.GenerationError, match=f"the prompt holds token id {outside}, outside the vocabulary"):
+            engine.submit([*ids, outside], SamplingParams(max_tokens=1), lambda e: None)
     with pytest.raises(hfjax.ServingError, match="max_model_len=100000"):
         Engine(model, max_model_len=100_000)
 

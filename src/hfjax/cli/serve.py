@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import argparse
+import errno
 import gc
 import importlib.util
 import signal
+import socket
 import sys
 
 from ._options import mesh, model_options, model_path, quantize_options
@@ -145,6 +147,33 @@ def _exit_cleanly(signum, frame):
     sys.exit(0)
 
 
+def _listening_socket(host: str, port: int) -> socket.socket:
+    """A socket bound to (host, port), as uvicorn binds one, for uvicorn to listen on once the model is
+    loaded: a taken port fails before the loading does.
+
+    Raises:
+        OSError, OverflowError: the address cannot be bound (taken, not this machine's, a port past 65535).
+    """
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, port))
+    except BaseException:
+        sock.close()
+        raise
+    return sock
+
+
+def _bind_problem(host: str, port: int, error: Exception) -> str:
+    if isinstance(error, OSError) and error.errno == errno.EADDRINUSE:
+        return (
+            f"hfjax serve: --port {port}: {host}:{port} is already in use (another server listens there); "
+            f"pass another port, such as --port {port + 1 if port < 65535 else 8000}"
+        )
+    reason = (error.strerror if isinstance(error, OSError) and error.strerror else str(error)).rstrip(".")
+    return f"hfjax serve: cannot listen on {host}:{port} (--host {host} --port {port}): {reason}; pass another --host or --port"
+
+
 def missing_extra() -> list[str]:
     """The serve extra's packages that are not installed."""
     return [name for name in _EXTRA if importlib.util.find_spec(name) is None]
@@ -178,12 +207,17 @@ def run(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return 2
+    path = model_path(args)
+    try:
+        sock = _listening_socket(args.host, args.port)
+    except (OSError, OverflowError) as error:
+        print(_bind_problem(args.host, args.port, error), file=sys.stderr)
+        return 1
     import uvicorn
 
     import hfjax
     from hfjax.serving import Engine, build_app
 
-    path = model_path(args)
     model = hfjax.load(path, dtype=args.dtype, mesh=mesh(args), **quantize_options(args, path))
     gc.freeze()  # see below; here it spares the warm-up's compiles the full passes over the model
     engine = None
@@ -211,13 +245,18 @@ def run(args: argparse.Namespace) -> int:
     name = args.served_model_name or path
     stats = None if args.disable_log_stats else lambda line: print(f"hfjax serve: {line}", file=sys.stderr, flush=True)
     app = build_app(model, served_model_name=name, engine=engine, api_key=args.api_key, log_stats=stats)
-    print(f"hfjax serve: {name} on http://{args.host}:{args.port}", file=sys.stderr, flush=True)
+    host = f"[{args.host}]" if ":" in args.host else args.host
+    print(f"hfjax serve: {name} on http://{host}:{sock.getsockname()[1]}", file=sys.stderr, flush=True)
     # uvicorn shuts down gracefully on SIGTERM (no new connections, the answers in flight finished, the engine
     # stopped), then raises the signal again under the handler it found: this one makes that an exit with 0.
     signal.signal(signal.SIGTERM, _exit_cleanly)
     # At log level info uvicorn writes an access line per request, as vLLM's server does.
-    uvicorn.run(
-        app, host=args.host, port=args.port, log_level=args.uvicorn_log_level, access_log=not args.disable_log_requests,
-        timeout_graceful_shutdown=None,
-    )  # fmt: skip
-    return 0
+    config = uvicorn.Config(
+        app, log_level=args.uvicorn_log_level, access_log=not args.disable_log_requests, timeout_graceful_shutdown=None
+    )
+    server = uvicorn.Server(config)
+    try:
+        server.run(sockets=[sock])
+    except KeyboardInterrupt:  # Ctrl-C, after the same graceful shutdown (as uvicorn.run)
+        pass
+    return 0 if server.started else 3  # 3: uvicorn's status when the application failed to start

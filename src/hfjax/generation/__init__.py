@@ -36,7 +36,7 @@ check (`check_context`), the continuous-batching core the server drives (`SlotMo
 from ._caches import cache_keyword, returned_cache
 from ._engine import GenerationStats, Generator
 from ._generate import check_context, generate
-from ._rows import MAX_HELD_STOP_TOKENS, RowSampling, SamplingFeatures, key_data
+from ._rows import MAX_HELD_STOP_TOKENS, MAX_LOGIT_BIAS, RowSampling, SamplingFeatures, key_data
 from ._settings import GenerationSettings, SamplingConfig, resolve_settings
 from ._slots import Chosen, SlotModel, SlotPrograms, SlotState, check_supported
 from ._vision_chat import chat_with_images, check_takes_images, encode, load_image
@@ -50,6 +50,7 @@ __all__ = [
     "SamplingConfig",
     "SamplingFeatures",
     "MAX_HELD_STOP_TOKENS",
+    "MAX_LOGIT_BIAS",
     "SlotModel",
     "SlotPrograms",
     "SlotState",

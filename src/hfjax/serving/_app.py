@@ -4,8 +4,9 @@ Endpoints: POST /v1/chat/completions, /v1/completions, /v1/embeddings, and vLLM'
 /detokenize; GET /v1/models, /v1/models/{id}, /health, /version, /metrics (Prometheus' text format,
 written by prometheus_client), / (the chat page). Errors answer in OpenAI's shape {"error":
 {"message", "type", "param", "code"}}: 400 for a bad request (FastAPI's 422 is never used: bodies
-are read and checked here), 401 for a missing or wrong API key, 404 for an unknown model id, 429 for
-a full queue.
+are read and checked here), 401 for a missing or wrong API key, 404 for an unknown model id or a
+path not served, 405 for a method not served, 429 for a full queue, 500 for a failure of the
+server's own (its traceback in the log).
 """
 
 # FastAPI reads the endpoints' annotations (Request) at run time: no `from __future__ import annotations`.
@@ -47,12 +48,16 @@ def build_app(
     with vLLM's stats line (prompt and generation tokens/s, requests running and waiting)."""
     from fastapi import FastAPI, Request
     from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
+    from starlette.exceptions import HTTPException
 
     metrics = engine.metrics if engine is not None else Metrics(0)
     tokenizer = model.tokenizer
     max_model_len = engine.max_model_len if engine is not None else None
     context = max_model_len or bridge.context_length(model.config) or tokenizer.model_max_length
     created = int(time.time())
+    if tokenizer is not None:  # (without one, Model.embed answers that it has none)
+        longest = _protocol.longest_token(tokenizer)
+        embed_length = bridge.context_length(model.config) or tokenizer.model_max_length  # where Model.embed cuts
 
     async def stats_lines():
         stats = StatsLine(metrics)
@@ -85,12 +90,24 @@ def build_app(
     async def api_error(request: Request, error: ApiError):
         return error_response(error)
 
+    @app.exception_handler(HTTPException)
+    async def http_error(request: Request, error: HTTPException):  # a path or method not served
+        return JSONResponse(
+            ApiError(
+                error.status_code, f"{request.method} {request.url.path}: {error.detail}", kind="invalid_request_error"
+            ).body(),
+            status_code=error.status_code,
+            headers=error.headers,
+        )
+
+    @app.exception_handler(Exception)
+    async def internal_error(request: Request, error: Exception):
+        # Starlette raises the error again once this answer is sent: the server's log gets its traceback.
+        message = f"the server failed on this request ({type(error).__name__}); see the server's log"
+        return error_response(ApiError(500, message, kind="internal_server_error"))
+
     async def read_json(request: Request):
-        raw = await request.body()
-        try:
-            return json.loads(raw)
-        except (json.JSONDecodeError, UnicodeDecodeError) as error:
-            raise _protocol.invalid("body", f"the request body is not valid JSON: {error}") from None
+        return _protocol.parse_body(await request.body())
 
     def needs_engine(endpoint: str) -> Engine:
         if engine is None:
@@ -164,9 +181,16 @@ def build_app(
     @app.post("/v1/embeddings")
     async def embeddings(request: Request):
         texts, encoding, dimensions = _protocol.embedding_request(await read_json(request), served_model_name)
-        loop = asyncio.get_running_loop()
+        for i, text in enumerate(texts if tokenizer is not None else ()):
+            field = f"input[{i}]" if len(texts) > 1 else "input"
+            _protocol.check_length(text, field, embed_length, longest, f"the model's context of {embed_length}")
+
+        def embed():  # [N, H], and the tokens read
+            vectors = np.asarray(model.embed(texts), np.float32)
+            return vectors, sum(len(ids) for ids in tokenizer(texts, verbose=False)["input_ids"])
+
         try:
-            vectors = np.asarray(await loop.run_in_executor(None, model.embed, texts), np.float32)  # [N, H]
+            vectors, tokens = await asyncio.get_running_loop().run_in_executor(None, embed)
         except HfjaxError as error:  # a model that embeds no text
             raise ApiError(400, str(error), param="model", code="model_not_supported") from None
         if dimensions is not None:  # Matryoshka: the first values, normalised again where the model normalises
@@ -174,7 +198,6 @@ def build_app(
             vectors = vectors[:, :dimensions]  # [N, dimensions]
             if pooling_config(model.path)[1]:
                 vectors = vectors / np.maximum(np.linalg.norm(vectors, axis=-1, keepdims=True), 1e-12)
-        tokens = sum(len(tokenizer(t, verbose=False)["input_ids"]) for t in texts)
         data = []
         for i, vector in enumerate(vectors):
             value = (
@@ -205,6 +228,10 @@ def build_app(
 
     async def _answer(request: Request, running: Engine, generation: _protocol.Generation, *, chat: bool):
         if isinstance(generation.prompt, str):
+            _protocol.check_length(
+                generation.prompt, generation.prompt_field, running.max_model_len, longest,
+                f"the server's max_model_len={running.max_model_len}",
+            )  # fmt: skip
             # A chat prompt holds its template's own special tokens.
             # verbose=False: a prompt too long for the context is the 400 below, not a log line.
             ids = tokenizer(generation.prompt, add_special_tokens=not chat, verbose=False)["input_ids"]

@@ -9,12 +9,14 @@ ignored.
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 import numbers
+import sys
 
 from .._errors import GenerationError
 from ..generation import check_context
-from ._requests import SamplingParams, stop_token_ids_problem
+from ._requests import SamplingParams, logit_bias_problem, stop_token_ids_problem
 
 
 class ApiError(Exception):
@@ -36,6 +38,90 @@ class ApiError(Exception):
 
 def invalid(param: str, message: str) -> ApiError:
     return ApiError(400, message, param=param)
+
+
+_MAX_DEPTH = 64  # levels of nesting in a request body (OpenAI's requests nest a few)
+_MAX_INPUTS = 2048  # texts in one /v1/embeddings request, OpenAI's limit
+_TOO_DEEP = f"the request body nests deeper than {_MAX_DEPTH} levels; nest at most {_MAX_DEPTH}"
+_JSON_TYPES = {dict: "object", list: "array", str: "string", int: "number", float: "number", bool: "boolean"}
+
+
+def parse_body(raw: bytes):
+    """A request body read as JSON and checked as a whole: a 400 on "body" where it is not JSON or
+    nests deeper than _MAX_DEPTH levels, and one naming the field that holds NaN or Infinity (which
+    Python's json reads, JSON has not) or a string that is not Unicode text (a lone UTF-16 surrogate,
+    such as "\\ud800", which no tokenizer reads)."""
+    try:
+        body = json.loads(raw)
+    except RecursionError:
+        raise invalid("body", _TOO_DEEP) from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as error:
+        raise invalid("body", f"the request body is not valid JSON: {error}") from None
+    except ValueError:  # Python's limit on the digits of an integer it reads
+        raise invalid(
+            "body",
+            f"the request body holds an integer of over {sys.get_int_max_str_digits()} digits; send smaller numbers",
+        ) from None
+    _check_values(body)
+    return body
+
+
+def _check_values(body) -> None:
+    stack = [(body, ())]
+    while stack:
+        value, where = stack.pop()
+        if len(where) > _MAX_DEPTH:
+            raise invalid("body", _TOO_DEEP)
+        if isinstance(value, str):
+            _check_text(value, _field(where))
+        elif isinstance(value, float) and not math.isfinite(value):
+            field = _field(where)
+            raise invalid(field, f"{field}={value}: JSON has no NaN or Infinity; send a finite number")
+        elif isinstance(value, dict):
+            for key, item in value.items():
+                _check_text(key, f"a key of {_field(where)}")
+                stack.append((item, (*where, key)))
+        elif isinstance(value, list):
+            stack.extend((item, (*where, i)) for i, item in enumerate(value))
+
+
+def _field(where: tuple) -> str:
+    """The path of a value in the body, as errors name it: "messages[0].content" ("body": the whole)."""
+    if not where:
+        return "body"
+    head = where[0] if isinstance(where[0], str) else f"body[{where[0]}]"
+    return head + "".join(f"[{part}]" if isinstance(part, int) else f".{part}" for part in where[1:])
+
+
+def _check_text(text: str, field: str) -> None:
+    if text.isascii():
+        return
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as error:
+        code = ord(text[error.start])
+        raise invalid(
+            field.removeprefix("a key of "),
+            f"{field} holds a lone UTF-16 surrogate (\\u{code:04x} at character {error.start}), which is not text; "
+            "send valid Unicode",
+        ) from None
+
+
+def longest_token(tokenizer) -> int:
+    """The most characters one entry of `tokenizer`'s vocabulary is written with: at least as many as
+    the text one token reads (a byte-level token writes each byte as a character)."""
+    return max(map(len, tokenizer.get_vocab()), default=1)
+
+
+def check_length(text: str, field: str, tokens: int, longest: int, tokens_name: str) -> None:
+    """A 400 naming `field` where `text` has more characters than `tokens` tokens of at most `longest`
+    characters each could read: such a text is refused before the tokenizer spends seconds on it."""
+    if len(text) > tokens * longest:
+        raise invalid(
+            field,
+            f"{field} holds {len(text)} characters, more than {tokens_name} tokens of at most {longest} characters "
+            f"each can hold ({tokens * longest}); send a shorter text",
+        )
 
 
 # Fields accepted only at the value that changes nothing: {field: the values that are no-ops}.
@@ -92,7 +178,7 @@ class Generation:
 
 def check_fields(body, allowed: set[str]) -> dict:
     if not isinstance(body, dict):
-        raise invalid("body", f"the request body is a JSON {type(body).__name__}; send a JSON object")
+        raise invalid("body", f"the request body is a JSON {_JSON_TYPES.get(type(body), 'null')}; send a JSON object")
     for name, value in body.items():
         if name in allowed or name in _IDENTIFIERS:
             continue
@@ -156,6 +242,9 @@ def _logit_bias(body: dict) -> tuple[tuple[int, float], ...]:
         return ()
     if not isinstance(bias, dict):
         raise invalid("logit_bias", f"logit_bias={bias!r}: pass an object mapping token ids to biases in [-100, 100]")
+    problem = logit_bias_problem(len(bias))
+    if problem:
+        raise invalid("logit_bias", problem)
     pairs = []
     for token, value in bias.items():
         try:
@@ -262,6 +351,10 @@ def messages_of(body: dict) -> list[dict]:
         if isinstance(content, list):  # the content-parts form: text parts only
             if not all(isinstance(p, dict) and p.get("type") == "text" for p in content):
                 raise invalid(f"messages[{i}].content", "only text content parts are supported")
+            for j, part in enumerate(content):
+                if not isinstance(part.get("text", ""), str):
+                    field = f"messages[{i}].content[{j}].text"
+                    raise invalid(field, f"{field}={part['text']!r}: pass a string")
             message = {**message, "content": "".join(p.get("text", "") for p in content)}
             messages[i] = message
         elif not isinstance(content, str):
@@ -316,6 +409,8 @@ def embedding_request(body, served: str) -> tuple[list[str], str, int | None]:
     texts = [texts] if isinstance(texts, str) else texts
     if not isinstance(texts, list) or not texts or not all(isinstance(t, str) and t for t in texts):
         raise invalid("input", "the request has no 'input'; pass a non-empty string or a list of them")
+    if len(texts) > _MAX_INPUTS:
+        raise invalid("input", f"input holds {len(texts)} texts; pass at most {_MAX_INPUTS} in one request")
     encoding = body.get("encoding_format") or "float"
     if encoding not in ("float", "base64"):
         raise invalid("encoding_format", f"encoding_format={encoding!r}: pass 'float' or 'base64'")

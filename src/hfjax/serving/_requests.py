@@ -80,6 +80,9 @@ class SamplingParams:
             raise GenerationError(f"logprobs={self.logprobs!r}: pass a number of alternatives in [0, 20]")
         if isinstance(self.logit_bias, dict):
             object.__setattr__(self, "logit_bias", tuple(sorted(self.logit_bias.items())))
+        problem = logit_bias_problem(len(self.logit_bias))
+        if problem:
+            raise GenerationError(problem)
 
     def vocabulary_problem(self, vocab_size: int | None) -> tuple[str, str] | None:
         """(the field, one line naming the token and the fix) where logit_bias or stop_token_ids names
@@ -138,6 +141,13 @@ def stop_token_ids_problem(ids, min_tokens: int | None) -> str | None:
             f"stop_token_ids holds {len(ids)} tokens with min_tokens={min_tokens}; a row holds back at most "
             f"{generation.MAX_HELD_STOP_TOKENS} of them until min_tokens; pass fewer"
         )
+    return None
+
+
+def logit_bias_problem(count: int) -> str | None:
+    """What is wrong with a logit_bias of `count` tokens, in one line; else None."""
+    if count > generation.MAX_LOGIT_BIAS:
+        return f"logit_bias holds {count} tokens; pass at most {generation.MAX_LOGIT_BIAS}"
     return None
 
 

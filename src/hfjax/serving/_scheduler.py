@@ -218,13 +218,20 @@ class Engine:
         self.compiler.stop()
 
     def check_prompt(self, prompt: list[int], params: SamplingParams) -> None:
-        """Raises GenerationError when prompt and max_tokens do not fit a slot, naming which."""
+        """Raises GenerationError when prompt and max_tokens do not fit a slot, naming which, or a
+        prompt's token lies outside the vocabulary."""
         if not prompt:
             raise GenerationError("the prompt is empty; pass at least one token")
         generation.check_context(
             len(prompt), params.max_tokens, limit=self.max_model_len, limit_name=f"max_model_len={self.max_model_len}",
             budget_name="max_tokens",
         )  # fmt: skip
+        outside = next((t for t in prompt if not 0 <= t < self.table.vocab_size), None)
+        if outside is not None:
+            raise GenerationError(
+                f"the prompt holds token id {outside}, outside the vocabulary [0, {self.table.vocab_size}); "
+                "pass ids the tokenizer gives"
+            )
 
     def submit(self, prompt: list[int], params: SamplingParams, listener: Callable[[Event], None]) -> Request:
         """Queues a prompt (token ids); `listener` gets an Event after each chunk, on the engine thread.
