@@ -363,3 +363,13 @@ def test_a_quantization_that_is_not_the_checkpoints_is_one_line(gptq, which, fla
     err = capsys.readouterr().err
     assert code == 2 and len(err.strip().splitlines()) == 1, err
     assert err.startswith("hfjax serve: ") and all(word in err for word in named), err
+
+
+def test_metrics_count_requests_by_route_not_by_the_path_a_client_sent(servers):
+    url = servers["quiet"]
+    for path in ("/v1/models/first-unknown", "/v1/models/second-unknown", "/no/such/path", "/or/this/one"):
+        assert httpx.get(url + path).status_code == 404
+    metrics = httpx.get(url + "/metrics").text
+    assert re.search(r'hfjax_http_requests_total\{code="404",endpoint="/v1/models/\{model_id:path\}"\} 2\.0', metrics)
+    assert re.search(r'hfjax_http_requests_total\{code="404",endpoint="other"\} 2\.0', metrics)
+    assert "unknown" not in metrics and "/no/such/path" not in metrics
