@@ -401,7 +401,7 @@ class Engine:
         self.metrics.running = self.running
         self.metrics.count_finished(reason, len(request.prompt), request.generated)
         if event is None:
-            event = Event([], request.text.rest(), None, reason, len(request.prompt), request.generated)
+            event = Event([], [], None, reason, len(request.prompt), request.generated, request.text.rest())
         request.listener(event)
 
     def _prefill(self, requests: list[Request]) -> None:
@@ -499,25 +499,23 @@ class Engine:
             self.metrics.inter_token_latency.observe((now - request.last_token_time) / count, count)
         request.last_token_time = now
         reason = None
-        kept = []
-        for t in range(count):
+        kept, pieces = [], []
+        for t in range(count):  # token by token: the answer ends at the token where a stop string ends
             token = int(tokens[t])
+            request.generated += 1
             if request.stops_at(token):
                 reason = "stop"
-                request.generated += 1
                 break
             kept.append(t)
-            request.generated += 1
-            if request.ends_with(token):
+            piece, stopped = request.text.add([token])
+            pieces.append(piece)
+            if stopped or request.ends_with(token):
                 reason = "stop"
                 break
             if request.generated >= request.settings.max_new_tokens:
                 reason = "length"
                 break
         ids = [int(tokens[t]) for t in kept]
-        text, stopped = request.text.add(ids)
-        if stopped:
-            reason = "stop"
         logprobs = None
         if request.params.logprobs is not None:
             alternatives = request.params.logprobs
@@ -528,9 +526,8 @@ class Engine:
                 )
                 for t in kept
             ]  # fmt: skip
-        if reason is not None:
-            text += request.text.rest() if not stopped else ""
-        event = Event(ids, text, logprobs, reason, len(request.prompt), request.generated)
+        tail = request.text.rest() if reason is not None else ""
+        event = Event(ids, pieces, logprobs, reason, len(request.prompt), request.generated, tail)
         if reason is None:
             request.listener(event)
         else:
