@@ -41,6 +41,7 @@ class TextStream:
         self.sent = 0  # characters of the text handed out
         self.unchecked = 0  # characters of the text in which no stop string may end (the first min_tokens tokens')
         self.exempt_final = min_tokens == 0  # whether `unchecked` is final
+        self._last = (0, 0, "")  # (start, end, the text of ids[start:end]) of the last decode
 
     def add(self, ids: list[int]) -> tuple[str, bool]:
         """(the new text that is safe to send, whether a stop string has appeared)."""
@@ -71,8 +72,14 @@ class TextStream:
         if self.read == len(self.ids):
             return
         decode = self.tokenizer.decode
-        context = max(self.read - _CONTEXT_TOKENS, 0)
-        before = decode(self.ids[context : self.read], skip_special_tokens=True)
+        # The last decode read ids[start:read]: while that start is at most 2 x _CONTEXT_TOKENS back, it is
+        # the context again and its text need not be decoded twice (a token at a time costs one decode).
+        start, end, known = self._last
+        if end == self.read and self.read - start <= 2 * _CONTEXT_TOKENS:
+            context, before = start, known
+        else:
+            context = max(self.read - _CONTEXT_TOKENS, 0)
+            before = decode(self.ids[context : self.read], skip_special_tokens=True)
         after = decode(self.ids[context:], skip_special_tokens=True)
         if after.endswith("\ufffd") and len(self.ids) - self.read < _UNFINISHED and not final:
             return
@@ -82,6 +89,7 @@ class TextStream:
         else:  # the earlier tokens read differently with the new ones after them
             self.text = decode(self.ids, skip_special_tokens=True)
         self.read = len(self.ids)
+        self._last = (context, self.read, after)
 
     def rest(self) -> str:
         """The text still held back, at the end of the request."""
