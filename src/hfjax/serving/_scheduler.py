@@ -489,8 +489,9 @@ class Engine:
 
     def _deliver(self, request: Request, chosen: list[np.ndarray], count: int) -> None:
         """Hands a request its new tokens (chosen: token [T], logprob [T], top ids [T, 20], top logprobs
-        [T, 20]; the last three None when no request of the program asked for log-probabilities), cut
-        at EOS or max_tokens, and finishes it when one of its stops is met."""
+        [T, 20]; the last three None when no request of the program asked for log-probabilities), each
+        with the text it releases, cut at EOS, max_tokens, a stop token or the token whose text completes
+        a stop string, and finishes it when one of its stops is met."""
         tokens, logprob, top_token, top_logprob = chosen
         now = time.perf_counter()
         if request.last_token_time is None:
