@@ -223,12 +223,18 @@ def test_openai_completions_of_token_ids_with_logprobs(client, model, expected):
     answer = client.completions.create(model=NAME, prompt=prompt, max_tokens=NEW_TOKENS, temperature=0, logprobs=3)
     assert answer.choices[0].text == expected[4]
     logprobs = answer.choices[0].logprobs
-    # usage counts an EOS token too; the answer's tokens (and their logprobs) stop before it.
-    ended_by_eos = answer.choices[0].finish_reason == "stop"
-    assert len(logprobs.tokens) == answer.usage.completion_tokens - ended_by_eos == len(logprobs.token_logprobs)
+    # As in vLLM, usage and logprobs count an EOS token that ends the answer too (its text is "").
+    assert len(logprobs.tokens) == answer.usage.completion_tokens == len(logprobs.token_logprobs)
     assert all(len(top) <= 3 for top in logprobs.top_logprobs)
-    streamed = client.completions.create(model=NAME, prompt=prompt, max_tokens=NEW_TOKENS, temperature=0, stream=True)
-    assert "".join(c.choices[0].text for c in streamed) == expected[4]
+    if answer.choices[0].finish_reason == "stop":
+        assert logprobs.tokens[-1] == model.tokenizer.eos_token
+    streamed = list(
+        client.completions.create(model=NAME, prompt=prompt, max_tokens=NEW_TOKENS, temperature=0, stream=True,
+                                  logprobs=3, stream_options={"include_usage": True})
+    )  # fmt: skip
+    assert "".join(c.choices[0].text for c in streamed[:-1]) == expected[4]
+    assert [c.choices[0].logprobs.tokens for c in streamed[:-1]] == [[t] for t in logprobs.tokens]  # one event each
+    assert streamed[-1].usage.completion_tokens == answer.usage.completion_tokens
 
 
 def _answer_ids(model, conversation, new_tokens: int) -> list[int]:

@@ -237,7 +237,8 @@ def test_programs_stay_fixed_over_50_requests_of_mixed_lengths_and_settings(mode
     for p, event in zip(params, events):
         assert 1 <= event.completion_tokens <= p.max_tokens
         if p.logprobs is not None:
-            assert len(event.logprobs) == len(event.token_ids)
+            # (an EOS token that ended the answer has its log-probabilities too, as in vLLM)
+            assert len(event.logprobs) == event.completion_tokens == len(event.token_ids) + event.eos
             assert all(len(lp.top) == p.logprobs for lp in event.logprobs)
             # The chosen token's log-probability is one of the model's: at most the most likely one's.
             assert all(lp.logprob <= lp.top[0][1] + 1e-6 for lp in event.logprobs if lp.top)

@@ -258,8 +258,8 @@ class _Answer:
     A stream sends one event per token, as vLLM's does (a decode chunk's tokens arrive together):
     the token's text, or "" where the text is held back (a partial UTF-8 character, the start of a
     possible stop string) to arrive with the token that releases it; its log-probabilities; and on
-    the answer's last token the finish_reason. Text held back to the end (after an EOS token) comes
-    in a last event of its own with the finish_reason.
+    the answer's last token the finish_reason. An EOS token that ends the answer has an event of its
+    own, with the text held back until then. A cancelled answer ends with an event without a token.
     """
 
     def __init__(self, model: str, chat: bool, choices: int, prompt_tokens: int, token_text: TokenText):
@@ -285,6 +285,8 @@ class _Answer:
             if logprob is not None:
                 entries.append(self._entry(logprob, self.ids[index]))
             self.ids[index].append(token)
+        if event.eos and event.logprobs is not None:  # the EOS token's, last
+            entries.append(self._entry(event.logprobs[-1], self.ids[index]))
         self.text[index] += event.text
         if entries is not None:
             self.logprobs[index] = self.logprobs[index] or []
@@ -376,11 +378,11 @@ class _Answer:
         parts = [
             (piece, None if entries is None else [entries[i]], None) for i, piece in enumerate(event.pieces)
         ]  # (text, logprob entries, finish_reason)
-        if parts and (event.tail or finish is not None):
+        if event.eos or (not parts and (event.tail or finish is not None)):
+            parts.append((event.tail, entries[len(event.pieces) :] if entries and event.eos else None, finish))
+        elif event.tail or finish is not None:
             text, token_entries, _ = parts[-1]
             parts[-1] = (text + event.tail, token_entries, finish)
-        elif event.tail or finish is not None:
-            parts.append((event.tail, None, finish))
         for text, token_entries, reason in parts:
             if self.chat:
                 delta = {"content": text} if text or reason is None else {}

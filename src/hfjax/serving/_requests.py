@@ -170,17 +170,19 @@ class Event:
     A chunk may choose several tokens; `pieces[i]` is the text that `token_ids[i]` releases, "" where
     the text is held back (a partial UTF-8 character, the start of a possible stop string) until a
     later token releases it with its own. `tail` is the text held back until the answer ended (after
-    its last token: an EOS token, the length limit, a cancel). The answer holds exactly `token_ids`
-    (cut at the token where a stop string ends); `completion_tokens` counts them, and an EOS token.
+    its last token: an EOS token, the length limit, a cancel). The answer's text is that of
+    `token_ids` (cut at the token where a stop string ends); an EOS token that ended it (`eos`) has
+    no text but counts, as in vLLM: in `completion_tokens` and, last, in `logprobs`.
     """
 
     token_ids: list[int]
     pieces: list[str]  # one per token id
-    logprobs: list[TokenLogprob] | None  # one per token id
+    logprobs: list[TokenLogprob] | None  # one per token id, then the EOS token's where `eos`
     finish_reason: str | None  # "stop" (EOS or a stop string), "length" (max_tokens), "cancelled"; None: more comes
     prompt_tokens: int
     completion_tokens: int
     tail: str = ""
+    eos: bool = False  # an EOS token ended the answer after token_ids
 
     @property
     def text(self) -> str:
@@ -249,4 +251,5 @@ def joined(events: list[Event]) -> Event:
         last.prompt_tokens,
         last.completion_tokens,
         "".join(e.tail for e in events),
+        last.eos,
     )

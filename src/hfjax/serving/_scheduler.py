@@ -499,13 +499,13 @@ class Engine:
         else:
             self.metrics.inter_token_latency.observe((now - request.last_token_time) / count, count)
         request.last_token_time = now
-        reason = None
+        reason, eos = None, None
         kept, pieces = [], []
         for t in range(count):  # token by token: the answer ends at the token where a stop string ends
             token = int(tokens[t])
             request.generated += 1
             if request.stops_at(token):
-                reason = "stop"
+                reason, eos = "stop", t
                 break
             kept.append(t)
             piece, stopped = request.text.add([token])
@@ -525,10 +525,10 @@ class Engine:
                     int(tokens[t]), float(logprob[t]),
                     [(int(i), float(v)) for i, v in zip(top_token[t][:alternatives], top_logprob[t][:alternatives])],
                 )
-                for t in kept
+                for t in kept + ([] if eos is None else [eos])
             ]  # fmt: skip
         tail = request.text.rest() if reason is not None else ""
-        event = Event(ids, pieces, logprobs, reason, len(request.prompt), request.generated, tail)
+        event = Event(ids, pieces, logprobs, reason, len(request.prompt), request.generated, tail, eos is not None)
         if reason is None:
             request.listener(event)
         else:
