@@ -208,12 +208,101 @@ def test_openai_completions_of_token_ids_with_logprobs(client, model, expected):
     answer = client.completions.create(model=NAME, prompt=prompt, max_tokens=NEW_TOKENS, temperature=0, logprobs=3)
     assert answer.choices[0].text == expected[4]
     logprobs = answer.choices[0].logprobs
-    # usage counts an EOS token too; the answer's tokens (and their logprobs) stop before it.
-    ended_by_eos = answer.choices[0].finish_reason == "stop"
-    assert len(logprobs.tokens) == answer.usage.completion_tokens - ended_by_eos == len(logprobs.token_logprobs)
+    # As in vLLM, usage and logprobs count an EOS token that ends the answer too (its text is "").
+    assert len(logprobs.tokens) == answer.usage.completion_tokens == len(logprobs.token_logprobs)
     assert all(len(top) <= 3 for top in logprobs.top_logprobs)
-    streamed = client.completions.create(model=NAME, prompt=prompt, max_tokens=NEW_TOKENS, temperature=0, stream=True)
-    assert "".join(c.choices[0].text for c in streamed) == expected[4]
+    if answer.choices[0].finish_reason == "stop":
+        assert logprobs.tokens[-1] == model.tokenizer.eos_token
+    streamed = list(
+        client.completions.create(model=NAME, prompt=prompt, max_tokens=NEW_TOKENS, temperature=0, stream=True,
+                                  logprobs=3, stream_options={"include_usage": True})
+    )  # fmt: skip
+    assert "".join(c.choices[0].text for c in streamed[:-1]) == expected[4]
+    assert [c.choices[0].logprobs.tokens for c in streamed[:-1]] == [[t] for t in logprobs.tokens]  # one event each
+    assert streamed[-1].usage.completion_tokens == answer.usage.completion_tokens
+
+
+def _answer_ids(model, conversation, new_tokens: int) -> list[int]:
+    """Model.generate's greedy tokens answering `conversation`, cut before EOS."""
+    text = model.tokenizer.apply_chat_template(conversation, add_generation_prompt=True, tokenize=False)
+    prompt = np.array([model.tokenizer(text, add_special_tokens=False)["input_ids"]], np.int32)
+    ids = np.asarray(model.generate(prompt, max_new_tokens=new_tokens, do_sample=False))[0, prompt.shape[1] :].tolist()
+    eos = model.tokenizer.eos_token_id
+    return ids[: ids.index(eos)] if eos in ids else ids
+
+
+def test_a_stream_sends_one_event_per_token_and_usage_counts_the_answers_tokens(client, model):
+    """As vLLM: the answer ends at the token whose text completes a stop string (the engine decodes
+    past it in chunks); usage and logprobs count exactly those tokens; a stream sends each token in an
+    event of its own, with its logprobs, and the finish_reason on the last."""
+    conversation = CONVERSATIONS[6]
+    ids = _answer_ids(model, conversation, NEW_TOKENS)
+    texts = [model.tokenizer.decode(ids[:k], skip_special_tokens=True) for k in range(len(ids) + 1)]
+    stop = texts[4][-2:]
+    count = next(k for k, text in enumerate(texts) if stop in text)
+    assert len(ids) >= 8 and count >= 2, "the answer is too short for the check to mean anything"
+    call = dict(
+        model=NAME, messages=conversation, max_tokens=NEW_TOKENS, temperature=0, stop=[stop], logprobs=True,
+        top_logprobs=2,
+    )  # fmt: skip
+    whole = client.chat.completions.create(**call)
+    content = whole.choices[0].logprobs.content
+    assert whole.usage.completion_tokens == len(content) == count and whole.choices[0].finish_reason == "stop"
+    assert whole.choices[0].message.content == texts[-1][: texts[-1].index(stop)]
+    assert "".join(t.token for t in content) == texts[count]
+    assert b"".join(bytes(t.bytes) for t in content) == texts[count].encode()
+    chunks = list(client.chat.completions.create(stream=True, stream_options={"include_usage": True}, **call))
+    assert chunks[0].choices[0].delta.role == "assistant" and not chunks[0].choices[0].logprobs
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == count
+    events = [chunk.choices[0] for chunk in chunks[1:-1]]
+    assert [e.finish_reason for e in events] == [None] * (count - 1) + ["stop"]
+    # (each token's own; a chunk's program may round a log-probability differently in the last bit)
+    per_token = [e.logprobs.content for e in events]
+    assert [len(e) for e in per_token] == [1] * count
+    for [got], want in zip(per_token, content):
+        assert (got.token, got.bytes, [t.token for t in got.top_logprobs]) == (
+            want.token, want.bytes, [t.token for t in want.top_logprobs]
+        )  # fmt: skip
+        assert got.logprob == pytest.approx(want.logprob, abs=1e-5)
+    assert "".join(e.delta.content or "" for e in events) == whole.choices[0].message.content
+    streamed = list(client.completions.create(model=NAME, prompt="The river", max_tokens=12, temperature=0,
+                                              stream=True, logprobs=0, extra_body={"ignore_eos": True}))  # fmt: skip
+    assert [len(c.choices[0].logprobs.tokens) for c in streamed] == [1] * 12
+    assert [c.choices[0].finish_reason for c in streamed] == [None] * 11 + ["length"]
+
+
+def test_logprobs_give_each_tokens_own_bytes_where_tokens_split_a_character(client, model):
+    """OpenAI's `bytes` are the token's own, so a character split over tokens joins again; its text
+    (vLLM's `token`) comes with the token that completes it: "" before, in a stream too."""
+    emoji = "\U0001f600"
+    ids = model.tokenizer(emoji, add_special_tokens=False)["input_ids"]
+    assert len(ids) == 4 and all(model.tokenizer.decode([i]) == "\ufffd" for i in ids)
+    # Each biased a little less than the one before, and a presence penalty on those chosen: in order.
+    bias = {str(token): 100 - i / 2 for i, token in enumerate(ids)}
+    call = dict(model=NAME, max_tokens=4, temperature=0, logit_bias=bias, presence_penalty=2.0)
+    whole = client.completions.create(prompt="river", logprobs=1, **call)
+    assert whole.choices[0].text == emoji and whole.usage.completion_tokens == 4
+    assert whole.choices[0].logprobs.tokens == ["", "", "", emoji]
+    streamed = list(client.completions.create(prompt="river", stream=True, **call))
+    assert [c.choices[0].text for c in streamed] == ["", "", "", emoji]
+    chat = client.chat.completions.create(messages=CONVERSATIONS[0], logprobs=True, top_logprobs=1, **call)
+    content = chat.choices[0].logprobs.content
+    assert chat.choices[0].message.content == emoji
+    assert [bytes(t.bytes) for t in content] == [emoji.encode()[i : i + 1] for i in range(4)]
+    assert all(len(t.top_logprobs) == 1 and t.top_logprobs[0].bytes for t in content)
+
+
+def test_a_request_without_temperature_samples_at_1_as_in_vllm_and_openai(client, servers):
+    """The tiny checkpoint's generation_config.json sets no temperature: a request without one samples
+    at OpenAI's 1 (vLLM's order: the request, the file's sampling values, OpenAI's), so n=2 differs.
+    The chat page starts its temperature field at that value and sends it."""
+    call = dict(model=NAME, messages=CONVERSATIONS[7], max_tokens=24, n=2, extra_body={"ignore_eos": True})
+    first, second = (c.message.content for c in client.chat.completions.create(**call).choices)
+    assert first != second
+    first, second = (c.message.content for c in client.chat.completions.create(temperature=0, **call).choices)
+    assert first == second  # the negative control: greedy answers agree
+    page = httpx.get(servers["main"] + "/").text
+    assert re.search(r'<input id="temperature"[^>]* value="1"', page), page
 
 
 def _torch_embeddings(path, texts):
@@ -569,7 +658,9 @@ def test_the_chat_page_holds_a_conversation_in_headless_chromium(servers, model,
     try:
         browser.get(servers["main"] + "/")
         WebDriverWait(browser, 30).until(lambda b: b.find_element(By.ID, "model").text == NAME)
-        browser.find_element(By.ID, "temperature").send_keys("0")
+        temperature = browser.find_element(By.ID, "temperature")
+        temperature.clear()
+        temperature.send_keys("0")
         answers = [ask(text) for text in messages]
         notes = [note.text for note in browser.find_elements(By.CSS_SELECTOR, ".note.dropped")]
         stats = browser.find_element(By.ID, "stats").text

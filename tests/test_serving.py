@@ -17,7 +17,7 @@ import transformers
 import hfjax
 from hfjax import _compilation_cache, generation
 from hfjax.serving import Engine, QueueFullError, SamplingParams
-from hfjax.serving._text import TextStream
+from hfjax.serving._text import TextStream, TokenText
 from hfjax.testing import _tokenizer
 
 # Mixed lengths: some fit one prefill chunk (16 tokens here), some take two or three.
@@ -237,7 +237,8 @@ def test_programs_stay_fixed_over_50_requests_of_mixed_lengths_and_settings(mode
     for p, event in zip(params, events):
         assert 1 <= event.completion_tokens <= p.max_tokens
         if p.logprobs is not None:
-            assert len(event.logprobs) == len(event.token_ids)
+            # (an EOS token that ended the answer has its log-probabilities too, as in vLLM)
+            assert len(event.logprobs) == event.completion_tokens == len(event.token_ids) + event.eos
             assert all(len(lp.top) == p.logprobs for lp in event.logprobs)
             # The chosen token's log-probability is one of the model's: at most the most likely one's.
             assert all(lp.logprob <= lp.top[0][1] + 1e-6 for lp in event.logprobs if lp.top)
@@ -680,3 +681,68 @@ def test_serve_refuses_bad_chunk_flags_before_loading(capsys, flags, message):
     assert main(["serve", "--model", "unused", *flags]) == 2  # (the model is never read)
     err = capsys.readouterr().err
     assert err.startswith("hfjax serve: ") and message in err and len(err.strip().splitlines()) == 1
+
+
+@pytest.mark.parametrize("kind", ["byte-level BPE", "metaspace"])
+def test_token_bytes_are_each_tokens_own_and_join_into_the_texts_utf8(kind):
+    """OpenAI's logprobs `bytes`: a token that holds part of a character (a byte-level one, a SentencePiece
+    byte fallback such as <0xE2>) gives its own bytes, so an answer's tokens' bytes join into its UTF-8;
+    each token's text (vLLM's) is what it adds after the ones before it: "" until a character is whole."""
+    tokenizer = _tokenizer.build("causal", "llama") if kind == "byte-level BPE" else _metaspace_tokenizer()
+    token_text = TokenText(tokenizer)
+    split_seen = 0
+    for text in TEXTS:
+        ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+        pieces = [tokenizer.convert_ids_to_tokens(i) for i in ids]
+        joined = b"".join(token_text.bytes_of(i) for i in ids).decode("utf-8")
+        # (SentencePiece may start the first word with "▁", the space that decode drops)
+        assert joined in (text, " " + text) if kind == "metaspace" else joined == text, pieces
+        texts = [token_text.text_of(i, ids[:k]) for k, i in enumerate(ids)]
+        assert "".join(texts) == joined and "\ufffd" not in "".join(texts)
+        split = [k for k, i in enumerate(ids) if tokenizer.decode([i]).endswith("\ufffd")]
+        assert all(texts[k] == "" or ord(texts[k][-1]) > 127 for k in split)
+        split_seen += len(split)
+    assert split_seen >= 4, "no token splits a character: the check proves nothing"
+
+
+def test_sampling_left_out_takes_the_checkpoints_generation_config_else_openais_defaults(checkpoint, tmp_path):
+    """vLLM's order: the request's value, else what the checkpoint's generation_config.json sets (not
+    its do_sample), else OpenAI's defaults (temperature 1, top_p 1). Temperature 0 is greedy."""
+    source = checkpoint("llama")
+
+    def loaded(**generation):
+        path = tmp_path / f"c{len(list(tmp_path.iterdir()))}"
+        shutil.copytree(source, path)
+        config = json.loads((path / "generation_config.json").read_text())
+        (path / "generation_config.json").write_text(json.dumps({**config, **generation}))
+        return hfjax.load(path)
+
+    plain = SamplingParams(max_tokens=4)
+    sampling = plain.settings(loaded(), prompt_length=4).sampling
+    assert sampling.do_sample and (sampling.temperature, sampling.top_p, sampling.top_k) == (1.0, 1.0, 0)
+    chosen = loaded(do_sample=False, temperature=0.6, top_p=0.95, top_k=20, repetition_penalty=1.1)
+    sampling = plain.settings(chosen, prompt_length=4).sampling
+    assert sampling.do_sample and (sampling.temperature, sampling.top_p, sampling.top_k) == (0.6, 0.95, 20)
+    assert sampling.repetition_penalty == 1.1
+    sampling = SamplingParams(max_tokens=4, temperature=1.2, top_k=5).settings(chosen, prompt_length=4).sampling
+    assert (sampling.temperature, sampling.top_p, sampling.top_k) == (1.2, 0.95, 5)
+    greedy = loaded(do_sample=True, temperature=0.0)
+    assert not plain.settings(greedy, prompt_length=4).sampling.do_sample
+    assert SamplingParams(max_tokens=4, temperature=0.5).settings(greedy, prompt_length=4).sampling.do_sample
+
+
+def test_a_stop_string_ends_the_answer_at_the_token_where_it_ends(model, engine):
+    """A chunk decodes past a stop string; the answer, its log-probabilities and completion_tokens end
+    at the token whose text completes it (vLLM checks stop strings token by token)."""
+    ids = _ids(model, PROMPTS[5:6])
+    [alone] = engine.generate(ids, [SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)])
+    texts = [model.tokenizer.decode(alone.token_ids[:k], skip_special_tokens=True) for k in range(25)]
+    stop = texts[3][-2:]  # ends in the third token's text
+    count = next(k for k, text in enumerate(texts) if stop in text)
+    assert 1 <= count <= 3 and len(alone.token_ids) == 24
+    [ended] = engine.generate(
+        ids, [SamplingParams(max_tokens=24, temperature=0, ignore_eos=True, stop=(stop,), logprobs=1)]
+    )
+    assert ended.token_ids == alone.token_ids[:count] and ended.completion_tokens == count
+    assert len(ended.logprobs) == len(ended.pieces) == count and ended.finish_reason == "stop"
+    assert ended.text == alone.text[: alone.text.index(stop)]

@@ -7,7 +7,7 @@ Parts, one concern each (docs/architecture.md, "Continuous batching", describes 
     _table.py      the slots' row state on the host: requests, positions, cached prefixes, settings
     _compiler.py   the programs: which are ready, which a chunk wants, a thread compiling them
     _scheduler.py  `Engine`: the queue, admission, prefill and decode chunking, cancellation, delivery
-    _text.py       incremental detokenising and stop strings (`TextStream`)
+    _text.py       incremental detokenising and stop strings (`TextStream`); tokens' own bytes (`TokenText`)
     _metrics.py    counters, gauges and latency histograms (prometheus_client), and vLLM's stats line
     _protocol.py   OpenAI request bodies checked into engine calls; OpenAI-shaped errors
     _app.py        the FastAPI application (needs the `serve` extra: pip install "hfjax[serve]")

@@ -29,8 +29,9 @@ from .._version import __version__
 from . import _protocol
 from ._metrics import Metrics, StatsLine
 from ._protocol import ApiError
-from ._requests import Event, QueueFullError
+from ._requests import Event, QueueFullError, default_sampling
 from ._scheduler import Engine
+from ._text import TokenText
 
 
 def build_app(
@@ -54,6 +55,9 @@ def build_app(
     tokenizer = model.tokenizer
     max_model_len = engine.max_model_len if engine is not None else None
     context = max_model_len or bridge.context_length(model.config) or tokenizer.model_max_length
+    token_text = TokenText(tokenizer) if engine is not None else None
+    # What a request without temperature gets; the chat page starts its field at it and sends it.
+    default_temperature = default_sampling(model)["temperature"] if engine is not None else 1.0
     created = int(time.time())
     if tokenizer is not None:  # (without one, Model.embed answers that it has none)
         longest = _protocol.longest_token(tokenizer)
@@ -170,7 +174,7 @@ def build_app(
     @app.get("/")
     async def page():
         html = importlib.resources.files("hfjax.serving").joinpath("static/index.html").read_text("utf-8")
-        return HTMLResponse(html)
+        return HTMLResponse(html.replace("__DEFAULT_TEMPERATURE__", f"{default_temperature:g}"))
 
     @app.get("/favicon.svg")
     @app.get("/favicon.ico")  # where browsers look for it without a <link rel="icon">
@@ -259,7 +263,7 @@ def build_app(
             for done in submitted:
                 running.cancel(done)
             raise _protocol.invalid(generation.prompt_field, str(error)) from None
-        answer = _Answer(served_model_name, chat, len(generation.params), len(ids), tokenizer)
+        answer = _Answer(served_model_name, chat, len(generation.params), len(ids), token_text)
 
         def cancel_all():
             for done in submitted:
@@ -355,15 +359,24 @@ class _Gate:
 
 
 class _Answer:
-    """One chat or completion answer, built from the engine's events of its n choices."""
+    """One chat or completion answer, built from the engine's events of its n choices.
 
-    def __init__(self, model: str, chat: bool, choices: int, prompt_tokens: int, tokenizer):
+    A stream sends one event per token, as vLLM's does (a decode chunk's tokens arrive together):
+    the token's text, or "" where the text is held back (a partial UTF-8 character, the start of a
+    possible stop string) to arrive with the token that releases it; its log-probabilities; and on
+    the answer's last token the finish_reason. An EOS token that ends the answer has an event of its
+    own, with the text held back until then. A cancelled answer ends with an event without a token.
+    """
+
+    def __init__(self, model: str, chat: bool, choices: int, prompt_tokens: int, token_text: TokenText):
         self.id = f"{'chatcmpl' if chat else 'cmpl'}-{secrets.token_hex(12)}"
-        self.model, self.chat, self.tokenizer = model, chat, tokenizer
+        self.model, self.chat, self.token_text = model, chat, token_text
         self.created = int(time.time())
         self.prompt_tokens = prompt_tokens
         self.text = [""] * choices
-        self.logprobs: list[list | None] = [None] * choices
+        self.ids: list[list[int]] = [[] for _ in range(choices)]  # the answer's tokens so far
+        self.logprobs: list[list[dict] | None] = [None] * choices  # one entry per token (`_entry`)
+        self.token_chars = [0] * choices  # characters of the logprobs' token texts so far (text_offset)
         self.finish: list[str | None] = [None] * choices
         self.completion_tokens = [0] * choices
 
@@ -371,15 +384,26 @@ class _Answer:
     def done(self) -> bool:
         return all(reason is not None for reason in self.finish)
 
-    def _record(self, index: int, event: Event) -> None:
+    def _record(self, index: int, event: Event) -> list[dict] | None:
+        """Adds the event to choice `index`; returns its tokens' log-probability entries (None: not asked)."""
+        entries = None if event.logprobs is None else []
+        for token, logprob in zip(event.token_ids, event.logprobs or [None] * len(event.token_ids)):
+            if logprob is not None:
+                entries.append(self._entry(logprob, self.ids[index]))
+            self.ids[index].append(token)
+        if event.eos and event.logprobs is not None:  # the EOS token's, last
+            entries.append(self._entry(event.logprobs[-1], self.ids[index]))
         self.text[index] += event.text
-        if event.logprobs is not None:
-            self.logprobs[index] = (self.logprobs[index] or []) + event.logprobs
+        if entries is not None:
+            self.logprobs[index] = self.logprobs[index] or []
+            self.logprobs[index].extend(entries)
+            self.token_chars[index] += sum(len(e["token"]) for e in entries)
         self.completion_tokens[index] = event.completion_tokens
         if event.finish_reason is not None:
             self.finish[index] = "stop" if event.finish_reason in ("stop", "cancelled") else event.finish_reason
             if event.finish_reason == "error":
                 raise ApiError(500, "the engine failed while generating this answer; see the server's log")
+        return entries
 
     def collect(self, index: int, event: Event) -> None:
         self._record(index, event)
@@ -391,35 +415,32 @@ class _Answer:
             "total_tokens": self.prompt_tokens + completion,
         }  # fmt: skip
 
-    def _token(self, token_id: int) -> str:
-        return self.tokenizer.decode([token_id])
+    def _entry(self, logprob, before: list[int]) -> dict:
+        """One token's log-probabilities in OpenAI's chat shape: its text after the answer's tokens
+        `before` (`TokenText.text_of`), its own bytes, and the same of its alternatives."""
 
-    def _chat_logprobs(self, logprobs) -> dict | None:
-        if logprobs is None:
+        def entry(token_id: int, value: float) -> dict:
+            text = self.token_text.text_of(token_id, before)
+            return {"token": text, "logprob": value, "bytes": list(self.token_text.bytes_of(token_id))}
+
+        return {**entry(logprob.token_id, logprob.logprob), "top_logprobs": [entry(t, v) for t, v in logprob.top]}
+
+    def _chat_logprobs(self, entries: list[dict] | None) -> dict | None:
+        return None if entries is None else {"content": entries}
+
+    @staticmethod
+    def _completion_logprobs(entries: list[dict] | None, offset: int) -> dict | None:
+        """The completions endpoint's shape; `offset`: the characters of the answer's tokens before these."""
+        if entries is None:
             return None
-
-        def entry(token_id, value):
-            text = self._token(token_id)
-            return {"token": text, "logprob": value, "bytes": list(text.encode("utf-8"))}
-
-        return {
-            "content": [
-                {**entry(lp.token_id, lp.logprob), "top_logprobs": [entry(t, v) for t, v in lp.top]} for lp in logprobs
-            ]
-        }
-
-    def _completion_logprobs(self, logprobs, offset: int) -> dict | None:
-        if logprobs is None:
-            return None
-        tokens = [self._token(lp.token_id) for lp in logprobs]
         offsets = []
-        for token in tokens:
+        for entry in entries:
             offsets.append(offset)
-            offset += len(token)
+            offset += len(entry["token"])
         return {
-            "tokens": tokens,
-            "token_logprobs": [lp.logprob for lp in logprobs],
-            "top_logprobs": [{self._token(t): v for t, v in lp.top} for lp in logprobs],
+            "tokens": [e["token"] for e in entries],
+            "token_logprobs": [e["logprob"] for e in entries],
+            "top_logprobs": [{top["token"]: top["logprob"] for top in e["top_logprobs"]} for e in entries],
             "text_offset": offsets,
         }
 
@@ -455,22 +476,33 @@ class _Answer:
                 yield self._sse(self._envelope([choice], chunk=True))
 
     def stream(self, index: int, event: Event):
-        offset = len(self.text[index])
-        self._record(index, event)
-        if not event.text and event.finish_reason is None and not event.logprobs:
-            return
+        """The server-sent events of one engine event: one per token, and one for text held back to the
+        end where no token carries it."""
+        offset = self.token_chars[index]
+        entries = self._record(index, event)
         finish = self.finish[index]
-        if self.chat:
-            delta = {"content": event.text} if event.text or finish is None else {}
-            choice = {
-                "index": index, "delta": delta, "logprobs": self._chat_logprobs(event.logprobs), "finish_reason": finish,
-            }  # fmt: skip
-        else:
-            choice = {
-                "index": index, "text": event.text, "logprobs": self._completion_logprobs(event.logprobs, offset),
-                "finish_reason": finish,
-            }  # fmt: skip
-        yield self._sse(self._envelope([choice], chunk=True))
+        parts = [
+            (piece, None if entries is None else [entries[i]], None) for i, piece in enumerate(event.pieces)
+        ]  # (text, logprob entries, finish_reason)
+        if event.eos or (not parts and (event.tail or finish is not None)):
+            parts.append((event.tail, entries[len(event.pieces) :] if entries and event.eos else None, finish))
+        elif event.tail or finish is not None:
+            text, token_entries, _ = parts[-1]
+            parts[-1] = (text + event.tail, token_entries, finish)
+        for text, token_entries, reason in parts:
+            if self.chat:
+                delta = {"content": text} if text or reason is None else {}
+                choice = {
+                    "index": index, "delta": delta, "logprobs": self._chat_logprobs(token_entries),
+                    "finish_reason": reason,
+                }  # fmt: skip
+            else:
+                choice = {
+                    "index": index, "text": text, "logprobs": self._completion_logprobs(token_entries, offset),
+                    "finish_reason": reason,
+                }  # fmt: skip
+                offset += sum(len(e["token"]) for e in token_entries or [])
+            yield self._sse(self._envelope([choice], chunk=True))
 
     def usage_chunk(self) -> str:
         return self._sse({**self._envelope([], chunk=True), "usage": self.usage()})

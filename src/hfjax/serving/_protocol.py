@@ -261,7 +261,8 @@ def _logit_bias(body: dict) -> tuple[tuple[int, float], ...]:
 
 def _sampling(body: dict, max_tokens: int | None, logprobs: int | None, max_model_len: int) -> list[SamplingParams]:
     """One SamplingParams per choice (n). A sampling field left out takes the checkpoint's
-    generation_config.json, as vLLM does. `max_tokens` None: up to the context (`with_budget` sets it)."""
+    generation_config.json, else OpenAI's default, as vLLM does (`SamplingParams.settings`).
+    `max_tokens` None: up to the context (`with_budget` sets it)."""
     temperature = _number(body, "temperature", None, 0.0, 2.0)
     top_p = _number(body, "top_p", None, 0.0, 1.0, low_open=True)
     top_k = _number(body, "top_k", None, -1, 2**31 - 1, integer=True)  # vLLM's -1 and 0 are off

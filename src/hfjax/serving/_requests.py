@@ -21,9 +21,11 @@ class QueueFullError(ServingError):
 class SamplingParams:
     """One request's settings, named as vLLM's SamplingParams and OpenAI's request fields name them.
 
-    A sampling field left None takes the checkpoint's generation_config.json, as `Model.generate`
-    (and vLLM) do; `settings(model)` maps the request onto `Model.generate`'s settings, the one type
-    the engine runs.
+    A sampling field left None (temperature, top_p, top_k, min_p, repetition_penalty) takes the value
+    the checkpoint's generation_config.json sets, else OpenAI's default (`default_sampling`), as
+    vLLM does: a request without temperature samples at temperature 1 unless the file sets one (its
+    do_sample is not read). `settings(model)` maps the request onto `Model.generate`'s settings, the
+    one type the engine runs.
 
     Args:
         max_tokens: the most tokens to generate (>= 1).
@@ -103,13 +105,13 @@ class SamplingParams:
           GenerationError: a value out of range, naming it.
         """
         arguments = {"max_new_tokens": self.max_tokens, "num_beams": 1}  # beam search is generate's alone
-        if self.temperature is not None:
-            arguments["do_sample"] = self.temperature > 0
-            if self.temperature > 0:
-                arguments["temperature"] = self.temperature
-        for name in ("top_p", "top_k", "min_p", "repetition_penalty"):
-            if getattr(self, name) is not None:
-                arguments[name] = getattr(self, name)
+        values = default_sampling(model)
+        values.update({name: getattr(self, name) for name in values if getattr(self, name) is not None})
+        temperature = values.pop("temperature")
+        arguments["do_sample"] = temperature > 0  # temperature 0: the most likely token (greedy)
+        if temperature > 0:
+            arguments["temperature"] = temperature
+        arguments.update(values)
         if self.min_tokens is not None:
             arguments.update(min_new_tokens=self.min_tokens, min_length=0)
         problem = self.vocabulary_problem(getattr(model.config.get_text_config(decoder=True), "vocab_size", None))
@@ -130,6 +132,18 @@ class SamplingParams:
         return dataclasses.replace(
             settings, sampling=sampling, eos_token_ids=() if self.ignore_eos else settings.eos_token_ids
         )
+
+
+# OpenAI's defaults of the sampling fields, and the values that turn vLLM's extra ones off.
+_OPENAI_SAMPLING = {"temperature": 1.0, "top_p": 1.0, "top_k": 0, "min_p": 0.0, "repetition_penalty": 1.0}
+
+
+def default_sampling(model) -> dict[str, float]:
+    """The sampling values of a request that sets none, by name: the ones the checkpoint's
+    generation_config.json sets (temperature, top_p, top_k, min_p, repetition_penalty), else OpenAI's
+    defaults. vLLM's order; the file's do_sample is not read, so its temperature is what decides."""
+    given = model.generation_config.to_diff_dict()
+    return {name: value if given.get(name) is None else given[name] for name, value in _OPENAI_SAMPLING.items()}
 
 
 def stop_token_ids_problem(ids, min_tokens: int | None) -> str | None:
@@ -160,14 +174,30 @@ class TokenLogprob:
 
 @dataclasses.dataclass
 class Event:
-    """What a request's listener gets after each chunk: the new tokens and text, and at the end why."""
+    """What a request's listener gets after each chunk: its new tokens, the text each one releases, and
+    at the end why it ended.
+
+    A chunk may choose several tokens; `pieces[i]` is the text that `token_ids[i]` releases, "" where
+    the text is held back (a partial UTF-8 character, the start of a possible stop string) until a
+    later token releases it with its own. `tail` is the text held back until the answer ended (after
+    its last token: an EOS token, the length limit, a cancel). The answer's text is that of
+    `token_ids` (cut at the token where a stop string ends); an EOS token that ended it (`eos`) has
+    no text but counts, as in vLLM: in `completion_tokens` and, last, in `logprobs`.
+    """
 
     token_ids: list[int]
-    text: str
-    logprobs: list[TokenLogprob] | None
+    pieces: list[str]  # one per token id
+    logprobs: list[TokenLogprob] | None  # one per token id, then the EOS token's where `eos`
     finish_reason: str | None  # "stop" (EOS or a stop string), "length" (max_tokens), "cancelled"; None: more comes
     prompt_tokens: int
     completion_tokens: int
+    tail: str = ""
+    eos: bool = False  # an EOS token ended the answer after token_ids
+
+    @property
+    def text(self) -> str:
+        """The text this event adds to the answer."""
+        return "".join(self.pieces) + self.tail
 
 
 class Request:
@@ -225,9 +255,11 @@ def joined(events: list[Event]) -> Event:
     last = events[-1]
     return Event(
         [t for e in events for t in e.token_ids],
-        "".join(e.text for e in events),
+        [p for e in events for p in e.pieces],
         logprobs,
         last.finish_reason,
         last.prompt_tokens,
         last.completion_tokens,
+        "".join(e.tail for e in events),
+        last.eos,
     )

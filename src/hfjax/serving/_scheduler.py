@@ -414,7 +414,7 @@ class Engine:
         self.metrics.running = self.running
         self.metrics.count_finished(reason, len(request.prompt), request.generated)
         if event is None:
-            event = Event([], request.text.rest(), None, reason, len(request.prompt), request.generated)
+            event = Event([], [], None, reason, len(request.prompt), request.generated, request.text.rest())
         request.listener(event)
 
     def _prefill(self, requests: list[Request]) -> None:
@@ -503,8 +503,9 @@ class Engine:
 
     def _deliver(self, request: Request, chosen: list[np.ndarray], count: int) -> None:
         """Hands a request its new tokens (chosen: token [T], logprob [T], top ids [T, 20], top logprobs
-        [T, 20]; the last three None when no request of the program asked for log-probabilities), cut
-        at EOS or max_tokens, and finishes it when one of its stops is met."""
+        [T, 20]; the last three None when no request of the program asked for log-probabilities), each
+        with the text it releases, cut at EOS, max_tokens, a stop token or the token whose text completes
+        a stop string, and finishes it when one of its stops is met."""
         tokens, logprob, top_token, top_logprob = chosen
         now = time.perf_counter()
         if request.last_token_time is None:
@@ -512,18 +513,19 @@ class Engine:
         else:
             self.metrics.inter_token_latency.observe((now - request.last_token_time) / count, count)
         request.last_token_time = now
-        reason = None
-        kept = []
+        reason, eos = None, None
+        kept, pieces = [], []
         before = request.generated
-        for t in range(count):
+        for t in range(count):  # token by token: the answer ends at the token where a stop string ends
             token = int(tokens[t])
+            request.generated += 1
             if request.stops_at(token):
-                reason = "stop"
-                request.generated += 1
+                reason, eos = "stop", t
                 break
             kept.append(t)
-            request.generated += 1
-            if request.ends_with(token):
+            piece, stopped = request.text.add([token])
+            pieces.append(piece)
+            if stopped or request.ends_with(token):
                 reason = "stop"
                 break
             if request.generated >= request.settings.max_new_tokens:
@@ -531,9 +533,6 @@ class Engine:
                 break
         self.metrics.tokens_generated += request.generated - before
         ids = [int(tokens[t]) for t in kept]
-        text, stopped = request.text.add(ids)
-        if stopped:
-            reason = "stop"
         logprobs = None
         if request.params.logprobs is not None:
             alternatives = request.params.logprobs
@@ -542,11 +541,10 @@ class Engine:
                     int(tokens[t]), float(logprob[t]),
                     [(int(i), float(v)) for i, v in zip(top_token[t][:alternatives], top_logprob[t][:alternatives])],
                 )
-                for t in kept
+                for t in kept + ([] if eos is None else [eos])
             ]  # fmt: skip
-        if reason is not None:
-            text += request.text.rest() if not stopped else ""
-        event = Event(ids, text, logprobs, reason, len(request.prompt), request.generated)
+        tail = request.text.rest() if reason is not None else ""
+        event = Event(ids, pieces, logprobs, reason, len(request.prompt), request.generated, tail, eos is not None)
         if reason is None:
             request.listener(event)
         else:
