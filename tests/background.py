@@ -1,7 +1,8 @@
 """Processes that test modules start as soon as the suite is collected, so that they run beside
 the rest of it (one test process rarely keeps both of the suite's 2 cores busy).
 
-`free_port()` and `wait_until_healthy(...)` start and wait for a server process (`hfjax serve`).
+`free_port()` and `wait_until_healthy(...)` wait for a server process; `Servers` starts, waits for
+and stops a module's `hfjax serve` processes.
 
 A module defines `start_in_background()`, which conftest.py calls once after collection, and
 which calls `start(name, argv, seconds=...)` for each of its jobs; a test then calls
@@ -12,6 +13,7 @@ a test that waits for a job that has not started yet starts it at once.
 
 from __future__ import annotations
 
+import atexit
 import dataclasses
 import os
 import pathlib
@@ -133,3 +135,63 @@ def wait_until_healthy(
             pass
         time.sleep(0.3)
     raise AssertionError(f"{name} server did not answer /health in {timeout} s")
+
+
+class Servers:
+    """A test module's `hfjax serve` processes: each on a free port of 127.0.0.1, its output in a log
+    file of its own in one scratch directory, all stopped (and the directory removed) by `stop()` or
+    at exit. `servers[name]` is {"process", "url", "log", "checkpoint"}."""
+
+    def __init__(self, prefix: str):
+        self.prefix = prefix
+        self.started: dict[str, dict] = {}
+        self._directory: pathlib.Path | None = None
+
+    @property
+    def directory(self) -> pathlib.Path:
+        """The scratch directory (made on first use): checkpoints the module writes, and the logs."""
+        if self._directory is None:
+            self._directory = pathlib.Path(tempfile.mkdtemp(prefix=self.prefix))
+            atexit.register(self.stop)
+        return self._directory
+
+    def __getitem__(self, name: str) -> dict:
+        return self.started[name]
+
+    def launch(self, name: str, checkpoint: pathlib.Path, *flags: str, model_flag: bool = False) -> None:
+        """Starts `hfjax serve CHECKPOINT FLAGS --port P` (model_flag: `--model CHECKPOINT` instead)."""
+        port = free_port()
+        log = open(self.directory / f"{name}.log", "w")
+        env = {**os.environ, "OMP_WAIT_POLICY": "PASSIVE", "PYTHONPATH": os.pathsep.join(sys.path)}
+        model = ["--model", str(checkpoint)] if model_flag else [str(checkpoint)]
+        argv = [sys.executable, "-m", "hfjax.cli", "serve", *model, *flags, "--port", str(port)]
+        process = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=env)
+        self.started[name] = {
+            "process": process,
+            "url": f"http://127.0.0.1:{port}",
+            "log": log,
+            "checkpoint": checkpoint,
+        }
+
+    def log(self, name: str) -> str:
+        """What server `name` has printed so far."""
+        return (self.directory / f"{name}.log").read_text()
+
+    def wait(self, timeout: float = 600) -> dict[str, str]:
+        """{name: url} of every server, once each answers /health (see `wait_until_healthy`)."""
+        return {
+            name: wait_until_healthy(
+                server["process"], server["url"], self.directory / f"{name}.log", name=name, timeout=timeout
+            )
+            for name, server in self.started.items()
+        }
+
+    def stop(self) -> None:
+        """Kills the servers still running and removes the scratch directory."""
+        for server in self.started.values():
+            if server["process"].poll() is None:
+                server["process"].kill()
+                server["process"].wait()
+            server["log"].close()
+        if self._directory is not None:
+            shutil.rmtree(self._directory, ignore_errors=True)

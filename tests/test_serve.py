@@ -11,10 +11,8 @@ Answers are checked against `Model.generate_text` (greedy) and PyTorch (embeddin
 from __future__ import annotations
 
 import asyncio
-import atexit
 import concurrent.futures
 import json
-import os
 import pathlib
 import re
 import shlex
@@ -22,7 +20,6 @@ import shutil
 import signal
 import subprocess
 import sys
-import tempfile
 import time
 
 import numpy as np
@@ -66,60 +63,30 @@ _SERVE_FLAGS = shlex.split(_readme_serve()["serve"].rstrip(" &"))
 NAME = _SERVE_FLAGS[_SERVE_FLAGS.index("--served-model-name") + 1]
 LENGTH = int(_SERVE_FLAGS[_SERVE_FLAGS.index("--max-model-len") + 1])
 ENCODER, KEY = "tiny-bert", "test-key"
-SERVERS: dict[str, dict] = {}
-_DIRECTORY: list[pathlib.Path] = []
-
-
-def _launch(name: str, checkpoint: pathlib.Path, *flags: str, model_flag: bool = True) -> None:
-    # model_flag: `--model PATH`; else PATH first, as `vllm serve` takes it (the README's way).
-    port = background.free_port()
-    log = open(_DIRECTORY[0] / f"{name}.log", "w")
-    env = {**os.environ, "OMP_WAIT_POLICY": "PASSIVE", "PYTHONPATH": os.pathsep.join(sys.path)}
-    model = ["--model", str(checkpoint)] if model_flag else [str(checkpoint)]
-    argv = [sys.executable, "-m", "hfjax.cli", "serve", *model, *flags, "--port", str(port)]
-    process = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=env)
-    SERVERS[name] = {"process": process, "url": f"http://127.0.0.1:{port}", "log": log, "checkpoint": checkpoint}
+SERVERS = background.Servers("hfjax-serve-test-")
 
 
 def start_in_background() -> None:
     """Writes the checkpoints and starts the three servers (once)."""
-    if SERVERS:
+    if SERVERS.started:
         return
-    _DIRECTORY.append(pathlib.Path(tempfile.mkdtemp(prefix="hfjax-serve-test-")))
     # The README's own line writes the checkpoint that its `hfjax serve MODEL ...` line serves.
-    exec(shlex.split(_readme_serve()["checkpoint"].replace(README_DIR, str(_DIRECTORY[0])))[2], {})
-    llama = pathlib.Path(_SERVE_FLAGS[2].replace(README_DIR, str(_DIRECTORY[0])))
-    bert = testing.save_tiny_checkpoint("bert", _DIRECTORY[0] / "bert", task="feature-extraction")
+    exec(shlex.split(_readme_serve()["checkpoint"].replace(README_DIR, str(SERVERS.directory)))[2], {})
+    llama = pathlib.Path(_SERVE_FLAGS[2].replace(README_DIR, str(SERVERS.directory)))
+    bert = testing.save_tiny_checkpoint("bert", SERVERS.directory / "bert", task="feature-extraction")
     readme_flags = _SERVE_FLAGS[3:]
     port = readme_flags.index("--port")
-    _launch("main", llama, *readme_flags[:port], *readme_flags[port + 2 :], model_flag=False)
+    SERVERS.launch("main", llama, *readme_flags[:port], *readme_flags[port + 2 :])
     common = ("--max-model-len", str(LENGTH), "--served-model-name", NAME)
-    _launch("small", llama, *common, "--max-batch", "1", "--max-queue", "1", "--api-key", KEY)
-    _launch("encoder", bert, "--served-model-name", ENCODER)
-    atexit.register(_stop_all)
-
-
-def _stop_all() -> None:
-    for server in SERVERS.values():
-        if server["process"].poll() is None:
-            server["process"].kill()
-            server["process"].wait()
-        server["log"].close()
-    if _DIRECTORY:
-        shutil.rmtree(_DIRECTORY[0], ignore_errors=True)
-
-
-def _wait_until_up(name: str, timeout: float = 600) -> str:
-    server = SERVERS[name]
-    log = _DIRECTORY[0] / f"{name}.log"
-    return background.wait_until_healthy(server["process"], server["url"], log, name=name, timeout=timeout)
+    SERVERS.launch("small", llama, *common, "--max-batch", "1", "--max-queue", "1", "--api-key", KEY, model_flag=True)
+    SERVERS.launch("encoder", bert, "--served-model-name", ENCODER, model_flag=True)
 
 
 @pytest.fixture(scope="module")
 def servers():
     start_in_background()
-    yield {name: _wait_until_up(name) for name in SERVERS}
-    _stop_all()
+    yield SERVERS.wait()
+    SERVERS.stop()
 
 
 @pytest.fixture(scope="module")
@@ -726,5 +693,5 @@ def test_the_servers_say_no_warning(servers):
     from test_readme import WARNING
 
     for name in ("main", "encoder"):
-        log = (_DIRECTORY[0] / f"{name}.log").read_text()
+        log = SERVERS.log(name)
         assert not WARNING.search(log), f"{name} server: {log[-3000:]}"

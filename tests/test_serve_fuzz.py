@@ -13,20 +13,16 @@ The explicit cases below are the 500s users found, and a taken --port.
 
 from __future__ import annotations
 
-import atexit
 import json
 import os
-import pathlib
-import shutil
 import socket
 import subprocess
 import sys
-import tempfile
-import time
 import types
 
 import pytest
 
+import background
 from hfjax import testing
 
 pytest.importorskip("fastapi", reason="the serve extra is not installed: pip install 'hfjax[serve]'")
@@ -37,8 +33,7 @@ st = hypothesis.strategies
 
 NAME, ENCODER, LENGTH, VOCAB = "tiny-llama", "tiny-bert", 64, 512
 CHAT, COMPLETIONS, EMBEDDINGS = "/v1/chat/completions", "/v1/completions", "/v1/embeddings"
-SERVERS: dict[str, dict] = {}
-_DIRECTORY: list[pathlib.Path] = []
+SERVERS = background.Servers("hfjax-serve-fuzz-")
 
 # The fields each endpoint reads (OpenAI's, vLLM's, and those hfjax takes only at their no-op value).
 _SAMPLING = [
@@ -53,60 +48,14 @@ FIELDS = {
 }
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _launch(name: str, checkpoint: pathlib.Path, *flags: str) -> None:
-    port = _free_port()
-    log = open(_DIRECTORY[0] / f"{name}.log", "w")
-    env = {**os.environ, "OMP_WAIT_POLICY": "PASSIVE", "PYTHONPATH": os.pathsep.join(sys.path)}
-    argv = [sys.executable, "-m", "hfjax.cli", "serve", str(checkpoint), *flags, "--port", str(port)]
-    process = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=env)
-    SERVERS[name] = {"process": process, "url": f"http://127.0.0.1:{port}", "log": log}
-
-
 def start_in_background() -> None:
     """Writes the checkpoints and starts the two servers (once)."""
-    if SERVERS:
+    if SERVERS.started:
         return
-    _DIRECTORY.append(pathlib.Path(tempfile.mkdtemp(prefix="hfjax-serve-fuzz-")))
-    llama = testing.save_tiny_checkpoint("llama", _DIRECTORY[0] / "llama")
-    bert = testing.save_tiny_checkpoint("bert", _DIRECTORY[0] / "bert", task="feature-extraction")
-    _launch("lm", llama, "--served-model-name", NAME, "--max-model-len", str(LENGTH), "--max-batch", "4")
-    _launch("encoder", bert, "--served-model-name", ENCODER)
-    atexit.register(_stop_all)
-
-
-def _stop_all() -> None:
-    for server in SERVERS.values():
-        if server["process"].poll() is None:
-            server["process"].kill()
-            server["process"].wait()
-        server["log"].close()
-    if _DIRECTORY:
-        shutil.rmtree(_DIRECTORY[0], ignore_errors=True)
-
-
-def _log(name: str) -> str:
-    return (_DIRECTORY[0] / f"{name}.log").read_text()
-
-
-def _wait_until_up(name: str, timeout: float = 600) -> str:
-    server = SERVERS[name]
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if server["process"].poll() is not None:
-            raise AssertionError(f"{name} server exited: {_log(name)[-3000:]}")
-        try:
-            if httpx.get(server["url"] + "/health", timeout=2).status_code == 200:
-                return server["url"]
-        except httpx.TransportError:
-            pass
-        time.sleep(0.3)
-    raise AssertionError(f"{name} server did not answer /health in {timeout} s")
+    llama = testing.save_tiny_checkpoint("llama", SERVERS.directory / "llama")
+    bert = testing.save_tiny_checkpoint("bert", SERVERS.directory / "bert", task="feature-extraction")
+    SERVERS.launch("lm", llama, "--served-model-name", NAME, "--max-model-len", str(LENGTH), "--max-batch", "4")
+    SERVERS.launch("encoder", bert, "--served-model-name", ENCODER)
 
 
 GREEDY = {"model": NAME, "prompt": "The river ran past the mill", "max_tokens": 6, "temperature": 0}
@@ -124,10 +73,10 @@ def _reference_answers(client: httpx.Client) -> tuple[str, list]:
 def http():
     """.client (httpx, kept alive), .urls by server, and .before: `_reference_answers` at the start."""
     start_in_background()
-    urls = {name: _wait_until_up(name) for name in SERVERS}
+    urls = SERVERS.wait()
     with httpx.Client(timeout=120) as client:
         yield types.SimpleNamespace(client=client, urls=urls, before=_reference_answers(client))
-    _stop_all()
+    SERVERS.stop()
 
 
 def _post(http, server: str, path: str, content: bytes) -> httpx.Response:
@@ -163,8 +112,11 @@ _NUMBER = st.one_of(
     st.floats(allow_nan=True, allow_infinity=True),
 )
 _SCALAR = st.one_of(st.none(), st.booleans(), _NUMBER, _TEXT, st.sampled_from(["", [], {}]))
+# min_size=1: empty containers come from _SCALAR (and hypothesis tells a recursion by its non-empty ones).
 _JSON = st.recursive(
-    _SCALAR, lambda inner: st.lists(inner, max_size=4) | st.dictionaries(_TEXT, inner, max_size=4), max_leaves=12
+    _SCALAR,
+    lambda inner: st.lists(inner, min_size=1, max_size=4) | st.dictionaries(_TEXT, inner, min_size=1, max_size=4),
+    max_leaves=12,
 )
 
 
@@ -435,4 +387,4 @@ def test_the_servers_answer_as_before_and_logged_no_traceback(http):
     left the engine or the model in another state), and no exception in either server's log."""
     assert _reference_answers(http.client) == http.before
     for name in SERVERS:
-        assert "Traceback" not in _log(name) and "Exception" not in _log(name), _log(name)[-3000:]
+        assert "Traceback" not in SERVERS.log(name) and "Exception" not in SERVERS.log(name), SERVERS.log(name)[-3000:]

@@ -10,17 +10,10 @@ References: transformers' tokenizer and chat template, PyTorch's embeddings, the
 
 from __future__ import annotations
 
-import atexit
 import contextlib
 import io
-import os
 import pathlib
 import re
-import shutil
-import socket
-import subprocess
-import sys
-import tempfile
 import time
 
 import numpy as np
@@ -28,6 +21,7 @@ import pytest
 import torch
 import transformers
 
+import background
 import hfjax
 from hfjax import cli, serving, testing, tolerances
 
@@ -49,23 +43,7 @@ STATS_LINE = re.compile(
     r"Avg prompt throughput: [\d.]+ tokens/s, Avg generation throughput: [\d.]+ tokens/s, "
     r"Running: \d+ reqs, Waiting: \d+ reqs"
 )
-SERVERS: dict[str, dict] = {}
-_DIRECTORY: list[pathlib.Path] = []
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _launch(name: str, checkpoint: pathlib.Path, *flags: str) -> None:
-    port = _free_port()
-    log = open(_DIRECTORY[0] / f"{name}.log", "w")
-    env = {**os.environ, "OMP_WAIT_POLICY": "PASSIVE", "PYTHONPATH": os.pathsep.join(sys.path)}
-    argv = [sys.executable, "-m", "hfjax.cli", "serve", str(checkpoint), *flags, "--port", str(port)]
-    process = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=env)
-    SERVERS[name] = {"process": process, "url": f"http://127.0.0.1:{port}", "log": log, "checkpoint": checkpoint}
+SERVERS = background.Servers("hfjax-serve-vllm-test-")
 
 
 def _thinking_llama(path: pathlib.Path) -> pathlib.Path:
@@ -78,55 +56,24 @@ def _thinking_llama(path: pathlib.Path) -> pathlib.Path:
 
 def start_in_background() -> None:
     """Writes the checkpoints and starts the three servers (once)."""
-    if SERVERS:
+    if SERVERS.started:
         return
-    _DIRECTORY.append(pathlib.Path(tempfile.mkdtemp(prefix="hfjax-serve-vllm-test-")))
-    llama = _thinking_llama(_DIRECTORY[0] / "llama")
+    llama = _thinking_llama(SERVERS.directory / "llama")
     bert = testing.save_tiny_checkpoint(
-        "bert", _DIRECTORY[0] / "bert", task="feature-extraction", matryoshka_dimensions=MATRYOSHKA
+        "bert", SERVERS.directory / "bert", task="feature-extraction", matryoshka_dimensions=MATRYOSHKA
     )
     sizing = ("--max-model-len", str(LENGTH), "--max-num-seqs", "4", "--served-model-name", NAME)
-    _launch("chat", llama, *sizing, "--kv-cache-memory", "64MiB", "--gpu-memory-utilization", "0.5")
+    SERVERS.launch("chat", llama, *sizing, "--kv-cache-memory", "64MiB", "--gpu-memory-utilization", "0.5")
     quiet = ("--disable-log-requests", "--disable-log-stats", "--no-enable-prefix-caching")
-    _launch("quiet", llama, *sizing, *quiet)
-    _launch("encoder", bert, "--served-model-name", ENCODER, "--uvicorn-log-level", "warning")
-    atexit.register(_stop_all)
-
-
-def _stop_all() -> None:
-    for server in SERVERS.values():
-        if server["process"].poll() is None:
-            server["process"].kill()
-            server["process"].wait()
-        server["log"].close()
-    if _DIRECTORY:
-        shutil.rmtree(_DIRECTORY[0], ignore_errors=True)
-
-
-def _log(name: str) -> str:
-    return (_DIRECTORY[0] / f"{name}.log").read_text()
-
-
-def _wait_until_up(name: str, timeout: float = 600) -> str:
-    server = SERVERS[name]
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if server["process"].poll() is not None:
-            raise AssertionError(f"{name} server exited: {_log(name)[-3000:]}")
-        try:
-            if httpx.get(server["url"] + "/health", timeout=2).status_code == 200:
-                return server["url"]
-        except httpx.TransportError:
-            pass
-        time.sleep(0.3)
-    raise AssertionError(f"{name} server did not answer /health in {timeout} s")
+    SERVERS.launch("quiet", llama, *sizing, *quiet)
+    SERVERS.launch("encoder", bert, "--served-model-name", ENCODER, "--uvicorn-log-level", "warning")
 
 
 @pytest.fixture(scope="module")
 def servers():
     start_in_background()
-    yield {name: _wait_until_up(name) for name in SERVERS}
-    _stop_all()
+    yield SERVERS.wait()
+    SERVERS.stop()
 
 
 @pytest.fixture(scope="module")
@@ -254,7 +201,7 @@ def test_dimensions_truncate_a_matryoshka_models_embeddings_and_normalise_them(s
     error = _openai_400(_post(servers["chat"] + "/v1/embeddings", {"model": NAME, "input": texts, "dimensions": 8}),
                         "dimensions")  # fmt: skip
     assert "Matryoshka" in error["message"]
-    assert "INFO:" not in _log("encoder"), "--uvicorn-log-level warning: no access or start-up lines"
+    assert "INFO:" not in SERVERS.log("encoder"), "--uvicorn-log-level warning: no access or start-up lines"
 
 
 def _prefix_hits(url: str) -> float:
@@ -265,17 +212,19 @@ def _prefix_hits(url: str) -> float:
 def _wait_for(pattern: re.Pattern, name: str, after: int, timeout: float = 60) -> re.Match:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        found = pattern.search(_log(name), after)
+        found = pattern.search(SERVERS.log(name), after)
         if found:
             return found
         time.sleep(0.5)
-    raise AssertionError(f"{name} server logged no {pattern.pattern!r} in {timeout} s: {_log(name)[after:][-2000:]}")
+    raise AssertionError(
+        f"{name} server logged no {pattern.pattern!r} in {timeout} s: {SERVERS.log(name)[after:][-2000:]}"
+    )
 
 
 def test_access_and_stats_lines_and_the_flags_that_quiet_them(servers):
     system = [{"role": "system", "content": "You answer about rivers, mills and the sea. " * 3}]
     body = {"messages": system + CHAT, "max_tokens": 4, "temperature": 0, "model": NAME}
-    marks = {name: len(_log(name)) for name in ("chat", "quiet")}
+    marks = {name: len(SERVERS.log(name)) for name in ("chat", "quiet")}
     hits = {name: _prefix_hits(servers[name]) for name in ("chat", "quiet")}
     for name in ("chat", "quiet"):
         for _ in range(2):  # the second finds the first's keys in its free slot, where prefix caching is on
@@ -283,14 +232,14 @@ def test_access_and_stats_lines_and_the_flags_that_quiet_them(servers):
     _wait_for(ACCESS_LINE, "chat", marks["chat"])
     _wait_for(STATS_LINE, "chat", marks["chat"])  # within a stats interval of the requests
     time.sleep(11)  # one more interval of the quiet server's
-    quiet = _log("quiet")[marks["quiet"] :]
+    quiet = SERVERS.log("quiet")[marks["quiet"] :]
     assert "HTTP/1.1" not in quiet and "throughput" not in quiet, quiet
     assert _prefix_hits(servers["chat"]) > hits["chat"]
     assert _prefix_hits(servers["quiet"]) == hits["quiet"]
 
 
 def test_gpu_memory_utilization_sizes_the_cache_unless_kv_cache_memory_is_given(servers, tmp_path):
-    assert "64.00 MiB budget (kv_cache_memory; gpu_memory_utilization=0.5 not used)" in _log("chat")
+    assert "64.00 MiB budget (kv_cache_memory; gpu_memory_utilization=0.5 not used)" in SERVERS.log("chat")
     model = hfjax.load(SERVERS["chat"]["checkpoint"])
     engine = serving.Engine(model, max_model_len=LENGTH, gpu_memory_utilization=1.0)
     with open("/proc/meminfo") as meminfo:
