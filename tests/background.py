@@ -158,6 +158,9 @@ class Servers:
     def __getitem__(self, name: str) -> dict:
         return self.started[name]
 
+    def __iter__(self):
+        return iter(self.started)
+
     def launch(self, name: str, checkpoint: pathlib.Path, *flags: str, model_flag: bool = False) -> None:
         """Starts `hfjax serve CHECKPOINT FLAGS --port P` (model_flag: `--model CHECKPOINT` instead)."""
         port = free_port()
