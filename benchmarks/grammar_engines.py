@@ -1,29 +1,14 @@
 """Grammar engines for structured outputs, measured on one byte-level BPE vocabulary of 32000 tokens.
 
-    pip install llguidance xgrammar outlines-core jsonschema   # not hfjax dependencies
-    python benchmarks/grammar_engines.py                      # some minutes on 2 cores
+    pip install llguidance xgrammar outlines-core jsonschema   # not hfjax dependencies (README: how)
+    python benchmarks/grammar_engines.py                      # about 90 s on 2 cores
     python benchmarks/grammar_engines.py --runs 1 --walks 2 --cases regex,choice   # a quick check
 
-Engines: llguidance (an Earley parser over a lexer, masks computed per step), xgrammar (a pushdown
-automaton, token masks precomputed per grammar position) and outlines-core (the grammar as one
-regular expression, compiled into a token-level automaton: (state, token) -> state). Cases: a
-JSON schema of 20 properties, any JSON object, a date regex, a choice among 5 strings. The
-tokenizer is trained here (byte-level BPE on generated English and JSON) and saved as a
-transformers tokenizer directory, which every engine reads.
-
-Per engine and case: compile time, cold (tokenizer information built, grammar compiled, first
-mask filled, all fresh) and warm (tokenizer information kept, a schema no cache has seen: the same
-grammar with a new description or literal); mask and advance time per token for 1 row and 16 rows
-(the batch API where there is one, and a loop over the one-row API), following walks: at each
-step every engine fills its mask and a seeded-random token allowed by all of them is taken (a
-closing one, `"` `}` `]` `,` `:`, more and more often), until all allow EOS. So every engine times
-the same tokens, in turn. Correctness: each engine also walks alone (its own mask only), and the
-answers must validate with jsonschema, match the regex in full, or be one of the choices.
-
-For outlines-core's automaton: states, transitions, the bytes of a dense [states, vocab] int32
-next-state table, a CSR layout and a [states, vocab/32] bitmask, and one jitted JAX step on such
-arrays (16 rows: next states from tokens, then the [16, vocab] allowed mask) on this CPU, checked
-against outlines-core's own Guide.
+llguidance, xgrammar and outlines-core, on a JSON schema of 20 properties, any JSON object, a date
+regex and a choice of 5 strings: compile time (cold and warm), mask and advance time per token at 1
+and 16 rows while following walks that every engine allows, each engine's own answers checked
+(jsonschema, the regex, the choices), and outlines-core's token automaton as device arrays with a
+jitted JAX step over them. benchmarks/README.md says how each figure is taken.
 
 The last line on stdout is one JSON object; progress goes to stderr.
 """
@@ -59,52 +44,56 @@ VOCAB = 32000
 ROWS = 16
 DATE = r"[0-9]{4}-(0[1-9]|1[0-2])-(0[1-9]|[12][0-9]|3[01])"
 CHOICES = ("strongly agree", "agree", "neutral", "disagree", "strongly disagree")
-ADDRESS = {
-    "type": "object",
-    "properties": {
-        "street": {"type": "string", "maxLength": 40},
-        "city": {"type": "string", "pattern": "^[A-Z][a-z]{1,15}$"},
-        "number": {"type": "integer", "minimum": 1, "maximum": 9999},
-    },
-    "required": ["street", "city", "number"],
-    "additionalProperties": False,
+
+
+def _string(pattern=None, **bounds):
+    return {"type": "string", **({"pattern": f"^{pattern}$"} if pattern else {}), **bounds}
+
+
+def _integer(low, high):
+    return {"type": "integer", "minimum": low, "maximum": high}
+
+
+def _object(properties, required):
+    return {"type": "object", "properties": properties, "required": required, "additionalProperties": False}
+
+
+ADDRESS = _object(
+    {"street": _string(maxLength=40), "city": _string("[A-Z][a-z]{1,15}"), "number": _integer(1, 9999)},
+    ["street", "city", "number"],
+)
+CONTACT = _object(
+    {"phone": _string("[0-9]{3}-[0-9]{3}-[0-9]{4}"), "preferred": {"enum": ["email", "phone"]}}, ["phone", "preferred"]
+)
+PROPERTIES = {
+    "id": _string("[A-Z]{3}-[0-9]{4}"),
+    "name": _string(minLength=1, maxLength=40),
+    "email": _string("[a-z]{1,12}@[a-z]{1,10}\\.(com|org|net)"),
+    "age": _integer(0, 120),
+    "score": _integer(-50, 50),
+    "status": {"enum": ["active", "inactive", "pending"]},
+    "role": {"type": "string", "enum": ["admin", "user", "guest", "owner"]},
+    "verified": {"type": "boolean"},
+    "rating": {"type": "number"},
+    "created": _string(DATE),
+    "country": _string("[A-Z]{2}"),
+    "zip": _string("[0-9]{5}"),
+    "tags": {"type": "array", "items": _string(maxLength=12), "minItems": 1, "maxItems": 4},
+    "address": {"$ref": "#/$defs/address"},
+    "contact": CONTACT,
+    "level": _integer(1, 10),
+    "notes": _string(maxLength=80),
+    "priority": {"enum": [1, 2, 3]},
+    "currency": {"enum": ["USD", "EUR", "JPY"]},
+    "since": _integer(1900, 2100),
 }
 SCHEMA = {
     "type": "object",
     "$defs": {"address": ADDRESS},
-    "properties": {
-        "id": {"type": "string", "pattern": "^[A-Z]{3}-[0-9]{4}$"},
-        "name": {"type": "string", "minLength": 1, "maxLength": 40},
-        "email": {"type": "string", "pattern": "^[a-z]{1,12}@[a-z]{1,10}\\.(com|org|net)$"},
-        "age": {"type": "integer", "minimum": 0, "maximum": 120},
-        "score": {"type": "integer", "minimum": -50, "maximum": 50},
-        "status": {"enum": ["active", "inactive", "pending"]},
-        "role": {"type": "string", "enum": ["admin", "user", "guest", "owner"]},
-        "verified": {"type": "boolean"},
-        "rating": {"type": "number"},
-        "created": {"type": "string", "pattern": f"^{DATE}$"},
-        "country": {"type": "string", "pattern": "^[A-Z]{2}$"},
-        "zip": {"type": "string", "pattern": "^[0-9]{5}$"},
-        "tags": {"type": "array", "items": {"type": "string", "maxLength": 12}, "minItems": 1, "maxItems": 4},
-        "address": {"$ref": "#/$defs/address"},
-        "contact": {
-            "type": "object",
-            "properties": {
-                "phone": {"type": "string", "pattern": "^[0-9]{3}-[0-9]{3}-[0-9]{4}$"},
-                "preferred": {"enum": ["email", "phone"]},
-            },
-            "required": ["phone", "preferred"],
-            "additionalProperties": False,
-        },
-        "level": {"type": "integer", "minimum": 1, "maximum": 10},
-        "notes": {"type": "string", "maxLength": 80},
-        "priority": {"enum": [1, 2, 3]},
-        "currency": {"enum": ["USD", "EUR", "JPY"]},
-        "since": {"type": "integer", "minimum": 1900, "maximum": 2100},
-    },
+    "properties": PROPERTIES,
     "additionalProperties": False,
+    "required": [name for name in PROPERTIES if name not in ("rating", "notes")],
 }
-SCHEMA["required"] = [name for name in SCHEMA["properties"] if name not in ("rating", "notes")]
 # case: (kind, grammar, a variant of the grammar that no cache has seen: n -> grammar)
 CASES = {
     "schema": ("json", SCHEMA, lambda n: {**SCHEMA, "description": f"variant {n}"}),
