@@ -90,12 +90,18 @@ def main(argv: list[str] | None = None) -> int:
     if args.command is None:
         parser.print_help()
         return 2
-    # The command line owns its process: compiled programs are kept between runs unless turned off.
-    # (`launch` only starts processes, each of which does this for itself; it never starts JAX.)
-    if args.command != "launch":
-        set_cache_dir(os.environ.get(_compilation_cache.VARIABLE, str(_compilation_cache.DEFAULT)))
+    command = _COMMANDS[args.command]
     try:
-        return _COMMANDS[args.command].run(args)
+        # A command's checks that need no JAX come first (serve binds its port), in the first second.
+        preflight = getattr(command, "preflight", None)
+        code = preflight(args) if preflight is not None else None
+        if code is not None:
+            return code
+        # The command line owns its process: compiled programs are kept between runs unless turned off.
+        # (`launch` only starts processes, each of which does this for itself; it never starts JAX.)
+        if args.command != "launch":
+            set_cache_dir(os.environ.get(_compilation_cache.VARIABLE, str(_compilation_cache.DEFAULT)))
+        return command.run(args)
     except FlagError as error:
         print(f"hfjax {args.command}: {error}", file=sys.stderr)
         return 2

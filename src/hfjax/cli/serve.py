@@ -179,7 +179,9 @@ def missing_extra() -> list[str]:
     return [name for name in _EXTRA if importlib.util.find_spec(name) is None]
 
 
-def run(args: argparse.Namespace) -> int:
+def preflight(args: argparse.Namespace) -> int | None:
+    """What `hfjax serve` checks before JAX starts, so that a mistake is one line in the first second:
+    the serve extra, the flags, and the port, which it binds (`args.listening`); an exit code, or None."""
     missing = missing_extra()
     if missing:
         print(
@@ -207,12 +209,18 @@ def run(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return 2
-    path = model_path(args)
+    model_path(args)
     try:
-        sock = _listening_socket(args.host, args.port)
+        args.listening = _listening_socket(args.host, args.port)
     except (OSError, OverflowError) as error:
         print(_bind_problem(args.host, args.port, error), file=sys.stderr)
         return 1
+    return None
+
+
+def run(args: argparse.Namespace) -> int:
+    """Loads the model and serves it on the socket `preflight` bound."""
+    path, sock = model_path(args), args.listening
     import uvicorn
 
     import hfjax

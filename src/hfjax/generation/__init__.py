@@ -38,7 +38,7 @@ from ._engine import GenerationStats, Generator
 from ._generate import check_context, generate
 from ._rows import MAX_HELD_STOP_TOKENS, MAX_LOGIT_BIAS, RowSampling, SamplingFeatures, key_data
 from ._settings import GenerationSettings, SamplingConfig, resolve_settings
-from ._slots import Chosen, SlotModel, SlotPrograms, SlotState, check_supported
+from ._slots import TOP_LOGPROBS, Chosen, SlotModel, SlotPrograms, SlotState, check_supported
 from ._vision_chat import chat_with_images, check_takes_images, encode, load_image
 
 __all__ = [
@@ -54,6 +54,7 @@ __all__ = [
     "SlotModel",
     "SlotPrograms",
     "SlotState",
+    "TOP_LOGPROBS",
     "cache_keyword",
     "chat_with_images",
     "check_context",

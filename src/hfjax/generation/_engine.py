@@ -48,8 +48,6 @@ from ._on_slots import SlotRuns
 from ._settings import GenerationSettings
 from ._state import DecodeState, field_slices, read
 
-STREAM_CHUNK = 8  # decode steps per host round trip when streaming
-
 
 @dataclasses.dataclass
 class GenerationStats:
@@ -243,7 +241,7 @@ class Generator:
             steps = int(field("step"))
         else:
             while steps < limit and not bool(np.all(field("done"))):
-                leaves = decode(params, leaves, jnp.int32(min(steps + STREAM_CHUNK, limit)))
+                leaves = decode(params, leaves, jnp.int32(min(steps + _planning.STREAM_CHUNK, limit)))
                 now = int(field("step"))
                 for token in field("sequence")[:batch, plan.offset + steps : plan.offset + now].T:
                     streamer.put(torch.as_tensor(token.astype(np.int64)))

@@ -20,7 +20,7 @@ Rows are the plan's rows, in its order, with the same PRNG keys (the seed with t
 folded in) and positions (a prompt's first real token at 0), so a call gives the tokens
 `Generator` gives. The decode runs over the cache in the windows `_planning.windows` names, one
 program call per window (each stops as soon as every row has produced an EOS token); a streamer
-gets its tokens every `STREAM_CHUNK` steps.
+gets its tokens every `_planning.STREAM_CHUNK` steps.
 """
 
 from __future__ import annotations
@@ -39,8 +39,6 @@ from . import _planning, _rows
 from ._settings import GenerationSettings
 from ._slot_beams import BeamCarry, SlotBeams
 from ._slots import SlotModel, SlotPrograms, check_supported
-
-STREAM_CHUNK = 8  # decode steps per host round trip when streaming (as `Generator`)
 
 
 def _left_padded(mask: np.ndarray) -> bool:
@@ -147,7 +145,7 @@ class SlotRuns:
             while steps < budget and not done.all() and position < window:
                 count = min(budget - steps, window - position)
                 if streamer is not None:
-                    count = min(count, STREAM_CHUNK)
+                    count = min(count, _planning.STREAM_CHUNK)
                 try:
                     state, chosen = programs.decode(
                         state, sampling, every, np.int32(count), no,

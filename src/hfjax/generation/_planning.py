@@ -19,6 +19,7 @@ from ._settings import GenerationSettings, SamplingConfig
 
 CACHE_MULTIPLE = 64  # cache and buffer lengths round up to this, so nearby budgets share programs
 MIN_BUCKET = 16  # the shortest padded prompt
+STREAM_CHUNK = 8  # decode steps per host round trip when streaming
 
 
 @dataclasses.dataclass(frozen=True)

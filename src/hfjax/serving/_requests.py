@@ -10,8 +10,6 @@ from collections.abc import Callable
 from .. import generation
 from .._errors import GenerationError, ServingError
 
-_TOP_LOGPROBS = 20  # the most alternatives OpenAI's API lets a request ask for per token
-
 
 class QueueFullError(ServingError):
     """The engine's queue holds max_queue requests already; try again later."""
@@ -78,7 +76,7 @@ class SamplingParams:
         problem = stop_token_ids_problem(list(self.stop_token_ids), self.min_tokens)
         if problem:
             raise GenerationError(problem)
-        if self.logprobs is not None and not 0 <= self.logprobs <= _TOP_LOGPROBS:
+        if self.logprobs is not None and not 0 <= self.logprobs <= generation.TOP_LOGPROBS:
             raise GenerationError(f"logprobs={self.logprobs!r}: pass a number of alternatives in [0, 20]")
         if isinstance(self.logit_bias, dict):
             object.__setattr__(self, "logit_bias", tuple(sorted(self.logit_bias.items())))
