@@ -2,7 +2,7 @@
 
 Every field a request may carry is listed here: those hfjax carries out (the sampling ones are
 mapped onto Model.generate's settings by `SamplingParams`), those it accepts only at their no-op
-value (e.g. `tools: []`), and none else: any other field is refused with a 400 that names it, never
+value (e.g. `echo: false`), and none else: any other field is refused with a 400 that names it, never
 ignored.
 """
 
@@ -17,6 +17,7 @@ import sys
 from .._errors import GenerationError
 from ..generation import check_context
 from ._requests import SamplingParams, logit_bias_problem, stop_token_ids_problem
+from ._tools import ToolParser
 
 
 class ApiError(Exception):
@@ -126,9 +127,7 @@ def check_length(text: str, field: str, tokens: int, longest: int, tokens_name: 
 
 # Fields accepted only at the value that changes nothing: {field: the values that are no-ops}.
 _NO_OP = {
-    "tools": (None, []),
-    "tool_choice": (None, "none"),
-    "parallel_tool_calls": (None,),
+    "parallel_tool_calls": (None, True),
     "response_format": (None, {"type": "text"}),
     "echo": (None, False),
     "suffix": (None, ""),
@@ -153,7 +152,8 @@ _SAMPLING = (
     "stop_token_ids",
 )  # fmt: skip
 CHAT_FIELDS = {
-    "messages", "max_tokens", "max_completion_tokens", "logprobs", "top_logprobs", "chat_template_kwargs", *_SAMPLING
+    "messages", "max_tokens", "max_completion_tokens", "logprobs", "top_logprobs", "chat_template_kwargs", "tools",
+    "tool_choice", *_SAMPLING
 }  # fmt: skip
 # apply_chat_template's own arguments, which chat_template_kwargs may not set: its template variables only.
 _TEMPLATE_ARGUMENTS = (
@@ -174,6 +174,8 @@ class Generation:
     include_usage: bool
     max_tokens: int | None  # None: up to the context
     prompt_field: str  # "messages" or "prompt", named in errors about the prompt's length
+    tools: list[dict] | None = None  # the chat's tools, rendered into the prompt by the chat template
+    tool_parser: ToolParser | None = None  # reads tool calls out of the answer (tool_choice "auto")
 
 
 def check_fields(body, allowed: set[str]) -> dict:
@@ -358,18 +360,121 @@ def messages_of(body: dict) -> list[dict]:
                     raise invalid(field, f"{field}={part['text']!r}: pass a string")
             message = {**message, "content": "".join(p.get("text", "") for p in content)}
             messages[i] = message
-        elif not isinstance(content, str):
+        if message.get("tool_calls") is not None and message["role"] == "assistant":
+            messages[i] = _with_tool_calls(message, i)
+        elif not isinstance(message.get("content"), str):
             raise invalid(f"messages[{i}].content", f"messages[{i}].content={content!r}: pass a string")
     return messages
 
 
-def chat_request(body, served: str, max_model_len: int, apply_template) -> Generation:
+def _with_tool_calls(message: dict, i: int) -> dict:
+    """An assistant message's tool_calls checked, each call's arguments (JSON text in OpenAI's API) read
+    into an object, as chat templates (and vLLM) expect them; its content may be null."""
+    content, calls = message.get("content"), message["tool_calls"]
+    if content is not None and not isinstance(content, str):
+        raise invalid(f"messages[{i}].content", f"messages[{i}].content={content!r}: pass a string or null")
+    if not isinstance(calls, list):
+        raise invalid(f"messages[{i}].tool_calls", f"messages[{i}].tool_calls={calls!r}: pass a list of tool calls")
+    read = []
+    for j, call in enumerate(calls):
+        field = f"messages[{i}].tool_calls[{j}]"
+        function = call.get("function") if isinstance(call, dict) else None
+        if not isinstance(function, dict) or not isinstance(function.get("name"), str):
+            raise invalid(
+                field, f'{field}={call!r}: pass {{"id", "type": "function", "function": {{"name", "arguments"}}}}'
+            )
+        arguments = function.get("arguments", "{}")
+        if isinstance(arguments, str):
+            try:
+                arguments = json.loads(arguments)
+            except json.JSONDecodeError as error:
+                raise invalid(f"{field}.function.arguments", f"{field}.function.arguments is not JSON ({error}); "
+                              "pass the arguments as a JSON object written as text") from None  # fmt: skip
+        if not isinstance(arguments, dict):
+            raise invalid(
+                f"{field}.function.arguments", f"{field}.function.arguments={arguments!r}: pass a JSON object"
+            )
+        read.append({**call, "function": {**function, "arguments": arguments}})
+    return {**message, "content": content, "tool_calls": read}
+
+
+def _tools(body: dict) -> list[dict] | None:
+    """The request's `tools` checked: OpenAI's [{"type": "function", "function": {"name", "description",
+    "parameters"}}]; None where it has none."""
+    tools = body.get("tools")
+    if tools is None or tools == []:
+        return None
+    if not isinstance(tools, list):
+        raise invalid("tools", f'tools={tools!r}: pass a list of {{"type": "function", "function": {{"name": ...}}}}')
+    for i, tool in enumerate(tools):
+        function = tool.get("function") if isinstance(tool, dict) else None
+        if not isinstance(tool, dict) or tool.get("type") != "function" or not isinstance(function, dict):
+            raise invalid(
+                f"tools[{i}]", f'tools[{i}]={tool!r}: pass {{"type": "function", "function": {{"name": ...}}}}'
+            )
+        name = function.get("name")
+        if not isinstance(name, str) or not name:
+            raise invalid(f"tools[{i}].function.name", f"tools[{i}].function.name={name!r}: pass the function's name")
+        if not isinstance(function.get("description", ""), str):
+            field = f"tools[{i}].function.description"
+            raise invalid(field, f"{field}={function['description']!r}: pass a string")
+        if not isinstance(function.get("parameters", {}), dict):
+            field = f"tools[{i}].function.parameters"
+            raise invalid(field, f"{field}={function['parameters']!r}: pass a JSON Schema object")
+    return tools
+
+
+def _tool_parser(body: dict, tools: list[dict] | None, auto: ToolParser | None) -> ToolParser | None:
+    """The parser that reads the answer's tool calls (tool_choice "auto"), or None ("none"). As in vLLM,
+    tool_choice defaults to "auto" where there are tools, which needs the server's
+    --enable-auto-tool-choice; "required" and a named function need constrained decoding."""
+    choice = body.get("tool_choice")
+    if choice is None:
+        choice = "auto" if tools else "none"
+    if choice == "none":
+        return None
+    if tools is None:
+        raise invalid("tool_choice", f"tool_choice={choice!r} needs tools; pass tools, or leave tool_choice out")
+    if isinstance(choice, dict):
+        function = choice.get("function")
+        name = function.get("name") if isinstance(function, dict) else None
+        if choice.get("type") != "function" or not isinstance(name, str):
+            raise invalid(
+                "tool_choice", f'tool_choice={choice!r}: pass {{"type": "function", "function": {{"name": ...}}}}'
+            )
+        if name not in [tool["function"]["name"] for tool in tools]:
+            raise invalid("tool_choice", f"tool_choice names the function {name!r}, which is not in tools")
+    elif choice not in ("auto", "required"):
+        raise invalid("tool_choice", f'tool_choice={choice!r}: pass "none", "auto", "required" or a named function')
+    if choice != "auto":
+        raise invalid(
+            "tool_choice",
+            f"tool_choice={choice!r} is not supported yet by hfjax serve (it needs constrained decoding); "
+            'pass "auto" or "none"',
+        )
+    if auto is None:
+        raise invalid(
+            "tool_choice",
+            '"auto" tool choice requires --enable-auto-tool-choice and --tool-call-parser to be set; start the '
+            'server with them, or pass tool_choice="none"',
+        )
+    return auto
+
+
+def chat_request(
+    body, served: str, max_model_len: int, apply_template, tool_parser: ToolParser | None = None
+) -> Generation:
     """A /v1/chat/completions body checked; `apply_template(messages, **chat_template_kwargs)` gives the
-    prompt text."""
+    prompt text (with `tools=` where the request has tools). `tool_parser`: the server's parser of tool
+    calls (--enable-auto-tool-choice), None where it reads none."""
     body = check_fields(body, CHAT_FIELDS)
     check_model(body, served)
     messages = messages_of(body)
     kwargs = template_kwargs(body)
+    tools = _tools(body)
+    parser = _tool_parser(body, tools, tool_parser)
+    if tools is not None:
+        kwargs = {**kwargs, "tools": tools}
     max_tokens, _ = _max_tokens(body, ("max_completion_tokens", "max_tokens"), max_model_len)
     logprobs = body.get("logprobs") or False
     if not isinstance(logprobs, bool):
@@ -383,7 +488,9 @@ def chat_request(body, served: str, max_model_len: int, apply_template) -> Gener
         raise invalid("messages", f"the chat template could not be applied: {error}") from None
     stream, usage = _stream(body)
     params = _sampling(body, max_tokens, top if logprobs else None, max_model_len)
-    return Generation(prompt, params, stream, usage, max_tokens, "messages")
+    if parser is not None and parser.special_markers:
+        params = [dataclasses.replace(p, skip_special_tokens=False) for p in params]
+    return Generation(prompt, params, stream, usage, max_tokens, "messages", tools, parser)
 
 
 def completion_request(body, served: str, max_model_len: int) -> Generation:
@@ -437,7 +544,7 @@ def check_dimensions(dimensions: int, config, width: int, served: str) -> None:
 
 _TOKENIZE_FIELDS = {"model", "add_special_tokens", "return_token_strs"}
 _TOKENIZE_CHAT_FIELDS = {*_TOKENIZE_FIELDS, "messages", "add_generation_prompt", "continue_final_message",
-                         "chat_template_kwargs"}  # fmt: skip
+                         "chat_template_kwargs", "tools"}  # fmt: skip
 
 
 @dataclasses.dataclass(frozen=True)
@@ -449,7 +556,7 @@ class Tokenize:
     add_special_tokens: bool
     add_generation_prompt: bool
     continue_final_message: bool
-    template_kwargs: dict
+    template_kwargs: dict  # with `tools` where the request has them
     return_token_strs: bool
 
 
@@ -486,9 +593,11 @@ def tokenize_request(body, served: str) -> Tokenize:
             "continue_final_message=true continues the last message, add_generation_prompt=true starts a new one; "
             "pass add_generation_prompt=false with it",
         )
+    tools = _tools(body)
+    kwargs = template_kwargs(body) if tools is None else {**template_kwargs(body), "tools": tools}
     return Tokenize(
         None, messages_of(body), _flag(body, "add_special_tokens", False), generation_prompt, continue_final,
-        template_kwargs(body), strs,
+        kwargs, strs,
     )  # fmt: skip
 
 

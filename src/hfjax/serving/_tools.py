@@ -1,0 +1,225 @@
+"""Tool calls read out of a chat answer: vLLM's parsers, by vLLM's names (`--tool-call-parser`), and
+the checkpoint's own `response_template` through transformers' `tokenizer.parse_response`.
+
+A parser reads the whole answer and finds the calls, or none (then the answer is content, as it is
+where a call's JSON is malformed). While an answer streams, `ToolParser.held_from` says where text
+that could still become a call begins, so that only the text before it streams as content.
+
+Example:
+    >>> PARSERS["hermes"].parse('<tool_call>{"name": "f", "arguments": {"x": 1}}</tool_call>', "", [])
+    Calls(content=None, calls=(('f', '{"x": 1}'),))
+"""
+
+from __future__ import annotations
+
+import ast
+import dataclasses
+import json
+import secrets
+from collections.abc import Callable
+
+
+@dataclasses.dataclass(frozen=True)
+class Calls:
+    """The tool calls of an answer: the text outside them (None: none) and (name, arguments as JSON text)."""
+
+    content: str | None
+    calls: tuple[tuple[str, str], ...]
+
+
+class Malformed(ValueError):
+    """An answer that starts like a tool call but is not one: it is content."""
+
+
+@dataclasses.dataclass(frozen=True)
+class ToolParser:
+    """How one model family writes tool calls.
+
+    `read(text)` gives the calls or raises Malformed (or ValueError, TypeError: JSON and AST errors);
+    `starts` are the texts a call begins with, anywhere in the answer or, where `leading`, only at its
+    start (after white space); `special_markers`: a start is a special token, so the answer is decoded
+    with special tokens kept (as vLLM's `adjust_request` does for these parsers).
+    """
+
+    name: str
+    read: Callable[[str, str, list], Calls | None]  # (answer, prompt, tools)
+    starts: tuple[str, ...]
+    leading: bool
+    special_markers: bool
+
+    def parse(self, text: str, prompt: str, tools: list) -> Calls | None:
+        """The answer's calls, or None where it holds none (a malformed call included)."""
+        try:
+            found = self.read(text, prompt, tools)
+        except (ValueError, TypeError, SyntaxError, RecursionError):
+            return None
+        return found if found is not None and found.calls else None
+
+    def held_from(self, text: str, sent: int) -> int:
+        """Where the text that could still be (the start of) a tool call begins in `text`, an answer of
+        which `sent` characters have streamed as content: len(text) where none could."""
+        if self.leading:
+            body = text.lstrip()
+            if sent > len(text) - len(body):  # content has streamed: no call can lead any more
+                return len(text)
+            if not body or any(body.startswith(s) or s.startswith(body) for s in self.starts):
+                return 0
+            return len(text)
+        found = [i for i in (text.find(s, sent) for s in self.starts) if i >= 0]
+        if found:
+            return min(found)
+        for size in range(min(max(map(len, self.starts)) - 1, len(text)), 0, -1):  # a start cut off at the end
+            if any(s[:size] == text[len(text) - size :] for s in self.starts if len(s) > size):
+                return max(len(text) - size, sent)
+        return len(text)
+
+
+PARSERS: dict[str, ToolParser] = {}
+
+
+def _parser(name: str, *starts: str, leading: bool = False, special_markers: bool = False):
+    def register(read):
+        if name in PARSERS:
+            raise ValueError(f"tool call parser {name!r} is registered twice")
+        PARSERS[name] = ToolParser(name, lambda text, prompt, tools: read(text), starts, leading, special_markers)
+        return read
+
+    return register
+
+
+def _call(name, arguments) -> tuple[str, str]:
+    if not isinstance(name, str) or not name:
+        raise Malformed(f"a tool call names no function: {name!r}")
+    if isinstance(arguments, str):  # arguments already written as JSON text
+        arguments = json.loads(arguments)
+    if not isinstance(arguments, dict):
+        raise Malformed(f"a tool call's arguments are not an object: {arguments!r}")
+    return name, json.dumps(arguments, ensure_ascii=False)
+
+
+def _named(item) -> tuple[str, str]:
+    """A call written as {"name": ..., "arguments": {...}} (Llama's "parameters" too)."""
+    if not isinstance(item, dict):
+        raise Malformed(f"a tool call is not an object: {item!r}")
+    if "arguments" in item:
+        return _call(item.get("name"), item["arguments"])
+    if "parameters" in item:
+        return _call(item.get("name"), item["parameters"])
+    raise Malformed(f"a tool call has no arguments: {item!r}")
+
+
+@_parser("hermes", "<tool_call>", special_markers=True)
+def _hermes(text: str) -> Calls | None:
+    """Hermes 2 Pro, Qwen 2.5 and Qwen 3: `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`
+    blocks (the last one may be unclosed); the content is the text before the first."""
+    start, end = "<tool_call>", "</tool_call>"
+    first = text.find(start)
+    if first < 0:
+        return None
+    calls, at = [], first
+    while at >= 0:
+        close = text.find(end, at)
+        body = text[at + len(start) : close if close >= 0 else len(text)]
+        calls.append(_named(json.loads(body)))
+        at = text.find(start, close) if close >= 0 else -1
+    return Calls(text[:first] or None, tuple(calls))
+
+
+@_parser("llama3_json", "<|python_tag|>", "{", leading=True)
+def _llama3_json(text: str) -> Calls | None:
+    """Llama 3.x: JSON objects {"name": ..., "parameters": {...}} at the start of the answer, after
+    `<|python_tag|>` where the model writes it, separated by ";"."""
+    body = text.lstrip().removeprefix("<|python_tag|>").lstrip()
+    if not body.startswith("{"):
+        return None
+    decoder, calls, at = json.JSONDecoder(), [], 0
+    while at < len(body) and body[at] == "{":
+        item, at = decoder.raw_decode(body, at)
+        calls.append(_named(item))
+        while at < len(body) and body[at] in " \t\r\n;":
+            at += 1
+    return Calls(None, tuple(calls))
+
+
+@_parser("mistral", "[TOOL_CALLS]", special_markers=True)
+def _mistral(text: str) -> Calls | None:
+    """Mistral: `[TOOL_CALLS]` and a JSON list of {"name": ..., "arguments": {...}}; the content is the
+    text before it."""
+    marker = text.find("[TOOL_CALLS]")
+    if marker < 0:
+        return None
+    items = json.loads(text[marker + len("[TOOL_CALLS]") :])
+    items = items if isinstance(items, list) else [items]
+    return Calls(text[:marker] or None, tuple(_named(item) for item in items))
+
+
+@_parser("pythonic", "[", leading=True)
+def _pythonic(text: str) -> Calls | None:
+    """Llama 3.2 and 4, ToolACE: the whole answer a Python list of calls with keyword arguments of
+    literal values, `[get_weather(city='SF'), get_time()]`, read with `ast` (nothing runs)."""
+    tree = ast.parse(text.strip(), mode="eval").body
+    if not isinstance(tree, ast.List):
+        return None
+    calls = []
+    for item in tree.elts:
+        if not isinstance(item, ast.Call) or not isinstance(item.func, ast.Name) or item.args:
+            raise Malformed(f"not a call with keyword arguments: {ast.unparse(item)}")
+        if any(keyword.arg is None for keyword in item.keywords):
+            raise Malformed(f"a call unpacks its arguments: {ast.unparse(item)}")
+        arguments = {keyword.arg: ast.literal_eval(keyword.value) for keyword in item.keywords}
+        calls.append(_call(item.func.id, arguments))
+    return Calls(None, tuple(calls))
+
+
+def response_template_parser(tokenizer) -> ToolParser | None:
+    """The checkpoint's own parser: transformers' `tokenizer.parse_response` with the tokenizer's
+    `response_template` (from its tokenizer_config.json), or None where it has none. It reads the
+    answer after the prompt, whose end may open a field; a streamed answer is held back whole."""
+    if getattr(tokenizer, "response_template", None) is None or not hasattr(tokenizer, "parse_response"):
+        return None
+
+    def read(text: str, prompt: str, tools: list) -> Calls | None:
+        message = tokenizer.parse_response(text, prefix=prompt, tools=tools or None)
+        calls = []
+        for item in message.get("tool_calls") or []:
+            function = item.get("function", item) if isinstance(item, dict) else None
+            if not isinstance(function, dict):
+                raise Malformed(f"a tool call is not an object: {item!r}")
+            calls.append(_call(function.get("name"), function.get("arguments", {})))
+        content = message.get("content")
+        return Calls(content if isinstance(content, str) and content else None, tuple(calls))
+
+    # "" starts every text: a streamed answer is held whole, as no start of a call is known.
+    return ToolParser("response_template", read, ("",), True, True)
+
+
+def tool_call_parser(name: str | None, tokenizer) -> ToolParser:
+    """The parser `hfjax serve --enable-auto-tool-choice [--tool-call-parser NAME]` uses.
+
+    Raises:
+        ValueError: an unknown name, or none given and the tokenizer has no response_template.
+    """
+    if name is not None:
+        if name not in PARSERS:
+            raise ValueError(f"--tool-call-parser {name}: unknown parser; pass one of {', '.join(PARSERS)}")
+        return PARSERS[name]
+    parser = response_template_parser(tokenizer)
+    if parser is None:
+        raise ValueError(
+            "--enable-auto-tool-choice needs --tool-call-parser NAME (one of "
+            f"{', '.join(PARSERS)}): the checkpoint's tokenizer has no response_template to parse its answers with"
+        )
+    return parser
+
+
+def call_id() -> str:
+    """A tool call's id, in vLLM's form."""
+    return f"chatcmpl-tool-{secrets.token_hex(16)}"
+
+
+def openai_calls(calls: Calls) -> list[dict]:
+    """The calls in OpenAI's shape: [{id, type: "function", function: {name, arguments}}]."""
+    return [
+        {"id": call_id(), "type": "function", "function": {"name": name, "arguments": arguments}}
+        for name, arguments in calls.calls
+    ]
