@@ -19,6 +19,8 @@ import json
 import pathlib
 import re
 import shutil
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -358,3 +360,15 @@ def test_auto_tool_choice_without_a_parser_or_response_template_is_refused_at_st
                      str(background.free_port())])  # fmt: skip
     assert code == 2
     assert "--enable-auto-tool-choice needs --tool-call-parser" in capsys.readouterr().err
+
+
+def test_the_readmes_tool_calling_example_runs(servers):
+    readme = pathlib.Path(__file__).resolve().parent.parent / "README.md"
+    section = readme.read_text().split("\n## Serve\n", 1)[1].split("\n## ", 1)[0]
+    example = next(block for block in re.findall(r"```python\n(.*?)```", section, flags=re.S) if "tool_calls" in block)
+    port = servers["tools"].rsplit(":", 1)[1]
+    ran = subprocess.run(
+        [sys.executable, "-c", example.replace(":8000", f":{port}")], capture_output=True, text=True, timeout=120
+    )
+    assert ran.returncode == 0, ran.stderr
+    assert ran.stdout.splitlines() == [f"{name} {arguments}" for name, arguments in CALLS]  # the scripted calls

@@ -387,7 +387,7 @@ def _with_tool_calls(message: dict, i: int) -> dict:
         if isinstance(arguments, str):
             try:
                 arguments = json.loads(arguments)
-            except json.JSONDecodeError as error:
+            except (ValueError, RecursionError) as error:  # (JSONDecodeError, an integer of too many digits)
                 raise invalid(f"{field}.function.arguments", f"{field}.function.arguments is not JSON ({error}); "
                               "pass the arguments as a JSON object written as text") from None  # fmt: skip
         if not isinstance(arguments, dict):

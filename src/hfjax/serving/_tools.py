@@ -179,7 +179,10 @@ def response_template_parser(tokenizer) -> ToolParser | None:
         return None
 
     def read(text: str, prompt: str, tools: list) -> Calls | None:
-        message = tokenizer.parse_response(text, prefix=prompt, tools=tools or None)
+        try:
+            message = tokenizer.parse_response(text, prefix=prompt, tools=tools or None)
+        except Exception as error:  # noqa: BLE001 - its parsers raise what they raise on text not in their format
+            raise Malformed(f"the response_template does not read the answer: {error}") from error
         calls = []
         for item in message.get("tool_calls") or []:
             function = item.get("function", item) if isinstance(item, dict) else None
