@@ -5,7 +5,8 @@ tokenizer's response_template, tool_choice "none" answers left as text.
 The servers serve a tiny Llama whose weights make greedy decoding write a fixed answer: its layers
 add nothing (o_proj and down_proj are zero), so each next token depends on the current one alone,
 and its embeddings and lm_head chain the tokens of ANSWER after the generation prompt's last token
-(PLAIN comes second, and is the answer where a logit_bias takes ANSWER's first token away).
+(PLAIN comes second, and is the answer where a logit_bias takes ANSWER's first token away). The
+tool call markers of ANSWER are special tokens.
   tools     --enable-auto-tool-choice --tool-call-parser hermes
   manual    no tool flags: tool_choice "none" only
   template  --enable-auto-tool-choice alone, the tokenizer's response_template reading the answers
@@ -23,6 +24,7 @@ import subprocess
 import sys
 
 import pytest
+import tokenizers
 import torch
 import transformers
 
@@ -85,7 +87,11 @@ def _scripted_llama(path: pathlib.Path) -> pathlib.Path:
     """A tiny Llama whose greedy answer to any chat prompt is ANSWER's tokens, then EOS (see above)."""
     testing.save_tiny_checkpoint("llama", path, max_position_embeddings=LENGTH)  # the tiny tokenizer's JSON is long
     tokenizer = transformers.AutoTokenizer.from_pretrained(path, model_max_length=LENGTH)
-    tokenizer.add_tokens([*ANSWER, PLAIN])
+    tokenizer.add_tokens([*ANSWER[0::2], PLAIN])
+    # The markers are special tokens (as in Hermes 2 Pro's tokenizer): the parser reads them only because
+    # the server decodes the answer with special tokens kept.
+    markers = [tokenizers.AddedToken(marker, special=True, normalized=False) for marker in ANSWER[1::2]]
+    tokenizer.add_tokens(markers, special_tokens=True)
     tokenizer.chat_template = TEMPLATE
     model = transformers.AutoModelForCausalLM.from_pretrained(path)
     model.resize_token_embeddings(len(tokenizer), mean_resizing=False)
@@ -290,7 +296,9 @@ def test_tool_choice_none_renders_the_tools_and_leaves_the_answer_as_text(server
     answer = _client(servers[server]).chat.completions.create(
         model=NAME, messages=ASK, tools=TOOLS, tool_choice="none", temperature=0, max_tokens=32
     )
-    assert answer.choices[0].message.content == "".join(ANSWER) and answer.choices[0].message.tool_calls is None
+    text = tokenizer.decode(tokenizer.convert_tokens_to_ids(list(ANSWER)), skip_special_tokens=True)
+    assert text == "".join(ANSWER[0::2])  # the markers are special tokens
+    assert answer.choices[0].message.content == text and answer.choices[0].message.tool_calls is None
     assert answer.choices[0].finish_reason == "stop"
     prompt = tokenizer.apply_chat_template(ASK, tools=TOOLS, add_generation_prompt=True, tokenize=False)
     assert answer.usage.prompt_tokens == len(tokenizer(prompt, add_special_tokens=False)["input_ids"])
