@@ -16,6 +16,7 @@ import sys
 
 from .._errors import GenerationError
 from ..generation import check_context
+from . import _tools
 from ._requests import SamplingParams, logit_bias_problem, stop_token_ids_problem
 from ._tools import ToolParser
 
@@ -361,104 +362,18 @@ def messages_of(body: dict) -> list[dict]:
             message = {**message, "content": "".join(p.get("text", "") for p in content)}
             messages[i] = message
         if message.get("tool_calls") is not None and message["role"] == "assistant":
-            messages[i] = _with_tool_calls(message, i)
+            messages[i] = _checked(_tools.message_with_tool_calls, message, i)
         elif not isinstance(message.get("content"), str):
             raise invalid(f"messages[{i}].content", f"messages[{i}].content={content!r}: pass a string")
     return messages
 
 
-def _with_tool_calls(message: dict, i: int) -> dict:
-    """An assistant message's tool_calls checked, each call's arguments (JSON text in OpenAI's API) read
-    into an object, as chat templates (and vLLM) expect them; its content may be null."""
-    content, calls = message.get("content"), message["tool_calls"]
-    if content is not None and not isinstance(content, str):
-        raise invalid(f"messages[{i}].content", f"messages[{i}].content={content!r}: pass a string or null")
-    if not isinstance(calls, list):
-        raise invalid(f"messages[{i}].tool_calls", f"messages[{i}].tool_calls={calls!r}: pass a list of tool calls")
-    read = []
-    for j, call in enumerate(calls):
-        field = f"messages[{i}].tool_calls[{j}]"
-        function = call.get("function") if isinstance(call, dict) else None
-        if not isinstance(function, dict) or not isinstance(function.get("name"), str):
-            raise invalid(
-                field, f'{field}={call!r}: pass {{"id", "type": "function", "function": {{"name", "arguments"}}}}'
-            )
-        arguments = function.get("arguments", "{}")
-        if isinstance(arguments, str):
-            try:
-                arguments = json.loads(arguments)
-            except (ValueError, RecursionError) as error:  # (JSONDecodeError, an integer of too many digits)
-                raise invalid(f"{field}.function.arguments", f"{field}.function.arguments is not JSON ({error}); "
-                              "pass the arguments as a JSON object written as text") from None  # fmt: skip
-        if not isinstance(arguments, dict):
-            raise invalid(
-                f"{field}.function.arguments", f"{field}.function.arguments={arguments!r}: pass a JSON object"
-            )
-        read.append({**call, "function": {**function, "arguments": arguments}})
-    return {**message, "content": content, "tool_calls": read}
-
-
-def _tools(body: dict) -> list[dict] | None:
-    """The request's `tools` checked: OpenAI's [{"type": "function", "function": {"name", "description",
-    "parameters"}}]; None where it has none."""
-    tools = body.get("tools")
-    if tools is None or tools == []:
-        return None
-    if not isinstance(tools, list):
-        raise invalid("tools", f'tools={tools!r}: pass a list of {{"type": "function", "function": {{"name": ...}}}}')
-    for i, tool in enumerate(tools):
-        function = tool.get("function") if isinstance(tool, dict) else None
-        if not isinstance(tool, dict) or tool.get("type") != "function" or not isinstance(function, dict):
-            raise invalid(
-                f"tools[{i}]", f'tools[{i}]={tool!r}: pass {{"type": "function", "function": {{"name": ...}}}}'
-            )
-        name = function.get("name")
-        if not isinstance(name, str) or not name:
-            raise invalid(f"tools[{i}].function.name", f"tools[{i}].function.name={name!r}: pass the function's name")
-        if not isinstance(function.get("description", ""), str):
-            field = f"tools[{i}].function.description"
-            raise invalid(field, f"{field}={function['description']!r}: pass a string")
-        if not isinstance(function.get("parameters", {}), dict):
-            field = f"tools[{i}].function.parameters"
-            raise invalid(field, f"{field}={function['parameters']!r}: pass a JSON Schema object")
-    return tools
-
-
-def _tool_parser(body: dict, tools: list[dict] | None, auto: ToolParser | None) -> ToolParser | None:
-    """The parser that reads the answer's tool calls (tool_choice "auto"), or None ("none"). As in vLLM,
-    tool_choice defaults to "auto" where there are tools, which needs the server's
-    --enable-auto-tool-choice; "required" and a named function need constrained decoding."""
-    choice = body.get("tool_choice")
-    if choice is None:
-        choice = "auto" if tools else "none"
-    if choice == "none":
-        return None
-    if tools is None:
-        raise invalid("tool_choice", f"tool_choice={choice!r} needs tools; pass tools, or leave tool_choice out")
-    if isinstance(choice, dict):
-        function = choice.get("function")
-        name = function.get("name") if isinstance(function, dict) else None
-        if choice.get("type") != "function" or not isinstance(name, str):
-            raise invalid(
-                "tool_choice", f'tool_choice={choice!r}: pass {{"type": "function", "function": {{"name": ...}}}}'
-            )
-        if name not in [tool["function"]["name"] for tool in tools]:
-            raise invalid("tool_choice", f"tool_choice names the function {name!r}, which is not in tools")
-    elif choice not in ("auto", "required"):
-        raise invalid("tool_choice", f'tool_choice={choice!r}: pass "none", "auto", "required" or a named function')
-    if choice != "auto":
-        raise invalid(
-            "tool_choice",
-            f"tool_choice={choice!r} is not supported yet by hfjax serve (it needs constrained decoding); "
-            'pass "auto" or "none"',
-        )
-    if auto is None:
-        raise invalid(
-            "tool_choice",
-            '"auto" tool choice requires --enable-auto-tool-choice and --tool-call-parser to be set; start the '
-            'server with them, or pass tool_choice="none"',
-        )
-    return auto
+def _checked(check, *args):
+    """`check(*args)` of `_tools`, its FieldError an OpenAI 400 naming the field."""
+    try:
+        return check(*args)
+    except _tools.FieldError as error:
+        raise invalid(error.param, str(error)) from None
 
 
 def chat_request(
@@ -471,8 +386,8 @@ def chat_request(
     check_model(body, served)
     messages = messages_of(body)
     kwargs = template_kwargs(body)
-    tools = _tools(body)
-    parser = _tool_parser(body, tools, tool_parser)
+    tools = _checked(_tools.tools_of, body)
+    parser = _checked(_tools.parser_for, body, tools, tool_parser)
     if tools is not None:
         kwargs = {**kwargs, "tools": tools}
     max_tokens, _ = _max_tokens(body, ("max_completion_tokens", "max_tokens"), max_model_len)
@@ -593,7 +508,7 @@ def tokenize_request(body, served: str) -> Tokenize:
             "continue_final_message=true continues the last message, add_generation_prompt=true starts a new one; "
             "pass add_generation_prompt=false with it",
         )
-    tools = _tools(body)
+    tools = _checked(_tools.tools_of, body)
     kwargs = template_kwargs(body) if tools is None else {**template_kwargs(body), "tools": tools}
     return Tokenize(
         None, messages_of(body), _flag(body, "add_special_tokens", False), generation_prompt, continue_final,

@@ -1,6 +1,10 @@
 """Tool calls read out of a chat answer: vLLM's parsers, by vLLM's names (`--tool-call-parser`), and
 the checkpoint's own `response_template` through transformers' `tokenizer.parse_response`.
 
+The request's side: `tools_of` (the tools, checked), `parser_for` (tool_choice: the parser that
+reads the answer, or None), `message_with_tool_calls` (an assistant message's calls, their
+arguments read into objects for the chat template); a problem is a FieldError naming the field.
+
 A parser reads the whole answer and finds the calls, or none (then the answer is content, as it is
 where a call's JSON is malformed). While an answer streams, `ToolParser.held_from` says where text
 that could still become a call begins, so that only the text before it streams as content.
@@ -25,6 +29,14 @@ class Calls:
 
     content: str | None
     calls: tuple[tuple[str, str], ...]
+
+
+class FieldError(ValueError):
+    """A request's tool field (`param`) that is not as OpenAI's API has it: the server's 400."""
+
+    def __init__(self, param: str, message: str):
+        super().__init__(message)
+        self.param = param
 
 
 class Malformed(ValueError):
@@ -213,6 +225,106 @@ def tool_call_parser(name: str | None, tokenizer) -> ToolParser:
             f"{', '.join(PARSERS)}): the checkpoint's tokenizer has no response_template to parse its answers with"
         )
     return parser
+
+
+def message_with_tool_calls(message: dict, i: int) -> dict:
+    """An assistant message's tool_calls checked, each call's arguments (JSON text in OpenAI's API) read
+    into an object, as chat templates (and vLLM) expect them; its content may be null."""
+    content, calls = message.get("content"), message["tool_calls"]
+    if content is not None and not isinstance(content, str):
+        raise FieldError(f"messages[{i}].content", f"messages[{i}].content={content!r}: pass a string or null")
+    if not isinstance(calls, list):
+        raise FieldError(f"messages[{i}].tool_calls", f"messages[{i}].tool_calls={calls!r}: pass a list of tool calls")
+    read = []
+    for j, call in enumerate(calls):
+        field = f"messages[{i}].tool_calls[{j}]"
+        function = call.get("function") if isinstance(call, dict) else None
+        if not isinstance(function, dict) or not isinstance(function.get("name"), str):
+            raise FieldError(
+                field, f'{field}={call!r}: pass {{"id", "type": "function", "function": {{"name", "arguments"}}}}'
+            )
+        arguments = function.get("arguments", "{}")
+        if isinstance(arguments, str):
+            try:
+                arguments = json.loads(arguments)
+            except (ValueError, RecursionError) as error:  # (JSONDecodeError, an integer of too many digits)
+                raise FieldError(
+                    f"{field}.function.arguments",
+                    f"{field}.function.arguments is not JSON ({error}); pass the arguments as a JSON object as text",
+                ) from None
+        if not isinstance(arguments, dict):
+            raise FieldError(
+                f"{field}.function.arguments", f"{field}.function.arguments={arguments!r}: pass a JSON object"
+            )
+        read.append({**call, "function": {**function, "arguments": arguments}})
+    return {**message, "content": content, "tool_calls": read}
+
+
+def tools_of(body: dict) -> list[dict] | None:
+    """The request's `tools` checked: OpenAI's [{"type": "function", "function": {"name", "description",
+    "parameters"}}]; None where it has none."""
+    tools = body.get("tools")
+    if tools is None or tools == []:
+        return None
+    if not isinstance(tools, list):
+        raise FieldError(
+            "tools", f'tools={tools!r}: pass a list of {{"type": "function", "function": {{"name": ...}}}}'
+        )
+    for i, tool in enumerate(tools):
+        function = tool.get("function") if isinstance(tool, dict) else None
+        if not isinstance(tool, dict) or tool.get("type") != "function" or not isinstance(function, dict):
+            raise FieldError(
+                f"tools[{i}]", f'tools[{i}]={tool!r}: pass {{"type": "function", "function": {{"name": ...}}}}'
+            )
+        name = function.get("name")
+        if not isinstance(name, str) or not name:
+            raise FieldError(
+                f"tools[{i}].function.name", f"tools[{i}].function.name={name!r}: pass the function's name"
+            )
+        if not isinstance(function.get("description", ""), str):
+            field = f"tools[{i}].function.description"
+            raise FieldError(field, f"{field}={function['description']!r}: pass a string")
+        if not isinstance(function.get("parameters", {}), dict):
+            field = f"tools[{i}].function.parameters"
+            raise FieldError(field, f"{field}={function['parameters']!r}: pass a JSON Schema object")
+    return tools
+
+
+def parser_for(body: dict, tools: list[dict] | None, auto: ToolParser | None) -> ToolParser | None:
+    """The parser that reads the answer's tool calls (tool_choice "auto"), or None ("none"). As in vLLM,
+    tool_choice defaults to "auto" where there are tools, which needs the server's
+    --enable-auto-tool-choice; "required" and a named function need constrained decoding."""
+    choice = body.get("tool_choice")
+    if choice is None:
+        choice = "auto" if tools else "none"
+    if choice == "none":
+        return None
+    if tools is None:
+        raise FieldError("tool_choice", f"tool_choice={choice!r} needs tools; pass tools, or leave tool_choice out")
+    if isinstance(choice, dict):
+        function = choice.get("function")
+        name = function.get("name") if isinstance(function, dict) else None
+        if choice.get("type") != "function" or not isinstance(name, str):
+            raise FieldError(
+                "tool_choice", f'tool_choice={choice!r}: pass {{"type": "function", "function": {{"name": ...}}}}'
+            )
+        if name not in [tool["function"]["name"] for tool in tools]:
+            raise FieldError("tool_choice", f"tool_choice names the function {name!r}, which is not in tools")
+    elif choice not in ("auto", "required"):
+        raise FieldError("tool_choice", f'tool_choice={choice!r}: pass "none", "auto", "required" or a named function')
+    if choice != "auto":
+        raise FieldError(
+            "tool_choice",
+            f"tool_choice={choice!r} is not supported yet by hfjax serve (it needs constrained decoding); "
+            'pass "auto" or "none"',
+        )
+    if auto is None:
+        raise FieldError(
+            "tool_choice",
+            '"auto" tool choice requires --enable-auto-tool-choice and --tool-call-parser to be set; start the '
+            'server with them, or pass tool_choice="none"',
+        )
+    return auto
 
 
 def call_id() -> str:
