@@ -121,9 +121,9 @@ def add_parser(subparsers) -> None:
     parser.add_argument(
         "--enable-auto-tool-choice",
         action="store_true",
-        help='read chat answers for tool calls (tool_choice "auto", the default where a request has tools) with '
-        "--tool-call-parser, or without it the tokenizer's response_template (transformers' parse_response); "
-        'without this flag a request with tools needs tool_choice "none"',
+        help='read chat answers for tool calls (tool_choice "auto", which a request with tools gets when it leaves '
+        "tool_choice out) with --tool-call-parser, or without it the tokenizer's response_template (transformers' "
+        'parse_response); without this flag a request with tools needs tool_choice "none"',
     )
     parser.add_argument(
         "--tool-call-parser",
@@ -131,7 +131,7 @@ def add_parser(subparsers) -> None:
         default=None,
         help="how the model writes tool calls, by vLLM's names: hermes (<tool_call> JSON blocks: Hermes, Qwen 2.5, "
         "Qwen 3), llama3_json (Llama 3.x JSON objects), mistral ([TOOL_CALLS] and a JSON list), pythonic "
-        "([f(x=1), g()])",
+        "([f(x=1), g()]) (default: none; with --enable-auto-tool-choice, the tokenizer's response_template)",
     )
 
 
