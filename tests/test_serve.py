@@ -369,7 +369,7 @@ BAD = [
     (
         "chat",
         {"model": NAME, "messages": [{"role": "user", "content": "hi"}], "tools": [{"type": "function"}]},
-        "tools",
+        "tools[0]",
     ),
     ("completions", {"model": NAME, "prompt": "hi", "echo": True}, "echo"),
     ("completions", {"model": NAME, "prompt": "hi", "include_stop_str_in_output": True}, "include_stop_str_in_output"),

@@ -153,6 +153,11 @@ _OPTIONAL = {
     "logit_bias": st.dictionaries(st.integers(0, VOCAB - 1).map(str), st.floats(-100, 100), max_size=3),
     "stream": st.booleans(),
 }
+_TOOL = st.fixed_dictionaries(
+    {"type": st.just("function"), "function": st.fixed_dictionaries({"name": _PLAIN.filter(bool)}, optional={
+        "description": _PLAIN, "parameters": st.just({"type": "object", "properties": {"city": {"type": "string"}}}),
+    })}
+)  # fmt: skip
 
 
 def _valid(path: str, model: str = NAME):
@@ -166,8 +171,11 @@ def _valid(path: str, model: str = NAME):
         if path == CHAT
         else {"prompt": st.one_of(_PLAIN, st.lists(st.integers(0, VOCAB - 1), min_size=1, max_size=8))}
     )
+    optional = _OPTIONAL if path == COMPLETIONS else {**_OPTIONAL, "tools": st.lists(_TOOL, max_size=2)}
     return st.fixed_dictionaries(
-        {"model": st.just(model), "max_tokens": st.integers(1, 3), **prompt}, optional=_OPTIONAL
+        {"model": st.just(model), "max_tokens": st.integers(1, 3), **prompt}, optional=optional
+    ).map(
+        lambda body: {**body, "tool_choice": "none"} if body.get("tools") else body  # "auto" needs the server's flag
     )
 
 
@@ -180,7 +188,7 @@ def _mutated(draw, path: str, model: str):
         if kind == "delete":
             body.pop(field, None)
         elif kind == "inside" and path == CHAT:  # within a message
-            key = draw(st.sampled_from(["role", "content", "name", "type", "text"]))
+            key = draw(st.sampled_from(["role", "content", "name", "type", "text", "tool_calls", "tool_call_id"]))
             value = draw(
                 st.one_of(_HOSTILE, st.lists(st.fixed_dictionaries({"type": st.just("text"), "text": _HOSTILE})))
             )

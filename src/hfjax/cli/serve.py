@@ -13,6 +13,8 @@ import sys
 from ._options import mesh, model_options, model_path, quantize_options
 
 _EXTRA = ("fastapi", "uvicorn", "prometheus_client")
+# hfjax.serving.TOOL_CALL_PARSERS, without importing it (no JAX at parse time)
+_TOOL_CALL_PARSERS = ("hermes", "llama3_json", "mistral", "pythonic")
 
 _SWITCH_INTERVAL_S = 0.0005  # the GIL's, in the server's process (below)
 
@@ -115,6 +117,21 @@ def add_parser(subparsers) -> None:
     )
     parser.add_argument(
         "--prefill-rows", type=int, default=4, help="prompts read together in one prefill call (default: 4)"
+    )
+    parser.add_argument(
+        "--enable-auto-tool-choice",
+        action="store_true",
+        help='read chat answers for tool calls (tool_choice "auto", which a request with tools gets when it leaves '
+        "tool_choice out) with --tool-call-parser, or without it the tokenizer's response_template (transformers' "
+        'parse_response); without this flag a request with tools needs tool_choice "none"',
+    )
+    parser.add_argument(
+        "--tool-call-parser",
+        choices=tuple(_TOOL_CALL_PARSERS),
+        default=None,
+        help="how the model writes tool calls, by vLLM's names: hermes (<tool_call> JSON blocks: Hermes, Qwen 2.5, "
+        "Qwen 3), llama3_json (Llama 3.x JSON objects), mistral ([TOOL_CALLS] and a JSON list), pythonic "
+        "([f(x=1), g()]) (default: none; with --enable-auto-tool-choice, the tokenizer's response_template)",
     )
 
 
@@ -224,10 +241,16 @@ def run(args: argparse.Namespace) -> int:
     import uvicorn
 
     import hfjax
-    from hfjax.serving import Engine, build_app
+    from hfjax.serving import Engine, build_app, tool_call_parser
 
     model = hfjax.load(path, dtype=args.dtype, mesh=mesh(args), **quantize_options(args, path))
     gc.freeze()  # see below; here it spares the warm-up's compiles the full passes over the model
+    if args.enable_auto_tool_choice or args.tool_call_parser is not None:
+        try:  # before the engine compiles: a parser that cannot be had is an error at once
+            tool_call_parser(args.tool_call_parser, model.tokenizer)
+        except ValueError as error:
+            print(f"hfjax serve: {error}", file=sys.stderr)
+            return 2
     engine = None
     if model.task == "text-generation":
         engine = Engine(
@@ -252,7 +275,10 @@ def run(args: argparse.Namespace) -> int:
     sys.setswitchinterval(_SWITCH_INTERVAL_S)
     name = args.served_model_name or path
     stats = None if args.disable_log_stats else lambda line: print(f"hfjax serve: {line}", file=sys.stderr, flush=True)
-    app = build_app(model, served_model_name=name, engine=engine, api_key=args.api_key, log_stats=stats)
+    app = build_app(
+        model, served_model_name=name, engine=engine, api_key=args.api_key, log_stats=stats,
+        enable_auto_tool_choice=args.enable_auto_tool_choice, tool_call_parser=args.tool_call_parser,
+    )  # fmt: skip
     host = f"[{args.host}]" if ":" in args.host else args.host
     print(f"hfjax serve: {name} on http://{host}:{sock.getsockname()[1]}", file=sys.stderr, flush=True)
     # uvicorn shuts down gracefully on SIGTERM (no new connections, the answers in flight finished, the engine

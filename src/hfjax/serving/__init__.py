@@ -10,20 +10,37 @@ Parts, one concern each (docs/architecture.md, "Continuous batching", describes 
     _text.py       incremental detokenising and stop strings (`TextStream`); tokens' own bytes (`TokenText`)
     _metrics.py    counters, gauges and latency histograms (prometheus_client), and vLLM's stats line
     _protocol.py   OpenAI request bodies checked into engine calls; OpenAI-shaped errors
+    _tools.py      tool calls read out of chat answers: vLLM's parsers by name, or the tokenizer's own
     _app.py        the FastAPI application (needs the `serve` extra: pip install "hfjax[serve]")
     static/        the chat page served at GET /
 
 The device side (the slot cache, the prefill and decode programs, the token choice) is
 `hfjax.generation`'s, the same core as Model.generate's.
 
-Public names: `Engine`, `SamplingParams`, `Event`, `QueueFullError`, and `build_app` (the web
-application; it imports FastAPI when called, so the package imports without the `serve` extra).
+Public names: `Engine`, `SamplingParams`, `Event`, `QueueFullError`, `TOOL_CALL_PARSERS` ({vLLM's name:
+its `ToolParser`}), `tool_call_parser` (the parser `hfjax serve --enable-auto-tool-choice` uses), and
+`build_app` (the web application; it imports FastAPI when called, so the package imports without the
+`serve` extra).
 """
+
+import types
 
 from ._requests import Event, QueueFullError, SamplingParams
 from ._scheduler import Engine
+from ._tools import PARSERS, ToolParser, tool_call_parser
 
-__all__ = ["Engine", "Event", "QueueFullError", "SamplingParams", "build_app"]
+TOOL_CALL_PARSERS = types.MappingProxyType(PARSERS)
+
+__all__ = [
+    "TOOL_CALL_PARSERS",
+    "Engine",
+    "Event",
+    "QueueFullError",
+    "SamplingParams",
+    "ToolParser",
+    "build_app",
+    "tool_call_parser",
+]
 
 
 def build_app(model, **options):

@@ -26,7 +26,7 @@ from .. import bridge
 from .._embed import pooling_config
 from .._errors import GenerationError, HfjaxError
 from .._version import __version__
-from . import _protocol
+from . import _protocol, _tools
 from ._metrics import Metrics, StatsLine
 from ._protocol import ApiError
 from ._requests import Event, QueueFullError, default_sampling
@@ -42,11 +42,20 @@ def build_app(
     api_key: str | None = None,
     log_stats: Callable[[str], None] | None = None,
     stats_interval: float = 10.0,
+    enable_auto_tool_choice: bool = False,
+    tool_call_parser: str | None = None,
 ):
     """The FastAPI application serving `model` (through `engine` for a causal LM; an encoder
     answers /v1/embeddings only). The engine is started and stopped with the application.
     `log_stats`, where given, is called every `stats_interval` seconds while the engine is busy
-    with vLLM's stats line (prompt and generation tokens/s, requests running and waiting)."""
+    with vLLM's stats line (prompt and generation tokens/s, requests running and waiting).
+    `enable_auto_tool_choice`: chat answers are read for tool calls (tool_choice "auto") with the
+    parser named `tool_call_parser` (vLLM's names: `_tools.PARSERS`), or without one the tokenizer's
+    response_template.
+
+    Raises:
+        ValueError: an unknown `tool_call_parser`, or none and no response_template to use.
+    """
     from fastapi import FastAPI, Request
     from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
     from starlette.exceptions import HTTPException
@@ -59,6 +68,10 @@ def build_app(
     # What a request without temperature gets; the chat page starts its field at it and sends it.
     default_temperature = default_sampling(model)["temperature"] if engine is not None else 1.0
     created = int(time.time())
+    auto_tools = None
+    if enable_auto_tool_choice or tool_call_parser is not None:
+        parser = _tools.tool_call_parser(tool_call_parser, tokenizer)
+        auto_tools = parser if enable_auto_tool_choice else None
     if tokenizer is not None:  # (without one, Model.embed answers that it has none)
         longest = _protocol.longest_token(tokenizer)
         embed_length = bridge.context_length(model.config) or tokenizer.model_max_length  # where Model.embed cuts
@@ -221,6 +234,7 @@ def build_app(
             lambda messages, **kwargs: tokenizer.apply_chat_template(
                 messages, add_generation_prompt=True, tokenize=False, **kwargs
             ),
+            tool_parser=auto_tools,
         )  # fmt: skip
         return await _answer(request, running, generation, chat=True)
 
@@ -263,7 +277,7 @@ def build_app(
             for done in submitted:
                 running.cancel(done)
             raise _protocol.invalid(generation.prompt_field, str(error)) from None
-        answer = _Answer(served_model_name, chat, len(generation.params), len(ids), token_text)
+        answer = _Answer(served_model_name, chat, len(generation.params), len(ids), token_text, generation)
 
         def cancel_all():
             for done in submitted:
@@ -366,10 +380,20 @@ class _Answer:
     possible stop string) to arrive with the token that releases it; its log-probabilities; and on
     the answer's last token the finish_reason. An EOS token that ends the answer has an event of its
     own, with the text held back until then. A cancelled answer ends with an event without a token.
+
+    A chat answer read for tool calls (`generation.tool_parser`) streams its content until the text
+    could be the start of a call (the parser's `held_from`); the rest is held back to the end, where
+    the calls found go out as OpenAI's `delta.tool_calls` (each call's id, type and name, then its
+    arguments) and finish_reason "tool_calls", or, where none is found, the held text as content.
     """
 
-    def __init__(self, model: str, chat: bool, choices: int, prompt_tokens: int, token_text: TokenText):
+    def __init__(
+        self, model: str, chat: bool, choices: int, prompt_tokens: int, token_text: TokenText,
+        generation: _protocol.Generation,
+    ):  # fmt: skip
         self.id = f"{'chatcmpl' if chat else 'cmpl'}-{secrets.token_hex(12)}"
+        self.generation = generation
+        self.content_sent = [0] * choices  # characters of each choice's text streamed as content
         self.model, self.chat, self.token_text = model, chat, token_text
         self.created = int(time.time())
         self.prompt_tokens = prompt_tokens
@@ -448,13 +472,25 @@ class _Answer:
         kind = ("chat.completion" + (".chunk" if chunk else "")) if self.chat else "text_completion"
         return {"id": self.id, "object": kind, "created": self.created, "model": self.model, "choices": choices}
 
+    def _tool_calls(self, index: int) -> _tools.Calls | None:
+        """The tool calls of choice `index`'s finished answer (None: none, or not read for them)."""
+        parser = self.generation.tool_parser if self.chat else None
+        if parser is None:
+            return None
+        return parser.parse(self.text[index], self.generation.prompt, self.generation.tools or [])
+
     def whole(self) -> dict:
         choices = []
         for i, text in enumerate(self.text):
             if self.chat:
+                message, finish = {"role": "assistant", "content": text}, self.finish[i]
+                calls = self._tool_calls(i)
+                if calls is not None:  # as vLLM: "tool_calls" however the answer ended
+                    message = {"role": "assistant", "content": calls.content, "tool_calls": _tools.openai_calls(calls)}
+                    finish = "tool_calls"
                 choice = {
-                    "index": i, "message": {"role": "assistant", "content": text},
-                    "logprobs": self._chat_logprobs(self.logprobs[i]), "finish_reason": self.finish[i],
+                    "index": i, "message": message, "logprobs": self._chat_logprobs(self.logprobs[i]),
+                    "finish_reason": finish,
                 }  # fmt: skip
             else:
                 choice = {
@@ -489,7 +525,17 @@ class _Answer:
         elif event.tail or finish is not None:
             text, token_entries, _ = parts[-1]
             parts[-1] = (text + event.tail, token_entries, finish)
+        parser = self.generation.tool_parser if self.chat else None
+        end = len(self.text[index]) - len(event.text)  # where this event's text begins in the answer
         for text, token_entries, reason in parts:
+            end += len(text)
+            if parser is not None:  # stream the content up to where a tool call could begin
+                answer, sent = self.text[index][:end], self.content_sent[index]
+                text = answer[sent : max(parser.held_from(answer, sent), sent)]
+                self.content_sent[index] = sent + len(text)
+                if reason is not None:
+                    yield from self._stream_calls(index, text, token_entries, reason)
+                    continue
             if self.chat:
                 delta = {"content": text} if text or reason is None else {}
                 choice = {
@@ -503,6 +549,39 @@ class _Answer:
                 }  # fmt: skip
                 offset += sum(len(e["token"]) for e in token_entries or [])
             yield self._sse(self._envelope([choice], chunk=True))
+
+    def _stream_calls(self, index: int, text: str, token_entries: list[dict] | None, reason: str):
+        """The last events of a chat answer read for tool calls: its last content, then the calls found
+        (each call's id, type and name, then its arguments) and finish_reason "tool_calls", or the text
+        held back as content and the answer's own finish_reason."""
+        calls = self._tool_calls(index)
+        held = self.text[index][self.content_sent[index] :]
+        if calls is not None:
+            held = (calls.content or "")[self.content_sent[index] :]
+        text += held
+        self.content_sent[index] += len(held)
+
+        def chunk(delta: dict, entries=None, finish=None) -> str:
+            choice = {"index": index, "delta": delta, "logprobs": self._chat_logprobs(entries), "finish_reason": finish}
+            return self._sse(self._envelope([choice], chunk=True))
+
+        if calls is None:
+            yield chunk({"content": text} if text else {}, token_entries, reason)
+            return
+        if text or token_entries is not None:
+            yield chunk({"content": text}, token_entries)
+        for k, call in enumerate(_tools.openai_calls(calls)):
+            function = call["function"]
+            opening = {
+                "index": k,
+                "id": call["id"],
+                "type": "function",
+                "function": {"name": function["name"], "arguments": ""},
+            }
+            yield chunk({"tool_calls": [opening]})
+            yield chunk({"tool_calls": [{"index": k, "function": {"arguments": function["arguments"]}}]})
+        self.finish[index] = "tool_calls"
+        yield chunk({}, finish="tool_calls")
 
     def usage_chunk(self) -> str:
         return self._sse({**self._envelope([], chunk=True), "usage": self.usage()})

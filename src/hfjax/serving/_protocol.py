@@ -2,7 +2,7 @@
 
 Every field a request may carry is listed here: those hfjax carries out (the sampling ones are
 mapped onto Model.generate's settings by `SamplingParams`), those it accepts only at their no-op
-value (e.g. `tools: []`), and none else: any other field is refused with a 400 that names it, never
+value (e.g. `echo: false`), and none else: any other field is refused with a 400 that names it, never
 ignored.
 """
 
@@ -16,7 +16,9 @@ import sys
 
 from .._errors import GenerationError
 from ..generation import check_context
+from . import _tools
 from ._requests import SamplingParams, logit_bias_problem, stop_token_ids_problem
+from ._tools import ToolParser
 
 
 class ApiError(Exception):
@@ -126,9 +128,7 @@ def check_length(text: str, field: str, tokens: int, longest: int, tokens_name: 
 
 # Fields accepted only at the value that changes nothing: {field: the values that are no-ops}.
 _NO_OP = {
-    "tools": (None, []),
-    "tool_choice": (None, "none"),
-    "parallel_tool_calls": (None,),
+    "parallel_tool_calls": (None, True),
     "response_format": (None, {"type": "text"}),
     "echo": (None, False),
     "suffix": (None, ""),
@@ -153,7 +153,8 @@ _SAMPLING = (
     "stop_token_ids",
 )  # fmt: skip
 CHAT_FIELDS = {
-    "messages", "max_tokens", "max_completion_tokens", "logprobs", "top_logprobs", "chat_template_kwargs", *_SAMPLING
+    "messages", "max_tokens", "max_completion_tokens", "logprobs", "top_logprobs", "chat_template_kwargs", "tools",
+    "tool_choice", *_SAMPLING
 }  # fmt: skip
 # apply_chat_template's own arguments, which chat_template_kwargs may not set: its template variables only.
 _TEMPLATE_ARGUMENTS = (
@@ -174,6 +175,8 @@ class Generation:
     include_usage: bool
     max_tokens: int | None  # None: up to the context
     prompt_field: str  # "messages" or "prompt", named in errors about the prompt's length
+    tools: list[dict] | None = None  # the chat's tools, rendered into the prompt by the chat template
+    tool_parser: ToolParser | None = None  # reads tool calls out of the answer (tool_choice "auto")
 
 
 def check_fields(body, allowed: set[str]) -> dict:
@@ -358,18 +361,35 @@ def messages_of(body: dict) -> list[dict]:
                     raise invalid(field, f"{field}={part['text']!r}: pass a string")
             message = {**message, "content": "".join(p.get("text", "") for p in content)}
             messages[i] = message
-        elif not isinstance(content, str):
+        if message.get("tool_calls") is not None and message["role"] == "assistant":
+            messages[i] = _checked(_tools.message_with_tool_calls, message, i)
+        elif not isinstance(message.get("content"), str):
             raise invalid(f"messages[{i}].content", f"messages[{i}].content={content!r}: pass a string")
     return messages
 
 
-def chat_request(body, served: str, max_model_len: int, apply_template) -> Generation:
+def _checked(check, *args):
+    """`check(*args)` of `_tools`, its FieldError an OpenAI 400 naming the field."""
+    try:
+        return check(*args)
+    except _tools.FieldError as error:
+        raise invalid(error.param, str(error)) from None
+
+
+def chat_request(
+    body, served: str, max_model_len: int, apply_template, tool_parser: ToolParser | None = None
+) -> Generation:
     """A /v1/chat/completions body checked; `apply_template(messages, **chat_template_kwargs)` gives the
-    prompt text."""
+    prompt text (with `tools=` where the request has tools). `tool_parser`: the server's parser of tool
+    calls (--enable-auto-tool-choice), None where it reads none."""
     body = check_fields(body, CHAT_FIELDS)
     check_model(body, served)
     messages = messages_of(body)
     kwargs = template_kwargs(body)
+    tools = _checked(_tools.tools_of, body)
+    parser = _checked(_tools.parser_for, body, tools, tool_parser)
+    if tools is not None:
+        kwargs = {**kwargs, "tools": tools}
     max_tokens, _ = _max_tokens(body, ("max_completion_tokens", "max_tokens"), max_model_len)
     logprobs = body.get("logprobs") or False
     if not isinstance(logprobs, bool):
@@ -383,7 +403,9 @@ def chat_request(body, served: str, max_model_len: int, apply_template) -> Gener
         raise invalid("messages", f"the chat template could not be applied: {error}") from None
     stream, usage = _stream(body)
     params = _sampling(body, max_tokens, top if logprobs else None, max_model_len)
-    return Generation(prompt, params, stream, usage, max_tokens, "messages")
+    if parser is not None and parser.special_markers:
+        params = [dataclasses.replace(p, skip_special_tokens=False) for p in params]
+    return Generation(prompt, params, stream, usage, max_tokens, "messages", tools, parser)
 
 
 def completion_request(body, served: str, max_model_len: int) -> Generation:
@@ -437,7 +459,7 @@ def check_dimensions(dimensions: int, config, width: int, served: str) -> None:
 
 _TOKENIZE_FIELDS = {"model", "add_special_tokens", "return_token_strs"}
 _TOKENIZE_CHAT_FIELDS = {*_TOKENIZE_FIELDS, "messages", "add_generation_prompt", "continue_final_message",
-                         "chat_template_kwargs"}  # fmt: skip
+                         "chat_template_kwargs", "tools"}  # fmt: skip
 
 
 @dataclasses.dataclass(frozen=True)
@@ -449,7 +471,7 @@ class Tokenize:
     add_special_tokens: bool
     add_generation_prompt: bool
     continue_final_message: bool
-    template_kwargs: dict
+    template_kwargs: dict  # with `tools` where the request has them
     return_token_strs: bool
 
 
@@ -486,9 +508,11 @@ def tokenize_request(body, served: str) -> Tokenize:
             "continue_final_message=true continues the last message, add_generation_prompt=true starts a new one; "
             "pass add_generation_prompt=false with it",
         )
+    tools = _checked(_tools.tools_of, body)
+    kwargs = template_kwargs(body) if tools is None else {**template_kwargs(body), "tools": tools}
     return Tokenize(
         None, messages_of(body), _flag(body, "add_special_tokens", False), generation_prompt, continue_final,
-        template_kwargs(body), strs,
+        kwargs, strs,
     )  # fmt: skip
 
 

@@ -43,6 +43,8 @@ class SamplingParams:
             checkpoint's (min_new_tokens, min_length), else 0.
         logprobs: None, or how many most likely alternatives (0..20) to report beside each token.
         ignore_eos: keep going past the end-of-sequence token.
+        skip_special_tokens: leave special tokens' text out of the answer (vLLM's field); False keeps
+            it, as a tool call parser needs where its markers are special tokens.
     """
 
     max_tokens: int
@@ -60,6 +62,7 @@ class SamplingParams:
     logprobs: int | None = None
     ignore_eos: bool = False
     min_tokens: int | None = None
+    skip_special_tokens: bool = True
 
     def __post_init__(self):
         if isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int) or self.max_tokens < 1:

@@ -248,7 +248,10 @@ class Engine:
                 f"this request's {len(prompt)}-token prompt changes the processors of {self.model.source}'s "
                 "generation_config.json (begin_suppress_tokens after forced_bos_token_id); send a longer prompt"
             )
-        text = TextStream(self.tokenizer, params.stop, min_tokens=params.min_tokens or 0)
+        text = TextStream(
+            self.tokenizer, params.stop, min_tokens=params.min_tokens or 0,
+            skip_special_tokens=params.skip_special_tokens,
+        )  # fmt: skip
         request = Request(list(prompt), params, settings, listener, text)
         with self._lock:
             if self._error is not None:

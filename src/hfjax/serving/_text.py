@@ -25,14 +25,18 @@ class TextStream:
     part of one) or in the start of a stop string. `add` returns the new safe text and whether
     a stop string appeared; the text never includes the stop string itself. As in vLLM, a stop
     string counts only where it ends in the text of a token after the first `min_tokens`.
+    `skip_special_tokens=False` keeps special tokens' text (a tool call parser's markers).
 
     Example:
         >>> stream = TextStream(tokenizer, stops=("\\n\\n",))
         >>> piece, stopped = stream.add([1234, 98])
     """
 
-    def __init__(self, tokenizer, stops: tuple[str, ...] = (), *, min_tokens: int = 0):
+    def __init__(
+        self, tokenizer, stops: tuple[str, ...] = (), *, min_tokens: int = 0, skip_special_tokens: bool = True
+    ):
         self.tokenizer = tokenizer
+        self.skip_special_tokens = skip_special_tokens
         self.stops = tuple(s for s in stops if s)
         self.min_tokens = min_tokens
         self.ids: list[int] = []
@@ -50,7 +54,9 @@ class TextStream:
         if self.read <= self.min_tokens:
             self.unchecked = len(self.text)
         elif not self.exempt_final:  # the first min_tokens ids' text is exempt, the rest is not
-            self.unchecked = len(self.tokenizer.decode(self.ids[: self.min_tokens], skip_special_tokens=True))
+            self.unchecked = len(
+                self.tokenizer.decode(self.ids[: self.min_tokens], skip_special_tokens=self.skip_special_tokens)
+            )
             self.exempt_final = True
         start = max(self.sent, self.unchecked + 1)  # a stop string must end past both
         found = [i for i in (self.text.find(stop, max(start - len(stop), 0)) for stop in self.stops) if i >= 0]
@@ -79,15 +85,15 @@ class TextStream:
             context, before = start, known
         else:
             context = max(self.read - _CONTEXT_TOKENS, 0)
-            before = decode(self.ids[context : self.read], skip_special_tokens=True)
-        after = decode(self.ids[context:], skip_special_tokens=True)
+            before = decode(self.ids[context : self.read], skip_special_tokens=self.skip_special_tokens)
+        after = decode(self.ids[context:], skip_special_tokens=self.skip_special_tokens)
         if after.endswith("\ufffd") and len(self.ids) - self.read < _UNFINISHED and not final:
             return
         # (the context may begin inside a character: its bytes there read as U+FFFD, in both)
         if after.startswith(before) and self.text.endswith(before.lstrip("\ufffd")):
             self.text += after[len(before) :]
         else:  # the earlier tokens read differently with the new ones after them
-            self.text = decode(self.ids, skip_special_tokens=True)
+            self.text = decode(self.ids, skip_special_tokens=self.skip_special_tokens)
         self.read = len(self.ids)
         self._last = (context, self.read, after)
 
