@@ -288,12 +288,19 @@ def build_app(
 
             async def chunks():
                 try:
-                    for text in answer.opening():
-                        yield text
+                    opening = "".join(answer.opening())  # chat's role deltas, at once as vLLM's
+                    if opening:
+                        yield opening
                     while not answer.done:
+                        # One write per wake-up: a chunk's tokens (of every choice) arrive together, and
+                        # the client still reads one server-sent event per token.
                         index, event = await events.get()
-                        for text in answer.stream(index, event):
-                            yield text
+                        texts = list(answer.stream(index, event))
+                        while not answer.done and not events.empty():
+                            index, event = events.get_nowait()
+                            texts.extend(answer.stream(index, event))
+                        if texts:
+                            yield "".join(texts)
                     if generation.include_usage:
                         yield answer.usage_chunk()
                     yield "data: [DONE]\n\n"
