@@ -33,6 +33,7 @@ st = hypothesis.strategies
 
 NAME, ENCODER, LENGTH, VOCAB = "tiny-llama", "tiny-bert", 64, 512
 CHAT, COMPLETIONS, EMBEDDINGS = "/v1/chat/completions", "/v1/completions", "/v1/embeddings"
+TOKENIZE, DETOKENIZE = "/tokenize", "/detokenize"  # vLLM's
 SERVERS = background.Servers("hfjax-serve-fuzz-")
 
 # The fields each endpoint reads (OpenAI's, vLLM's, and those hfjax takes only at their no-op value).
@@ -45,6 +46,18 @@ FIELDS = {
     CHAT: ["messages", "max_tokens", "max_completion_tokens", "logprobs", "top_logprobs", *_SAMPLING],
     COMPLETIONS: ["prompt", "max_tokens", "logprobs", "suffix", *_SAMPLING],
     EMBEDDINGS: ["input", "model", "encoding_format", "user"],
+    TOKENIZE: [
+        "model",
+        "prompt",
+        "messages",
+        "add_special_tokens",
+        "add_generation_prompt",
+        "continue_final_message",
+        "chat_template_kwargs",
+        "return_token_strs",
+        "tools",
+    ],
+    DETOKENIZE: ["model", "tokens"],
 }
 
 
@@ -88,7 +101,7 @@ def _check_answer(answer: httpx.Response, path: str, body) -> None:
     the endpoint (or a value inside one: "messages[0].content")."""
     assert answer.status_code < 500, f"{answer.status_code} for {body!r:.300}: {answer.text[:500]}"
     if answer.status_code == 200:
-        if answer.headers["content-type"].startswith("application/json"):
+        if answer.headers["content-type"].startswith("application/json") and path not in (TOKENIZE, DETOKENIZE):
             assert "object" in answer.json()
         return
     error = answer.json()["error"]
@@ -166,6 +179,19 @@ def _valid(path: str, model: str = NAME):
         return st.fixed_dictionaries(
             {"model": st.just(model), "input": st.one_of(_PLAIN, st.lists(_PLAIN, min_size=1, max_size=3))}
         )
+    if path == DETOKENIZE:
+        return st.fixed_dictionaries(
+            {"tokens": st.lists(st.integers(0, VOCAB - 1), max_size=8)}, optional={"model": st.just(model)}
+        )
+    if path == TOKENIZE:
+        flags = {name: st.booleans() for name in ("add_special_tokens", "return_token_strs")}
+        return st.one_of(
+            st.fixed_dictionaries({"prompt": _PLAIN}, optional={"model": st.just(model), **flags}),
+            st.fixed_dictionaries(
+                {"messages": st.lists(_message(_PLAIN), min_size=1, max_size=2)},
+                optional={"model": st.just(model), "add_generation_prompt": st.booleans(), **flags},
+            ),
+        )
     prompt = (
         {"messages": st.lists(_message(_PLAIN), min_size=1, max_size=1)}
         if path == CHAT
@@ -187,7 +213,7 @@ def _mutated(draw, path: str, model: str):
         kind = draw(st.sampled_from(["replace", "delete", "inside"]))
         if kind == "delete":
             body.pop(field, None)
-        elif kind == "inside" and path == CHAT:  # within a message
+        elif kind == "inside" and (path == CHAT or "messages" in body):  # within a message
             key = draw(st.sampled_from(["role", "content", "name", "type", "text", "tool_calls", "tool_call_id"]))
             value = draw(
                 st.one_of(_HOSTILE, st.lists(st.fixed_dictionaries({"type": st.just("text"), "text": _HOSTILE})))
@@ -196,7 +222,7 @@ def _mutated(draw, path: str, model: str):
             first = messages[0] if isinstance(messages, list) and messages and isinstance(messages[0], dict) else {}
             body["messages"] = [{"role": "user", **first, key: value}]
         elif kind == "inside":  # within a list of prompts or inputs
-            name = "prompt" if path == COMPLETIONS else "input"
+            name = {COMPLETIONS: "prompt", TOKENIZE: "prompt", DETOKENIZE: "tokens"}.get(path, "input")
             body[name] = [draw(_PLAIN), draw(_HOSTILE)]
         else:
             body[field] = draw(_HOSTILE)
@@ -230,15 +256,23 @@ def bodies(draw, path: str, model: str = NAME):
     return json.loads(json.dumps(body)), raw  # as the server reads it: "\\ud800\\udc00" is one character
 
 
+# HFJAX_FUZZ_EXAMPLES: more bodies per endpoint than CI's, for a run by hand.
 _FUZZ = hypothesis.settings(
-    max_examples=400, deadline=None, derandomize=True, database=None, suppress_health_check=list(hypothesis.HealthCheck)
+    max_examples=int(os.environ.get("HFJAX_FUZZ_EXAMPLES", "400")),
+    deadline=None,
+    derandomize=True,
+    database=None,
+    suppress_health_check=list(hypothesis.HealthCheck),
 )
 
 
 @pytest.mark.parametrize(
     "server, path, model",
-    [("lm", CHAT, NAME), ("lm", COMPLETIONS, NAME), ("lm", EMBEDDINGS, NAME), ("encoder", EMBEDDINGS, ENCODER)],
-)
+    [
+        ("lm", CHAT, NAME), ("lm", COMPLETIONS, NAME), ("lm", EMBEDDINGS, NAME), ("encoder", EMBEDDINGS, ENCODER),
+        ("lm", TOKENIZE, NAME), ("lm", DETOKENIZE, NAME),
+    ],
+)  # fmt: skip
 def test_hostile_bodies_get_no_5xx_and_errors_in_openais_shape(http, server, path, model):
     @_FUZZ
     @hypothesis.given(drawn=bodies(path, model))
@@ -261,8 +295,10 @@ def test_a_causal_lms_endpoints_on_an_encoder_answer_400_for_any_body(http, path
 
 
 @pytest.mark.parametrize(
-    "server, path, model", [("lm", CHAT, NAME), ("lm", COMPLETIONS, NAME), ("encoder", EMBEDDINGS, ENCODER)]
-)
+    "server, path, model",
+    [("lm", CHAT, NAME), ("lm", COMPLETIONS, NAME), ("encoder", EMBEDDINGS, ENCODER), ("lm", TOKENIZE, NAME),
+     ("lm", DETOKENIZE, NAME)],
+)  # fmt: skip
 def test_valid_requests_answer_200(http, server, path, model):
     """The other side of the checks above: what hfjax serves is not refused (a lone surrogate is
     refused, an emoji's pair is not)."""
@@ -273,8 +309,8 @@ def test_valid_requests_answer_200(http, server, path, model):
         answer = _post(http, server, path, json.dumps(body).encode())
         assert answer.status_code == 200, f"{body!r}: {answer.text[:500]}"
         if not body.get("stream"):
-            expected = {CHAT: "chat.completion", COMPLETIONS: "text_completion", EMBEDDINGS: "list"}[path]
-            assert answer.json()["object"] == expected
+            expected = {CHAT: "chat.completion", COMPLETIONS: "text_completion", EMBEDDINGS: "list"}.get(path)
+            assert expected is None or answer.json()["object"] == expected
 
     check()
 

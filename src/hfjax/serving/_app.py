@@ -171,8 +171,12 @@ def build_app(
                 )  # fmt: skip
             except Exception as error:  # noqa: BLE001 - the template's own message says what is wrong
                 raise _protocol.invalid("messages", f"the chat template could not be applied: {error}") from None
-        ids = tokenizer(text, add_special_tokens=asked.add_special_tokens, verbose=False)["input_ids"]
-        strs = tokenizer.convert_ids_to_tokens(ids) if asked.return_token_strs else None
+
+        def encode():  # off the event loop: a long text takes the tokenizer seconds
+            ids = tokenizer(text, add_special_tokens=asked.add_special_tokens, verbose=False)["input_ids"]
+            return ids, tokenizer.convert_ids_to_tokens(ids) if asked.return_token_strs else None
+
+        ids, strs = await asyncio.get_running_loop().run_in_executor(None, encode)
         return {"count": len(ids), "max_model_len": context, "tokens": ids, "token_strs": strs}
 
     @app.post("/detokenize")
