@@ -813,7 +813,7 @@ def test_streamer_receives_prompt_then_every_token_in_chunks(loaded):
     np.testing.assert_array_equal(streamed, unstreamed)
     assert len(recorder.puts) == 1 + 20  # the prompt, then each token
     # 19 tokens after the prefill's first, in chunks; each chunk's tokens arrive before the next runs.
-    assert calls == [2, 2 + _engine.STREAM_CHUNK, 2 + 2 * _engine.STREAM_CHUNK]
+    assert calls == [2, 2 + _planning.STREAM_CHUNK, 2 + 2 * _planning.STREAM_CHUNK]
     assert model._generator.program_counts["decode"] == decode_programs  # chunks reuse the one decode program
 
 
