@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import pathlib
+import subprocess
+import sys
 
 import jax.numpy as jnp
 import numpy as np
@@ -335,3 +337,23 @@ def test_a_truncated_file_is_one_clear_line(tmp_path, checkpoint):
     weights.write_bytes(weights.read_bytes()[:-1000])
     with pytest.raises(hfjax.LoadError, match=r"model.safetensors' ends inside the tensor .*truncated"):
         hfjax.load(path)
+
+
+# hfjax's optional parts and their libraries: each is imported where its feature is first used, never by
+# a load. `torchax` is the control: every load imports it, so a check that saw nothing would fail there.
+_OPTIONAL_PARTS = ("hfjax.training", "optax", "hfjax.diffusion", "diffusers", "hfjax.tasks", "hfjax.serving", "fastapi")
+_IMPORTED_BY_A_LOAD = """
+import json, sys
+import hfjax
+hfjax.load(sys.argv[1])
+print(json.dumps({name: name in sys.modules for name in sys.argv[2:]}))
+"""
+
+
+def test_a_load_imports_none_of_hfjaxs_optional_parts(checkpoint):
+    # A fresh process: in this one other tests have imported them.
+    argv = [sys.executable, "-c", _IMPORTED_BY_A_LOAD, str(checkpoint("llama")), "torchax", *_OPTIONAL_PARTS]
+    result = subprocess.run(argv, capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr[-3000:]
+    imported = json.loads(result.stdout.strip().splitlines()[-1])
+    assert imported == {"torchax": True, **dict.fromkeys(_OPTIONAL_PARTS, False)}

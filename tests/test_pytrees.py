@@ -107,15 +107,50 @@ print("ok")
 """
 
 
+_TRANSFORMERS_AFTER_A_TORCH_JIT = """
+import sys
+import hfjax, jax.numpy as jnp, numpy as np, torch
+from hfjax import tolerances
+
+linear = torch.nn.Linear(4, 3)
+x = np.arange(8, dtype=np.float32).reshape(2, 4)
+with torch.no_grad():
+    want = linear(torch.from_numpy(x)).numpy()
+np.testing.assert_allclose(np.asarray(hfjax.jit(linear)(jnp.asarray(x))), want, atol=tolerances.DEFAULT.atol)
+assert "transformers" not in sys.modules, "the jit of a plain torch module imported transformers"
+from transformers.modeling_outputs import BaseModelOutput
+
+class Encoder(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.linear = linear
+
+    def forward(self, x):
+        return BaseModelOutput(last_hidden_state=self.linear(x))
+
+back = hfjax.jit(Encoder())(jnp.asarray(x))
+assert isinstance(back, BaseModelOutput) and back.hidden_states is None and list(back.keys()) == ["last_hidden_state"]
+np.testing.assert_allclose(np.asarray(back.last_hidden_state), want, atol=tolerances.DEFAULT.atol)
+print("ok")
+"""
+
+
 def start_in_background() -> None:
     if importlib.util.find_spec("diffusers") is not None:
         background.start("diffusers-after-hfjax", background.python(_DIFFUSERS_AFTER_HFJAX), seconds=8)
+    background.start("transformers-after-a-torch-jit", background.python(_TRANSFORMERS_AFTER_A_TORCH_JIT), seconds=8)
 
 
 def test_diffusers_imported_after_hfjax_is_registered_when_first_met():
     pytest.importorskip("diffusers")
     # A fresh process: in this one another test may have imported diffusers first.
     job = background.finished("diffusers-after-hfjax", start_in_background)
+    assert job.returncode == 0 and job.output.strip().splitlines()[-1] == "ok", job.output[-2000:]
+
+
+def test_a_torch_modules_jit_leaves_transformers_unimported_and_its_outputs_register_once_imported():
+    # A fresh process: in this one transformers is imported.
+    job = background.finished("transformers-after-a-torch-jit", start_in_background)
     assert job.returncode == 0 and job.output.strip().splitlines()[-1] == "ok", job.output[-2000:]
 
 

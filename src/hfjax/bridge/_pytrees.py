@@ -169,6 +169,10 @@ def assign_state(target, source) -> None:
 
 
 def _stateful_bases() -> tuple[type, ...]:
+    # Until transformers is imported no object is one of its caches or outputs, so a plain torch
+    # module's jit does not import it (as diffusers is looked at only once imported).
+    if "transformers" not in sys.modules:
+        return ()
     from transformers import cache_utils
 
     bases = [cache_utils.Cache, cache_utils.CacheLayerMixin]
@@ -179,9 +183,11 @@ def _stateful_bases() -> tuple[type, ...]:
 
 
 def _output_bases() -> tuple[type, ...]:
-    from transformers.utils import ModelOutput
+    bases = []
+    if "transformers" in sys.modules:
+        from transformers.utils import ModelOutput
 
-    bases = [ModelOutput]
+        bases.append(ModelOutput)
     if "diffusers" in sys.modules:
         from diffusers.utils import BaseOutput
 
