@@ -72,6 +72,8 @@ def build_app(
     if enable_auto_tool_choice or tool_call_parser is not None:
         parser = _tools.tool_call_parser(tool_call_parser, tokenizer)
         auto_tools = parser if enable_auto_tool_choice else None
+    # Matryoshka's truncated embeddings are normalised again where the model normalises its own.
+    normalizes = pooling_config(model.path)[1]
     if tokenizer is not None:  # (without one, Model.embed answers that it has none)
         longest = _protocol.longest_token(tokenizer)
         embed_length = bridge.context_length(model.config) or tokenizer.model_max_length  # where Model.embed cuts
@@ -164,13 +166,10 @@ def build_app(
         asked = _protocol.tokenize_request(await read_json(request), served_model_name)
         text = asked.prompt
         if asked.messages is not None:
-            try:
-                text = tokenizer.apply_chat_template(
-                    asked.messages, add_generation_prompt=asked.add_generation_prompt,
-                    continue_final_message=asked.continue_final_message, tokenize=False, **asked.template_kwargs,
-                )  # fmt: skip
-            except Exception as error:  # noqa: BLE001 - the template's own message says what is wrong
-                raise _protocol.invalid("messages", f"the chat template could not be applied: {error}") from None
+            text = _protocol.rendered(
+                tokenizer.apply_chat_template, asked.messages, add_generation_prompt=asked.add_generation_prompt,
+                continue_final_message=asked.continue_final_message, tokenize=False, **asked.template_kwargs,
+            )  # fmt: skip
 
         def encode():  # off the event loop: a long text takes the tokenizer seconds
             ids = tokenizer(text, add_special_tokens=asked.add_special_tokens, verbose=False)["input_ids"]
@@ -217,7 +216,7 @@ def build_app(
         if dimensions is not None:  # Matryoshka: the first values, normalised again where the model normalises
             _protocol.check_dimensions(dimensions, model.config, vectors.shape[1], served_model_name)
             vectors = vectors[:, :dimensions]  # [N, dimensions]
-            if pooling_config(model.path)[1]:
+            if normalizes:
                 vectors = vectors / np.maximum(np.linalg.norm(vectors, axis=-1, keepdims=True), 1e-12)
         data = []
         for i, vector in enumerate(vectors):

@@ -368,6 +368,14 @@ def messages_of(body: dict) -> list[dict]:
     return messages
 
 
+def rendered(apply_template, messages: list[dict], **kwargs) -> str:
+    """`apply_template(messages, **kwargs)`, the prompt text; a template that fails is a 400 on messages."""
+    try:
+        return apply_template(messages, **kwargs)
+    except Exception as error:  # noqa: BLE001 - the template's own message says what is wrong
+        raise invalid("messages", f"the chat template could not be applied: {error}") from None
+
+
 def _checked(check, *args):
     """`check(*args)` of `_tools`, its FieldError an OpenAI 400 naming the field."""
     try:
@@ -397,10 +405,7 @@ def chat_request(
     top = _number(body, "top_logprobs", 0, 0, 20, integer=True)
     if body.get("top_logprobs") is not None and not logprobs:
         raise invalid("top_logprobs", "top_logprobs needs logprobs=true")
-    try:
-        prompt = apply_template(messages, **kwargs)
-    except Exception as error:  # noqa: BLE001 - the template's own message says what is wrong
-        raise invalid("messages", f"the chat template could not be applied: {error}") from None
+    prompt = rendered(apply_template, messages, **kwargs)
     stream, usage = _stream(body)
     params = _sampling(body, max_tokens, top if logprobs else None, max_model_len)
     if parser is not None and parser.special_markers:
