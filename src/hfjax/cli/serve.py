@@ -160,6 +160,10 @@ def _fraction(text: str) -> float:
     return value
 
 
+def _say(line: str) -> None:  # the server's progress, stats and address lines
+    print(f"hfjax serve: {line}", file=sys.stderr, flush=True)
+
+
 def _exit_cleanly(signum, frame):
     sys.exit(0)
 
@@ -258,9 +262,9 @@ def run(args: argparse.Namespace) -> int:
             gpu_memory_utilization=args.gpu_memory_utilization, max_queue=args.max_queue,
             decode_steps=args.decode_steps, max_decode_steps=args.max_decode_steps, prefill_chunk=args.prefill_chunk,
             prefill_rows=args.prefill_rows, prefix_reuse=args.enable_prefix_caching,
-            progress=lambda line: print(f"hfjax serve: {line}", file=sys.stderr, flush=True),
+            progress=_say,
         )  # fmt: skip
-        print(f"hfjax serve: {engine.sizing.describe()}", file=sys.stderr, flush=True)
+        _say(engine.sizing.describe())
         engine.start()  # the largest programs compiled; the others compile in the background
     elif model.task != "feature-extraction":
         print(f"hfjax serve: {path} loads as task={model.task!r}; serve a causal LM or an encoder", file=sys.stderr)
@@ -274,13 +278,13 @@ def run(args: argparse.Namespace) -> int:
     # 16 (medians of five A-B pairs of servers, 2 CPU cores; docs/architecture.md).
     sys.setswitchinterval(_SWITCH_INTERVAL_S)
     name = args.served_model_name or path
-    stats = None if args.disable_log_stats else lambda line: print(f"hfjax serve: {line}", file=sys.stderr, flush=True)
     app = build_app(
-        model, served_model_name=name, engine=engine, api_key=args.api_key, log_stats=stats,
+        model, served_model_name=name, engine=engine, api_key=args.api_key,
+        log_stats=None if args.disable_log_stats else _say,
         enable_auto_tool_choice=args.enable_auto_tool_choice, tool_call_parser=args.tool_call_parser,
     )  # fmt: skip
     host = f"[{args.host}]" if ":" in args.host else args.host
-    print(f"hfjax serve: {name} on http://{host}:{sock.getsockname()[1]}", file=sys.stderr, flush=True)
+    _say(f"{name} on http://{host}:{sock.getsockname()[1]}")
     # uvicorn shuts down gracefully on SIGTERM (no new connections, the answers in flight finished, the engine
     # stopped), then raises the signal again under the handler it found: this one makes that an exit with 0.
     signal.signal(signal.SIGTERM, _exit_cleanly)

@@ -67,7 +67,7 @@ class TextStream:
         end = len(self.text)
         while end > self.sent and self.text[end - 1] == "\ufffd":
             end -= 1
-        end -= _held_for_stop(self.text, end, self.stops)
+        end -= cut_start(self.text, end, self.stops)
         piece = self.text[self.sent : max(end, self.sent)]
         self.sent = max(end, self.sent)
         return piece, False
@@ -104,12 +104,13 @@ class TextStream:
         return piece
 
 
-def _held_for_stop(text: str, end: int, stops: tuple[str, ...]) -> int:
-    """How many characters before `end` in `text` could be the start of a stop string."""
+def cut_start(text: str, end: int, marks: tuple[str, ...]) -> int:
+    """How many characters before `end` in `text` could be the start of one of `marks` (a stop string,
+    a tool call's opening) cut off there."""
     longest = 0
-    for stop in stops:
-        for size in range(min(len(stop) - 1, end), longest, -1):
-            if text.endswith(stop[:size], 0, end):
+    for mark in marks:
+        for size in range(min(len(mark) - 1, end), longest, -1):
+            if text.endswith(mark[:size], 0, end):
                 longest = size
                 break
     return longest

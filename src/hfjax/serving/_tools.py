@@ -22,6 +22,8 @@ import json
 import secrets
 from collections.abc import Callable
 
+from ._text import cut_start
+
 
 @dataclasses.dataclass(frozen=True)
 class Calls:
@@ -80,10 +82,8 @@ class ToolParser:
         found = [i for i in (text.find(s, sent) for s in self.starts) if i >= 0]
         if found:
             return min(found)
-        for size in range(min(max(map(len, self.starts)) - 1, len(text)), 0, -1):  # a start cut off at the end
-            if any(s[:size] == text[len(text) - size :] for s in self.starts if len(s) > size):
-                return max(len(text) - size, sent)
-        return len(text)
+        cut = cut_start(text, len(text), self.starts)  # a start cut off at the end
+        return max(len(text) - cut, sent) if cut else len(text)
 
 
 PARSERS: dict[str, ToolParser] = {}
