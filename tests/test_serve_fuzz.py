@@ -428,7 +428,8 @@ def test_a_taken_port_is_refused_in_one_line_before_the_model_loads(checkpoint):
 
 def test_the_servers_answer_as_before_and_logged_no_traceback(http):
     """After everything above: the same greedy text and embeddings as at the start (no request has
-    left the engine or the model in another state), and no exception in either server's log."""
-    assert _reference_answers(http.client) == http.before
+    left the engine or the model in another state), and no exception in either server's log (read
+    first, so that a failed engine shows its traceback here)."""
     for name in SERVERS:
         assert "Traceback" not in SERVERS.log(name) and "Exception" not in SERVERS.log(name), SERVERS.log(name)[-3000:]
+    assert _reference_answers(http.client) == http.before
