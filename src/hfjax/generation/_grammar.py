@@ -60,7 +60,7 @@ class Constraint:
                 raise ConstraintError(f"json_schema is not JSON ({error}); pass a JSON schema object") from None
         if not isinstance(schema, dict):
             raise ConstraintError(f"json_schema={schema!r} is not an object; pass a JSON schema object")
-        return cls("json_schema", json.dumps(schema, sort_keys=True))
+        return cls("json_schema", json.dumps(schema))  # (key order kept: llguidance writes properties in it)
 
     @classmethod
     def json_object(cls) -> Constraint:
