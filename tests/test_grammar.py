@@ -173,3 +173,14 @@ def test_no_constrained_row_leaves_the_scores_as_they_were():
     masked, _ = choose_tokens(logits, rows, features, jnp.arange(2, dtype=jnp.int32))
     plain, _ = choose_tokens(logits, rows, SamplingFeatures(sampling=True), jnp.arange(2, dtype=jnp.int32))
     assert masked.tolist() == plain.tolist()
+
+
+def test_a_tokenizer_llguidance_cannot_read_is_refused_with_its_reason():
+    import tokenizers
+    import transformers
+
+    words = tokenizers.Tokenizer(tokenizers.models.WordLevel({"<unk>": 0, "</s>": 1, "a": 2}, unk_token="<unk>"))
+    words.decoder = tokenizers.decoders.WordPiece()
+    tokenizer = transformers.PreTrainedTokenizerFast(tokenizer_object=words, eos_token="</s>")
+    with pytest.raises(generation.ConstraintError, match="llguidance cannot read .*WordPiece"):
+        generation.Grammars(tokenizer, vocab_size=3, eos_token_ids=[1])

@@ -124,9 +124,15 @@ class Grammars:
         self.vocab_size = vocab_size
         self.words = (vocab_size + 31) // 32  # int32 words of a bitmask row
         self.tokenizer_size = len(tokenizer)
-        self._tokenizer = llguidance.hf.from_tokenizer(
-            tokenizer, n_vocab=self.tokenizer_size, eos_token=list(eos_token_ids)
-        )
+        try:
+            self._tokenizer = llguidance.hf.from_tokenizer(
+                tokenizer, n_vocab=self.tokenizer_size, eos_token=list(eos_token_ids)
+            )
+        except ValueError as error:  # a slow tokenizer, or a decoder llguidance cannot read
+            raise ConstraintError(
+                f"llguidance cannot read {type(tokenizer).__name__} ({error}); structured outputs need a fast "
+                "tokenizer with a byte-level or SentencePiece decoder"
+            ) from None
         self._compiled: collections.OrderedDict[Constraint, object] = collections.OrderedDict()
         self._lock = threading.Lock()
 
