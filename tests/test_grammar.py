@@ -23,7 +23,12 @@ import llguidance.hf  # noqa: E402
 import llguidance.numpy  # noqa: E402
 
 EOS = 2
-SCHEMA = {"type": "object", "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 99}}, "required": ["n"]}
+SCHEMA = {
+    "type": "object",
+    "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 99}},
+    "required": ["n"],
+    "additionalProperties": False,
+}
 
 
 @pytest.fixture(scope="module")
@@ -184,3 +189,95 @@ def test_a_tokenizer_llguidance_cannot_read_is_refused_with_its_reason():
     tokenizer = transformers.PreTrainedTokenizerFast(tokenizer_object=words, eos_token="</s>")
     with pytest.raises(generation.ConstraintError, match="llguidance cannot read .*WordPiece"):
         generation.Grammars(tokenizer, vocab_size=3, eos_token_ids=[1])
+
+
+# -- Model.generate ---------------------------------------------------------------------------------
+
+
+class _LLGuidanceProcessor:
+    """The reference: transformers' generate with llguidance's own mask as a logits processor (per row,
+    advanced by the row's last token), the way a PyTorch user constrains generation."""
+
+    def __init__(self, tokenizer, constraint, rows: int, prompt_length: int):
+        lltokenizer = llguidance.hf.from_tokenizer(
+            tokenizer, n_vocab=len(tokenizer), eos_token=[tokenizer.eos_token_id]
+        )
+        self.matchers = [llguidance.LLMatcher(lltokenizer, constraint.source(), log_level=0) for _ in range(rows)]
+        self.mask = llguidance.numpy.allocate_token_bitmask(rows, len(tokenizer))
+        self.prompt_length = prompt_length
+
+    def __call__(self, input_ids, scores):
+        import torch
+
+        for row, matcher in enumerate(self.matchers):
+            if input_ids.shape[1] > self.prompt_length and not matcher.is_stopped():
+                assert matcher.consume_token(int(input_ids[row, -1]))
+            llguidance.numpy.fill_next_token_bitmask(matcher, self.mask, row)
+        allowed = np.unpackbits(self.mask.view(np.uint8), axis=1, bitorder="little")[:, : scores.shape[1]]
+        allowed = np.pad(allowed, ((0, 0), (0, scores.shape[1] - allowed.shape[1])))
+        return torch.where(torch.as_tensor(allowed, dtype=torch.bool), scores, -torch.inf)
+
+
+@pytest.mark.parametrize(
+    "keyword, value, constraint",
+    [
+        ("json_schema", SCHEMA, generation.Constraint.json_schema(SCHEMA)),
+        ("regex", r"[a-z]{3,6}-[0-9]{2}", generation.Constraint.regex(r"[a-z]{3,6}-[0-9]{2}")),
+        ("choice", ["yes", "no", "maybe"], generation.Constraint.choice(["yes", "no", "maybe"])),
+        ("response_format", {"type": "json_object"}, generation.Constraint.json_object()),
+    ],
+)
+def test_generate_follows_a_constraint_as_transformers_with_llguidances_mask_does(
+    checkpoint, keyword, value, constraint
+):
+    import torch
+    import transformers
+
+    import hfjax
+
+    path = checkpoint("llama")
+    model = hfjax.load(path)
+    reference = transformers.AutoModelForCausalLM.from_pretrained(path)
+    tokenizer = transformers.AutoTokenizer.from_pretrained(path, padding_side="left")
+    batch = tokenizer(["The river", "The river ran past"], padding=True, return_tensors="np")
+    expected = reference.generate(
+        torch.as_tensor(batch["input_ids"]), attention_mask=torch.as_tensor(batch["attention_mask"]),
+        max_new_tokens=24, do_sample=False, pad_token_id=tokenizer.pad_token_id,
+        logits_processor=transformers.LogitsProcessorList(
+            [_LLGuidanceProcessor(tokenizer, constraint, 2, batch["input_ids"].shape[1])]
+        ),
+    )  # fmt: skip
+    got = model.generate(
+        batch["input_ids"], batch["attention_mask"], max_new_tokens=24, do_sample=False, **{keyword: value}
+    )
+    np.testing.assert_array_equal(np.asarray(got)[:, : expected.shape[1]], expected.numpy())
+    assert np.all(np.asarray(got)[:, expected.shape[1] :] == tokenizer.pad_token_id)
+
+
+def test_sampled_generate_text_answers_all_follow_the_schema(checkpoint):
+    jsonschema = pytest.importorskip("jsonschema", reason="jsonschema is a test dependency: pip install jsonschema")
+    import hfjax
+
+    model = hfjax.load(checkpoint("llama"))
+    answers = model.generate_text("The river", max_new_tokens=40, do_sample=True, temperature=1.0,
+                                  num_return_sequences=8, json_schema=SCHEMA)  # fmt: skip
+    for answer in answers:
+        jsonschema.validate(json.loads(answer), SCHEMA)
+    free = model.generate_text("The river", max_new_tokens=40, do_sample=True, num_return_sequences=8)
+    assert not any(answer.startswith('{"n"') for answer in free)  # the negative control
+
+
+@pytest.mark.parametrize(
+    "kwargs, says",
+    [
+        ({"regex": "a+", "choice": ["a"]}, "regex and choice given"),
+        ({"regex": "a+", "num_beams": 2}, "num_beams=2 with a constraint"),
+        ({"regex": "(a"}, "unclosed group"),
+    ],
+)
+def test_generate_refuses_what_it_cannot_constrain(checkpoint, kwargs, says):
+    import hfjax
+
+    model = hfjax.load(checkpoint("llama"))
+    with pytest.raises(hfjax.GenerationError, match=re.escape(says)):
+        model.generate_text("The river", max_new_tokens=4, **kwargs)

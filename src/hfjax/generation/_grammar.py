@@ -84,6 +84,28 @@ class Constraint:
             raise ConstraintError(f"grammar={lark!r}; pass a Lark grammar with a `start` rule")
         return cls("grammar", lark)
 
+    @classmethod
+    def response_format(cls, value: dict) -> Constraint | None:
+        """OpenAI's `response_format`: {"type": "text"} (None: no constraint), {"type": "json_object"},
+        or {"type": "json_schema", "json_schema": {"name", "schema", "strict"}} (enforced whether strict
+        or not; without a schema, any JSON object)."""
+        kind = value.get("type") if isinstance(value, dict) else None
+        if kind == "text":
+            return None
+        if kind == "json_object":
+            return cls.json_object()
+        if kind != "json_schema":
+            raise ConstraintError(
+                f"response_format={value!r}: pass {{'type': 'text'}}, {{'type': 'json_object'}} or "
+                "{'type': 'json_schema', 'json_schema': {'name': ..., 'schema': {...}}}"
+            )
+        spec = value.get("json_schema")
+        if not isinstance(spec, dict) or not isinstance(spec.get("name"), str):
+            raise ConstraintError(f"response_format.json_schema={spec!r}: pass an object with a 'name' and a 'schema'")
+        if spec.get("strict") is not None and not isinstance(spec["strict"], bool):
+            raise ConstraintError(f"response_format.json_schema.strict={spec['strict']!r}: pass true or false")
+        return cls.json_object() if spec.get("schema") is None else cls.json_schema(spec["schema"])
+
     def source(self) -> str:
         """The constraint as an llguidance grammar."""
         import llguidance
@@ -98,6 +120,25 @@ class Constraint:
             alternatives = " | ".join(json.dumps(c, ensure_ascii=False) for c in json.loads(self.text))
             return llguidance.LLMatcher.grammar_from_lark(f"start: {alternatives}")
         return llguidance.LLMatcher.grammar_from_lark(self.text)
+
+
+# Model.generate's keywords, one of which makes its constraint.
+KEYWORDS = ("json_schema", "regex", "choice", "grammar", "response_format")
+
+
+def constraint_of(arguments: dict) -> Constraint | None:
+    """The constraint that `Model.generate`'s keywords (`KEYWORDS`, popped from `arguments`) ask for, or None."""
+    given = {name: arguments.pop(name) for name in KEYWORDS if arguments.get(name) is not None}
+    for name in KEYWORDS:
+        arguments.pop(name, None)
+    if len(given) > 1:
+        raise ConstraintError(
+            f"Model.generate: {' and '.join(given)} given; pass one constraint of {', '.join(KEYWORDS)}"
+        )
+    if not given:
+        return None
+    ((name, value),) = given.items()
+    return getattr(Constraint, name)(value)
 
 
 def _llguidance():

@@ -55,35 +55,12 @@ def constraint_of(body: dict) -> tuple[generation.Constraint | None, str | None]
     if not given:
         return None, None
     field = given[0]
-    read = _response_format if field == "response_format" else _structured_outputs
+    read = generation.Constraint.response_format if field == "response_format" else _structured_outputs
     try:
-        return read(body[field]), field
+        constraint = read(body[field])
     except generation.ConstraintError as error:
-        raise FieldError(field, f"{field}: {error}") from None
-
-
-def _response_format(value) -> generation.Constraint:
-    kind = value.get("type") if isinstance(value, dict) else None
-    if kind == "json_object":
-        return generation.Constraint.json_object()
-    if kind != "json_schema":
-        raise FieldError(
-            "response_format",
-            f"response_format={value!r}: pass {{'type': 'text'}}, {{'type': 'json_object'}} or "
-            "{'type': 'json_schema', 'json_schema': {'name': ..., 'schema': {...}}}",
-        )
-    spec = value.get("json_schema")
-    if not isinstance(spec, dict) or not isinstance(spec.get("name"), str):
-        raise FieldError(
-            "response_format",
-            f"response_format.json_schema={spec!r}: pass an object with a 'name' and a 'schema'",
-        )
-    if not isinstance(spec.get("strict", False), bool | None):
-        raise FieldError(
-            "response_format", f"response_format.json_schema.strict={spec['strict']!r}: pass true or false"
-        )
-    schema = spec.get("schema")
-    return generation.Constraint.json_object() if schema is None else generation.Constraint.json_schema(schema)
+        raise FieldError(field, str(error)) from None
+    return constraint, field
 
 
 def _structured_outputs(value) -> generation.Constraint:
@@ -91,19 +68,19 @@ def _structured_outputs(value) -> generation.Constraint:
         raise FieldError(
             "structured_outputs", f"structured_outputs={value!r}: pass an object, such as {{'regex': ...}}"
         )
-    set_ = {name: v for name, v in value.items() if v is not None and v is not False}
-    unknown = sorted(set(set_) - set(_KINDS))
+    chosen = {name: v for name, v in value.items() if v is not None and v is not False}
+    unknown = sorted(set(chosen) - set(_KINDS))
     if unknown:
         raise FieldError(
             "structured_outputs",
             f"structured_outputs.{unknown[0]} is not supported by hfjax serve; pass one of {', '.join(_KINDS)}",
         )
-    if len(set_) != 1:
+    if len(chosen) != 1:
         raise FieldError(
             "structured_outputs",
-            f"structured_outputs sets {sorted(set_) or 'nothing'}; pass exactly one of {', '.join(_KINDS)}",
+            f"structured_outputs sets {sorted(chosen) or 'nothing'}; pass exactly one of {', '.join(_KINDS)}",
         )
-    ((name, given),) = set_.items()
+    ((name, given),) = chosen.items()
     kind = _KINDS[name]
     if kind == "json_object":
         if given is not True:
