@@ -29,7 +29,6 @@ import numpy as np
 from .._errors import GenerationError
 
 Kind = Literal["json_schema", "json_object", "regex", "choice", "grammar"]
-KINDS: tuple[str, ...] = ("json_schema", "json_object", "regex", "choice", "grammar")
 _JSON_STYLE = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 KEPT_GRAMMARS = 256  # compiled constraints a `Grammars` keeps
 
@@ -108,7 +107,7 @@ class Constraint:
 
     def source(self) -> str:
         """The constraint as an llguidance grammar."""
-        import llguidance
+        llguidance = _llguidance()
 
         if self.kind == "json_schema":
             return llguidance.LLMatcher.grammar_from_json_schema(self.text, defaults=_JSON_STYLE)
@@ -207,15 +206,14 @@ class Matcher:
 
     def __init__(self, matcher, grammars: Grammars):
         self._matcher = matcher
+        self._fill = _llguidance().numpy.fill_next_token_bitmask
         self._words = (grammars.tokenizer_size + 31) // 32
         self._scratch = np.zeros((1, self._words), np.int32)  # llguidance's width: the tokenizer's
         self._shared = min(self._words, grammars.words)
 
     def fill(self, row: np.ndarray) -> None:
         """Writes the tokens allowed next into `row` [ceil(V / 32)] int32 (in place)."""
-        import llguidance.numpy
-
-        llguidance.numpy.fill_next_token_bitmask(self._matcher, self._scratch, 0)
+        self._fill(self._matcher, self._scratch, 0)
         row[: self._shared] = self._scratch[0, : self._shared]
         row[self._shared :] = 0
 
@@ -237,9 +235,3 @@ class Matcher:
     def error(self) -> str | None:
         """llguidance's reason where the matcher left its grammar (a token it did not allow), else None."""
         return self._matcher.get_error() if self._matcher.is_error() else None
-
-
-def allowed_tokens(row: np.ndarray, vocab_size: int) -> np.ndarray:
-    """The token ids a bitmask row [ceil(V / 32)] int32 allows, ascending."""
-    bits = np.unpackbits(np.ascontiguousarray(row, np.int32).view(np.uint8), bitorder="little")
-    return np.flatnonzero(bits[:vocab_size])
