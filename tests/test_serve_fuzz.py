@@ -40,7 +40,8 @@ SERVERS = background.Servers("hfjax-serve-fuzz-")
 _SAMPLING = [
     "model", "temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty",
     "logit_bias", "seed", "stop", "n", "stream", "stream_options", "ignore_eos", "min_tokens", "stop_token_ids",
-    "user", "metadata", "tools", "tool_choice", "response_format", "echo", "best_of", "skip_special_tokens",
+    "user", "metadata", "tools", "tool_choice", "response_format", "structured_outputs", "echo", "best_of",
+    "skip_special_tokens",
 ]  # fmt: skip
 FIELDS = {
     CHAT: ["messages", "max_tokens", "max_completion_tokens", "logprobs", "top_logprobs", *_SAMPLING],

@@ -239,6 +239,10 @@ class Model:
         only, as transformers' generate gives them; one that would change
         the output and that it cannot carry out (beam sampling, `typical_p`,
         `output_attentions`, ...) raises a GenerationError that names it.
+        Structured outputs: one of `json_schema` (a JSON schema, dict or text), `regex`, `choice` (a
+        list of strings), `grammar` (a Lark grammar) or `response_format` (OpenAI's) makes every
+        row's answer follow it (llguidance, in the `serve` extra, masks the tokens it does not allow);
+        a row whose grammar is complete may only choose EOS. Decoder-only models, num_beams=1.
 
         Returns:
           int32 jax.Array [B * num_return_sequences, S + T] (for encoder-decoders
@@ -252,6 +256,7 @@ class Model:
         Example:
           >>> batch = model.tokenizer(["Hi", "Hello there"], padding=True, return_tensors="np")
           >>> model.generate(batch["input_ids"], batch["attention_mask"], max_new_tokens=16)
+          >>> model.generate_text("Pick one:", choice=["yes", "no"], max_new_tokens=4)
         """
         if self.task not in _tasks.GENERATIVE and not self.module.can_generate():  # speech seq2seq can
             raise GenerationError(

@@ -14,6 +14,8 @@ Parts, one concern each (docs/architecture.md describes the engine's internal AP
     _programs.py   the one program cache: in memory, and on disk as `jax.export` blobs
     _rows.py       each row's sampling settings as arrays (`RowSampling`), what a program compiles
                    of the token choice (`SamplingFeatures`)
+    _grammar.py    structured outputs on the host: constraints compiled by llguidance, each row's
+                   matcher filling its allowed-token bitmask (`Constraint`, `Grammars`)
     _slots.py      the continuous-batching core: a KV cache of S slots, a chunked multi-row
                    prefill and an N-step decode over it (`SlotModel`, `SlotPrograms`)
     _on_slots.py   `Model.generate` on the slot core: every row admitted at once, decoded to its end
@@ -29,13 +31,14 @@ Public names: `chat_with_images`; for the rest of hfjax: `Generator` and `genera
 the one settings type (`GenerationSettings`, `SamplingConfig`, `resolve_settings`), the one context
 check (`check_context`), the continuous-batching core the server drives (`SlotModel`,
 `SlotPrograms`, `SlotState`, `Chosen`, `RowSampling`, `SamplingFeatures`, `key_data`,
-`check_supported`), `cache_keyword` / `returned_cache`, and the CLI's `check_takes_images`,
+`check_supported`), structured outputs (`Constraint`, `ConstraintError`, `Grammars`, `Matcher`), `cache_keyword` / `returned_cache`, and the CLI's `check_takes_images`,
 `load_image`, `encode`, `GenerationStats`.
 """
 
 from ._caches import cache_keyword, returned_cache
 from ._engine import GenerationStats, Generator
 from ._generate import check_context, generate
+from ._grammar import Constraint, ConstraintError, Grammars, Matcher
 from ._rows import MAX_HELD_STOP_TOKENS, MAX_LOGIT_BIAS, RowSampling, SamplingFeatures, key_data
 from ._settings import GenerationSettings, SamplingConfig, resolve_settings
 from ._slots import TOP_LOGPROBS, Chosen, SlotModel, SlotPrograms, SlotState, check_supported
@@ -43,6 +46,10 @@ from ._vision_chat import chat_with_images, check_takes_images, encode, load_ima
 
 __all__ = [
     "Chosen",
+    "Constraint",
+    "ConstraintError",
+    "Grammars",
+    "Matcher",
     "GenerationSettings",
     "GenerationStats",
     "Generator",

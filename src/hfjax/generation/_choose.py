@@ -27,6 +27,7 @@ def choose_tokens(
     history=None,
 ):
     """Each row's next token from `logits` [R, V]: (token [R] int32, processed scores [R, V] float32).
+    A constrained row chooses among the tokens its bitmask allows (`_sampling.allowed_only`).
 
     rows, features: each row's settings and what is compiled (`_rows.py`); positions: [R] int32, the
     position each new token takes (a sampling row's draw is keyed by its seed and this); seen, counts:
@@ -42,7 +43,9 @@ def process_scores(
 ):
     """`logits` [R, V] after every processor and warper `choose_tokens` applies, in transformers' order
     (its arguments): [R, V] float32. Beam search on the slot core scores its log-probabilities with it."""
-    scores = _sampling.add_biases(logits.astype(jnp.float32), rows, features)
+    # A constrained row's grammar comes first: nothing after it can bring a disallowed token back.
+    scores = _sampling.allowed_only(logits.astype(jnp.float32), rows, features)
+    scores = _sampling.add_biases(scores, rows, features)
     # transformers holds EOS back after the biases and n-gram bans, before the forced tokens: a ban
     # commutes with those biases and bans, and the forced tokens override it.
     scores = _sampling.hold_back(scores, rows, features, positions)

@@ -44,9 +44,17 @@ from .._errors import DataDependentError, GenerationError
 from . import _caches, _choose, _multimodal, _planning, _programs, _rows, _sampling
 from ._adapters import adapter_for
 from ._beam import initial as initial_beams
+from ._grammar import Constraint
 from ._on_slots import SlotRuns
 from ._settings import GenerationSettings
 from ._state import DecodeState, field_slices, read
+
+# Why a constrained call cannot run: the mask is applied on the slot core only.
+_NOT_CONSTRAINABLE = (
+    "Model.generate: structured outputs (json_schema, regex, choice, grammar, response_format) run on the slot "
+    "core, which takes decoder-only models with a static KV cache and position_ids, left-padded prompts and no "
+    "image inputs; {}"
+)
 
 
 @dataclasses.dataclass
@@ -125,6 +133,25 @@ class Generator:
 
     # -- the host side ----------------------------------------------------------
 
+    def _check_constrainable(self, plan, settings: GenerationSettings, inputs) -> None:
+        """Raises GenerationError where a constrained call cannot run on the slot core, saying why."""
+        if settings.beam is not None:
+            raise GenerationError(
+                f"Model.generate: num_beams={settings.beam.num_beams} with a constraint (json_schema, regex, choice, "
+                "grammar, response_format); constrain with num_beams=1"
+            )
+        if self.model.tokenizer is None:
+            raise GenerationError(
+                f"Model.generate: a constraint needs the tokenizer, and {self.model.source} has none; load a checkpoint "
+                "with tokenizer files"
+            )
+        if not self.slot_runs.takes(plan, settings, inputs):
+            raise GenerationError(
+                _NOT_CONSTRAINABLE.format(
+                    f"this call (a {type(self.module).__name__}, with its inputs) does not run there"
+                )
+            )
+
     def generate(
         self,
         ids: np.ndarray,
@@ -135,11 +162,13 @@ class Generator:
         streamer=None,
         decoder_prompt: np.ndarray | None = None,
         inputs: dict[str, np.ndarray] | None = None,
+        constraint: Constraint | None = None,
     ):
         """ids, mask: int32 [B, S], left-padded (an encoder that takes features, not token ids: ids
         float [B, ...], its main input). decoder_prompt: int32 [B, D], an encoder-decoder's first
         decoder tokens (default: the decoder start token). inputs: the prefill's other model inputs
-        (`_multimodal`: pixel_values, image_grid_thw, token_type_ids, ...). Returns int32
+        (`_multimodal`: pixel_values, image_grid_thw, token_type_ids, ...). constraint: what every
+        row's answer must be (structured outputs; on the slot core only). Returns int32
         [B * num_return_sequences, S + T]: the prompt as given, then up to max_new_tokens new tokens
         (for encoder-decoders [.., D + T]: the decoder prompt, then the new tokens); or
         transformers' Generate*Output."""
@@ -163,8 +192,16 @@ class Generator:
         )  # fmt: skip
         compiled = _planning.program_settings(settings, plan)
         prepared_before = sum(self.program_counts.values())
+        if constraint is not None:
+            self._check_constrainable(plan, settings, inputs)
         if self.slot_runs.takes(plan, settings, inputs):
-            ran = self.slot_runs.generate(ids, plan, settings, compiled, seed=seed, streamer=streamer)
+            ran = self.slot_runs.generate(
+                ids, plan, settings, compiled, seed=seed, streamer=streamer, constraint=constraint
+            )
+            if ran is None and constraint is not None:
+                raise GenerationError(
+                    _NOT_CONSTRAINABLE.format(f"{type(self.module).__name__} reads values of its data")
+                )
             if ran is not None:
                 new, ttft, kept = ran  # the caller's rows: num_return_sequences per prompt
                 prompt = np.repeat(ids, settings.num_return_sequences, axis=0).astype(np.int32)

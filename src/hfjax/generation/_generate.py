@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from .. import bridge
 from .._errors import GenerationError
-from . import _multimodal, _planning, _settings
+from . import _grammar, _multimodal, _planning, _settings
 from ._engine import Generator
 
 
@@ -29,6 +29,7 @@ def generate(generator: Generator, input_ids, attention_mask, *, generation_conf
                 f"{type(model.module).__name__} is a decoder: pass the whole prompt as input_ids"
             )
         decoder_prompt = _planning.decoder_prompt_array(decoder_prompt, rows=ids.shape[0])
+    constraint = _grammar.constraint_of(arguments)
     inputs, arguments = _multimodal.split_model_inputs(model.module, arguments)
     resolved = _settings.resolve_settings(
         model,
@@ -50,7 +51,14 @@ def generate(generator: Generator, input_ids, attention_mask, *, generation_conf
             prompt_name="Model.generate: the prompt",
         )  # fmt: skip
     return generator.generate(
-        ids, mask, resolved, seed=seed, streamer=streamer, decoder_prompt=decoder_prompt, inputs=inputs
+        ids,
+        mask,
+        resolved,
+        seed=seed,
+        streamer=streamer,
+        decoder_prompt=decoder_prompt,
+        inputs=inputs,
+        constraint=constraint,
     )
 
 

@@ -12,6 +12,9 @@ and a model that reads no values of its data. `Generator` runs the rest. Beam se
 programs over the same cache (`_slot_beams`), from the slot prefill's logits. A row that has stopped runs
 on pad tokens until every row has, as transformers feeds it, so the processed scores and raw
 logits that `output_scores` / `output_logits` keep are transformers' for every row and step.
+A constrained call (structured outputs) decodes one step per program call: between two, each row's
+matcher (`_grammar`) takes its token and fills the row's mask of the tokens allowed next; a row
+whose grammar is complete may then only choose EOS.
 The processors that read the tokens so far (n-gram bans, sequence biases, forced and suppressed
 tokens) run here as `HistoryRules`, over each row's tokens as transformers' input_ids hold them
 (the caller's pads first).
@@ -35,7 +38,7 @@ import torch
 
 from .. import bridge, parallel
 from .._errors import DataDependentError, GenerationError
-from . import _planning, _rows
+from . import _grammar, _planning, _rows
 from ._settings import GenerationSettings
 from ._slot_beams import BeamCarry, SlotBeams
 from ._slots import SlotModel, SlotPrograms, check_supported
@@ -62,6 +65,7 @@ class SlotRuns:
         self._models: dict[tuple, SlotModel] = {}
         self._programs: dict[tuple, SlotPrograms] = {}
         self._beams: dict[tuple, SlotBeams] = {}
+        self._grammars: dict[tuple, _grammar.Grammars] = {}  # per (logits' width, EOS tokens)
 
     def takes(self, plan: _planning.BatchPlan, settings: GenerationSettings, inputs) -> bool:
         """Whether this call runs on the slot core (the module docstring says which do)."""
@@ -78,13 +82,14 @@ class SlotRuns:
         *,
         seed: int,
         streamer,
+        constraint: _grammar.Constraint | None = None,
     ) -> tuple[np.ndarray, float, dict[str, jax.Array]] | None:
         """(new tokens int32 [prompts * num_return_sequences, T], padded with pad_token_id after a
         row's EOS (beam search: each prompt's best finished sequences, best first, `fill_token_id`
         after each one's end); the seconds to the first token (beam search: to the prefill's
         logits); {"scores", "logits": [rows, T, V] float32} that output_scores and output_logits ask
         for), or None where the model turned out to read values of its data (then `Generator` runs
-        the call)."""
+        the call). `constraint`: what every row's answer must be (see the module's docstring)."""
         start = time.perf_counter()
         rows, budget = plan.rows, settings.max_new_tokens
         precision = bridge.resolve_precision(self.model.matmul_precision)
@@ -93,6 +98,16 @@ class SlotRuns:
         if settings.min_new_tokens and settings.eos_token_ids:  # EOS held back for the first min_new_tokens
             features = dataclasses.replace(features, held_back=settings.eos_token_ids)
         features = dataclasses.replace(features, history=compiled.history_rules())
+        matchers = None
+        if constraint is not None:
+            try:
+                grammars = self._grammars_for(plan, settings)
+            except DataDependentError:
+                self.generator.reads_data = True
+                return None
+            features = dataclasses.replace(features, mask_words=grammars.words)
+            caller = plan.prompts * plan.per_prompt  # the rows past them pad the plan to its devices
+            matchers = [grammars.matcher(constraint) for _ in range(caller)]
         kept = tuple(name for name in ("scores", "logits") if getattr(settings, f"output_{name}"))
         beam = settings.beam
         if beam is not None:  # the search starts from the prefill's raw logits
@@ -100,8 +115,15 @@ class SlotRuns:
         programs = self._programs_for(plan, features, settings, kept, precision)
         # The rules that read the tokens so far see transformers' input_ids: the caller's pads, then the row.
         pads = plan.size - plan.first_column - lengths
-        sampling = settings.row_sampling(rows, _rows.key_data(seed), lengths=lengths, pads=pads)
+        sampling = settings.row_sampling(
+            rows, _rows.key_data(seed), lengths=lengths, pads=pads, mask_words=features.mask_words
+        )
         sampling.key = _ROW_KEYS(sampling.key)  # each row's index folded in
+        allowed = sampling.allowed  # [rows, W] int32 on the host, where the call is constrained
+        if matchers is not None:
+            sampling.constrained[: len(matchers)] = True
+            for row, matcher in enumerate(matchers):
+                matcher.fill(allowed[row])
         every = np.ones(rows, bool)
         # Beam search takes no token from the prefill: its rows' next tokens come from the search.
         last = every if beam is None else np.zeros(rows, bool)
@@ -134,6 +156,8 @@ class SlotRuns:
             streamer.put(torch.as_tensor(ids.astype(np.int64)))
             streamer.put(torch.as_tensor(first[: plan.prompts * plan.per_prompt].astype(np.int64)))
         stops, pad = np.asarray(settings.eos_token_ids, np.int32), settings.pad_token_id
+        if matchers is not None:
+            sampling = self._constrained(sampling, matchers, allowed, first[:, None], np.zeros(rows, bool))
         done = np.isin(first, stops)
         produced = [first[:, None]]  # each call's tokens, pad_token_id after a row's stop
         kept_values = {name: [getattr(chosen, name)] for name in kept}  # each call's [rows, steps, V]
@@ -144,6 +168,8 @@ class SlotRuns:
         for window in windows:
             while steps < budget and not done.all() and position < window:
                 count = min(budget - steps, window - position)
+                if matchers is not None:  # the next mask needs this step's token
+                    count = 1
                 if streamer is not None:
                     count = min(count, _planning.STREAM_CHUNK)
                 try:
@@ -158,6 +184,8 @@ class SlotRuns:
                 for name, values in kept_values.items():
                     values.append(getattr(chosen, name)[:, :ran])
                 tokens = np.where(done[:, None], pad, _padded(parallel.to_host(chosen.token)[:, :ran], stops, pad))
+                if matchers is not None:
+                    sampling = self._constrained(sampling, matchers, allowed, tokens, done)
                 produced.append(tokens)
                 done |= np.isin(tokens, stops).any(axis=1)
                 steps, position = steps + ran, position + ran
@@ -204,6 +232,31 @@ class SlotRuns:
         new = finished[: plan.prompts, :returned, :length]
         return new.reshape(plan.prompts * returned, -1).astype(np.int32), ttft, {}
 
+    def _grammars_for(self, plan: _planning.BatchPlan, settings: GenerationSettings) -> _grammar.Grammars:
+        """The compiled constraints for masks as wide as the model's logits, ending at the call's EOS tokens."""
+        width = self._slot_model(plan).shapes()[1]
+        key = (width, settings.eos_token_ids)
+        if key not in self._grammars:
+            self._grammars[key] = _grammar.Grammars(
+                self.model.tokenizer, vocab_size=width, eos_token_ids=settings.eos_token_ids
+            )
+        return self._grammars[key]
+
+    def _constrained(self, sampling, matchers, allowed: np.ndarray, tokens: np.ndarray, done: np.ndarray):
+        """`sampling` (on the device) with the masks of the rows' next tokens, once each row's matcher
+        has taken in its `tokens` [rows, T] (rows `done` before them take nothing)."""
+        for row, matcher in enumerate(matchers):
+            if done[row]:
+                continue
+            for token in tokens[row]:
+                if not matcher.consume(token):
+                    raise GenerationError(
+                        f"Model.generate: row {row} chose token {int(token)}, which its grammar does not allow "
+                        f"({matcher.error}); report it with this message"
+                    )
+            matcher.fill(allowed[row])  # (a complete grammar allows EOS alone)
+        return dataclasses.replace(sampling, allowed=self._to_device(allowed))
+
     def _to_device(self, tree):
         """Host arrays for the programs, in one call (a few milliseconds less per call than one each); on
         a mesh over several processes, each as one array over the mesh (`parallel.place_rows`)."""
@@ -212,12 +265,17 @@ class SlotRuns:
             return jax.tree_util.tree_map(lambda array: parallel.place_rows(mesh, array), tree)
         return jax.device_put(tree)
 
+    def _slot_model(self, plan: _planning.BatchPlan) -> SlotModel:
+        key = (plan.rows, plan.total)
+        if key not in self._models:
+            self._models[key] = SlotModel(self.model, plan.rows, plan.total)
+        return self._models[key]
+
     def _programs_for(
         self, plan: _planning.BatchPlan, features, settings: GenerationSettings, kept: tuple[str, ...], precision
     ) -> SlotPrograms:
         model_key = (plan.rows, plan.total)
-        if model_key not in self._models:
-            self._models[model_key] = SlotModel(self.model, plan.rows, plan.total)
+        self._slot_model(plan)
         stops, pad = settings.eos_token_ids, settings.pad_token_id
         key = (*model_key, plan.size, features, stops, pad, kept, precision)
         if key not in self._programs:

@@ -7,7 +7,8 @@ and a static `SamplingFeatures` says which parts of the token choice it compiles
     RowSampling       temperature, top-k, top-p, min-p, repetition / presence / frequency
                       penalties, single-token logit biases, the position before which held-back
                       tokens (the program's, and the row's own) are not chosen, where the row's
-                      answer starts and ends, and a PRNG key, one row each
+                      answer starts and ends, the tokens a constrained row may choose next
+                      (a bitmask a grammar on the host fills), and a PRNG key, one row each
     SamplingFeatures  which of those any row may use (hashable: part of a program's key), and
                       `HistoryRules`: generate's processors that read the tokens so far
 
@@ -69,6 +70,9 @@ class SamplingFeatures:
     # (a server's: each request's EOS tokens and vLLM's stop_token_ids under min_tokens); 0: none.
     held_slots: int = 0
     history: HistoryRules | None = None  # Model.generate's processors that read the tokens so far
+    # int32 words of each row's allowed-token bitmask (`RowSampling.allowed`): ceil(V / 32) where rows
+    # may be constrained to a grammar (structured outputs), else 0: no mask is compiled.
+    mask_words: int = 0
 
     @classmethod
     def of(cls, configs: Sequence, bias_slots: int = 0) -> SamplingFeatures:
@@ -114,6 +118,10 @@ class RowSampling:
     pads: np.ndarray  # [R] int32
     first_new: np.ndarray  # [R] int32
     last_new: np.ndarray  # [R] int32
+    # [R, W] int32, W = `SamplingFeatures.mask_words`: bit j of word i set where token 32i + j may come
+    # next (llguidance's layout), read only in rows that are `constrained` ([R] bool).
+    allowed: np.ndarray
+    constrained: np.ndarray
     key: np.ndarray  # [R, 2] uint32: each row's PRNG key data (the last field)
 
     @classmethod
@@ -124,9 +132,11 @@ class RowSampling:
         vocab_size: int | None,
         bias_slots: int,
         held_slots: int = 0,
+        mask_words: int = 0,
     ) -> RowSampling:
         """From (a `SamplingConfig`, {token id: bias}, key data [2] uint32) per row; ids are checked against
-        `vocab_size` where it is known. No row holds a token back (`held_ids` unused, `min_position` 0)."""
+        `vocab_size` where it is known. No row holds a token back (`held_ids` unused, `min_position` 0)
+        nor is constrained (`allowed` [R, mask_words] all ones)."""
         count = len(rows)
         unused = np.iinfo(np.int32).max if vocab_size is None else vocab_size  # an id past the logits: dropped
         bias_ids = np.full((count, bias_slots), unused, np.int32)
@@ -162,11 +172,15 @@ class RowSampling:
             pads=np.zeros(count, np.int32),
             first_new=np.zeros(count, np.int32),
             last_new=np.zeros(count, np.int32),
+            allowed=np.full((count, mask_words), -1, np.int32),
+            constrained=np.zeros(count, bool),
             key=np.stack([np.asarray(key, np.uint32) for _, _, key in rows]).reshape(count, 2),
         )
 
     @classmethod
-    def empty(cls, count: int, *, vocab_size: int | None, bias_slots: int, held_slots: int = 0) -> RowSampling:
+    def empty(
+        cls, count: int, *, vocab_size: int | None, bias_slots: int, held_slots: int = 0, mask_words: int = 0
+    ) -> RowSampling:
         """R rows that take the most likely token, with nothing else on."""
         unused = np.iinfo(np.int32).max if vocab_size is None else vocab_size
 
@@ -180,7 +194,8 @@ class RowSampling:
             bias_ids=filled(unused, np.int32, (count, bias_slots)), bias_values=filled(0.0, np.float32, (count, bias_slots)),
             min_position=filled(0, np.int32), held_ids=filled(unused, np.int32, (count, held_slots)),
             pads=filled(0, np.int32), first_new=filled(0, np.int32),
-            last_new=filled(0, np.int32), key=filled(0, np.uint32, (count, 2)),
+            last_new=filled(0, np.int32), allowed=filled(-1, np.int32, (count, mask_words)),
+            constrained=filled(False, bool), key=filled(0, np.uint32, (count, 2)),
         )  # fmt: skip
 
     def leaves(self) -> tuple:

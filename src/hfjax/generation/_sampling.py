@@ -7,7 +7,8 @@ here branches in Python on array values. Each row has settings of its own (`RowS
 transformers builds its processors in `GenerationMixin._get_logits_processor`; for the settings
 here the order is
 
-    single-token biases -> (the processors that read the tokens so far: `_choose.py`)
+    a constrained row's allowed tokens (a grammar's bitmask) -> single-token biases
+    -> (the processors that read the tokens so far: `_choose.py`)
     -> repetition penalty -> presence and frequency penalties (OpenAI's)
     -> temperature -> top-k -> top-p -> min-p
 
@@ -186,6 +187,21 @@ def hold_back(scores: jax.Array, rows: RowSampling, features: SamplingFeatures, 
         floor = jnp.broadcast_to(jnp.where(early, -jnp.inf, jnp.inf), rows.held_ids.shape)
         scores = scores.at[index, rows.held_ids].min(floor, mode="drop")
     return scores
+
+
+def allowed_only(scores: jax.Array, rows: RowSampling, features: SamplingFeatures) -> jax.Array:
+    """`scores` [R, V] at -inf in the tokens a `constrained` row's bitmask (`rows.allowed` [R, ceil(V / 32)]
+    int32) does not allow; unchanged where no row is constrained (a `lax.cond`: such chunks expand no mask)."""
+    if not features.mask_words:
+        return scores
+
+    def masked():
+        shifts = jnp.arange(32, dtype=jnp.int32)
+        bits = (rows.allowed[:, :, None] >> shifts) & 1  # [R, W, 32]
+        allowed = bits.reshape(bits.shape[0], -1)[:, : scores.shape[-1]] == 1  # [R, V]
+        return jnp.where(allowed | ~rows.constrained[:, None], scores, -jnp.inf)
+
+    return jax.lax.cond(jnp.any(rows.constrained), masked, lambda: scores)
 
 
 def add_biases(scores: jax.Array, rows: RowSampling, features: SamplingFeatures) -> jax.Array:

@@ -203,6 +203,7 @@ class GenerationSettings:
         stop_token_ids: tuple[int, ...] = (),
         lengths: np.ndarray | None = None,
         pads: np.ndarray | int = 0,
+        mask_words: int = 0,
     ) -> RowSampling:
         """These settings for `rows` rows, each with PRNG key data `key` [2] uint32 (a program folds
         each row's index into it), and `bias_slots` single-token biases (default: as many as the
@@ -212,10 +213,13 @@ class GenerationSettings:
         position), from which the EOS hold-back of min_new_tokens and the `HistoryRules` count, and
         `pads` [R] the pads before the row in transformers' input_ids (which those rules read).
         With `held_slots`, each row holds its own tokens back (`RowSampling.held_ids`): the EOS
-        tokens and vLLM's `stop_token_ids` (a server's rows; else the program holds EOS back)."""
+        tokens and vLLM's `stop_token_ids` (a server's rows; else the program holds EOS back).
+        `mask_words`: the width of the rows' allowed-token bitmasks (`SamplingFeatures.mask_words`)."""
         row = (self.sampling, self.single_token_biases(), key)
         slots = len(row[1]) if bias_slots is None else bias_slots
-        sampling = RowSampling.build([row] * rows, vocab_size=vocab_size, bias_slots=slots, held_slots=held_slots)
+        sampling = RowSampling.build(
+            [row] * rows, vocab_size=vocab_size, bias_slots=slots, held_slots=held_slots, mask_words=mask_words
+        )
         held_ids = (*self.eos_token_ids, *(stop_token_ids if self.min_new_tokens else ())) if held_slots else ()
         if len(held_ids) > held_slots:
             raise GenerationError(

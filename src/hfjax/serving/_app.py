@@ -26,6 +26,7 @@ from .. import bridge
 from .._embed import pooling_config
 from .._errors import GenerationError, HfjaxError
 from .._version import __version__
+from ..generation import ConstraintError
 from . import _protocol, _tools
 from ._metrics import Metrics, StatsLine
 from ._protocol import ApiError
@@ -263,6 +264,11 @@ def build_app(
             generation, getattr(running.model.config.get_text_config(decoder=True), "vocab_size", None)
         )
         loop = asyncio.get_running_loop()
+        if generation.constraint is not None:  # compiled off the event loop (kept: submit finds it)
+            try:
+                await loop.run_in_executor(None, lambda: running.grammars().compile(generation.constraint))
+            except ConstraintError as error:
+                raise _protocol.invalid(generation.constraint_field, str(error)) from None
         events: asyncio.Queue[tuple[int, Event]] = asyncio.Queue()
         submitted = []
         try:

@@ -15,8 +15,8 @@ import numbers
 import sys
 
 from .._errors import GenerationError
-from ..generation import check_context
-from . import _tools
+from ..generation import Constraint, check_context
+from . import _structured, _tools
 from ._requests import SamplingParams, logit_bias_problem, stop_token_ids_problem
 from ._tools import ToolParser
 
@@ -129,7 +129,6 @@ def check_length(text: str, field: str, tokens: int, longest: int, tokens_name: 
 # Fields accepted only at the value that changes nothing: {field: the values that are no-ops}.
 _NO_OP = {
     "parallel_tool_calls": (None, True),
-    "response_format": (None, {"type": "text"}),
     "echo": (None, False),
     "suffix": (None, ""),
     "best_of": (None, 1),
@@ -154,7 +153,7 @@ _SAMPLING = (
 )  # fmt: skip
 CHAT_FIELDS = {
     "messages", "max_tokens", "max_completion_tokens", "logprobs", "top_logprobs", "chat_template_kwargs", "tools",
-    "tool_choice", *_SAMPLING
+    "tool_choice", *_SAMPLING, *_structured.FIELDS
 }  # fmt: skip
 # apply_chat_template's own arguments, which chat_template_kwargs may not set: its template variables only.
 _TEMPLATE_ARGUMENTS = (
@@ -162,7 +161,7 @@ _TEMPLATE_ARGUMENTS = (
     "continue_final_message", "tokenize", "padding", "truncation", "max_length", "return_tensors", "return_dict",
     "return_assistant_tokens_mask", "tokenizer_kwargs",
 )  # fmt: skip
-COMPLETION_FIELDS = {"prompt", "max_tokens", "logprobs", *_SAMPLING}
+COMPLETION_FIELDS = {"prompt", "max_tokens", "logprobs", *_SAMPLING, *_structured.FIELDS}
 
 
 @dataclasses.dataclass
@@ -177,6 +176,9 @@ class Generation:
     prompt_field: str  # "messages" or "prompt", named in errors about the prompt's length
     tools: list[dict] | None = None  # the chat's tools, rendered into the prompt by the chat template
     tool_parser: ToolParser | None = None  # reads tool calls out of the answer (tool_choice "auto")
+    # what the answer must be (every choice's `SamplingParams.constraint`), and the field that asked
+    constraint: Constraint | None = None
+    constraint_field: str | None = None
 
 
 def check_fields(body, allowed: set[str]) -> dict:
@@ -189,6 +191,9 @@ def check_fields(body, allowed: set[str]) -> dict:
             if value not in _NO_OP[name]:
                 raise invalid(name, f"{name}={value!r} is not supported by hfjax serve; leave it out")
             continue
+        removed = _structured.removed_field(name)
+        if removed:
+            raise invalid(name, removed)
         raise invalid(name, f"unknown or unsupported field {name!r}; hfjax serve does not carry it out, leave it out")
     return body
 
@@ -410,7 +415,7 @@ def chat_request(
     params = _sampling(body, max_tokens, top if logprobs else None, max_model_len)
     if parser is not None and parser.special_markers:
         params = [dataclasses.replace(p, skip_special_tokens=False) for p in params]
-    return Generation(prompt, params, stream, usage, max_tokens, "messages", tools, parser)
+    return _constrained(Generation(prompt, params, stream, usage, max_tokens, "messages", tools, parser), body)
 
 
 def completion_request(body, served: str, max_model_len: int) -> Generation:
@@ -426,7 +431,19 @@ def completion_request(body, served: str, max_model_len: int) -> Generation:
     max_tokens = _number(body, "max_tokens", 16, 1, max_model_len, integer=True)
     logprobs = _number(body, "logprobs", None, 0, 20, integer=True)
     stream, usage = _stream(body)
-    return Generation(prompt, _sampling(body, max_tokens, logprobs, max_model_len), stream, usage, max_tokens, "prompt")
+    generation = Generation(
+        prompt, _sampling(body, max_tokens, logprobs, max_model_len), stream, usage, max_tokens, "prompt"
+    )
+    return _constrained(generation, body)
+
+
+def _constrained(generation: Generation, body: dict) -> Generation:
+    """The request with its structured-output fields (`_structured`) read into every choice."""
+    constraint, field = _checked(_structured.constraint_of, body)
+    if constraint is None:
+        return generation
+    params = [dataclasses.replace(p, constraint=constraint) for p in generation.params]
+    return dataclasses.replace(generation, params=params, constraint=constraint, constraint_field=field)
 
 
 def embedding_request(body, served: str) -> tuple[list[str], str, int | None]:

@@ -45,6 +45,9 @@ class SamplingParams:
         ignore_eos: keep going past the end-of-sequence token.
         skip_special_tokens: leave special tokens' text out of the answer (vLLM's field); False keeps
             it, as a tool call parser needs where its markers are special tokens.
+        constraint: what the answer must be (`generation.Constraint`: a JSON schema, any JSON object,
+            a regex, a choice, a Lark grammar; vLLM's structured_outputs). The answer ends ("stop") where
+            the grammar is complete, or at max_tokens ("length") before.
     """
 
     max_tokens: int
@@ -63,6 +66,7 @@ class SamplingParams:
     ignore_eos: bool = False
     min_tokens: int | None = None
     skip_special_tokens: bool = True
+    constraint: generation.Constraint | None = None
 
     def __post_init__(self):
         if isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int) or self.max_tokens < 1:
@@ -211,8 +215,10 @@ class Request:
         settings: generation.GenerationSettings,
         listener: Callable[[Event], None],
         stream,
+        matcher: generation.Matcher | None = None,
     ):
         self.prompt = prompt
+        self.matcher = matcher  # where the answer is constrained: its place in the grammar
         self.params = params
         self.settings = settings
         self.listener = listener

@@ -7,6 +7,13 @@ a stop string, max_tokens) or were cancelled. A running stream therefore waits a
 chunk between two decode chunks. While only decoding goes on, the next decode chunk is sent before
 the last one's tokens come back, so the host's work on one chunk overlaps the device's on the next.
 
+A request may be constrained (structured outputs, `SamplingParams.constraint`): its slot's row holds
+a bitmask of the tokens its grammar allows next, which the token choice applies on the device. The
+host's matcher (`generation.Grammars`) fills it at admission, for the token the prefill's last chunk
+chooses, and after each token it takes in; so while a decoding row is constrained, a decode chunk
+runs one step and is delivered before the next one goes. The answer ends ("stop") where its grammar
+is complete.
+
 The device side is generation's slot core (`generation.SlotModel`, `SlotPrograms`): a chunk
 attends over the fewest columns that hold its rows (windows of 32, 64, ... columns up to
 max_model_len) and runs the fewest rows that hold every decoding slot (1, 2, 4, ... up to the
@@ -132,15 +139,18 @@ class Engine:
         # (As for a prompt of several tokens: one of a single token may move begin_suppress_tokens
         # after a forced_bos_token_id, which `submit` refuses.)
         checkpoint = SamplingParams(max_tokens=1).settings(model, prompt_length=2)
+        self.eos_token_ids = checkpoint.eos_token_ids
+        slot_model = generation.SlotModel(model, self.max_num_seqs, self.max_model_len)
+        vocab_size = slot_model.shapes()[1]  # the logits' width
         self.features = dataclasses.replace(
             generation.SamplingFeatures.every(),
             held_slots=len(checkpoint.eos_token_ids) + generation.MAX_HELD_STOP_TOKENS,
             history=checkpoint.history_rules(),
+            mask_words=(vocab_size + 31) // 32,
         )
         if self.features.history is not None and self.features.history.reads_tokens:
             prefix_reuse = False  # a reused prefix's tokens are not read again into the row's history
         self.metrics = Metrics(self.max_num_seqs)
-        slot_model = generation.SlotModel(model, self.max_num_seqs, self.max_model_len)
         programs = generation.SlotPrograms(
             slot_model, prefill_chunk=prefill_chunk, steps=max_decode_steps, features=self.features
         )
@@ -152,9 +162,11 @@ class Engine:
         )
         self.metrics.programs_pending = self.compiler.pending
         self.table = SlotTable(
-            self.max_num_seqs, vocab_size=slot_model.shapes()[1], bias_slots=self.features.bias_slots,
-            held_slots=self.features.held_slots, prefix_reuse=prefix_reuse,
+            self.max_num_seqs, vocab_size=vocab_size, bias_slots=self.features.bias_slots,
+            held_slots=self.features.held_slots, mask_words=self.features.mask_words, prefix_reuse=prefix_reuse,
         )  # fmt: skip
+        self._grammars: generation.Grammars | None = None  # made at the first constraint
+        self._grammars_lock = threading.Lock()
         self._slot_model = slot_model
         self._state: generation.SlotState | None = None
         self._waiting: collections.deque[Request] = collections.deque()
@@ -252,7 +264,8 @@ class Engine:
             self.tokenizer, params.stop, min_tokens=params.min_tokens or 0,
             skip_special_tokens=params.skip_special_tokens,
         )  # fmt: skip
-        request = Request(list(prompt), params, settings, listener, text)
+        matcher = None if params.constraint is None else self.grammars().matcher(params.constraint)
+        request = Request(list(prompt), params, settings, listener, text, matcher)
         with self._lock:
             if self._error is not None:
                 raise ServingError(f"the engine failed: {self._error!r}") from self._error
@@ -266,6 +279,20 @@ class Engine:
             self.metrics.queue_depth = len(self._waiting)
             self._wake.notify_all()
         return request
+
+    def grammars(self) -> generation.Grammars:
+        """The checkpoint's tokenizer's compiled constraints (made at the first call). A server compiles
+        a request's constraint here (`compile`) off its event loop, before `submit` makes its matcher.
+
+        Raises:
+            ConstraintError: llguidance is not installed, or the checkpoint has no EOS token.
+        """
+        with self._grammars_lock:
+            if self._grammars is None:
+                self._grammars = generation.Grammars(
+                    self.tokenizer, vocab_size=self.table.vocab_size, eos_token_ids=self.eos_token_ids
+                )
+            return self._grammars
 
     def cancel(self, request: Request) -> None:
         """Drops a request (its client left): at once from the queue, from a slot at the next chunk boundary."""
@@ -376,14 +403,16 @@ class Engine:
             raise
 
     def _steady(self, chunk: _Chunk) -> bool:
-        """Whether the next decode chunk can go before `chunk` is delivered (see `_run`)."""
+        """Whether the next decode chunk can go before `chunk` is delivered (see `_run`): not where a
+        constrained row's next mask needs this chunk's token."""
         if not self._only_decoding() or self._stopping or self._since_freed < 2:
             return False  # (a slot freed by the chunk before: its client's next request is likely on its way)
         if any(r is not None and r.cancelled for r in self.table.requests):
             return False
         if any(r.scheduled >= r.settings.max_new_tokens for r in chunk.requests.values()):
             return False
-        return bool(self.table.decoding())
+        decoding = self.table.decoding()
+        return bool(decoding) and not _constrained(decoding)
 
     def _only_decoding(self) -> bool:
         """Nothing waits for a slot and no slot reads its prompt."""
@@ -463,13 +492,14 @@ class Engine:
 
     def _dispatch(self) -> _Chunk:
         """Sends the next decode chunk of every decoding slot to the device and returns at once. It
-        runs `_chunk_steps` steps, or fewer: as many as the request that needs most still needs."""
+        runs `_chunk_steps` steps, or fewer: as many as the request that needs most still needs; one
+        where a row is constrained (its next mask needs this step's token)."""
         requests = self.table.decoding()
         active = np.zeros(self.max_num_seqs, bool)
         active[list(requests)] = True
         most = max((r.settings.max_new_tokens - r.scheduled for r in requests.values()), default=self.decode_steps)
         rows = self.table.decode_rows(max(requests))
-        steps = min(self._chunk_steps(rows), most)
+        steps = 1 if _constrained(requests) else min(self._chunk_steps(rows), most)
         end = int(self.table.positions[active].max(initial=0)) + steps  # every column the chunk writes
         want = any(r.params.logprobs is not None for r in requests.values())
         kind, rows, window = self.compiler.program_for("decode_logprobs" if want else "decode", rows, end)
@@ -508,7 +538,9 @@ class Engine:
         """Hands a request its new tokens (chosen: token [T], logprob [T], top ids [T, 20], top logprobs
         [T, 20]; the last three None when no request of the program asked for log-probabilities), each
         with the text it releases, cut at EOS, max_tokens, a stop token or the token whose text completes
-        a stop string, and finishes it when one of its stops is met."""
+        a stop string, and finishes it when one of its stops is met. A constrained request's matcher
+        takes each kept token in; the answer ends where its grammar is complete, else the matcher fills
+        the slot's mask for the next token."""
         tokens, logprob, top_token, top_logprob = chosen
         now = time.perf_counter()
         if request.last_token_time is None:
@@ -526,9 +558,12 @@ class Engine:
                 reason, eos = "stop", t
                 break
             kept.append(t)
+            if request.matcher is not None and not request.matcher.consume(token):
+                reason = "error"  # the mask allowed it: the grammar and the mask disagree
+                break
             piece, stopped = request.text.add([token])
             pieces.append(piece)
-            if stopped or request.ends_with(token):
+            if stopped or request.ends_with(token) or (request.matcher is not None and request.matcher.stopped):
                 reason = "stop"
                 break
             if request.generated >= request.settings.max_new_tokens:
@@ -546,12 +581,18 @@ class Engine:
                 )
                 for t in kept + ([] if eos is None else [eos])
             ]  # fmt: skip
+        if reason is None and request.matcher is not None:
+            self.table.constrain(request)
         tail = request.text.rest() if reason is not None else ""
         event = Event(ids, pieces, logprobs, reason, len(request.prompt), request.generated, tail, eos is not None)
         if reason is None:
             request.listener(event)
         else:
             self._finish(request, reason, event)
+
+
+def _constrained(requests: dict[int, Request]) -> bool:
+    return any(r.matcher is not None for r in requests.values())
 
 
 def _check_count(name: str, value) -> None:

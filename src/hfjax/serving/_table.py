@@ -15,16 +15,19 @@ from ._requests import Request
 class SlotTable:
     """S slots: their requests, positions, cached tokens and sampling settings (host arrays)."""
 
-    def __init__(self, slots: int, *, vocab_size: int, bias_slots: int, held_slots: int, prefix_reuse: bool):
+    def __init__(
+        self, slots: int, *, vocab_size: int, bias_slots: int, held_slots: int, mask_words: int, prefix_reuse: bool
+    ):
         self.slots = slots
         self.prefix_reuse = prefix_reuse
         self.requests: list[Request | None] = [None] * slots
         self.cached: list[list[int]] = [[] for _ in range(slots)]  # token ids whose keys each row holds
         self.positions = np.zeros(slots, np.int32)  # each slot's last token's position, as the device has it
         self.rows = generation.RowSampling.empty(
-            slots, vocab_size=vocab_size, bias_slots=bias_slots, held_slots=held_slots
+            slots, vocab_size=vocab_size, bias_slots=bias_slots, held_slots=held_slots, mask_words=mask_words
         )
         self.vocab_size, self.bias_slots, self.held_slots = vocab_size, bias_slots, held_slots
+        self.mask_words = mask_words
         self.copies = DeviceCopies()
 
     @property
@@ -68,10 +71,17 @@ class SlotTable:
         seed = request.params.seed if request.params.seed is not None else secrets.randbits(32)
         row = request.settings.row_sampling(
             1, generation.key_data(seed), self.vocab_size, bias_slots=self.bias_slots, held_slots=self.held_slots,
-            stop_token_ids=request.params.stop_token_ids, lengths=[len(request.prompt)],
+            stop_token_ids=request.params.stop_token_ids, lengths=[len(request.prompt)], mask_words=self.mask_words,
         )  # fmt: skip
         self.rows.set_row(slot, row)
+        if request.matcher is not None:  # the first token's mask: the prefill's last chunk chooses it
+            self.rows.constrained[slot] = True
+            request.matcher.fill(self.rows.allowed[slot])
         return slot
+
+    def constrain(self, request: Request) -> None:
+        """Fills the mask of the tokens the request's grammar allows next into its slot's row."""
+        request.matcher.fill(self.rows.allowed[request.slot])
 
     def release(self, request: Request) -> None:
         """Frees the request's slot, remembering what its cache holds for certain: the prompt read
@@ -82,6 +92,7 @@ class SlotTable:
         fed = request.text.ids[:-1] if request.prefilled == len(request.prompt) else []
         self.cached[slot] = request.prompt[: request.prefilled] + fed
         self.positions[slot] = 0
+        self.rows.constrained[slot] = False
 
     def sampling(self) -> generation.RowSampling:
         """The slots' settings as device arrays (sent only when the host's have changed)."""
