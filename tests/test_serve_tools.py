@@ -339,9 +339,11 @@ def test_auto_tool_choice_needs_the_servers_flags(servers):
 @pytest.mark.parametrize(
     ("body", "param", "says"),
     [
-        ({"tools": TOOLS, "tool_choice": "required"}, "tool_choice", "not supported yet"),
-        ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "get_time"}}}, "tool_choice",
-         "not supported yet"),
+        ({"tools": TOOLS, "tool_choice": "required", "response_format": {"type": "json_object"}},
+         "response_format", "decides what the answer is; pass it or response_format, not both"),
+        ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "object",
+          "properties": {"x": {"type": "string", "pattern": "(?<=a)b"}}}}}], "tool_choice": "required"},
+         "tools", "llguidance cannot compile"),
         ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "get_stock"}}}, "tool_choice",
          "'get_stock', which is not in tools"),
         ({"tools": TOOLS, "tool_choice": "always"}, "tool_choice", '"none", "auto", "required"'),
@@ -355,12 +357,114 @@ def test_auto_tool_choice_needs_the_servers_flags(servers):
         ({"messages": [*ASK, {"role": "assistant", "content": None, "tool_calls": [
             {"id": "1", "type": "function", "function": {"name": "get_time", "arguments": "{zone"}}]}]},
          "messages[1].tool_calls[0].function.arguments", "not JSON"),
-        ({"parallel_tool_calls": False}, "parallel_tool_calls", "not supported"),
+        ({"tools": TOOLS, "parallel_tool_calls": "no"}, "parallel_tool_calls", "pass true or false"),
     ],
 )  # fmt: skip
 def test_bad_tool_fields_answer_400_naming_the_field(servers, body, param, says):
     answer = _post(servers["tools"] + "/v1/chat/completions", {"model": NAME, "messages": ASK, **body})
     assert says in _openai_400(answer, param)
+
+
+# Arguments a forced tool_choice holds the answer to: bounded, so that answers at temperature 1 end.
+FORCED_TOOLS = [
+    {"type": "function", "function": {"name": "get_weather", "parameters": {
+        "type": "object", "additionalProperties": False, "required": ["city", "unit", "days"],
+        "properties": {"city": {"enum": ["Paris", "Rome", "Oslo"]}, "unit": {"enum": ["celsius", "fahrenheit"]},
+                       "days": {"type": "integer", "minimum": 1, "maximum": 7}}}}},
+    {"type": "function", "function": {"name": "get_time", "parameters": {
+        "type": "object", "additionalProperties": False, "required": ["zone"],
+        "properties": {"zone": {"enum": ["CET", "UTC", "PST"]}}}}},
+    {"type": "function", "function": {"name": "ping"}},  # no parameters: its arguments are {}
+]  # fmt: skip
+NO_ARGUMENTS = {"type": "object", "maxProperties": 0}
+PARAMETERS = {t["function"]["name"]: t["function"].get("parameters", NO_ARGUMENTS) for t in FORCED_TOOLS}
+
+
+def _validated(calls) -> list[str]:
+    """The calls' names, each call's arguments checked against its function's parameters."""
+    jsonschema = pytest.importorskip("jsonschema")
+    for call in calls:
+        assert call.type == "function" and call.id.startswith("chatcmpl-tool-")
+        jsonschema.validate(json.loads(call.function.arguments), PARAMETERS[call.function.name])
+    return [call.function.name for call in calls]
+
+
+@pytest.mark.parametrize("name", ["get_weather", "ping"])
+def test_a_named_tool_choice_returns_that_call_with_valid_arguments(servers, name):
+    # The manual server: a forced tool_choice needs no --enable-auto-tool-choice (as in vLLM).
+    answer = _client(servers["manual"]).chat.completions.create(
+        model=NAME, messages=ASK, tools=FORCED_TOOLS, tool_choice={"type": "function", "function": {"name": name}},
+        temperature=1, max_tokens=128, n=16, seed=0,
+    )  # fmt: skip
+    for choice in answer.choices:
+        assert choice.finish_reason == "tool_calls" and choice.message.content is None
+        assert _validated(choice.message.tool_calls) == [name]
+
+
+def test_a_required_tool_choice_returns_one_call_of_the_tools_with_valid_arguments(servers):
+    answer = _client(servers["manual"]).chat.completions.create(
+        model=NAME, messages=ASK, tools=FORCED_TOOLS, tool_choice="required", parallel_tool_calls=False,
+        temperature=1, max_tokens=128, n=16, seed=1,
+    )  # fmt: skip
+    names = []
+    for choice in answer.choices:
+        assert choice.finish_reason == "tool_calls"
+        names += _validated(choice.message.tool_calls)
+    assert len(names) == 16 and set(names) <= set(PARAMETERS)
+    # The negative control: unconstrained, the same sampling writes no call at all.
+    free = _client(servers["manual"]).chat.completions.create(
+        model=NAME, messages=ASK, tools=FORCED_TOOLS, tool_choice="none", temperature=1, max_tokens=64, n=16, seed=1
+    )
+    for choice in free.choices:
+        try:
+            items = json.loads(choice.message.content)
+        except ValueError:
+            continue
+        assert not (isinstance(items, list) and items and all(isinstance(i, dict) and "name" in i for i in items))
+
+
+def test_a_required_tool_choice_may_return_several_calls(servers):
+    answer = _client(servers["manual"]).chat.completions.create(
+        model=NAME, messages=ASK, tools=FORCED_TOOLS, tool_choice="required", temperature=1, max_tokens=480, n=4,
+        seed=1,
+    )  # fmt: skip
+    counts = []
+    for choice in answer.choices:
+        if choice.finish_reason == "length":  # a list still going at max_tokens: its text, unparsed
+            assert choice.message.tool_calls is None and choice.message.content.startswith('[{"name": ')
+            continue
+        assert choice.finish_reason == "tool_calls"
+        counts.append(len(_validated(choice.message.tool_calls)))
+    assert counts and max(counts) >= 2
+
+
+def test_parallel_tool_calls_false_keeps_the_first_call_of_auto(servers):
+    answer = _client(servers["tools"]).chat.completions.create(
+        model=NAME, messages=ASK, tools=TOOLS, temperature=0, max_tokens=32, parallel_tool_calls=False
+    )
+    calls = answer.choices[0].message.tool_calls
+    assert answer.choices[0].finish_reason == "tool_calls"
+    assert [(call.function.name, json.loads(call.function.arguments)) for call in calls] == CALLS[:1]
+
+
+def test_a_required_tool_choice_streams_its_calls_as_deltas(servers):
+    stream = _client(servers["manual"]).chat.completions.create(
+        model=NAME, messages=ASK, tools=FORCED_TOOLS, tool_choice="required", parallel_tool_calls=False,
+        temperature=1, max_tokens=128, seed=2, stream=True,
+    )  # fmt: skip
+    calls, finish = {}, []
+    for chunk in stream:
+        delta = chunk.choices[0].delta
+        assert not delta.content
+        for call in delta.tool_calls or []:
+            if call.id is not None:
+                calls[call.index] = {"name": call.function.name, "arguments": ""}
+            calls[call.index]["arguments"] += call.function.arguments or ""
+        finish.append(chunk.choices[0].finish_reason)
+    assert finish[-1] == "tool_calls" and calls
+    jsonschema = pytest.importorskip("jsonschema")
+    for call in calls.values():
+        jsonschema.validate(json.loads(call["arguments"]), PARAMETERS[call["name"]])
 
 
 def test_auto_tool_choice_without_a_parser_or_response_template_is_refused_at_start(servers, capsys):

@@ -128,7 +128,6 @@ def check_length(text: str, field: str, tokens: int, longest: int, tokens_name: 
 
 # Fields accepted only at the value that changes nothing: {field: the values that are no-ops}.
 _NO_OP = {
-    "parallel_tool_calls": (None, True),
     "echo": (None, False),
     "suffix": (None, ""),
     "best_of": (None, 1),
@@ -153,7 +152,7 @@ _SAMPLING = (
 )  # fmt: skip
 CHAT_FIELDS = {
     "messages", "max_tokens", "max_completion_tokens", "logprobs", "top_logprobs", "chat_template_kwargs", "tools",
-    "tool_choice", *_SAMPLING, *_structured.FIELDS
+    "tool_choice", "parallel_tool_calls", *_SAMPLING, *_structured.FIELDS
 }  # fmt: skip
 # apply_chat_template's own arguments, which chat_template_kwargs may not set: its template variables only.
 _TEMPLATE_ARGUMENTS = (
@@ -438,8 +437,19 @@ def completion_request(body, served: str, max_model_len: int) -> Generation:
 
 
 def _constrained(generation: Generation, body: dict) -> Generation:
-    """The request with its structured-output fields (`_structured`) read into every choice."""
+    """The request with its structured-output fields (`_structured`) read into every choice, or the
+    JSON Schema a forced tool_choice ("required", a named function) holds the answer to."""
     constraint, field = _checked(_structured.constraint_of, body)
+    forced = generation.tool_parser.schema if generation.tool_parser is not None else None
+    if forced is not None:
+        if constraint is not None:
+            raise invalid(
+                field, f"tool_choice={body['tool_choice']!r} decides what the answer is; pass it or {field}, not both"
+            )
+        try:
+            constraint, field = Constraint.json_schema(forced), "tools"
+        except GenerationError as error:
+            raise invalid("tools", f"a function's parameters: {error}") from None
     if constraint is None:
         return generation
     params = [dataclasses.replace(p, constraint=constraint) for p in generation.params]

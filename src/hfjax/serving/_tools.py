@@ -60,6 +60,7 @@ class ToolParser:
     starts: tuple[str, ...]
     leading: bool
     special_markers: bool
+    schema: dict | None = None  # the JSON Schema the answer is constrained to (a forced tool_choice)
 
     def parse(self, text: str, prompt: str, tools: list) -> Calls | None:
         """The answer's calls, or None where it holds none (a malformed call included)."""
@@ -291,14 +292,19 @@ def tools_of(body: dict) -> list[dict] | None:
 
 
 def parser_for(body: dict, tools: list[dict] | None, auto: ToolParser | None) -> ToolParser | None:
-    """The parser that reads the answer's tool calls (tool_choice "auto"), or None ("none"). As in vLLM,
+    """The parser that reads the answer's tool calls, or None (tool_choice "none"). As in vLLM,
     tool_choice defaults to "auto" where there are tools, which needs the server's
-    --enable-auto-tool-choice; "required" and a named function need constrained decoding."""
+    --enable-auto-tool-choice; "required" and a named function need no flag: their parser carries the
+    JSON Schema the answer is constrained to (`forced`)."""
     choice = body.get("tool_choice")
     if choice is None:
         choice = "auto" if tools else "none"
+    parallel = body.get("parallel_tool_calls")
+    if parallel is not None and not isinstance(parallel, bool):
+        raise FieldError("parallel_tool_calls", f"parallel_tool_calls={parallel!r}: pass true or false")
     if choice == "none":
         return None
+    one = parallel is False  # at most one call, as OpenAI's API has it
     if tools is None:
         raise FieldError("tool_choice", f"tool_choice={choice!r} needs tools; pass tools, or leave tool_choice out")
     if isinstance(choice, dict):
@@ -308,23 +314,74 @@ def parser_for(body: dict, tools: list[dict] | None, auto: ToolParser | None) ->
             raise FieldError(
                 "tool_choice", f'tool_choice={choice!r}: pass {{"type": "function", "function": {{"name": ...}}}}'
             )
-        if name not in [tool["function"]["name"] for tool in tools]:
+        named = [tool["function"] for tool in tools if tool["function"]["name"] == name]
+        if not named:
             raise FieldError("tool_choice", f"tool_choice names the function {name!r}, which is not in tools")
-    elif choice not in ("auto", "required"):
-        raise FieldError("tool_choice", f'tool_choice={choice!r}: pass "none", "auto", "required" or a named function')
+        return forced(named[0])
+    if choice == "required":
+        return forced(None, [tool["function"] for tool in tools], one=one)
     if choice != "auto":
-        raise FieldError(
-            "tool_choice",
-            f"tool_choice={choice!r} is not supported yet by hfjax serve (it needs constrained decoding); "
-            'pass "auto" or "none"',
-        )
+        raise FieldError("tool_choice", f'tool_choice={choice!r}: pass "none", "auto", "required" or a named function')
     if auto is None:
         raise FieldError(
             "tool_choice",
             '"auto" tool choice requires --enable-auto-tool-choice and --tool-call-parser to be set; start the '
             'server with them, or pass tool_choice="none"',
         )
-    return auto
+    return _first_call_only(auto) if one else auto
+
+
+def _first_call_only(parser: ToolParser) -> ToolParser:
+    """`parser` keeping an answer's first call only (parallel_tool_calls false with tool_choice "auto")."""
+
+    def read(text: str, prompt: str, tools: list) -> Calls | None:
+        found = parser.read(text, prompt, tools)
+        return found if found is None else dataclasses.replace(found, calls=found.calls[:1])
+
+    return dataclasses.replace(parser, read=read)
+
+
+def _parameters(function: dict) -> dict:
+    """A function's arguments schema: its `parameters`, or the empty object where it takes none."""
+    return function.get("parameters") or {"type": "object", "properties": {}, "additionalProperties": False}
+
+
+def forced(function: dict | None, functions: list[dict] = (), *, one: bool = False) -> ToolParser:
+    """The parser of a tool_choice the answer is held to, as vLLM holds it: for a named `function`,
+    the answer is its arguments, a JSON object valid under its `parameters`; for "required" (function
+    None), a non-empty JSON list of {"name": one of `functions`, "parameters": its arguments}, of one
+    item where `one`. The whole answer is held back while it streams, then goes out as calls."""
+    if function is not None:
+        name = function["name"]
+
+        def read_named(text: str, prompt: str, tools: list) -> Calls:
+            return Calls(None, (_call(name, json.loads(text)),))
+
+        return ToolParser(f"tool_choice {name}", read_named, ("",), True, False, _parameters(function))
+    calls = {
+        "type": "array",
+        "minItems": 1,
+        **({"maxItems": 1} if one else {}),
+        "items": {
+            "anyOf": [
+                {
+                    "type": "object",
+                    "properties": {"name": {"const": f["name"]}, "parameters": _parameters(f)},
+                    "required": ["name", "parameters"],
+                    "additionalProperties": False,
+                }
+                for f in functions
+            ]
+        },
+    }
+
+    def read_required(text: str, prompt: str, tools: list) -> Calls:
+        items = json.loads(text)
+        if not isinstance(items, list) or not items:
+            raise Malformed(f"the answer is not a list of calls: {text!r}")
+        return Calls(None, tuple(_named(item) for item in items))
+
+    return ToolParser("tool_choice required", read_required, ("",), True, False, calls)
 
 
 def call_id() -> str:
