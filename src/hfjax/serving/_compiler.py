@@ -21,7 +21,7 @@ import jax
 
 from .. import generation
 
-COMPILE_THREADS = 4  # at most: XLA compiles without the GIL, tracing takes turns
+COMPILE_THREADS = 4  # at most, and half the cores: XLA compiles without the GIL, tracing takes turns
 GROWTH = 4  # each row count and window of the set is this many times the last
 
 
@@ -65,12 +65,13 @@ class Compiler:
         return sum(len(cells) for cells in self.grid.values())
 
     def prepare(self, example: Callable) -> None:
-        """Compiles every program of the set now, on up to COMPILE_THREADS threads, a progress line
+        """Compiles every program of the set now, on up to COMPILE_THREADS threads (at most half the
+        cores: on 2 cores a second thread was slower while other work shared them), a progress line
         each; `example(kind, rows, window)` gives arguments like those the engine passes (idempotent)."""
         if self._ready:
             return
         todo = [(kind, rows, window) for kind, cells in self.grid.items() for rows, window in cells]
-        threads = max(1, min(COMPILE_THREADS, os.cpu_count() or 1, len(todo)))
+        threads = max(1, min(COMPILE_THREADS, (os.cpu_count() or 1) // 2, len(todo)))
         start = time.perf_counter()
         with concurrent.futures.ThreadPoolExecutor(threads, thread_name_prefix="hfjax-compile") as pool:
             futures = [pool.submit(self._compile, example, *cell) for cell in todo]
