@@ -2,20 +2,23 @@
 
 Three servers, one at a time: hfjax with its default flags (as a user starts it), hfjax with tuned
 flags (`--max-batch 16 --max-model-len 256 --prefill-chunk 32 --prefill-rows 8`, a second row), and
-transformers serve. Each answers two clients at each concurrency level: an async generator (httpx,
-streamed /v1/completions in one process) and the official `openai` client (streamed
-chat.completions, one thread per concurrent client), fixed prompt and output lengths. The
-checkpoint is a Llama shape of shapes.py in float32 with random weights, a 2048-token context in its
-config, and a word-level tokenizer of the model's whole vocabulary (every token decodes to a word,
-so the client sees every streamed token). hfjax is timed once its background compiles are done
-(/metrics' hfjax_programs_pending is 0, after two untimed passes of each level as long as the timed one;
-transformers serve gets one). `Model.generate` at batch 1, same lengths, is the
-concurrency-1 reference: after hfjax's default levels, one hfjax request and one `Model.generate`
-call in this process take turns (order swapped every pair), and the ratio is the median over pairs
-(this machine's speed drifts within seconds).
+transformers serve. Each answers two clients: an async generator (httpx, streamed /v1/completions in
+one process) and the official `openai` client (streamed chat.completions, one thread per concurrent
+client), fixed prompt and output lengths. The checkpoint is a Llama shape of shapes.py in float32
+with random weights, a 2048-token context in its config, and a word-level tokenizer of the model's
+whole vocabulary (every token decodes to a word, so the client sees every streamed token).
 
-    python benchmarks/serve.py --quick          # 20m, concurrency 1 and 16
-    python benchmarks/serve.py                  # 20m, concurrency 1, 4, 16
+Two rows per server and client first, as a user meets the server: "ready" (the server started, /health
+waited for, 4 warm-up requests one at a time, then --ready-clients clients send --ready-requests
+requests at once; the first client listed meets the server first) and "steady" (the same load again).
+Then each concurrency level, after one untimed pass of it. `Model.generate` at batch 1, same
+lengths, is the concurrency-1 reference: after hfjax's default levels, one hfjax request and one
+`Model.generate` call in this process take turns (order swapped every pair), and the ratio is the
+median over pairs (this machine's speed drifts within seconds).
+
+    python benchmarks/serve.py --quick          # 20m, ready and steady, concurrency 1 and 16
+    python benchmarks/serve.py                  # 20m, ready and steady, concurrency 1, 4, 16
+    python benchmarks/serve.py --concurrency    # ready and steady only
 
 Reported per server and level: output tokens/s and requests/s over the level's wall time, time to
 first token p50/p99, and inter-token latency p50/p99 (per request: (last token - first token) /
@@ -101,20 +104,14 @@ def start_server(
     return subprocess.Popen(argv, stdout=open(logs / f"{kind}.log", "a"), stderr=subprocess.STDOUT, env=env)
 
 
-async def wait_compiled(url: str, timeout: float = 900) -> float:
-    """Waits until hfjax serve's background compiles are done; returns the seconds waited."""
+async def compilations(url: str) -> float | None:
+    """hfjax serve's count of XLA programs made so far (None for a server without it)."""
     import httpx
 
-    start = deadline = time.monotonic()
-    deadline += timeout
     async with httpx.AsyncClient() as http:
-        while time.monotonic() < deadline:
-            text = (await http.get(url + "/metrics", timeout=5)).text
-            pending = [line for line in text.splitlines() if line.startswith("hfjax_programs_pending ")]
-            if not pending or float(pending[0].split()[1]) == 0:  # (a server from before the gauge compiled all first)
-                return time.monotonic() - start
-            await asyncio.sleep(1)
-    raise RuntimeError(f"{url} still compiled after {timeout} s")
+        text = (await http.get(url + "/metrics", timeout=5)).text
+    count = [line for line in text.splitlines() if line.startswith("hfjax_compilations_total ")]
+    return float(count[0].split()[1]) if count else None
 
 
 async def wait_up(url: str, process: subprocess.Popen, timeout: float = 900) -> None:
@@ -277,24 +274,31 @@ async def bench_server(
     try:
         await wait_up(url, process)
         report = {"listening_after_s": time.monotonic() - started}
-        if kind in HFJAX_CONFIGS:
-            report["background_compiles_s"] = await wait_compiled(url)
         model = "bench" if kind in HFJAX_CONFIGS else str(checkpoint)
-        await run_level(url, model, args.prompt_tokens, args.new_tokens, 1, 2)  # warm-up: the first requests
+        compiled_at_health = await compilations(url) if kind in HFJAX_CONFIGS else None
+        if not shared_prefix_only:
+            await run_level(url, model, args.prompt_tokens, args.new_tokens, 1, 4)  # 4 warm-up requests
+            for row in ("ready", "steady"):
+                report[row] = []
+                for client in args.clients:
+                    log(
+                        f"  {kind}: {row}, {client} client, {args.ready_clients} clients, {args.ready_requests} requests ..."
+                    )
+                    level = await run_level(
+                        url, model, args.prompt_tokens, args.new_tokens, args.ready_clients, args.ready_requests,
+                        client=client,
+                    )  # fmt: skip
+                    log(f"    {json.dumps(level)}")
+                    report[row].append(level)
+            if compiled_at_health is not None:
+                report["compilations_after_health"] = await compilations(url) - compiled_at_health
+        else:
+            await run_level(url, model, args.prompt_tokens, args.new_tokens, 1, 2)  # warm-up: the first requests
         levels = []
         for client in [] if shared_prefix_only else args.clients:
             for concurrency in args.concurrency:
                 requests = max(args.requests_per_client * concurrency, args.min_requests)
-                # Untimed first: hfjax compiles the programs this level runs (in the background, its
-                # chunks running on larger ones meanwhile), as a server in steady use has them. Two
-                # passes as long as the timed one: the first wave arrives at once, later ones spread
-                # out and ask for other (rows, window) programs.
-                for _ in range(2 if kind in HFJAX_CONFIGS else 1):
-                    await run_level(
-                        url, model, args.prompt_tokens, args.new_tokens, concurrency, requests, client=client
-                    )
-                    if kind in HFJAX_CONFIGS:
-                        await wait_compiled(url)
+                await run_level(url, model, args.prompt_tokens, args.new_tokens, concurrency, requests, client=client)
                 log(f"  {kind}: {client} client, concurrency {concurrency}, {requests} requests ...")
                 level = await run_level(
                     url, model, args.prompt_tokens, args.new_tokens, concurrency, requests, client=client
@@ -383,7 +387,9 @@ class GenerateReference:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--size", choices=SIZES, default="20m")
-    parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 16])
+    parser.add_argument("--concurrency", type=int, nargs="*", default=[1, 4, 16])
+    parser.add_argument("--ready-clients", type=int, default=16, help="clients of the ready and steady rows")
+    parser.add_argument("--ready-requests", type=int, default=64, help="requests of the ready and steady rows")
     parser.add_argument("--clients", nargs="+", default=["async", "openai"], choices=["async", "openai"])
     parser.add_argument("--prompt-tokens", type=int, default=32)
     parser.add_argument("--new-tokens", type=int, default=32)
@@ -440,6 +446,14 @@ def main() -> None:
 
         ratios = {}
         for kind in ("hfjax", "hfjax-tuned"):
+            for row in ("ready", "steady"):
+                for ours, theirs in zip(
+                    report["servers"].get(kind, {}).get(row, []), report["servers"].get("transformers", {}).get(row, [])
+                ):
+                    ratios[f"{kind} {row} {ours['client']} c{args.ready_clients}"] = {
+                        "tokens_per_s": ours["output_tokens_per_s"] / theirs["output_tokens_per_s"],
+                        "ttft_p99_s": [ours["ttft_p99_s"], theirs["ttft_p99_s"]],
+                    }
             for client in args.clients:
                 for concurrency in args.concurrency:
                     ours, theirs = level(kind, client, concurrency), level("transformers", client, concurrency)

@@ -26,7 +26,7 @@ WORDS = (
     "while the baker opened her shop before the sun was up"
 ).split()
 PROMPTS = [" ".join(WORDS[: 1 + (7 * i) % len(WORDS)]) for i in range(16)]
-SLOTS, LENGTH, CHUNK, STEPS = 4, 96, 16, 4
+SLOTS, LENGTH, CHUNK, STEPS = 4, 256, 16, 4  # windows of 128 and 256 columns
 
 
 @pytest.fixture(scope="module")
@@ -67,13 +67,13 @@ class _Calls:
 
     def __init__(self, engine, monkeypatch):
         self.log = []
-        self.logprobs = []  # each decode chunk's: whether its program computes log-probabilities
+        self.logprobs = []  # each decode chunk's: whether it asks its program for log-probabilities
         programs = engine.compiler.programs
         decode, prefill = programs.decode, programs.prefill
 
-        def decoding(state, rows, active, count, want, *, decoding_rows, window, logprobs):
+        def decoding(state, rows, active, count, want, *, decoding_rows, window, logprobs=True):
             self.log.append(("decode", int(count), decoding_rows, window))
-            self.logprobs.append(logprobs)
+            self.logprobs.append(bool(want))
             return decode(
                 state, rows, active, count, want, decoding_rows=decoding_rows, window=window, logprobs=logprobs
             )
@@ -90,7 +90,7 @@ class _Calls:
 
 
 def test_the_first_request_after_warm_up_compiles_nothing(engine):
-    assert engine.compiler.pending == 0
+    assert engine.compiler.held == len(engine.compiler) > 0
     assert FIRST_REQUEST_COMPILES == []
 
 
@@ -118,9 +118,9 @@ def test_greedy_answers_equal_generate_with_16_requests_in_4_slots(model, engine
     got = engine.generate(ids, [SamplingParams(max_tokens=b, temperature=0) for b in budgets])
     want = _generate_alone(model, ids, max(budgets))
     assert len({len(i) for i in ids}) > 8 and max(len(i) for i in ids) > 2 * CHUNK
-    # Chunks attend over windows of 32 and 64 of the 96 columns, and over all of them.
+    # Chunks attend over windows of 128 of the 256 columns, and over all of them.
     assert engine.compiler.grid["decode"][-1] == (SLOTS, LENGTH)
-    assert sorted({w for _, w in engine.compiler.grid["decode"]}) == [32, 64, 96]
+    assert sorted({w for _, w in engine.compiler.grid["decode"]}) == [128, 256]
     for prompt, budget, event, reference in zip(PROMPTS, budgets, got, want):
         assert event.token_ids == reference[:budget], prompt
         assert event.finish_reason == ("length" if len(reference) >= budget else "stop"), prompt
@@ -196,23 +196,25 @@ def test_max_decode_steps_below_decode_steps_is_refused_by_name(model):
 
 
 def test_chunks_that_outgrow_a_window_attend_over_the_next(model, engine, monkeypatch):
-    # Prompts of 28-31 tokens: their decode chunks write columns 28-40, across the 32-column window,
-    # so they run over 64; the 60-token prompt's last prefill chunk (columns 48-59) too. Greedy answers
-    # equal Model.generate's.
+    # Prompts of 120-123 tokens: their decode chunks write columns 120-132, across the 128-column
+    # window, so the later ones run over 256; the 140-token prompt's last prefill chunk (columns
+    # 128-139) too. Greedy answers equal Model.generate's.
     calls = _Calls(engine, monkeypatch)
-    ids = [np.random.default_rng(n).integers(5, 400, n).tolist() for n in (28, 29, 30, 31, 60)]
-    got = engine.generate(ids, [SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)] * len(ids))
-    for prompt, event in zip(ids, got):
-        alone = model.generate(np.array([prompt], np.int32), max_new_tokens=10, min_new_tokens=10, do_sample=False)
-        assert event.token_ids == np.asarray(alone)[0, len(prompt) :].tolist()
-    assert {window for kind, *_, window in calls.log if kind == "decode"} >= {64, 96}
+    for lengths in ((120, 121, 122, 123), (140,)):
+        ids = [np.random.default_rng(n).integers(5, 400, n).tolist() for n in lengths]
+        got = engine.generate(ids, [SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)] * len(ids))
+        for prompt, event in zip(ids, got):
+            alone = model.generate(np.array([prompt], np.int32), max_new_tokens=10, min_new_tokens=10, do_sample=False)
+            assert event.token_ids == np.asarray(alone)[0, len(prompt) :].tolist()
+    assert {window for kind, *_, window in calls.log if kind == "decode"} == {128, 256}
+    assert {window for kind, *_, window in calls.log if kind == "prefill"} == {128, 256}
 
 
 def test_programs_stay_fixed_over_50_requests_of_mixed_lengths_and_settings(model, engine):
     before = dict(engine.program_counts)
-    # warm_up prepared them all: a prefill chunk per row bucket (1, 2, 4 rows) and window (32, 64, 96
-    # columns), and a decode chunk per row bucket (1, 2, 4) and window, with log-probabilities and without.
-    assert before == {"prefill": 9, "decode": 18}
+    # warm_up prepared them all: a prefill chunk of 4 rows per window (128, 256 columns) and of one
+    # row over 128, and a decode chunk per row bucket (1, 4) and window.
+    assert before == {"prefill": 3, "decode": 4}
     ids = _ids(model, [PROMPTS[i % len(PROMPTS)] for i in range(50)])
     params = [
         SamplingParams(
@@ -401,7 +403,7 @@ def test_bad_requests_raise_errors_that_name_the_argument(model, engine):
     ids = _ids(model, PROMPTS[:1])[0]
     with pytest.raises(
         hfjax.GenerationError,
-        match=r"the prompt has \d+ tokens and max_tokens=96, \d+ in all, more than max_model_len=96",
+        match=rf"the prompt has \d+ tokens and max_tokens={LENGTH}, \d+ in all, more than max_model_len={LENGTH}",
     ):
         engine.submit(ids, SamplingParams(max_tokens=LENGTH), lambda e: None)
     with pytest.raises(hfjax.GenerationError, match="top_p=0"):
@@ -429,24 +431,22 @@ def test_slots_come_from_the_kv_cache_memory_budget(model):
         Engine(model, max_model_len=LENGTH, kv_cache_memory=per_slot - 1)
 
 
-def test_a_started_engine_answers_at_once_and_compiles_what_it_needs_behind(model):
-    # Only the largest programs are compiled before it starts; the first requests run on them (the
-    # same tokens) while their own compile on the engine's second thread, with the one-row programs
-    # of every window (here 32, 64 and 96 columns) compiled ahead.
+def test_start_compiles_every_program_and_requests_after_it_compile_nothing(model):
     engine = Engine(model, max_num_seqs=SLOTS, max_model_len=LENGTH, prefill_chunk=CHUNK, decode_steps=STEPS)
+    lines = []
+    engine.compiler.progress = lines.append
     engine.start()
     try:
-        assert engine.compiler.compiled + engine.compiler.pending >= 2 + 6
-        ids = _ids(model, PROMPTS[:2])
-        got = engine.generate(ids, SamplingParams(max_tokens=8, temperature=0))
-        assert [e.token_ids for e in got] == [w[:8] for w in _generate_alone(model, ids, 8)]
-        deadline = threading.Event()
-        while engine.compiler.pending and not deadline.wait(0.5):
-            pass
-        assert engine.compiler.pending == 0 == engine.metrics.programs_pending
-        assert engine.compiler.compiled >= 2 + 6  # its own programs and the one-row ones
-        again = engine.generate(ids, SamplingParams(max_tokens=8, temperature=0))
-        assert [e.token_ids for e in again] == [e.token_ids for e in got]
+        held = engine.compiler.held
+        assert held == len(engine.compiler) == 3 + 4 and len(lines) == held + 1
+        assert engine.metrics.registry.get_sample_value("hfjax_programs_held") == held
+        assert engine.metrics.registry.get_sample_value("hfjax_programs_memory_bytes") == engine.compiler.memory
+        before = engine.metrics.compilations
+        ids = _ids(model, PROMPTS[:3]) + [np.random.default_rng(0).integers(5, 400, 200).tolist()]
+        params = [SamplingParams(max_tokens=8, temperature=0, logprobs=(None, 2)[i % 2]) for i in range(len(ids))]
+        got = engine.generate(ids, params)
+        assert engine.metrics.compilations == before
+        assert [e.token_ids for e in got] == [_generate_alone(model, [prompt], 8)[0][:8] for prompt in ids]
     finally:
         engine.stop()
 
@@ -654,7 +654,7 @@ def test_a_prompt_starts_after_the_prefix_a_free_slot_holds_and_answers_the_same
     shared = next(i for i, (a, b) in enumerate(zip(first, second)) if a != b)
     assert shared > CHUNK and engine.metrics.prefix_hit_tokens - hits == shared
     assert got.token_ids == _generate_alone(model, [second], 12)[0][:12]
-    assert engine.program_counts == {"prefill": 9, "decode": 18}
+    assert engine.program_counts == {"prefill": 3, "decode": 4}
 
 
 def test_serve_without_the_extra_says_what_to_install(monkeypatch, capsys):

@@ -265,7 +265,7 @@ def run(args: argparse.Namespace) -> int:
             progress=_say,
         )  # fmt: skip
         _say(engine.sizing.describe())
-        engine.start()  # the largest programs compiled; the others compile in the background
+        engine.start()  # every program it will run, compiled (or read from the cache) before it listens
     elif model.task != "feature-extraction":
         print(f"hfjax serve: {path} loads as task={model.task!r}; serve a causal LM or an encoder", file=sys.stderr)
         return 2

@@ -485,6 +485,14 @@ class SlotModel:
         return state, dataclasses.replace(chosen, ran=ran)
 
 
+def held_bytes(compiled) -> int:
+    """Bytes a compiled program holds beside its arguments and results: its scratch space and generated
+    code, by XLA's memory analysis (0 where the backend gives none)."""
+    analysis = compiled.memory_analysis()
+    parts = analysis if isinstance(analysis, (list, tuple)) else [analysis]  # (one per device, on some backends)
+    return sum(int(a.temp_size_in_bytes) + int(a.generated_code_size_in_bytes) for a in parts if a is not None)
+
+
 def written_back(whole: list, parts: list) -> list:
     """The cache `whole` [(keys, values)] per layer with `parts`, a program's leading rows and columns
     of it (`cache[:R, :, :W]`), written back in place; `parts` itself where it is the whole cache."""
@@ -607,21 +615,23 @@ class SlotPrograms:
         leaves, chosen = program.run(*args)
         return SlotState(*leaves), Chosen(*chosen)
 
-    def compile_prefill(self, *arguments, window: int) -> bool:
+    def compile_prefill(self, *arguments, window: int) -> tuple[bool, int]:
         """Compiles the prefill program for these arguments (arrays or their shapes) without running it.
-        Returns whether it was loaded from the compilation cache, XLA compiling nothing."""
+        Returns (whether it was loaded from the compilation cache, XLA compiling nothing; the bytes it
+        holds, `held_bytes`)."""
         with bridge.Compiles() as compiles:
             program, args = self._prefill(*arguments, window=window)
-            program.run.lower(*args).compile()
-        return not compiles.compiled
+            compiled = program.run.lower(*args).compile()
+        return not compiles.compiled, held_bytes(compiled)
 
-    def compile_decode(self, *arguments, decoding_rows: int, window: int, logprobs: bool = True) -> bool:
+    def compile_decode(self, *arguments, decoding_rows: int, window: int, logprobs: bool = True) -> tuple[bool, int]:
         """Compiles the decode program for these arguments (arrays or their shapes) without running it.
-        Returns whether it was loaded from the compilation cache, XLA compiling nothing."""
+        Returns (whether it was loaded from the compilation cache, XLA compiling nothing; the bytes it
+        holds, `held_bytes`)."""
         with bridge.Compiles() as compiles:
             program, args = self._decode(*arguments, decoding_rows=decoding_rows, window=window, logprobs=logprobs)
-            program.run.lower(*args).compile()
-        return not compiles.compiled
+            compiled = program.run.lower(*args).compile()
+        return not compiles.compiled, held_bytes(compiled)
 
     def _prefill(self, state, rows, which, ids, start, count, last, fresh, want_logprobs, *, window):
         args = (self.params, state.leaves(), rows.leaves(), which, ids, start, count, last, fresh, want_logprobs)
@@ -636,7 +646,7 @@ class SlotPrograms:
         return self._program(self.key("decode", decoding_rows, window, logprobs), function, args), args
 
     def _program(self, key: tuple, function, args):
-        with self._lock:  # the engine's thread and its compiling one may ask at once
+        with self._lock:  # the engine's thread and the threads compiling its programs may ask at once
             return self.cache.get(key, bridge.under(self.precision, function), args, metadata=dict, donate=(1,))
 
     # -- traced: plain containers in and out, so that the programs can be kept on disk -------

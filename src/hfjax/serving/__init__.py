@@ -5,7 +5,7 @@ Parts, one concern each (docs/architecture.md, "Continuous batching", describes 
                    `Event`, `QueueFullError`
     _sizing.py     slots and cache length from a memory budget
     _table.py      the slots' row state on the host: requests, positions, cached prefixes, settings
-    _compiler.py   the programs: which are ready, which a chunk wants, a thread compiling them
+    _compiler.py   the programs: their set (rows x windows), all compiled before the engine starts
     _scheduler.py  `Engine`: the queue, admission, prefill and decode chunking, cancellation, delivery
     _text.py       incremental detokenising and stop strings (`TextStream`); tokens' own bytes (`TokenText`)
     _metrics.py    counters, gauges and latency histograms (prometheus_client), and vLLM's stats line

@@ -1,21 +1,18 @@
-"""The engine's programs: which are ready, which a chunk wants, and the thread that compiles them.
+"""The engine's programs: a set fixed when the engine is built, all compiled before it starts.
 
-A chunk of R rows over W columns runs the program compiled for (R, W) when it is ready, else the
-smallest ready one that holds it (more rows and columns: the same tokens, only slower), and asks
-for its own. Decode programs come in two kinds: "decode" computes no log-probabilities, for chunks
-in which no request asks for them (most traffic: no top-20 buffers or `cond` in its loop), and
-"decode_logprobs" does, for the others; a "decode" chunk may run either. Before the engine starts,
-only the largest prefill and "decode_logprobs" are compiled (every chunk fits them); then a thread
-compiles what chunks ask for, and, while none asks, the one-row prefill and "decode" programs of
-short windows that a lone client's requests run. No request waits for a compile, the server listens
-after two of them, and a grid of many rows and windows (49 decode programs for 64 slots and 2048
-columns) is compiled only as far as the traffic needs it.
+A chunk of R rows whose rows end by column W runs the smallest program of its kind that holds it
+(rows >= R, window >= W; more rows and columns give the same tokens, only slower). The set is a
+few row counts and windows, each 4x the last (`geometric`), so that a chunk pays for at most 4x the
+rows and columns it needs while the set stays small enough to compile before the server says it is
+ready: no request waits for a compile, and the traffic never causes one. A decode program computes
+the log-probabilities only where a request of its chunk asks (a `cond` in its loop), so one decode
+program serves chunks with log-probabilities and without.
 """
 
 from __future__ import annotations
 
-import collections
-import logging
+import concurrent.futures
+import os
 import threading
 import time
 from collections.abc import Callable
@@ -24,15 +21,30 @@ import jax
 
 from .. import generation
 
-logger = logging.getLogger("hfjax")
-AHEAD_WINDOW = 512  # columns: the longest window compiled before a chunk asks for it
-# The kinds of program whose ready cells a chunk of each kind may run (the first: its own).
-RUNS_ON = {"prefill": ("prefill",), "decode": ("decode", "decode_logprobs"), "decode_logprobs": ("decode_logprobs",)}
-FALLBACKS = ("prefill", "decode_logprobs")  # compiled before the engine starts: every chunk fits their largest
+COMPILE_THREADS = 4  # at most, and half the cores: XLA compiles without the GIL, tracing takes turns
+GROWTH = 4  # each row count and window of the set is this many times the last
+
+
+def geometric(smallest: int, limit: int) -> list[int]:
+    """smallest, 4x smallest, 16x ... while twice the value is within `limit`, then `limit`: at most
+    4x (and never less than smallest) what a chunk of n <= limit asks for, `limit` itself the last."""
+    values, value = [], smallest
+    while 2 * value <= limit:
+        values.append(value)
+        value *= GROWTH
+    return [*values, limit]
 
 
 class Compiler:
-    """The slot programs of one engine (`generation.SlotPrograms`) over its grid of (rows, window)."""
+    """The slot programs of one engine (`generation.SlotPrograms`) for its set of (rows, window) per
+    kind ("prefill", "decode"), each list smallest first.
+
+    Attributes:
+      held: programs compiled (or read from the compilation cache) so far.
+      memory: bytes they hold beside their arguments and results (XLA's memory analysis: scratch
+        space and generated code).
+      seconds: spent compiling, in all.
+    """
 
     def __init__(
         self,
@@ -40,130 +52,62 @@ class Compiler:
         grid: dict[str, list[tuple[int, int]]],
         *,
         progress: Callable[[str], None] | None = None,
-        pending: Callable[[int], None] | None = None,
     ):
         self.programs = programs
         self.grid = grid
         self.progress = progress
-        self._report_pending = pending or (lambda count: None)
-        self._ready: dict[str, set[tuple[int, int]]] = {kind: set() for kind in grid}
-        self._wanted: collections.deque[tuple[str, int, int]] = collections.deque()
+        self.held = self.memory = 0
+        self.seconds = 0.0
+        self._ready = False
         self._lock = threading.Lock()
-        self._wake = threading.Condition(self._lock)
-        self._thread: threading.Thread | None = None
-        self._stopping = False
-        self._example: Callable | None = None
-        self.seconds = 0.0  # spent compiling, in all
-        self.compiled = 0
 
-    @property
-    def pending(self) -> int:
-        """Programs asked for (by chunks, or ahead for one row) and not compiled yet."""
-        with self._lock:
-            return len({cell for cell in (*self._wanted, *self._ahead()) if cell[1:] not in self._ready[cell[0]]})
+    def __len__(self) -> int:
+        return sum(len(cells) for cells in self.grid.values())
 
-    def prepare_fallbacks(self, example: Callable) -> None:
-        """Compiles the largest prefill and "decode_logprobs" now (every chunk fits them)."""
-        self._example = example
-        self._prepare_now(self._fallbacks())
-
-    def prepare_all(self, example: Callable) -> None:
-        """Compiles every program of the grid now."""
-        self._example = example
-        self._prepare_now([(kind, *cell) for kind, cells in self.grid.items() for cell in cells])
-
-    def _fallbacks(self) -> list[tuple[str, int, int]]:
-        return [(kind, *self.grid[kind][-1]) for kind in FALLBACKS]
-
-    def start(self) -> None:
-        if self._thread is None:
-            self._thread = threading.Thread(target=self._run, name="hfjax-compiler", daemon=True)
-            self._thread.start()
-
-    def stop(self) -> None:
-        with self._lock:
-            self._stopping = True
-            self._wake.notify_all()
-        if self._thread is not None:
-            self._thread.join()
+    def prepare(self, example: Callable) -> None:
+        """Compiles every program of the set now, on up to COMPILE_THREADS threads (at most half the
+        cores: on 2 cores a second thread was slower while other work shared them), a progress line
+        each; `example(kind, rows, window)` gives arguments like those the engine passes (idempotent)."""
+        if self._ready:
+            return
+        todo = [(kind, rows, window) for kind, cells in self.grid.items() for rows, window in cells]
+        threads = max(1, min(COMPILE_THREADS, (os.cpu_count() or 1) // 2, len(todo)))
+        start = time.perf_counter()
+        with concurrent.futures.ThreadPoolExecutor(threads, thread_name_prefix="hfjax-compile") as pool:
+            futures = [pool.submit(self._compile, example, *cell) for cell in todo]
+            for n, future in enumerate(concurrent.futures.as_completed(futures), 1):
+                (kind, rows, window), seconds, loaded = future.result()
+                if self.progress is not None:
+                    done = "loaded the" if loaded else "compiled the"
+                    where = " from the cache" if loaded else ""
+                    self.progress(
+                        f"{done} {kind} program for {rows} rows x {window} columns{where} ({n}/{len(todo)}): "
+                        f"{seconds:.1f} s"
+                    )
+        self._ready = True
+        if self.progress is not None:
+            self.progress(f"{len(todo)} programs ready in {time.perf_counter() - start:.1f} s")
 
     def program_for(self, kind: str, rows: int, columns: int) -> tuple[str, int, int]:
-        """(kind, rows, window) of the program a chunk of `kind` with `rows` rows whose rows end by
-        column `columns` runs: its own where it is ready, else the smallest ready one holding it of a
-        kind in RUNS_ON[kind] (its own is asked for)."""
-        own = next(cell for cell in self.grid[kind] if cell[0] >= rows and cell[1] >= columns)
-        if own in self._ready[kind]:
-            return (kind, *own)
-        with self._lock:
-            if (kind, *own) not in self._wanted:
-                self._wanted.append((kind, *own))
-                self._wake.notify_all()
-        ready = [(other, *cell) for other in RUNS_ON[kind] for cell in self._ready[other]
-                 if cell[0] >= own[0] and cell[1] >= own[1]]  # fmt: skip
-        return min(ready, key=lambda cell: (cell[1] * cell[2], RUNS_ON[kind].index(cell[0]), cell))
+        """(kind, rows, window) of the smallest program of `kind` that holds a chunk of `rows` rows whose
+        rows end by column `columns`."""
+        return (kind, *next(cell for cell in self.grid[kind] if cell[0] >= rows and cell[1] >= columns))
 
-    def _prepare_now(self, cells: list[tuple[str, int, int]]) -> None:
-        todo = [cell for cell in cells if cell[1:] not in self._ready[cell[0]]]
-        for n, (kind, rows, window) in enumerate(todo, 1):
-            seconds, cached = self._compile(kind, rows, window)
-            if self.progress is not None:
-                done = "loaded" if cached else "compiled"
-                where = " from the cache" if cached else ""
-                self.progress(
-                    f"{done} the {kind} program for {rows} rows x {window} columns{where} ({n}/{len(todo)}): "
-                    f"{seconds:.1f} s"
-                )
-
-    def _compile(self, kind: str, rows: int, window: int) -> tuple[float, bool]:
-        """Compiles one program: (its seconds, whether it was loaded from the compilation cache)."""
+    def _compile(self, example: Callable, kind: str, rows: int, window: int) -> tuple[tuple, float, bool]:
+        """Compiles one program: ((kind, rows, window), its seconds, whether it was read from the
+        compilation cache)."""
         start = time.perf_counter()
-        arguments = jax.tree_util.tree_map(_abstract, self._example(kind, rows, window))
+        arguments = jax.tree_util.tree_map(_abstract, example(kind, rows, window))
         if kind == "prefill":
-            cached = self.programs.compile_prefill(*arguments, window=window)
+            loaded, memory = self.programs.compile_prefill(*arguments, window=window)
         else:
-            cached = self.programs.compile_decode(
-                *arguments, decoding_rows=rows, window=window, logprobs=kind == "decode_logprobs"
-            )
+            loaded, memory = self.programs.compile_decode(*arguments, decoding_rows=rows, window=window)
         seconds = time.perf_counter() - start
         with self._lock:
-            self._ready[kind].add((rows, window))
+            self.held += 1
+            self.memory += memory
             self.seconds += seconds
-            self.compiled += 1
-        self._report_pending(self.pending)
-        return seconds, cached
-
-    def _ahead(self) -> list[tuple[str, int, int]]:
-        """The programs compiled while no chunk asks for one: one row over the windows a short chat
-        (without log-probabilities) needs."""
-        return [(kind, rows, window) for kind in ("prefill", "decode") for rows, window in self.grid[kind]
-                if rows == 1 and window <= AHEAD_WINDOW]  # fmt: skip
-
-    def _next(self) -> tuple[str, int, int] | None:
-        """What to compile next (with the lock held): a chunk's wish, else one of `_ahead`, smallest first."""
-        while self._wanted:
-            kind, rows, window = self._wanted.popleft()
-            if (rows, window) not in self._ready[kind]:
-                return kind, rows, window
-        rest = sorted((window, kind, rows, window) for kind, rows, window in self._ahead()
-                      if (rows, window) not in self._ready[kind])  # fmt: skip
-        return rest[0][1:] if rest else None
-
-    def _run(self) -> None:
-        while True:
-            with self._lock:
-                cell = self._next()
-                while cell is None and not self._stopping:
-                    self._wake.wait()
-                    cell = self._next()
-                if self._stopping:
-                    return
-            seconds, cached = self._compile(*cell)
-            logger.info(
-                "hfjax serve: %s the %s program for %d rows x %d columns in %.1f s",
-                "loaded" if cached else "compiled",
-                *cell,
-                seconds,
-            )
+        return (kind, rows, window), seconds, loaded
 
 
 def _abstract(x):

@@ -3,6 +3,7 @@ each `Metrics` object's own (so two engines in one process keep apart), served a
 
 from __future__ import annotations
 
+import threading
 import time
 
 # Seconds: time to first token and inter-token latency span ~1 ms (a decode step) to minutes (a queue).
@@ -17,6 +18,46 @@ def _prometheus():
             "hfjax.serving's metrics need prometheus_client, part of the serve extra: pip install 'hfjax[serve]'"
         ) from error
     return prometheus_client
+
+
+_BACKEND_COMPILE = "/jax/core/compile/backend_compile_duration"  # each XLA program made, from the cache too
+_compilations = [0]  # in this process, since the first `Metrics` was made
+_compilations_lock = threading.Lock()
+_listening: list[bool] = []
+
+
+def _count_compilation(event: str, seconds: float, **kwargs) -> None:
+    if event == _BACKEND_COMPILE:
+        with _compilations_lock:
+            _compilations[0] += 1
+
+
+def compilations() -> int:
+    """XLA programs compiled (or read from the compilation cache) in this process since the first
+    `Metrics` was made: every jit of every thread, not only the engine's."""
+    return _compilations[0]
+
+
+def _listen_for_compilations() -> None:
+    import jax
+
+    with _compilations_lock:
+        if not _listening:
+            jax.monitoring.register_event_duration_secs_listener(_count_compilation)
+            _listening.append(True)
+
+
+class _Compilations:
+    """A prometheus_client collector of `compilations()` as the counter hfjax_compilations_total."""
+
+    def collect(self):
+        from prometheus_client.core import CounterMetricFamily
+
+        family = CounterMetricFamily(
+            "hfjax_compilations", "XLA programs compiled or read from the compilation cache in this process."
+        )
+        family.add_metric([], compilations())
+        yield family
 
 
 class Histogram:
@@ -38,8 +79,8 @@ class Metrics:
     Attributes:
       registry: the prometheus_client `CollectorRegistry` holding them all; `render()` writes it in
         the text format named by `content_type`.
-      queue_depth, running, programs_pending: gauges, set by assignment (`running` also sets the batch
-        occupancy).
+      queue_depth, running: gauges, set by assignment (`running` also sets the batch occupancy).
+      compilations: XLA programs made in this process so far (`compilations()`), hfjax_compilations_total.
       prefix_hit_tokens: a counter; `metrics.prefix_hit_tokens += n` adds n.
       time_to_first_token, inter_token_latency: histograms with `observe(seconds, times=1)`.
       prompt_tokens_read, tokens_generated: plain counts of the tokens the engine has read from prompts
@@ -73,7 +114,13 @@ class Metrics:
         self._waiting = gauge("hfjax_num_requests_waiting", "Requests queued for a slot.")
         self._running = gauge("hfjax_num_requests_running", "Requests holding a slot.")
         self._occupancy = gauge("hfjax_batch_occupancy", "Fraction of the sequence slots in use.")
-        self._pending = gauge("hfjax_programs_pending", "Programs the engine has still to compile (in the background).")
+        self._programs_held = gauge("hfjax_programs_held", "Programs the engine compiled before it started.")
+        self._programs_memory = gauge(
+            "hfjax_programs_memory_bytes",
+            "Memory those programs hold beside their arguments and results (scratch and generated code).",
+        )
+        _listen_for_compilations()
+        self.registry.register(_Compilations())
         self.time_to_first_token = histogram("hfjax_time_to_first_token_seconds", "Time from arrival to first token.")
         self.inter_token_latency = histogram("hfjax_inter_token_latency_seconds", "Time between tokens of a request.")
         # Tokens read from prompts and generated, counted as the engine goes (the stats line's rates;
@@ -107,12 +154,14 @@ class Metrics:
         self._occupancy.set(running / self.slots if self.slots else 0.0)
 
     @property
-    def programs_pending(self) -> int:
-        return int(self.registry.get_sample_value("hfjax_programs_pending"))
+    def compilations(self) -> int:
+        return compilations()
 
-    @programs_pending.setter
-    def programs_pending(self, pending: int) -> None:
-        self._pending.set(pending)
+    def hold_programs(self, count: int, memory: int) -> None:
+        """Reports the engine's programs: how many, and the bytes they hold (hfjax_programs_held,
+        hfjax_programs_memory_bytes)."""
+        self._programs_held.set(count)
+        self._programs_memory.set(memory)
 
     @property
     def prefix_hit_tokens(self) -> int:

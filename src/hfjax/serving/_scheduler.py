@@ -15,16 +15,14 @@ runs one step and is delivered before the next one goes. The answer ends ("stop"
 is complete.
 
 The device side is generation's slot core (`generation.SlotModel`, `SlotPrograms`): a chunk
-attends over the fewest columns that hold its rows (windows of 32, 64, ... columns up to
-max_model_len) and runs the fewest rows that hold every decoding slot (1, 2, 4, ... up to the
-slots), with log-probabilities or without. Of that grid, only the largest prefill and
-log-probability decode are compiled before the engine starts; a chunk whose own program is not
-ready runs the smallest ready one that holds it (correct, only slower), while a second thread
-compiles the one it wanted, then the rest of the grid, smallest first.
+attends over the fewest columns that hold its rows (windows of 128, 512, 2048, ... columns, the
+last max_model_len) and runs the fewest rows that hold every decoding slot (1, 4, 16, ... rows, the
+last the slots). That set of programs is fixed when the engine is built and compiled before it
+starts (`_compiler.py`): no request waits for a compile.
 
 Parts: `_requests.py` (SamplingParams, Request, Event), `_table.py` (the slots' row state),
 `_sizing.py` (slots and cache length from a memory budget), this module (the engine thread),
-`_compiler.py` (the programs: ready, wanted, compiled in the background).
+`_compiler.py` (the programs: their set, compiled before the engine starts).
 """
 
 from __future__ import annotations
@@ -40,7 +38,7 @@ import numpy as np
 
 from .. import _buckets, generation
 from .._errors import GenerationError, ServingError
-from ._compiler import Compiler
+from ._compiler import Compiler, geometric
 from ._metrics import Metrics
 from ._requests import Event, QueueFullError, Request, SamplingParams, TokenLogprob, joined
 from ._sizing import Sizing, size_engine
@@ -154,16 +152,11 @@ class Engine:
         programs = generation.SlotPrograms(
             slot_model, prefill_chunk=prefill_chunk, steps=max_decode_steps, features=self.features
         )
-        self.compiler = Compiler(
-            programs,
-            self._grid(),
-            progress=progress,
-            pending=lambda count: setattr(self.metrics, "programs_pending", count),
-        )
-        self.metrics.programs_pending = self.compiler.pending
+        self.compiler = Compiler(programs, self._grid(), progress=progress)
         self.table = SlotTable(
             self.max_num_seqs, vocab_size=vocab_size, bias_slots=self.features.bias_slots,
             held_slots=self.features.held_slots, mask_words=self.features.mask_words, prefix_reuse=prefix_reuse,
+            row_counts=sorted({rows for rows, _ in self.compiler.grid["decode"]}),
         )  # fmt: skip
         self._grammars: generation.Grammars | None = None  # made at the first constraint
         self._grammars_lock = threading.Lock()
@@ -199,23 +192,20 @@ class Engine:
         return len(self._waiting)
 
     def start(self) -> Engine:
-        """Compiles the largest prefill and decode programs (the ones every chunk can fall back on),
-        allocates the cache, and starts the engine thread and the compiling one (idempotent)."""
+        """Allocates the cache, compiles every program the engine will run (`warm_up`), and starts
+        the engine thread (idempotent)."""
         if self._thread is None:
-            self._allocate()
-            self.compiler.prepare_fallbacks(self._example_args)
-            self.compiler.start()
+            self.warm_up()
             self._thread = threading.Thread(target=self._run, name="hfjax-engine", daemon=True)
             self._thread.start()
         return self
 
     def warm_up(self) -> None:
-        """Compiles every program of the grid now, before `start` (tests and benchmarks that must not
-        see a compile; a server compiles them in the background instead)."""
-        if self._thread is not None:
-            raise ServingError("Engine.warm_up: call it before start(), while no request is running")
+        """Allocates the cache and compiles (or reads from the compilation cache) every program of the
+        engine's set, a `progress` line each; `start` calls it, and does nothing more on a second call."""
         self._allocate()
-        self.compiler.prepare_all(self._example_args)
+        self.compiler.prepare(self._example_args)
+        self.metrics.hold_programs(self.compiler.held, self.compiler.memory)
 
     def stop(self, *, drain: bool = True, timeout: float | None = None) -> None:
         """Stops the threads: after finishing every queued and running request (drain), or at once."""
@@ -227,7 +217,6 @@ class Engine:
             self._wake.notify_all()
         if self._thread is not None:
             self._thread.join(timeout)
-        self.compiler.stop()
 
     def check_prompt(self, prompt: list[int], params: SamplingParams) -> None:
         """Raises GenerationError when prompt and max_tokens do not fit a slot, naming which, or a
@@ -333,16 +322,17 @@ class Engine:
     # -- programs ----------------------------------------------------------------------
 
     def _grid(self) -> dict[str, list[tuple[int, int]]]:
-        """Every (rows, window) a prefill and a decode chunk (with log-probabilities or without) may run,
-        smallest first."""
-        windows = _windows(self.max_model_len)
-        decode_rows = _powers(self.max_num_seqs)
-        prefill_rows = _powers(self.prefill_rows)
-        return {
-            "prefill": [(r, w) for w in windows for r in prefill_rows],
-            "decode": [(r, w) for w in windows for r in decode_rows],
-            "decode_logprobs": [(r, w) for w in windows for r in decode_rows],
-        }
+        """Every (rows, window) a prefill and a decode chunk may run, smallest first, over windows of
+        128, 512, 2048, ... columns up to max_model_len (`_compiler.geometric`). A decode chunk runs
+        once per token: it has row counts 1, 4, 16, ... up to the slots at every window. A prefill
+        chunk runs once per prefill_chunk prompt tokens: it has prefill_rows rows at every window,
+        and one row at the smallest (a lone short prompt, whose first token waits for it)."""
+        windows = geometric(SMALLEST_WINDOW, self.max_model_len)
+        decode_rows = geometric(1, self.max_num_seqs)
+        prefill = [(self.prefill_rows, w) for w in windows]
+        if self.prefill_rows > 1:
+            prefill.insert(0, (1, windows[0]))
+        return {"prefill": prefill, "decode": [(r, w) for w in windows for r in decode_rows]}
 
     def _allocate(self) -> None:
         if self._state is None:
@@ -502,11 +492,9 @@ class Engine:
         steps = 1 if _constrained(requests) else min(self._chunk_steps(rows), most)
         end = int(self.table.positions[active].max(initial=0)) + steps  # every column the chunk writes
         want = any(r.params.logprobs is not None for r in requests.values())
-        kind, rows, window = self.compiler.program_for("decode_logprobs" if want else "decode", rows, end)
+        _, rows, window = self.compiler.program_for("decode", rows, end)
         args = self._decode_args(active, steps, want)
-        self._state, chosen = self.compiler.programs.decode(
-            *args, decoding_rows=rows, window=window, logprobs=kind == "decode_logprobs"
-        )
+        self._state, chosen = self.compiler.programs.decode(*args, decoding_rows=rows, window=window)
         self.table.positions = np.where(active, self.table.positions + steps, self.table.positions).astype(np.int32)
         for request in requests.values():
             request.scheduled += steps
@@ -600,22 +588,7 @@ def _check_count(name: str, value) -> None:
         raise ServingError(f"Engine: {name}={value!r}; pass a whole number >= 1")
 
 
-def _powers(limit: int) -> list[int]:
-    """Powers of two below `limit`, then `limit`."""
-    return sorted({_buckets.bucket(n, smallest=1, limit=limit) for n in range(1, limit + 1)})
-
-
-SMALLEST_WINDOW = 32  # columns of the smallest window a chunk attends over
-
-
-def _windows(length: int) -> list[int]:
-    """The column counts chunks attend over: 32, 64, 128, ... below `length`, then `length` itself,
-    so a request of n tokens pays for fewer than 2n columns (and at least 32)."""
-    windows, window = [], SMALLEST_WINDOW
-    while window < length:
-        windows.append(window)
-        window *= 2
-    return [*windows, length]
+SMALLEST_WINDOW = 128  # columns of the smallest window a chunk attends over
 
 
 def _to_host(chosen: generation.Chosen, requests, steps: int) -> list[np.ndarray | None]:

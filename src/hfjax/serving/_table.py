@@ -8,17 +8,27 @@ import secrets
 import jax.numpy as jnp
 import numpy as np
 
-from .. import _buckets, generation
+from .. import generation
 from ._requests import Request
 
 
 class SlotTable:
-    """S slots: their requests, positions, cached tokens and sampling settings (host arrays)."""
+    """S slots: their requests, positions, cached tokens and sampling settings (host arrays).
+    `row_counts`: the rows a decode chunk may run (its programs' row counts), ascending, the last `slots`."""
 
     def __init__(
-        self, slots: int, *, vocab_size: int, bias_slots: int, held_slots: int, mask_words: int, prefix_reuse: bool
+        self,
+        slots: int,
+        *,
+        vocab_size: int,
+        bias_slots: int,
+        held_slots: int,
+        mask_words: int,
+        prefix_reuse: bool,
+        row_counts: list[int],
     ):
         self.slots = slots
+        self.row_counts = row_counts
         self.prefix_reuse = prefix_reuse
         self.requests: list[Request | None] = [None] * slots
         self.cached: list[list[int]] = [[] for _ in range(slots)]  # token ids whose keys each row holds
@@ -47,8 +57,8 @@ class SlotTable:
 
     def decode_rows(self, highest: int) -> int:
         """The rows a decode chunk runs while `highest` is the highest slot in it: slots 0..highest,
-        in buckets of powers of two (the chunk's programs are compiled per bucket)."""
-        return _buckets.bucket(highest + 1, smallest=1, limit=self.slots)
+        in the buckets of `row_counts` (the chunk's programs are compiled per bucket)."""
+        return next(rows for rows in self.row_counts if rows > highest)
 
     def assign(self, request: Request) -> int:
         """Puts `request` in the lowest free slot (low slots keep decode chunks small: a chunk runs

@@ -1,0 +1,109 @@
+"""`hfjax serve` compiles every program it runs before /health answers: a mixed load after it (prompt
+lengths up to max_model_len, 1 to more than the slots' concurrent clients, n, logprobs, stop strings,
+streams, chat and completions) compiles nothing, counted by the server's own /metrics."""
+
+from __future__ import annotations
+
+import concurrent.futures
+
+import numpy as np
+import pytest
+
+import background
+from hfjax import testing
+
+pytest.importorskip("fastapi", reason="the serve extra is not installed: pip install 'hfjax[serve]'")
+openai = pytest.importorskip("openai", reason="the openai client is a test dependency: pip install openai")
+httpx = pytest.importorskip("httpx", reason="httpx is a test dependency: pip install httpx")
+prometheus_parser = pytest.importorskip(
+    "prometheus_client.parser", reason="the serve extra is not installed: pip install 'hfjax[serve]'"
+)
+
+NAME, SLOTS, LENGTH = "tiny-llama", 6, 256  # windows of 128 and 256 columns; decode rows 1 and 6
+SERVERS = background.Servers("hfjax-serve-programs-test-")
+
+
+def start_in_background() -> None:
+    if SERVERS.started:
+        return
+    llama = testing.save_tiny_checkpoint("llama", SERVERS.directory / "llama")
+    SERVERS.launch(
+        "main", llama, "--served-model-name", NAME, "--max-model-len", str(LENGTH), "--max-num-seqs", str(SLOTS)
+    )
+
+
+@pytest.fixture(scope="module")
+def url():
+    start_in_background()
+    yield SERVERS.wait()["main"]
+    SERVERS.stop()
+
+
+def _metric(url: str, name: str) -> float:
+    families = prometheus_parser.text_string_to_metric_families(httpx.get(url + "/metrics").text)
+    return next(s.value for family in families for s in family.samples if s.name == name)
+
+
+def _ids(length: int, seed: int) -> list[int]:
+    return np.random.default_rng(seed).integers(5, 400, length).tolist()
+
+
+def _requests(client) -> list:
+    """Calls of every kind, each returning (finish reasons, completion tokens)."""
+    calls = []
+    for i, length in enumerate((3, 20, 60, 127, 129, 200, LENGTH - 20)):
+        budget = min(16, LENGTH - length)
+        completion = dict(model=NAME, prompt=_ids(length, i), max_tokens=budget, temperature=(0, 0.8)[i % 2])
+        if i % 3 == 0:
+            completion.update(logprobs=3)
+        if i % 3 == 1:
+            completion.update(n=3, seed=i)
+        if i % 2:
+            completion.update(stop=["w", "e"])
+
+        def complete(completion=completion, stream=i % 2 == 1):
+            if not stream:
+                answer = client.completions.create(**completion)
+                return [c.finish_reason for c in answer.choices], answer.usage.completion_tokens
+            chunks = list(client.completions.create(stream=True, stream_options={"include_usage": True}, **completion))
+            reasons = [c.finish_reason for chunk in chunks for c in chunk.choices if c.finish_reason]
+            return reasons, chunks[-1].usage.completion_tokens
+
+        calls.append(complete)
+    for i in range(4):
+        words = " ".join(["Tell me about the river and the mill"] * (1 + 4 * i))
+        chat = dict(model=NAME, messages=[{"role": "user", "content": words}], max_tokens=12, temperature=0)
+        if i % 2:
+            chat.update(logprobs=True, top_logprobs=5, n=2, stop=["the"])
+
+        def talk(chat=chat, stream=i >= 2):
+            if not stream:
+                answer = client.chat.completions.create(**chat)
+                return [c.finish_reason for c in answer.choices], answer.usage.completion_tokens
+            chunks = list(client.chat.completions.create(stream=True, stream_options={"include_usage": True}, **chat))
+            reasons = [c.finish_reason for chunk in chunks for c in chunk.choices if c.finish_reason]
+            return reasons, chunks[-1].usage.completion_tokens
+
+        calls.append(talk)
+    return calls
+
+
+def test_a_mixed_load_after_health_compiles_nothing(url):
+    client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
+    before = _metric(url, "hfjax_compilations_total")
+    assert before >= _metric(url, "hfjax_programs_held")  # the count holds the programs' own compiles
+    calls = _requests(client)
+    results = [call() for call in calls]  # one client
+    for clients in (2, SLOTS, 2 * SLOTS):  # up to the slots, and more (a queue)
+        with concurrent.futures.ThreadPoolExecutor(clients) as pool:
+            results += list(pool.map(lambda call: call(), calls * (1 + clients // len(calls))))
+    assert all(reasons and set(reasons) <= {"stop", "length"} and tokens > 0 for reasons, tokens in results)
+    assert _metric(url, "hfjax_compilations_total") == before
+
+
+def test_metrics_report_the_programs_held_and_their_memory(url):
+    # 3 prefill programs (4 rows over 128 and 256 columns, one row over 128) and 4 decode programs
+    # (1 and 6 rows over each window)
+    assert _metric(url, "hfjax_programs_held") == 3 + 4
+    assert _metric(url, "hfjax_programs_memory_bytes") > 0
+    assert "compiled the decode program for 6 rows x 256 columns" in SERVERS.log("main")
