@@ -1,6 +1,7 @@
 """`hfjax serve` compiles every program it runs before /health answers: a mixed load after it (prompt
 lengths up to max_model_len, 1 to more than the slots' concurrent clients, n, logprobs, stop strings,
-streams, chat and completions) compiles nothing, counted by the server's own /metrics."""
+structured outputs, streams, chat and completions) compiles nothing, counted by the server's own
+/metrics."""
 
 from __future__ import annotations
 
@@ -75,6 +76,10 @@ def _requests(client) -> list:
         chat = dict(model=NAME, messages=[{"role": "user", "content": words}], max_tokens=12, temperature=0)
         if i % 2:
             chat.update(logprobs=True, top_logprobs=5, n=2, stop=["the"])
+        if i == 1:  # structured outputs: each token's mask comes from the host, into the same programs
+            chat.update(extra_body={"structured_outputs": {"choice": ["river", "mill", "sea"]}})
+        if i == 2:
+            chat.update(response_format={"type": "json_object"})
 
         def talk(chat=chat, stream=i >= 2):
             if not stream:
