@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 import shutil
 import threading
 
@@ -746,3 +747,22 @@ def test_a_stop_string_ends_the_answer_at_the_token_where_it_ends(model, engine)
     assert ended.token_ids == alone.token_ids[:count] and ended.completion_tokens == count
     assert len(ended.logprobs) == len(ended.pieces) == count and ended.finish_reason == "stop"
     assert ended.text == alone.text[: alone.text.index(stop)]
+
+
+def test_constrained_rows_sent_ahead_choose_generates_tokens(model, engine, monkeypatch):
+    # Model.generate steps a constraint one token per call, each mask filled before the next call; the
+    # engine sends a constrained chunk ahead once the matchers took in the last one's tokens.
+    calls = _Calls(engine, monkeypatch)
+    regex = r"[a-z]{2,8}( [a-z]{2,8}){3,6}\."
+    ids = _ids(model, PROMPTS[:3])
+    got = engine.generate(
+        ids, SamplingParams(max_tokens=40, temperature=0, constraint=generation.Constraint.regex(regex))
+    )
+    for prompt, event in zip(ids, got):
+        padded = np.array([prompt], np.int32)
+        want = np.asarray(model.generate(padded, max_new_tokens=40, do_sample=False, regex=regex))[0, len(prompt) :]
+        want = want.tolist()
+        assert event.token_ids == (want[: want.index(_tokenizer.EOS_ID)] if _tokenizer.EOS_ID in want else want)
+        assert re.fullmatch(regex, event.text) and event.finish_reason == "stop"
+    order = [entry[0] for entry in calls.log if entry[0] in ("decode", "event")]
+    assert any(a == b == "decode" for a, b in zip(order, order[1:])), calls.log  # sent before the last one's events

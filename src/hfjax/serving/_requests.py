@@ -219,6 +219,9 @@ class Request:
     ):
         self.prompt = prompt
         self.matcher = matcher  # where the answer is constrained: its place in the grammar
+        # A constrained request's next token taken in by its matcher before delivery (`Engine._advance`):
+        # whether the grammar allowed it; None where nothing was taken in ahead.
+        self.advanced: bool | None = None
         self.params = params
         self.settings = settings
         self.listener = listener

@@ -11,8 +11,9 @@ A request may be constrained (structured outputs, `SamplingParams.constraint`): 
 a bitmask of the tokens its grammar allows next, which the token choice applies on the device. The
 host's matcher (`generation.Grammars`) fills it at admission, for the token the prefill's last chunk
 chooses, and after each token it takes in; so while a decoding row is constrained, a decode chunk
-runs one step and is delivered before the next one goes. The answer ends ("stop") where its grammar
-is complete.
+runs one step. While only decoding goes on, the matchers take in a chunk's tokens and fill the next
+masks as soon as it is done, the next chunk goes, and the text and events of the first are made
+while the device runs it. The answer ends ("stop") where its grammar is complete.
 
 The device side is generation's slot core (`generation.SlotModel`, `SlotPrograms`): a chunk
 attends over the fewest columns that hold its rows (windows of 128, 512, 2048, ... columns, the
@@ -53,6 +54,7 @@ class _Chunk:
     requests: dict[int, Request]  # slot -> the request decoding there when it was dispatched
     steps: int
     chosen: generation.Chosen  # token [rows, K], logprob [rows, K], top ids and logprobs [rows, K, 20]
+    host: list[np.ndarray | None] | None = None  # `chosen` on the host, where `_advance` waited for it
 
 
 class Engine:
@@ -382,7 +384,11 @@ class Engine:
                     # host's work on them (text, events, the server's sends) overlaps its compute.
                     # Not while a request waits, reads its prompt or left, nor around a slot that
                     # frees: a new request would wait for that chunk too.
-                    ahead = self._dispatch() if self._steady(chunk) else None
+                    ahead = None
+                    if self._steady(chunk):
+                        if _constrained(chunk.requests):  # the next masks need this chunk's tokens
+                            self._advance(chunk)
+                        ahead = self._dispatch()
                     self._collect(chunk)
                     chunk = ahead
         except BaseException as error:  # noqa: BLE001 (handed to every waiting caller)
@@ -393,16 +399,15 @@ class Engine:
             raise
 
     def _steady(self, chunk: _Chunk) -> bool:
-        """Whether the next decode chunk can go before `chunk` is delivered (see `_run`): not where a
-        constrained row's next mask needs this chunk's token."""
+        """Whether the next decode chunk can go before `chunk` is delivered (see `_run`); where a row
+        is constrained, once its matcher has taken in this chunk's token (`_advance`)."""
         if not self._only_decoding() or self._stopping or self._since_freed < 2:
             return False  # (a slot freed by the chunk before: its client's next request is likely on its way)
         if any(r is not None and r.cancelled for r in self.table.requests):
             return False
         if any(r.scheduled >= r.settings.max_new_tokens for r in chunk.requests.values()):
             return False
-        decoding = self.table.decoding()
-        return bool(decoding) and not _constrained(decoding)
+        return bool(self.table.decoding())
 
     def _only_decoding(self) -> bool:
         """Nothing waits for a slot and no slot reads its prompt."""
@@ -502,10 +507,25 @@ class Engine:
         self._unclaimed = 0
         return _Chunk(requests, steps, chosen)
 
+    def _advance(self, chunk: _Chunk) -> None:
+        """Waits for a one-step chunk of constrained rows and has each constrained request's matcher
+        take in its token and fill the slot's mask for the next one, before the next chunk goes; its
+        text and events follow in `_collect`, while the device runs that chunk. A token that ends the
+        answer (EOS, a stop token) is left to `_deliver`."""
+        chunk.host = _to_host(chunk.chosen, chunk.requests.values(), chunk.steps)
+        tokens = chunk.host[0]
+        for slot, request in chunk.requests.items():
+            token = int(tokens[slot, 0])
+            if request.matcher is None or request.finished or request.cancelled or request.stops_at(token):
+                continue
+            request.advanced = request.matcher.consume(token)
+            if request.advanced and not request.matcher.stopped:
+                self.table.constrain(request)
+
     def _collect(self, chunk: _Chunk) -> None:
         """Waits for a dispatched chunk and hands its tokens to the requests still in their slots (one
         that finished or left since gets nothing more)."""
-        chosen = _to_host(chunk.chosen, chunk.requests.values(), chunk.steps)  # [rows, steps] ...
+        chosen = chunk.host or _to_host(chunk.chosen, chunk.requests.values(), chunk.steps)  # [rows, steps] ...
         with self._lock:
             for slot, request in chunk.requests.items():
                 if self.table.requests[slot] is request and not request.finished and not request.cancelled:
@@ -536,7 +556,7 @@ class Engine:
         else:
             self.metrics.inter_token_latency.observe((now - request.last_token_time) / count, count)
         request.last_token_time = now
-        reason, eos = None, None
+        reason, eos, advanced = None, None, None
         kept, pieces = [], []
         before = request.generated
         for t in range(count):  # token by token: the answer ends at the token where a stop string ends
@@ -546,7 +566,8 @@ class Engine:
                 reason, eos = "stop", t
                 break
             kept.append(t)
-            if request.matcher is not None and not request.matcher.consume(token):
+            advanced, request.advanced = request.advanced, None
+            if request.matcher is not None and not (request.matcher.consume(token) if advanced is None else advanced):
                 reason = "error"  # the mask allowed it: the grammar and the mask disagree
                 break
             piece, stopped = request.text.add([token])
@@ -569,7 +590,7 @@ class Engine:
                 )
                 for t in kept + ([] if eos is None else [eos])
             ]  # fmt: skip
-        if reason is None and request.matcher is not None:
+        if reason is None and request.matcher is not None and advanced is None:
             self.table.constrain(request)
         tail = request.text.rest() if reason is not None else ""
         event = Event(ids, pieces, logprobs, reason, len(request.prompt), request.generated, tail, eos is not None)

@@ -119,7 +119,8 @@ class DeviceCopies:
     def __call__(self, name: str, host: np.ndarray):
         kept = self._sent.get(name)
         if kept is None or kept[0].shape != np.shape(host) or not np.array_equal(kept[0], host):
-            kept = self._sent[name] = (np.array(host, copy=True), jnp.asarray(host))
+            copy = np.array(host, copy=True)  # (the device array may share its memory: never changed)
+            kept = self._sent[name] = (copy, jnp.asarray(copy))
         return kept[1]
 
 
