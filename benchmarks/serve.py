@@ -19,6 +19,11 @@ median over pairs (this machine's speed drifts within seconds).
     python benchmarks/serve.py --quick          # 20m, ready and steady, concurrency 1 and 16
     python benchmarks/serve.py                  # 20m, ready and steady, concurrency 1, 4, 16
     python benchmarks/serve.py --concurrency    # ready and steady only
+    python benchmarks/serve.py --concurrency --servers hfjax hfjax-warm transformers   # a first and a second start
+    python benchmarks/serve.py --concurrency --context 8192 --mixed-prompts 32 4000 --servers hfjax transformers
+
+hfjax servers start from a compilation cache of their own, empty at the run's first start (`--cache
+user`: the user's cache); hfjax-warm is the same server started again, reading its programs back.
 
 Reported per server and level: output tokens/s and requests/s over the level's wall time, time to
 first token p50/p99, and inter-token latency p50/p99 (per request: (last token - first token) /
@@ -53,13 +58,13 @@ def log(message: str) -> None:
     print(message, file=sys.stderr, flush=True)
 
 
-def write_checkpoint(size: str, path: pathlib.Path) -> pathlib.Path:
+def write_checkpoint(size: str, path: pathlib.Path, context: int = 2048) -> pathlib.Path:
     import tokenizers
     import transformers
 
     from hfjax import testing
 
-    testing.save_tiny_checkpoint("llama", path, dtype="float32", max_position_embeddings=2048, **SIZES[size])
+    testing.save_tiny_checkpoint("llama", path, dtype="float32", max_position_embeddings=context, **SIZES[size])
     vocab = {"<pad>": 0, "<s>": 1, "</s>": 2, **{f"w{i}": i for i in range(3, SIZES[size]["vocab_size"])}}
     words = tokenizers.Tokenizer(tokenizers.models.WordLevel(vocab, unk_token="<pad>"))
     words.pre_tokenizer = tokenizers.pre_tokenizers.WhitespaceSplit()
@@ -81,14 +86,20 @@ def free_port() -> int:
 # hfjax serve's flags per configuration: the defaults, and the tuned second row.
 HFJAX_CONFIGS = {
     "hfjax": (),
+    "hfjax-warm": (),  # the same server started again: its programs read from the compilation cache
     "hfjax-tuned": ("--max-batch", "16", "--max-model-len", "256", "--prefill-chunk", "32", "--prefill-rows", "8"),
 }
+
+
+CACHE_DIR: pathlib.Path | None = None  # the hfjax servers' HFJAX_CACHE_DIR (`--cache empty`), else theirs
 
 
 def start_server(
     kind: str, checkpoint: pathlib.Path, port: int, logs: pathlib.Path, flags=(), torch_device: str = "cpu"
 ) -> subprocess.Popen:
     env = {**os.environ, "OMP_WAIT_POLICY": "PASSIVE"}
+    if kind in HFJAX_CONFIGS and CACHE_DIR is not None:
+        env["HFJAX_CACHE_DIR"] = str(CACHE_DIR)
     if kind in HFJAX_CONFIGS:
         argv = [
             sys.executable, "-m", "hfjax.cli", "serve", "--model", str(checkpoint), "--port", str(port),
@@ -153,8 +164,11 @@ async def one_request(http, url: str, model: str, prompt: str, new_tokens: int) 
     }
 
 
-def prompt_text(index: int, tokens: int, prefix: int = 0) -> str:
-    """Request `index`'s prompt: `prefix` words every request shares, then words of its own."""
+def prompt_text(index: int, tokens: int | range, prefix: int = 0) -> str:
+    """Request `index`'s prompt: `prefix` words every request shares, then words of its own; `tokens`
+    words in all, or where it is a range, a length of it drawn from the index (mixed lengths)."""
+    if isinstance(tokens, range):
+        tokens = tokens[(7919 * index) % len(tokens)]
     shared = [f"w{3 + (11 * i) % 997}" for i in range(prefix)]
     own = [f"w{3 + (7 * i + 131 * index) % 30000}" for i in range(tokens - prefix)]
     return " ".join(shared + own)
@@ -392,6 +406,16 @@ def main() -> None:
     parser.add_argument("--ready-requests", type=int, default=64, help="requests of the ready and steady rows")
     parser.add_argument("--clients", nargs="+", default=["async", "openai"], choices=["async", "openai"])
     parser.add_argument("--prompt-tokens", type=int, default=32)
+    parser.add_argument(
+        "--mixed-prompts", type=int, nargs=2, metavar=("LOW", "HIGH"),
+        help="prompts of mixed lengths, LOW to HIGH tokens, in place of --prompt-tokens (no shared-prefix level)",
+    )  # fmt: skip
+    parser.add_argument("--context", type=int, default=2048, help="the checkpoint's max_position_embeddings")
+    parser.add_argument(
+        "--cache", choices=["empty", "user"], default="empty",
+        help="hfjax servers' compilation cache: a new, empty one for this run (the first start is a user's "
+        "first; hfjax-warm is the second), or the user's (HFJAX_CACHE_DIR, ~/.cache/hfjax)",
+    )  # fmt: skip
     parser.add_argument("--new-tokens", type=int, default=32)
     parser.add_argument("--requests-per-client", type=int, default=4)
     parser.add_argument("--min-requests", type=int, default=8)
@@ -402,7 +426,7 @@ def main() -> None:
     )  # fmt: skip
     parser.add_argument(
         "--servers", nargs="+", default=["hfjax", "hfjax-tuned", "transformers"],
-        choices=["hfjax", "hfjax-tuned", "transformers"],
+        choices=["hfjax", "hfjax-warm", "hfjax-tuned", "transformers"],
     )  # fmt: skip
     parser.add_argument(
         "--pairs", type=int, default=16,
@@ -415,15 +439,22 @@ def main() -> None:
     args = parser.parse_args()
     if args.quick:
         args.concurrency = [1, 16]
+    if args.mixed_prompts:
+        args.prompt_tokens, args.prefix_tokens = range(args.mixed_prompts[0], args.mixed_prompts[1] + 1), 0
     work = pathlib.Path(tempfile.mkdtemp(prefix="hfjax-bench-serve-"))
+    global CACHE_DIR
+    CACHE_DIR = work / "compilation-cache" if args.cache == "empty" else None
     try:
-        checkpoint = write_checkpoint(args.size, work / args.size)
+        checkpoint = write_checkpoint(args.size, work / args.size, args.context)
         report = {
-            "size": args.size, "dtype": "float32", "context": 2048, "prompt_tokens": args.prompt_tokens,
+            "size": args.size, "dtype": "float32", "context": args.context, "prompt_tokens": str(args.prompt_tokens),
+            "compilation_cache": args.cache,
             "new_tokens": args.new_tokens, "hfjax_tuned_flags": " ".join(HFJAX_CONFIGS["hfjax-tuned"]), "servers": {},
         }  # fmt: skip
-        log("Model.generate at batch 1 (the concurrency-1 reference) ...")
-        reference = GenerateReference(checkpoint, prompt_text(0, args.prompt_tokens), args.new_tokens)
+        reference = None  # (prompts of mixed lengths: no one prompt to pair Model.generate's with)
+        if not args.mixed_prompts:
+            log("Model.generate at batch 1 (the concurrency-1 reference) ...")
+            reference = GenerateReference(checkpoint, prompt_text(0, args.prompt_tokens), args.new_tokens)
         for kind in args.servers:
             paired = reference if kind == "hfjax" else None
             report["servers"][kind] = asyncio.run(bench_server(kind, checkpoint, args, work, reference=paired))
@@ -436,7 +467,8 @@ def main() -> None:
             report["hfjax_shared_prefix_ttft_p50_saved_s"] = (
                 without["shared_prefix"]["ttft_p50_s"] - with_reuse["ttft_p50_s"]
             )
-        report["model_generate_batch_1"] = reference.report()
+        if reference is not None:
+            report["model_generate_batch_1"] = reference.report()
 
         def level(kind, client, concurrency):
             for entry in report["servers"].get(kind, {}).get("levels", []):
@@ -445,7 +477,7 @@ def main() -> None:
             return None
 
         ratios = {}
-        for kind in ("hfjax", "hfjax-tuned"):
+        for kind in ("hfjax", "hfjax-warm", "hfjax-tuned"):
             for row in ("ready", "steady"):
                 for ours, theirs in zip(
                     report["servers"].get(kind, {}).get(row, []), report["servers"].get("transformers", {}).get(row, [])
@@ -463,7 +495,7 @@ def main() -> None:
                             "ttft_p99_s": [ours["ttft_p99_s"], theirs["ttft_p99_s"]],
                         }
         report["over_transformers"] = ratios
-        if "hfjax_taking_turns" in report["model_generate_batch_1"]:
+        if "hfjax_taking_turns" in report.get("model_generate_batch_1", {}):
             report["hfjax_c1_over_generate"] = report["model_generate_batch_1"]["hfjax_taking_turns"][
                 "over_generate_median_of_pairs"
             ]
