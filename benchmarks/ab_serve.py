@@ -29,12 +29,29 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import time
 
 sys.path.insert(0, str(pathlib.Path(__file__).parent))
 import ab  # noqa: E402
 import serve  # noqa: E402
 
 KEYS = ("output_tokens_per_s", "ttft_p50_s", "ttft_p99_s", "itl_p50_s", "itl_p99_s")
+
+
+async def wait_compiled(url: str, timeout: float = 900) -> None:
+    """Waits until a server of a revision that compiled in the background has compiled all it wants
+    (its /metrics' hfjax_programs_pending is 0); one that compiles all before it listens has no such gauge."""
+    import httpx
+
+    deadline = time.monotonic() + timeout
+    async with httpx.AsyncClient() as http:
+        while time.monotonic() < deadline:
+            text = (await http.get(url + "/metrics", timeout=5)).text
+            pending = [line for line in text.splitlines() if line.startswith("hfjax_programs_pending ")]
+            if not pending or float(pending[0].split()[1]) == 0:
+                return
+            await asyncio.sleep(1)
+    raise RuntimeError(f"{url} still compiled after {timeout} s")
 
 
 async def run(args, checkpoint: pathlib.Path, work: pathlib.Path, sides: dict) -> dict:
@@ -55,7 +72,7 @@ async def run(args, checkpoint: pathlib.Path, work: pathlib.Path, sides: dict) -
                 os.environ.update(saved)
             servers[name] = (url, process)
             await serve.wait_up(url, process)
-            await serve.wait_compiled(url)
+            await wait_compiled(url)
             await serve.run_level(url, "bench", args.prompt_tokens, args.new_tokens, 1, 2)  # first requests
             await serve.run_level(url, "bench", args.prompt_tokens, args.new_tokens, args.concurrency, args.concurrency)
         levels = {"A": [], "B": []}
