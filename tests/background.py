@@ -2,7 +2,7 @@
 the rest of it (one test process rarely keeps both of the suite's 2 cores busy).
 
 `free_port()` and `wait_until_healthy(...)` wait for a server process; `Servers` starts, waits for
-and stops a module's `hfjax serve` processes.
+and stops a module's `hfjax serve` processes; `openai_400` reads a server's 400 in OpenAI's shape.
 
 A module defines `start_in_background()`, which conftest.py calls once after collection, and
 which calls `start(name, argv, seconds=...)` for each of its jobs; a test then calls
@@ -198,3 +198,13 @@ class Servers:
             server["log"].close()
         if self._directory is not None:
             shutil.rmtree(self._directory, ignore_errors=True)
+
+
+def openai_400(answer, param: str) -> str:
+    """The message of `answer` (an httpx response), checked to be a 400 in OpenAI's error shape whose
+    `param` is `param` and whose message names it."""
+    assert answer.status_code == 400, answer.text
+    error = answer.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"} and error["type"] == "invalid_request_error"
+    assert error["param"] == param and param.split(".")[0].split("[")[0] in error["message"], error
+    return error["message"]

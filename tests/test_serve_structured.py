@@ -204,14 +204,6 @@ def test_a_streamed_answer_validates(client):
         jsonschema.validate(json.loads(text), SCHEMA)
 
 
-def _openai_400(answer: httpx.Response, param: str) -> str:
-    assert answer.status_code == 400, answer.text
-    error = answer.json()["error"]
-    assert set(error) == {"message", "type", "param", "code"} and error["type"] == "invalid_request_error"
-    assert error["param"] == param, error
-    return error["message"]
-
-
 @pytest.mark.parametrize(
     "field, value, new",
     [
@@ -225,7 +217,7 @@ def _openai_400(answer: httpx.Response, param: str) -> str:
 def test_the_removed_guided_fields_name_the_new_one(servers, field, value, new, path):
     body = {"model": NAME, "max_tokens": 4, field: value}
     body.update({"messages": ASK} if "chat" in path else {"prompt": "Hi"})
-    message = _openai_400(httpx.post(servers["main"] + path, json=body, timeout=60), field)
+    message = background.openai_400(httpx.post(servers["main"] + path, json=body, timeout=60), field)
     assert new in message
 
 
@@ -244,7 +236,7 @@ def test_the_removed_guided_fields_name_the_new_one(servers, field, value, new, 
 )  # fmt: skip
 def test_a_constraint_the_engine_cannot_use_is_a_400_naming_the_field(servers, fields, param, says):
     body = {"model": NAME, "max_tokens": 4, "messages": ASK, **fields}
-    message = _openai_400(httpx.post(servers["main"] + "/v1/chat/completions", json=body, timeout=60), param)
+    message = background.openai_400(httpx.post(servers["main"] + "/v1/chat/completions", json=body, timeout=60), param)
     assert says in message
 
 

@@ -150,14 +150,6 @@ def _post(url: str, body) -> httpx.Response:
     return httpx.post(url, json=body, timeout=120)
 
 
-def _openai_400(answer: httpx.Response, param: str) -> str:
-    assert answer.status_code == 400, answer.text
-    error = answer.json()["error"]
-    assert set(error) == {"message", "type", "param", "code"} and error["type"] == "invalid_request_error"
-    assert error["param"] == param, error
-    return error["message"]
-
-
 # ------------------------------------------------------------------ the parsers, on their models' formats
 
 # (parser, answer, content, calls): calls None where the answer is content (no call, or a malformed one).
@@ -332,7 +324,7 @@ def test_a_conversation_with_tool_results_renders_through_the_template(servers, 
 def test_auto_tool_choice_needs_the_servers_flags(servers):
     url = servers["manual"] + "/v1/chat/completions"
     for body in ({"tools": TOOLS, "tool_choice": "auto"}, {"tools": TOOLS}):  # "auto" is the default with tools
-        message = _openai_400(_post(url, {"model": NAME, "messages": ASK, **body}), "tool_choice")
+        message = background.openai_400(_post(url, {"model": NAME, "messages": ASK, **body}), "tool_choice")
         assert '"auto" tool choice requires --enable-auto-tool-choice and --tool-call-parser' in message
 
 
@@ -362,7 +354,7 @@ def test_auto_tool_choice_needs_the_servers_flags(servers):
 )  # fmt: skip
 def test_bad_tool_fields_answer_400_naming_the_field(servers, body, param, says):
     answer = _post(servers["tools"] + "/v1/chat/completions", {"model": NAME, "messages": ASK, **body})
-    assert says in _openai_400(answer, param)
+    assert says in background.openai_400(answer, param)
 
 
 # Arguments a forced tool_choice holds the answer to: bounded, so that answers at temperature 1 end.

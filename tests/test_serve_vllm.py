@@ -90,14 +90,6 @@ def _post(url: str, body) -> httpx.Response:
     return httpx.post(url, json=body, timeout=120)
 
 
-def _openai_400(answer: httpx.Response, param: str) -> dict:
-    assert answer.status_code == 400, answer.text
-    error = answer.json()["error"]
-    assert set(error) == {"message", "type", "param", "code"} and error["type"] == "invalid_request_error"
-    assert error["param"] == param and param.split(".")[0] in error["message"], error
-    return error
-
-
 CHAT = [{"role": "user", "content": "Tell me about the river"}]
 
 
@@ -119,7 +111,7 @@ def test_chat_template_kwargs_reach_the_chat_template(servers, client, tokenizer
     assert plain.usage.prompt_tokens == len(tokenizer(plain_text, add_special_tokens=False)["input_ids"]) < len(ids)
     url = servers["chat"] + "/v1/chat/completions"
     for kwargs in ("enable_thinking=false", ["enable_thinking"], {"tokenize": True}):
-        _openai_400(
+        background.openai_400(
             _post(url, {"model": NAME, "messages": CHAT, "chat_template_kwargs": kwargs}), "chat_template_kwargs"
         )
 
@@ -162,7 +154,7 @@ def test_tokenize_and_detokenize_answer_as_the_tokenizer(servers, tokenizer):
         ("/detokenize", {"tokens": [len(tokenizer)]}, "tokens"),
         ("/detokenize", {"tokens": "1 2"}, "tokens"),
     ]:
-        _openai_400(_post(url + path, body), param)
+        background.openai_400(_post(url + path, body), param)
 
 
 def test_version_and_one_models_entry(servers, client):
@@ -197,10 +189,10 @@ def test_dimensions_truncate_a_matryoshka_models_embeddings_and_normalise_them(s
         np.testing.assert_allclose(got, want, atol=tolerance.atol, err_msg=tolerance.why)
     url = servers["encoder"] + "/v1/embeddings"
     for dimensions in (24, 0, "16"):
-        _openai_400(_post(url, {"model": ENCODER, "input": texts, "dimensions": dimensions}), "dimensions")
-    error = _openai_400(_post(servers["chat"] + "/v1/embeddings", {"model": NAME, "input": texts, "dimensions": 8}),
+        background.openai_400(_post(url, {"model": ENCODER, "input": texts, "dimensions": dimensions}), "dimensions")
+    message = background.openai_400(_post(servers["chat"] + "/v1/embeddings", {"model": NAME, "input": texts, "dimensions": 8}),
                         "dimensions")  # fmt: skip
-    assert "Matryoshka" in error["message"]
+    assert "Matryoshka" in message
     assert "INFO:" not in SERVERS.log("encoder"), "--uvicorn-log-level warning: no access or start-up lines"
 
 

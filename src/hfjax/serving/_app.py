@@ -268,7 +268,8 @@ def build_app(
             try:
                 await loop.run_in_executor(None, lambda: running.grammars().compile(generation.constraint))
             except ConstraintError as error:
-                raise _protocol.invalid(generation.constraint_field, str(error)) from None
+                field = generation.constraint_field
+                raise _protocol.invalid(field, f"{field}: {error}") from None
         events: asyncio.Queue[tuple[int, Event]] = asyncio.Queue()
         submitted = []
         try:

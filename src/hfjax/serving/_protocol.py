@@ -449,7 +449,9 @@ def _constrained(generation: Generation, body: dict) -> Generation:
         try:
             constraint, field = Constraint.json_schema(forced), "tools"
         except GenerationError as error:
-            raise invalid("tools", f"a function's parameters: {error}") from None
+            raise invalid(
+                "tools", f"tools: a function's parameters are not a schema the engine takes: {error}"
+            ) from None
     if constraint is None:
         return generation
     params = [dataclasses.replace(p, constraint=constraint) for p in generation.params]

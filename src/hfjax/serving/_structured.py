@@ -59,7 +59,7 @@ def constraint_of(body: dict) -> tuple[generation.Constraint | None, str | None]
     try:
         constraint = read(body[field])
     except generation.ConstraintError as error:
-        raise FieldError(field, str(error)) from None
+        raise FieldError(field, f"{field}: {error}") from None
     return constraint, field
 
 
