@@ -255,7 +255,8 @@ class SlotRuns:
                         f"({matcher.error}); report it with this message"
                     )
             matcher.fill(allowed[row])  # (a complete grammar allows EOS alone)
-        return dataclasses.replace(sampling, allowed=self._to_device(allowed))
+        # (a copy: on the CPU the device array may share the host's memory, which the next step rewrites)
+        return dataclasses.replace(sampling, allowed=self._to_device(allowed.copy()))
 
     def _to_device(self, tree):
         """Host arrays for the programs, in one call (a few milliseconds less per call than one each); on
