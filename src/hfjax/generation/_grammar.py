@@ -140,6 +140,11 @@ def constraint_of(arguments: dict) -> Constraint | None:
     return getattr(Constraint, name)(value)
 
 
+def bitmask_words(size: int) -> int:
+    """int32 words of a bitmask row over `size` tokens (32 tokens a word)."""
+    return (size + 31) // 32
+
+
 def _llguidance():
     try:
         import llguidance
@@ -162,7 +167,7 @@ class Grammars:
         if not eos_token_ids:
             raise ConstraintError("structured outputs need an EOS token to end the answer; the tokenizer has none")
         self.vocab_size = vocab_size
-        self.words = (vocab_size + 31) // 32  # int32 words of a bitmask row
+        self.words = bitmask_words(vocab_size)
         self.tokenizer_size = len(tokenizer)
         try:
             self._tokenizer = llguidance.hf.from_tokenizer(
@@ -207,7 +212,7 @@ class Matcher:
     def __init__(self, matcher, grammars: Grammars):
         self._matcher = matcher
         self._fill = _llguidance().numpy.fill_next_token_bitmask
-        self._words = (grammars.tokenizer_size + 31) // 32
+        self._words = bitmask_words(grammars.tokenizer_size)
         self._scratch = np.zeros((1, self._words), np.int32)  # llguidance's width: the tokenizer's
         self._shared = min(self._words, grammars.words)
 

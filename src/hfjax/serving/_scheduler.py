@@ -146,7 +146,7 @@ class Engine:
             generation.SamplingFeatures.every(),
             held_slots=len(checkpoint.eos_token_ids) + generation.MAX_HELD_STOP_TOKENS,
             history=checkpoint.history_rules(),
-            mask_words=(vocab_size + 31) // 32,
+            mask_words=generation.bitmask_words(vocab_size),
         )
         if self.features.history is not None and self.features.history.reads_tokens:
             prefix_reuse = False  # a reused prefix's tokens are not read again into the row's history
