@@ -11,7 +11,7 @@ import transformers
 
 import background
 import hfjax
-from hfjax import bridge, quantization, testing, tolerances
+from hfjax import bridge, quantization, testing, tolerances, training
 
 peft = pytest.importorskip("peft", reason="peft adapters need the `train` extra (peft)")
 
@@ -209,5 +209,7 @@ def test_adapters_that_cannot_be_served_are_refused_by_name(base, adapters, tmp_
         model.generate(np.asarray([[1, 2, 3]]), max_new_tokens=2, adapter="other")
     with pytest.raises(hfjax.GenerationError, match=r"adapter= holds 2 names for 1 prompts"):
         model.generate(np.asarray([[1, 2, 3]]), max_new_tokens=2, adapter=["small", None])
+    with pytest.raises(hfjax.TrainingError, match=r"holds LoRA adapters beside its weights \(small loaded"):
+        hfjax.Trainer(model, training.sgd(0.1))
     with pytest.raises(hfjax.LoadError, match=r"target_modules=\['nope'\] names none of the model's linear layers"):
         model.reserve_adapters(target_modules=["nope"])
