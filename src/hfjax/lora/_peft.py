@@ -58,6 +58,14 @@ def read_adapter(path, *, caller: str) -> PeftAdapter:
         "use_dora": "DoRA (use_dora=True)",
         "modules_to_save": f"whole modules saved beside the adapter (modules_to_save={config.get('modules_to_save')})",
         "lora_bias": "trained biases of lora_B (lora_bias=True)",
+        "alora_invocation_tokens": "an activated LoRA (alora_invocation_tokens)",
+        "layer_replication": "replicated layers (layer_replication)",
+        "target_parameters": "LoRA on parameters rather than layers (target_parameters)",
+        "trainable_token_indices": "trained embedding rows (trainable_token_indices)",
+        "use_qalora": "QALoRA's pooled inputs (use_qalora=True)",
+        "use_bdlora": "block-diagonal factors (use_bdlora)",
+        "arrow_config": "Arrow's routing between adapters (arrow_config)",
+        "monteclora_config": "MonteCLoRA's sampled factors (monteclora_config)",
     }
     for field, what in refused.items():
         if config.get(field):
