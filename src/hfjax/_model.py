@@ -10,7 +10,7 @@ import jax
 import numpy as np
 import torch
 
-from . import _backend, _classify, _dtypes, _embed, _tasks, bridge, generation, parallel, quantization
+from . import _backend, _classify, _dtypes, _embed, _tasks, bridge, generation, lora, parallel, quantization
 from ._errors import GenerationError, LoadError
 from .bridge import JittedModule, module_state
 
@@ -66,6 +66,10 @@ class Model:
         self._generation_config = None
         self._processor = None
         self.quantization: quantization.Quantized | None = None
+        # The LoRA adapter slots (`reserve_adapters`, `load_adapter`), or None; `_reserved`: by the caller
+        # (fixed), else by the first load (grown when an adapter does not fit).
+        self.adapter_slots: lora.AdapterSlots | None = None
+        self._reserved = False
 
     @classmethod
     def from_module(
@@ -358,6 +362,89 @@ class Model:
           >>> model.embed(["a cat", "a dog"]).shape  # (2, hidden)
         """
         return _embed.embed(self, texts, batch_size=batch_size)
+
+    # -- LoRA adapters, served beside the weights ---------------------------------
+
+    def reserve_adapters(self, max_loras: int = 4, max_lora_rank: int = 16, target_modules=None) -> None:
+        """Fixes the adapter slots: up to `max_loras` adapters of rank up to `max_lora_rank` on the linear
+        layers `target_modules` (names or their tails, as peft takes them, e.g. ["q_proj", "v_proj"];
+        None: every linear layer but the LM head). Afterwards, loading and deleting adapters never
+        changes a program (a server's set); an adapter that does not fit is an error. Without it, the
+        first `load_adapter` reserves slots for what it reads and later loads grow them (recompiling).
+        Drops the adapters already loaded.
+
+        Example:
+          >>> model.reserve_adapters(max_loras=8, max_lora_rank=32)
+        """
+        caller = "Model.reserve_adapters"
+        if self.adapter_slots is not None:
+            self.adapter_slots.drop()
+        self.adapter_slots = lora.AdapterSlots(
+            self, max_loras=max_loras, max_rank=max_lora_rank, targets=target_modules, caller=caller
+        )
+        self._reserved = True
+        self._generator = None  # its programs were made for the params as they were
+
+    def load_adapter(self, path, adapter_name: str = "default") -> lora.Adapter:
+        """Loads a peft LoRA adapter (the directory `PeftModel.save_pretrained` or `hfjax finetune --lora-r`
+        writes) beside the weights, unmerged, as `adapter_name`. Many adapters may be held at once;
+        `generate(adapter=...)` picks one per call or per prompt, `set_adapter` the default.
+
+        Returns the `hfjax.lora.Adapter` held (its name, rank and slot).
+
+        Example:
+          >>> model.load_adapter("out/adapter", adapter_name="support")
+          >>> model.generate_text("Hi", adapter="support", max_new_tokens=16)
+        """
+        caller = "Model.load_adapter"
+        adapter = lora.read_adapter(path, caller=caller)
+        slots = self.adapter_slots
+        if slots is None or (not self._reserved and not slots.fits(adapter)):
+            self._grow_adapter_slots(adapter)
+        return self.adapter_slots.load(adapter, adapter_name, caller=caller)
+
+    def _grow_adapter_slots(self, adapter) -> None:
+        """Slots (not reserved by the caller) that hold the adapters loaded so far and `adapter`."""
+        old = self.adapter_slots
+        held = {} if old is None else dict(old.read)
+        active = None
+        if old is not None:
+            active = next((n for n, a in old.adapters.items() if a.index == old.active()), None)
+            old.drop()
+        every = [*held.values(), adapter]
+        rank = max(a.rank for a in every)
+        self.adapter_slots = lora.AdapterSlots(
+            self,
+            max_loras=max(4, 1 << (len(every) - 1).bit_length()),
+            max_rank=max(8, 1 << (rank - 1).bit_length()),
+            targets=sorted({layer for a in every for layer in a.layers}),
+            caller="Model.load_adapter",
+        )
+        for name, read in held.items():
+            self.adapter_slots.load(read, name, caller="Model.load_adapter")
+        if active is not None:
+            self.adapter_slots.set_active(active, caller="Model.load_adapter")
+        self._generator = None  # its programs were made for the params as they were
+
+    def delete_adapter(self, adapter_name: str) -> None:
+        """Drops a loaded adapter; its slot is free for the next `load_adapter`."""
+        self._adapter_slots("Model.delete_adapter").delete(adapter_name, caller="Model.delete_adapter")
+
+    def set_adapter(self, adapter_name: str | None) -> None:
+        """The adapter that calls without `adapter=` use (the forward, `generate`, pipelines); None: the base."""
+        if adapter_name is None and self.adapter_slots is None:
+            return
+        self._adapter_slots("Model.set_adapter").set_active(adapter_name, caller="Model.set_adapter")
+
+    @property
+    def adapters(self) -> dict[str, lora.Adapter]:
+        """{name: `hfjax.lora.Adapter`} of the adapters loaded."""
+        return {} if self.adapter_slots is None else dict(self.adapter_slots.adapters)
+
+    def _adapter_slots(self, caller: str) -> lora.AdapterSlots:
+        if self.adapter_slots is None:
+            raise LoadError(f"{caller}: no adapter is loaded; load one with Model.load_adapter(path, adapter_name=...)")
+        return self.adapter_slots
 
     @property
     def last_generation_stats(self):

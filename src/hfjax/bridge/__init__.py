@@ -7,7 +7,8 @@ pieces and imports them from here, never from the private modules:
     _ops         the registry of op lowerings (`override_op`) and the generic ones
     _pytrees     Hugging Face output and cache types as JAX pytrees, by field name
     _compile     `JittedModule` (a module's methods as programs, weights as arguments), `bound`
-                 (torch code run with given weights inside any trace), `jit_program`, `recording`
+                 (torch code run with given weights inside any trace; `extension`: arrays beside the
+                 weights that a registered context applies, such as LoRA adapters), `jit_program`, `recording`
                  and `Compiles` (whether XLA compiled, or JAX's compilation cache answered)
     _specialize  programs specialised on the values that model code reads, with guards
     _hub         a path or a Hugging Face Hub id -> a local checkpoint directory (downloading it)
@@ -26,6 +27,7 @@ from ._compile import (
     Recorded,
     bound,
     explain_errors,
+    extension,
     jit_program,
     merge_outputs,
     module_state,
@@ -81,6 +83,7 @@ __all__ = [
     "discover_values",
     "env",
     "explain_errors",
+    "extension",
     "first_difference",
     "grouped_scores",
     "holds",

@@ -392,13 +392,50 @@ def bound(module: torch.nn.Module, params: dict, aliases: dict[str, str], prng_k
     # (a thread's first torch code is a traced train step where the loader's threads made the
     # environment), its PRNG key would be a tracer, kept after the trace and leaked into later calls.
     _env.prng_key()
-    state = with_aliases(_env.to_torch(dict(params)), aliases)
+    own, extended = _split_extensions(params)
+    state = with_aliases(_env.to_torch(own), aliases)
     with _TORCH_CODE, _quiet.torch_code(), environment, environment.override_property(prng=prng_key):
-        with stateless._reparametrize_module(module, state, tie_weights=False, strict=False):
+        with (
+            stateless._reparametrize_module(module, state, tie_weights=False, strict=False),
+            contextlib.ExitStack() as stack,
+        ):
+            for prefix, arrays in extended.items():
+                stack.enter_context(_EXTENSIONS[prefix](module, _env.to_torch(arrays)))
             yield environment
 
 
 _TORCH_CODE = threading.RLock()  # see `bound`
+# {prefix of params names: context(module, {rest of each name: torch tensor})}, see `extension`
+_EXTENSIONS: dict[str, Callable] = {}
+
+
+def extension(prefix: str):
+    """Registers a context manager `context(module, arrays)` that `bound` enters around the torch code where
+    the params given hold names starting with `prefix`: arrays beside the module's own weights (a LoRA
+    adapter's factors), handed to the context by the rest of their names as torch tensors, so that they
+    stay arguments of the program. A decorator; one context per prefix."""
+
+    def register(context):
+        if prefix in _EXTENSIONS and _EXTENSIONS[prefix] is not context:
+            raise ValueError(f"bridge.extension({prefix!r}) is registered twice; use one prefix per extension")
+        _EXTENSIONS[prefix] = context
+        return context
+
+    return register
+
+
+def _split_extensions(params) -> tuple[dict, dict[str, dict]]:
+    """(the module's own weights, {extension prefix: {rest of name: array}})."""
+    if not any(name.startswith(prefix) for name in params for prefix in _EXTENSIONS):
+        return dict(params), {}
+    own, extended = {}, {}
+    for name, array in params.items():
+        prefix = next((p for p in _EXTENSIONS if name.startswith(p)), None)
+        if prefix is None:
+            own[name] = array
+        else:
+            extended.setdefault(prefix, {})[name[len(prefix) :]] = array
+    return own, extended
 
 
 def with_aliases(state: dict, aliases: dict[str, str]) -> dict:

@@ -40,6 +40,7 @@ import numpy as np
 import torch
 
 from .. import _backend, bridge, parallel
+from .. import lora as _lora
 from .._errors import DataDependentError, GenerationError
 from . import _caches, _choose, _multimodal, _planning, _programs, _rows, _sampling
 from ._adapters import adapter_for
@@ -163,12 +164,14 @@ class Generator:
         decoder_prompt: np.ndarray | None = None,
         inputs: dict[str, np.ndarray] | None = None,
         constraint: Constraint | None = None,
+        lora: np.ndarray | None = None,
     ):
         """ids, mask: int32 [B, S], left-padded (an encoder that takes features, not token ids: ids
         float [B, ...], its main input). decoder_prompt: int32 [B, D], an encoder-decoder's first
         decoder tokens (default: the decoder start token). inputs: the prefill's other model inputs
         (`_multimodal`: pixel_values, image_grid_thw, token_type_ids, ...). constraint: what every
-        row's answer must be (structured outputs; on the slot core only). Returns int32
+        row's answer must be (structured outputs; on the slot core only). lora: int32 [B], each prompt's
+        LoRA adapter slot (None: the model holds none). Returns int32
         [B * num_return_sequences, S + T]: the prompt as given, then up to max_new_tokens new tokens
         (for encoder-decoders [.., D + T]: the decoder prompt, then the new tokens); or
         transformers' Generate*Output."""
@@ -196,7 +199,7 @@ class Generator:
             self._check_constrainable(plan, settings, inputs)
         if self.slot_runs.takes(plan, settings, inputs):
             ran = self.slot_runs.generate(
-                ids, plan, settings, compiled, seed=seed, streamer=streamer, constraint=constraint
+                ids, plan, settings, compiled, seed=seed, streamer=streamer, constraint=constraint, lora=lora
             )
             if ran is None and constraint is not None:
                 raise GenerationError(
@@ -223,14 +226,14 @@ class Generator:
                     f"{parallel.data_size(self.model.mesh)} devices: hfjax does not split them over it yet; use a mesh "
                     "with data=1 (the weights may still be split over 'model')"
                 )
-            with self._bound(self.model.params), bridge.products(precision):
+            with self._bound(_one_adapter(self.model.params, lora)), bridge.products(precision):
                 inputs = _multimodal.encode_images_eagerly(self.module, inputs)
             extra = _multimodal.prefill_inputs(self.module, plan, inputs, ids.shape[1])
         batch = plan.prompts * plan.per_prompt  # the rows the caller sees, without beam search
         if streamer is not None:
             streamer.put(torch.as_tensor(ids.astype(np.int64)))
 
-        params = self.model.params
+        params = _one_adapter(self.model.params, lora)
         layout = (plan.rows, plan.offset, plan.total, compiled)
         # A streamer re-enters the decode program every few tokens: windows cut and written back
         # at each entry would copy more than they save, so it attends over the whole cache.
@@ -595,3 +598,18 @@ class Generator:
         with bridge.explain_errors(self.module, self._module_names):
             with bridge.bound(self.module, params, self.model.aliases, bridge.prng_key()) as environment:
                 yield environment
+
+
+def _one_adapter(params: dict, lora: np.ndarray | None) -> dict:
+    """`params` for a call whose prompts all use the LoRA adapter slot in `lora` (int32 [B]): `Generator`'s
+    own programs run one adapter per call; the slot core runs one per row."""
+    if lora is None:
+        return params
+    slots = set(lora.tolist())
+    if len(slots) > 1:
+        raise GenerationError(
+            "Model.generate: adapter= names different adapters per prompt, which this call's engine does not run "
+            "(one adapter per call where the slot core does not take the model or its inputs); generate each "
+            "adapter's prompts in a call of their own"
+        )
+    return _lora.with_active(params, slots.pop())

@@ -3,8 +3,10 @@ prompts and masks checked into arrays, the settings resolved, the context checke
 
 from __future__ import annotations
 
+import numpy as np
+
 from .. import bridge
-from .._errors import GenerationError
+from .._errors import GenerationError, LoadError
 from . import _grammar, _multimodal, _planning, _settings
 from ._engine import Generator
 
@@ -30,6 +32,7 @@ def generate(generator: Generator, input_ids, attention_mask, *, generation_conf
             )
         decoder_prompt = _planning.decoder_prompt_array(decoder_prompt, rows=ids.shape[0])
     constraint = _grammar.constraint_of(arguments)
+    lora_rows = adapter_rows(model, arguments.pop("adapter", _DEFAULT), ids.shape[0])
     inputs, arguments = _multimodal.split_model_inputs(model.module, arguments)
     resolved = _settings.resolve_settings(
         model,
@@ -59,7 +62,36 @@ def generate(generator: Generator, input_ids, attention_mask, *, generation_conf
         decoder_prompt=decoder_prompt,
         inputs=inputs,
         constraint=constraint,
+        lora=lora_rows,
     )
+
+
+_DEFAULT = object()  # `adapter=` not given: the model's default adapter (`Model.set_adapter`)
+
+
+def adapter_rows(model, adapter, prompts: int) -> np.ndarray | None:
+    """int32 [prompts]: each prompt's LoRA adapter slot for `Model.generate(adapter=...)` (a name, None for
+    the base, or one of either per prompt); None where the model holds no adapters."""
+    slots = getattr(model, "adapter_slots", None)
+    if slots is None:
+        if adapter is not _DEFAULT and adapter is not None:
+            raise GenerationError(
+                f"Model.generate: adapter={adapter!r}, but no adapter is loaded; load one first "
+                "(Model.load_adapter(path, adapter_name=...))"
+            )
+        return None
+    if adapter is _DEFAULT:
+        return np.full(prompts, slots.active(), np.int32)
+    names = adapter if isinstance(adapter, (list, tuple)) else [adapter] * prompts
+    if len(names) != prompts:
+        raise GenerationError(
+            f"Model.generate: adapter= holds {len(names)} names for {prompts} prompts; pass one name (or None) per "
+            "prompt, or one for all"
+        )
+    try:
+        return np.asarray([slots.index(name, caller="Model.generate(adapter=...)") for name in names], np.int32)
+    except LoadError as error:
+        raise GenerationError(str(error)) from None
 
 
 def check_context(

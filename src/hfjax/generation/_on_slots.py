@@ -83,13 +83,15 @@ class SlotRuns:
         seed: int,
         streamer,
         constraint: _grammar.Constraint | None = None,
+        lora: np.ndarray | None = None,
     ) -> tuple[np.ndarray, float, dict[str, jax.Array]] | None:
         """(new tokens int32 [prompts * num_return_sequences, T], padded with pad_token_id after a
         row's EOS (beam search: each prompt's best finished sequences, best first, `fill_token_id`
         after each one's end); the seconds to the first token (beam search: to the prefill's
         logits); {"scores", "logits": [rows, T, V] float32} that output_scores and output_logits ask
         for), or None where the model turned out to read values of its data (then `Generator` runs
-        the call). `constraint`: what every row's answer must be (see the module's docstring)."""
+        the call). `constraint`: what every row's answer must be (see the module's docstring). `lora`: int32
+        [prompts], each prompt's LoRA adapter slot (None: the model holds none)."""
         start = time.perf_counter()
         rows, budget = plan.rows, settings.max_new_tokens
         precision = bridge.resolve_precision(self.model.matmul_precision)
@@ -119,6 +121,8 @@ class SlotRuns:
             rows, _rows.key_data(seed), lengths=lengths, pads=pads, mask_words=features.mask_words
         )
         sampling.key = _ROW_KEYS(sampling.key)  # each row's index folded in
+        if lora is not None:  # each prompt's rows (num_return_sequences of them) run on its adapter
+            sampling.lora[: plan.prompts * plan.per_prompt] = np.repeat(lora, plan.per_prompt)
         allowed = sampling.allowed  # [rows, W] int32 on the host, where the call is constrained
         if matchers is not None:
             sampling.constrained[: len(matchers)] = True

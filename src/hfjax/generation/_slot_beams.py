@@ -115,7 +115,7 @@ def search_steps(
             history = history[parents].at[every, rows.pads + at].set(token, mode="drop")
         with slot_model.bound(params):
             written = jnp.where(at < window, at, window)  # past the window: nowhere
-            logits, cache = slot_model.run(params, cache, token[:, None], at[:, None], written[:, None])
+            logits, cache = slot_model.run(params, cache, token[:, None], at[:, None], written[:, None], lora=rows.lora)
         carry = BeamCarry(
             beams=beams, sequence=sequence, logits=logits[:, 0], step=carry.step + 1, budget=carry.budget, going=going
         )

@@ -31,6 +31,7 @@ import jax
 import jax.numpy as jnp
 
 from .. import _backend, bridge, parallel
+from .. import lora as _lora
 from .._errors import GenerationError
 from . import _caches, _programs, _sampling
 from ._adapters import StaticCacheAdapter, adapter_for
@@ -259,10 +260,10 @@ class SlotModel:
             with bridge.bound(self.module, params, self.model.aliases, bridge.prng_key()):
                 yield
 
-    def run(self, params, cache, ids, positions, columns, keep=None):
+    def run(self, params, cache, ids, positions, columns, keep=None, *, lora=None):
         """Logits [B, q, V] (or at the query indices `keep` [k] int32 only: [B, k, V]) and the cache
         after ids [B, q] at positions [B, q], whose keys and values go to columns [B, q] (past the
-        cache's end: nowhere)."""
+        cache's end: nowhere). lora: [B] int32, each row's LoRA adapter slot (`RowSampling.lora`)."""
         from transformers import StaticCache
 
         length = cache[0][0].shape[2]  # the columns given: all L, or a chunk's window
@@ -283,7 +284,8 @@ class SlotModel:
         if keep is not None and self.takes_logits_to_keep:
             kwargs["logits_to_keep"] = bridge.to_torch(keep)
             keep = None
-        out = self.module(input_ids=bridge.to_torch(ids), **kwargs)
+        with contextlib.nullcontext() if lora is None else _lora.rows(lora):
+            out = self.module(input_ids=bridge.to_torch(ids), **kwargs)
         logits = bridge.to_jax(out.logits).astype(jnp.float32)
         if keep is not None:
             logits = jnp.take(logits, keep, axis=1)
@@ -328,9 +330,10 @@ class SlotModel:
         offset = jnp.arange(chunk, dtype=jnp.int32)[None, :] - (chunk - count)[:, None]  # [P, C]: < 0 is padding
         positions = start[:, None] + jnp.maximum(offset, 0)
         columns = jnp.where(offset >= 0, positions, window)
+        mine = jax.tree_util.tree_map(lambda a: a.at[which].get(mode="fill", fill_value=0), rows)
         with self.bound(params):
             logits, gathered = self.run(
-                params, gathered, ids, positions, columns, keep=jnp.array([chunk - 1], jnp.int32)
+                params, gathered, ids, positions, columns, keep=jnp.array([chunk - 1], jnp.int32), lora=mine.lora
             )
         cache = [
             tuple(a.at[which, :, :window].set(r, mode="drop") for a, r in zip(pair, new))
@@ -343,7 +346,6 @@ class SlotModel:
             seen = before.at[jnp.arange(ids.shape[0])[:, None], real].set(True, mode="drop")  # [P, V]
         if state.counts is not None:
             counts = jnp.where(fresh[:, None], 0, state.counts.at[which].get(mode="fill", fill_value=0))  # [P, V]
-        mine = jax.tree_util.tree_map(lambda a: a.at[which].get(mode="fill", fill_value=0), rows)
         history = None
         if state.history is not None:  # the chunk's real tokens, and a fresh row's pads before them
             column = offset + (start + mine.pads)[:, None]  # [P, C]
@@ -435,7 +437,9 @@ class SlotModel:
             # A row's stop token runs once, as any token; after it, pad tokens (transformers' rows).
             inputs = tokens if stops is None else jnp.where(tokens == STOPPED, jnp.int32(pad_token), tokens)
             with self.bound(params):
-                logits, cache = self.run(params, restore(cache), inputs[:, None], at[:, None], write_at[:, None])
+                logits, cache = self.run(
+                    params, restore(cache), inputs[:, None], at[:, None], write_at[:, None], lora=mine.lora
+                )
             if history is not None:  # the step's input joins the row's tokens so far
                 column = jnp.where(write_at < write_nowhere, mine.pads + at, history.shape[1])
                 history = history.at[jnp.arange(r), column].set(inputs, mode="drop")

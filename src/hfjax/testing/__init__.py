@@ -24,9 +24,11 @@ PaliGemma) with their processors are in `_vision_language.py`:
 Public names: `FAMILIES`, `GENERATION_FAMILIES`, `tiny_config`, `tiny_tokenizer`,
 `save_tiny_checkpoint`, `MEDIA_FAMILIES` (vision and speech families for `save_tiny_checkpoint`,
 processors included: `_media.py`), `PIPELINE_KINDS`, `SCHEDULERS`, `save_tiny_pipeline`,
-`VISION_LANGUAGE_FAMILIES`, `tiny_processor`.
+`VISION_LANGUAGE_FAMILIES`, `tiny_processor`, `save_tiny_adapter` (a peft LoRA adapter of a tiny
+checkpoint: `_adapters.py`).
 """
 
+from ._adapters import save_tiny_adapter
 from ._checkpoints import save_tiny_checkpoint, tiny_tokenizer
 from ._diffusion import PIPELINE_KINDS, SCHEDULERS, save_tiny_pipeline
 from ._families import FAMILIES, GENERATION_FAMILIES, tiny_config
@@ -40,6 +42,7 @@ __all__ = [
     "PIPELINE_KINDS",
     "SCHEDULERS",
     "VISION_LANGUAGE_FAMILIES",
+    "save_tiny_adapter",
     "save_tiny_checkpoint",
     "save_tiny_pipeline",
     "tiny_config",
