@@ -5,7 +5,8 @@ per-model metrics and the chat page's model picker, through the official openai 
 One server runs a tiny Llama with three peft adapters loaded at start (ranks 2, 4 and 8, on different
 layers, one with rsLoRA), room for a fourth, and VLLM_ALLOW_RUNTIME_LORA_UPDATING=1. The reference is
 peft's own model in PyTorch (`PeftModel.from_pretrained`) and transformers' greedy `generate`; every
-adapter's lora_B is random, so that each adapter's answers differ from the base's (checked).
+adapter's factors are random (`testing.save_tiny_adapter`), so that its answers differ from the base's
+and from the other adapters' (checked).
 """
 
 from __future__ import annotations
@@ -34,8 +35,8 @@ prometheus_parser = pytest.importorskip(
 )
 
 NAME, PARENT, LENGTH, NEW_TOKENS = "tiny-base", "tiny-parent", 128, 12
-# {name: peft.LoraConfig's arguments}; the first three load at start, "late" at run time, and "wide"
-# has a rank above the server's --max-lora-rank.
+# {name: `testing.save_tiny_adapter`'s peft.LoraConfig}; the first three load at start, "late" at run time,
+# and "wide" has a rank above the server's --max-lora-rank.
 ADAPTERS = {
     "terse": {"r": 2, "lora_alpha": 4, "target_modules": ["q_proj", "v_proj"]},
     "wordy": {"r": 4, "lora_alpha": 16, "target_modules": ["o_proj", "gate_proj", "down_proj"]},
@@ -48,26 +49,15 @@ PROMPTS = ["The river ran past the mill", "Once upon a time"]
 SERVERS = background.Servers("hfjax-serve-lora-test-")
 
 
-def _save_adapter(base: pathlib.Path, name: str, seed: int) -> pathlib.Path:
-    """A peft adapter of ADAPTERS[name] on `base`, its lora_B random (peft starts it at zero: a no-op)."""
-    torch.manual_seed(seed)
-    module = peft.get_peft_model(
-        transformers.AutoModelForCausalLM.from_pretrained(base), peft.LoraConfig(**ADAPTERS[name])
-    )
-    with torch.no_grad():
-        for parameter_name, parameter in module.named_parameters():
-            if "lora_B" in parameter_name:
-                parameter.normal_(0.0, 0.03)
-    module.save_pretrained(SERVERS.directory / name)
-    return SERVERS.directory / name
-
-
 def start_in_background() -> None:
     """Writes the checkpoint and the adapters, and starts the server (once)."""
     if SERVERS.started:
         return
     llama = testing.save_tiny_checkpoint("llama", SERVERS.directory / "llama", max_position_embeddings=LENGTH)
-    paths = {name: _save_adapter(llama, name, seed) for seed, name in enumerate(ADAPTERS)}
+    paths = {
+        name: testing.save_tiny_adapter(llama, SERVERS.directory / name, seed=seed, **config)
+        for seed, (name, config) in enumerate(ADAPTERS.items())
+    }
     modules = [f"terse={paths['terse']}", f"wordy={paths['wordy']}"]
     modules.append(json.dumps({"name": "rs", "path": str(paths["rs"]), "base_model_name": PARENT}))
     SERVERS.launch(
@@ -196,10 +186,12 @@ def test_an_unknown_model_is_openais_not_found(client, endpoint):
         client.models.retrieve("nope")
 
 
-def test_metrics_count_requests_per_model_and_the_adapters_loaded(client, url):
+def test_metrics_count_requests_per_model_and_a_prefix_is_reused_by_its_own_adapter(client, url, tokenizer):
     before = _metrics(url)
-    for model in (NAME, "wordy", "wordy"):
+    for model in (NAME, "wordy"):
         _complete(client, model, PROMPTS[1])
+    hits = _metrics(url)[("hfjax_prefix_cache_hit_tokens_total", ())]
+    _complete(client, "wordy", PROMPTS[1])  # the prompt's keys under wordy are in a free slot: all but its last
     after = _metrics(url)
 
     def delta(model: str) -> float:
@@ -207,6 +199,7 @@ def test_metrics_count_requests_per_model_and_the_adapters_loaded(client, url):
         return after.get(key, 0) - before.get(key, 0)
 
     assert (delta(NAME), delta("wordy"), delta("terse")) == (1, 2, 0)
+    assert after[("hfjax_prefix_cache_hit_tokens_total", ())] - hits == len(tokenizer(PROMPTS[1]).input_ids) - 1
     assert after[("hfjax_lora_adapters_loaded", ())] == len(AT_START)
 
 
@@ -218,7 +211,7 @@ def test_load_at_run_time_use_unload_while_a_stream_runs_then_load_again(client,
     load = {"lora_name": "late", "lora_path": str(_path("late"))}
     answer = _post(url, "/v1/load_lora_adapter", load)
     assert (answer.status_code, answer.text) == (200, "Success: LoRA adapter 'late' added successfully.")
-    assert [c["id"] for c in client.models.list().data] == [NAME, *AT_START, "late"]
+    assert [c.id for c in client.models.list().data] == [NAME, *AT_START, "late"]
     assert [_complete(client, "late", prompt) for prompt in PROMPTS] == reference["late"]
     # Every slot holds an adapter now, and a name is loaded once.
     for body, param, words in [
@@ -229,20 +222,23 @@ def test_load_at_run_time_use_unload_while_a_stream_runs_then_load_again(client,
     ]:
         assert words in background.openai_400(_post(url, "/v1/load_lora_adapter", body), param)
 
-    # Unloaded while a stream runs on it: new requests are refused at once, the stream finishes.
+    # Unloaded while requests run on it (8 streamed choices, each as long as the context allows): new
+    # requests are refused at once, and those running finish on its weights.
     long = {"max_tokens": LENGTH - 16, "temperature": 0, "extra_body": {"ignore_eos": True}}
     whole = client.completions.create(model="late", prompt=PROMPTS[0], **long).choices[0].text
-    stream = client.completions.create(model="late", prompt=PROMPTS[0], stream=True, **long)
-    chunks = iter(stream)
-    streamed = next(chunks).choices[0].text
+    stream = iter(client.completions.create(model="late", prompt=PROMPTS[0], stream=True, n=8, **long))
+    chunks = [next(stream)]
     answer = _post(url, "/v1/unload_lora_adapter", {"lora_name": "late"})
     assert (answer.status_code, answer.text) == (200, "Success: LoRA adapter 'late' removed successfully.")
     with pytest.raises(openai.NotFoundError):
         _complete(client, "late", PROMPTS[0])
-    assert [c["id"] for c in client.models.list().data] == [NAME, *AT_START]
-    rest = list(chunks)
-    assert streamed + "".join(c.choices[0].text for c in rest) == whole
-    assert rest[-1].choices[0].finish_reason == "length"
+    assert [c.id for c in client.models.list().data] == [NAME, *AT_START]
+    texts, finished = [""] * 8, [None] * 8
+    for chunk in chunks + list(stream):
+        for choice in chunk.choices:
+            texts[choice.index] += choice.text
+            finished[choice.index] = choice.finish_reason or finished[choice.index]
+    assert texts == [whole] * 8 and finished == ["length"] * 8
 
     _wait_for_adapters(url, len(AT_START))
     assert "rank" in background.openai_400(
@@ -309,6 +305,7 @@ def test_bad_lora_flags_are_one_line_and_exit_code_2(argv, message, capsys):
 
 def test_an_adapter_that_cannot_load_at_start_is_one_line_naming_the_flag(tmp_path, capsys):
     llama = testing.save_tiny_checkpoint("llama", tmp_path / "llama")
+    capsys.readouterr()  # (the checkpoint's writing)
     code = cli.main(
         ["serve", str(llama), "--enable-lora", "--lora-modules", f"mine={tmp_path / 'missing'}", "--port", "0"]
     )

@@ -93,7 +93,7 @@ class SlotTable:
             stop_token_ids=request.params.stop_token_ids, lengths=[len(request.prompt)], mask_words=self.mask_words,
         )  # fmt: skip
         self.rows.set_row(slot, row)
-        self.rows.adapter[slot] = request.params.adapter
+        self.rows.lora[slot] = request.params.adapter
         if request.matcher is not None:  # the first token's mask: the prefill's last chunk chooses it
             self.rows.constrained[slot] = True
             request.matcher.fill(self.rows.allowed[slot])
