@@ -92,6 +92,13 @@ PACKING = Tolerance(
     "examples moves them by ~0.1",
 )
 
+# LoRA adapters served beside the base (hfjax.lora).
+LORA = Tolerance(
+    1e-4,
+    "an adapter's product added beside the base layer's (x W + s (x A) B) against peft's forward: the same "
+    "float32 terms summed in another order, logits O(1), as DEFAULT",
+)
+
 # Quantized weights (hfjax.quantization).
 QUANTIZED_PARITY = Tolerance(
     1e-4,

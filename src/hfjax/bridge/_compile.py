@@ -236,7 +236,7 @@ class JittedModule(torch.nn.Module):
     def lower(self, method: str, *args, **kwargs) -> jax.stages.Lowered:
         """Lowers `method` for these arguments without running it (to inspect the program)."""
         program, dynamic = self._program(method, args, kwargs)
-        return program.jitted.lower(self.params, dynamic, _env.prng_key())
+        return program.jitted.lower(self.params, dynamic, _placed_key(self.params))
 
     # -- calling ---------------------------------------------------------------
 
@@ -249,7 +249,7 @@ class JittedModule(torch.nn.Module):
             else:
                 if program.specialized is None:
                     try:
-                        out_arrays, new_inputs, key = program.jitted(self.params, dynamic, _env.prng_key())
+                        out_arrays, new_inputs, key = program.jitted(self.params, dynamic, _placed_key(self.params))
                     except DataDependentError:  # the code reads values of its data: specialise on them
                         program.specialized = _specialize.Specializations()
                 if program.specialized is not None:
@@ -332,7 +332,7 @@ class JittedModule(torch.nn.Module):
     def _run_specialized(self, method: str, program: _Program, dynamic: list) -> tuple[_Program, tuple]:
         # The program specialised on this call's values of the data (hfjax._specialize.run).
         # Returns (the program whose outputs these are, its (outputs, new inputs, key)).
-        prng_key = _env.prng_key()
+        prng_key = _placed_key(self.params)
 
         def run_with(values):
             key = _specialize.values_key(values)
@@ -376,6 +376,21 @@ def explain_errors(module: torch.nn.Module, module_names: dict[int, str] | None 
         names = module_names if module_names is not None else {id(m): n for n, m in module.named_modules()}
         caller = _innermost_module(sys.exc_info()[2], names)
         raise UnsupportedOpError(op, type(module).__name__, caller) from None
+
+
+def _placed_key(params: dict):
+    """torchax's PRNG key where a program over `params` takes it: a key that a program on one device left
+    there (committed to it), moved beside weights split over a mesh."""
+    key = _env.prng_key()
+    weights = next(iter(params.values()), None)
+    sharding = getattr(weights, "sharding", None)
+    if (
+        isinstance(sharding, jax.sharding.NamedSharding)
+        and key.committed
+        and key.sharding.device_set != sharding.device_set
+    ):
+        key = jax.device_put(key, jax.sharding.NamedSharding(sharding.mesh, jax.sharding.PartitionSpec()))
+    return key
 
 
 @contextlib.contextmanager

@@ -63,19 +63,39 @@ def _add_product(layer, args, kwargs, output, *, a, b, active):
 
 def product(x, a, b, slots):
     """Each row's adapter product: x [B, ..., in]; a [in, N, R], b [N, R, out] (N slots of rank R, zero
-    past each adapter's own rank); slots [B] int32 or [] (every row), -1 for none. Returns [B, ..., out],
-    zeros where no row uses an adapter (a `lax.cond`: a batch on the base alone skips the products)."""
+    past each adapter's own rank); slots [B] int32, or [] for every row, -1 for none. Returns
+    [B, ..., out], zeros where no row uses an adapter (a `lax.cond`: a batch on the base alone skips the
+    products). One slot for every row reads its factors alone; fewer rows than slots gather each row's;
+    more take the products over every slot, masked to each row's (the bytes read are the fewest)."""
     inputs, count, rank = a.shape
     slots = jnp.asarray(slots, jnp.int32)
+    rows = x.reshape(x.shape[0], -1, inputs)  # [B, T, in]
+    on = slots >= 0
+    picked = jnp.maximum(slots, 0)
 
-    def with_adapters():
-        picked = jnp.repeat(jax.nn.one_hot(slots, count, dtype=x.dtype), rank, axis=-1)  # [B, N*R] or [N*R]
-        if slots.ndim == 1:
-            picked = picked.reshape(slots.shape[0], *(1,) * (x.ndim - 2), count * rank)
-        down = jnp.matmul(x, a.reshape(inputs, count * rank).astype(x.dtype))  # [B, ..., N*R]
-        return jnp.matmul(down * picked, b.reshape(count * rank, -1).astype(x.dtype))
+    def one_slot():
+        a_slot = jax.lax.dynamic_index_in_dim(a, picked, axis=1, keepdims=False).astype(x.dtype)  # [in, R]
+        b_slot = jax.lax.dynamic_index_in_dim(b, picked, axis=0, keepdims=False).astype(x.dtype)  # [R, out]
+        return jnp.matmul(jnp.matmul(rows, a_slot), b_slot)
+
+    def each_rows_slot():
+        a_rows = jnp.take(a, picked, axis=1).astype(x.dtype)  # [in, B, R]
+        b_rows = jnp.take(b, picked, axis=0).astype(x.dtype)  # [B, R, out]
+        down = jnp.einsum("bti,ibr->btr", rows, a_rows) * on[:, None, None].astype(x.dtype)
+        return jnp.einsum("btr,bro->bto", down, b_rows)
+
+    def every_slot():
+        mask = jnp.repeat(jax.nn.one_hot(slots, count, dtype=x.dtype), rank, axis=-1)  # [B, N*R]
+        down = jnp.matmul(rows, a.reshape(inputs, count * rank).astype(x.dtype)) * mask[:, None, :]
+        return jnp.matmul(down, b.reshape(count * rank, -1).astype(x.dtype))
+
+    if slots.ndim == 0:
+        chosen = one_slot
+    else:
+        chosen = each_rows_slot if slots.shape[0] < count else every_slot
 
     def none():
-        return jnp.zeros((*x.shape[:-1], b.shape[-1]), x.dtype)
+        return jnp.zeros((*rows.shape[:-1], b.shape[-1]), x.dtype)
 
-    return jax.lax.cond(jnp.any(slots >= 0), with_adapters, none)
+    added = jax.lax.cond(jnp.any(on), chosen, none)
+    return added.reshape(*x.shape[:-1], b.shape[-1])

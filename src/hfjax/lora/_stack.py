@@ -5,6 +5,7 @@ values and never changes a program."""
 from __future__ import annotations
 
 import dataclasses
+import functools
 import threading
 from collections.abc import Sequence
 
@@ -197,17 +198,16 @@ class AdapterSlots:
                 b[:rank] = layer.scaling * layer.b.T
             for suffix, values in ((".a", a), (".b", b)):
                 key = f"{PREFIX}{name}{suffix}"
-                params[key] = _set_slot(params[key], jnp.asarray(values), index, axis=1 if suffix == ".a" else 0)
+                params[key] = _set_slot(params[key], values, jnp.int32(index), axis=1 if suffix == ".a" else 0)
 
 
-def _set_slot(stack: jax.Array, values: jax.Array, index: int, *, axis: int) -> jax.Array:
-    """`stack` with slot `index` along `axis` (1 of [in, N, R], 0 of [N, R, out]) set to `values`."""
-    updated = (
-        stack.at[:, index].set(values.astype(stack.dtype))
-        if axis == 1
-        else stack.at[index].set(values.astype(stack.dtype))
-    )
-    return jax.device_put(updated, stack.sharding)
+@functools.partial(jax.jit, static_argnames="axis")
+def _set_slot(stack: jax.Array, values: jax.Array, index, *, axis: int) -> jax.Array:
+    """`stack` with slot `index` ([] int32, an argument: one program per shape serves every slot) along
+    `axis` (1 of a [in, N, R], 0 of b [N, R, out]) set to `values` ([in, R] or [R, out])."""
+    values = jnp.expand_dims(values.astype(stack.dtype), axis)
+    start = (0, index, 0) if axis == 1 else (index, 0, 0)
+    return jax.lax.dynamic_update_slice(stack, values, start)
 
 
 def with_active(params: dict, index: int) -> dict:

@@ -92,6 +92,12 @@ class Trainer:
         self.seed = seed
         self.lora = None
         self._base = model
+        if getattr(model, "adapter_slots", None) is not None:
+            raise TrainingError(
+                f"hfjax.Trainer: the model holds LoRA adapters beside its weights ({', '.join(model.adapters) or 'none'} "
+                "loaded, in reserved slots), which training would leave out; train a model loaded without "
+                "load_adapter, and pass an adapter to continue as lora=PATH"
+            )
         if lora is None and model.quantization is not None:
             raise TrainingError(
                 f"hfjax.Trainer: the model is quantized ({model.quantization.source}), so its weights cannot be "
