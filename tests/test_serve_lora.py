@@ -349,3 +349,12 @@ def test_the_chat_pages_picker_sends_the_chosen_adapter(url, client):
         browser.quit()
     assert listed == [NAME, *AT_START]
     assert "error" not in kind and text == _chat(client, "wordy", PROMPTS[0])
+
+
+def test_the_server_says_no_warning_and_names_each_adapter_it_loaded(url):
+    # Last: what the server printed while it loaded the adapters, compiled and answered holds no library's note.
+    from test_readme import WARNING
+
+    log = SERVERS.log("lora")
+    assert not WARNING.search(log), log[-3000:]
+    assert all(f"LoRA adapter {name} from {_path(name)}" in log for name in AT_START), log[-3000:]

@@ -302,13 +302,15 @@ def build_app(
                     loop.call_soon_threadsafe(events.put_nowait, (index, event))
 
                 submitted.append(running.submit(ids, dataclasses.replace(params, adapter=adapter), listener))
-        except (QueueFullError, GenerationError) as error:
+        except BaseException as error:  # the requests not submitted are not running on the adapter
             served.finished(name, len(generation.params) - len(submitted))
             for done in submitted:
                 running.cancel(done)
             if isinstance(error, QueueFullError):
                 raise ApiError(429, str(error), code="rate_limit_exceeded") from None
-            raise _protocol.invalid(generation.prompt_field, str(error)) from None
+            if isinstance(error, GenerationError):
+                raise _protocol.invalid(generation.prompt_field, str(error)) from None
+            raise
         answer = _Answer(name, chat, len(generation.params), len(ids), token_text, generation)
 
         def cancel_all():
