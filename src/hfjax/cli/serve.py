@@ -41,7 +41,8 @@ def add_parser(subparsers) -> None:
         help="serve a model over the OpenAI HTTP API, with continuous batching",
         description="Loads MODEL and answers /v1/chat/completions, /v1/completions (causal LMs), /v1/embeddings "
         "(encoders), /v1/models, /tokenize, /detokenize, /version, /health, /metrics, and a chat page at /. "
-        "Requests join and leave a batch of --max-batch sequence slots between decode chunks. SIGTERM stops "
+        "Requests join and leave a batch of --max-batch sequence slots between decode chunks; with --enable-lora, "
+        "each runs on the LoRA adapter its model names, or on the base. SIGTERM stops "
         'accepting requests, finishes those in flight and exits 0. Needs the serve extra: pip install "hfjax[serve]".',
     )
     parser.add_argument("--host", default="127.0.0.1", help="address to listen on (default: 127.0.0.1)")
