@@ -161,11 +161,14 @@ class Servers:
     def __iter__(self):
         return iter(self.started)
 
-    def launch(self, name: str, checkpoint: pathlib.Path, *flags: str, model_flag: bool = False) -> None:
-        """Starts `hfjax serve CHECKPOINT FLAGS --port P` (model_flag: `--model CHECKPOINT` instead)."""
+    def launch(
+        self, name: str, checkpoint: pathlib.Path, *flags: str, model_flag: bool = False, env: dict | None = None
+    ) -> None:
+        """Starts `hfjax serve CHECKPOINT FLAGS --port P` (model_flag: `--model CHECKPOINT` instead), with
+        `env` added to this process's environment."""
         port = free_port()
         log = open(self.directory / f"{name}.log", "w")
-        env = {**os.environ, "OMP_WAIT_POLICY": "PASSIVE", "PYTHONPATH": os.pathsep.join(sys.path)}
+        env = {**os.environ, "OMP_WAIT_POLICY": "PASSIVE", "PYTHONPATH": os.pathsep.join(sys.path), **(env or {})}
         model = ["--model", str(checkpoint)] if model_flag else [str(checkpoint)]
         argv = [sys.executable, "-m", "hfjax.cli", "serve", *model, *flags, "--port", str(port)]
         process = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=env)

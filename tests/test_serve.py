@@ -351,7 +351,7 @@ BAD = [
     ("chat", b"{not json", "body"),
     ("chat", {"model": NAME}, "messages"),
     ("completions", {"model": NAME, "max_tokens": 4}, "prompt"),
-    ("chat", {"model": "gpt-4", "messages": [{"role": "user", "content": "hi"}]}, "model"),
+    ("chat", {"model": 4, "messages": [{"role": "user", "content": "hi"}]}, "model"),
     ("chat", {"model": NAME, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 0}, "max_tokens"),
     ("chat", {"model": NAME, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 10**6}, "max_tokens"),
     ("chat", {"model": NAME, "messages": [{"role": "user", "content": "hi"}], "max_tokens": LENGTH - 2}, "max_tokens"),

@@ -146,7 +146,7 @@ def test_tokenize_and_detokenize_answer_as_the_tokenizer(servers, tokenizer):
     assert _post(url + "/detokenize", {"model": NAME, "tokens": ids}).json() == {"prompt": tokenizer.decode(ids)}
     for path, body, param in [
         ("/tokenize", {"text": text}, "text"),
-        ("/tokenize", {"model": "other", "prompt": text}, "model"),
+        ("/tokenize", {"model": 5, "prompt": text}, "model"),
         ("/tokenize", {"prompt": 5}, "prompt"),
         ("/tokenize", {"messages": closing, "continue_final_message": True}, "continue_final_message"),
         ("/tokenize", {"messages": "hi"}, "messages"),
@@ -155,6 +155,8 @@ def test_tokenize_and_detokenize_answer_as_the_tokenizer(servers, tokenizer):
         ("/detokenize", {"tokens": "1 2"}, "tokens"),
     ]:
         background.openai_400(_post(url + path, body), param)
+    unknown = _post(url + "/tokenize", {"model": "other", "prompt": text})  # as vLLM: a model not served is a 404
+    assert unknown.status_code == 404 and unknown.json()["error"]["code"] == "model_not_found", unknown.text
 
 
 def test_version_and_one_models_entry(servers, client):

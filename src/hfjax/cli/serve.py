@@ -6,9 +6,12 @@ import argparse
 import errno
 import gc
 import importlib.util
+import json
+import os
 import signal
 import socket
 import sys
+from typing import NamedTuple
 
 from ._options import mesh, model_options, model_path, quantize_options
 
@@ -17,6 +20,18 @@ _EXTRA = ("fastapi", "uvicorn", "prometheus_client")
 _TOOL_CALL_PARSERS = ("hermes", "llama3_json", "mistral", "pythonic")
 
 _SWITCH_INTERVAL_S = 0.0005  # the GIL's, in the server's process (below)
+# vLLM's switch for /v1/load_lora_adapter and /v1/unload_lora_adapter, read as vLLM reads it
+_RUNTIME_LORA = "VLLM_ALLOW_RUNTIME_LORA_UPDATING"
+_LORA_MODULE_FORMS = 'NAME=PATH or JSON such as \'{"name": "mine", "path": "/path/to/adapter"}\''
+
+
+class LoraModule(NamedTuple):
+    """One --lora-modules entry (vLLM's): the name requests give as `model`, the peft adapter directory,
+    and the base name its /v1/models card gives as parent (None: the served model name)."""
+
+    name: str
+    path: str
+    base_model_name: str | None = None
 
 
 def add_parser(subparsers) -> None:
@@ -26,7 +41,8 @@ def add_parser(subparsers) -> None:
         help="serve a model over the OpenAI HTTP API, with continuous batching",
         description="Loads MODEL and answers /v1/chat/completions, /v1/completions (causal LMs), /v1/embeddings "
         "(encoders), /v1/models, /tokenize, /detokenize, /version, /health, /metrics, and a chat page at /. "
-        "Requests join and leave a batch of --max-batch sequence slots between decode chunks. SIGTERM stops "
+        "Requests join and leave a batch of --max-batch sequence slots between decode chunks; with --enable-lora, "
+        "each runs on the LoRA adapter its model names, or on the base. SIGTERM stops "
         'accepting requests, finishes those in flight and exits 0. Needs the serve extra: pip install "hfjax[serve]".',
     )
     parser.add_argument("--host", default="127.0.0.1", help="address to listen on (default: 127.0.0.1)")
@@ -133,6 +149,63 @@ def add_parser(subparsers) -> None:
         "Qwen 3), llama3_json (Llama 3.x JSON objects), mistral ([TOOL_CALLS] and a JSON list), pythonic "
         "([f(x=1), g()]) (default: none; with --enable-auto-tool-choice, the tokenizer's response_template)",
     )
+    parser.add_argument(
+        "--enable-lora",
+        action="store_true",
+        help="serve LoRA adapters beside the base model: a request's model picks one by name (or the base); with "
+        f"{_RUNTIME_LORA}=1 in the environment, POST /v1/load_lora_adapter and /v1/unload_lora_adapter load and "
+        "unload them while the server runs",
+    )
+    parser.add_argument(
+        "--lora-modules",
+        nargs="+",
+        action="extend",
+        type=_lora_module,
+        default=None,
+        metavar="NAME=PATH",
+        help="with --enable-lora, peft adapter directories to serve from the start, each NAME=PATH or vLLM's JSON "
+        '\'{"name": NAME, "path": PATH, "base_model_name": BASE}\' (default: none)',
+    )
+    parser.add_argument(
+        "--max-loras",
+        type=int,
+        default=1,
+        help="with --enable-lora, adapters held at once (each takes its slot's memory whether loaded or not)",
+    )
+    parser.add_argument(
+        "--max-lora-rank", type=int, default=16, help="with --enable-lora, the highest rank of an adapter served"
+    )
+
+
+def _lora_module(text: str) -> LoraModule:
+    """A --lora-modules entry: NAME=PATH, or JSON {"name", "path", "base_model_name"} (vLLM's forms)."""
+    if text.lstrip().startswith("{"):
+        try:
+            entry = json.loads(text)
+        except json.JSONDecodeError as error:
+            raise argparse.ArgumentTypeError(
+                f"{text!r} is not valid JSON ({error}); pass {_LORA_MODULE_FORMS}"
+            ) from None
+        strings = all(isinstance(entry.get(key), str) and entry[key] for key in ("name", "path"))
+        if not strings or set(entry) - {"name", "path", "base_model_name"}:
+            raise argparse.ArgumentTypeError(
+                f'{text!r} needs the strings "name" and "path" (and at most "base_model_name"); pass '
+                f"{_LORA_MODULE_FORMS}"
+            )
+        base = entry.get("base_model_name")
+        if base is not None and not isinstance(base, str):
+            raise argparse.ArgumentTypeError(f"{text!r}: base_model_name={base!r} is not a string; pass a model name")
+        return LoraModule(entry["name"], entry["path"], base)
+    name, equals, path = text.partition("=")
+    if not (equals and name and path):
+        raise argparse.ArgumentTypeError(f"{text!r} is not NAME=PATH; pass {_LORA_MODULE_FORMS}")
+    return LoraModule(name, path)
+
+
+def runtime_lora_updating(environ=os.environ) -> bool:
+    """Whether VLLM_ALLOW_RUNTIME_LORA_UPDATING allows loading and unloading adapters at run time ("1" or
+    "true", in any case, as vLLM reads it)."""
+    return environ.get(_RUNTIME_LORA, "0").strip().lower() in ("1", "true")
 
 
 def _byte_count(text: str) -> int:
@@ -218,7 +291,13 @@ def preflight(args: argparse.Namespace) -> int | None:
         "decode_steps",
         "prefill_chunk",
         "prefill_rows",
+        "max_loras",
+        "max_lora_rank",
     )
+    problem = _lora_problem(args)
+    if problem:
+        print(f"hfjax serve: {problem}", file=sys.stderr)
+        return 2
     for flag in flags:
         if getattr(args, flag) is not None and getattr(args, flag) < 1:
             print(f"hfjax serve: --{flag.replace('_', '-')}={getattr(args, flag)} must be at least 1", file=sys.stderr)
@@ -239,6 +318,41 @@ def preflight(args: argparse.Namespace) -> int | None:
     return None
 
 
+def _lora_problem(args: argparse.Namespace) -> str | None:
+    """What is wrong with the LoRA flags together, in one line; else None."""
+    modules = args.lora_modules or []
+    if modules and not args.enable_lora:
+        return f"--lora-modules {modules[0].name}={modules[0].path} needs --enable-lora; pass --enable-lora with it"
+    names = [m.name for m in modules]
+    twice = next((name for name in names if names.count(name) > 1), None)
+    if twice is not None:
+        return f"--lora-modules names {twice!r} twice; give each adapter a name of its own"
+    if args.enable_lora and len(modules) > args.max_loras >= 1:
+        return (
+            f"--lora-modules names {len(modules)} adapters, more than --max-loras={args.max_loras} holds; pass "
+            f"--max-loras {len(modules)} or fewer modules"
+        )
+    return None
+
+
+def _load_adapters(model, args: argparse.Namespace) -> str | None:
+    """Reserves room for --max-loras adapters of rank <= --max-lora-rank and loads --lora-modules,
+    before the engine compiles its programs; one line naming the flag where that fails, else None."""
+    from hfjax import LoadError
+
+    try:
+        model.reserve_adapters(args.max_loras, args.max_lora_rank, None)
+    except LoadError as error:
+        return f"--max-loras {args.max_loras} --max-lora-rank {args.max_lora_rank}: {error}"
+    for module in args.lora_modules or []:
+        try:
+            model.load_adapter(module.path, module.name)
+        except LoadError as error:
+            return f"--lora-modules {module.name}={module.path}: {error}"
+        _say(f"LoRA adapter {module.name} from {module.path}")
+    return None
+
+
 def run(args: argparse.Namespace) -> int:
     """Loads the model and serves it on the socket `preflight` bound."""
     path, sock = model_path(args), args.listening
@@ -255,6 +369,17 @@ def run(args: argparse.Namespace) -> int:
         except ValueError as error:
             print(f"hfjax serve: {error}", file=sys.stderr)
             return 2
+    if args.enable_lora:
+        if model.task != "text-generation":
+            print(
+                f"hfjax serve: --enable-lora: {path} loads as task={model.task!r}; LoRA serves a causal LM",
+                file=sys.stderr,
+            )
+            return 2
+        problem = _load_adapters(model, args)
+        if problem:
+            print(f"hfjax serve: {problem}", file=sys.stderr)
+            return 1
     engine = None
     if model.task == "text-generation":
         engine = Engine(
@@ -278,10 +403,15 @@ def run(args: argparse.Namespace) -> int:
     # 16 (medians of five A-B pairs of servers, 2 CPU cores; docs/architecture.md).
     sys.setswitchinterval(_SWITCH_INTERVAL_S)
     name = args.served_model_name or path
+    runtime_lora = args.enable_lora and runtime_lora_updating()
+    if runtime_lora:
+        _say(f"{_RUNTIME_LORA} is set: POST /v1/load_lora_adapter and /v1/unload_lora_adapter load and unload adapters")
     app = build_app(
         model, served_model_name=name, engine=engine, api_key=args.api_key,
         log_stats=None if args.disable_log_stats else _say,
         enable_auto_tool_choice=args.enable_auto_tool_choice, tool_call_parser=args.tool_call_parser,
+        enable_lora=args.enable_lora, runtime_lora_updating=runtime_lora,
+        lora_parents={m.name: m.base_model_name for m in args.lora_modules or [] if m.base_model_name},
     )  # fmt: skip
     host = f"[{args.host}]" if ":" in args.host else args.host
     _say(f"{name} on http://{host}:{sock.getsockname()[1]}")

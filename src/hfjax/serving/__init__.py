@@ -11,6 +11,8 @@ Parts, one concern each (docs/architecture.md, "Continuous batching", describes 
     _metrics.py    counters, gauges and latency histograms (prometheus_client), and vLLM's stats line
     _protocol.py   OpenAI request bodies checked into engine calls; OpenAI-shaped errors
     _tools.py      tool calls read out of chat answers: vLLM's parsers by name, or the tokenizer's own
+    _models.py     the model names a server answers to: the base's and its LoRA adapters' (vLLM's
+                   --lora-modules, /v1/load_lora_adapter), each request's adapter slot
     _app.py        the FastAPI application (needs the `serve` extra: pip install "hfjax[serve]")
     static/        the chat page served at GET /
 

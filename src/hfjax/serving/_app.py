@@ -2,11 +2,12 @@
 
 Endpoints: POST /v1/chat/completions, /v1/completions, /v1/embeddings, and vLLM's /tokenize and
 /detokenize; GET /v1/models, /v1/models/{id}, /health, /version, /metrics (Prometheus' text format,
-written by prometheus_client), / (the chat page). Errors answer in OpenAI's shape {"error":
-{"message", "type", "param", "code"}}: 400 for a bad request (FastAPI's 422 is never used: bodies
-are read and checked here), 401 for a missing or wrong API key, 404 for an unknown model id or a
-path not served, 405 for a method not served, 429 for a full queue, 500 for a failure of the
-server's own (its traceback in the log).
+written by prometheus_client), / (the chat page); with LoRA adapters loadable at run time, vLLM's
+POST /v1/load_lora_adapter and /v1/unload_lora_adapter (`_models.py`). Errors answer in OpenAI's
+shape {"error": {"message", "type", "param", "code"}}: 400 for a bad request (FastAPI's 422 is never
+used: bodies are read and checked here), 401 for a missing or wrong API key, 404 for an unknown
+model or a path not served, 405 for a method not served, 429 for a full queue, 500 for a failure of
+the server's own (its traceback in the log).
 """
 
 # FastAPI reads the endpoints' annotations (Request) at run time: no `from __future__ import annotations`.
@@ -14,6 +15,7 @@ server's own (its traceback in the log).
 import asyncio
 import base64
 import contextlib
+import dataclasses
 import importlib.resources
 import json
 import secrets
@@ -29,6 +31,7 @@ from .._version import __version__
 from ..generation import ConstraintError
 from . import _protocol, _tools
 from ._metrics import Metrics, StatsLine
+from ._models import ServedModels
 from ._protocol import ApiError
 from ._requests import Event, QueueFullError, default_sampling
 from ._scheduler import Engine
@@ -45,9 +48,17 @@ def build_app(
     stats_interval: float = 10.0,
     enable_auto_tool_choice: bool = False,
     tool_call_parser: str | None = None,
+    enable_lora: bool = False,
+    lora_parents: dict[str, str] | None = None,
+    runtime_lora_updating: bool = False,
 ):
     """The FastAPI application serving `model` (through `engine` for a causal LM; an encoder
     answers /v1/embeddings only). The engine is started and stopped with the application.
+    `enable_lora`: the LoRA adapters the model holds (`Model.reserve_adapters`, `load_adapter`) are
+    served by name beside the base: a request's `model` picks one (`_models.ServedModels`);
+    `lora_parents`: {adapter name: the base name its /v1/models card gives as parent} (vLLM's
+    base_model_name; default: `served_model_name`); `runtime_lora_updating` (vLLM's
+    VLLM_ALLOW_RUNTIME_LORA_UPDATING) adds /v1/load_lora_adapter and /v1/unload_lora_adapter.
     `log_stats`, where given, is called every `stats_interval` seconds while the engine is busy
     with vLLM's stats line (prompt and generation tokens/s, requests running and waiting).
     `enable_auto_tool_choice`: chat answers are read for tool calls (tool_choice "auto") with the
@@ -58,7 +69,7 @@ def build_app(
         ValueError: an unknown `tool_call_parser`, or none and no response_template to use.
     """
     from fastapi import FastAPI, Request
-    from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
+    from fastapi.responses import HTMLResponse, JSONResponse, PlainTextResponse, Response, StreamingResponse
     from starlette.exceptions import HTTPException
 
     metrics = engine.metrics if engine is not None else Metrics(0)
@@ -68,7 +79,10 @@ def build_app(
     token_text = TokenText(tokenizer) if engine is not None else None
     # What a request without temperature gets; the chat page starts its field at it and sends it.
     default_temperature = default_sampling(model)["temperature"] if engine is not None else 1.0
-    created = int(time.time())
+    served = ServedModels(
+        model, served_model_name, root=str(model.path) if model.path is not None else served_model_name,
+        max_model_len=max_model_len, lora=enable_lora, parents=lora_parents, metrics=metrics,
+    )  # fmt: skip
     auto_tools = None
     if enable_auto_tool_choice or tool_call_parser is not None:
         parser = _tools.tool_call_parser(tool_call_parser, tokenizer)
@@ -98,6 +112,7 @@ def build_app(
         if engine is not None:
             # In-flight requests have been answered by now (uvicorn waits for them on SIGTERM).
             await asyncio.get_running_loop().run_in_executor(None, engine.stop)
+        served.close()
 
     app = FastAPI(title="hfjax serve", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
 
@@ -141,22 +156,25 @@ def build_app(
     async def health():
         return {"status": "ok"}
 
-    entry = {"id": served_model_name, "object": "model", "created": created, "owned_by": "hfjax"}
-    if max_model_len is not None:
-        entry["max_model_len"] = max_model_len
-
     @app.get("/v1/models")
     async def models():
-        return {"object": "list", "data": [entry]}
+        return {"object": "list", "data": served.cards()}
 
     @app.get("/v1/models/{model_id:path}")
     async def one_model(model_id: str):
-        if model_id != served_model_name:
-            raise ApiError(
-                404, f"the model {model_id!r} does not exist here; this server serves {served_model_name!r}",
-                param="model", code="model_not_found",
-            )  # fmt: skip
-        return entry
+        return served.card(model_id)
+
+    if enable_lora and runtime_lora_updating:
+
+        @app.post("/v1/load_lora_adapter")
+        async def load_lora_adapter(request: Request):
+            name, path = _protocol.lora_request(await read_json(request), load=True)
+            return PlainTextResponse(await served.load(name, path))
+
+        @app.post("/v1/unload_lora_adapter")
+        async def unload_lora_adapter(request: Request):
+            name, _ = _protocol.lora_request(await read_json(request), load=False)
+            return PlainTextResponse(served.unload(name))
 
     @app.get("/version")
     async def version():
@@ -164,7 +182,7 @@ def build_app(
 
     @app.post("/tokenize")
     async def tokenize(request: Request):
-        asked = _protocol.tokenize_request(await read_json(request), served_model_name)
+        asked = _protocol.tokenize_request(await read_json(request), served.names())
         text = asked.prompt
         if asked.messages is not None:
             text = _protocol.rendered(
@@ -181,7 +199,7 @@ def build_app(
 
     @app.post("/detokenize")
     async def detokenize(request: Request):
-        ids = _protocol.detokenize_request(await read_json(request), served_model_name, len(tokenizer))
+        ids = _protocol.detokenize_request(await read_json(request), served.names(), len(tokenizer))
         return {"prompt": tokenizer.decode(ids)}
 
     @app.get("/metrics")
@@ -201,7 +219,7 @@ def build_app(
 
     @app.post("/v1/embeddings")
     async def embeddings(request: Request):
-        texts, encoding, dimensions = _protocol.embedding_request(await read_json(request), served_model_name)
+        texts, encoding, dimensions = _protocol.embedding_request(await read_json(request), served.names())
         for i, text in enumerate(texts if tokenizer is not None else ()):
             field = f"input[{i}]" if len(texts) > 1 else "input"
             _protocol.check_length(text, field, embed_length, longest, f"the model's context of {embed_length}")
@@ -234,7 +252,7 @@ def build_app(
     async def chat(request: Request):
         running = needs_engine("/v1/chat/completions")
         generation = _protocol.chat_request(
-            await read_json(request), served_model_name, running.max_model_len,
+            await read_json(request), served.names(), running.max_model_len,
             lambda messages, **kwargs: tokenizer.apply_chat_template(
                 messages, add_generation_prompt=True, tokenize=False, **kwargs
             ),
@@ -245,7 +263,7 @@ def build_app(
     @app.post("/v1/completions")
     async def completions(request: Request):
         running = needs_engine("/v1/completions")
-        generation = _protocol.completion_request(await read_json(request), served_model_name, running.max_model_len)
+        generation = _protocol.completion_request(await read_json(request), served.names(), running.max_model_len)
         return await _answer(request, running, generation, chat=False)
 
     async def _answer(request: Request, running: Engine, generation: _protocol.Generation, *, chat: bool):
@@ -272,22 +290,28 @@ def build_app(
                 raise _protocol.invalid(field, f"{field}: {error}") from None
         events: asyncio.Queue[tuple[int, Event]] = asyncio.Queue()
         submitted = []
+        # From here to the last submit nothing awaits: an adapter unloaded meanwhile was refused here.
+        name = generation.model
+        adapter = served.start(name, len(generation.params))
         try:
             for index, params in enumerate(generation.params):
 
                 def listener(event: Event, index=index):
+                    if event.finish_reason is not None:  # the request's last event: off its adapter
+                        served.finished(name)
                     loop.call_soon_threadsafe(events.put_nowait, (index, event))
 
-                submitted.append(running.submit(ids, params, listener))
-        except QueueFullError as error:
+                submitted.append(running.submit(ids, dataclasses.replace(params, adapter=adapter), listener))
+        except BaseException as error:  # the requests not submitted are not running on the adapter
+            served.finished(name, len(generation.params) - len(submitted))
             for done in submitted:
                 running.cancel(done)
-            raise ApiError(429, str(error), code="rate_limit_exceeded") from None
-        except GenerationError as error:
-            for done in submitted:
-                running.cancel(done)
-            raise _protocol.invalid(generation.prompt_field, str(error)) from None
-        answer = _Answer(served_model_name, chat, len(generation.params), len(ids), token_text, generation)
+            if isinstance(error, QueueFullError):
+                raise ApiError(429, str(error), code="rate_limit_exceeded") from None
+            if isinstance(error, GenerationError):
+                raise _protocol.invalid(generation.prompt_field, str(error)) from None
+            raise
+        answer = _Answer(name, chat, len(generation.params), len(ids), token_text, generation)
 
         def cancel_all():
             for done in submitted:

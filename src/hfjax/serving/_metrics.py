@@ -85,6 +85,7 @@ class Metrics:
       time_to_first_token, inter_token_latency: histograms with `observe(seconds, times=1)`.
       prompt_tokens_read, tokens_generated: plain counts of the tokens the engine has read from prompts
         (less the prefixes a slot held) and generated, so far.
+      adapters_loaded: a gauge of the LoRA adapters the model holds, set by assignment.
     """
 
     def __init__(self, slots: int):
@@ -119,6 +120,14 @@ class Metrics:
             "hfjax_programs_memory_bytes",
             "Memory those programs hold beside their arguments and results (scratch and generated code).",
         )
+        self._model_requests = counter(
+            "hfjax_lora_requests",
+            "Chat and completion requests, by the model name they asked for: the base's or a LoRA adapter's.",
+            ("model",),
+        )
+        self._adapters = gauge(
+            "hfjax_lora_adapters_loaded", "LoRA adapters the model holds (an unloaded one until its requests end)."
+        )
         _listen_for_compilations()
         self.registry.register(_Compilations())
         self.time_to_first_token = histogram("hfjax_time_to_first_token_seconds", "Time from arrival to first token.")
@@ -130,6 +139,17 @@ class Metrics:
 
     def count_request(self, endpoint: str, status: int) -> None:
         self._requests.labels(endpoint=endpoint, code=str(status)).inc()
+
+    def count_model_request(self, model: str) -> None:
+        self._model_requests.labels(model=model).inc()
+
+    @property
+    def adapters_loaded(self) -> int:
+        return int(self.registry.get_sample_value("hfjax_lora_adapters_loaded"))
+
+    @adapters_loaded.setter
+    def adapters_loaded(self, count: int) -> None:
+        self._adapters.set(count)
 
     def count_finished(self, reason: str, prompt_tokens: int, generation_tokens: int) -> None:
         self._finished.labels(finished_reason=reason).inc()

@@ -178,6 +178,7 @@ class Generation:
     # what the answer must be (every choice's `SamplingParams.constraint`), and the field that asked
     constraint: Constraint | None = None
     constraint_field: str | None = None
+    model: str = ""  # the served model name it asked for: the base's or a LoRA adapter's
 
 
 def check_fields(body, allowed: set[str]) -> dict:
@@ -197,16 +198,32 @@ def check_fields(body, allowed: set[str]) -> dict:
     return body
 
 
-def check_model(body: dict, served: str) -> None:
+def check_model(body: dict, served: tuple[str, ...]) -> str:
+    """The model name the request asks for, one of `served` (the base's first, then its LoRA adapters'):
+    a 400 where it is missing or not a string, a 404 (OpenAI's, vLLM's) where no model of that name is served."""
     if "model" not in body:
-        raise invalid("model", f"the request has no 'model'; pass model={served!r}")
-    if body["model"] != served:
-        raise ApiError(
-            400,
-            f"model={body['model']!r} is not served here; this server serves {served!r}",
-            param="model",
-            code="model_not_found",
-        )
+        raise invalid("model", f"the request has no 'model'; pass model={served[0]!r}")
+    name = body["model"]
+    if not isinstance(name, str):
+        raise invalid("model", f"model={name!r} is not a model name; pass one of {_names(served)}")
+    if name not in served:
+        raise unknown_model(name, served)
+    return name
+
+
+def unknown_model(name: str, served: tuple[str, ...]) -> ApiError:
+    """The 404 for a model name not served: OpenAI's NotFoundError, code model_not_found."""
+    return ApiError(
+        404,
+        f"the model {name!r} does not exist here; this server serves {_names(served)}",
+        param="model",
+        kind="NotFoundError",
+        code="model_not_found",
+    )
+
+
+def _names(served: tuple[str, ...]) -> str:
+    return ", ".join(map(repr, served))
 
 
 def _number(body: dict, name: str, default, low: float, high: float, *, low_open=False, integer=False):
@@ -389,13 +406,14 @@ def _checked(check, *args):
 
 
 def chat_request(
-    body, served: str, max_model_len: int, apply_template, tool_parser: ToolParser | None = None
+    body, served: tuple[str, ...], max_model_len: int, apply_template, tool_parser: ToolParser | None = None
 ) -> Generation:
-    """A /v1/chat/completions body checked; `apply_template(messages, **chat_template_kwargs)` gives the
-    prompt text (with `tools=` where the request has tools). `tool_parser`: the server's parser of tool
-    calls (--enable-auto-tool-choice), None where it reads none."""
+    """A /v1/chat/completions body checked; `served`: the model names it may ask for (`check_model`);
+    `apply_template(messages, **chat_template_kwargs)` gives the prompt text (with `tools=` where the
+    request has tools). `tool_parser`: the server's parser of tool calls (--enable-auto-tool-choice),
+    None where it reads none."""
     body = check_fields(body, CHAT_FIELDS)
-    check_model(body, served)
+    model = check_model(body, served)
     messages = messages_of(body)
     kwargs = template_kwargs(body)
     tools = _checked(_tools.tools_of, body)
@@ -414,13 +432,14 @@ def chat_request(
     params = _sampling(body, max_tokens, top if logprobs else None, max_model_len)
     if parser is not None and parser.special_markers:
         params = [dataclasses.replace(p, skip_special_tokens=False) for p in params]
-    return _constrained(Generation(prompt, params, stream, usage, max_tokens, "messages", tools, parser), body)
+    generation = Generation(prompt, params, stream, usage, max_tokens, "messages", tools, parser, model=model)
+    return _constrained(generation, body)
 
 
-def completion_request(body, served: str, max_model_len: int) -> Generation:
+def completion_request(body, served: tuple[str, ...], max_model_len: int) -> Generation:
     """A /v1/completions body checked (one prompt: a string or a list of token ids)."""
     body = check_fields(body, COMPLETION_FIELDS)
-    check_model(body, served)
+    model = check_model(body, served)
     prompt = body.get("prompt")
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
         prompt = prompt[0]
@@ -431,7 +450,7 @@ def completion_request(body, served: str, max_model_len: int) -> Generation:
     logprobs = _number(body, "logprobs", None, 0, 20, integer=True)
     stream, usage = _stream(body)
     generation = Generation(
-        prompt, _sampling(body, max_tokens, logprobs, max_model_len), stream, usage, max_tokens, "prompt"
+        prompt, _sampling(body, max_tokens, logprobs, max_model_len), stream, usage, max_tokens, "prompt", model=model
     )
     return _constrained(generation, body)
 
@@ -458,7 +477,7 @@ def _constrained(generation: Generation, body: dict) -> Generation:
     return dataclasses.replace(generation, params=params, constraint=constraint, constraint_field=field)
 
 
-def embedding_request(body, served: str) -> tuple[list[str], str, int | None]:
+def embedding_request(body, served: tuple[str, ...]) -> tuple[list[str], str, int | None]:
     """A /v1/embeddings body checked: (texts, encoding format "float" or "base64", dimensions or None)."""
     body = check_fields(body, {"input", "model", "encoding_format", "dimensions"})
     check_model(body, served)
@@ -518,12 +537,12 @@ def _flag(body: dict, name: str, default: bool) -> bool:
     return value
 
 
-def _optional_model(body: dict, served: str) -> None:
+def _optional_model(body: dict, served: tuple[str, ...]) -> None:
     if body.get("model") is not None:
         check_model(body, served)
 
 
-def tokenize_request(body, served: str) -> Tokenize:
+def tokenize_request(body, served: tuple[str, ...]) -> Tokenize:
     """A /tokenize body checked: {prompt} or {messages, add_generation_prompt, ...}, `model` optional."""
     chat = isinstance(body, dict) and "messages" in body
     body = check_fields(body, _TOKENIZE_CHAT_FIELDS if chat else {*_TOKENIZE_FIELDS, "prompt"})
@@ -550,7 +569,7 @@ def tokenize_request(body, served: str) -> Tokenize:
     )  # fmt: skip
 
 
-def detokenize_request(body, served: str, vocab_size: int) -> list[int]:
+def detokenize_request(body, served: tuple[str, ...], vocab_size: int) -> list[int]:
     """A /detokenize body checked: its token ids, each in [0, vocab_size)."""
     body = check_fields(body, {"model", "tokens"})
     _optional_model(body, served)
@@ -561,6 +580,24 @@ def detokenize_request(body, served: str, vocab_size: int) -> list[int]:
     if outside:
         raise invalid("tokens", f"tokens holds {outside[0]}, outside the vocabulary [0, {vocab_size})")
     return tokens
+
+
+def lora_request(body, *, load: bool) -> tuple[str, str | None]:
+    """A body of vLLM's /v1/load_lora_adapter ({lora_name, lora_path}; load=True) or
+    /v1/unload_lora_adapter ({lora_name}) checked: (lora_name, lora_path or None)."""
+    names = ("lora_name", "lora_path") if load else ("lora_name",)
+    body = check_fields(body, {*names, "load_inplace"} if load else set(names))
+    if body.get("load_inplace") not in (None, False):
+        raise invalid(
+            "load_inplace", f"load_inplace={body['load_inplace']!r}: hfjax serve does not reload an adapter in "
+            "place; unload it, then load it again",
+        )  # fmt: skip
+    for name in names:
+        value = body.get(name)
+        if not isinstance(value, str) or not value:
+            example = '{"lora_name": "mine", "lora_path": "/path/to/adapter"}' if load else '{"lora_name": "mine"}'
+            raise invalid(name, f"{name}={value!r}: pass a non-empty string, as in {example}")
+    return body["lora_name"], body.get("lora_path")
 
 
 def check_token_ids(generation: Generation, vocab_size: int | None) -> None:

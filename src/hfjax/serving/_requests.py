@@ -48,6 +48,9 @@ class SamplingParams:
         constraint: what the answer must be (`generation.Constraint`: a JSON schema, any JSON object,
             a regex, a choice, a Lark grammar; vLLM's structured_outputs). The answer ends ("stop") where
             the grammar is complete, or at max_tokens ("length") before.
+        adapter: the LoRA adapter this request runs with, by its slot in the model
+            (`hfjax.lora.Adapter.index`, one of `Model.adapters`); -1, the default: the base alone.
+            A server sets it from the model name the request asks for.
     """
 
     max_tokens: int
@@ -67,8 +70,13 @@ class SamplingParams:
     min_tokens: int | None = None
     skip_special_tokens: bool = True
     constraint: generation.Constraint | None = None
+    adapter: int = -1
 
     def __post_init__(self):
+        if isinstance(self.adapter, bool) or not isinstance(self.adapter, int) or self.adapter < -1:
+            raise GenerationError(
+                f"adapter={self.adapter!r}: pass an adapter's slot (Adapter.index), or -1 for the base"
+            )
         if isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int) or self.max_tokens < 1:
             raise GenerationError(f"max_tokens={self.max_tokens!r}: pass a whole number >= 1")
         if self.min_tokens is not None and (
@@ -216,8 +224,10 @@ class Request:
         listener: Callable[[Event], None],
         stream,
         matcher: generation.Matcher | None = None,
+        adapter=None,
     ):
         self.prompt = prompt
+        self.adapter = adapter  # the `hfjax.lora.Adapter` of `params.adapter` (None: the base alone)
         self.matcher = matcher  # where the answer is constrained: its place in the grammar
         # A constrained request's next token taken in by its matcher before delivery (`Engine._advance`):
         # whether the grammar allowed it; None where nothing was taken in ahead.

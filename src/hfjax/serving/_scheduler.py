@@ -240,7 +240,8 @@ class Engine:
         """Queues a prompt (token ids); `listener` gets an Event after each chunk, on the engine thread.
 
         Raises:
-            GenerationError: the prompt and max_tokens do not fit max_model_len, or a setting is out of range.
+            GenerationError: the prompt and max_tokens do not fit max_model_len, a setting is out of range, or
+                `params.adapter` names a slot that holds no LoRA adapter.
             QueueFullError: max_queue requests are waiting already.
             ServingError: the engine has stopped, or failed.
         """
@@ -256,7 +257,7 @@ class Engine:
             skip_special_tokens=params.skip_special_tokens,
         )  # fmt: skip
         matcher = None if params.constraint is None else self.grammars().matcher(params.constraint)
-        request = Request(list(prompt), params, settings, listener, text, matcher)
+        request = Request(list(prompt), params, settings, listener, text, matcher, self._adapter(params.adapter))
         with self._lock:
             if self._error is not None:
                 raise ServingError(f"the engine failed: {self._error!r}") from self._error
@@ -270,6 +271,23 @@ class Engine:
             self.metrics.queue_depth = len(self._waiting)
             self._wake.notify_all()
         return request
+
+    def _adapter(self, index: int):
+        """The model's LoRA adapter in slot `index` (None for -1, the base alone).
+
+        Raises:
+            GenerationError: no adapter is loaded in that slot.
+        """
+        if index == -1:
+            return None
+        adapter = next((a for a in self.model.adapters.values() if a.index == index), None)
+        if adapter is None:
+            loaded = {a.index: name for name, a in self.model.adapters.items()}
+            raise GenerationError(
+                f"adapter={index}: no LoRA adapter is loaded in that slot (loaded: {loaded or 'none'}); pass the "
+                "index of one of Model.adapters, or -1 for the base alone"
+            )
+        return adapter
 
     def grammars(self) -> generation.Grammars:
         """The checkpoint's tokenizer's compiled constraints (made at the first call). A server compiles

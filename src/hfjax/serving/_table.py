@@ -32,6 +32,9 @@ class SlotTable:
         self.prefix_reuse = prefix_reuse
         self.requests: list[Request | None] = [None] * slots
         self.cached: list[list[int]] = [[] for _ in range(slots)]  # token ids whose keys each row holds
+        # The LoRA adapter those keys were computed with (None: the base): a prefix is reused only by a
+        # request of the same adapter, as loaded then (an adapter loaded again is another object).
+        self.cached_adapter: list[object | None] = [None] * slots
         self.positions = np.zeros(slots, np.int32)  # each slot's last token's position, as the device has it
         self.rows = generation.RowSampling.empty(
             slots, vocab_size=vocab_size, bias_slots=bias_slots, held_slots=held_slots, mask_words=mask_words
@@ -66,14 +69,20 @@ class SlotTable:
         share a longer prefix with its prompt, among those that widen the chunk no more than the
         lowest would; returns the slot. A reused prefix is not read again (at least the last prompt
         token runs, for the logits of the first new token); with a repetition penalty the whole
-        prompt is read, which its history needs."""
+        prompt is read, which its history needs. Only keys of the request's own LoRA adapter (or of the
+        base, for a request of the base) are reused. The row runs with the request's adapter."""
         free = [slot for slot, held in enumerate(self.requests) if held is None]
         busy = [slot for slot, held in enumerate(self.requests) if held is not None]
         widest = self.decode_rows(max([*busy, free[0]]))
         free = [slot for slot in free if slot < widest]
         reuse = self.prefix_reuse and request.settings.sampling.repetition_penalty == 1.0
-        slot = max(free, key=lambda s: (_common_prefix(self.cached[s], request.prompt), -s)) if reuse else free[0]
-        reused = min(_common_prefix(self.cached[slot], request.prompt), len(request.prompt) - 1) if reuse else 0
+
+        def shared(slot: int) -> int:  # prompt tokens whose keys the slot holds, of the request's adapter
+            same = self.cached_adapter[slot] is request.adapter
+            return _common_prefix(self.cached[slot], request.prompt) if same else 0
+
+        slot = max(free, key=lambda s: (shared(s), -s)) if reuse else free[0]
+        reused = min(shared(slot), len(request.prompt) - 1) if reuse else 0
         request.prefilled = request.started = reused
         request.slot = slot
         self.requests[slot] = request
@@ -84,6 +93,7 @@ class SlotTable:
             stop_token_ids=request.params.stop_token_ids, lengths=[len(request.prompt)], mask_words=self.mask_words,
         )  # fmt: skip
         self.rows.set_row(slot, row)
+        self.rows.lora[slot] = request.params.adapter
         if request.matcher is not None:  # the first token's mask: the prefill's last chunk chooses it
             self.rows.constrained[slot] = True
             request.matcher.fill(self.rows.allowed[slot])
@@ -101,6 +111,7 @@ class SlotTable:
         self.requests[slot] = None
         fed = request.text.ids[:-1] if request.prefilled == len(request.prompt) else []
         self.cached[slot] = request.prompt[: request.prefilled] + fed
+        self.cached_adapter[slot] = request.adapter
         self.positions[slot] = 0
         self.rows.constrained[slot] = False
 
