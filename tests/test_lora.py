@@ -71,7 +71,24 @@ def test_each_adapters_logits_match_peft(base, adapters):
     assert np.abs(np.asarray(model(ids).logits) - unchanged).max() > 100 * tolerances.LORA.atol  # it does change them
 
 
-def test_a_batch_mixing_adapters_and_the_base_gives_each_row_pefts_tokens_and_logits(base, adapters):
+@pytest.fixture(scope="module")
+def family_adapters(checkpoint, tmp_path_factory):
+    """family -> (its tiny checkpoint, {name: adapter}) (gemma2: sliding-window layers beside full ones)."""
+    made = {}
+
+    def make(family: str):
+        if family not in made:
+            path = checkpoint(family)
+            root = tmp_path_factory.mktemp(f"adapters-{family}")
+            made[family] = path, {n: testing.save_tiny_adapter(path, root / n, **c) for n, c in ADAPTERS.items()}
+        return made[family]
+
+    return make
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma2"])
+def test_a_batch_mixing_adapters_and_the_base_gives_each_row_pefts_tokens_and_logits(family_adapters, family):
+    base, adapters = family_adapters(family)
     model = hfjax.load(base)
     for name, path in adapters.items():
         model.load_adapter(path, adapter_name=name)
