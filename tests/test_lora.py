@@ -141,7 +141,7 @@ def _dequantized(base, model: hfjax.Model):
     return reference
 
 
-@pytest.mark.parametrize("mode", ["int8", "int4"])
+@pytest.mark.parametrize("mode", ["int8", "fp8", "int4"])
 def test_adapters_on_a_quantized_base_match_peft_on_its_dequantized_weights(base, adapters, mode):
     model = hfjax.load(base, quantize=mode)
     for name in ("small", "wide"):

@@ -17,13 +17,14 @@ import pathlib
 import shutil
 import time
 
+import numpy as np
 import pytest
 import torch
 import transformers
 
 import background
 import hfjax
-from hfjax import cli, serving, testing
+from hfjax import cli, serving, testing, tolerances
 from hfjax.cli import serve
 
 pytest.importorskip("fastapi", reason="the serve extra is not installed: pip install 'hfjax[serve]'")
@@ -145,6 +146,39 @@ def test_each_adapter_and_the_base_answer_as_peft_in_one_batch(client, reference
     with concurrent.futures.ThreadPoolExecutor(len(asks)) as pool:
         got = list(pool.map(lambda ask: _complete(client, ask[0], PROMPTS[ask[1]]), asks))
     assert got == [reference[model][i] for model, i in asks]
+
+
+def _peft_logprobs(name: str, prompt: str, tokenizer) -> list[float]:
+    """The log-probabilities of peft's greedy answer to `prompt` in PyTorch (NAME: the base alone)."""
+    module = transformers.AutoModelForCausalLM.from_pretrained(SERVERS["lora"]["checkpoint"])
+    if name != NAME:
+        module = peft.PeftModel.from_pretrained(module, _path(name))
+    ids = tokenizer(prompt, return_tensors="pt")
+    with torch.no_grad():
+        out = module.generate(
+            **ids, max_new_tokens=NEW_TOKENS, do_sample=False, output_logits=True, return_dict_in_generate=True
+        )
+    new = out.sequences[0, ids["input_ids"].shape[1] :]
+    return [float(torch.log_softmax(step[0], -1)[token]) for step, token in zip(out.logits, new)]
+
+
+def test_each_adapters_log_probabilities_match_pefts_in_one_batch(client, tokenizer):
+    models = (NAME, *AT_START)
+
+    def ask(model: str):
+        return (
+            client.completions.create(model=model, prompt=PROMPTS[0], max_tokens=NEW_TOKENS, temperature=0, logprobs=1)
+            .choices[0]
+            .logprobs.token_logprobs
+        )
+
+    with concurrent.futures.ThreadPoolExecutor(len(models)) as pool:
+        got = list(pool.map(ask, models))
+    for model, values in zip(models, got):
+        want = _peft_logprobs(model, PROMPTS[0], tokenizer)
+        assert len(values) == len(want), model
+        # A log-probability is a logit less the log-sum-exp of all of them: twice the logits' bound.
+        np.testing.assert_allclose(values, want, atol=2 * tolerances.LORA.atol, err_msg=model)
 
 
 def _chat(client, model: str, text: str) -> str:
