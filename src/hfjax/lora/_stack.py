@@ -218,10 +218,11 @@ def with_active(params: dict, index: int) -> dict:
 
 
 def _compute_dtype(params: dict):
-    """The floating dtype most of the model's weights have (a quantized model's: its norms' and embeddings')."""
+    """The compute dtype: the floating dtype most of the model's weights have, 8-bit ones left out (a
+    quantized model's: its norms' and embeddings')."""
     counts: dict = {}
     for array in params.values():
-        if jnp.issubdtype(array.dtype, jnp.floating):
+        if jnp.issubdtype(array.dtype, jnp.floating) and jnp.finfo(array.dtype).bits >= 16:  # not fp8 weights
             counts[array.dtype] = counts.get(array.dtype, 0) + int(array.size)
     return max(counts, key=counts.get) if counts else jnp.float32
 
