@@ -337,11 +337,22 @@ def _lora_problem(args: argparse.Namespace) -> str | None:
 
 def _load_adapters(model, args: argparse.Namespace) -> str | None:
     """Reserves room for --max-loras adapters of rank <= --max-lora-rank and loads --lora-modules,
-    before the engine compiles its programs; one line naming the flag where that fails, else None."""
-    from hfjax import LoadError
+    before the engine compiles its programs; one line naming the flag where that fails, else None. The
+    slots cover every linear layer but the LM head where adapters may be loaded at run time, else only
+    the layers the --lora-modules adapt."""
+    from hfjax import LoadError, lora
 
+    targets = None  # every linear layer but the LM head: an adapter loaded at run time may adapt any
+    if args.lora_modules and not runtime_lora_updating():  # the adapters are fixed: only their layers pay
+        layers = set()
+        for module in args.lora_modules:
+            try:
+                layers |= set(lora.read_adapter(module.path, caller="hfjax serve").layers)
+            except LoadError as error:
+                return f"--lora-modules {module.name}={module.path}: {error}"
+        targets = sorted(layers)
     try:
-        model.reserve_adapters(args.max_loras, args.max_lora_rank, None)
+        model.reserve_adapters(args.max_loras, args.max_lora_rank, targets)
     except LoadError as error:
         return f"--max-loras {args.max_loras} --max-lora-rank {args.max_lora_rank}: {error}"
     for module in args.lora_modules or []:
