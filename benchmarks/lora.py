@@ -110,24 +110,9 @@ def generate_rows(checkpoint, adapters, args) -> dict:
 
 async def level(url: str, models: list[str], args, clients: int, requests: int, offset: int = 0) -> dict:
     """`requests` streamed completions from `clients` clients at once, request i naming models[i % len]."""
-    import httpx
-
-    queue = asyncio.Queue()
-    for i in range(requests):
-        queue.put_nowait(i)
-    results = []
-
-    async def client(http):
-        while not queue.empty():
-            index = queue.get_nowait()
-            prompt = serve.prompt_text(offset + index, args.prompt_tokens)
-            model = models[index % len(models)]
-            results.append(await serve.one_request(http, url, model, prompt, args.new_tokens))
-
-    async with httpx.AsyncClient(timeout=600, limits=httpx.Limits(max_connections=clients)) as http:
-        start = time.perf_counter()
-        await asyncio.gather(*(client(http) for _ in range(clients)))
-        wall = time.perf_counter() - start
+    results, wall = await serve.async_level(
+        url, models, args.prompt_tokens, args.new_tokens, clients, requests, 0, offset
+    )
     ttft = [r["ttft"] for r in results if not np.isnan(r["ttft"])]
     itl = [r["itl"] for r in results if not np.isnan(r["itl"])]
     return {
@@ -208,8 +193,10 @@ async def serve_rows(checkpoint, adapters, extra, args, work: pathlib.Path) -> d
             except subprocess.TimeoutExpired:
                 process.kill()
 
-    def ratio(a: str, b: str, field: str = "output_tokens_per_s") -> float:
-        return statistics.median(x[field] / y[field] for x, y in zip(rows[a], rows[b]))
+    def ratio(a: str, b: str, field: str = "output_tokens_per_s") -> float | None:
+        # (a tiny model's answers may stream no word, or all at once: no latency to compare)
+        pairs = [x[field] / y[field] for x, y in zip(rows[a], rows[b]) if x[field] is not None and y[field]]
+        return statistics.median(pairs) if pairs else None
 
     return {
         "levels": {
@@ -223,6 +210,11 @@ async def serve_rows(checkpoint, adapters, extra, args, work: pathlib.Path) -> d
         "loading_itl_p99_over_without": ratio("loading_16", "lora_16", "itl_p99_s"),
         "rounds": args.rounds,
     }
+
+
+def _median(values) -> float | None:
+    values = [v for v in values if v is not None]
+    return statistics.median(values) if values else None
 
 
 def main() -> None:

@@ -212,7 +212,11 @@ async def run_level(
     }
 
 
-async def async_level(url, model, prompt_tokens, new_tokens, concurrency, requests, prefix) -> tuple[list, float]:
+async def async_level(
+    url, model, prompt_tokens, new_tokens, concurrency, requests, prefix, offset: int = 0
+) -> tuple[list, float]:
+    """`requests` streamed completions from `concurrency` clients: request i has prompt `offset + i` and
+    names `model`, or where it is a list, model[i % len(model)]."""
     import httpx
 
     queue = asyncio.Queue()
@@ -223,8 +227,9 @@ async def async_level(url, model, prompt_tokens, new_tokens, concurrency, reques
     async def client(http):
         while not queue.empty():
             index = queue.get_nowait()
-            prompt = prompt_text(index, prompt_tokens, prefix)
-            results.append(await one_request(http, url, model, prompt, new_tokens))
+            prompt = prompt_text(offset + index, prompt_tokens, prefix)
+            named = model[index % len(model)] if isinstance(model, list) else model
+            results.append(await one_request(http, url, named, prompt, new_tokens))
 
     limits = httpx.Limits(max_connections=concurrency)
     async with httpx.AsyncClient(timeout=600, limits=limits) as http:

@@ -211,3 +211,28 @@ def openai_400(answer, param: str) -> str:
     assert set(error) == {"message", "type", "param", "code"} and error["type"] == "invalid_request_error"
     assert error["param"] == param and param.split(".")[0].split("[")[0] in error["message"], error
     return error["message"]
+
+
+def headless_chromium():
+    """A Selenium driver of Debian's chromium, headless, 1000x700 (skips the test where selenium, chromium
+    or chromium-driver is missing). The caller quits it."""
+    import pytest
+
+    webdriver = pytest.importorskip("selenium.webdriver", reason="selenium is a test dependency: pip install selenium")
+    chromium = shutil.which("chromium") or shutil.which("chromium-browser")
+    driver_path = shutil.which("chromedriver")
+    if chromium is None or driver_path is None:
+        pytest.skip(
+            "Debian's chromium and chromium-driver are not installed (apt-get install chromium chromium-driver)"
+        )
+    options = webdriver.ChromeOptions()
+    options.binary_location = chromium
+    for flag in (
+        "--headless=new",
+        "--no-sandbox",
+        "--disable-gpu",
+        "--disable-dev-shm-usage",
+        "--window-size=1000,700",
+    ):
+        options.add_argument(flag)
+    return webdriver.Chrome(options=options, service=webdriver.ChromeService(executable_path=driver_path))

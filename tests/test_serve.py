@@ -16,7 +16,6 @@ import json
 import pathlib
 import re
 import shlex
-import shutil
 import signal
 import subprocess
 import sys
@@ -589,30 +588,13 @@ def test_load_200_requests_from_32_clients_some_leaving_mid_stream(servers, mode
 
 
 def test_the_chat_page_holds_a_conversation_in_headless_chromium(servers, model, tmp_path):
-    webdriver = pytest.importorskip("selenium.webdriver", reason="selenium is a test dependency: pip install selenium")
-    chromium = shutil.which("chromium") or shutil.which("chromium-browser")
-    driver_path = shutil.which("chromedriver")
-    if chromium is None or driver_path is None:
-        pytest.skip(
-            "Debian's chromium and chromium-driver are not installed (apt-get install chromium chromium-driver)"
-        )
+    browser = background.headless_chromium()
     from selenium.webdriver.common.by import By
     from selenium.webdriver.support.ui import WebDriverWait
 
-    options = webdriver.ChromeOptions()
-    options.binary_location = chromium
-    for flag in (
-        "--headless=new",
-        "--no-sandbox",
-        "--disable-gpu",
-        "--disable-dev-shm-usage",
-        "--window-size=1000,700",
-    ):
-        options.add_argument(flag)
     # Three messages in one conversation on the server's 256-token context, with the page's default
     # answer length: the second outgrows the context, so the page leaves the oldest turn out.
     messages = [CONVERSATIONS[5][0]["content"], "And then?", "What did the miller say?"]
-    browser = webdriver.Chrome(options=options, service=webdriver.ChromeService(executable_path=driver_path))
 
     def ask(text: str) -> tuple[str, str]:
         done = len(browser.find_elements(By.CSS_SELECTOR, "[data-done='true']"))

@@ -14,7 +14,6 @@ from __future__ import annotations
 import concurrent.futures
 import json
 import pathlib
-import shutil
 import time
 
 import numpy as np
@@ -350,21 +349,10 @@ def test_an_adapter_that_cannot_load_at_start_is_one_line_naming_the_flag(tmp_pa
 
 
 def test_the_chat_pages_picker_sends_the_chosen_adapter(url, client):
-    webdriver = pytest.importorskip("selenium.webdriver", reason="selenium is a test dependency: pip install selenium")
-    chromium = shutil.which("chromium") or shutil.which("chromium-browser")
-    driver_path = shutil.which("chromedriver")
-    if chromium is None or driver_path is None:
-        pytest.skip(
-            "Debian's chromium and chromium-driver are not installed (apt-get install chromium chromium-driver)"
-        )
+    browser = background.headless_chromium()
     from selenium.webdriver.common.by import By
     from selenium.webdriver.support.ui import Select, WebDriverWait
 
-    options = webdriver.ChromeOptions()
-    options.binary_location = chromium
-    for flag in ("--headless=new", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage"):
-        options.add_argument(flag)
-    browser = webdriver.Chrome(options=options, service=webdriver.ChromeService(executable_path=driver_path))
     try:
         browser.get(url + "/")
         picker = browser.find_element(By.ID, "model")
