@@ -58,6 +58,14 @@ _NOT_CONSTRAINABLE = (
 )
 
 
+# Why a speculative call cannot run: the drafts are verified on the slot core only.
+_NOT_SPECULABLE = (
+    "Model.generate: prompt_lookup_num_tokens (speculative decoding) runs on the slot core, which takes decoder-only "
+    "models with a static KV cache and position_ids, left-padded prompts and no image inputs; {}; leave "
+    "prompt_lookup_num_tokens out"
+)
+
+
 @dataclasses.dataclass
 class GenerationStats:
     """Timings of the last `generate` call (seconds), for --stats and benchmarks."""
@@ -67,6 +75,11 @@ class GenerationStats:
     time_to_first_token: float = 0.0
     total: float = 0.0
     compiled: bool = False
+    # Speculative decoding's (prompt_lookup_num_tokens; else 0): the drafted tokens the target
+    # verified, those it accepted, and its forwards in the decode (one per round)
+    drafted_tokens: int = 0
+    accepted_tokens: int = 0
+    target_forwards: int = 0
 
     @property
     def tokens_per_second(self) -> float:
@@ -153,6 +166,22 @@ class Generator:
                 )
             )
 
+    def _check_speculable(self, plan, settings: GenerationSettings, inputs, constraint) -> None:
+        """Raises GenerationError where a speculative call (prompt_lookup_num_tokens) cannot run, saying why."""
+        k = settings.speculation.num_speculative_tokens
+        if constraint is not None:
+            raise GenerationError(
+                f"Model.generate: prompt_lookup_num_tokens={k} with a constraint (json_schema, regex, choice, grammar, "
+                "response_format): a constrained row's mask is made on the host after each token, so its drafts "
+                "cannot be verified on the device; pass one of them"
+            )
+        if not self.slot_runs.takes(plan, settings, inputs):
+            raise GenerationError(
+                _NOT_SPECULABLE.format(
+                    f"this call (a {type(self.module).__name__}, with its inputs) does not run there"
+                )
+            )
+
     def generate(
         self,
         ids: np.ndarray,
@@ -197,6 +226,9 @@ class Generator:
         prepared_before = sum(self.program_counts.values())
         if constraint is not None:
             self._check_constrainable(plan, settings, inputs)
+        speculation = settings.speculation
+        if speculation is not None:
+            self._check_speculable(plan, settings, inputs, constraint)
         if self.slot_runs.takes(plan, settings, inputs):
             ran = self.slot_runs.generate(
                 ids, plan, settings, compiled, seed=seed, streamer=streamer, constraint=constraint, lora=lora
@@ -205,10 +237,12 @@ class Generator:
                 raise GenerationError(
                     _NOT_CONSTRAINABLE.format(f"{type(self.module).__name__} reads values of its data")
                 )
+            if ran is None and speculation is not None:
+                raise GenerationError(_NOT_SPECULABLE.format(f"{type(self.module).__name__} reads values of its data"))
             if ran is not None:
-                new, ttft, kept = ran  # the caller's rows: num_return_sequences per prompt
+                new, ttft, kept, drafts = ran  # the caller's rows: num_return_sequences per prompt
                 prompt = np.repeat(ids, settings.num_return_sequences, axis=0).astype(np.int32)
-                self._stats(mask, new.shape[1], ttft, start, prepared_before)
+                self._stats(mask, new.shape[1], ttft, start, prepared_before, drafts)
                 out = jnp.asarray(np.concatenate([prompt, new], axis=1))
                 if settings.return_dict_in_generate:
                     out = self._output(out, kept.get, new.shape[0], new.shape[1], beams=beam is not None)
@@ -306,13 +340,19 @@ class Generator:
         self._stats(mask, steps, ttft, start, prepared_before)
         return out
 
-    def _stats(self, mask: np.ndarray, steps: int, ttft: float, start: float, prepared_before: int) -> None:
+    def _stats(
+        self, mask: np.ndarray, steps: int, ttft: float, start: float, prepared_before: int, drafts=(0, 0, 0)
+    ) -> None:
+        drafted, accepted, forwards = drafts
         self.last_stats = GenerationStats(
             prompt_tokens=int(mask.sum()),
             new_tokens=steps,
             time_to_first_token=ttft,
             total=time.perf_counter() - start,
             compiled=sum(self.program_counts.values()) > prepared_before,
+            drafted_tokens=drafted,
+            accepted_tokens=accepted,
+            target_forwards=forwards,
         )
 
     def _run_prefill(self, key: tuple, function, args: tuple, *, metadata) -> tuple[list, dict]:

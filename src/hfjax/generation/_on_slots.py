@@ -89,8 +89,8 @@ class SlotRuns:
         row's EOS (beam search: each prompt's best finished sequences, best first, `fill_token_id`
         after each one's end); the seconds to the first token (beam search: to the prefill's
         logits); {"scores", "logits": [rows, T, V] float32} that output_scores and output_logits ask
-        for), or None where the model turned out to read values of its data (then `Generator` runs
-        the call). `constraint`: what every row's answer must be (see the module's docstring). `lora`: int32
+        for; speculation's (drafted tokens, accepted tokens, target forwards), zeros without it), or
+        None where the model turned out to read values of its data (then `Generator` runs the call). `constraint`: what every row's answer must be (see the module's docstring). `lora`: int32
         [prompts], each prompt's LoRA adapter slot (None: the model holds none)."""
         start = time.perf_counter()
         rows, budget = plan.rows, settings.max_new_tokens
@@ -144,7 +144,7 @@ class SlotRuns:
             )
         )
         try:  # the state's shapes come from an abstract run of the model, which may read its data too
-            state = programs.slot_model.empty_state(features)
+            state = programs.slot_model.empty_state(features, history=settings.speculation is not None)
             # The prefill's window: the prompts' columns, the only ones it reads and writes.
             state, chosen = programs.prefill(
                 state, sampling, which, prompts, starts, counts, last, every, no, window=plan.size
@@ -164,6 +164,7 @@ class SlotRuns:
             sampling = self._constrained(sampling, matchers, allowed, first[:, None], np.zeros(rows, bool))
         done = np.isin(first, stops)
         produced = [first[:, None]]  # each call's tokens, pad_token_id after a row's stop
+        drafts = np.zeros(3, np.int64)  # speculation's drafted and accepted tokens, and the target's forwards
         kept_values = {name: [getattr(chosen, name)] for name in kept}  # each call's [rows, steps, V]
         steps, position = 1, int(lengths.max())
         # A streamer re-enters the decode every few tokens: windows cut at each entry would copy more
@@ -185,6 +186,13 @@ class SlotRuns:
                     self.generator.reads_data = True
                     return None
                 ran = int(parallel.to_host(chosen.ran))
+                if chosen.made is not None:  # a speculative chunk: each row made `ran` tokens or stopped
+                    going = ~done[: plan.prompts * plan.per_prompt]
+                    drafts += [
+                        int(parallel.to_host(chosen.drafted)[: len(going)][going].sum()),
+                        int(parallel.to_host(chosen.accepted)[: len(going)][going].sum()),
+                        int(parallel.to_host(chosen.rounds)),
+                    ]
                 for name, values in kept_values.items():
                     values.append(getattr(chosen, name)[:, :ran])
                 tokens = np.where(done[:, None], pad, _padded(parallel.to_host(chosen.token)[:, :ran], stops, pad))
@@ -200,7 +208,8 @@ class SlotRuns:
             streamer.end()
         kept_values = {name: parallel.to_host(jnp.concatenate(values, axis=1)) for name, values in kept_values.items()}
         caller = plan.prompts * plan.per_prompt  # the rows past the plan's padding to the "data" devices
-        return np.concatenate(produced, axis=1)[:caller].astype(np.int32), ttft, kept_values
+        new = np.concatenate(produced, axis=1)[:caller].astype(np.int32)
+        return new, ttft, kept_values, tuple(int(n) for n in drafts)
 
     def _search(self, state, sampling, logits, lengths, plan, settings: GenerationSettings, features, start: float):
         """Beam search from the prefill's `logits` [rows, V] (`_slot_beams`) of prompts of `lengths` [rows]
@@ -234,7 +243,7 @@ class SlotRuns:
         finished = parallel.to_host(carry.beams.finished).reshape(plan.padded_prompts, beam.num_beams, width)
         length = int(parallel.to_host(carry.beams.finished_length)[: plan.prompts, :returned].max())
         new = finished[: plan.prompts, :returned, :length]
-        return new.reshape(plan.prompts * returned, -1).astype(np.int32), ttft, {}
+        return new.reshape(plan.prompts * returned, -1).astype(np.int32), ttft, {}, (0, 0, 0)
 
     def _grammars_for(self, plan: _planning.BatchPlan, settings: GenerationSettings) -> _grammar.Grammars:
         """The compiled constraints for masks as wide as the model's logits, ending at the call's EOS tokens."""
@@ -282,11 +291,12 @@ class SlotRuns:
         model_key = (plan.rows, plan.total)
         self._slot_model(plan)
         stops, pad = settings.eos_token_ids, settings.pad_token_id
-        key = (*model_key, plan.size, features, stops, pad, kept, precision)
+        key = (*model_key, plan.size, features, stops, pad, kept, precision, settings.speculation)
         if key not in self._programs:
             self._programs[key] = SlotPrograms(
                 self._models[model_key], prefill_chunk=plan.size, steps=plan.total - plan.offset,
                 features=features, stop_tokens=stops, pad_token=pad, kept=kept, cache=self.generator.programs,
+                speculation=settings.speculation,
             )  # fmt: skip
         return self._programs[key]
 

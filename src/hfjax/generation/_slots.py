@@ -37,6 +37,7 @@ from . import _caches, _programs, _sampling
 from ._adapters import StaticCacheAdapter, adapter_for
 from ._choose import apply_rules, choose_tokens
 from ._rows import RowSampling, SamplingFeatures
+from ._speculative import Speculation, kept_count, lookup_drafts
 
 TOP_LOGPROBS = 20  # the most alternatives OpenAI's API lets a request ask for per token
 STOPPED = -1  # `SlotState.tokens` of a row past its stop token
@@ -78,6 +79,13 @@ class Chosen:
     # [R, T, V] float32, where the programs keep them (`SlotPrograms.kept`); else None.
     scores: jax.Array | None = None
     logits: jax.Array | None = None
+    # A speculative decode's (`Speculation`; else None): the tokens each row made [R] int32 (its
+    # first `made` of T; `ran` is the most any row made), the drafts each row offered for verification
+    # and those kept [R] int32, and the rounds run ([] int32: the target's forwards)
+    made: jax.Array | None = None
+    drafted: jax.Array | None = None
+    accepted: jax.Array | None = None
+    rounds: jax.Array | None = None
 
 
 def _slot_layer_class():
@@ -213,15 +221,17 @@ class SlotModel:
         cache, _ = self.shapes()
         return sum(int(s.size // self.slots) * s.dtype.itemsize for pair in cache for s in pair)
 
-    def empty_state(self, features: SamplingFeatures) -> SlotState:
+    def empty_state(self, features: SamplingFeatures, *, history: bool = False) -> SlotState:
         """Zeros, placed where the programs' outputs will be, so the first call and every later one
         have the same signature: on the weights' device; on a mesh (of one process or several), the
         slots split over "data" and each layer's cache over "model" by heads, where they divide. Made
-        by one program (kept per layout): a zeros call per array cost `Model.generate` ~8 ms a call."""
+        by one program (kept per layout): a zeros call per array cost `Model.generate` ~8 ms a call.
+        `history`: keep each row's tokens (`SlotState.history`) though no rule reads them (a
+        speculative decode's drafter does)."""
         layout = (
             features.repetition,
             features.presence,
-            features.history is not None and features.history.reads_tokens,
+            history or (features.history is not None and features.history.reads_tokens),
         )
         if layout not in self._empty:
             cache, vocab = self.shapes()
@@ -394,6 +404,7 @@ class SlotModel:
         pad_token: int = 0,
         logprobs: bool = True,
         kept: tuple[str, ...] = (),
+        speculation: Speculation | None = None,
     ) -> tuple[SlotState, Chosen]:
         """`count` ([] int32, at most `steps`) decode steps of the first `decoding_rows` slots (R) over
         the first `window` columns (every decoding slot is among those rows and writes within those
@@ -406,7 +417,14 @@ class SlotModel:
         `logprobs=False` compiles no log-probabilities at all (`Model.generate`'s calls; its
         Chosen's log-probability fields are then [R, 0, ...]). `kept`: as the prefill's, per step.
         Returns (state with each active row's last token and position moved on by the steps run,
-        Chosen [R, steps], whose steps from `Chosen.ran` on are zeros)."""
+        Chosen [R, steps], whose steps from `Chosen.ran` on are zeros). With `speculation`, the
+        steps are speculative rounds (`speculative_chunk`)."""
+        if speculation is not None:
+            return self.speculative_chunk(
+                params, state, rows, active, count, want_logprobs, steps=steps, decoding_rows=decoding_rows,
+                window=window, features=features, stop_tokens=stop_tokens, logprobs=logprobs, kept=kept,
+                speculation=speculation,
+            )  # fmt: skip
         r = decoding_rows
         whole = state.cache
         cache = [tuple(a[:r, :, :window] for a in pair) for pair in whole]
@@ -488,6 +506,143 @@ class SlotModel:
         )
         return state, dataclasses.replace(chosen, ran=ran)
 
+    def speculative_chunk(
+        self,
+        params,
+        state: SlotState,
+        rows: RowSampling,
+        active,
+        count,
+        want_logprobs,
+        *,
+        steps: int,
+        decoding_rows: int,
+        window: int,
+        features: SamplingFeatures,
+        speculation: Speculation,
+        stop_tokens: tuple[int, ...] = (),
+        logprobs: bool = True,
+        kept: tuple[str, ...] = (),
+    ) -> tuple[SlotState, Chosen]:
+        """`decode_chunk`'s work in speculative rounds (a `while_loop` until every active row has made
+        `count` tokens or stopped). A round: each going row's last token joins its `history`, k tokens
+        are drafted from it (`lookup_drafts`), ONE forward of the model runs the last token and the
+        drafts ([R, k + 1] at the row's positions, keys and values written at their columns), the
+        token choice runs at each of the k + 1 positions in order (each with the drafts before it in
+        `seen`, `counts` and `history`), and the row keeps its drafts while they equal the chosen
+        tokens, then the chosen token after them (`kept_count`: never past `count`, nothing after a
+        stop token). Kept tokens go to the row's next columns of Chosen; the keys and values of the
+        rejected drafts stay in the cache past the row's position, where no query reads them, until
+        the next round overwrites them. A stopped row makes nothing more (its later scores are zeros).
+        Needs the state's `history` (`empty_state(features, history=True)`). Returns as `decode_chunk`,
+        with Chosen's `made`, `drafted`, `accepted` and `rounds`."""
+        if state.history is None:
+            raise GenerationError(
+                "a speculative decode drafts from each row's tokens so far; make the state with "
+                "SlotModel.empty_state(features, history=True)"
+            )
+        r, width = decoding_rows, speculation.num_speculative_tokens + 1
+        whole = state.cache
+        cache = [tuple(a[:r, :, :window] for a in pair) for pair in whole]
+        tokens, positions, on = state.tokens[:r], state.positions[:r], active[:r]
+        mine = jax.tree_util.tree_map(lambda a: a[:r], rows)
+        seen = None if state.seen is None else state.seen[:r]
+        counts = None if state.counts is None else state.counts[:r]
+        history = state.history[:r]
+        vocab = self.shapes()[1]
+        backend = _backend.active()
+        carried, restore = backend.loop_carry(cache)
+        stops = jnp.asarray(stop_tokens, jnp.int32) if stop_tokens else None
+        each = jnp.arange(r, dtype=jnp.int32)[:, None]  # [R, 1]
+        offsets = jnp.arange(width, dtype=jnp.int32)[None, :]  # [1, k + 1]
+
+        def going(tokens, made):  # [R] bool: the rows with tokens left to make (not at a stop token)
+            left = on & (made < count)
+            return left if stops is None else left & ~jnp.isin(tokens, stops) & (tokens != STOPPED)
+
+        def running(carry):
+            _, _, tokens, made, *_ = carry
+            return jnp.any(going(tokens, made))
+
+        def round_(carry):
+            rounds, cache, tokens, made, seen, counts, history, chosen = carry
+            now = going(tokens, made)
+            at = positions + made  # [R]: the last token's position
+            history = history.at[each[:, 0], jnp.where(now, mine.pads + at, history.shape[1])].set(tokens, mode="drop")
+            drafts, offered = lookup_drafts(history, mine.pads, mine.pads + at + 1, speculation)
+            offered = jnp.where(now, jnp.minimum(offered, count - made - 1), 0)  # none past the budget
+            ids = jnp.concatenate([tokens[:, None], drafts], axis=1)  # [R, k + 1]
+            where = at[:, None] + offsets  # [R, k + 1]
+            columns = jnp.where(now[:, None] & (where < window), where, window)
+            with self.bound(params):
+                logits, cache = self.run(
+                    params, restore(cache), ids, jnp.minimum(where, window - 1), columns, lora=mine.lora
+                )
+            # The drafts join the history the rules at later positions read (past the row's end: dropped).
+            drafted_columns = jnp.where(now[:, None], mine.pads[:, None] + where[:, 1:], history.shape[1])
+            history = history.at[each, drafted_columns].set(drafts, mode="drop")
+            targets, scores = [], []
+            seen_j, counts_j = seen, counts
+            for j in range(width):
+                token, processed = choose_tokens(
+                    logits[:, j], mine, features, at + j + 1, seen=seen_j, counts=counts_j,
+                    history=history_rules(features, mine, history, at + j + 1),
+                )  # fmt: skip
+                targets.append(token)
+                scores.append(processed)
+                if j < width - 1:  # the next position's choice sees this draft among the row's tokens
+                    seen_j = None if seen_j is None else _sampling.update_seen(seen_j, drafts[:, j])
+                    counts_j = None if counts_j is None else _sampling.update_counts(counts_j, drafts[:, j])
+            targets = jnp.stack(targets, axis=1)  # [R, k + 1]
+            made_now, accepted_now = kept_count(targets, drafts, offered, jnp.where(now, count - made, 0), stops)
+            kept_now = offsets < made_now[:, None]  # [R, k + 1]
+            column = jnp.where(kept_now, made[:, None] + offsets, steps)  # Chosen's columns (steps: dropped)
+            values = {"token": targets}
+            if logprobs:
+                picked = [_with_logprobs(logits[:, j], targets[:, j], want_logprobs) for j in range(width)]
+                values.update({f: jnp.stack([getattr(p, f) for p in picked], axis=1) for f in _PER_TOKEN})
+            values.update(_kept(kept, scores=jnp.stack(scores, axis=1), logits=logits))
+            chosen = dataclasses.replace(
+                chosen,
+                **{f: getattr(chosen, f).at[each, column].set(v, mode="drop") for f, v in values.items()},
+                drafted=chosen.drafted + offered,
+                accepted=chosen.accepted + accepted_now,
+            )
+            appended = jnp.where(kept_now, targets, vocab)  # the kept tokens join seen and counts (vocab: none)
+            if seen is not None:
+                seen = seen.at[each, appended].set(True, mode="drop")
+            if counts is not None:
+                counts = counts.at[each, appended].add(1, mode="drop")
+            last = jnp.take_along_axis(targets, jnp.maximum(made_now - 1, 0)[:, None], axis=1)[:, 0]
+            tokens = jnp.where(made_now > 0, last, tokens)
+            cache = backend.loop_carry(cache)[0]
+            return rounds + 1, cache, tokens, made + made_now, seen, counts, history, chosen
+
+        reported = steps if logprobs else 0
+        chosen = Chosen(
+            token=jnp.zeros((r, steps), jnp.int32),
+            logprob=jnp.zeros((r, reported), jnp.float32),
+            top_token=jnp.zeros((r, reported, TOP_LOGPROBS), jnp.int32),
+            top_logprob=jnp.zeros((r, reported, TOP_LOGPROBS), jnp.float32),
+            ran=jnp.int32(0),
+            **{f: jnp.zeros((r, steps, vocab), jnp.float32) for f in kept},
+            drafted=jnp.zeros(r, jnp.int32),
+            accepted=jnp.zeros(r, jnp.int32),
+        )
+        made = jnp.zeros(r, jnp.int32)
+        rounds, carried, tokens, made, seen, counts, history, chosen = jax.lax.while_loop(
+            running, round_, (jnp.int32(0), carried, tokens, made, seen, counts, history, chosen)
+        )
+        state = SlotState(
+            cache=written_back(whole, restore(carried)),
+            tokens=state.tokens.at[:r].set(tokens),
+            positions=state.positions.at[:r].set(jnp.where(on, positions + made, positions)),
+            seen=None if seen is None else state.seen.at[:r].set(seen),
+            counts=None if counts is None else state.counts.at[:r].set(counts),
+            history=state.history.at[:r].set(history),
+        )
+        return state, dataclasses.replace(chosen, ran=jnp.max(made), made=made, rounds=rounds)
+
 
 def held_bytes(compiled) -> int:
     """Bytes a compiled program holds beside its arguments and results: its scratch space and generated
@@ -557,6 +712,9 @@ class SlotPrograms:
     A decode with `logprobs=False` is a program of its own that computes and returns no
     log-probabilities (`Model.generate`'s, and a server's chunks in which no request asks for them).
     `cache`: the `ProgramCache` to keep the programs in (`Model.generate` shares `Generator`'s).
+    `speculation`: the decode drafts and verifies in rounds (`SlotModel.speculative_chunk`; its state
+    made with `empty_state(features, history=True)`), a row making up to `steps` tokens per call, as
+    many as `Chosen.made` says; None: one token per step.
     """
 
     def __init__(
@@ -570,11 +728,13 @@ class SlotPrograms:
         pad_token: int = 0,
         kept: tuple[str, ...] = (),
         cache: _programs.ProgramCache | None = None,
+        speculation: Speculation | None = None,
     ):
         model = slot_model.model
         self.slot_model = slot_model
         self.prefill_chunk, self.steps, self.features = prefill_chunk, steps, features
         self.stop_tokens, self.pad_token, self.kept = stop_tokens, pad_token, kept
+        self.speculation = speculation
         if cache is None:
             fingerprint = (
                 _programs.model_fingerprint(model.module, model.params, model.aliases)
@@ -598,9 +758,10 @@ class SlotPrograms:
         # The decode's own settings (the prefill's program does not depend on them).
         stops = (self.stop_tokens, self.pad_token) if kind == "decode" and self.stop_tokens else ()
         logprobs = logprobs or kind != "decode"
+        speculative = (self.speculation,) if kind == "decode" and self.speculation is not None else ()
         return (
             kind, model.slots, model.length, extent, rows, window, self.precision, self.features, stops, logprobs,
-            self.kept,
+            self.kept, *speculative,
         )  # fmt: skip
 
     def prefill(
@@ -669,6 +830,7 @@ class SlotPrograms:
             params, SlotState(*leaves), RowSampling(*rows), active, count, want_logprobs,
             steps=self.steps, decoding_rows=decoding_rows, window=window, features=self.features,
             stop_tokens=self.stop_tokens, pad_token=self.pad_token, logprobs=logprobs, kept=self.kept,
+            speculation=self.speculation,
         )  # fmt: skip
         return state.leaves(), _fields(chosen)
 

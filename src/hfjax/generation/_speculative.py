@@ -1,0 +1,104 @@
+"""Speculative decoding's parts that the slot decode's rounds use (`SlotModel.decode_chunk` with a
+`Speculation`): the static setting, the prompt-lookup drafter and how many tokens a round keeps.
+
+A round drafts k tokens per row, runs the target once over the row's last token and its drafts
+(k + 1 positions), and keeps the drafts that agree with the target's own choice at their position,
+then the target's token after them. The target's choice at every position is the one `pick` makes
+without speculation (the argmax, or the Gumbel-max draw keyed by the row's seed and the position),
+so a kept token is the token the plain decode makes there: greedy and sampling rows alike give the
+same tokens with and without speculation. For a drafter whose proposal is one token (prompt
+lookup: p_draft is one-hot) that is speculative sampling's rule: a draft d is accepted with
+probability p_target(d), and on a rejection the token is a draw from p_target without d.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Literal
+
+import jax.numpy as jnp
+
+from .._errors import GenerationError
+
+METHODS = ("ngram",)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Speculation:
+    """How a decode drafts tokens (static: part of a decode program's key).
+
+    Args:
+        method: "ngram", prompt lookup (transformers' prompt_lookup_num_tokens, vLLM's "ngram").
+        num_speculative_tokens: k, the tokens drafted per row and round.
+        prompt_lookup_max, prompt_lookup_min: the longest and shortest suffix of a row's tokens
+            searched for in its tokens so far (transformers' max_matching_ngram_size and 1).
+
+    Example:
+        >>> Speculation(method="ngram", num_speculative_tokens=3)
+    """
+
+    method: Literal["ngram"] = "ngram"
+    num_speculative_tokens: int
+    prompt_lookup_max: int = 2
+    prompt_lookup_min: int = 1
+
+    def __post_init__(self):
+        if self.method not in METHODS:
+            raise GenerationError(f"speculation method={self.method!r} is not one of {METHODS}; pass method='ngram'")
+        for name in ("num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise GenerationError(f"{name}={value!r} must be an integer >= 1, e.g. {name}=3")
+        if self.prompt_lookup_min > self.prompt_lookup_max:
+            raise GenerationError(
+                f"prompt_lookup_min={self.prompt_lookup_min} is above prompt_lookup_max={self.prompt_lookup_max}; "
+                "pass a minimum no larger than the maximum"
+            )
+
+
+def lookup_drafts(history, start, end, speculation: Speculation):
+    """Prompt lookup: each row's last n tokens (n from `prompt_lookup_max` down to `prompt_lookup_min`,
+    the longest that matches) found earlier among its tokens so far, the most recent match winning;
+    the k tokens after that match are the draft.
+
+    history: [R, L] int32, each row's tokens so far in its columns [start, end) ([R] int32 each).
+    Returns (drafts [R, k] int32; their count [R] int32: fewer than k where the match ends near the
+    row's last token, 0 where no suffix matches)."""
+    rows, length = history.shape
+    k = speculation.num_speculative_tokens
+    found = jnp.zeros(rows, bool)
+    after = jnp.zeros(rows, jnp.int32)  # the column after the match: the draft's first
+    for n in range(speculation.prompt_lookup_max, speculation.prompt_lookup_min - 1, -1):
+        windows = length - n  # a match at column s leaves column s + n for the draft's first token
+        if windows < 1:
+            continue
+        tail = jnp.clip(end[:, None] - n + jnp.arange(n, dtype=jnp.int32)[None, :], 0, length - 1)
+        suffix = jnp.take_along_axis(history, tail, axis=1)  # [R, n]
+        first = jnp.arange(windows, dtype=jnp.int32)[None, :]  # [1, W]
+        match = (first >= start[:, None]) & (first + n < end[:, None])  # [R, W]: inside the row, before its suffix
+        for i in range(n):
+            match &= history[:, i : i + windows] == suffix[:, i : i + 1]
+        latest = jnp.max(jnp.where(match, first, -1), axis=1)  # [R]
+        new = ~found & (latest >= 0)
+        after = jnp.where(new, latest + n, after)
+        found |= new
+    columns = jnp.clip(after[:, None] + jnp.arange(k, dtype=jnp.int32)[None, :], 0, length - 1)
+    drafts = jnp.take_along_axis(history, columns, axis=1)
+    return drafts, jnp.where(found, jnp.clip(end - after, 0, k), 0).astype(jnp.int32)
+
+
+def kept_count(targets, drafts, offered, room, stops):
+    """How many of a round's tokens each row keeps: its drafts while they equal the target's tokens
+    `targets` [R, k + 1] (the first `offered` [R] of `drafts` [R, k]), then the target's next token;
+    at most `room` [R] (what the row may still make in this chunk; 0: nothing), and nothing after a
+    stop token (`stops` [n] int32, or None). Returns (kept [R], the drafts among them [R]) int32."""
+    k = drafts.shape[1]
+    agree = (drafts == targets[:, :k]) & (jnp.arange(k)[None, :] < offered[:, None])  # [R, k]
+    accepted = jnp.sum(jnp.cumprod(agree.astype(jnp.int32), axis=1), axis=1)  # [R]
+    kept = jnp.minimum(accepted + 1, room)
+    if stops is not None:
+        stopping = jnp.isin(targets, stops)  # [R, k + 1]
+        first_stop = jnp.where(jnp.any(stopping, axis=1), jnp.argmax(stopping, axis=1), k + 1)
+        kept = jnp.minimum(kept, first_stop + 1)
+    kept = kept.astype(jnp.int32)
+    return kept, jnp.clip(jnp.minimum(accepted, kept - 1), 0).astype(jnp.int32)
