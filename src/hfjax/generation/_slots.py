@@ -527,7 +527,8 @@ class SlotModel:
         """`decode_chunk`'s work in speculative rounds (a `while_loop` until every active row has made
         `count` tokens or stopped). A round: each going row's last token joins its `history`, k tokens
         are drafted from it (`lookup_drafts`), ONE forward of the model runs the last token and the
-        drafts ([R, k + 1] at the row's positions, keys and values written at their columns), the
+        drafts ([R, k + 1] at the row's positions, keys and values written at their columns; where no
+        row has a draft, a `cond` runs the last token alone, as a plain step), the
         token choice runs at each of the k + 1 positions in order (each with the drafts before it in
         `seen`, `counts` and `history`), and the row keeps its drafts while they equal the chosen
         tokens, then the chosen token after them (`kept_count`: never past `count`, nothing after a
@@ -574,10 +575,19 @@ class SlotModel:
             ids = jnp.concatenate([tokens[:, None], drafts], axis=1)  # [R, k + 1]
             where = at[:, None] + offsets  # [R, k + 1]
             columns = jnp.where(now[:, None] & (where < window), where, window)
-            with self.bound(params):
+            at_most = jnp.minimum(where, window - 1)
+
+            def verify(cache):  # the last token and the drafts: [R, k + 1] logits
+                return self.run(params, restore(cache), ids, at_most, columns, lora=mine.lora)
+
+            def plain(cache):  # no row has a draft: the last token alone (the other positions' logits zeros)
                 logits, cache = self.run(
-                    params, restore(cache), ids, jnp.minimum(where, window - 1), columns, lora=mine.lora
+                    params, restore(cache), ids[:, :1], at_most[:, :1], columns[:, :1], lora=mine.lora
                 )
+                return jnp.pad(logits, ((0, 0), (0, width - 1), (0, 0))), cache
+
+            with self.bound(params):
+                logits, cache = jax.lax.cond(jnp.any(offered > 0), verify, plain, cache)
             # The drafts join the history the rules at later positions read (past the row's end: dropped).
             drafted_columns = jnp.where(now[:, None], mine.pads[:, None] + where[:, 1:], history.shape[1])
             history = history.at[each, drafted_columns].set(drafts, mode="drop")
