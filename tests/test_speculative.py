@@ -172,6 +172,68 @@ def test_sampled_tokens_follow_the_plain_decodes_distribution(peaked):
     assert max(_same_distribution_p(speculative[:, s], colder[:, s]) for s in (1, 2, 3)) < P_VALUE
 
 
+# -- a draft model --------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def unrelated_draft(checkpoint):
+    """A draft with the target's vocabulary and other weights (one layer): its proposals often differ."""
+    return checkpoint("llama", num_hidden_layers=1)
+
+
+def test_a_draft_model_gives_the_plain_decodes_greedy_tokens_and_transformers_assisted_ones(
+    loaded, checkpoint, unrelated_draft
+):
+    model = loaded("llama")
+    ids, mask = _left_padded(PROMPTS)
+    budget = 16
+    unstopped = np.asarray(model.generate(ids, mask, max_new_tokens=budget, do_sample=False))[:, ids.shape[1] :]
+    settings = dict(
+        max_new_tokens=budget, min_new_tokens=3, eos_token_id=_two_eos(unstopped), pad_token_id=PAD, do_sample=False
+    )
+    plain = np.asarray(model.generate(ids, mask, **settings))
+    # The target itself as its draft agrees everywhere: every draft is accepted, k + 1 tokens a forward.
+    itself = checkpoint("llama")
+    agreed = model.generate(
+        ids, mask, max_new_tokens=budget, do_sample=False, assistant_model=itself, num_assistant_tokens=4
+    )
+    stats = model.last_generation_stats
+    np.testing.assert_array_equal(np.asarray(agreed)[:, ids.shape[1] :], unstopped)
+    assert stats.accepted_tokens == stats.drafted_tokens > 0, stats
+    assert stats.target_forwards == -(-(budget - 1) // 5), stats
+    np.testing.assert_array_equal(
+        np.asarray(model.generate(ids, mask, assistant_model=itself, num_assistant_tokens=4, **settings)), plain
+    )
+    draft = hfjax.load(unrelated_draft)
+    other = np.asarray(model.generate(ids, mask, assistant_model=draft, num_assistant_tokens=3, **settings))
+    np.testing.assert_array_equal(other, plain)
+    assert model.last_generation_stats.drafted_tokens > model.last_generation_stats.accepted_tokens
+    new = other[:, ids.shape[1] :]
+    module = transformers.AutoModelForCausalLM.from_pretrained(model.path).eval()
+    assistant = transformers.AutoModelForCausalLM.from_pretrained(unrelated_draft).eval()
+    for row, prompt in enumerate(PROMPTS):
+        with torch.no_grad():
+            expected = module.generate(
+                torch.as_tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+                assistant_model=assistant, num_assistant_tokens=3, **settings,
+            )[0, len(prompt) :].numpy()  # fmt: skip
+        np.testing.assert_array_equal(new[row, : len(expected)], expected)
+
+
+def test_a_draft_models_sampled_tokens_follow_the_plain_decodes_distribution(peaked, checkpoint):
+    # The draft (the tiny Llama unscaled: flatter than the target) proposes from its own distribution;
+    # speculative sampling's rule keeps the target's.
+    model = peaked
+    speculative = _draws(model, seed=1, assistant_model=checkpoint("llama"), num_assistant_tokens=3)
+    stats = model.last_generation_stats
+    assert 0 < stats.accepted_tokens < stats.drafted_tokens, f"drafts were not both accepted and rejected: {stats}"
+    plain = _draws(model, seed=2)
+    for step in (1, 2, 3):
+        assert _same_distribution_p(speculative[:, step], plain[:, step]) > P_VALUE, f"new token {step}"
+    colder = _draws(model, seed=2, temperature=0.5)
+    assert max(_same_distribution_p(speculative[:, s], colder[:, s]) for s in (1, 2, 3)) < P_VALUE
+
+
 @pytest.mark.parametrize(
     "other, message",
     [
@@ -179,12 +241,40 @@ def test_sampled_tokens_follow_the_plain_decodes_distribution(peaked):
         (dict(regex="[0-9]+"), r"prompt_lookup_num_tokens=3 with a constraint .*pass one of them"),
         (dict(prompt_lookup_num_tokens=0), r"prompt_lookup_num_tokens=0 must be an integer >= 1"),
         (dict(max_matching_ngram_size=0), r"max_matching_ngram_size=0 must be an integer >= 1"),
+        (dict(assistant_model="draft"), r"prompt_lookup_num_tokens=3 with assistant_model: pass one drafter"),
+        (
+            dict(prompt_lookup_num_tokens=None, assistant_model="draft", num_beams=2),
+            r"assistant_model with num_beams=2: .*pass num_beams=1",
+        ),
+        (
+            dict(prompt_lookup_num_tokens=None, assistant_model="draft", regex="[0-9]+"),
+            r"assistant_model with a constraint .*pass one of them",
+        ),
+        (
+            dict(prompt_lookup_num_tokens=None, assistant_model="other_vocabulary"),
+            r"assistant_model has a vocabulary of 640 tokens and the model 512",
+        ),
     ],
-    ids=["beam_search", "constraint", "no_tokens", "no_ngram"],
+    ids=[
+        "beam_search",
+        "constraint",
+        "no_tokens",
+        "no_ngram",
+        "two_drafters",
+        "draft_and_beam_search",
+        "draft_and_constraint",
+        "other_vocabulary",
+    ],  # fmt: skip
 )
-def test_what_speculation_does_not_combine_with_is_refused_by_name(loaded, other, message):
+def test_what_speculation_does_not_combine_with_is_refused_by_name(loaded, checkpoint, other, message):
     model = loaded("llama")
     ids, mask = _left_padded(PROMPTS)
+    drafts = {
+        "draft": checkpoint("llama", num_hidden_layers=1),
+        "other_vocabulary": checkpoint("llama", vocab_size=640),
+    }
+    if "assistant_model" in other:
+        other = {**other, "assistant_model": drafts[other["assistant_model"]]}
     with pytest.raises(GenerationError, match=message):
         model.generate(ids, mask, max_new_tokens=4, **{"prompt_lookup_num_tokens": 3, **other})
 
@@ -195,6 +285,9 @@ def test_a_call_off_the_slot_core_is_refused_by_name(loaded):
     right = np.ascontiguousarray(mask[:, ::-1])  # right-padded prompts run on `Generator`
     with (
         pytest.warns(UserWarning, match="right-padding"),
-        pytest.raises(GenerationError, match=r"prompt_lookup_num_tokens .* runs on the slot core.*leave"),
+        pytest.raises(
+            GenerationError,
+            match=r"prompt_lookup_num_tokens=3 \(speculative decoding\) runs on the slot core.*leave it out",
+        ),
     ):
         model.generate(ids, right, max_new_tokens=4, prompt_lookup_num_tokens=3)

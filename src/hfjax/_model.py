@@ -269,6 +269,12 @@ class Model:
             )
         if self._generator is None:
             self._generator = generation.Generator(self)
+        assistant = settings.get("assistant_model")
+        if isinstance(assistant, (str, os.PathLike)):  # a draft model's checkpoint, loaded once
+            assistants = self.__dict__.setdefault("_assistants", {})
+            if os.fspath(assistant) not in assistants:
+                assistants[os.fspath(assistant)] = load(assistant, mesh=self.mesh)
+            settings["assistant_model"] = assistants[os.fspath(assistant)]
         return generation.generate(
             self._generator,
             input_ids,

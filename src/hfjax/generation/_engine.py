@@ -48,6 +48,7 @@ from ._beam import initial as initial_beams
 from ._grammar import Constraint
 from ._on_slots import SlotRuns
 from ._settings import GenerationSettings
+from ._slots import check_supported
 from ._state import DecodeState, field_slices, read
 
 # Why a constrained call cannot run: the mask is applied on the slot core only.
@@ -60,10 +61,25 @@ _NOT_CONSTRAINABLE = (
 
 # Why a speculative call cannot run: the drafts are verified on the slot core only.
 _NOT_SPECULABLE = (
-    "Model.generate: prompt_lookup_num_tokens (speculative decoding) runs on the slot core, which takes decoder-only "
-    "models with a static KV cache and position_ids, left-padded prompts and no image inputs; {}; leave "
-    "prompt_lookup_num_tokens out"
+    "Model.generate: {0} (speculative decoding) runs on the slot core, which takes decoder-only models with a "
+    "static KV cache and position_ids, left-padded prompts and no image inputs; {1}; leave it out"
 )
+
+
+def check_draft(model, draft) -> None:
+    """Raises GenerationError where `draft` cannot draft for `model` on the slot core, saying why."""
+    check_supported(draft)
+    width, own = (m.module.config.get_text_config(decoder=True).vocab_size for m in (draft, model))
+    if width != own:
+        raise GenerationError(
+            f"Model.generate: assistant_model has a vocabulary of {width} tokens and the model {own}; pass a draft "
+            "model with the model's tokenizer"
+        )
+    if draft.mesh is not model.mesh:
+        raise GenerationError(
+            "Model.generate: assistant_model is on another mesh than the model; load it with the model's mesh "
+            "(hfjax.load(path, mesh=model.mesh))"
+        )
 
 
 @dataclasses.dataclass
@@ -166,19 +182,23 @@ class Generator:
                 )
             )
 
-    def _check_speculable(self, plan, settings: GenerationSettings, inputs, constraint) -> None:
-        """Raises GenerationError where a speculative call (prompt_lookup_num_tokens) cannot run, saying why."""
+    def _check_speculable(self, plan, settings: GenerationSettings, inputs, constraint, draft) -> None:
+        """Raises GenerationError where a speculative call (prompt_lookup_num_tokens, assistant_model)
+        cannot run, saying why."""
         k = settings.speculation.num_speculative_tokens
+        drafter = f"prompt_lookup_num_tokens={k}" if draft is None else "assistant_model"
+        if draft is not None:
+            check_draft(self.model, draft)
         if constraint is not None:
             raise GenerationError(
-                f"Model.generate: prompt_lookup_num_tokens={k} with a constraint (json_schema, regex, choice, grammar, "
+                f"Model.generate: {drafter} with a constraint (json_schema, regex, choice, grammar, "
                 "response_format): a constrained row's mask is made on the host after each token, so its drafts "
                 "cannot be verified on the device; pass one of them"
             )
         if not self.slot_runs.takes(plan, settings, inputs):
             raise GenerationError(
                 _NOT_SPECULABLE.format(
-                    f"this call (a {type(self.module).__name__}, with its inputs) does not run there"
+                    drafter, f"this call (a {type(self.module).__name__}, with its inputs) does not run there"
                 )
             )
 
@@ -194,13 +214,15 @@ class Generator:
         inputs: dict[str, np.ndarray] | None = None,
         constraint: Constraint | None = None,
         lora: np.ndarray | None = None,
+        draft=None,
     ):
         """ids, mask: int32 [B, S], left-padded (an encoder that takes features, not token ids: ids
         float [B, ...], its main input). decoder_prompt: int32 [B, D], an encoder-decoder's first
         decoder tokens (default: the decoder start token). inputs: the prefill's other model inputs
         (`_multimodal`: pixel_values, image_grid_thw, token_type_ids, ...). constraint: what every
         row's answer must be (structured outputs; on the slot core only). lora: int32 [B], each prompt's
-        LoRA adapter slot (None: the model holds none). Returns int32
+        LoRA adapter slot (None: the model holds none). draft: the draft model (an hfjax Model) of
+        `settings.speculation` "draft_model". Returns int32
         [B * num_return_sequences, S + T]: the prompt as given, then up to max_new_tokens new tokens
         (for encoder-decoders [.., D + T]: the decoder prompt, then the new tokens); or
         transformers' Generate*Output."""
@@ -228,17 +250,22 @@ class Generator:
             self._check_constrainable(plan, settings, inputs)
         speculation = settings.speculation
         if speculation is not None:
-            self._check_speculable(plan, settings, inputs, constraint)
+            self._check_speculable(plan, settings, inputs, constraint, draft)
         if self.slot_runs.takes(plan, settings, inputs):
             ran = self.slot_runs.generate(
-                ids, plan, settings, compiled, seed=seed, streamer=streamer, constraint=constraint, lora=lora
-            )
+                ids, plan, settings, compiled, seed=seed, streamer=streamer, constraint=constraint, lora=lora,
+                draft=draft,
+            )  # fmt: skip
             if ran is None and constraint is not None:
                 raise GenerationError(
                     _NOT_CONSTRAINABLE.format(f"{type(self.module).__name__} reads values of its data")
                 )
             if ran is None and speculation is not None:
-                raise GenerationError(_NOT_SPECULABLE.format(f"{type(self.module).__name__} reads values of its data"))
+                raise GenerationError(
+                    _NOT_SPECULABLE.format(
+                        "speculative decoding", f"{type(self.module).__name__} reads values of its data"
+                    )
+                )
             if ran is not None:
                 new, ttft, kept, drafts = ran  # the caller's rows: num_return_sequences per prompt
                 prompt = np.repeat(ids, settings.num_return_sequences, axis=0).astype(np.int32)

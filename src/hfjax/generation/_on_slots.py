@@ -84,6 +84,7 @@ class SlotRuns:
         streamer,
         constraint: _grammar.Constraint | None = None,
         lora: np.ndarray | None = None,
+        draft=None,
     ) -> tuple[np.ndarray, float, dict[str, jax.Array]] | None:
         """(new tokens int32 [prompts * num_return_sequences, T], padded with pad_token_id after a
         row's EOS (beam search: each prompt's best finished sequences, best first, `fill_token_id`
@@ -91,7 +92,8 @@ class SlotRuns:
         logits); {"scores", "logits": [rows, T, V] float32} that output_scores and output_logits ask
         for; speculation's (drafted tokens, accepted tokens, target forwards), zeros without it), or
         None where the model turned out to read values of its data (then `Generator` runs the call). `constraint`: what every row's answer must be (see the module's docstring). `lora`: int32
-        [prompts], each prompt's LoRA adapter slot (None: the model holds none)."""
+        [prompts], each prompt's LoRA adapter slot (None: the model holds none). `draft`: the draft model
+        (an hfjax Model) where `settings.speculation` drafts with one."""
         start = time.perf_counter()
         rows, budget = plan.rows, settings.max_new_tokens
         precision = bridge.resolve_precision(self.model.matmul_precision)
@@ -114,7 +116,7 @@ class SlotRuns:
         beam = settings.beam
         if beam is not None:  # the search starts from the prefill's raw logits
             kept = ("logits",)
-        programs = self._programs_for(plan, features, settings, kept, precision)
+        programs = self._programs_for(plan, features, settings, kept, precision, draft)
         # The rules that read the tokens so far see transformers' input_ids: the caller's pads, then the row.
         pads = plan.size - plan.first_column - lengths
         sampling = settings.row_sampling(
@@ -144,7 +146,9 @@ class SlotRuns:
             )
         )
         try:  # the state's shapes come from an abstract run of the model, which may read its data too
-            state = programs.slot_model.empty_state(features, history=settings.speculation is not None)
+            state = programs.slot_model.empty_state(
+                features, history=settings.speculation is not None, draft=programs.draft
+            )
             # The prefill's window: the prompts' columns, the only ones it reads and writes.
             state, chosen = programs.prefill(
                 state, sampling, which, prompts, starts, counts, last, every, no, window=plan.size
@@ -286,17 +290,28 @@ class SlotRuns:
         return self._models[key]
 
     def _programs_for(
-        self, plan: _planning.BatchPlan, features, settings: GenerationSettings, kept: tuple[str, ...], precision
+        self,
+        plan: _planning.BatchPlan,
+        features,
+        settings: GenerationSettings,
+        kept: tuple[str, ...],
+        precision,
+        draft=None,
     ) -> SlotPrograms:
         model_key = (plan.rows, plan.total)
         self._slot_model(plan)
+        drafting = None
+        if draft is not None:  # the draft model over the same slots and columns, kept beside the model's
+            if (*model_key, id(draft)) not in self._models:
+                self._models[(*model_key, id(draft))] = SlotModel(draft, plan.rows, plan.total)
+            drafting = self._models[(*model_key, id(draft))]
         stops, pad = settings.eos_token_ids, settings.pad_token_id
-        key = (*model_key, plan.size, features, stops, pad, kept, precision, settings.speculation)
+        key = (*model_key, plan.size, features, stops, pad, kept, precision, settings.speculation, id(drafting))
         if key not in self._programs:
             self._programs[key] = SlotPrograms(
                 self._models[model_key], prefill_chunk=plan.size, steps=plan.total - plan.offset,
                 features=features, stop_tokens=stops, pad_token=pad, kept=kept, cache=self.generator.programs,
-                speculation=settings.speculation,
+                speculation=settings.speculation, draft=drafting,
             )  # fmt: skip
         return self._programs[key]
 

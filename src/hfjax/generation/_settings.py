@@ -272,6 +272,7 @@ _SUPPORTED = (
     "output_logits",
     "prompt_lookup_num_tokens",
     "max_matching_ngram_size",
+    "num_assistant_tokens",
 )
 
 
@@ -319,7 +320,6 @@ _CALL_ONLY = (
     "stopping_criteria",
     "prefix_allowed_tokens_fn",
     "synced_gpus",
-    "assistant_model",
     "assistant_tokenizer",
     "tokenizer",
     "negative_prompt_ids",
@@ -353,14 +353,21 @@ def check_names(names) -> None:
 
 
 def resolve_settings(
-    model, prompt_length: int, generation_config=None, *, decoder_prompt_length: int = 1, **overrides
+    model,
+    prompt_length: int,
+    generation_config=None,
+    *,
+    decoder_prompt_length: int = 1,
+    assistant: bool = False,
+    **overrides,
 ) -> GenerationSettings:
     """Merges the checkpoint's generation_config.json, a `generation_config` and keyword
     overrides (transformers' names) into `GenerationSettings`.
 
     `prompt_length` is the width of the (padded) input_ids, from which transformers counts
     `max_length` and `min_length` in a decoder; an encoder-decoder's decoder starts from
-    `decoder_prompt_length` tokens (its decoder_input_ids, or the decoder start token).
+    `decoder_prompt_length` tokens (its decoder_input_ids, or the decoder start token). `assistant`:
+    the call drafts with a draft model (transformers' assistant_model), `num_assistant_tokens` at a time.
     """
     check_names(overrides)
     values, where = _merged(model, generation_config, overrides)
@@ -441,7 +448,7 @@ def resolve_settings(
             f"{name}=True{where(name)} with num_beams={num_beams}: hfjax keeps scores and logits for greedy decoding and "
             "sampling only; pass num_beams=1, or leave it out"
         )
-    speculation = _speculation(values, where, num_beams)
+    speculation = _speculation(values, where, num_beams, assistant)
     return GenerationSettings(
         speculation=speculation,
         return_dict_in_generate=as_dict,
@@ -472,9 +479,33 @@ def resolve_settings(
     )
 
 
-def _speculation(values: dict, where, num_beams: int) -> Speculation | None:
-    """transformers' prompt lookup (prompt_lookup_num_tokens, max_matching_ngram_size) as a `Speculation`."""
+# Tokens a draft model drafts per round where num_assistant_tokens is unset (transformers starts at 20
+# and adapts the number between calls; a compiled round verifies a fixed number).
+ASSISTANT_TOKENS = 5
+
+
+def _speculation(values: dict, where, num_beams: int, assistant: bool) -> Speculation | None:
+    """transformers' prompt lookup (prompt_lookup_num_tokens, max_matching_ngram_size) or assisted
+    generation (an assistant model, num_assistant_tokens) as a `Speculation`."""
     k = values.get("prompt_lookup_num_tokens")
+    if assistant:
+        if k is not None:
+            raise GenerationError(
+                f"prompt_lookup_num_tokens={k}{where('prompt_lookup_num_tokens')} with assistant_model: pass one "
+                "drafter, the assistant model or prompt lookup"
+            )
+        drafted = values.get("num_assistant_tokens")
+        drafted = ASSISTANT_TOKENS if drafted is None else drafted
+        if isinstance(drafted, bool) or not isinstance(drafted, numbers.Integral) or drafted < 1:
+            raise GenerationError(
+                f"num_assistant_tokens={drafted!r}{where('num_assistant_tokens')} must be an integer >= 1, e.g. 5"
+            )
+        if num_beams > 1:
+            raise GenerationError(
+                f"assistant_model with num_beams={num_beams}{where('num_beams')}: speculative decoding drafts for one "
+                "sequence per row, not for beam search; pass num_beams=1, or leave assistant_model out"
+            )
+        return Speculation(method="draft_model", num_speculative_tokens=int(drafted))
     if k is None:
         return None
     if isinstance(k, bool) or not isinstance(k, numbers.Integral) or k < 1:

@@ -16,11 +16,12 @@ from __future__ import annotations
 import dataclasses
 from typing import Literal
 
+import jax
 import jax.numpy as jnp
 
 from .._errors import GenerationError
 
-METHODS = ("ngram",)
+METHODS = ("ngram", "draft_model")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -28,7 +29,9 @@ class Speculation:
     """How a decode drafts tokens (static: part of a decode program's key).
 
     Args:
-        method: "ngram", prompt lookup (transformers' prompt_lookup_num_tokens, vLLM's "ngram").
+        method: "ngram", prompt lookup (transformers' prompt_lookup_num_tokens, vLLM's "ngram"); or
+            "draft_model", a smaller model of the same vocabulary drafting one token at a time
+            (transformers' assistant_model; `SlotPrograms(draft=...)`).
         num_speculative_tokens: k, the tokens drafted per row and round.
         prompt_lookup_max, prompt_lookup_min: the longest and shortest suffix of a row's tokens
             searched for in its tokens so far (transformers' max_matching_ngram_size and 1).
@@ -37,14 +40,14 @@ class Speculation:
         >>> Speculation(method="ngram", num_speculative_tokens=3)
     """
 
-    method: Literal["ngram"] = "ngram"
+    method: Literal["ngram", "draft_model"] = "ngram"
     num_speculative_tokens: int
     prompt_lookup_max: int = 2
     prompt_lookup_min: int = 1
 
     def __post_init__(self):
         if self.method not in METHODS:
-            raise GenerationError(f"speculation method={self.method!r} is not one of {METHODS}; pass method='ngram'")
+            raise GenerationError(f"speculation method={self.method!r} is not one of {METHODS}; pass one of them")
         for name in ("num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -87,18 +90,67 @@ def lookup_drafts(history, start, end, speculation: Speculation):
     return drafts, jnp.where(found, jnp.clip(end - after, 0, k), 0).astype(jnp.int32)
 
 
-def kept_count(targets, drafts, offered, room, stops):
-    """How many of a round's tokens each row keeps: its drafts while they equal the target's tokens
-    `targets` [R, k + 1] (the first `offered` [R] of `drafts` [R, k]), then the target's next token;
-    at most `room` [R] (what the row may still make in this chunk; 0: nothing), and nothing after a
-    stop token (`stops` [n] int32, or None). Returns (kept [R], the drafts among them [R]) int32."""
-    k = drafts.shape[1]
-    agree = (drafts == targets[:, :k]) & (jnp.arange(k)[None, :] < offered[:, None])  # [R, k]
-    accepted = jnp.sum(jnp.cumprod(agree.astype(jnp.int32), axis=1), axis=1)  # [R]
+def accepted_count(agree, offered):
+    """[R] int32: how many leading drafts each row keeps, given whether each agrees with the target
+    (`agree` [R, k] bool) and how many it offered (`offered` [R])."""
+    k = agree.shape[1]
+    agree = agree & (jnp.arange(k)[None, :] < offered[:, None])
+    return jnp.sum(jnp.cumprod(agree.astype(jnp.int32), axis=1), axis=1).astype(jnp.int32)
+
+
+def kept_count(tokens, accepted, room, stops):
+    """How many of a round's tokens `tokens` [R, k + 1] (its accepted drafts, then the target's token
+    after them) each row keeps: `accepted` [R] + 1, at most `room` [R] (what the row may still make in
+    this chunk; 0: nothing), and nothing after a stop token (`stops` [n] int32, or None). Returns
+    (kept [R], the drafts among them [R]) int32."""
     kept = jnp.minimum(accepted + 1, room)
     if stops is not None:
-        stopping = jnp.isin(targets, stops)  # [R, k + 1]
-        first_stop = jnp.where(jnp.any(stopping, axis=1), jnp.argmax(stopping, axis=1), k + 1)
+        stopping = jnp.isin(tokens, stops)  # [R, k + 1]
+        first_stop = jnp.where(jnp.any(stopping, axis=1), jnp.argmax(stopping, axis=1), tokens.shape[1])
         kept = jnp.minimum(kept, first_stop + 1)
     kept = kept.astype(jnp.int32)
     return kept, jnp.clip(jnp.minimum(accepted, kept - 1), 0).astype(jnp.int32)
+
+
+# What each of a sampling row's keys draws, beside `pick`'s target draw (its key folded with the position).
+DRAFT, ACCEPT, RESIDUAL = 1, 2, 3
+
+
+def purpose_keys(keys, purpose: int):
+    """[R, 2] uint32: each row's key data `keys` with `purpose` folded in (a draw of its own)."""
+    return jax.vmap(lambda key: jax.random.key_data(jax.random.fold_in(jax.random.wrap_key_data(key), purpose)))(keys)
+
+
+def sampled_round(targets, target_scores, draft_scores, drafts, offered, rows, positions):
+    """Speculative sampling's tokens for a draft model's proposals: a sampling row (temperature > 0)
+    accepts its draft d at index j with probability min(1, p(d) / q(d)) (p: the target's processed
+    distribution there, `target_scores` [R, k + 1, V]; q: the draft's, `draft_scores` [R, k, V], from
+    which d was drawn), and at its first rejection takes a draw from norm(max(p - q, 0)); a greedy row
+    accepts a draft equal to the target's token. Draws are keyed by the row's key, a purpose and the
+    position (`positions` [R]: the first new token's). Returns (tokens [R, k + 1]: the accepted drafts,
+    then the token after them; accepted [R])."""
+    k = drafts.shape[1]
+    sampling = (rows.temperature > 0)[:, None]  # [R, 1]
+    p = jax.nn.softmax(target_scores[:, :k], axis=-1)  # [R, k, V]
+    q = jax.nn.softmax(draft_scores, axis=-1)
+    p_d = jnp.take_along_axis(p, drafts[:, :, None], axis=-1)[:, :, 0]  # [R, k]
+    q_d = jnp.take_along_axis(q, drafts[:, :, None], axis=-1)[:, :, 0]
+    at = positions[:, None] + jnp.arange(1, k + 1, dtype=jnp.int32)[None, :]  # [R, k]: the drafts' positions
+
+    def draws(purpose, shape):  # [R, k, *shape] float32 noise per row, position and purpose
+        def one(key, position):
+            key = jax.random.fold_in(jax.random.wrap_key_data(key), position)
+            return jax.random.uniform(key, shape) if not shape else jax.random.gumbel(key, shape)
+
+        keys = purpose_keys(rows.key, purpose)
+        return jax.vmap(lambda key, where: jax.vmap(lambda w: one(key, w))(where))(keys, at)
+
+    agree = jnp.where(sampling, draws(ACCEPT, ()) * q_d < p_d, drafts == targets[:, :k])
+    accepted = accepted_count(agree, offered)
+    residual = jnp.maximum(p - q, 0.0)  # [R, k, V]
+    redrawn = jnp.argmax(jnp.log(residual) + draws(RESIDUAL, (p.shape[-1],)), axis=-1).astype(jnp.int32)
+    rejected = jnp.any(residual > 0, axis=-1) & sampling & (jnp.arange(k)[None, :] < offered[:, None])
+    correction = jnp.where(rejected, redrawn, targets[:, :k])  # [R, k]
+    index = jnp.arange(k)[None, :]
+    tokens = jnp.where(index < accepted[:, None], drafts, correction)
+    return jnp.concatenate([tokens, targets[:, k:]], axis=1), accepted
