@@ -42,6 +42,7 @@ from . import _grammar, _planning, _rows
 from ._settings import GenerationSettings
 from ._slot_beams import BeamCarry, SlotBeams
 from ._slots import SlotModel, SlotPrograms, check_supported
+from ._speculative_slots import SpeculativeSlotModel
 
 
 def _left_padded(mask: np.ndarray) -> bool:
@@ -146,9 +147,7 @@ class SlotRuns:
             )
         )
         try:  # the state's shapes come from an abstract run of the model, which may read its data too
-            state = programs.slot_model.empty_state(
-                features, history=settings.speculation is not None, draft=programs.draft
-            )
+            state = programs.slot_model.empty_state(features)
             # The prefill's window: the prompts' columns, the only ones it reads and writes.
             state, chosen = programs.prefill(
                 state, sampling, which, prompts, starts, counts, last, every, no, window=plan.size
@@ -300,18 +299,18 @@ class SlotRuns:
     ) -> SlotPrograms:
         model_key = (plan.rows, plan.total)
         self._slot_model(plan)
-        drafting = None
-        if draft is not None:  # the draft model over the same slots and columns, kept beside the model's
-            if (*model_key, id(draft)) not in self._models:
-                self._models[(*model_key, id(draft))] = SlotModel(draft, plan.rows, plan.total)
-            drafting = self._models[(*model_key, id(draft))]
+        if settings.speculation is not None:  # the slot model that drafts (with `draft`, where given)
+            model_key = (*model_key, settings.speculation, None if draft is None else id(draft))
+            if model_key not in self._models:
+                self._models[model_key] = SpeculativeSlotModel(
+                    self.model, plan.rows, plan.total, settings.speculation, draft=draft
+                )
         stops, pad = settings.eos_token_ids, settings.pad_token_id
-        key = (*model_key, plan.size, features, stops, pad, kept, precision, settings.speculation, id(drafting))
+        key = (*model_key, plan.size, features, stops, pad, kept, precision)
         if key not in self._programs:
             self._programs[key] = SlotPrograms(
                 self._models[model_key], prefill_chunk=plan.size, steps=plan.total - plan.offset,
                 features=features, stop_tokens=stops, pad_token=pad, kept=kept, cache=self.generator.programs,
-                speculation=settings.speculation, draft=drafting,
             )  # fmt: skip
         return self._programs[key]
 

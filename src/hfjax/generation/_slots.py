@@ -25,7 +25,6 @@ import contextlib
 import dataclasses
 import functools
 import inspect
-import json
 import threading
 
 import jax
@@ -36,9 +35,8 @@ from .. import lora as _lora
 from .._errors import GenerationError
 from . import _caches, _programs, _sampling
 from ._adapters import StaticCacheAdapter, adapter_for
-from ._choose import apply_rules, choose_tokens, process_scores
+from ._choose import apply_rules, choose_tokens
 from ._rows import RowSampling, SamplingFeatures
-from ._speculative import DRAFT, Speculation, accepted_count, kept_count, lookup_drafts, purpose_keys, sampled_round
 
 TOP_LOGPROBS = 20  # the most alternatives OpenAI's API lets a request ask for per token
 STOPPED = -1  # `SlotState.tokens` of a row past its stop token
@@ -61,7 +59,7 @@ class SlotState:
     # the prompt bucket and the budget, so the caller's narrower padded prompt and the answer fit); else None
     history: jax.Array | None = None
     # [(keys, values)] per layer of a draft model's own cache in the same slots and columns, where a
-    # speculative decode drafts with one (`Speculation(method="draft_model")`); else None
+    # speculative decode drafts with one (`SpeculativeSlotModel`); else None
     draft: list | None = None
 
     def leaves(self) -> tuple:
@@ -83,9 +81,9 @@ class Chosen:
     # [R, T, V] float32, where the programs keep them (`SlotPrograms.kept`); else None.
     scores: jax.Array | None = None
     logits: jax.Array | None = None
-    # A speculative decode's (`Speculation`; else None): the tokens each row made [R] int32 (its
-    # first `made` of T; `ran` is the most any row made), the drafts each row offered for verification
-    # and those kept [R] int32, and the rounds run ([] int32: the target's forwards)
+    # A speculative decode's (`SpeculativeSlotModel`; else None): the tokens each row made [R] int32
+    # (its first `made` of T; `ran` is the most any row made), the drafts each row offered for
+    # verification and those it kept [R] int32, and the rounds run ([] int32: the target's forwards)
     made: jax.Array | None = None
     drafted: jax.Array | None = None
     accepted: jax.Array | None = None
@@ -225,25 +223,20 @@ class SlotModel:
         cache, _ = self.shapes()
         return sum(int(s.size // self.slots) * s.dtype.itemsize for pair in cache for s in pair)
 
-    def empty_state(
-        self, features: SamplingFeatures, *, history: bool = False, draft: SlotModel | None = None
-    ) -> SlotState:
+    def empty_state(self, features: SamplingFeatures, *, history: bool = False) -> SlotState:
         """Zeros, placed where the programs' outputs will be, so the first call and every later one
         have the same signature: on the weights' device; on a mesh (of one process or several), the
         slots split over "data" and each layer's cache over "model" by heads, where they divide. Made
         by one program (kept per layout): a zeros call per array cost `Model.generate` ~8 ms a call.
-        `history`: keep each row's tokens (`SlotState.history`) though no rule reads them (a
-        speculative decode's drafter does); `draft`: a draft model's cache beside (`SlotState.draft`)."""
+        `history`: keep each row's tokens (`SlotState.history`) though no rule reads them."""
         layout = (
             features.repetition,
             features.presence,
             history or (features.history is not None and features.history.reads_tokens),
-            None if draft is None else id(draft),
         )
         if layout not in self._empty:
             cache, vocab = self.shapes()
-            repetition, presence, history, _ = layout
-            drafts = None if draft is None else draft.shapes()[0]
+            repetition, presence, history = layout
 
             def zeros() -> SlotState:
                 return SlotState(
@@ -253,7 +246,6 @@ class SlotModel:
                     seen=jnp.zeros((self.slots, vocab), bool) if repetition else None,
                     counts=jnp.zeros((self.slots, vocab), jnp.int32) if presence else None,
                     history=jnp.zeros((self.slots, self.length), jnp.int32) if history else None,
-                    draft=None if drafts is None else [tuple(jnp.zeros(s.shape, s.dtype) for s in p) for p in drafts],
                 )
 
             mesh, placed = self.model.mesh, None  # None: left to the programs (weights over several devices)
@@ -278,6 +270,14 @@ class SlotModel:
         with bridge.explain_errors(self.module, self.module_names):
             with bridge.bound(self.module, params, self.model.aliases, bridge.prng_key()):
                 yield
+
+    def weights(self) -> dict:
+        """What the programs take as their weights (`prefill_chunk` and `decode_chunk`'s `params`)."""
+        return self.model.params
+
+    def program_key(self) -> tuple:
+        """What, beside `SlotPrograms.key`, the programs depend on (none here)."""
+        return ()
 
     def run(self, params, cache, ids, positions, columns, keep=None, *, lora=None):
         """Logits [B, q, V] (or at the query indices `keep` [k] int32 only: [B, k, V]) and the cache
@@ -334,7 +334,6 @@ class SlotModel:
         window: int,
         features: SamplingFeatures,
         kept: tuple[str, ...] = (),
-        draft: tuple[SlotModel, dict] | None = None,
     ) -> tuple[SlotState, Chosen]:
         """Prompt chunks of P slots at once: ids [P, C] int32, row p's count[p] real tokens last (at
         positions start[p]..; the padding before them writes nowhere), so every row's last real
@@ -343,8 +342,7 @@ class SlotModel:
         ends their prompt (their next token becomes the slot's next input); fresh [P] bool, the
         rows whose request starts here (its penalties' history starts empty). Only the first
         `window` columns are read and written. `kept`: "scores" and / or "logits", the first new
-        token's processed scores and raw logits to return (see `Chosen`). `draft`: (a draft model's
-        `SlotModel`, its weights), which writes the chunk into `state.draft` too. Returns (state, Chosen [P, 1])."""
+        token's processed scores and raw logits to return (see `Chosen`). Returns (state, Chosen [P, 1])."""
         slots = self.slots
         gathered = [tuple(a.at[which, :, :window].get(mode="fill", fill_value=0) for a in pair) for pair in state.cache]
         chunk = ids.shape[1]
@@ -360,18 +358,6 @@ class SlotModel:
             tuple(a.at[which, :, :window].set(r, mode="drop") for a, r in zip(pair, new))
             for pair, new in zip(state.cache, gathered)
         ]
-        drafted = state.draft
-        if draft is not None:  # the draft model's cache takes the chunk too (its logits are not used)
-            model, weights = draft
-            rows_of = [tuple(a.at[which, :, :window].get(mode="fill", fill_value=0) for a in p) for p in drafted]
-            with model.bound(weights):
-                _, rows_of = model.run(
-                    weights, rows_of, ids, positions, columns, keep=jnp.array([chunk - 1], jnp.int32)
-                )
-            drafted = [
-                tuple(a.at[which, :, :window].set(r, mode="drop") for a, r in zip(pair, new))
-                for pair, new in zip(drafted, rows_of)
-            ]
         seen = counts = None
         if state.seen is not None:  # the chunk's real tokens join the row's history
             before = jnp.where(fresh[:, None], False, state.seen.at[which].get(mode="fill", fill_value=False))
@@ -390,8 +376,8 @@ class SlotModel:
             logits[:, 0], mine, features, start + count, seen=seen, counts=counts,
             history=history_rules(features, mine, history, start + count),
         )  # fmt: skip
-        chosen = _with_logprobs(logits[:, 0], token, want_logprobs)
-        chosen = dataclasses.replace(chosen, **_kept(kept, scores=scores, logits=logits[:, 0]))
+        chosen = with_logprobs(logits[:, 0], token, want_logprobs)
+        chosen = dataclasses.replace(chosen, **kept_values(kept, scores=scores, logits=logits[:, 0]))
         # The chosen token is the slot's next input where the prompt ended (other rows: slot S, dropped),
         # at the position after the prompt; it joins the row's history.
         ended = jnp.where(last, which, slots)
@@ -406,9 +392,9 @@ class SlotModel:
             seen=None if seen is None else state.seen.at[which].set(seen, mode="drop"),
             counts=None if counts is None else state.counts.at[which].set(counts, mode="drop"),
             history=None if history is None else state.history.at[which].set(history, mode="drop"),
-            draft=drafted,
+            draft=state.draft,
         )
-        per_token = [f for f in (*_PER_TOKEN, *_KEPT) if getattr(chosen, f) is not None]
+        per_token = [f for f in (*PER_TOKEN, *_KEPT) if getattr(chosen, f) is not None]
         return state, dataclasses.replace(chosen, **{f: getattr(chosen, f)[:, None] for f in per_token})
 
     def decode_chunk(
@@ -428,8 +414,6 @@ class SlotModel:
         pad_token: int = 0,
         logprobs: bool = True,
         kept: tuple[str, ...] = (),
-        speculation: Speculation | None = None,
-        draft: tuple[SlotModel, dict] | None = None,
     ) -> tuple[SlotState, Chosen]:
         """`count` ([] int32, at most `steps`) decode steps of the first `decoding_rows` slots (R) over
         the first `window` columns (every decoding slot is among those rows and writes within those
@@ -442,14 +426,7 @@ class SlotModel:
         `logprobs=False` compiles no log-probabilities at all (`Model.generate`'s calls; its
         Chosen's log-probability fields are then [R, 0, ...]). `kept`: as the prefill's, per step.
         Returns (state with each active row's last token and position moved on by the steps run,
-        Chosen [R, steps], whose steps from `Chosen.ran` on are zeros). With `speculation`, the
-        steps are speculative rounds (`speculative_chunk`)."""
-        if speculation is not None:
-            return self.speculative_chunk(
-                params, state, rows, active, count, want_logprobs, steps=steps, decoding_rows=decoding_rows,
-                window=window, features=features, stop_tokens=stop_tokens, logprobs=logprobs, kept=kept,
-                speculation=speculation, draft=draft,
-            )  # fmt: skip
+        Chosen [R, steps], whose steps from `Chosen.ran` on are zeros)."""
         r = decoding_rows
         whole = state.cache
         cache = [tuple(a[:r, :, :window] for a in pair) for pair in whole]
@@ -490,14 +467,14 @@ class SlotModel:
                 logits[:, 0], mine, features, at + 1, seen=seen, counts=counts,
                 history=history_rules(features, mine, history, at + 1),
             )  # fmt: skip
-            kept_now = _kept(kept, scores=scores, logits=logits[:, 0])
+            kept_now = kept_values(kept, scores=scores, logits=logits[:, 0])
             chosen = dataclasses.replace(chosen, **{f: getattr(chosen, f).at[:, i].set(v) for f, v in kept_now.items()})
             # What the row's tokens so far take in: the token, or a stopped row's pad.
             appended = token if stops is None else jnp.where(going_now, token, jnp.int32(pad_token))
             if logprobs:
-                picked = _with_logprobs(logits[:, 0], token, want_logprobs)
+                picked = with_logprobs(logits[:, 0], token, want_logprobs)
                 chosen = dataclasses.replace(
-                    chosen, **{f: getattr(chosen, f).at[:, i].set(getattr(picked, f)) for f in _PER_TOKEN}
+                    chosen, **{f: getattr(chosen, f).at[:, i].set(getattr(picked, f)) for f in PER_TOKEN}
                 )
             else:
                 chosen = dataclasses.replace(chosen, token=chosen.token.at[:, i].set(token))
@@ -531,209 +508,6 @@ class SlotModel:
             draft=state.draft,
         )
         return state, dataclasses.replace(chosen, ran=ran)
-
-    def speculative_chunk(
-        self,
-        params,
-        state: SlotState,
-        rows: RowSampling,
-        active,
-        count,
-        want_logprobs,
-        *,
-        steps: int,
-        decoding_rows: int,
-        window: int,
-        features: SamplingFeatures,
-        speculation: Speculation,
-        stop_tokens: tuple[int, ...] = (),
-        logprobs: bool = True,
-        kept: tuple[str, ...] = (),
-        draft: tuple[SlotModel, dict] | None = None,
-    ) -> tuple[SlotState, Chosen]:
-        """`decode_chunk`'s work in speculative rounds (a `while_loop` until every active row has made
-        `count` tokens or stopped). A round: each going row's last token joins its `history`, k tokens
-        are drafted from it (`lookup_drafts`), ONE forward of the model runs the last token and the
-        drafts ([R, k + 1] at the row's positions, keys and values written at their columns; where no
-        row has a draft, a `cond` runs the last token alone, as a plain step), the
-        token choice runs at each of the k + 1 positions in order (each with the drafts before it in
-        `seen`, `counts` and `history`), and the row keeps its drafts while they equal the chosen
-        tokens, then the chosen token after them (`kept_count`: never past `count`, nothing after a
-        stop token). Kept tokens go to the row's next columns of Chosen; the keys and values of the
-        rejected drafts stay in the cache past the row's position, where no query reads them, until
-        the next round overwrites them. A stopped row makes nothing more (its later scores are zeros).
-        Needs the state's `history` (`empty_state(features, history=True)`). Returns as `decode_chunk`,
-        with Chosen's `made`, `drafted`, `accepted` and `rounds`."""
-        if state.history is None:
-            raise GenerationError(
-                "a speculative decode drafts from each row's tokens so far; make the state with "
-                "SlotModel.empty_state(features, history=True)"
-            )
-        by_model = speculation.method == "draft_model"
-        if by_model and (draft is None or state.draft is None):
-            raise GenerationError(
-                "Speculation(method='draft_model') needs the draft model: pass SlotPrograms(draft=...) and make the "
-                "state with SlotModel.empty_state(features, history=True, draft=...)"
-            )
-        r, k = decoding_rows, speculation.num_speculative_tokens
-        width = k + 1
-        whole = state.cache
-        cache = [tuple(a[:r, :, :window] for a in pair) for pair in whole]
-        tokens, positions, on = state.tokens[:r], state.positions[:r], active[:r]
-        mine = jax.tree_util.tree_map(lambda a: a[:r], rows)
-        seen = None if state.seen is None else state.seen[:r]
-        counts = None if state.counts is None else state.counts[:r]
-        history = state.history[:r]
-        vocab = self.shapes()[1]
-        backend = _backend.active()
-        carried, restore = backend.loop_carry(cache)
-        drafts_carried = restore_draft = None
-        if by_model:
-            drafts_carried, restore_draft = backend.loop_carry(
-                [tuple(a[:r, :, :window] for a in p) for p in state.draft]
-            )
-        stops = jnp.asarray(stop_tokens, jnp.int32) if stop_tokens else None
-        each = jnp.arange(r, dtype=jnp.int32)[:, None]  # [R, 1]
-        offsets = jnp.arange(width, dtype=jnp.int32)[None, :]  # [1, k + 1]
-
-        def going(tokens, made):  # [R] bool: the rows with tokens left to make (not at a stop token)
-            left = on & (made < count)
-            return left if stops is None else left & ~jnp.isin(tokens, stops) & (tokens != STOPPED)
-
-        def running(carry):
-            _, _, _, tokens, made, *_ = carry
-            return jnp.any(going(tokens, made))
-
-        def by_draft_model(drafted, tokens, at, now, seen, counts, history):
-            """k + 1 one-token steps of the draft model from each row's last token (the last step only
-            puts the last draft in its cache): (its cache, drafts [R, k], their processed scores [R, k, V], history)."""
-            model, weights = draft
-            draw = dataclasses.replace(mine, key=purpose_keys(mine.key, DRAFT))
-
-            def step(carry, j):
-                drafted, token, seen, counts, history = carry
-                where = at + j
-                column = jnp.where(now & (where < window), where, window)
-                with model.bound(weights):
-                    logits, drafted = model.run(
-                        weights, restore_draft(drafted), token[:, None], jnp.minimum(where, window - 1)[:, None],
-                        column[:, None],
-                    )  # fmt: skip
-                scores = process_scores(
-                    logits[:, 0], mine, features, where + 1, seen=seen, counts=counts,
-                    history=history_rules(features, mine, history, where + 1),
-                )  # fmt: skip
-                token = _sampling.pick(scores, draw, where + 1, features)
-                history = history.at[each[:, 0], jnp.where(now, mine.pads + where + 1, history.shape[1])].set(
-                    token, mode="drop"
-                )
-                seen = None if seen is None else _sampling.update_seen(seen, token)
-                counts = None if counts is None else _sampling.update_counts(counts, token)
-                return (backend.loop_carry(drafted)[0], token, seen, counts, history), (token, scores)
-
-            (drafted, _, _, _, history), (proposed, scores) = jax.lax.scan(
-                step, (drafted, tokens, seen, counts, history), jnp.arange(width, dtype=jnp.int32)
-            )
-            return drafted, proposed[:k].T, jnp.swapaxes(scores[:k], 0, 1), history
-
-        def round_(carry):
-            rounds, cache, drafted, tokens, made, seen, counts, history, chosen = carry
-            now = going(tokens, made)
-            at = positions + made  # [R]: the last token's position
-            history = history.at[each[:, 0], jnp.where(now, mine.pads + at, history.shape[1])].set(tokens, mode="drop")
-            room = jnp.where(now, count - made, 0)
-            if by_model:
-                drafted, drafts, draft_scores, history = by_draft_model(drafted, tokens, at, now, seen, counts, history)
-                offered = jnp.full((r,), k, jnp.int32)
-            else:
-                drafts, offered = lookup_drafts(history, mine.pads, mine.pads + at + 1, speculation)
-            offered = jnp.where(now, jnp.minimum(offered, room - 1), 0)  # none past the budget
-            ids = jnp.concatenate([tokens[:, None], drafts], axis=1)  # [R, k + 1]
-            where = at[:, None] + offsets  # [R, k + 1]
-            columns = jnp.where(now[:, None] & (where < window), where, window)
-            at_most = jnp.minimum(where, window - 1)
-
-            def verify(cache):  # the last token and the drafts: [R, k + 1] logits
-                return self.run(params, restore(cache), ids, at_most, columns, lora=mine.lora)
-
-            def plain(cache):  # no row has a draft: the last token alone (the other positions' logits zeros)
-                logits, cache = self.run(
-                    params, restore(cache), ids[:, :1], at_most[:, :1], columns[:, :1], lora=mine.lora
-                )
-                return jnp.pad(logits, ((0, 0), (0, width - 1), (0, 0))), cache
-
-            with self.bound(params):
-                logits, cache = jax.lax.cond(jnp.any(offered > 0), verify, plain, cache)
-            # The drafts join the history the rules at later positions read (past the row's end: dropped).
-            drafted_columns = jnp.where(now[:, None], mine.pads[:, None] + where[:, 1:], history.shape[1])
-            history = history.at[each, drafted_columns].set(drafts, mode="drop")
-            targets, scores = [], []
-            seen_j, counts_j = seen, counts
-            for j in range(width):
-                token, processed = choose_tokens(
-                    logits[:, j], mine, features, at + j + 1, seen=seen_j, counts=counts_j,
-                    history=history_rules(features, mine, history, at + j + 1),
-                )  # fmt: skip
-                targets.append(token)
-                scores.append(processed)
-                if j < width - 1:  # the next position's choice sees this draft among the row's tokens
-                    seen_j = None if seen_j is None else _sampling.update_seen(seen_j, drafts[:, j])
-                    counts_j = None if counts_j is None else _sampling.update_counts(counts_j, drafts[:, j])
-            targets = jnp.stack(targets, axis=1)  # [R, k + 1]
-            scores = jnp.stack(scores, axis=1)  # [R, k + 1, V]
-            if by_model and features.sampling:  # a draft drawn from the draft's distribution
-                made_tokens, agreed = sampled_round(targets, scores, draft_scores, drafts, offered, mine, at)
-            else:  # a draft is kept where it is the token the target chooses there
-                made_tokens, agreed = targets, accepted_count(drafts == targets[:, :k], offered)
-            made_now, accepted_now = kept_count(made_tokens, agreed, room, stops)
-            kept_now = offsets < made_now[:, None]  # [R, k + 1]
-            column = jnp.where(kept_now, made[:, None] + offsets, steps)  # Chosen's columns (steps: dropped)
-            values = {"token": made_tokens}
-            if logprobs:
-                picked = [_with_logprobs(logits[:, j], made_tokens[:, j], want_logprobs) for j in range(width)]
-                values.update({f: jnp.stack([getattr(p, f) for p in picked], axis=1) for f in _PER_TOKEN})
-            values.update(_kept(kept, scores=scores, logits=logits))
-            chosen = dataclasses.replace(
-                chosen,
-                **{f: getattr(chosen, f).at[each, column].set(v, mode="drop") for f, v in values.items()},
-                drafted=chosen.drafted + offered,
-                accepted=chosen.accepted + accepted_now,
-            )
-            appended = jnp.where(kept_now, made_tokens, vocab)  # the kept tokens join seen and counts (vocab: none)
-            if seen is not None:
-                seen = seen.at[each, appended].set(True, mode="drop")
-            if counts is not None:
-                counts = counts.at[each, appended].add(1, mode="drop")
-            last = jnp.take_along_axis(made_tokens, jnp.maximum(made_now - 1, 0)[:, None], axis=1)[:, 0]
-            tokens = jnp.where(made_now > 0, last, tokens)
-            cache = backend.loop_carry(cache)[0]
-            return rounds + 1, cache, drafted, tokens, made + made_now, seen, counts, history, chosen
-
-        reported = steps if logprobs else 0
-        chosen = Chosen(
-            token=jnp.zeros((r, steps), jnp.int32),
-            logprob=jnp.zeros((r, reported), jnp.float32),
-            top_token=jnp.zeros((r, reported, TOP_LOGPROBS), jnp.int32),
-            top_logprob=jnp.zeros((r, reported, TOP_LOGPROBS), jnp.float32),
-            ran=jnp.int32(0),
-            **{f: jnp.zeros((r, steps, vocab), jnp.float32) for f in kept},
-            drafted=jnp.zeros(r, jnp.int32),
-            accepted=jnp.zeros(r, jnp.int32),
-        )
-        made = jnp.zeros(r, jnp.int32)
-        rounds, carried, drafts_carried, tokens, made, seen, counts, history, chosen = jax.lax.while_loop(
-            running, round_, (jnp.int32(0), carried, drafts_carried, tokens, made, seen, counts, history, chosen)
-        )
-        state = SlotState(
-            cache=written_back(whole, restore(carried)),
-            tokens=state.tokens.at[:r].set(tokens),
-            positions=state.positions.at[:r].set(jnp.where(on, positions + made, positions)),
-            seen=None if seen is None else state.seen.at[:r].set(seen),
-            counts=None if counts is None else state.counts.at[:r].set(counts),
-            history=state.history.at[:r].set(history),
-            draft=state.draft if not by_model else written_back(state.draft, restore_draft(drafts_carried)),
-        )
-        return state, dataclasses.replace(chosen, ran=jnp.max(made), made=made, rounds=rounds)
 
 
 def held_bytes(compiled) -> int:
@@ -769,7 +543,7 @@ def history_rules(features: SamplingFeatures, rows: RowSampling, history, positi
     )  # fmt: skip
 
 
-def _with_logprobs(logits, token, want_logprobs) -> Chosen:
+def with_logprobs(logits, token, want_logprobs) -> Chosen:
     """Chosen [R] for `token` [R] from `logits` [R, V]: the model's log-probabilities of the token and
     of its 20 most likely, where `want_logprobs` ([] bool) asks for them (a `lax.cond`: else zeros)."""
     rows, top = logits.shape[0], min(TOP_LOGPROBS, logits.shape[-1])
@@ -804,12 +578,9 @@ class SlotPrograms:
     A decode with `logprobs=False` is a program of its own that computes and returns no
     log-probabilities (`Model.generate`'s, and a server's chunks in which no request asks for them).
     `cache`: the `ProgramCache` to keep the programs in (`Model.generate` shares `Generator`'s).
-    `speculation`: the decode drafts and verifies in rounds (`SlotModel.speculative_chunk`; its state
-    made with `empty_state(features, history=True)`), a row making up to `steps` tokens per call, as
-    many as `Chosen.made` says; None: one token per step. `draft`: the draft model's `SlotModel` (of
-    the same slots and columns) where `speculation.method` is "draft_model": the prefill fills its
-    cache too (`empty_state(features, history=True, draft=draft)`), and its weights are an argument of
-    every program.
+    A `SpeculativeSlotModel` makes the decode speculative (each call makes up to `steps` tokens per row,
+    `Chosen.made` of them): its `weights()` are the programs' first argument, its `program_key()` part
+    of their key.
     """
 
     def __init__(
@@ -823,14 +594,11 @@ class SlotPrograms:
         pad_token: int = 0,
         kept: tuple[str, ...] = (),
         cache: _programs.ProgramCache | None = None,
-        speculation: Speculation | None = None,
-        draft: SlotModel | None = None,
     ):
         model = slot_model.model
-        self.slot_model, self.draft = slot_model, draft
+        self.slot_model = slot_model
         self.prefill_chunk, self.steps, self.features = prefill_chunk, steps, features
         self.stop_tokens, self.pad_token, self.kept = stop_tokens, pad_token, kept
-        self.speculation = speculation
         if cache is None:
             fingerprint = (
                 _programs.model_fingerprint(model.module, model.params, model.aliases)
@@ -840,13 +608,7 @@ class SlotPrograms:
             cache = _programs.ProgramCache(fingerprint)
         self.cache = cache
         self.precision = bridge.resolve_precision(model.matmul_precision)  # fixed for the programs' life
-        # The programs' weights: the model's, and a draft model's beside them (a pair) where there is one.
-        self.params = model.params if draft is None else (model.params, draft.model.params)
-        self._draft_key = ()
-        if draft is not None:  # the draft's weights are part of what the programs were made for
-            weights = draft.model
-            fingerprint = _programs.model_fingerprint(weights.module, weights.params, weights.aliases)
-            self._draft_key = (json.dumps(fingerprint, sort_keys=True, default=repr),)
+        self.params = slot_model.weights()
         self._lock = threading.Lock()
 
     @property
@@ -860,11 +622,9 @@ class SlotPrograms:
         # The decode's own settings (the prefill's program does not depend on them).
         stops = (self.stop_tokens, self.pad_token) if kind == "decode" and self.stop_tokens else ()
         logprobs = logprobs or kind != "decode"
-        speculative = (self.speculation,) if kind == "decode" and self.speculation is not None else ()
-        speculative += self._draft_key
         return (
             kind, model.slots, model.length, extent, rows, window, self.precision, self.features, stops, logprobs,
-            self.kept, *speculative,
+            self.kept, *model.program_key(),
         )  # fmt: skip
 
     def prefill(
@@ -921,34 +681,27 @@ class SlotPrograms:
 
     def _prefill_program(self, params, leaves, rows, which, ids, start, count, last, fresh, want_logprobs, *, window):
         self.cache.traced["prefill"] += 1
-        params, draft = self._weights(params)
         state, chosen = self.slot_model.prefill_chunk(
             params, SlotState(*leaves), RowSampling(*rows), which, ids, start, count, last, fresh, want_logprobs,
-            window=window, features=self.features, kept=self.kept, draft=draft,
+            window=window, features=self.features, kept=self.kept,
         )  # fmt: skip
         return state.leaves(), _fields(chosen)
 
     def _decode_program(self, params, leaves, rows, active, count, want_logprobs, *, decoding_rows, window, logprobs):
         self.cache.traced["decode"] += 1
-        params, draft = self._weights(params)
         state, chosen = self.slot_model.decode_chunk(
             params, SlotState(*leaves), RowSampling(*rows), active, count, want_logprobs,
             steps=self.steps, decoding_rows=decoding_rows, window=window, features=self.features,
             stop_tokens=self.stop_tokens, pad_token=self.pad_token, logprobs=logprobs, kept=self.kept,
-            speculation=self.speculation, draft=draft,
         )  # fmt: skip
         return state.leaves(), _fields(chosen)
 
-    def _weights(self, params) -> tuple:
-        """(the model's weights, (the draft's `SlotModel`, its weights) or None) of a program's `params`."""
-        return (params, None) if self.draft is None else (params[0], (self.draft, params[1]))
 
-
-_PER_TOKEN = ("token", "logprob", "top_token", "top_logprob")  # Chosen's [R, T, ...] fields
+PER_TOKEN = ("token", "logprob", "top_token", "top_logprob")  # Chosen's [R, T, ...] fields
 _KEPT = ("scores", "logits")  # Chosen's [R, T, V] fields, where a program keeps them
 
 
-def _kept(kept: tuple[str, ...], **values) -> dict:
+def kept_values(kept: tuple[str, ...], **values) -> dict:
     """The values of `values` ({"scores": [R, V], "logits": [R, V]}) that `kept` names."""
     return {name: values[name] for name in kept}
 
