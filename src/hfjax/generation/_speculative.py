@@ -1,14 +1,14 @@
-"""Speculative decoding's parts that the slot decode's rounds use (`SlotModel.decode_chunk` with a
-`Speculation`): the static setting, the prompt-lookup drafter and how many tokens a round keeps.
+"""Speculative decoding's parts that the rounds of `SpeculativeSlotModel.decode_chunk` use: the static
+setting (`Speculation`), the prompt-lookup drafter, how many tokens a round keeps, and speculative
+sampling's rule for a draft model's proposals.
 
 A round drafts k tokens per row, runs the target once over the row's last token and its drafts
-(k + 1 positions), and keeps the drafts that agree with the target's own choice at their position,
-then the target's token after them. The target's choice at every position is the one `pick` makes
-without speculation (the argmax, or the Gumbel-max draw keyed by the row's seed and the position),
-so a kept token is the token the plain decode makes there: greedy and sampling rows alike give the
-same tokens with and without speculation. For a drafter whose proposal is one token (prompt
-lookup: p_draft is one-hot) that is speculative sampling's rule: a draft d is accepted with
-probability p_target(d), and on a rejection the token is a draw from p_target without d.
+(k + 1 positions), and keeps the drafts that agree with the target, then the target's token after
+them. With prompt lookup (a one-token proposal: p_draft one-hot) a draft agrees where it is the
+token `pick` chooses there without speculation (the argmax, or the Gumbel-max draw keyed by the
+row's seed and the position): a kept token is the plain decode's, greedy and sampled alike, and
+that is speculative sampling's rule (d accepted with probability p_target(d); on a rejection a
+draw from p_target without d). A draft model's sampling rows take the general rule (`sampled_round`).
 """
 
 from __future__ import annotations
