@@ -291,3 +291,41 @@ def test_a_call_off_the_slot_core_is_refused_by_name(loaded):
         ),
     ):
         model.generate(ids, right, max_new_tokens=4, prompt_lookup_num_tokens=3)
+
+
+def test_the_slot_programs_over_a_speculative_slot_model_give_the_plain_tokens_and_log_probabilities(loaded):
+    # As a server drives the core: a prefill chunk, then one decode call with log-probabilities; each
+    # row's first `Chosen.made` tokens are the plain decode's, with its log-probabilities.
+    from hfjax import generation
+
+    model = loaded("llama")
+    ids, _ = _left_padded(PROMPTS)
+    rows, steps, length = len(PROMPTS), 12, 64
+    lengths = np.asarray([len(p) for p in PROMPTS], np.int32)
+    features = generation.SamplingFeatures()
+    sampling = generation.RowSampling.empty(rows, vocab_size=None, bias_slots=0)
+    every = np.ones(rows, bool)
+
+    def decode(slot_model):
+        programs = generation.SlotPrograms(slot_model, prefill_chunk=ids.shape[1], steps=steps, features=features)
+        state = slot_model.empty_state(features)
+        state, first = programs.prefill(
+            state, sampling, np.arange(rows, dtype=np.int32), ids, np.zeros(rows, np.int32), lengths, every, every,
+            np.True_, window=length,
+        )  # fmt: skip
+        _, chosen = programs.decode(
+            state, sampling, every, np.int32(steps), np.True_, decoding_rows=rows, window=length
+        )
+        return chosen
+
+    plain = decode(generation.SlotModel(model, rows, length))
+    speculation = generation.Speculation(method="ngram", num_speculative_tokens=3)
+    speculative = decode(generation.SpeculativeSlotModel(model, rows, length, speculation))
+    np.testing.assert_array_equal(np.asarray(speculative.made), steps)
+    assert int(np.asarray(speculative.accepted).sum()) > 0, "no draft was accepted"
+    np.testing.assert_array_equal(np.asarray(speculative.token), np.asarray(plain.token))
+    np.testing.assert_array_equal(np.asarray(speculative.top_token), np.asarray(plain.top_token))
+    for field in ("logprob", "top_logprob"):
+        np.testing.assert_allclose(
+            np.asarray(getattr(speculative, field)), np.asarray(getattr(plain, field)), atol=1e-4
+        )

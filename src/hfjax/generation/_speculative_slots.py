@@ -261,20 +261,24 @@ class SpeculativeSlotModel(SlotModel):
             # The drafts join the history the rules at later positions read (past the row's end: dropped).
             drafted_columns = jnp.where(now[:, None], mine.pads[:, None] + where[:, 1:], history.shape[1])
             history = history.at[each, drafted_columns].set(drafts, mode="drop")
-            targets, scores = [], []
-            seen_j, counts_j = seen, counts
-            for j in range(width):
+
+            def choose_at(carry, position):  # the token choice at one of the k + 1 positions, in order
+                seen, counts = carry
+                logits_j, draft_j, j = position
                 token, processed = choose_tokens(
-                    logits[:, j], mine, features, at + j + 1, seen=seen_j, counts=counts_j,
+                    logits_j, mine, features, at + j + 1, seen=seen, counts=counts,
                     history=history_rules(features, mine, history, at + j + 1),
                 )  # fmt: skip
-                targets.append(token)
-                scores.append(processed)
-                if j < width - 1:  # the next position's choice sees this draft among the row's tokens
-                    seen_j = None if seen_j is None else _sampling.update_seen(seen_j, drafts[:, j])
-                    counts_j = None if counts_j is None else _sampling.update_counts(counts_j, drafts[:, j])
-            targets = jnp.stack(targets, axis=1)  # [R, k + 1]
-            scores = jnp.stack(scores, axis=1)  # [R, k + 1, V]
+                # The next position's choice sees this draft among the row's tokens.
+                seen = None if seen is None else _sampling.update_seen(seen, draft_j)
+                counts = None if counts is None else _sampling.update_counts(counts, draft_j)
+                return (seen, counts), (token, processed)
+
+            padded = jnp.concatenate([drafts, jnp.zeros((r, 1), jnp.int32)], axis=1)  # [R, k + 1]
+            _, (targets, scores) = jax.lax.scan(
+                choose_at, (seen, counts), (jnp.swapaxes(logits, 0, 1), padded.T, jnp.arange(width, dtype=jnp.int32))
+            )
+            targets, scores = targets.T, jnp.swapaxes(scores, 0, 1)  # [R, k + 1], [R, k + 1, V]
             if by_model and features.sampling:  # a draft drawn from the draft's distribution
                 made_tokens, agreed = sampled_round(targets, scores, draft_scores, drafts, offered, mine, at)
             else:  # a draft is kept where it is the token the target chooses there
@@ -284,8 +288,10 @@ class SpeculativeSlotModel(SlotModel):
             column = jnp.where(kept_now, made[:, None] + offsets, steps)  # Chosen's columns (steps: dropped)
             values = {"token": made_tokens}
             if logprobs:
-                picked = [with_logprobs(logits[:, j], made_tokens[:, j], want_logprobs) for j in range(width)]
-                values.update({f: jnp.stack([getattr(p, f) for p in picked], axis=1) for f in PER_TOKEN})
+                picked = with_logprobs(logits.reshape(r * width, -1), made_tokens.reshape(-1), want_logprobs)
+                values.update(
+                    {f: getattr(picked, f).reshape(r, width, *getattr(picked, f).shape[1:]) for f in PER_TOKEN}
+                )
             values.update(kept_values(kept, scores=scores, logits=logits))
             chosen = dataclasses.replace(
                 chosen,
