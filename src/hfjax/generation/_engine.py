@@ -69,6 +69,11 @@ _NOT_SPECULABLE = (
 def check_draft(model, draft) -> None:
     """Raises GenerationError where `draft` cannot draft for `model` on the slot core, saying why."""
     check_supported(draft)
+    if not adapter_for(draft.module).takes_positions:
+        raise GenerationError(
+            f"Model.generate: assistant_model {type(draft.module).__name__} takes no position_ids, which the slot core "
+            "gives each row; pass a draft model that takes them"
+        )
     width, own = (m.module.config.get_text_config(decoder=True).vocab_size for m in (draft, model))
     if width != own:
         raise GenerationError(
