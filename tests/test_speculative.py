@@ -134,14 +134,19 @@ SAMPLES = 384
 SAMPLED = dict(max_new_tokens=4, do_sample=True, temperature=1.5, top_k=6, num_return_sequences=SAMPLES)
 
 
+def _scaled_llama(path, factor: float) -> hfjax.Model:
+    """The checkpoint's Llama with its logits scaled by `factor` (sharper for factor > 1)."""
+    module = transformers.AutoModelForCausalLM.from_pretrained(path).eval()
+    with torch.no_grad():
+        module.lm_head.weight.mul_(factor)
+    return hfjax.Model.from_module(module)
+
+
 @pytest.fixture(scope="module")
 def peaked(checkpoint):
     """The tiny Llama with its logits scaled up 12x (the tiny checkpoint's are nearly flat, so that
     temperature barely changes its distribution and a wrong one would pass)."""
-    module = transformers.AutoModelForCausalLM.from_pretrained(checkpoint("llama")).eval()
-    with torch.no_grad():
-        module.lm_head.weight.mul_(12.0)
-    return hfjax.Model.from_module(module)
+    return _scaled_llama(checkpoint("llama"), 12.0)
 
 
 def _draws(model, seed: int, **settings) -> np.ndarray:
@@ -221,16 +226,20 @@ def test_a_draft_model_gives_the_plain_decodes_greedy_tokens_and_transformers_as
 
 
 def test_a_draft_models_sampled_tokens_follow_the_plain_decodes_distribution(peaked, checkpoint):
-    # The draft (the tiny Llama unscaled: flatter than the target) proposes from its own distribution;
-    # speculative sampling's rule keeps the target's.
+    # The draft (the same Llama, 100x sharper than the target) proposes from its own distribution, and
+    # is rejected often; speculative sampling's rule keeps the target's. Where its most likely token is
+    # the target's, a rejection never draws it (the residual max(p - q, 0) is 0 there): drawing the
+    # correction from p instead fails this test (p < 1e-4 at the second new token).
     model = peaked
-    speculative = _draws(model, seed=1, assistant_model=checkpoint("llama"), num_assistant_tokens=3)
+    draft = _scaled_llama(checkpoint("llama"), 100.0)
+    samples = dict(num_return_sequences=1024)
+    speculative = _draws(model, seed=1, assistant_model=draft, num_assistant_tokens=3, **samples)
     stats = model.last_generation_stats
     assert 0 < stats.accepted_tokens < stats.drafted_tokens, f"drafts were not both accepted and rejected: {stats}"
-    plain = _draws(model, seed=2)
+    plain = _draws(model, seed=2, **samples)
     for step in (1, 2, 3):
         assert _same_distribution_p(speculative[:, step], plain[:, step]) > P_VALUE, f"new token {step}"
-    colder = _draws(model, seed=2, temperature=0.5)
+    colder = _draws(model, seed=2, temperature=0.5, **samples)
     assert max(_same_distribution_p(speculative[:, s], colder[:, s]) for s in (1, 2, 3)) < P_VALUE
 
 
