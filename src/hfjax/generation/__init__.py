@@ -35,12 +35,12 @@ Public names: `chat_with_images`; for the rest of hfjax: `Generator` and `genera
 the one settings type (`GenerationSettings`, `SamplingConfig`, `resolve_settings`), the one context
 check (`check_context`), the continuous-batching core the server drives (`SlotModel`,
 `SlotPrograms`, `SlotState`, `Chosen`, `RowSampling`, `SamplingFeatures`, `key_data`,
-`check_supported`, `Speculation`, `SpeculativeSlotModel`), structured outputs (`Constraint`, `ConstraintError`, `Grammars`, `Matcher`, `bitmask_words`), `cache_keyword` / `returned_cache`, and the CLI's `check_takes_images`,
+`check_supported`, `Speculation`, `SpeculativeSlotModel`, `check_draft`), structured outputs (`Constraint`, `ConstraintError`, `Grammars`, `Matcher`, `bitmask_words`), `cache_keyword` / `returned_cache`, and the CLI's `check_takes_images`,
 `load_image`, `encode`, `GenerationStats`.
 """
 
 from ._caches import cache_keyword, returned_cache
-from ._engine import GenerationStats, Generator
+from ._engine import GenerationStats, Generator, check_draft
 from ._generate import check_context, generate
 from ._grammar import Constraint, ConstraintError, Grammars, Matcher, bitmask_words
 from ._rows import MAX_HELD_STOP_TOKENS, MAX_LOGIT_BIAS, RowSampling, SamplingFeatures, key_data
@@ -74,6 +74,7 @@ __all__ = [
     "cache_keyword",
     "chat_with_images",
     "check_context",
+    "check_draft",
     "check_supported",
     "check_takes_images",
     "encode",

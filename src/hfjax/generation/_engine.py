@@ -66,23 +66,24 @@ _NOT_SPECULABLE = (
 )
 
 
-def check_draft(model, draft) -> None:
-    """Raises GenerationError where `draft` cannot draft for `model` on the slot core, saying why."""
+def check_draft(model, draft, *, name: str = "Model.generate: assistant_model") -> None:
+    """Raises GenerationError where `draft` cannot draft for `model` on the slot core, saying why;
+    `name` is how the caller's argument reads in the message."""
     check_supported(draft)
     if not adapter_for(draft.module).takes_positions:
         raise GenerationError(
-            f"Model.generate: assistant_model {type(draft.module).__name__} takes no position_ids, which the slot core "
+            f"{name} {type(draft.module).__name__} takes no position_ids, which the slot core "
             "gives each row; pass a draft model that takes them"
         )
     width, own = (m.module.config.get_text_config(decoder=True).vocab_size for m in (draft, model))
     if width != own:
         raise GenerationError(
-            f"Model.generate: assistant_model has a vocabulary of {width} tokens and the model {own}; pass a draft "
+            f"{name} has a vocabulary of {width} tokens and the model {own}; pass a draft "
             "model with the model's tokenizer"
         )
     if draft.mesh is not model.mesh:
         raise GenerationError(
-            "Model.generate: assistant_model is on another mesh than the model; load it with the model's mesh "
+            f"{name} is on another mesh than the model; load it with the model's mesh "
             "(hfjax.load(path, mesh=model.mesh))"
         )
 

@@ -83,11 +83,15 @@ class Chosen:
     logits: jax.Array | None = None
     # A speculative decode's (`SpeculativeSlotModel`; else None): the tokens each row made [R] int32
     # (its first `made` of T; `ran` is the most any row made), the drafts each row offered for
-    # verification and those it kept [R] int32, and the rounds run ([] int32: the target's forwards)
+    # verification and those it kept [R] int32, and the rounds run ([] int32: the target's forwards);
+    # the rounds in which each row offered drafts [R] int32 (vLLM's drafts), and how often each row kept
+    # its draft at each of the k indices [R, k] int32 (vLLM's acceptance per position)
     made: jax.Array | None = None
     drafted: jax.Array | None = None
     accepted: jax.Array | None = None
     rounds: jax.Array | None = None
+    proposed: jax.Array | None = None
+    accepted_at: jax.Array | None = None
 
 
 def _slot_layer_class():
@@ -368,7 +372,8 @@ class SlotModel:
         history = None
         if state.history is not None:  # the chunk's real tokens, and a fresh row's pads before them
             column = offset + (start + mine.pads)[:, None]  # [P, C]
-            written = (offset >= 0) | (fresh[:, None] & (column >= 0))
+            # (not over a reused prefix's tokens, which the slot's history holds from the request before)
+            written = (offset >= 0) | (fresh[:, None] & (column >= 0) & (column < mine.pads[:, None]))
             column = jnp.where(written, column, state.history.shape[1])  # past the end: dropped
             before = state.history.at[which].get(mode="fill", fill_value=0)
             history = before.at[jnp.arange(ids.shape[0])[:, None], column].set(ids, mode="drop")  # [P, L]

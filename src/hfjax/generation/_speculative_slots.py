@@ -160,7 +160,7 @@ class SpeculativeSlotModel(SlotModel):
         values of rejected drafts stay past the row's position, where no query reads them, until the
         next round overwrites them. A row that has stopped makes nothing more (it does not run on
         `pad_token`; its later scores are zeros). Returns as `SlotModel.decode_chunk`, with Chosen's
-        `made`, `drafted`, `accepted` and `rounds`."""
+        `made`, `drafted`, `accepted`, `rounds`, `proposed` and `accepted_at`."""
         if state.history is None or (self.draft is not None and state.draft is None):
             raise GenerationError(
                 "a speculative decode reads each row's tokens (and a draft model's cache); make the state with "
@@ -298,6 +298,8 @@ class SpeculativeSlotModel(SlotModel):
                 **{f: getattr(chosen, f).at[each, column].set(v, mode="drop") for f, v in values.items()},
                 drafted=chosen.drafted + offered,
                 accepted=chosen.accepted + accepted_now,
+                proposed=chosen.proposed + (offered > 0).astype(jnp.int32),
+                accepted_at=chosen.accepted_at + (offsets[:, :k] < accepted_now[:, None]).astype(jnp.int32),
             )
             appended = jnp.where(kept_now, made_tokens, vocab)  # the kept tokens join seen and counts (vocab: none)
             if seen is not None:
@@ -319,6 +321,8 @@ class SpeculativeSlotModel(SlotModel):
             **{f: jnp.zeros((r, steps, vocab), jnp.float32) for f in kept},
             drafted=jnp.zeros(r, jnp.int32),
             accepted=jnp.zeros(r, jnp.int32),
+            proposed=jnp.zeros(r, jnp.int32),
+            accepted_at=jnp.zeros((r, k), jnp.int32),
         )
         made = jnp.zeros(r, jnp.int32)
         rounds, carried, drafts_carried, tokens, made, seen, counts, history, chosen = jax.lax.while_loop(
