@@ -162,7 +162,6 @@ class Engine:
         )
         if self.features.history is not None and self.features.history.reads_tokens:
             prefix_reuse = False  # a reused prefix's tokens are not read again into the row's history
-        self.speculation = speculation
         self.metrics = Metrics(self.max_num_seqs, 0 if speculation is None else speculation.num_speculative_tokens)
         programs = generation.SlotPrograms(
             slot_model, prefill_chunk=prefill_chunk, steps=max_decode_steps, features=self.features
