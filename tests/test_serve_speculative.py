@@ -83,7 +83,8 @@ def start_in_background() -> None:
     draft = testing.save_tiny_checkpoint("llama", directory / "draft", seed=1, num_hidden_layers=1)
     flags = ("--served-model-name", NAME, "--max-model-len", str(LENGTH), "--max-num-seqs", str(SLOTS))
     SERVERS.launch("plain", llama, *flags)
-    SERVERS.launch("ngram", llama, *flags, "--speculative-config", json.dumps(NGRAM))
+    # (every decode chunk 4 steps, whatever the load: a request's drafts are the same from one call to the next)
+    SERVERS.launch("ngram", llama, *flags, "--max-decode-steps", "4", "--speculative-config", json.dumps(NGRAM))
     config = {"method": "draft_model", "model": str(draft), "num_speculative_tokens": K}
     SERVERS.launch("draft", llama, *flags, "--speculative-config", json.dumps(config))
 
@@ -169,6 +170,44 @@ def test_greedy_answers_are_model_generates(plain_answers):
     for prompt, plain in zip(PROMPTS[:2], plain_answers):
         new = np.asarray(model.generate(np.asarray([prompt]), max_new_tokens=NEW_TOKENS, do_sample=False))
         assert plain.text == tokenizer.decode(new[0, len(prompt) :].tolist(), skip_special_tokens=True)
+
+
+def test_a_prompt_that_reuses_a_cached_prefix_drafts_from_it(urls):
+    # Prompt lookup searches the whole prompt, the prefix a slot held too: sent again (its first 99 tokens
+    # reused), a request drafts what it drafted when its prompt was read whole. The 100 tokens of 512
+    # hold most tokens of the answer, so the lookup finds drafts.
+    url, client = urls["ngram"], _client(urls["ngram"])
+    prompt = np.random.default_rng(7).integers(3, 500, 100).tolist()
+
+    def sent():
+        names = ("hfjax_spec_decode_num_draft_tokens_total", "hfjax_prefix_cache_hit_tokens_total")
+        before = _metrics(url)
+        answer = client.completions.create(
+            model=NAME, prompt=prompt, max_tokens=16, temperature=0, extra_body={"ignore_eos": True}
+        )
+        after = _metrics(url)
+        return answer.choices[0].text, *(after[(name, ())] - before[(name, ())] for name in names)
+
+    (text, drafted, reused), (again, drafted_again, reused_again) = sent(), sent()
+    assert (reused, reused_again) == (0, len(prompt) - 1)
+    assert again == text and drafted_again == drafted > 0
+
+
+def test_a_constrained_request_gets_the_plain_servers_answer(urls):
+    # A constrained row decodes one token a chunk (its next mask needs this one), so it drafts nothing.
+    choices = ["river", "mill", "sea", "river mill"]
+
+    def ask(server: str):
+        return [
+            _client(urls[server]).chat.completions.create(
+                model=NAME, messages=[{"role": "user", "content": words}], max_tokens=8, temperature=0,
+                extra_body={"structured_outputs": {"choice": choices}},
+            ).choices[0].message.content
+            for words in ("the river and the mill", "a mill a mill a mill")
+        ]  # fmt: skip
+
+    answers = ask("plain")
+    assert set(answers) <= set(choices) and ask("ngram") == answers
 
 
 def _first_tokens(url: str, seeds, **fields) -> np.ndarray:
