@@ -4,6 +4,7 @@
     python benchmarks/decode.py --quick         # 20M only, prompt 16, 32 tokens, 1 run (~3 min on 2 cores)
     python benchmarks/decode.py --gpu-llama-1b  # Llama-3.2-1B-shaped, bfloat16, on a GPU
     python benchmarks/decode.py --quantize int8,int4    # and hfjax with quantized weights beside float32's
+    python benchmarks/decode.py --speculative [--quick] # prompt lookup and draft models (benchmarks/speculative.py)
 
 Methods, each timed on the same random-weight checkpoint and the same random prompts:
   hfjax          model.generate: a compiled prefill, then the whole decode loop as one XLA program (while_loops)
@@ -932,6 +933,10 @@ def parse_args(argv=None):
     )
     parser.add_argument("--device-info", action="store_true", help="print the device and versions as JSON and exit")
     parser.add_argument(
+        "--speculative", action="store_true",
+        help="run benchmarks/speculative.py instead (speculative decoding; its flags follow, e.g. --quick)",
+    )  # fmt: skip
+    parser.add_argument(
         "--gpu-llama-1b",
         action="store_true",
         help="Llama-3.2-1B-shaped model in bfloat16 on the GPU: hfjax vs torch static and torch.compile",
@@ -976,6 +981,12 @@ def _choices(flag: str, text: str, allowed) -> list[str]:
 
 
 def main(argv=None) -> None:
+    argv = sys.argv[1:] if argv is None else argv
+    if "--speculative" in argv:  # its own benchmark, with its own flags
+        import speculative
+
+        speculative.main([a for a in argv if a != "--speculative"])
+        return
     args = parse_args(argv)
     if args.worker == "torch":
         print(json.dumps(torch_worker(args)))

@@ -21,6 +21,12 @@ median over pairs (this machine's speed drifts within seconds).
     python benchmarks/serve.py --concurrency    # ready and steady only
     python benchmarks/serve.py --concurrency --servers hfjax hfjax-warm transformers   # a first and a second start
     python benchmarks/serve.py --concurrency --context 8192 --mixed-prompts 32 4000 --servers hfjax transformers
+    python benchmarks/serve.py --quick --servers hfjax hfjax-speculative --repeat-prompts \
+        --speculative-config '{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3, "prompt_lookup_min": 1}'
+
+hfjax-speculative is hfjax's default server with `--speculative-config`; "over_hfjax" gives its tokens/s
+over the plain server's per client and level. `--repeat-prompts` makes each prompt a short phrase of its
+own said again and again (an answer that repeats its prompt is what prompt lookup drafts from).
 
 hfjax servers start from a compilation cache of their own, empty at the run's first start (`--cache
 user`: the user's cache); hfjax-warm is the same server started again, reading its programs back.
@@ -88,7 +94,9 @@ HFJAX_CONFIGS = {
     "hfjax": (),
     "hfjax-warm": (),  # the same server started again: its programs read from the compilation cache
     "hfjax-tuned": ("--max-batch", "16", "--max-model-len", "256", "--prefill-chunk", "32", "--prefill-rows", "8"),
+    "hfjax-speculative": (),  # with --speculative-config (main)
 }
+REPEAT = [False]  # --repeat-prompts
 
 
 CACHE_DIR: pathlib.Path | None = None  # the hfjax servers' HFJAX_CACHE_DIR (`--cache empty`), else theirs
@@ -115,14 +123,19 @@ def start_server(
     return subprocess.Popen(argv, stdout=open(logs / f"{kind}.log", "a"), stderr=subprocess.STDOUT, env=env)
 
 
-async def compilations(url: str) -> float | None:
-    """hfjax serve's count of XLA programs made so far (None for a server without it)."""
+async def counter(url: str, name: str) -> float | None:
+    """A counter of hfjax serve's /metrics (None for a server without it)."""
     import httpx
 
     async with httpx.AsyncClient() as http:
         text = (await http.get(url + "/metrics", timeout=5)).text
-    count = [line for line in text.splitlines() if line.startswith("hfjax_compilations_total ")]
+    count = [line for line in text.splitlines() if line.startswith(f"{name} ")]
     return float(count[0].split()[1]) if count else None
+
+
+async def compilations(url: str) -> float | None:
+    """hfjax serve's count of XLA programs made so far (None for a server without it)."""
+    return await counter(url, "hfjax_compilations_total")
 
 
 async def wait_up(url: str, process: subprocess.Popen, timeout: float = 900) -> None:
@@ -170,7 +183,7 @@ def prompt_text(index: int, tokens: int | range, prefix: int = 0) -> str:
     if isinstance(tokens, range):
         tokens = tokens[(7919 * index) % len(tokens)]
     shared = [f"w{3 + (11 * i) % 997}" for i in range(prefix)]
-    own = [f"w{3 + (7 * i + 131 * index) % 30000}" for i in range(tokens - prefix)]
+    own = [f"w{3 + (7 * (i % 8 if REPEAT[0] else i) + 131 * index) % 30000}" for i in range(tokens - prefix)]
     return " ".join(shared + own)
 
 
@@ -336,6 +349,14 @@ async def bench_server(
         if reference is not None:
             log(f"  {kind}: one request at a time, taking turns with Model.generate ({args.pairs} pairs) ...")
             await reference.alternate(url, model, args.prompt_tokens, args.pairs)
+        if kind == "hfjax-speculative":  # vLLM's spec-decode counters, over the whole run
+            names = ("num_drafts", "num_draft_tokens", "num_accepted_tokens")
+            drafts, drafted, accepted = [await counter(url, f"hfjax_spec_decode_{name}_total") for name in names]
+            report["drafts"] = {
+                "drafts": drafts, "draft_tokens": drafted, "accepted_tokens": accepted,
+                "acceptance_rate": accepted / drafted if drafted else None,
+                "mean_acceptance_length": 1 + accepted / drafts if drafts else None,
+            }  # fmt: skip
         return {**report, "levels": levels}
     finally:
         process.send_signal(signal.SIGTERM)
@@ -431,7 +452,7 @@ def main() -> None:
     )  # fmt: skip
     parser.add_argument(
         "--servers", nargs="+", default=["hfjax", "hfjax-tuned", "transformers"],
-        choices=["hfjax", "hfjax-warm", "hfjax-tuned", "transformers"],
+        choices=["hfjax", "hfjax-warm", "hfjax-tuned", "hfjax-speculative", "transformers"],
     )  # fmt: skip
     parser.add_argument(
         "--pairs", type=int, default=16,
@@ -441,7 +462,21 @@ def main() -> None:
         "--transformers-device", default="cpu", help="transformers serve's --device (default cpu; cuda on a GPU)"
     )
     parser.add_argument("--quick", action="store_true", help="concurrency 1 and 16 only")
+    parser.add_argument(
+        "--speculative-config", default=None,
+        help="hfjax-speculative's --speculative-config (vLLM's JSON); adds that server where --servers does not name it",
+    )  # fmt: skip
+    parser.add_argument(
+        "--repeat-prompts", action="store_true", help="each prompt: a phrase of 8 words of its own, repeated"
+    )
     args = parser.parse_args()
+    REPEAT[0] = args.repeat_prompts
+    if args.speculative_config is not None:
+        HFJAX_CONFIGS["hfjax-speculative"] = ("--speculative-config", args.speculative_config)
+        if "hfjax-speculative" not in args.servers:
+            args.servers.append("hfjax-speculative")
+    elif "hfjax-speculative" in args.servers:
+        parser.error("--servers hfjax-speculative needs --speculative-config JSON")
     if args.quick:
         args.concurrency = [1, 16]
     if args.mixed_prompts:
@@ -482,7 +517,7 @@ def main() -> None:
             return None
 
         ratios = {}
-        for kind in ("hfjax", "hfjax-warm", "hfjax-tuned"):
+        for kind in ("hfjax", "hfjax-warm", "hfjax-tuned", "hfjax-speculative"):
             for row in ("ready", "steady"):
                 for ours, theirs in zip(
                     report["servers"].get(kind, {}).get(row, []), report["servers"].get("transformers", {}).get(row, [])
@@ -500,6 +535,15 @@ def main() -> None:
                             "ttft_p99_s": [ours["ttft_p99_s"], theirs["ttft_p99_s"]],
                         }
         report["over_transformers"] = ratios
+        if "hfjax-speculative" in report["servers"]:
+            report["speculative_config"] = args.speculative_config
+            report["hfjax_speculative_over_hfjax"] = {
+                f"{client} c{concurrency}": level("hfjax-speculative", client, concurrency)["output_tokens_per_s"]
+                / level("hfjax", client, concurrency)["output_tokens_per_s"]
+                for client in args.clients
+                for concurrency in args.concurrency
+                if level("hfjax-speculative", client, concurrency) and level("hfjax", client, concurrency)
+            }
         if "hfjax_taking_turns" in report.get("model_generate_batch_1", {}):
             report["hfjax_c1_over_generate"] = report["model_generate_batch_1"]["hfjax_taking_turns"][
                 "over_generate_median_of_pairs"

@@ -236,3 +236,44 @@ def headless_chromium():
     ):
         options.add_argument(flag)
     return webdriver.Chrome(options=options, service=webdriver.ChromeService(executable_path=driver_path))
+
+
+# The README's Serve section, run as a user runs it: the checkpoint line of its first example, then each
+# line of the bash block that holds $HFJAX_README_BLOCK (its server in the background, on a free port
+# rather than the README's), in a directory of the job's own ($HFJAX_README: the README's path). Prints
+# each command's outcome as a JSON line, the server's log last.
+README_SERVE_JOB = r"""
+import json, os, pathlib, re, signal, socket, subprocess, sys
+directory = sys.argv[1]
+section = pathlib.Path(os.environ["HFJAX_README"]).read_text().split("\n## Serve\n", 1)[1].split("\n## ", 1)[0]
+blocks = re.findall(r"```bash\n(.*?)```", section, flags=re.S)
+checkpoint = next(line for line in blocks[0].splitlines() if line.startswith("python -c "))
+lines = next(block for block in blocks if os.environ["HFJAX_README_BLOCK"] in block).splitlines()
+port_in_readme = re.search(r"--port (\d+)", "\n".join(lines)).group(1)
+with socket.socket() as s:
+    s.bind(("127.0.0.1", 0))
+    port = str(s.getsockname()[1])
+bin_dir = pathlib.Path(directory, "bin")
+bin_dir.mkdir()
+# `hfjax` and `python` on the PATH are this interpreter's, as a user's environment would have them.
+(bin_dir / "hfjax").write_text(f'#!/bin/sh\nexec "{sys.executable}" -m hfjax.cli "$@"\n')
+(bin_dir / "python").write_text(f'#!/bin/sh\nexec "{sys.executable}" "$@"\n')
+for shim in ("hfjax", "python"):
+    (bin_dir / shim).chmod(0o755)
+env = {**os.environ, "PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}", "OMP_WAIT_POLICY": "PASSIVE"}
+server = None
+try:
+    for line in [checkpoint, *lines]:
+        line = line.replace("/tmp/hfjax-readme", directory).replace(":" + port_in_readme, ":" + port).replace("--port " + port_in_readme, "--port " + port)
+        if line.rstrip().endswith("&"):
+            log = open(pathlib.Path(directory, "server.log"), "w")
+            server = subprocess.Popen(line.rstrip(" &"), shell=True, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+            continue
+        ran = subprocess.run(line, shell=True, env=env, capture_output=True, text=True, timeout=600)
+        print(json.dumps({"command": line.split()[0], "returncode": ran.returncode, "stdout": ran.stdout, "stderr": ran.stderr[-2000:]}), flush=True)
+finally:
+    if server is not None:
+        os.killpg(server.pid, signal.SIGTERM)
+        server.wait(timeout=60)
+        print(json.dumps({"command": "server", "returncode": server.returncode, "log": pathlib.Path(directory, "server.log").read_text()[-3000:]}))
+"""

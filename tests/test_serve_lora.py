@@ -51,7 +51,10 @@ SERVERS = background.Servers("hfjax-serve-lora-test-")
 
 def start_in_background() -> None:
     """Writes the checkpoint and the adapters, and starts the server (once); queues the README's example."""
-    background.start("lora-readme", background.python(_README_JOB), seconds=90, env={"HFJAX_README": str(README)})
+    background.start(
+        "lora-readme", background.python(background.README_SERVE_JOB), seconds=90,
+        env={"HFJAX_README": str(README), "HFJAX_README_BLOCK": "--enable-lora"},
+    )  # fmt: skip
     if SERVERS.started:
         return
     llama = testing.save_tiny_checkpoint("llama", SERVERS.directory / "llama", max_position_embeddings=LENGTH)
@@ -384,43 +387,6 @@ def test_the_server_says_no_warning_and_names_each_adapter_it_loaded(url):
 
 
 README = pathlib.Path(__file__).resolve().parent.parent / "README.md"
-# The README's Serve section, from fine-tuning to serving, run as a user runs it: the checkpoint line of
-# its first example, then each line of the LoRA example (its server in the background, on a port of its
-# own), in a directory of the job's own. Prints each curl's output as a JSON line.
-_README_JOB = r"""
-import json, os, pathlib, re, signal, socket, subprocess, sys
-directory = sys.argv[1]
-section = pathlib.Path(os.environ["HFJAX_README"]).read_text().split("\n## Serve\n", 1)[1].split("\n## ", 1)[0]
-blocks = re.findall(r"```bash\n(.*?)```", section, flags=re.S)
-checkpoint = next(line for line in blocks[0].splitlines() if line.startswith("python -c "))
-lines = next(block for block in blocks if "--enable-lora" in block).splitlines()
-with socket.socket() as s:
-    s.bind(("127.0.0.1", 0))
-    port = str(s.getsockname()[1])
-bin_dir = pathlib.Path(directory, "bin")
-bin_dir.mkdir()
-# `hfjax` and `python` on the PATH are this interpreter's, as a user's environment would have them.
-(bin_dir / "hfjax").write_text(f'#!/bin/sh\nexec "{sys.executable}" -m hfjax.cli "$@"\n')
-(bin_dir / "python").write_text(f'#!/bin/sh\nexec "{sys.executable}" "$@"\n')
-for shim in ("hfjax", "python"):
-    (bin_dir / shim).chmod(0o755)
-env = {**os.environ, "PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}", "OMP_WAIT_POLICY": "PASSIVE"}
-server = None
-try:
-    for line in [checkpoint, *lines]:
-        line = line.replace("/tmp/hfjax-readme", directory).replace(":8001", ":" + port).replace("--port 8001", "--port " + port)
-        if line.rstrip().endswith("&"):
-            log = open(pathlib.Path(directory, "server.log"), "w")
-            server = subprocess.Popen(line.rstrip(" &"), shell=True, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-            continue
-        ran = subprocess.run(line, shell=True, env=env, capture_output=True, text=True, timeout=600)
-        print(json.dumps({"command": line.split()[0], "returncode": ran.returncode, "stdout": ran.stdout, "stderr": ran.stderr[-2000:]}), flush=True)
-finally:
-    if server is not None:
-        os.killpg(server.pid, signal.SIGTERM)
-        server.wait(timeout=60)
-        print(json.dumps({"command": "server", "returncode": server.returncode, "log": pathlib.Path(directory, "server.log").read_text()[-3000:]}))
-"""
 
 
 def test_the_readmes_finetune_to_serve_example_runs():

@@ -1,7 +1,7 @@
 """`hfjax serve` compiles every program it runs before /health answers: a mixed load after it (prompt
 lengths up to max_model_len, 1 to more than the slots' concurrent clients, n, logprobs, stop strings,
 structured outputs, streams, chat and completions) compiles nothing, counted by the server's own
-/metrics."""
+/metrics; with speculative decoding (prompt lookup) too."""
 
 from __future__ import annotations
 
@@ -28,16 +28,22 @@ def start_in_background() -> None:
     if SERVERS.started:
         return
     llama = testing.save_tiny_checkpoint("llama", SERVERS.directory / "llama")
-    SERVERS.launch(
-        "main", llama, "--served-model-name", NAME, "--max-model-len", str(LENGTH), "--max-num-seqs", str(SLOTS)
-    )
+    flags = ("--served-model-name", NAME, "--max-model-len", str(LENGTH), "--max-num-seqs", str(SLOTS))
+    SERVERS.launch("main", llama, *flags)
+    speculative = '{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 2, "prompt_lookup_min": 1}'
+    SERVERS.launch("speculative", llama, *flags, "--speculative-config", speculative)
 
 
 @pytest.fixture(scope="module")
-def url():
+def urls():
     start_in_background()
-    yield SERVERS.wait()["main"]
+    yield SERVERS.wait()
     SERVERS.stop()
+
+
+@pytest.fixture
+def url(urls):
+    return urls["main"]
 
 
 def _metric(url: str, name: str) -> float:
@@ -93,7 +99,9 @@ def _requests(client) -> list:
     return calls
 
 
-def test_a_mixed_load_after_health_compiles_nothing(url):
+@pytest.mark.parametrize("server", ["main", "speculative"])
+def test_a_mixed_load_after_health_compiles_nothing(urls, server):
+    url = urls[server]
     client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
     before = _metric(url, "hfjax_compilations_total")
     assert before >= _metric(url, "hfjax_programs_held")  # the count holds the programs' own compiles

@@ -247,6 +247,12 @@ class Model:
         list of strings), `grammar` (a Lark grammar) or `response_format` (OpenAI's) makes every
         row's answer follow it (llguidance, in the `serve` extra, masks the tokens it does not allow);
         a row whose grammar is complete may only choose EOS. Decoder-only models, num_beams=1.
+        Speculative decoding (decoder-only models, num_beams=1, no constraint): `prompt_lookup_num_tokens=k`
+        (with `max_matching_ngram_size`, default 2) drafts k tokens a round from the row's own tokens,
+        `assistant_model=` (an hfjax Model or a checkpoint's path, same vocabulary; `num_assistant_tokens`,
+        default 5) from a draft model; the target verifies them in one forward, inside the compiled
+        loop. The tokens (greedy) and their distribution (sampling) are those without it;
+        `last_generation_stats` counts the drafted and accepted tokens and the target's forwards.
 
         Returns:
           int32 jax.Array [B * num_return_sequences, S + T] (for encoder-decoders
@@ -269,6 +275,12 @@ class Model:
             )
         if self._generator is None:
             self._generator = generation.Generator(self)
+        assistant = settings.get("assistant_model")
+        if isinstance(assistant, (str, os.PathLike)):  # a draft model's checkpoint, loaded once
+            assistants = self.__dict__.setdefault("_assistants", {})
+            if os.fspath(assistant) not in assistants:
+                assistants[os.fspath(assistant)] = load(assistant, mesh=self.mesh)
+            settings["assistant_model"] = assistants[os.fspath(assistant)]
         return generation.generate(
             self._generator,
             input_ids,

@@ -23,6 +23,22 @@ _SWITCH_INTERVAL_S = 0.0005  # the GIL's, in the server's process (below)
 # vLLM's switch for /v1/load_lora_adapter and /v1/unload_lora_adapter, read as vLLM reads it
 _RUNTIME_LORA = "VLLM_ALLOW_RUNTIME_LORA_UPDATING"
 _LORA_MODULE_FORMS = 'NAME=PATH or JSON such as \'{"name": "mine", "path": "/path/to/adapter"}\''
+# --speculative-config: vLLM's keys that hfjax carries out, and vLLM's methods it does not
+_SPECULATIVE_KEYS = ("method", "model", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min")
+_SPECULATIVE_NOT_DONE = ("eagle", "eagle3", "medusa", "mlp_speculator", "mtp", "deepseek_mtp", "suffix")
+_SPECULATIVE_EXAMPLE = '\'{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 4}\''
+
+
+class SpeculativeConfig(NamedTuple):
+    """--speculative-config, read as vLLM reads it: "ngram" (prompt lookup: suffixes of prompt_lookup_max
+    down to prompt_lookup_min tokens, both 5 where neither is given, else the one given) or
+    "draft_model" (`model`, a checkpoint of the same tokenizer), drafting num_speculative_tokens."""
+
+    method: str
+    num_speculative_tokens: int
+    prompt_lookup_max: int = 5
+    prompt_lookup_min: int = 5
+    model: str | None = None
 
 
 class LoraModule(NamedTuple):
@@ -175,6 +191,100 @@ def add_parser(subparsers) -> None:
     parser.add_argument(
         "--max-lora-rank", type=int, default=16, help="with --enable-lora, the highest rank of an adapter served"
     )
+    parser.add_argument(
+        "--speculative-config",
+        default=None,
+        metavar="JSON",
+        help='speculative decoding, vLLM\'s JSON: \'{"method": "ngram", "num_speculative_tokens": K, '
+        '"prompt_lookup_max": N, "prompt_lookup_min": M}\' (prompt lookup) or \'{"method": "draft_model", '
+        '"model": PATH, "num_speculative_tokens": K}\' (a draft model of the same tokenizer); the same tokens, '
+        "fewer forwards of the model (default: none)",
+    )
+
+
+def speculative_config(text: str) -> SpeculativeConfig:
+    """--speculative-config's JSON read as vLLM reads it (a method left out is "draft_model" where a
+    model is given).
+
+    Raises:
+        ValueError: one line naming what is wrong and the fix.
+    """
+    try:
+        config = json.loads(text)
+    except json.JSONDecodeError as error:
+        raise ValueError(f"--speculative-config is not JSON ({error}); pass e.g. {_SPECULATIVE_EXAMPLE}") from None
+    if not isinstance(config, dict):
+        raise ValueError(f"--speculative-config is not a JSON object; pass e.g. {_SPECULATIVE_EXAMPLE}")
+    unknown = sorted(set(config) - set(_SPECULATIVE_KEYS))
+    if unknown:
+        raise ValueError(
+            f"--speculative-config key {unknown[0]!r} is not one hfjax takes ({', '.join(_SPECULATIVE_KEYS)}); "
+            "remove it"
+        )
+    method = config.get("method", "draft_model" if "model" in config else None)
+    method = "ngram" if method == "[ngram]" else method
+    if method in _SPECULATIVE_NOT_DONE:
+        raise ValueError(
+            f'--speculative-config method {method!r} is not carried out by hfjax; pass "ngram" or "draft_model"'
+        )
+    if method not in ("ngram", "draft_model"):
+        raise ValueError(f'--speculative-config method={method!r}; pass "ngram" (prompt lookup) or "draft_model"')
+    if "num_speculative_tokens" not in config:
+        raise ValueError(
+            '--speculative-config needs "num_speculative_tokens" (the tokens drafted per round); add e.g. '
+            '"num_speculative_tokens": 3'
+        )
+    for key in ("num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min"):
+        value = config.get(key, 1)
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"--speculative-config {key}={value!r}; pass a whole number >= 1")
+    model = config.get("model")
+    if method == "draft_model":
+        looked_up = next((key for key in ("prompt_lookup_max", "prompt_lookup_min") if key in config), None)
+        if looked_up is not None:
+            raise ValueError(f'--speculative-config {looked_up} is for method "ngram"; remove it for "draft_model"')
+        if not isinstance(model, str) or not model:
+            raise ValueError(
+                f'--speculative-config method "draft_model" needs "model": a checkpoint\'s path or hub id (got '
+                f"{model!r}); add it"
+            )
+        return SpeculativeConfig(method, config["num_speculative_tokens"], model=model)
+    if model is not None:
+        raise ValueError('--speculative-config method "ngram" drafts from the prompt and takes no "model"; remove it')
+    longest = config.get("prompt_lookup_max", config.get("prompt_lookup_min", 5))
+    shortest = config.get("prompt_lookup_min", config.get("prompt_lookup_max", 5))
+    if shortest > longest:
+        raise ValueError(
+            f"--speculative-config prompt_lookup_min={shortest} is above prompt_lookup_max={longest}; pass a "
+            "minimum no larger than the maximum"
+        )
+    return SpeculativeConfig(method, config["num_speculative_tokens"], longest, shortest)
+
+
+def load_draft(model, config: SpeculativeConfig):
+    """--speculative-config's draft model, in the model's dtype and on its mesh, checked against it:
+    (the draft, None), or (None, one line naming the flag and the fix)."""
+    import jax.numpy as jnp
+
+    import hfjax
+    from hfjax import GenerationError, LoadError
+
+    dtype = next((str(a.dtype) for a in model.params.values() if jnp.issubdtype(a.dtype, jnp.floating)), None)
+    where = f"--speculative-config model {config.model!r}"
+    try:
+        draft = hfjax.load(config.model, dtype=dtype, mesh=model.mesh)
+    except (LoadError, OSError, ValueError) as error:
+        return None, f"{where}: {error}"
+    theirs, ours = (None if m.tokenizer is None else m.tokenizer.get_vocab() for m in (draft, model))
+    if theirs != ours:
+        return None, f"{where} has another tokenizer than the model's; pass a draft model with the model's tokenizer"
+    try:
+        from hfjax import generation
+
+        generation.check_draft(model, draft, name=where)
+    except GenerationError as error:
+        return None, str(error)
+    return draft, None
 
 
 def _lora_module(text: str) -> LoraModule:
@@ -295,6 +405,11 @@ def preflight(args: argparse.Namespace) -> int | None:
         "max_lora_rank",
     )
     problem = _lora_problem(args)
+    if args.speculative_config is not None and not problem:
+        try:
+            speculative_config(args.speculative_config)
+        except ValueError as error:
+            problem = str(error)
     if problem:
         print(f"hfjax serve: {problem}", file=sys.stderr)
         return 2
@@ -391,6 +506,22 @@ def run(args: argparse.Namespace) -> int:
         if problem:
             print(f"hfjax serve: {problem}", file=sys.stderr)
             return 1
+    speculation = draft = None
+    speculative = None if args.speculative_config is None else speculative_config(args.speculative_config)
+    if speculative is not None:
+        if model.task != "text-generation":
+            print(f"hfjax serve: --speculative-config: {path} loads as task={model.task!r}; it speeds up a causal LM",
+                  file=sys.stderr)  # fmt: skip
+            return 2
+        from hfjax.generation import Speculation
+
+        if speculative.model is not None:
+            draft, problem = load_draft(model, speculative)
+            if problem:
+                print(f"hfjax serve: {problem}", file=sys.stderr)
+                return 2
+            _say(f"draft model {speculative.model}")
+        speculation = Speculation(**{k: v for k, v in speculative._asdict().items() if k != "model"})
     engine = None
     if model.task == "text-generation":
         engine = Engine(
@@ -398,7 +529,7 @@ def run(args: argparse.Namespace) -> int:
             gpu_memory_utilization=args.gpu_memory_utilization, max_queue=args.max_queue,
             decode_steps=args.decode_steps, max_decode_steps=args.max_decode_steps, prefill_chunk=args.prefill_chunk,
             prefill_rows=args.prefill_rows, prefix_reuse=args.enable_prefix_caching,
-            progress=_say,
+            progress=_say, speculation=speculation, draft=draft,
         )  # fmt: skip
         _say(engine.sizing.describe())
         engine.start()  # every program it will run, compiled (or read from the cache) before it listens

@@ -18,6 +18,10 @@ Parts, one concern each (docs/architecture.md describes the engine's internal AP
                    matcher filling its allowed-token bitmask (`Constraint`, `Grammars`)
     _slots.py      the continuous-batching core: a KV cache of S slots, a chunked multi-row
                    prefill and an N-step decode over it (`SlotModel`, `SlotPrograms`)
+    _speculative.py speculative decoding's setting (`Speculation`), its prompt-lookup drafter on the
+                   device, how many tokens a round keeps, speculative sampling's rule
+    _speculative_slots.py `SpeculativeSlotModel`: the slot core's decode in rounds of drafts
+                   verified by one forward (prompt lookup, or a draft model with its own cache)
     _on_slots.py   `Model.generate` on the slot core: every row admitted at once, decoded to its end
     _slot_beams.py beam search over the slot cache, a program family of its own
     _engine.py     `Generator`, which runs `Model.generate`: on the slot core where that carries
@@ -31,17 +35,19 @@ Public names: `chat_with_images`; for the rest of hfjax: `Generator` and `genera
 the one settings type (`GenerationSettings`, `SamplingConfig`, `resolve_settings`), the one context
 check (`check_context`), the continuous-batching core the server drives (`SlotModel`,
 `SlotPrograms`, `SlotState`, `Chosen`, `RowSampling`, `SamplingFeatures`, `key_data`,
-`check_supported`), structured outputs (`Constraint`, `ConstraintError`, `Grammars`, `Matcher`, `bitmask_words`), `cache_keyword` / `returned_cache`, and the CLI's `check_takes_images`,
+`check_supported`, `Speculation`, `SpeculativeSlotModel`, `check_draft`), structured outputs (`Constraint`, `ConstraintError`, `Grammars`, `Matcher`, `bitmask_words`), `cache_keyword` / `returned_cache`, and the CLI's `check_takes_images`,
 `load_image`, `encode`, `GenerationStats`.
 """
 
 from ._caches import cache_keyword, returned_cache
-from ._engine import GenerationStats, Generator
+from ._engine import GenerationStats, Generator, check_draft
 from ._generate import check_context, generate
 from ._grammar import Constraint, ConstraintError, Grammars, Matcher, bitmask_words
 from ._rows import MAX_HELD_STOP_TOKENS, MAX_LOGIT_BIAS, RowSampling, SamplingFeatures, key_data
 from ._settings import GenerationSettings, SamplingConfig, resolve_settings
 from ._slots import TOP_LOGPROBS, Chosen, SlotModel, SlotPrograms, SlotState, check_supported
+from ._speculative import Speculation
+from ._speculative_slots import SpeculativeSlotModel
 from ._vision_chat import chat_with_images, check_takes_images, encode, load_image
 
 __all__ = [
@@ -61,11 +67,14 @@ __all__ = [
     "SlotModel",
     "SlotPrograms",
     "SlotState",
+    "Speculation",
+    "SpeculativeSlotModel",
     "TOP_LOGPROBS",
     "bitmask_words",
     "cache_keyword",
     "chat_with_images",
     "check_context",
+    "check_draft",
     "check_supported",
     "check_takes_images",
     "encode",

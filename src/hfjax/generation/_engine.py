@@ -48,6 +48,7 @@ from ._beam import initial as initial_beams
 from ._grammar import Constraint
 from ._on_slots import SlotRuns
 from ._settings import GenerationSettings
+from ._slots import check_supported
 from ._state import DecodeState, field_slices, read
 
 # Why a constrained call cannot run: the mask is applied on the slot core only.
@@ -56,6 +57,35 @@ _NOT_CONSTRAINABLE = (
     "core, which takes decoder-only models with a static KV cache and position_ids, left-padded prompts and no "
     "image inputs; {}"
 )
+
+
+# Why a speculative call cannot run: the drafts are verified on the slot core only.
+_NOT_SPECULABLE = (
+    "Model.generate: {0} (speculative decoding) runs on the slot core, which takes decoder-only models with a "
+    "static KV cache and position_ids, left-padded prompts and no image inputs; {1}; leave it out"
+)
+
+
+def check_draft(model, draft, *, name: str = "Model.generate: assistant_model") -> None:
+    """Raises GenerationError where `draft` cannot draft for `model` on the slot core, saying why;
+    `name` is how the caller's argument reads in the message."""
+    check_supported(draft)
+    if not adapter_for(draft.module).takes_positions:
+        raise GenerationError(
+            f"{name} {type(draft.module).__name__} takes no position_ids, which the slot core "
+            "gives each row; pass a draft model that takes them"
+        )
+    width, own = (m.module.config.get_text_config(decoder=True).vocab_size for m in (draft, model))
+    if width != own:
+        raise GenerationError(
+            f"{name} has a vocabulary of {width} tokens and the model {own}; pass a draft "
+            "model with the model's tokenizer"
+        )
+    if draft.mesh is not model.mesh:
+        raise GenerationError(
+            f"{name} is on another mesh than the model; load it with the model's mesh "
+            "(hfjax.load(path, mesh=model.mesh))"
+        )
 
 
 @dataclasses.dataclass
@@ -67,6 +97,11 @@ class GenerationStats:
     time_to_first_token: float = 0.0
     total: float = 0.0
     compiled: bool = False
+    # Speculative decoding's (prompt_lookup_num_tokens; else 0): the drafted tokens the target
+    # verified, those it accepted, and its forwards in the decode (one per round)
+    drafted_tokens: int = 0
+    accepted_tokens: int = 0
+    target_forwards: int = 0
 
     @property
     def tokens_per_second(self) -> float:
@@ -153,6 +188,26 @@ class Generator:
                 )
             )
 
+    def _check_speculable(self, plan, settings: GenerationSettings, inputs, constraint, draft) -> None:
+        """Raises GenerationError where a speculative call (prompt_lookup_num_tokens, assistant_model)
+        cannot run, saying why."""
+        k = settings.speculation.num_speculative_tokens
+        drafter = f"prompt_lookup_num_tokens={k}" if draft is None else "assistant_model"
+        if draft is not None:
+            check_draft(self.model, draft)
+        if constraint is not None:
+            raise GenerationError(
+                f"Model.generate: {drafter} with a constraint (json_schema, regex, choice, grammar, "
+                "response_format): a constrained row's mask is made on the host after each token, so its drafts "
+                "cannot be verified on the device; pass one of them"
+            )
+        if not self.slot_runs.takes(plan, settings, inputs):
+            raise GenerationError(
+                _NOT_SPECULABLE.format(
+                    drafter, f"this call (a {type(self.module).__name__}, with its inputs) does not run there"
+                )
+            )
+
     def generate(
         self,
         ids: np.ndarray,
@@ -165,13 +220,15 @@ class Generator:
         inputs: dict[str, np.ndarray] | None = None,
         constraint: Constraint | None = None,
         lora: np.ndarray | None = None,
+        draft=None,
     ):
         """ids, mask: int32 [B, S], left-padded (an encoder that takes features, not token ids: ids
         float [B, ...], its main input). decoder_prompt: int32 [B, D], an encoder-decoder's first
         decoder tokens (default: the decoder start token). inputs: the prefill's other model inputs
         (`_multimodal`: pixel_values, image_grid_thw, token_type_ids, ...). constraint: what every
         row's answer must be (structured outputs; on the slot core only). lora: int32 [B], each prompt's
-        LoRA adapter slot (None: the model holds none). Returns int32
+        LoRA adapter slot (None: the model holds none). draft: the draft model (an hfjax Model) of
+        `settings.speculation` "draft_model". Returns int32
         [B * num_return_sequences, S + T]: the prompt as given, then up to max_new_tokens new tokens
         (for encoder-decoders [.., D + T]: the decoder prompt, then the new tokens); or
         transformers' Generate*Output."""
@@ -197,18 +254,28 @@ class Generator:
         prepared_before = sum(self.program_counts.values())
         if constraint is not None:
             self._check_constrainable(plan, settings, inputs)
+        speculation = settings.speculation
+        if speculation is not None:
+            self._check_speculable(plan, settings, inputs, constraint, draft)
         if self.slot_runs.takes(plan, settings, inputs):
             ran = self.slot_runs.generate(
-                ids, plan, settings, compiled, seed=seed, streamer=streamer, constraint=constraint, lora=lora
-            )
+                ids, plan, settings, compiled, seed=seed, streamer=streamer, constraint=constraint, lora=lora,
+                draft=draft,
+            )  # fmt: skip
             if ran is None and constraint is not None:
                 raise GenerationError(
                     _NOT_CONSTRAINABLE.format(f"{type(self.module).__name__} reads values of its data")
                 )
+            if ran is None and speculation is not None:
+                raise GenerationError(
+                    _NOT_SPECULABLE.format(
+                        "speculative decoding", f"{type(self.module).__name__} reads values of its data"
+                    )
+                )
             if ran is not None:
-                new, ttft, kept = ran  # the caller's rows: num_return_sequences per prompt
+                new, ttft, kept, drafts = ran  # the caller's rows: num_return_sequences per prompt
                 prompt = np.repeat(ids, settings.num_return_sequences, axis=0).astype(np.int32)
-                self._stats(mask, new.shape[1], ttft, start, prepared_before)
+                self._stats(mask, new.shape[1], ttft, start, prepared_before, drafts)
                 out = jnp.asarray(np.concatenate([prompt, new], axis=1))
                 if settings.return_dict_in_generate:
                     out = self._output(out, kept.get, new.shape[0], new.shape[1], beams=beam is not None)
@@ -306,13 +373,19 @@ class Generator:
         self._stats(mask, steps, ttft, start, prepared_before)
         return out
 
-    def _stats(self, mask: np.ndarray, steps: int, ttft: float, start: float, prepared_before: int) -> None:
+    def _stats(
+        self, mask: np.ndarray, steps: int, ttft: float, start: float, prepared_before: int, drafts=(0, 0, 0)
+    ) -> None:
+        drafted, accepted, forwards = drafts
         self.last_stats = GenerationStats(
             prompt_tokens=int(mask.sum()),
             new_tokens=steps,
             time_to_first_token=ttft,
             total=time.perf_counter() - start,
             compiled=sum(self.program_counts.values()) > prepared_before,
+            drafted_tokens=drafted,
+            accepted_tokens=accepted,
+            target_forwards=forwards,
         )
 
     def _run_prefill(self, key: tuple, function, args: tuple, *, metadata) -> tuple[list, dict]:

@@ -32,6 +32,12 @@ def generate(generator: Generator, input_ids, attention_mask, *, generation_conf
             )
         decoder_prompt = _planning.decoder_prompt_array(decoder_prompt, rows=ids.shape[0])
     constraint = _grammar.constraint_of(arguments)
+    draft = arguments.pop("assistant_model", None)
+    if draft is not None and not (hasattr(draft, "module") and hasattr(draft, "params")):
+        raise GenerationError(
+            f"Model.generate: assistant_model={type(draft).__name__} is not a model; pass an hfjax.Model or a "
+            "checkpoint's path"
+        )
     lora_rows = adapter_rows(model, arguments.pop("adapter", _DEFAULT), ids.shape[0])
     inputs, arguments = _multimodal.split_model_inputs(model.module, arguments)
     resolved = _settings.resolve_settings(
@@ -39,6 +45,7 @@ def generate(generator: Generator, input_ids, attention_mask, *, generation_conf
         ids.shape[1],
         generation_config,
         decoder_prompt_length=1 if decoder_prompt is None else decoder_prompt.shape[1],
+        assistant=draft is not None,
         **arguments,
     )
     if not encoder_decoder:
@@ -63,6 +70,7 @@ def generate(generator: Generator, input_ids, attention_mask, *, generation_conf
         inputs=inputs,
         constraint=constraint,
         lora=lora_rows,
+        draft=draft,
     )
 
 

@@ -42,6 +42,7 @@ from . import _grammar, _planning, _rows
 from ._settings import GenerationSettings
 from ._slot_beams import BeamCarry, SlotBeams
 from ._slots import SlotModel, SlotPrograms, check_supported
+from ._speculative_slots import SpeculativeSlotModel
 
 
 def _left_padded(mask: np.ndarray) -> bool:
@@ -84,14 +85,16 @@ class SlotRuns:
         streamer,
         constraint: _grammar.Constraint | None = None,
         lora: np.ndarray | None = None,
+        draft=None,
     ) -> tuple[np.ndarray, float, dict[str, jax.Array]] | None:
         """(new tokens int32 [prompts * num_return_sequences, T], padded with pad_token_id after a
         row's EOS (beam search: each prompt's best finished sequences, best first, `fill_token_id`
         after each one's end); the seconds to the first token (beam search: to the prefill's
         logits); {"scores", "logits": [rows, T, V] float32} that output_scores and output_logits ask
-        for), or None where the model turned out to read values of its data (then `Generator` runs
-        the call). `constraint`: what every row's answer must be (see the module's docstring). `lora`: int32
-        [prompts], each prompt's LoRA adapter slot (None: the model holds none)."""
+        for; speculation's (drafted tokens, accepted tokens, target forwards), zeros without it), or
+        None where the model turned out to read values of its data (then `Generator` runs the call). `constraint`: what every row's answer must be (see the module's docstring). `lora`: int32
+        [prompts], each prompt's LoRA adapter slot (None: the model holds none). `draft`: the draft model
+        (an hfjax Model) where `settings.speculation` drafts with one."""
         start = time.perf_counter()
         rows, budget = plan.rows, settings.max_new_tokens
         precision = bridge.resolve_precision(self.model.matmul_precision)
@@ -114,7 +117,7 @@ class SlotRuns:
         beam = settings.beam
         if beam is not None:  # the search starts from the prefill's raw logits
             kept = ("logits",)
-        programs = self._programs_for(plan, features, settings, kept, precision)
+        programs = self._programs_for(plan, features, settings, kept, precision, draft)
         # The rules that read the tokens so far see transformers' input_ids: the caller's pads, then the row.
         pads = plan.size - plan.first_column - lengths
         sampling = settings.row_sampling(
@@ -164,6 +167,7 @@ class SlotRuns:
             sampling = self._constrained(sampling, matchers, allowed, first[:, None], np.zeros(rows, bool))
         done = np.isin(first, stops)
         produced = [first[:, None]]  # each call's tokens, pad_token_id after a row's stop
+        drafts = np.zeros(3, np.int64)  # speculation's drafted and accepted tokens, and the target's forwards
         kept_values = {name: [getattr(chosen, name)] for name in kept}  # each call's [rows, steps, V]
         steps, position = 1, int(lengths.max())
         # A streamer re-enters the decode every few tokens: windows cut at each entry would copy more
@@ -185,6 +189,13 @@ class SlotRuns:
                     self.generator.reads_data = True
                     return None
                 ran = int(parallel.to_host(chosen.ran))
+                if chosen.made is not None:  # a speculative chunk: each row made `ran` tokens or stopped
+                    going = ~done[: plan.prompts * plan.per_prompt]
+                    drafts += [
+                        int(parallel.to_host(chosen.drafted)[: len(going)][going].sum()),
+                        int(parallel.to_host(chosen.accepted)[: len(going)][going].sum()),
+                        int(parallel.to_host(chosen.rounds)),
+                    ]
                 for name, values in kept_values.items():
                     values.append(getattr(chosen, name)[:, :ran])
                 tokens = np.where(done[:, None], pad, _padded(parallel.to_host(chosen.token)[:, :ran], stops, pad))
@@ -200,7 +211,8 @@ class SlotRuns:
             streamer.end()
         kept_values = {name: parallel.to_host(jnp.concatenate(values, axis=1)) for name, values in kept_values.items()}
         caller = plan.prompts * plan.per_prompt  # the rows past the plan's padding to the "data" devices
-        return np.concatenate(produced, axis=1)[:caller].astype(np.int32), ttft, kept_values
+        new = np.concatenate(produced, axis=1)[:caller].astype(np.int32)
+        return new, ttft, kept_values, tuple(int(n) for n in drafts)
 
     def _search(self, state, sampling, logits, lengths, plan, settings: GenerationSettings, features, start: float):
         """Beam search from the prefill's `logits` [rows, V] (`_slot_beams`) of prompts of `lengths` [rows]
@@ -234,7 +246,7 @@ class SlotRuns:
         finished = parallel.to_host(carry.beams.finished).reshape(plan.padded_prompts, beam.num_beams, width)
         length = int(parallel.to_host(carry.beams.finished_length)[: plan.prompts, :returned].max())
         new = finished[: plan.prompts, :returned, :length]
-        return new.reshape(plan.prompts * returned, -1).astype(np.int32), ttft, {}
+        return new.reshape(plan.prompts * returned, -1).astype(np.int32), ttft, {}, (0, 0, 0)
 
     def _grammars_for(self, plan: _planning.BatchPlan, settings: GenerationSettings) -> _grammar.Grammars:
         """The compiled constraints for masks as wide as the model's logits, ending at the call's EOS tokens."""
@@ -277,10 +289,22 @@ class SlotRuns:
         return self._models[key]
 
     def _programs_for(
-        self, plan: _planning.BatchPlan, features, settings: GenerationSettings, kept: tuple[str, ...], precision
+        self,
+        plan: _planning.BatchPlan,
+        features,
+        settings: GenerationSettings,
+        kept: tuple[str, ...],
+        precision,
+        draft=None,
     ) -> SlotPrograms:
         model_key = (plan.rows, plan.total)
         self._slot_model(plan)
+        if settings.speculation is not None:  # the slot model that drafts (with `draft`, where given)
+            model_key = (*model_key, settings.speculation, None if draft is None else id(draft))
+            if model_key not in self._models:
+                self._models[model_key] = SpeculativeSlotModel(
+                    self.model, plan.rows, plan.total, settings.speculation, draft=draft
+                )
         stops, pad = settings.eos_token_ids, settings.pad_token_id
         key = (*model_key, plan.size, features, stops, pad, kept, precision)
         if key not in self._programs:

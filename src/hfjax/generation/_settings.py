@@ -21,6 +21,7 @@ import numpy as np
 from .._errors import GenerationError
 from ._beam import BeamSettings
 from ._rows import HistoryRules, RowSampling, SamplingFeatures
+from ._speculative import Speculation
 
 
 def _real(name: str, value, fix: str) -> float:
@@ -155,6 +156,8 @@ class GenerationSettings:
     # What a program compiles of the token choice (`program_settings` sets it, and the sampling
     # values and single-token biases go to the program as per-row arrays instead); None: unset.
     features: SamplingFeatures | None = None
+    # Speculative decoding (prompt lookup), or None: one token per step.
+    speculation: Speculation | None = None
 
     def __post_init__(self):
         if not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 1:
@@ -267,6 +270,9 @@ _SUPPORTED = (
     "return_dict_in_generate",
     "output_scores",
     "output_logits",
+    "prompt_lookup_num_tokens",
+    "max_matching_ngram_size",
+    "num_assistant_tokens",
 )
 
 
@@ -303,7 +309,6 @@ _UNSUPPORTED = {
     "token_healing": (lambda v, s: bool(v), "token healing", False),
     "stop_strings": (lambda v, s: _set(v), "stopping at strings (pass their token ids as eos_token_id)", None),
     "max_time": (lambda v, s: _set(v), "a time limit", None),
-    "prompt_lookup_num_tokens": (lambda v, s: _set(v), "prompt-lookup assisted decoding", None),
     "assistant_early_exit": (lambda v, s: _set(v), "self-speculative decoding", None),
     "output_attentions": (lambda v, s: bool(v), "returning attentions", False),
     "output_hidden_states": (lambda v, s: bool(v), "returning hidden states", False),
@@ -315,7 +320,6 @@ _CALL_ONLY = (
     "stopping_criteria",
     "prefix_allowed_tokens_fn",
     "synced_gpus",
-    "assistant_model",
     "assistant_tokenizer",
     "tokenizer",
     "negative_prompt_ids",
@@ -349,14 +353,21 @@ def check_names(names) -> None:
 
 
 def resolve_settings(
-    model, prompt_length: int, generation_config=None, *, decoder_prompt_length: int = 1, **overrides
+    model,
+    prompt_length: int,
+    generation_config=None,
+    *,
+    decoder_prompt_length: int = 1,
+    assistant: bool = False,
+    **overrides,
 ) -> GenerationSettings:
     """Merges the checkpoint's generation_config.json, a `generation_config` and keyword
     overrides (transformers' names) into `GenerationSettings`.
 
     `prompt_length` is the width of the (padded) input_ids, from which transformers counts
     `max_length` and `min_length` in a decoder; an encoder-decoder's decoder starts from
-    `decoder_prompt_length` tokens (its decoder_input_ids, or the decoder start token).
+    `decoder_prompt_length` tokens (its decoder_input_ids, or the decoder start token). `assistant`:
+    the call drafts with a draft model (transformers' assistant_model), `num_assistant_tokens` at a time.
     """
     check_names(overrides)
     values, where = _merged(model, generation_config, overrides)
@@ -437,7 +448,9 @@ def resolve_settings(
             f"{name}=True{where(name)} with num_beams={num_beams}: hfjax keeps scores and logits for greedy decoding and "
             "sampling only; pass num_beams=1, or leave it out"
         )
+    speculation = _speculation(values, where, num_beams, assistant)
     return GenerationSettings(
+        speculation=speculation,
         return_dict_in_generate=as_dict,
         **kept,
         max_new_tokens=max_new_tokens,
@@ -464,6 +477,54 @@ def resolve_settings(
         beam=None if num_beams == 1 else _beam_settings(values, where, num_beams, pad, eos),
         sampling=_sampling(values, do_sample),
     )
+
+
+# Tokens a draft model drafts per round where num_assistant_tokens is unset (transformers starts at 20
+# and adapts the number between calls; a compiled round verifies a fixed number).
+ASSISTANT_TOKENS = 5
+
+
+def _speculation(values: dict, where, num_beams: int, assistant: bool) -> Speculation | None:
+    """transformers' prompt lookup (prompt_lookup_num_tokens, max_matching_ngram_size) or assisted
+    generation (an assistant model, num_assistant_tokens) as a `Speculation`."""
+    k = values.get("prompt_lookup_num_tokens")
+    if assistant:
+        if k is not None:
+            raise GenerationError(
+                f"prompt_lookup_num_tokens={k}{where('prompt_lookup_num_tokens')} with assistant_model: pass one "
+                "drafter, the assistant model or prompt lookup"
+            )
+        drafted = values.get("num_assistant_tokens")
+        drafted = ASSISTANT_TOKENS if drafted is None else drafted
+        if isinstance(drafted, bool) or not isinstance(drafted, numbers.Integral) or drafted < 1:
+            raise GenerationError(
+                f"num_assistant_tokens={drafted!r}{where('num_assistant_tokens')} must be an integer >= 1, e.g. 5"
+            )
+        if num_beams > 1:
+            raise GenerationError(
+                f"assistant_model with num_beams={num_beams}{where('num_beams')}: speculative decoding drafts for one "
+                "sequence per row, not for beam search; pass num_beams=1, or leave assistant_model out"
+            )
+        return Speculation(method="draft_model", num_speculative_tokens=int(drafted))
+    if k is None:
+        return None
+    if isinstance(k, bool) or not isinstance(k, numbers.Integral) or k < 1:
+        raise GenerationError(
+            f"prompt_lookup_num_tokens={k!r}{where('prompt_lookup_num_tokens')} must be an integer >= 1, e.g. 3"
+        )
+    if num_beams > 1:
+        raise GenerationError(
+            f"prompt_lookup_num_tokens={k}{where('prompt_lookup_num_tokens')} with num_beams={num_beams}"
+            f"{where('num_beams')}: speculative decoding drafts for one sequence per row, not for beam search; pass "
+            "num_beams=1, or leave prompt_lookup_num_tokens out"
+        )
+    longest = values.get("max_matching_ngram_size")
+    longest = 2 if longest is None else longest  # transformers' default
+    if isinstance(longest, bool) or not isinstance(longest, numbers.Integral) or longest < 1:
+        raise GenerationError(
+            f"max_matching_ngram_size={longest!r}{where('max_matching_ngram_size')} must be an integer >= 1, e.g. 2"
+        )
+    return Speculation(method="ngram", num_speculative_tokens=int(k), prompt_lookup_max=int(longest))
 
 
 def _beam_settings(values: dict, where, num_beams: int, pad: int, eos: tuple[int, ...]) -> BeamSettings:

@@ -58,10 +58,13 @@ class SlotState:
     # `RowSampling.pads`), where a `HistoryRules` rule reads them (Model.generate's: its L columns hold
     # the prompt bucket and the budget, so the caller's narrower padded prompt and the answer fit); else None
     history: jax.Array | None = None
+    # [(keys, values)] per layer of a draft model's own cache in the same slots and columns, where a
+    # speculative decode drafts with one (`SpeculativeSlotModel`); else None
+    draft: list | None = None
 
     def leaves(self) -> tuple:
         """The state as plain containers, which `jax.export` keeps (programs take and return these)."""
-        return self.cache, self.tokens, self.positions, self.seen, self.counts, self.history
+        return self.cache, self.tokens, self.positions, self.seen, self.counts, self.history, self.draft
 
 
 @jax.tree_util.register_dataclass
@@ -78,6 +81,17 @@ class Chosen:
     # [R, T, V] float32, where the programs keep them (`SlotPrograms.kept`); else None.
     scores: jax.Array | None = None
     logits: jax.Array | None = None
+    # A speculative decode's (`SpeculativeSlotModel`; else None): the tokens each row made [R] int32
+    # (its first `made` of T; `ran` is the most any row made), the drafts each row offered for
+    # verification and those it kept [R] int32, and the rounds run ([] int32: the target's forwards);
+    # the rounds in which each row offered drafts [R] int32 (vLLM's drafts), and how often each row kept
+    # its draft at each of the k indices [R, k] int32 (vLLM's acceptance per position)
+    made: jax.Array | None = None
+    drafted: jax.Array | None = None
+    accepted: jax.Array | None = None
+    rounds: jax.Array | None = None
+    proposed: jax.Array | None = None
+    accepted_at: jax.Array | None = None
 
 
 def _slot_layer_class():
@@ -213,15 +227,16 @@ class SlotModel:
         cache, _ = self.shapes()
         return sum(int(s.size // self.slots) * s.dtype.itemsize for pair in cache for s in pair)
 
-    def empty_state(self, features: SamplingFeatures) -> SlotState:
+    def empty_state(self, features: SamplingFeatures, *, history: bool = False) -> SlotState:
         """Zeros, placed where the programs' outputs will be, so the first call and every later one
         have the same signature: on the weights' device; on a mesh (of one process or several), the
         slots split over "data" and each layer's cache over "model" by heads, where they divide. Made
-        by one program (kept per layout): a zeros call per array cost `Model.generate` ~8 ms a call."""
+        by one program (kept per layout): a zeros call per array cost `Model.generate` ~8 ms a call.
+        `history`: keep each row's tokens (`SlotState.history`) though no rule reads them."""
         layout = (
             features.repetition,
             features.presence,
-            features.history is not None and features.history.reads_tokens,
+            history or (features.history is not None and features.history.reads_tokens),
         )
         if layout not in self._empty:
             cache, vocab = self.shapes()
@@ -259,6 +274,14 @@ class SlotModel:
         with bridge.explain_errors(self.module, self.module_names):
             with bridge.bound(self.module, params, self.model.aliases, bridge.prng_key()):
                 yield
+
+    def weights(self) -> dict:
+        """What the programs take as their weights (`prefill_chunk` and `decode_chunk`'s `params`)."""
+        return self.model.params
+
+    def program_key(self) -> tuple:
+        """What, beside `SlotPrograms.key`, the programs depend on (none here)."""
+        return ()
 
     def run(self, params, cache, ids, positions, columns, keep=None, *, lora=None):
         """Logits [B, q, V] (or at the query indices `keep` [k] int32 only: [B, k, V]) and the cache
@@ -349,7 +372,8 @@ class SlotModel:
         history = None
         if state.history is not None:  # the chunk's real tokens, and a fresh row's pads before them
             column = offset + (start + mine.pads)[:, None]  # [P, C]
-            written = (offset >= 0) | (fresh[:, None] & (column >= 0))
+            # (not over a reused prefix's tokens, which the slot's history holds from the request before)
+            written = (offset >= 0) | (fresh[:, None] & (column >= 0) & (column < mine.pads[:, None]))
             column = jnp.where(written, column, state.history.shape[1])  # past the end: dropped
             before = state.history.at[which].get(mode="fill", fill_value=0)
             history = before.at[jnp.arange(ids.shape[0])[:, None], column].set(ids, mode="drop")  # [P, L]
@@ -357,8 +381,8 @@ class SlotModel:
             logits[:, 0], mine, features, start + count, seen=seen, counts=counts,
             history=history_rules(features, mine, history, start + count),
         )  # fmt: skip
-        chosen = _with_logprobs(logits[:, 0], token, want_logprobs)
-        chosen = dataclasses.replace(chosen, **_kept(kept, scores=scores, logits=logits[:, 0]))
+        chosen = with_logprobs(logits[:, 0], token, want_logprobs)
+        chosen = dataclasses.replace(chosen, **kept_values(kept, scores=scores, logits=logits[:, 0]))
         # The chosen token is the slot's next input where the prompt ended (other rows: slot S, dropped),
         # at the position after the prompt; it joins the row's history.
         ended = jnp.where(last, which, slots)
@@ -373,8 +397,9 @@ class SlotModel:
             seen=None if seen is None else state.seen.at[which].set(seen, mode="drop"),
             counts=None if counts is None else state.counts.at[which].set(counts, mode="drop"),
             history=None if history is None else state.history.at[which].set(history, mode="drop"),
+            draft=state.draft,
         )
-        per_token = [f for f in (*_PER_TOKEN, *_KEPT) if getattr(chosen, f) is not None]
+        per_token = [f for f in (*PER_TOKEN, *_KEPT) if getattr(chosen, f) is not None]
         return state, dataclasses.replace(chosen, **{f: getattr(chosen, f)[:, None] for f in per_token})
 
     def decode_chunk(
@@ -447,14 +472,14 @@ class SlotModel:
                 logits[:, 0], mine, features, at + 1, seen=seen, counts=counts,
                 history=history_rules(features, mine, history, at + 1),
             )  # fmt: skip
-            kept_now = _kept(kept, scores=scores, logits=logits[:, 0])
+            kept_now = kept_values(kept, scores=scores, logits=logits[:, 0])
             chosen = dataclasses.replace(chosen, **{f: getattr(chosen, f).at[:, i].set(v) for f, v in kept_now.items()})
             # What the row's tokens so far take in: the token, or a stopped row's pad.
             appended = token if stops is None else jnp.where(going_now, token, jnp.int32(pad_token))
             if logprobs:
-                picked = _with_logprobs(logits[:, 0], token, want_logprobs)
+                picked = with_logprobs(logits[:, 0], token, want_logprobs)
                 chosen = dataclasses.replace(
-                    chosen, **{f: getattr(chosen, f).at[:, i].set(getattr(picked, f)) for f in _PER_TOKEN}
+                    chosen, **{f: getattr(chosen, f).at[:, i].set(getattr(picked, f)) for f in PER_TOKEN}
                 )
             else:
                 chosen = dataclasses.replace(chosen, token=chosen.token.at[:, i].set(token))
@@ -485,6 +510,7 @@ class SlotModel:
             seen=None if seen is None else state.seen.at[:r].set(seen),
             counts=None if counts is None else state.counts.at[:r].set(counts),
             history=None if history is None else state.history.at[:r].set(history),
+            draft=state.draft,
         )
         return state, dataclasses.replace(chosen, ran=ran)
 
@@ -522,7 +548,7 @@ def history_rules(features: SamplingFeatures, rows: RowSampling, history, positi
     )  # fmt: skip
 
 
-def _with_logprobs(logits, token, want_logprobs) -> Chosen:
+def with_logprobs(logits, token, want_logprobs) -> Chosen:
     """Chosen [R] for `token` [R] from `logits` [R, V]: the model's log-probabilities of the token and
     of its 20 most likely, where `want_logprobs` ([] bool) asks for them (a `lax.cond`: else zeros)."""
     rows, top = logits.shape[0], min(TOP_LOGPROBS, logits.shape[-1])
@@ -557,6 +583,9 @@ class SlotPrograms:
     A decode with `logprobs=False` is a program of its own that computes and returns no
     log-probabilities (`Model.generate`'s, and a server's chunks in which no request asks for them).
     `cache`: the `ProgramCache` to keep the programs in (`Model.generate` shares `Generator`'s).
+    A `SpeculativeSlotModel` makes the decode speculative (each call makes up to `steps` tokens per row,
+    `Chosen.made` of them): its `weights()` are the programs' first argument, its `program_key()` part
+    of their key.
     """
 
     def __init__(
@@ -584,7 +613,7 @@ class SlotPrograms:
             cache = _programs.ProgramCache(fingerprint)
         self.cache = cache
         self.precision = bridge.resolve_precision(model.matmul_precision)  # fixed for the programs' life
-        self.params = model.params
+        self.params = slot_model.weights()
         self._lock = threading.Lock()
 
     @property
@@ -600,7 +629,7 @@ class SlotPrograms:
         logprobs = logprobs or kind != "decode"
         return (
             kind, model.slots, model.length, extent, rows, window, self.precision, self.features, stops, logprobs,
-            self.kept,
+            self.kept, *model.program_key(),
         )  # fmt: skip
 
     def prefill(
@@ -673,11 +702,11 @@ class SlotPrograms:
         return state.leaves(), _fields(chosen)
 
 
-_PER_TOKEN = ("token", "logprob", "top_token", "top_logprob")  # Chosen's [R, T, ...] fields
+PER_TOKEN = ("token", "logprob", "top_token", "top_logprob")  # Chosen's [R, T, ...] fields
 _KEPT = ("scores", "logits")  # Chosen's [R, T, V] fields, where a program keeps them
 
 
-def _kept(kept: tuple[str, ...], **values) -> dict:
+def kept_values(kept: tuple[str, ...], **values) -> dict:
     """The values of `values` ({"scores": [R, V], "logits": [R, V]}) that `kept` names."""
     return {name: values[name] for name in kept}
 

@@ -86,11 +86,15 @@ class Metrics:
       prompt_tokens_read, tokens_generated: plain counts of the tokens the engine has read from prompts
         (less the prefixes a slot held) and generated, so far.
       adapters_loaded: a gauge of the LoRA adapters the model holds, set by assignment.
+      speculative_tokens: k, the tokens a speculative decode drafts per row and round (0: none); with
+        it, vLLM's spec-decode counters (`count_drafts`) and the drafts so far (`drafts`, `draft_tokens`,
+        `accepted_tokens`).
     """
 
-    def __init__(self, slots: int):
+    def __init__(self, slots: int, speculative_tokens: int = 0):
         prometheus = _prometheus()
         self.slots = slots
+        self.speculative_tokens = speculative_tokens
         self.registry = prometheus.CollectorRegistry()
         self.content_type = prometheus.CONTENT_TYPE_LATEST
 
@@ -128,6 +132,18 @@ class Metrics:
         self._adapters = gauge(
             "hfjax_lora_adapters_loaded", "LoRA adapters the model holds (an unloaded one until its requests end)."
         )
+        if speculative_tokens:  # vLLM's, which it registers where a speculative decode is configured
+            self._drafts = counter("hfjax_spec_decode_num_drafts", "Drafts verified: rows in rounds that drafted.")
+            self._draft_tokens = counter("hfjax_spec_decode_num_draft_tokens", "Drafted tokens verified.")
+            self._accepted_tokens = counter("hfjax_spec_decode_num_accepted_tokens", "Drafted tokens accepted.")
+            self._accepted_per_position = counter(
+                "hfjax_spec_decode_num_accepted_tokens_per_pos",
+                "Drafted tokens accepted, by their index in the draft (0: the first).",
+                ("position",),
+            )
+            for position in range(speculative_tokens):  # every position shows, from 0
+                self._accepted_per_position.labels(position=str(position))
+        self.drafts = self.draft_tokens = self.accepted_tokens = 0
         _listen_for_compilations()
         self.registry.register(_Compilations())
         self.time_to_first_token = histogram("hfjax_time_to_first_token_seconds", "Time from arrival to first token.")
@@ -191,6 +207,19 @@ class Metrics:
     def prefix_hit_tokens(self, total: int) -> None:
         self._prefix_hits.inc(total - self.prefix_hit_tokens)  # a counter only grows: inc raises on less
 
+    def count_drafts(self, drafts: int, draft_tokens: int, accepted_at) -> None:
+        """Counts a speculative decode chunk's drafts: the rows' rounds that drafted, the tokens drafted,
+        and those accepted at each draft index (`accepted_at` [k])."""
+        drafts, draft_tokens, accepted = int(drafts), int(draft_tokens), int(sum(accepted_at))
+        self._drafts.inc(drafts)
+        self._draft_tokens.inc(draft_tokens)
+        self._accepted_tokens.inc(accepted)
+        for position, count in enumerate(accepted_at):
+            self._accepted_per_position.labels(position=str(position)).inc(int(count))
+        self.drafts += drafts
+        self.draft_tokens += draft_tokens
+        self.accepted_tokens += accepted
+
     def render(self) -> bytes:
         """The registry in Prometheus' text exposition format (`content_type` names its version)."""
         return _prometheus().generate_latest(self.registry)
@@ -199,20 +228,22 @@ class Metrics:
 class StatsLine:
     """vLLM's periodic stats line from a `Metrics`: the prompt and generation tokens/s since the last
     line, the requests running and waiting, the slots in use and the share of prompt tokens whose keys
-    a slot held."""
+    a slot held; with a speculative decode, as vLLM's spec-decode line, the share of drafted tokens
+    accepted and the mean acceptance length (the tokens a draft's round made: 1 + accepted / drafts)."""
 
     def __init__(self, metrics: Metrics):
         self.metrics = metrics
         self._last = self._sample()
 
-    def _sample(self) -> tuple[float, int, int, int]:
+    def _sample(self) -> tuple:
         m = self.metrics
-        return time.monotonic(), m.prompt_tokens_read, m.tokens_generated, m.prefix_hit_tokens
+        drafts = (m.drafts, m.draft_tokens, m.accepted_tokens)
+        return time.monotonic(), m.prompt_tokens_read, m.tokens_generated, m.prefix_hit_tokens, drafts
 
     def next(self) -> str | None:
         """The line for the time since the last call, or None where nothing ran, waited or was read."""
-        now, read, generated, hits = sample = self._sample()
-        then, read_before, generated_before, hits_before = self._last
+        now, read, generated, hits, drafted = sample = self._sample()
+        then, read_before, generated_before, hits_before, drafted_before = self._last
         self._last = sample
         m = self.metrics
         read, generated, hits = read - read_before, generated - generated_before, hits - hits_before
@@ -225,4 +256,13 @@ class StatsLine:
             f"{generated / seconds:.1f} tokens/s, Running: {m.running} reqs, Waiting: {m.queue_depth} reqs, "
             f"Slots in use: {m.running / max(m.slots, 1):.1%}, "
             f"Prefix cache hit rate: {hits / prompt_total if prompt_total else 0.0:.1%}"
+            + (_acceptance(*(a - b for a, b in zip(drafted, drafted_before))) if m.speculative_tokens else "")
         )
+
+
+def _acceptance(drafts: int, draft_tokens: int, accepted: int) -> str:
+    """The stats line's speculative part: the drafted tokens accepted, and the mean acceptance length."""
+    return (
+        f", Draft acceptance rate: {accepted / draft_tokens if draft_tokens else 0.0:.1%}, "
+        f"Mean acceptance length: {1 + accepted / drafts if drafts else 1.0:.2f}"
+    )

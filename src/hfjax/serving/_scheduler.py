@@ -39,7 +39,7 @@ import numpy as np
 
 from .. import _buckets, generation
 from .._errors import GenerationError, ServingError
-from ._compiler import Compiler, geometric
+from ._compiler import Compiler, engine_grid
 from ._metrics import Metrics
 from ._requests import Event, QueueFullError, Request, SamplingParams, TokenLogprob, joined
 from ._sizing import Sizing, size_engine
@@ -84,6 +84,10 @@ class Engine:
         prefix_reuse: start a prompt in the free slot whose cache holds the longest prefix of it (a
             system prompt, earlier turns of a chat), reading only the rest.
         progress: called with a line for each step of `start`'s compiles (the CLI prints them).
+        speculation: `generation.Speculation`: decode in rounds that draft k tokens per row (prompt
+            lookup, or `draft`, a model of the same vocabulary and mesh with its own cache in the same
+            slots) and verify them in one forward (`generation.SpeculativeSlotModel`); the same
+            tokens, fewer forwards. A constrained row decodes one token a chunk, so it drafts none.
 
     Example:
         >>> engine = Engine(hfjax.load(path)).start()
@@ -106,6 +110,8 @@ class Engine:
         prefix_reuse: bool = True,
         max_batch: int | None = None,
         progress: Callable[[str], None] | None = None,
+        speculation: generation.Speculation | None = None,
+        draft=None,
     ):
         if max_batch is not None and max_num_seqs is None:
             max_num_seqs = max_batch
@@ -121,11 +127,13 @@ class Engine:
             )
         if model.tokenizer is None:
             raise ServingError(f"Engine: {model.source} has no tokenizer; serve a checkpoint with tokenizer files")
+        if draft is not None:
+            generation.check_draft(model, draft, name="Engine: the draft model")
         self.model = model
         self.tokenizer = model.tokenizer
         self.sizing: Sizing = size_engine(
             model, max_num_seqs=max_num_seqs, max_model_len=max_model_len, kv_cache_memory=kv_cache_memory,
-            gpu_memory_utilization=gpu_memory_utilization,
+            gpu_memory_utilization=gpu_memory_utilization, draft=draft,
         )  # fmt: skip
         self.max_num_seqs, self.max_model_len = self.sizing.slots, self.sizing.max_model_len
         self.max_queue = max_queue
@@ -140,7 +148,11 @@ class Engine:
         # after a forced_bos_token_id, which `submit` refuses.)
         checkpoint = SamplingParams(max_tokens=1).settings(model, prompt_length=2)
         self.eos_token_ids = checkpoint.eos_token_ids
-        slot_model = generation.SlotModel(model, self.max_num_seqs, self.max_model_len)
+        slot_model = (
+            generation.SlotModel(model, self.max_num_seqs, self.max_model_len)
+            if speculation is None
+            else generation.SpeculativeSlotModel(model, self.max_num_seqs, self.max_model_len, speculation, draft)
+        )
         vocab_size = slot_model.shapes()[1]  # the logits' width
         self.features = dataclasses.replace(
             generation.SamplingFeatures.every(),
@@ -150,11 +162,13 @@ class Engine:
         )
         if self.features.history is not None and self.features.history.reads_tokens:
             prefix_reuse = False  # a reused prefix's tokens are not read again into the row's history
-        self.metrics = Metrics(self.max_num_seqs)
+        self.metrics = Metrics(self.max_num_seqs, 0 if speculation is None else speculation.num_speculative_tokens)
         programs = generation.SlotPrograms(
             slot_model, prefill_chunk=prefill_chunk, steps=max_decode_steps, features=self.features
         )
-        self.compiler = Compiler(programs, self._grid(), progress=progress)
+        self.compiler = Compiler(
+            programs, engine_grid(self.max_model_len, self.max_num_seqs, self.prefill_rows), progress=progress
+        )
         self.table = SlotTable(
             self.max_num_seqs, vocab_size=vocab_size, bias_slots=self.features.bias_slots,
             held_slots=self.features.held_slots, mask_words=self.features.mask_words, prefix_reuse=prefix_reuse,
@@ -340,19 +354,6 @@ class Engine:
         return [joined(events) for events in results]
 
     # -- programs ----------------------------------------------------------------------
-
-    def _grid(self) -> dict[str, list[tuple[int, int]]]:
-        """Every (rows, window) a prefill and a decode chunk may run, smallest first, over windows of
-        128, 512, 2048, ... columns up to max_model_len (`_compiler.geometric`). A decode chunk runs
-        once per token: it has row counts 1, 4, 16, ... up to the slots at every window. A prefill
-        chunk runs once per prefill_chunk prompt tokens: it has prefill_rows rows at every window,
-        and one row at the smallest (a lone short prompt, whose first token waits for it)."""
-        windows = geometric(SMALLEST_WINDOW, self.max_model_len)
-        decode_rows = geometric(1, self.max_num_seqs)
-        prefill = [(self.prefill_rows, w) for w in windows]
-        if self.prefill_rows > 1:
-            prefill.insert(0, (1, windows[0]))
-        return {"prefill": prefill, "decode": [(r, w) for w in windows for r in decode_rows]}
 
     def _allocate(self) -> None:
         if self._state is None:
@@ -544,10 +545,31 @@ class Engine:
         """Waits for a dispatched chunk and hands its tokens to the requests still in their slots (one
         that finished or left since gets nothing more)."""
         chosen = chunk.host or _to_host(chunk.chosen, chunk.requests.values(), chunk.steps)  # [rows, steps] ...
+        made = self._speculated(chunk)
         with self._lock:
             for slot, request in chunk.requests.items():
                 if self.table.requests[slot] is request and not request.finished and not request.cancelled:
-                    self._deliver(request, [c if c is None else c[slot] for c in chosen], chunk.steps)
+                    count = chunk.steps if made is None else int(made[slot])
+                    self._deliver(request, [c if c is None else c[slot] for c in chosen], count)
+
+    def _speculated(self, chunk: _Chunk) -> np.ndarray | None:
+        """A speculative chunk's tokens made per row [rows] (its drafts counted into the metrics), or None
+        for a plain chunk. Each decoding row makes all of the chunk's steps (the engine's decode has no
+        stop tokens, it stops requests here), as the host's positions have it."""
+        chosen = chunk.chosen
+        if chosen.made is None:
+            return None
+        made = np.asarray(chosen.made)
+        self.metrics.count_drafts(
+            *(np.asarray(a).sum(axis=0) for a in (chosen.proposed, chosen.drafted, chosen.accepted_at))
+        )
+        short = [slot for slot in chunk.requests if made[slot] != chunk.steps]
+        if short:
+            raise ServingError(
+                f"a speculative decode chunk of {chunk.steps} steps made {int(made[short[0]])} tokens in slot "
+                f"{short[0]}; each decoding row makes every step"
+            )
+        return made
 
     def _chunk_steps(self, rows: int) -> int:
         """decode_steps; or, for a chunk of fewer rows than the slots while nothing waits or reads its
@@ -625,9 +647,6 @@ def _constrained(requests: dict[int, Request]) -> bool:
 def _check_count(name: str, value) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise ServingError(f"Engine: {name}={value!r}; pass a whole number >= 1")
-
-
-SMALLEST_WINDOW = 128  # columns of the smallest window a chunk attends over
 
 
 def _to_host(chosen: generation.Chosen, requests, steps: int) -> list[np.ndarray | None]:

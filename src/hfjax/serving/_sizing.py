@@ -45,11 +45,13 @@ def size_engine(
     max_model_len: int | None,
     kv_cache_memory: int | None,
     gpu_memory_utilization: float | None = None,
+    draft=None,
 ) -> Sizing:
     """The slots and cache length for `model`: max_model_len (default: the model's context), and as
     many slots as the budget holds, at most max_num_seqs (default: 256 on an accelerator, 64 on the CPU).
     The budget is kv_cache_memory bytes where given (gpu_memory_utilization is then not used), else
-    `utilization_budget(gpu_memory_utilization)` where that is given, else `default_budget()`.
+    `utilization_budget(gpu_memory_utilization)` where that is given, else `default_budget()`. A
+    speculative decode's `draft` model keeps its own cache in the same slots: a slot holds both.
 
     Raises:
       ServingError: a value out of range, or a budget that holds no slot, naming what to pass.
@@ -74,7 +76,7 @@ def size_engine(
             f"(config.max_position_embeddings); pass max_model_len<={context}"
         )
     generation.check_supported(model)
-    per_slot = generation.SlotModel(model, 1, max_model_len).bytes_per_slot()
+    per_slot = sum(generation.SlotModel(m, 1, max_model_len).bytes_per_slot() for m in (model, draft) if m is not None)
     if kv_cache_memory is not None:
         budget, source = kv_cache_memory, "kv_cache_memory"
         if gpu_memory_utilization is not None:
