@@ -249,10 +249,11 @@ section = pathlib.Path(os.environ["HFJAX_README"]).read_text().split("\n## Serve
 blocks = re.findall(r"```bash\n(.*?)```", section, flags=re.S)
 checkpoint = next(line for line in blocks[0].splitlines() if line.startswith("python -c "))
 lines = next(block for block in blocks if os.environ["HFJAX_README_BLOCK"] in block).splitlines()
-port_in_readme = re.search(r"--port (\d+)", "\n".join(lines)).group(1)
-with socket.socket() as s:
-    s.bind(("127.0.0.1", 0))
-    port = str(s.getsockname()[1])
+ports = {}  # each --port of the block: a free one
+for readme_port in dict.fromkeys(re.findall(r"--port (\d+)", "\n".join(lines))):
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        ports[readme_port] = str(s.getsockname()[1])
 bin_dir = pathlib.Path(directory, "bin")
 bin_dir.mkdir()
 # `hfjax` and `python` on the PATH are this interpreter's, as a user's environment would have them.
@@ -261,19 +262,22 @@ bin_dir.mkdir()
 for shim in ("hfjax", "python"):
     (bin_dir / shim).chmod(0o755)
 env = {**os.environ, "PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}", "OMP_WAIT_POLICY": "PASSIVE"}
-server = None
+servers = []
 try:
     for line in [checkpoint, *lines]:
-        line = line.replace("/tmp/hfjax-readme", directory).replace(":" + port_in_readme, ":" + port).replace("--port " + port_in_readme, "--port " + port)
+        line = line.replace("/tmp/hfjax-readme", directory)
+        for readme_port, port in ports.items():
+            line = line.replace(":" + readme_port + "/", ":" + port + "/").replace("--port " + readme_port, "--port " + port)
         if line.rstrip().endswith("&"):
-            log = open(pathlib.Path(directory, "server.log"), "w")
-            server = subprocess.Popen(line.rstrip(" &"), shell=True, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+            log = open(pathlib.Path(directory, f"server-{len(servers)}.log"), "w")
+            servers.append(subprocess.Popen(line.rstrip(" &"), shell=True, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True))
             continue
         ran = subprocess.run(line, shell=True, env=env, capture_output=True, text=True, timeout=600)
         print(json.dumps({"command": line.split()[0], "returncode": ran.returncode, "stdout": ran.stdout, "stderr": ran.stderr[-2000:]}), flush=True)
 finally:
-    if server is not None:
+    for number, server in enumerate(servers):
         os.killpg(server.pid, signal.SIGTERM)
         server.wait(timeout=60)
-        print(json.dumps({"command": "server", "returncode": server.returncode, "log": pathlib.Path(directory, "server.log").read_text()[-3000:]}))
+        log = pathlib.Path(directory, f"server-{number}.log").read_text()
+        print(json.dumps({"command": "server", "returncode": server.returncode, "log": log[-3000:]}))
 """

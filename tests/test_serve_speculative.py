@@ -320,12 +320,14 @@ def test_the_readmes_speculative_serve_example_runs():
     assert job.returncode == 0, job.output[-3000:]
     ran = [json.loads(line) for line in job.output.splitlines() if line.startswith('{"command"')]
     assert all(step["returncode"] == 0 for step in ran if step["command"] != "server"), ran  # (the server: stopped)
-    health, completion, metrics = [step["stdout"] for step in ran if step["command"] == "curl"]
-    assert json.loads(health) == {"status": "ok"}
+    health, completion, metrics, draft_health, draft_completion = [s["stdout"] for s in ran if s["command"] == "curl"]
+    assert json.loads(health) == {"status": "ok"} and json.loads(draft_health) == {"status": "ok"}
     assert json.loads(completion)["usage"]["completion_tokens"] == 16, completion
+    # The draft model's server: the same greedy tokens as the prompt lookup's (both the plain decode's).
+    assert json.loads(draft_completion)["choices"][0]["text"] == json.loads(completion)["choices"][0]["text"]
     accepted = re.search(r"^hfjax_spec_decode_num_accepted_tokens_total ([\d.]+)$", metrics, re.M)
     assert accepted and float(accepted.group(1)) > 0, metrics
     from test_readme import WARNING
 
-    log = ran[-1]["log"]
-    assert not WARNING.search(log), log
+    for log in (step["log"] for step in ran if step["command"] == "server"):
+        assert not WARNING.search(log), log
