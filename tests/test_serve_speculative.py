@@ -21,12 +21,12 @@ import time
 
 import numpy as np
 import pytest
-import scipy.stats
 import torch
 import transformers
 
 import background
 import hfjax
+from distributions import same_distribution_p
 from hfjax import cli, testing
 from hfjax.cli import serve
 
@@ -226,16 +226,6 @@ def _first_tokens(url: str, seeds, **fields) -> np.ndarray:
     return np.asarray(tokens)
 
 
-def _same_distribution_p(a: np.ndarray, b: np.ndarray) -> float:
-    """The chi-square test's p-value that the tokens `a` [N] and `b` [M] come from one distribution
-    (tokens seen fewer than 10 times in both together pooled as one)."""
-    tokens, counts = np.unique(np.concatenate([a, b]), return_counts=True)
-    common = tokens[counts >= 10]
-    table = np.array([[np.sum(x == t) for t in common] + [np.sum(~np.isin(x, common))] for x in (a, b)])
-    table = table[:, table.sum(axis=0) > 0]
-    return scipy.stats.chi2_contingency(table).pvalue
-
-
 def test_prompt_lookup_samples_the_plain_servers_tokens_seed_for_seed(urls):
     seeds = range(16)
     np.testing.assert_array_equal(_first_tokens(urls["ngram"], seeds), _first_tokens(urls["plain"], seeds))
@@ -252,10 +242,10 @@ def test_a_draft_models_samples_follow_the_plain_servers_distribution(urls):
     assert 0 < accepted < drafted, "drafts were not both accepted and rejected"
     plain = _first_tokens(urls["plain"], range(SAMPLES, 2 * SAMPLES))  # other draws of the plain decode
     for step in (1, 2, 3):  # the tokens the decode's rounds make (the first comes from the prefill)
-        assert _same_distribution_p(speculative[:, step], plain[:, step]) > P_VALUE, f"new token {step}"
+        assert same_distribution_p(speculative[:, step], plain[:, step]) > P_VALUE, f"new token {step}"
     # The negative control: the same test tells a distribution that is not the one asked for.
     colder = _first_tokens(urls["plain"], range(SAMPLES, 2 * SAMPLES), temperature=0.5)
-    assert max(_same_distribution_p(speculative[:, s], colder[:, s]) for s in (1, 2, 3)) < P_VALUE
+    assert max(same_distribution_p(speculative[:, s], colder[:, s]) for s in (1, 2, 3)) < P_VALUE
 
 
 def test_the_stats_line_gives_the_draft_acceptance_rate(urls, plain_answers):

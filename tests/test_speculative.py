@@ -6,11 +6,11 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-import scipy.stats
 import torch
 import transformers
 
 import hfjax
+from distributions import same_distribution_p
 from hfjax import GenerationError
 
 # Prompts that repeat themselves, of three lengths, left-padded: their answers repeat too, so the
@@ -154,16 +154,6 @@ def _draws(model, seed: int, **settings) -> np.ndarray:
     return np.asarray(model.generate(ids, mask, seed=seed, **{**SAMPLED, **settings}))[:, ids.shape[1] :]
 
 
-def _same_distribution_p(a: np.ndarray, b: np.ndarray) -> float:
-    """The chi-square test's p-value that the tokens `a` [N] and `b` [M] come from one distribution
-    (tokens seen fewer than 10 times in both together pooled as one)."""
-    tokens, counts = np.unique(np.concatenate([a, b]), return_counts=True)
-    common = tokens[counts >= 10]
-    table = np.array([[np.sum(x == t) for t in common] + [np.sum(~np.isin(x, common))] for x in (a, b)])
-    table = table[:, table.sum(axis=0) > 0]
-    return scipy.stats.chi2_contingency(table).pvalue
-
-
 def test_sampled_tokens_follow_the_plain_decodes_distribution(peaked):
     model = peaked
     speculative = _draws(model, seed=1, prompt_lookup_num_tokens=3)
@@ -171,10 +161,10 @@ def test_sampled_tokens_follow_the_plain_decodes_distribution(peaked):
     assert 0 < stats.accepted_tokens < stats.drafted_tokens, f"drafts were not both accepted and rejected: {stats}"
     plain = _draws(model, seed=2)  # other draws from the plain decode
     for step in (1, 2, 3):  # the tokens the decode's rounds make (the first comes from the prefill)
-        assert _same_distribution_p(speculative[:, step], plain[:, step]) > P_VALUE, f"new token {step}"
+        assert same_distribution_p(speculative[:, step], plain[:, step]) > P_VALUE, f"new token {step}"
     # The negative control: the same test tells a distribution that is not the one asked for.
     colder = _draws(model, seed=2, temperature=0.5)
-    assert max(_same_distribution_p(speculative[:, s], colder[:, s]) for s in (1, 2, 3)) < P_VALUE
+    assert max(same_distribution_p(speculative[:, s], colder[:, s]) for s in (1, 2, 3)) < P_VALUE
 
 
 # -- a draft model --------------------------------------------------------------------
@@ -238,9 +228,9 @@ def test_a_draft_models_sampled_tokens_follow_the_plain_decodes_distribution(pea
     assert 0 < stats.accepted_tokens < stats.drafted_tokens, f"drafts were not both accepted and rejected: {stats}"
     plain = _draws(model, seed=2, **samples)
     for step in (1, 2, 3):
-        assert _same_distribution_p(speculative[:, step], plain[:, step]) > P_VALUE, f"new token {step}"
+        assert same_distribution_p(speculative[:, step], plain[:, step]) > P_VALUE, f"new token {step}"
     colder = _draws(model, seed=2, temperature=0.5, **samples)
-    assert max(_same_distribution_p(speculative[:, s], colder[:, s]) for s in (1, 2, 3)) < P_VALUE
+    assert max(same_distribution_p(speculative[:, s], colder[:, s]) for s in (1, 2, 3)) < P_VALUE
 
 
 @pytest.mark.parametrize(
