@@ -77,7 +77,7 @@ class AdapterSlots:
                 )
         self.targets = {name: layers[name] for name in chosen}
         self.adapters: dict[str, Adapter] = {}
-        self.read: dict[str, PeftAdapter] = {}  # the host copies, for `grown`
+        self.read: dict[str, PeftAdapter] = {}  # the host copies, to write again into grown slots (Model.load_adapter)
         self._lock = threading.Lock()
         dtype = _compute_dtype(model.params)
         params = model.params
