@@ -21,7 +21,8 @@ Public API:
 
 Subpackages: `hfjax.bridge` (torch modules as XLA programs: the layer everything else builds on),
 `hfjax.generation` (the engine), `hfjax.serving` (continuous batching, `hfjax serve`),
-`hfjax.training` (imported when first used), `hfjax.parallel` (meshes, sharding rules),
+`hfjax.training` (imported when first used), `hfjax.lora` (LoRA adapters served beside the base,
+`Model.load_adapter`), `hfjax.parallel` (meshes, sharding rules),
 `hfjax.diffusion`, `hfjax.tasks` (pipelines, speech, parity checks), `hfjax.cpu` (the CPU's fast
 paths, reached only through `hfjax._backend`), `hfjax.testing` (tiny checkpoints), `hfjax.cli`. Importing hfjax changes nothing in the process (README.md lists what its calls do).
 """
