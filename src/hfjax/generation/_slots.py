@@ -322,6 +322,26 @@ class SlotModel:
 
     # -- the two programs (traced) --------------------------------------------------
 
+    def run_chunk(self, params, cache: list, which, ids, start, count, *, window: int, lora=None):
+        """A prompt chunk run into rows `which` [P] of `cache` over its first `window` columns: ids [P, C]
+        int32, row p's count[p] real tokens last, at positions start[p].. (the padding before them writes
+        nowhere). Returns (logits [P, 1, V] at index C-1, the cache with those rows written, offset [P, C]
+        int32: each token's place among the row's real ones, < 0 for padding)."""
+        gathered = [tuple(a.at[which, :, :window].get(mode="fill", fill_value=0) for a in pair) for pair in cache]
+        chunk = ids.shape[1]
+        offset = jnp.arange(chunk, dtype=jnp.int32)[None, :] - (chunk - count)[:, None]
+        positions = start[:, None] + jnp.maximum(offset, 0)
+        columns = jnp.where(offset >= 0, positions, window)
+        with self.bound(params):
+            logits, gathered = self.run(
+                params, gathered, ids, positions, columns, keep=jnp.array([chunk - 1], jnp.int32), lora=lora
+            )
+        written = [
+            tuple(a.at[which, :, :window].set(r, mode="drop") for a, r in zip(pair, new))
+            for pair, new in zip(cache, gathered)
+        ]
+        return logits, written, offset
+
     def prefill_chunk(
         self,
         params,
@@ -348,20 +368,10 @@ class SlotModel:
         `window` columns are read and written. `kept`: "scores" and / or "logits", the first new
         token's processed scores and raw logits to return (see `Chosen`). Returns (state, Chosen [P, 1])."""
         slots = self.slots
-        gathered = [tuple(a.at[which, :, :window].get(mode="fill", fill_value=0) for a in pair) for pair in state.cache]
-        chunk = ids.shape[1]
-        offset = jnp.arange(chunk, dtype=jnp.int32)[None, :] - (chunk - count)[:, None]  # [P, C]: < 0 is padding
-        positions = start[:, None] + jnp.maximum(offset, 0)
-        columns = jnp.where(offset >= 0, positions, window)
         mine = jax.tree_util.tree_map(lambda a: a.at[which].get(mode="fill", fill_value=0), rows)
-        with self.bound(params):
-            logits, gathered = self.run(
-                params, gathered, ids, positions, columns, keep=jnp.array([chunk - 1], jnp.int32), lora=mine.lora
-            )
-        cache = [
-            tuple(a.at[which, :, :window].set(r, mode="drop") for a, r in zip(pair, new))
-            for pair, new in zip(state.cache, gathered)
-        ]
+        logits, cache, offset = self.run_chunk(
+            params, state.cache, which, ids, start, count, window=window, lora=mine.lora
+        )
         seen = counts = None
         if state.seen is not None:  # the chunk's real tokens join the row's history
             before = jnp.where(fresh[:, None], False, state.seen.at[which].get(mode="fill", fill_value=False))

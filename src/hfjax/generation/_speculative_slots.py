@@ -116,17 +116,7 @@ class SpeculativeSlotModel(SlotModel):
         if draft is None:
             return state, chosen
         model, weights = draft
-        chunk = ids.shape[1]
-        offset = jnp.arange(chunk, dtype=jnp.int32)[None, :] - (chunk - count)[:, None]  # [P, C]: < 0 is padding
-        positions = start[:, None] + jnp.maximum(offset, 0)
-        columns = jnp.where(offset >= 0, positions, window)
-        rows_of = [tuple(a.at[which, :, :window].get(mode="fill", fill_value=0) for a in p) for p in drafted]
-        with model.bound(weights):
-            _, rows_of = model.run(weights, rows_of, ids, positions, columns, keep=jnp.array([chunk - 1], jnp.int32))
-        drafted = [
-            tuple(a.at[which, :, :window].set(r, mode="drop") for a, r in zip(pair, new))
-            for pair, new in zip(drafted, rows_of)
-        ]
+        _, drafted, _ = model.run_chunk(weights, drafted, which, ids, start, count, window=window)
         return dataclasses.replace(state, draft=drafted), chosen
 
     def decode_chunk(
