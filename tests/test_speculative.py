@@ -292,30 +292,36 @@ def test_a_call_off_the_slot_core_is_refused_by_name(loaded):
         model.generate(ids, right, max_new_tokens=4, prompt_lookup_num_tokens=3)
 
 
-def test_the_slot_programs_over_a_speculative_slot_model_give_the_plain_tokens_and_log_probabilities(loaded):
-    # As a server drives the core: a prefill chunk, then one decode call with log-probabilities; each
-    # row's first `Chosen.made` tokens are the plain decode's, with its log-probabilities.
+def _slot_decode(slot_model, ids, mask, steps: int):
+    """As a server drives the core: one prefill chunk of every prompt (`ids`, `mask`: left-padded), then
+    one decode call of `steps` tokens with log-probabilities. Returns its `Chosen`."""
     from hfjax import generation
 
-    model = loaded("llama")
-    ids, _ = _left_padded(PROMPTS)
-    rows, steps, length = len(PROMPTS), 12, 64
-    lengths = np.asarray([len(p) for p in PROMPTS], np.int32)
+    rows, length = ids.shape[0], slot_model.length
+    lengths = mask.sum(axis=1).astype(np.int32)
     features = generation.SamplingFeatures()
     sampling = generation.RowSampling.empty(rows, vocab_size=None, bias_slots=0)
     every = np.ones(rows, bool)
+    programs = generation.SlotPrograms(slot_model, prefill_chunk=ids.shape[1], steps=steps, features=features)
+    state = slot_model.empty_state(features)
+    state, _ = programs.prefill(
+        state, sampling, np.arange(rows, dtype=np.int32), ids, np.zeros(rows, np.int32), lengths, every, every,
+        np.True_, window=length,
+    )  # fmt: skip
+    _, chosen = programs.decode(state, sampling, every, np.int32(steps), np.True_, decoding_rows=rows, window=length)
+    return chosen
+
+
+def test_the_slot_programs_over_a_speculative_slot_model_give_the_plain_tokens_and_log_probabilities(loaded):
+    # Each row's first `Chosen.made` tokens are the plain decode's, with its log-probabilities.
+    from hfjax import generation
+
+    model = loaded("llama")
+    ids, mask = _left_padded(PROMPTS)
+    rows, steps, length = len(PROMPTS), 12, 64
 
     def decode(slot_model):
-        programs = generation.SlotPrograms(slot_model, prefill_chunk=ids.shape[1], steps=steps, features=features)
-        state = slot_model.empty_state(features)
-        state, first = programs.prefill(
-            state, sampling, np.arange(rows, dtype=np.int32), ids, np.zeros(rows, np.int32), lengths, every, every,
-            np.True_, window=length,
-        )  # fmt: skip
-        _, chosen = programs.decode(
-            state, sampling, every, np.int32(steps), np.True_, decoding_rows=rows, window=length
-        )
-        return chosen
+        return _slot_decode(slot_model, ids, mask, steps)
 
     plain = decode(generation.SlotModel(model, rows, length))
     speculation = generation.Speculation(method="ngram", num_speculative_tokens=3)
@@ -328,3 +334,26 @@ def test_the_slot_programs_over_a_speculative_slot_model_give_the_plain_tokens_a
         np.testing.assert_allclose(
             np.asarray(getattr(speculative, field)), np.asarray(getattr(plain, field)), atol=1e-4
         )
+
+
+def test_rows_whose_drafts_are_rejected_draft_less_and_keep_the_plain_tokens(loaded, unrelated_draft):
+    # An unrelated draft model's proposals are almost all rejected: after each wholly rejected round a
+    # row drafts nothing for 1, 2, 4, ... rounds (`Speculation.backoff_rounds`), with the same tokens.
+    from hfjax import generation
+
+    model, draft = loaded("llama"), hfjax.load(unrelated_draft)
+    ids, mask = _left_padded(PROMPTS)
+    rows, steps, length = len(PROMPTS), 24, 64
+    plain = _slot_decode(generation.SlotModel(model, rows, length), ids, mask, steps)
+    drafted = {}
+    for rounds in (0, 8):
+        speculation = generation.Speculation(method="draft_model", num_speculative_tokens=3, backoff_rounds=rounds)
+        chosen = _slot_decode(
+            generation.SpeculativeSlotModel(model, rows, length, speculation, draft), ids, mask, steps
+        )
+        np.testing.assert_array_equal(np.asarray(chosen.made), steps)
+        np.testing.assert_array_equal(np.asarray(chosen.token), np.asarray(plain.token))
+        drafted[rounds] = np.asarray(chosen.drafted)
+    # Always drafting offers k tokens in every round but the last; backing off, a row rejected every
+    # time offers in rounds 1, 3, 6, 11, 20 (pauses of 1, 2, 4, 8) of its 24 rounds or fewer.
+    assert (drafted[8] < drafted[0] // 2).all(), drafted

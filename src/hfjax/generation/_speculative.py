@@ -35,6 +35,11 @@ class Speculation:
         num_speculative_tokens: k, the tokens drafted per row and round.
         prompt_lookup_max, prompt_lookup_min: the longest and shortest suffix of a row's tokens
             searched for in its tokens so far (transformers' max_matching_ngram_size and 1).
+        backoff_rounds: the most rounds a row drafts nothing after a round whose drafts were all
+            rejected (`backoff`: 1, then 2, 4, ... up to this, until a draft is kept again); 0: a row
+            drafts in every round. Its rounds without drafts cost a plain step (and one step of a
+            draft model, to keep its cache), so drafts that are never kept cost little. It changes no
+            token: a row that drafts nothing keeps the token the target chooses, as without speculation.
 
     Example:
         >>> Speculation(method="ngram", num_speculative_tokens=3)
@@ -44,6 +49,7 @@ class Speculation:
     num_speculative_tokens: int
     prompt_lookup_max: int = 2
     prompt_lookup_min: int = 1
+    backoff_rounds: int = 8
 
     def __post_init__(self):
         if self.method not in METHODS:
@@ -52,6 +58,10 @@ class Speculation:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise GenerationError(f"{name}={value!r} must be an integer >= 1, e.g. {name}=3")
+        if isinstance(self.backoff_rounds, bool) or not isinstance(self.backoff_rounds, int) or self.backoff_rounds < 0:
+            raise GenerationError(
+                f"backoff_rounds={self.backoff_rounds!r} must be an integer >= 0, e.g. backoff_rounds=8 (0: always draft)"
+            )
         if self.prompt_lookup_min > self.prompt_lookup_max:
             raise GenerationError(
                 f"prompt_lookup_min={self.prompt_lookup_min} is above prompt_lookup_max={self.prompt_lookup_max}; "
@@ -88,6 +98,18 @@ def lookup_drafts(history, start, end, speculation: Speculation):
     columns = jnp.clip(after[:, None] + jnp.arange(k, dtype=jnp.int32)[None, :], 0, length - 1)
     drafts = jnp.take_along_axis(history, columns, axis=1)
     return drafts, jnp.where(found, jnp.clip(end - after, 0, k), 0).astype(jnp.int32)
+
+
+def backoff(pause, wait, offered, accepted, going, longest: int):
+    """Each row's rounds without drafts after this round: a row whose drafts were all rejected
+    (`offered` [R] > 0, `accepted` [R] 0) pauses for `wait` rounds and its next pause doubles, up to
+    `longest`; a row that kept a draft pauses 1 round after its next rejection; a paused row that ran
+    this round (`going` [R] bool) has one round less to wait. pause, wait: [R] int32. Returns the new
+    (pause, wait)."""
+    rejected = (offered > 0) & (accepted == 0)
+    pause = jnp.where(rejected, jnp.minimum(wait, longest), jnp.where(going, jnp.maximum(pause - 1, 0), pause))
+    wait = jnp.where(rejected, jnp.minimum(2 * wait, longest), jnp.where(accepted > 0, 1, wait))
+    return pause.astype(jnp.int32), wait.astype(jnp.int32)
 
 
 def accepted_count(agree, offered):

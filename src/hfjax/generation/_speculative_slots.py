@@ -39,7 +39,16 @@ from ._slots import (
     with_logprobs,
     written_back,
 )
-from ._speculative import DRAFT, Speculation, accepted_count, kept_count, lookup_drafts, purpose_keys, sampled_round
+from ._speculative import (
+    DRAFT,
+    Speculation,
+    accepted_count,
+    backoff,
+    kept_count,
+    lookup_drafts,
+    purpose_keys,
+    sampled_round,
+)
 
 
 class SpeculativeSlotModel(SlotModel):
@@ -140,7 +149,9 @@ class SpeculativeSlotModel(SlotModel):
         """`SlotModel.decode_chunk`'s work in speculative rounds: a `while_loop` until every active row
         has made `count` tokens or stopped. A round: each going row's last token joins its `history`;
         k tokens are drafted (`lookup_drafts`, or k + 1 one-token steps of the draft model over its
-        own cache, the last only to put the last draft in it); ONE forward of the model runs the last
+        own cache, the last only to put the last draft in it) for the rows not backing off after
+        rejected drafts (`backoff`; where no row drafts, the draft model runs the last token alone);
+        ONE forward of the model runs the last
         token and the drafts ([R, k + 1] at the row's positions, keys and values written at their
         columns; where no row has a draft, a `cond` runs the last token alone); the token choice runs
         at each of the k + 1 positions in order (each with the drafts before it in `seen`, `counts` and
@@ -220,18 +231,34 @@ class SpeculativeSlotModel(SlotModel):
             )
             return drafted, proposed[:k].T, jnp.swapaxes(scores[:k], 0, 1), history
 
+        def one_draft_step(drafted, tokens, at, now, seen, counts, history):
+            """No row drafts this round: the draft model runs each row's last token alone, which puts it
+            in its cache (no drafts: zeros)."""
+            model, weights = draft
+            column = jnp.where(now & (at < window), at, window)
+            with model.bound(weights):
+                _, drafted = model.run(
+                    weights, restore_draft(drafted), tokens[:, None], jnp.minimum(at, window - 1)[:, None],
+                    column[:, None],
+                )  # fmt: skip
+            nothing = jnp.zeros((r, k), jnp.int32), jnp.zeros((r, k, vocab), jnp.float32)
+            return backend.loop_carry(drafted)[0], *nothing, history
+
         def round_(carry):
-            rounds, cache, drafted, tokens, made, seen, counts, history, chosen = carry
+            rounds, cache, drafted, tokens, made, seen, counts, history, chosen, pause, wait = carry
             now = going(tokens, made)
+            drafting = now & (pause == 0)  # the rows that draft this round (`backoff`)
             at = positions + made  # [R]: the last token's position
             history = history.at[each[:, 0], jnp.where(now, mine.pads + at, history.shape[1])].set(tokens, mode="drop")
             room = jnp.where(now, count - made, 0)
             if by_model:
-                drafted, drafts, draft_scores, history = by_draft_model(drafted, tokens, at, now, seen, counts, history)
+                drafted, drafts, draft_scores, history = jax.lax.cond(
+                    jnp.any(drafting), by_draft_model, one_draft_step, drafted, tokens, at, now, seen, counts, history
+                )
                 offered = jnp.full((r,), k, jnp.int32)
             else:
                 drafts, offered = lookup_drafts(history, mine.pads, mine.pads + at + 1, speculation)
-            offered = jnp.where(now, jnp.minimum(offered, room - 1), 0)  # none past the budget
+            offered = jnp.where(drafting, jnp.minimum(offered, room - 1), 0)  # none past the budget
             ids = jnp.concatenate([tokens[:, None], drafts], axis=1)  # [R, k + 1]
             where = at[:, None] + offsets  # [R, k + 1]
             columns = jnp.where(now[:, None] & (where < window), where, window)
@@ -299,7 +326,8 @@ class SpeculativeSlotModel(SlotModel):
             last = jnp.take_along_axis(made_tokens, jnp.maximum(made_now - 1, 0)[:, None], axis=1)[:, 0]
             tokens = jnp.where(made_now > 0, last, tokens)
             cache = backend.loop_carry(cache)[0]
-            return rounds + 1, cache, drafted, tokens, made + made_now, seen, counts, history, chosen
+            pause, wait = backoff(pause, wait, offered, accepted_now, now, speculation.backoff_rounds)
+            return rounds + 1, cache, drafted, tokens, made + made_now, seen, counts, history, chosen, pause, wait
 
         reported = steps if logprobs else 0
         chosen = Chosen(
@@ -315,8 +343,10 @@ class SpeculativeSlotModel(SlotModel):
             accepted_at=jnp.zeros((r, k), jnp.int32),
         )
         made = jnp.zeros(r, jnp.int32)
-        rounds, carried, drafts_carried, tokens, made, seen, counts, history, chosen = jax.lax.while_loop(
-            running, round_, (jnp.int32(0), carried, drafts_carried, tokens, made, seen, counts, history, chosen)
+        pause, wait = jnp.zeros(r, jnp.int32), jnp.ones(r, jnp.int32)  # each row's backoff (`backoff`)
+        start = (jnp.int32(0), carried, drafts_carried, tokens, made, seen, counts, history, chosen, pause, wait)
+        rounds, carried, drafts_carried, tokens, made, seen, counts, history, chosen, *_ = jax.lax.while_loop(
+            running, round_, start
         )
         state = SlotState(
             cache=written_back(whole, restore(carried)),
