@@ -16,7 +16,14 @@ The models (random weights, float32, shapes.py):
 
 The prompts: each row a phrase of 8 random tokens of its own said again and again (--prompt tokens in
 all). The random model's greedy answer to it falls into repeats of its own, which prompt lookup drafts
-from (the realistic case here is this repetitive prompt on the random model, not a trained one).
+from.
+
+--trained (the realistic case): the target (all its layers) and a one-layer draft of its shape are
+trained with hfjax's own `Trainer` (--train-steps steps, batch 8, AdamW) on a corpus of 48 code edits:
+each record a small Python function, a "# renamed" line, and the same function with one name
+changed. Each prompt is the last --prompt tokens of records up to one's "# renamed" line, so the
+answer the trained model gives repeats its prompt (prompt lookup) and a draft trained on the same
+corpus proposes it (the draft model); configurations plain, lookup_k{k} and trained_k{k}.
 
 Configurations, each generating exactly --new-tokens tokens greedily (min_new_tokens = max_new_tokens):
 plain (no speculation), lookup_k{k} (`prompt_lookup_num_tokens=k`, k of --lookup), and shallow_k{k},
@@ -65,6 +72,81 @@ def prompt_ids(batch: int, length: int, vocab_size: int):
     return np.tile(phrases, (1, -(-length // PHRASE)))[:, :length]
 
 
+NAMES = ("total", "count", "value", "items", "result", "index", "buffer", "offset", "scale", "weight")
+BODIES = (
+    "    {a} = 0\n    for {b} in range(n):\n        {a} += {b} * {k}\n    return {a}\n",
+    "    {a} = []\n    for {b} in data:\n        if {b} > {k}:\n            {a}.append({b})\n    return {a}\n",
+    "    {a} = {k}\n    while {a} < n:\n        {a} = {a} * 2 + {b}\n    return {a}\n",
+)
+
+
+def code_edits(count: int) -> list[str]:
+    """`count` records of a code edit: a function, "# renamed", and the function with its first name changed."""
+    import random
+
+    rng = random.Random(0)
+    records = []
+    for i in range(count):
+        a, b, new = rng.sample(NAMES, 3)
+        body = BODIES[i % len(BODIES)].format(a=a, b=b, k=rng.randint(2, 9))
+        function = f"def step_{i}(n, data, {b}):\n{body}"
+        records.append(f"{function}# renamed\n{function.replace(a, new)}\n")
+    return records
+
+
+def corpus_prompt_ids(checkpoint, batch: int, length: int):
+    """int64 [batch, length]: for row i, the last `length` tokens of the code-edit records up to record
+    i's "# renamed" line (`code_edits`), tokenised with the checkpoint's tokenizer."""
+    import numpy as np
+    import transformers
+
+    tokenizer = transformers.AutoTokenizer.from_pretrained(checkpoint)
+    records = code_edits(CORPUS)
+    rows = []
+    for i in range(batch):
+        before = "".join(records[(i + j) % CORPUS] for j in range(1, 4))  # other records, as in a file
+        mine = records[i % CORPUS]
+        text = before + mine[: mine.index("# renamed\n") + len("# renamed\n")]
+        ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+        if len(ids) < length:
+            raise SystemExit(
+                f"--prompt {length}: the code-edit prompts hold {len(ids)} tokens; pass --prompt {len(ids)}"
+            )
+        rows.append(ids[-length:])
+    return np.asarray(rows, np.int64)
+
+
+CORPUS = 48  # code-edit records in the training corpus
+
+
+def write_trained_models(size: str, work: pathlib.Path, steps: int) -> dict[str, pathlib.Path]:
+    """The target and a one-layer draft of its shape, each trained with hfjax's Trainer on the
+    code-edit corpus for `steps` steps (module docstring), written under `work`."""
+    import hfjax
+    from hfjax import testing, training
+
+    shape = SIZES[size]
+    data = work / "code_edits.jsonl"
+    records = code_edits(CORPUS)
+    data.write_text("".join(json.dumps({"text": record}) + "\n" for record in records))
+    paths = {}
+    for name, layers in (("target", shape["num_hidden_layers"]), ("trained", 1)):
+        path = testing.save_tiny_checkpoint(
+            "llama", work / f"{name}-random", max_position_embeddings=4096, **{**shape, "num_hidden_layers": layers}
+        )
+        model = hfjax.load(path)
+        schedule = training.linear_schedule(1e-3, warmup_steps=10, total_steps=steps)
+        trainer = hfjax.Trainer(model, optimizer=training.adamw(schedule), max_grad_norm=1.0)
+        log(f"training the {name} ({layers} layers) for {steps} steps on {CORPUS} code edits ...")
+        history = trainer.fit(str(data), steps=steps, batch_size=8, max_length=256, progress=True)
+        log(f"  loss {history[0]['loss']:.2f} -> {history[-1]['loss']:.2f}")
+        paths[name] = work / name
+        trainer.save_pretrained(paths[name])
+        losses = {"first": history[0]["loss"], "last": history[-1]["loss"]}
+        (paths[name] / "losses.json").write_text(json.dumps(losses))
+    return paths
+
+
 def write_models(size: str, work: pathlib.Path) -> dict[str, pathlib.Path]:
     """The target, shallow and unrelated checkpoints (module docstring), written under `work`."""
     import torch
@@ -96,10 +178,18 @@ def configurations(args) -> dict[str, dict]:
     """{name: (drafter, k)}: plain, prompt lookup per k, and each draft model at --draft-tokens."""
     configs = {"plain": (None, 0)}
     configs.update({f"lookup_k{k}": ("lookup", k) for k in args.lookup})
-    configs.update(
-        {f"{draft}_k{args.draft_tokens}": (draft, args.draft_tokens) for draft in ("shallow", "copy", "unrelated")}
-    )
+    drafts = ("trained",) if args.trained else ("shallow", "copy", "unrelated")
+    configs.update({f"{draft}_k{args.draft_tokens}": (draft, args.draft_tokens) for draft in drafts})
     return configs
+
+
+def prompts_for(args, checkpoint, batch: int, vocab_size: int):
+    """The prompts of a run: the code-edit corpus's (--trained), else the repeated random phrases."""
+    return (
+        corpus_prompt_ids(checkpoint, batch, args.prompt)
+        if args.trained
+        else prompt_ids(batch, args.prompt, vocab_size)
+    )
 
 
 # ---------------------------------------------------------------- transformers (no JAX in this process)
@@ -115,7 +205,7 @@ def torch_worker(args) -> dict:
     drafts = {
         name: transformers.AutoModelForCausalLM.from_pretrained(path).eval() for name, path in args.drafts.items()
     }
-    ids = torch.as_tensor(prompt_ids(args.batch, args.prompt, target.config.vocab_size))
+    ids = torch.as_tensor(prompts_for(args, args.checkpoint, args.batch, target.config.vocab_size))
     configs = configurations(args)
     n = args.new_tokens
 
@@ -169,7 +259,7 @@ def run_hfjax(models: dict, paths: dict, args, batch: int) -> dict:
     import numpy as np
 
     target = models["target"]
-    ids = prompt_ids(batch, args.prompt, target.config.vocab_size)
+    ids = prompts_for(args, paths["target"], batch, target.config.vocab_size)
     configs = configurations(args)
     n = args.new_tokens
 
@@ -256,9 +346,10 @@ def benchmark(args, work: pathlib.Path) -> dict:
     import hfjax
 
     log(f"writing the {args.size} target and its drafts ...")
-    paths = write_models(args.size, work)
+    paths = write_trained_models(args.size, work, args.train_steps) if args.trained else write_models(args.size, work)
     models = {name: hfjax.load(path) for name, path in paths.items() if name != "copy"}
-    models["copy"] = hfjax.load(paths["copy"])  # the target's checkpoint, loaded again as its draft
+    if "copy" in paths:
+        models["copy"] = hfjax.load(paths["copy"])  # the target's checkpoint, loaded again as its draft
     report = {
         "benchmark": "speculative",
         "size": args.size,
@@ -277,6 +368,13 @@ def benchmark(args, work: pathlib.Path) -> dict:
         "transformers": {},
         "verify_cost": {},
     }
+    if args.trained:
+        report["prompts"] = "code edits: records up to one's '# renamed' line (the trained models' corpus)"
+        report["models"] = {
+            name: f"{what}, trained {args.train_steps} steps: loss {losses['first']:.2f} -> {losses['last']:.2f}"
+            for name, what in (("target", f"the {args.size} Llama"), ("trained", "a one-layer Llama of its shape"))
+            for losses in [json.loads((paths[name] / "losses.json").read_text())]
+        }
     env = {**os.environ}
     for batch in args.batches:
         log(f"hfjax at batch {batch} ...")
@@ -284,10 +382,10 @@ def benchmark(args, work: pathlib.Path) -> dict:
         log(f"transformers at batch {batch} ...")
         theirs = run_json(
             [sys.executable, __file__, "--worker", "--checkpoint", str(paths["target"]), "--drafts",
-             json.dumps({name: str(paths[name]) for name in ("shallow", "copy", "unrelated")}),
+             json.dumps({name: str(path) for name, path in paths.items() if name != "target"}),
              "--batch", str(batch), "--prompt", str(args.prompt), "--new-tokens", str(args.new_tokens), "--runs",
              str(args.runs), "--lookup", ",".join(map(str, args.lookup)), "--draft-tokens", str(args.draft_tokens),
-             "--torch-threads", str(args.torch_threads)],
+             "--torch-threads", str(args.torch_threads), *(["--trained"] if args.trained else [])],
             env, timeout=_WORKER_TIMEOUT_S, what="the transformers worker",
         )  # fmt: skip
         ours_tokens = rows.pop("_tokens")
@@ -310,17 +408,21 @@ def parse_args(argv=None):
     parser.add_argument("--quick", action="store_true", help="the tiny Llama, batch 1, 16 new tokens, 1 run")
     parser.add_argument("--size", choices=SIZES, help=f"the target's shape (default {FULL['size']})")
     parser.add_argument("--batches", help=f"batch sizes, comma-separated (default {FULL['batches']})")
-    parser.add_argument("--prompt", type=int, default=64, help="prompt tokens per row (default 64)")
+    parser.add_argument("--prompt", type=int, help="prompt tokens per row (default 64; --trained: 256)")
     parser.add_argument("--new-tokens", type=int, help=f"tokens generated per row (default {FULL['new_tokens']})")
     parser.add_argument("--runs", type=int, help=f"timed runs of each configuration (default {FULL['runs']})")
     parser.add_argument("--lookup", help=f"prompt lookup's k, comma-separated (default {FULL['lookup']})")
     parser.add_argument("--draft-tokens", type=int, help=f"the draft models' k (default {FULL['draft_tokens']})")
     parser.add_argument("--torch-threads", type=int, default=os.cpu_count() or 1, help="PyTorch's threads")
+    parser.add_argument("--trained", action="store_true", help="the realistic case: models trained on code edits")
+    parser.add_argument("--train-steps", type=int, default=300, help="--trained: training steps (default 300)")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--checkpoint", help=argparse.SUPPRESS)
     parser.add_argument("--drafts", type=json.loads, help=argparse.SUPPRESS)
     parser.add_argument("--batch", type=int, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    if args.prompt is None:
+        args.prompt = 256 if args.trained else 64
     for name, value in (QUICK if args.quick else FULL).items():
         if getattr(args, name) is None:
             setattr(args, name, value)
