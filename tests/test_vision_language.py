@@ -76,7 +76,12 @@ def _processed(path, family: str, images) -> dict:
 
 
 @pytest.mark.parametrize("family", testing.VISION_LANGUAGE_FAMILIES)
-def test_batched_greedy_tokens_match_transformers_generate(saved, family):
+def test_batched_greedy_tokens_match_transformers_generate(saved, family, monkeypatch):
+    from hfjax.generation import _slots
+
+    decodes = []  # the call runs on the slot core (hfjax serve's programs)
+    decode = _slots.SlotPrograms.decode
+    monkeypatch.setattr(_slots.SlotPrograms, "decode", lambda self, *a, **k: decodes.append(1) or decode(self, *a, **k))
     path = saved(family)
     inputs = _processor_outputs(path, family, _images())
     assert bool((inputs["attention_mask"] == 0).any())  # the two prompts differ in length: left padding
@@ -87,6 +92,7 @@ def test_batched_greedy_tokens_match_transformers_generate(saved, family):
     assert model.task == "image-text-to-text"
     out = model.generate(**{name: value.numpy() for name, value in inputs.items()}, max_new_tokens=NEW_TOKENS)
     np.testing.assert_array_equal(np.asarray(out), expected.numpy())
+    assert decodes, "the call did not run on the slot core"
 
 
 @pytest.fixture(scope="module")

@@ -86,6 +86,37 @@ class PrefillInputs:
         return {**arguments, **constants}
 
 
+def _image_runs(token_type_ids):
+    # Gemma 3: each run of image tokens (type 1) is a block of its own, numbered from 0; text is -1.
+    import jax.numpy as jnp
+
+    image = token_type_ids == 1
+    starts = image & ~jnp.pad(image, ((0, 0), (1, 0)))[:, :-1]
+    return jnp.where(image, jnp.cumsum(starts.astype(jnp.int32), axis=1) - 1, -1)
+
+
+def _prefix(token_type_ids):
+    # PaliGemma: the prefix (type 0: the image and the prompt) is one block; the answer (type 1) is -1.
+    import jax.numpy as jnp
+
+    return jnp.where(token_type_ids == 0, 0, -1)
+
+
+# Models whose prefill lets blocks of tokens attend to each other both ways, as transformers builds
+# their masks from token_type_ids: {config.model_type: token_type_ids [B, C] -> block ids [B, C]
+# int32, -1 outside any block}. The slot core builds its masks itself, so it adds these blocks.
+BIDIRECTIONAL_BLOCKS = {"gemma3": _image_runs, "paligemma": _prefix}
+
+
+def block_ids(module, inputs: dict):
+    """The prefill's bidirectional block ids [B, C] int32 (-1: causal) from `inputs`' token_type_ids,
+    where `module`'s mask has such blocks (`BIDIRECTIONAL_BLOCKS`); else None."""
+    rule = BIDIRECTIONAL_BLOCKS.get(module.config.model_type)
+    if rule is None or "token_type_ids" not in inputs:
+        return None
+    return rule(inputs["token_type_ids"]).astype("int32")
+
+
 def split_model_inputs(module, arguments: dict) -> tuple[dict, dict]:
     """(prefill inputs, the rest) of `Model.generate`'s keyword arguments: the array-valued ones
     that `module.forward` takes, as numpy arrays. An array the forward does not take (pixel_values
@@ -128,7 +159,7 @@ def prefill_inputs(module, plan: BatchPlan, inputs: dict[str, np.ndarray], promp
         laid_out["position_ids"] = positions
         shift = deltas
     static = tuple((name, laid_out.pop(name).tolist()) for name in sorted(STATIC_INPUTS & laid_out.keys()))
-    return PrefillInputs(model_inputs=laid_out, position_shift=shift, static=_frozen(static))
+    return PrefillInputs(model_inputs=laid_out, position_shift=shift, static=frozen(static))
 
 
 def encode_images_eagerly(module, inputs: dict) -> dict:
@@ -182,8 +213,9 @@ def _rope_positions(rope_index, plan: BatchPlan, inputs: dict) -> tuple[np.ndarr
     return positions.numpy().astype(np.int32), deltas.reshape(-1).numpy().astype(np.int32)
 
 
-def _frozen(value):
-    return tuple(_frozen(v) for v in value) if isinstance(value, (list, tuple)) else value
+def frozen(value):
+    """`value` (nested lists) as nested tuples, hashable."""
+    return tuple(frozen(v) for v in value) if isinstance(value, (list, tuple)) else value
 
 
 def _is_array(value) -> bool:
