@@ -278,6 +278,18 @@ class SlotModel:
             with bridge.bound(self.module, params, self.model.aliases, bridge.prng_key()):
                 yield
 
+    def prompt_inputs(self, ids, processed: dict, width: int) -> tuple[dict, int]:
+        """One prompt's prefill-only inputs for a one-row `prefill_chunk` of `width` columns holding
+        its whole prompt (`_multimodal.chunk_inputs`: `ids` [S], `processed` the processor's other
+        outputs), an eager image encoder's output in place of its pixels (run here, op by op, with
+        the weights bound). Returns (the inputs, the row's `RowSampling.rope_delta`)."""
+        inputs, delta = _multimodal.chunk_inputs(self.module, ids, processed, width)
+        if type(self.module).__name__ in _multimodal.EAGER_IMAGE_ENCODERS:
+            precision = bridge.resolve_precision(self.model.matmul_precision)
+            with self.bound(self.model.params), bridge.products(precision):
+                inputs = _multimodal.encode_images_eagerly(self.module, inputs)
+        return {name: jnp.asarray(value) for name, value in inputs.items()}, delta
+
     def weights(self) -> dict:
         """What the programs take as their weights (`prefill_chunk` and `decode_chunk`'s `params`)."""
         return self.model.params
@@ -738,7 +750,7 @@ class SlotPrograms:
             arrays = {name: value for name, value in inputs.items() if name not in _multimodal.STATIC_INPUTS}
             args = (*args, arrays)
             shapes = tuple((name, tuple(a.shape), str(a.dtype)) for name, a in sorted(arrays.items()))
-            key = (*key, "inputs", shapes, static)
+            key = (*key, "inputs", ids.shape[1], shapes, static)
         function = functools.partial(self._prefill_program, window=window, static=static)
         return self._program(key, function, args), args
 

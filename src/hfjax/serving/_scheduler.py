@@ -39,7 +39,7 @@ import numpy as np
 
 from .. import _buckets, generation
 from .._errors import GenerationError, ServingError
-from ._compiler import Compiler, engine_grid
+from ._compiler import SMALLEST_WINDOW, Compiler, engine_grid, geometric
 from ._metrics import Metrics
 from ._requests import Event, QueueFullError, Request, SamplingParams, TokenLogprob, joined
 from ._sizing import Sizing, size_engine
@@ -166,9 +166,12 @@ class Engine:
         programs = generation.SlotPrograms(
             slot_model, prefill_chunk=prefill_chunk, steps=max_decode_steps, features=self.features
         )
-        self.compiler = Compiler(
-            programs, engine_grid(self.max_model_len, self.max_num_seqs, self.prefill_rows), progress=progress
-        )
+        grid = engine_grid(self.max_model_len, self.max_num_seqs, self.prefill_rows)
+        self._image_example = self._fixed_image_example()
+        if self._image_example is not None:
+            shortest = len(self._image_example[0])
+            grid["image"] = [(1, w) for w in geometric(SMALLEST_WINDOW, self.max_model_len) if w >= shortest]
+        self.compiler = Compiler(programs, grid, progress=progress)
         self.table = SlotTable(
             self.max_num_seqs, vocab_size=vocab_size, bias_slots=self.features.bias_slots,
             held_slots=self.features.held_slots, mask_words=self.features.mask_words, prefix_reuse=prefix_reuse,
@@ -198,6 +201,11 @@ class Engine:
     def program_counts(self) -> dict[str, int]:
         """Programs prepared per kind in this process, traced or read from disk."""
         return self.compiler.programs.counts
+
+    @property
+    def takes_images(self) -> bool:
+        """Whether the model reads images with its prompts (a vision-language model with a processor)."""
+        return hasattr(self.model.module, "get_image_features") and self.model.processor is not None
 
     @property
     def running(self) -> int:
@@ -250,8 +258,18 @@ class Engine:
                 "pass ids the tokenizer gives"
             )
 
-    def submit(self, prompt: list[int], params: SamplingParams, listener: Callable[[Event], None]) -> Request:
+    def submit(
+        self,
+        prompt: list[int],
+        params: SamplingParams,
+        listener: Callable[[Event], None],
+        *,
+        images: dict | None = None,
+    ) -> Request:
         """Queues a prompt (token ids); `listener` gets an Event after each chunk, on the engine thread.
+        `images`: the processor's other outputs for a prompt with images (pixel_values, ...: host arrays
+        [1, ...]; `prompt` is its input_ids, image tokens included), for a model that reads them
+        (`takes_images`); its prefill is one chunk of the whole prompt.
 
         Raises:
             GenerationError: the prompt and max_tokens do not fit max_model_len, a setting is out of range, or
@@ -260,6 +278,10 @@ class Engine:
             ServingError: the engine has stopped, or failed.
         """
         self.check_prompt(prompt, params)
+        if images is not None and not self.takes_images:
+            raise GenerationError(
+                f"{type(self.model.module).__name__} reads no images; send text only, or serve a vision-language model"
+            )
         settings = params.settings(self.model, prompt_length=len(prompt))
         if settings.history_rules() != self.features.history:
             raise GenerationError(
@@ -271,7 +293,9 @@ class Engine:
             skip_special_tokens=params.skip_special_tokens,
         )  # fmt: skip
         matcher = None if params.constraint is None else self.grammars().matcher(params.constraint)
-        request = Request(list(prompt), params, settings, listener, text, matcher, self._adapter(params.adapter))
+        request = Request(
+            list(prompt), params, settings, listener, text, matcher, self._adapter(params.adapter), images=images
+        )
         with self._lock:
             if self._error is not None:
                 raise ServingError(f"the engine failed: {self._error!r}") from self._error
@@ -366,7 +390,39 @@ class Engine:
                 np.full(rows, self.max_num_seqs, np.int32), np.zeros((rows, self.prefill_chunk), np.int32),
                 np.zeros(rows, np.int32), np.ones(rows, np.int32), np.zeros(rows, bool), np.zeros(rows, bool), False,
             )  # fmt: skip
+        if kind == "image":
+            ids, processed = self._image_example
+            inputs, _ = self._slot_model.prompt_inputs(np.asarray(ids, np.int32), processed, window)
+            one = np.ones(1, np.int32)
+            args = self._prefill_args(
+                one * self.max_num_seqs, np.zeros((1, window), np.int32), one * 0, one * len(ids), one > 0, one > 0,
+                False,
+            )  # fmt: skip
+            return (*args, inputs)
         return self._decode_args(np.zeros(self.max_num_seqs, bool), 1, False)
+
+    def _fixed_image_example(self) -> tuple[list[int], dict] | None:
+        """(prompt ids, the processor's other outputs) of a chat with one image, where the processor gives
+        images of two sizes the same shapes (a fixed image size: its prefill programs can be compiled
+        ahead); else None."""
+        if not self.takes_images:
+            return None
+        processor = self.model.processor
+        chat = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "Describe this"}]}]
+        text = processor.apply_chat_template(chat, add_generation_prompt=True, tokenize=False)
+        from PIL import Image
+
+        examples = [
+            generation.processed(processor, [text], [[Image.new("RGB", size, (128, 128, 128))]])
+            for size in ((48, 40), (32, 64))
+        ]
+        shapes = [{name: np.shape(value) for name, value in example.items()} for example in examples]
+        if shapes[0] != shapes[1]:
+            return None
+        first = examples[0]
+        ids = [int(t) for t in first.pop("input_ids")[0]]
+        first.pop("attention_mask", None)
+        return ids, first
 
     def _prefill_args(self, which, ids, start, count, last, fresh, want_logprobs) -> tuple:
         return (
@@ -395,8 +451,10 @@ class Engine:
                         self._wake.wait()
                         continue
                 reading = self.table.reading()
-                if reading:
-                    self._prefill(reading[: self.prefill_rows])
+                if reading and reading[0].images is not None:  # a prompt with images: a chunk of its own
+                    self._prefill_images(reading[0])
+                elif reading:
+                    self._prefill([r for r in reading if r.images is None][: self.prefill_rows])
                 chunk = self._dispatch() if self.table.decoding() else None
                 while chunk is not None:
                     # The next chunk goes to the device before this one's tokens come back, so the
@@ -490,6 +548,33 @@ class Engine:
             last, fresh = np.concatenate([last, np.zeros(extra, bool)]), np.concatenate([fresh, np.zeros(extra, bool)])
         args = self._prefill_args(which, ids, start, count, last, fresh, want)
         self._state, chosen = self.compiler.programs.prefill(*args, window=window)
+        self._prefilled(requests, count, last, chosen)
+
+    def _prefill_images(self, request: Request) -> None:
+        """A prompt with images, whole, in one chunk of one row (the images' tokens attend to each other,
+        and a multimodal rope's positions are the whole prompt's), as wide as the smallest window that
+        holds it (`image_width`)."""
+        width = self.image_width(len(request.prompt))
+        inputs, delta = self._slot_model.prompt_inputs(np.asarray(request.prompt, np.int32), request.images, width)
+        self.table.rows.rope_delta[request.slot] = delta
+        ids = np.zeros((1, width), np.int32)
+        ids[0, width - len(request.prompt) :] = request.prompt
+        count, last = np.full(1, len(request.prompt), np.int32), np.ones(1, bool)
+        args = self._prefill_args(
+            np.full(1, request.slot, np.int32), ids, np.zeros(1, np.int32), count, last, last,
+            request.params.logprobs is not None,
+        )  # fmt: skip
+        self._state, chosen = self.compiler.programs.prefill(*args, window=width, inputs=inputs)
+        self._prefilled([request], count, last, chosen)
+
+    def image_width(self, length: int) -> int:
+        """The columns of the one-chunk prefill of a prompt of `length` tokens with images: the smallest
+        of the engine's windows (128, 512, 2048, ..., max_model_len) that holds it."""
+        return next(w for w in geometric(SMALLEST_WINDOW, self.max_model_len) if w >= length)
+
+    def _prefilled(self, requests: list[Request], count, last, chosen) -> None:
+        """After a prefill call: each request's `count` tokens read; those whose prompt it ended (`last`)
+        get the first new token of `chosen`."""
         self.metrics.prompt_tokens_read += int(count[: len(requests)].sum())
         for i, request in enumerate(requests):
             request.prefilled += int(count[i])
