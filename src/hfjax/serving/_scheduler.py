@@ -1,7 +1,8 @@
 """Continuous batching's host side: the queue, admission, prefill and decode chunking, cancellation.
 
 The engine thread repeats: admit waiting requests into free slots; run one prefill chunk of the
-oldest requests still reading their prompt; run one decode chunk of every decoding slot; hand each
+oldest requests still reading their prompt (where the oldest has images: its whole prompt, alone);
+run one decode chunk of every decoding slot; hand each
 request its new tokens, text and log-probabilities; free the slots of requests that finished (EOS,
 a stop string, max_tokens) or were cancelled. A running stream therefore waits at most one prefill
 chunk between two decode chunks. While only decoding goes on, the next decode chunk is sent before
