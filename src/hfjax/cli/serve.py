@@ -154,8 +154,8 @@ def add_parser(subparsers) -> None:
     parser.add_argument(
         "--allowed-local-media-path",
         default=None,
-        help="a directory whose image files chat requests may name (file:// URLs or paths in image_url parts); "
-        "without it, no local file is read (vLLM's flag; a security risk: use it only in a trusted environment)",
+        help="a directory whose image files chat requests may name (file:// URLs or paths in image_url parts) "
+        "(default: none, no local file is read; vLLM's flag, a security risk: use it only in a trusted environment)",
     )
     parser.add_argument(
         "--limit-mm-per-prompt",
