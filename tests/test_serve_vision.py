@@ -3,7 +3,8 @@ official openai client, against `Model.generate` and transformers' generate in P
 request beside text requests; and each bad image part an OpenAI-shaped 400 naming its field.
 
 One server: a tiny LLaVA (a fixed image size: its image prefill programs are compiled before
-/health), local files allowed under one directory, one image per prompt."""
+/health), local files allowed under one directory, one image per prompt. A tiny Gemma 3 runs on an
+engine in this process (its bidirectional image block in the engine's own prefill chunk)."""
 
 from __future__ import annotations
 
@@ -193,3 +194,32 @@ def test_the_readmes_vision_serve_example_runs():
 
     for log in (step["log"] for step in ran if step["command"] == "server"):
         assert not WARNING.search(log), log
+
+
+def test_gemma3s_image_block_in_the_engines_own_chunk_gives_transformers_tokens(tmp_path):
+    # The server reads a prompt with images in a one-row chunk as wide as a window (not Model.generate's
+    # prompt bucket): Gemma 3's bidirectional image block must follow its tokens there too.
+    from hfjax import generation
+
+    path = testing.save_tiny_checkpoint("gemma3", tmp_path / "gemma3", task="image-text-to-text")
+    model = hfjax.load(path)
+    engine = serving.Engine(model, max_model_len=128, max_num_seqs=1).start()
+    try:
+        conversation = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": QUESTION}]}]
+        text = model.processor.apply_chat_template(conversation, add_generation_prompt=True, tokenize=False)
+        inputs = generation.processed(model.processor, [text], [[_image()]])
+        reference = transformers.AutoModelForImageTextToText.from_pretrained(path).eval()
+        with torch.no_grad():
+            expected = reference.generate(
+                **{name: torch.as_tensor(value) for name, value in inputs.items()}, max_new_tokens=NEW_TOKENS,
+                do_sample=False,
+            ).numpy()  # fmt: skip
+        images = {name: value for name, value in inputs.items() if name not in ("input_ids", "attention_mask")}
+        ids = inputs["input_ids"][0].tolist()
+        params = serving.SamplingParams(max_tokens=NEW_TOKENS, temperature=0, ignore_eos=True)
+        (event,) = engine.generate([ids], params, images=[images])
+        compiled = sum(engine.program_counts.values())
+        assert event.token_ids == expected[0, len(ids) :].tolist()
+        assert compiled == len(engine.compiler)  # the image prefill was among the programs compiled at start
+    finally:
+        engine.stop()

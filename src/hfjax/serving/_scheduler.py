@@ -169,6 +169,7 @@ class Engine:
         )
         grid = engine_grid(self.max_model_len, self.max_num_seqs, self.prefill_rows)
         self._image_example = self._fixed_image_example()
+        self._image_inputs: dict[int, dict] = {}  # per window: the example's prefill inputs (`warm_up`)
         if self._image_example is not None:
             shortest = len(self._image_example[0])
             grid["image"] = [(1, w) for w in geometric(SMALLEST_WINDOW, self.max_model_len) if w >= shortest]
@@ -229,6 +230,12 @@ class Engine:
         """Allocates the cache and compiles (or reads from the compilation cache) every program of the
         engine's set, a `progress` line each; `start` calls it, and does nothing more on a second call."""
         self._allocate()
+        if self._image_example is not None:  # (here, not on the compile threads: an eager encoder binds weights)
+            ids, processed = self._image_example
+            self._image_inputs = {
+                window: self._slot_model.prompt_inputs(np.asarray(ids, np.int32), processed, window)[0]
+                for _, window in self.compiler.grid["image"]
+            }
         self.compiler.prepare(self._example_args)
         self.metrics.hold_programs(self.compiler.held, self.compiler.memory)
 
@@ -352,9 +359,13 @@ class Engine:
                 self._finish(request, "cancelled")
             self._wake.notify_all()
 
-    def generate(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams]) -> list[Event]:
-        """Runs prompts (token ids) together and waits: one Event per prompt with all of its tokens and text."""
+    def generate(
+        self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams], *, images: list | None = None
+    ) -> list[Event]:
+        """Runs prompts (token ids) together and waits: one Event per prompt with all of its tokens and text.
+        `images`: per prompt, its images' processor outputs or None (`submit`'s)."""
         params = params if isinstance(params, list) else [params] * len(prompts)
+        images = images or [None] * len(prompts)
         if len(params) != len(prompts):
             raise ServingError(
                 f"Engine.generate: {len(prompts)} prompts and {len(params)} SamplingParams; pass one per prompt"
@@ -370,8 +381,8 @@ class Engine:
 
             return call
 
-        for prompt, p, kept in zip(prompts, params, results):
-            self.submit(prompt, p, listener(kept))
+        for prompt, p, kept, pictures in zip(prompts, params, results, images):
+            self.submit(prompt, p, listener(kept), images=pictures)
         for _ in prompts:
             while not done.acquire(timeout=1.0):
                 if self._error is not None:
@@ -392,8 +403,7 @@ class Engine:
                 np.zeros(rows, np.int32), np.ones(rows, np.int32), np.zeros(rows, bool), np.zeros(rows, bool), False,
             )  # fmt: skip
         if kind == "image":
-            ids, processed = self._image_example
-            inputs, _ = self._slot_model.prompt_inputs(np.asarray(ids, np.int32), processed, window)
+            ids, inputs = self._image_example[0], self._image_inputs[window]
             one = np.ones(1, np.int32)
             args = self._prefill_args(
                 one * self.max_num_seqs, np.zeros((1, window), np.int32), one * 0, one * len(ids), one > 0, one > 0,
