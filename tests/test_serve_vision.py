@@ -223,3 +223,28 @@ def test_gemma3s_image_block_in_the_engines_own_chunk_gives_transformers_tokens(
         assert compiled == len(engine.compiler)  # the image prefill was among the programs compiled at start
     finally:
         engine.stop()
+
+
+def test_the_chat_page_sends_an_image_with_a_message_in_headless_chromium(url, expected):
+    browser = background.headless_chromium()
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.support.ui import WebDriverWait
+
+    try:
+        browser.get(url + "/")
+        WebDriverWait(browser, 30).until(lambda b: b.find_element(By.ID, "model").text == NAME)
+        assert browser.find_element(By.ID, "image-label").is_displayed()  # the model reads images
+        for field, value in (("temperature", "0"), ("max-tokens", str(NEW_TOKENS))):
+            browser.find_element(By.ID, field).clear()
+            browser.find_element(By.ID, field).send_keys(value)
+        browser.find_element(By.ID, "image").send_keys(str(SERVERS.directory / "media" / "picture.png"))
+        browser.find_element(By.ID, "input").send_keys(QUESTION)
+        browser.find_element(By.ID, "send").click()
+        WebDriverWait(browser, 120).until(lambda b: b.find_elements(By.CSS_SELECTOR, "[data-done='true']"))
+        answer = browser.find_elements(By.CSS_SELECTOR, "#messages .message[data-done]")[-1]
+        text, kind = answer.get_attribute("textContent"), answer.get_attribute("class")
+        sent = browser.find_elements(By.CSS_SELECTOR, "#messages .message.user")[-1].text
+    finally:
+        browser.quit()
+    assert "error" not in kind and text == expected, (kind, text)
+    assert sent == f"[image] {QUESTION}"
