@@ -7,8 +7,9 @@ same programs.
 
 A call runs here when the slot core carries out everything it asks: a decoder-only model with a
 static KV cache that takes `position_ids` (full or sliding-window attention), left-padded prompts,
-prefill-only inputs (images: the prefill takes them, `SlotModel.prefill_chunk`), weights on one device or on a mesh (of one process or several),
-and a model that reads no values of its data. `Generator` runs the rest. Beam search runs its own
+images where it builds the model's masks (`takes_images`; the prefill chunk of every row's whole
+prompt takes them), weights on one device or on a mesh (of one process or several), and a model
+that reads no values of its data. `Generator` runs the rest. Beam search runs its own
 programs over the same cache (`_slot_beams`), from the slot prefill's logits. A row that has stopped runs
 on pad tokens until every row has, as transformers feeds it, so the processed scores and raw
 logits that `output_scores` / `output_logits` keep are transformers' for every row and step.

@@ -8,7 +8,8 @@ A part {"type": "image_url", "image_url": {"url": URL}} (or "image_url": URL) ho
 
 `image_parts` takes a chat body's parts out of its messages (each becomes the {"type": "image"}
 part a processor's chat template reads) and checks the count against `--limit-mm-per-prompt`;
-`load_images` reads them into RGB PIL images. Every bad part is an OpenAI-shaped 400 naming its
+`load_images` reads them into RGB PIL images; `fixed_image_example` is the one-image chat whose
+prefill an engine compiles before it starts. Every bad part is an OpenAI-shaped 400 naming its
 field: an image sent to a model that reads none, too many, an unknown scheme, a path outside the
 allowed one, bytes that are no image.
 """
@@ -22,6 +23,9 @@ import io
 import pathlib
 import urllib.parse
 
+import numpy as np
+
+from .. import generation
 from ._protocol import ApiError, invalid
 
 DEFAULT_IMAGE_LIMIT = 999  # vLLM's default --limit-mm-per-prompt, per modality
@@ -156,3 +160,24 @@ def _decoded(field: str, data: bytes):
         raise invalid(
             field, f"{field}: the bytes are not an image PIL can read ({error}); send a PNG, JPEG, ..."
         ) from None
+
+
+def fixed_image_example(processor) -> tuple[list[int], dict] | None:
+    """(prompt ids, the processor's other outputs) of a chat with one image, where `processor` gives
+    images of two sizes the same shapes (a fixed image size, whose prefill an engine can compile
+    ahead); else None."""
+    from PIL import Image
+
+    chat = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "Describe this"}]}]
+    text = processor.apply_chat_template(chat, add_generation_prompt=True, tokenize=False)
+    examples = [
+        generation.processed(processor, [text], [[Image.new("RGB", size, (128, 128, 128))]])
+        for size in ((48, 40), (32, 64))
+    ]
+    shapes = [{name: np.shape(value) for name, value in example.items()} for example in examples]
+    if shapes[0] != shapes[1]:
+        return None
+    first = examples[0]
+    ids = [int(t) for t in first.pop("input_ids")[0]]
+    first.pop("attention_mask", None)
+    return ids, first

@@ -41,6 +41,7 @@ import numpy as np
 from .. import _buckets, generation
 from .._errors import GenerationError, ServingError
 from ._compiler import SMALLEST_WINDOW, Compiler, engine_grid, geometric
+from ._media import fixed_image_example
 from ._metrics import Metrics
 from ._requests import Event, QueueFullError, Request, SamplingParams, TokenLogprob, joined
 from ._sizing import Sizing, size_engine
@@ -168,7 +169,7 @@ class Engine:
             slot_model, prefill_chunk=prefill_chunk, steps=max_decode_steps, features=self.features
         )
         grid = engine_grid(self.max_model_len, self.max_num_seqs, self.prefill_rows)
-        self._image_example = self._fixed_image_example()
+        self._image_example = fixed_image_example(model.processor) if self.takes_images else None
         self._image_inputs: dict[int, dict] = {}  # per window: the example's prefill inputs (`warm_up`)
         if self._image_example is not None:
             shortest = len(self._image_example[0])
@@ -411,29 +412,6 @@ class Engine:
             )  # fmt: skip
             return (*args, inputs)
         return self._decode_args(np.zeros(self.max_num_seqs, bool), 1, False)
-
-    def _fixed_image_example(self) -> tuple[list[int], dict] | None:
-        """(prompt ids, the processor's other outputs) of a chat with one image, where the processor gives
-        images of two sizes the same shapes (a fixed image size: its prefill programs can be compiled
-        ahead); else None."""
-        if not self.takes_images:
-            return None
-        processor = self.model.processor
-        chat = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "Describe this"}]}]
-        text = processor.apply_chat_template(chat, add_generation_prompt=True, tokenize=False)
-        from PIL import Image
-
-        examples = [
-            generation.processed(processor, [text], [[Image.new("RGB", size, (128, 128, 128))]])
-            for size in ((48, 40), (32, 64))
-        ]
-        shapes = [{name: np.shape(value) for name, value in example.items()} for example in examples]
-        if shapes[0] != shapes[1]:
-            return None
-        first = examples[0]
-        ids = [int(t) for t in first.pop("input_ids")[0]]
-        first.pop("attention_mask", None)
-        return ids, first
 
     def _prefill_args(self, which, ids, start, count, last, fresh, want_logprobs) -> tuple:
         return (
