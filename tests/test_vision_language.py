@@ -14,7 +14,7 @@ import torch
 import transformers
 
 import hfjax
-from hfjax import cli, testing
+from hfjax import cli, testing, tolerances
 from hfjax.generation import chat_with_images
 
 QUESTIONS = ("Describe this", "What is the capital of France? Tell me")
@@ -76,17 +76,28 @@ def _processed(path, family: str, images) -> dict:
 
 
 @pytest.mark.parametrize("family", testing.VISION_LANGUAGE_FAMILIES)
-def test_batched_greedy_tokens_match_transformers_generate(saved, family):
+def test_batched_greedy_tokens_match_transformers_generate(saved, family, monkeypatch):
+    from hfjax.generation import _slots
+
+    decodes = []  # the call runs on the slot core (hfjax serve's programs)
+    decode = _slots.SlotPrograms.decode
+    monkeypatch.setattr(_slots.SlotPrograms, "decode", lambda self, *a, **k: decodes.append(1) or decode(self, *a, **k))
     path = saved(family)
     inputs = _processor_outputs(path, family, _images())
     assert bool((inputs["attention_mask"] == 0).any())  # the two prompts differ in length: left padding
     reference = transformers.AutoModelForImageTextToText.from_pretrained(path).eval()
+    settings = dict(max_new_tokens=NEW_TOKENS, output_logits=True, return_dict_in_generate=True)
     with torch.no_grad():
-        expected = reference.generate(**inputs, max_new_tokens=NEW_TOKENS, do_sample=False)
+        expected = reference.generate(**inputs, do_sample=False, **settings)
     model = hfjax.load(path)
     assert model.task == "image-text-to-text"
-    out = model.generate(**{name: value.numpy() for name, value in inputs.items()}, max_new_tokens=NEW_TOKENS)
-    np.testing.assert_array_equal(np.asarray(out), expected.numpy())
+    out = model.generate(**{name: value.numpy() for name, value in inputs.items()}, **settings)
+    np.testing.assert_array_equal(np.asarray(out.sequences), expected.sequences.numpy())
+    assert decodes, "the call did not run on the slot core"
+    # Each step's logits: a decode position off by a multimodal rope's delta changes them, not the tokens.
+    tolerance = tolerances.for_family(family)
+    for step, (ours, theirs) in enumerate(zip(out.logits, expected.logits)):
+        np.testing.assert_allclose(np.asarray(ours), theirs.numpy(), atol=tolerance.atol, err_msg=f"step {step}")
 
 
 @pytest.fixture(scope="module")

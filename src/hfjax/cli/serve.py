@@ -8,6 +8,7 @@ import gc
 import importlib.util
 import json
 import os
+import pathlib
 import signal
 import socket
 import sys
@@ -149,6 +150,17 @@ def add_parser(subparsers) -> None:
     )
     parser.add_argument(
         "--prefill-rows", type=int, default=4, help="prompts read together in one prefill call (default: 4)"
+    )
+    parser.add_argument(
+        "--allowed-local-media-path",
+        default=None,
+        help="a directory whose image files chat requests may name (file:// URLs or paths in image_url parts) "
+        "(default: none, no local file is read; vLLM's flag, a security risk: use it only in a trusted environment)",
+    )
+    parser.add_argument(
+        "--limit-mm-per-prompt",
+        default=None,
+        help="the most images a chat request may hold, as vLLM's JSON: '{\"image\": 2}' (default: 999)",
     )
     parser.add_argument(
         "--enable-auto-tool-choice",
@@ -383,6 +395,42 @@ def missing_extra() -> list[str]:
     return [name for name in _EXTRA if importlib.util.find_spec(name) is None]
 
 
+def limit_mm_per_prompt(text: str) -> int | None:
+    """The images per prompt of vLLM's --limit-mm-per-prompt JSON ('{"image": 2}'; other modalities: 0);
+    None where it names no image limit.
+
+    Raises:
+        ValueError: not a JSON object of whole numbers >= 0, or a modality other than image above 0.
+    """
+    try:
+        limits = json.loads(text)
+    except json.JSONDecodeError as error:
+        raise ValueError(
+            f"--limit-mm-per-prompt {text!r} is not JSON ({error}); pass e.g. '{{\"image\": 2}}'"
+        ) from None
+    if not isinstance(limits, dict) or not all(
+        isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in limits.values()
+    ):
+        raise ValueError(
+            f"--limit-mm-per-prompt {text!r}: pass a JSON object of whole numbers >= 0, e.g. '{{\"image\": 2}}'"
+        )
+    others = sorted(name for name, limit in limits.items() if name != "image" and limit > 0)
+    if others:
+        raise ValueError(
+            f"--limit-mm-per-prompt {text!r}: hfjax serve reads images only; leave out {', '.join(others)}"
+        )
+    return limits.get("image")
+
+
+def media_policy(args: argparse.Namespace):
+    """The server's `MediaPolicy` of --allowed-local-media-path and --limit-mm-per-prompt (checked by preflight)."""
+    from hfjax.serving import MediaPolicy
+
+    limit = None if args.limit_mm_per_prompt is None else limit_mm_per_prompt(args.limit_mm_per_prompt)
+    local = None if args.allowed_local_media_path is None else pathlib.Path(args.allowed_local_media_path)
+    return MediaPolicy(allowed_local_media_path=local, **({} if limit is None else {"image_limit": limit}))
+
+
 def preflight(args: argparse.Namespace) -> int | None:
     """What `hfjax serve` checks before JAX starts, so that a mistake is one line in the first second:
     the serve extra, the flags, and the port, which it binds (`args.listening`); an exit code, or None."""
@@ -405,6 +453,15 @@ def preflight(args: argparse.Namespace) -> int | None:
         "max_lora_rank",
     )
     problem = _lora_problem(args)
+    if args.limit_mm_per_prompt is not None and not problem:
+        try:
+            limit_mm_per_prompt(args.limit_mm_per_prompt)
+        except ValueError as error:
+            problem = str(error)
+    if args.allowed_local_media_path is not None and not os.path.isdir(args.allowed_local_media_path):
+        problem = problem or (
+            f"--allowed-local-media-path {args.allowed_local_media_path!r} is not a directory; pass one that exists"
+        )
     if args.speculative_config is not None and not problem:
         try:
             speculative_config(args.speculative_config)
@@ -523,7 +580,7 @@ def run(args: argparse.Namespace) -> int:
             _say(f"draft model {speculative.model}")
         speculation = Speculation(**{k: v for k, v in speculative._asdict().items() if k != "model"})
     engine = None
-    if model.task == "text-generation":
+    if model.task in ("text-generation", "image-text-to-text"):
         engine = Engine(
             model, max_num_seqs=args.max_batch, max_model_len=args.max_model_len, kv_cache_memory=args.kv_cache_memory,
             gpu_memory_utilization=args.gpu_memory_utilization, max_queue=args.max_queue,
@@ -534,7 +591,8 @@ def run(args: argparse.Namespace) -> int:
         _say(engine.sizing.describe())
         engine.start()  # every program it will run, compiled (or read from the cache) before it listens
     elif model.task != "feature-extraction":
-        print(f"hfjax serve: {path} loads as task={model.task!r}; serve a causal LM or an encoder", file=sys.stderr)
+        print(f"hfjax serve: {path} loads as task={model.task!r}; serve a causal LM, a vision-language model or an encoder",
+              file=sys.stderr)  # fmt: skip
         return 2
     # What is loaded by now lives as long as the server: out of the garbage collector's full passes,
     # which otherwise scanned all of it mid-stream (pauses of 100-270 ms, seen at one stream).
@@ -554,6 +612,7 @@ def run(args: argparse.Namespace) -> int:
         enable_auto_tool_choice=args.enable_auto_tool_choice, tool_call_parser=args.tool_call_parser,
         enable_lora=args.enable_lora, runtime_lora_updating=runtime_lora,
         lora_parents={m.name: m.base_model_name for m in args.lora_modules or [] if m.base_model_name},
+        media=media_policy(args),
     )  # fmt: skip
     host = f"[{args.host}]" if ":" in args.host else args.host
     _say(f"{name} on http://{host}:{sock.getsockname()[1]}")

@@ -25,7 +25,8 @@ Parts, one concern each (docs/architecture.md describes the engine's internal AP
     _on_slots.py   `Model.generate` on the slot core: every row admitted at once, decoded to its end
     _slot_beams.py beam search over the slot cache, a program family of its own
     _engine.py     `Generator`, which runs `Model.generate`: on the slot core where that carries
-                   out the call (`_on_slots`), else with its own programs (other caches, images,
+                   out the call (`_on_slots`), else with its own programs (other caches, images whose
+                   masks the core does not build,
                    models without position_ids, right-padded prompts)
     _generate.py   `generate`: `Model.generate`'s arguments checked and resolved into one engine run
     _multimodal.py prefill-only model inputs (images), multimodal rope positions
@@ -36,7 +37,8 @@ the one settings type (`GenerationSettings`, `SamplingConfig`, `resolve_settings
 check (`check_context`), the continuous-batching core the server drives (`SlotModel`,
 `SlotPrograms`, `SlotState`, `Chosen`, `RowSampling`, `SamplingFeatures`, `key_data`,
 `check_supported`, `Speculation`, `SpeculativeSlotModel`, `check_draft`), structured outputs (`Constraint`, `ConstraintError`, `Grammars`, `Matcher`, `bitmask_words`), `cache_keyword` / `returned_cache`, and the CLI's `check_takes_images`,
-`load_image`, `encode`, `GenerationStats`.
+`load_image`, `encode`, `GenerationStats`; the server's `processed` (a processor's outputs for prompts
+with images).
 """
 
 from ._caches import cache_keyword, returned_cache
@@ -48,7 +50,7 @@ from ._settings import GenerationSettings, SamplingConfig, resolve_settings
 from ._slots import TOP_LOGPROBS, Chosen, SlotModel, SlotPrograms, SlotState, check_supported
 from ._speculative import Speculation
 from ._speculative_slots import SpeculativeSlotModel
-from ._vision_chat import chat_with_images, check_takes_images, encode, load_image
+from ._vision_chat import chat_with_images, check_takes_images, encode, load_image, processed
 
 __all__ = [
     "Chosen",
@@ -81,6 +83,7 @@ __all__ = [
     "generate",
     "key_data",
     "load_image",
+    "processed",
     "resolve_settings",
     "returned_cache",
 ]

@@ -11,7 +11,7 @@ Stages (gpt-fast's names):
                    one loop per window, in the same program.
 
 A call that the continuous-batching core carries out runs on it instead (`_on_slots.SlotRuns`:
-decoder-only, a static KV cache, left-padded prompts, no images, ...; beam search as a program
+decoder-only, a static KV cache, left-padded prompts, images with greedy or sampled decoding, ...; beam search as a program
 family of its own over the slot cache, `_slot_beams`), with the programs `hfjax serve` runs;
 `Generator`'s own programs below run the rest.
 
@@ -54,8 +54,8 @@ from ._state import DecodeState, field_slices, read
 # Why a constrained call cannot run: the mask is applied on the slot core only.
 _NOT_CONSTRAINABLE = (
     "Model.generate: structured outputs (json_schema, regex, choice, grammar, response_format) run on the slot "
-    "core, which takes decoder-only models with a static KV cache and position_ids, left-padded prompts and no "
-    "image inputs; {}"
+    "core, which takes decoder-only models with a static KV cache and position_ids, left-padded prompts and "
+    "the image inputs whose masks it builds; {}"
 )
 
 
@@ -257,10 +257,13 @@ class Generator:
         speculation = settings.speculation
         if speculation is not None:
             self._check_speculable(plan, settings, inputs, constraint, draft)
+        extra = None
+        if inputs:
+            extra = self._prefill_inputs(plan, inputs, ids, lora, precision)
         if self.slot_runs.takes(plan, settings, inputs):
             ran = self.slot_runs.generate(
                 ids, plan, settings, compiled, seed=seed, streamer=streamer, constraint=constraint, lora=lora,
-                draft=draft,
+                draft=draft, inputs=extra,
             )  # fmt: skip
             if ran is None and constraint is not None:
                 raise GenerationError(
@@ -280,22 +283,6 @@ class Generator:
                 if settings.return_dict_in_generate:
                     out = self._output(out, kept.get, new.shape[0], new.shape[1], beams=beam is not None)
                 return out
-        extra = None
-        if inputs:
-            if not self.adapter.takes_prefill_inputs:
-                raise GenerationError(
-                    f"Model.generate: {type(self.module).__name__} decodes without a static cache ({self.adapter.kind}), "
-                    f"so hfjax cannot give it {', '.join(inputs)} at the prefill only; generate in PyTorch"
-                )
-            if parallel.data_size(self.model.mesh) > 1:
-                raise GenerationError(
-                    f"Model.generate: image inputs ({', '.join(inputs)}) on a mesh with a 'data' axis of "
-                    f"{parallel.data_size(self.model.mesh)} devices: hfjax does not split them over it yet; use a mesh "
-                    "with data=1 (the weights may still be split over 'model')"
-                )
-            with self._bound(_one_adapter(self.model.params, lora)), bridge.products(precision):
-                inputs = _multimodal.encode_images_eagerly(self.module, inputs)
-            extra = _multimodal.prefill_inputs(self.module, plan, inputs, ids.shape[1])
         batch = plan.prompts * plan.per_prompt  # the rows the caller sees, without beam search
         if streamer is not None:
             streamer.put(torch.as_tensor(ids.astype(np.int64)))
@@ -664,6 +651,23 @@ class Generator:
         start = (state.replace(cache=carried), jnp.bool_(True), [jnp.asarray(value) for value in values])
         state, held, observed = jax.lax.while_loop(lambda carry: running(carry[0]) & carry[1], guarded_step, start)
         return state.replace(cache=restore(state.cache)), held, observed
+
+    def _prefill_inputs(self, plan, inputs: dict, ids, lora, precision) -> _multimodal.PrefillInputs:
+        """`inputs` (images) laid out for `plan`, an eager image encoder's output in place of its pixels."""
+        if not self.adapter.takes_prefill_inputs:
+            raise GenerationError(
+                f"Model.generate: {type(self.module).__name__} decodes without a static cache ({self.adapter.kind}), "
+                f"so hfjax cannot give it {', '.join(inputs)} at the prefill only; generate in PyTorch"
+            )
+        if parallel.data_size(self.model.mesh) > 1:
+            raise GenerationError(
+                f"Model.generate: image inputs ({', '.join(inputs)}) on a mesh with a 'data' axis of "
+                f"{parallel.data_size(self.model.mesh)} devices: hfjax does not split them over it yet; use a mesh "
+                "with data=1 (the weights may still be split over 'model')"
+            )
+        with self._bound(_one_adapter(self.model.params, lora)), bridge.products(precision):
+            inputs = _multimodal.encode_images_eagerly(self.module, inputs)
+        return _multimodal.prefill_inputs(self.module, plan, inputs, ids.shape[1])
 
     @contextlib.contextmanager
     def _bound(self, params):

@@ -86,6 +86,37 @@ class PrefillInputs:
         return {**arguments, **constants}
 
 
+def _image_runs(token_type_ids):
+    # Gemma 3: each run of image tokens (type 1) is a block of its own, numbered from 0; text is -1.
+    import jax.numpy as jnp
+
+    image = token_type_ids == 1
+    starts = image & ~jnp.pad(image, ((0, 0), (1, 0)))[:, :-1]
+    return jnp.where(image, jnp.cumsum(starts.astype(jnp.int32), axis=1) - 1, -1)
+
+
+def _prefix(token_type_ids):
+    # PaliGemma: the prefix (type 0: the image and the prompt) is one block; the answer (type 1) is -1.
+    import jax.numpy as jnp
+
+    return jnp.where(token_type_ids == 0, 0, -1)
+
+
+# Models whose prefill lets blocks of tokens attend to each other both ways, as transformers builds
+# their masks from token_type_ids: {config.model_type: token_type_ids [B, C] -> block ids [B, C]
+# int32, -1 outside any block}. The slot core builds its masks itself, so it adds these blocks.
+BIDIRECTIONAL_BLOCKS = {"gemma3": _image_runs, "paligemma": _prefix}
+
+
+def block_ids(module, inputs: dict):
+    """The prefill's bidirectional block ids [B, C] int32 (-1: causal) from `inputs`' token_type_ids,
+    where `module`'s mask has such blocks (`BIDIRECTIONAL_BLOCKS`); else None."""
+    rule = BIDIRECTIONAL_BLOCKS.get(module.config.model_type)
+    if rule is None or "token_type_ids" not in inputs:
+        return None
+    return rule(inputs["token_type_ids"]).astype("int32")
+
+
 def split_model_inputs(module, arguments: dict) -> tuple[dict, dict]:
     """(prefill inputs, the rest) of `Model.generate`'s keyword arguments: the array-valued ones
     that `module.forward` takes, as numpy arrays. An array the forward does not take (pixel_values
@@ -114,21 +145,44 @@ def prefill_inputs(module, plan: BatchPlan, inputs: dict[str, np.ndarray], promp
             f"(num_beams / num_return_sequences) or a batch of {plan.prompts} that does not divide over the mesh's "
             "data devices: hfjax does not repeat image inputs; use num_beams=1, num_return_sequences=1"
         )
-    laid_out = {}
-    for name, value in inputs.items():
-        if value.shape[:2] == (plan.prompts, prompt_length) and value.ndim == 2:
-            padded = np.zeros((plan.rows, plan.size), value.dtype)
-            padded[:, plan.size - prompt_length :] = value
-            value = padded
-        laid_out[name] = value
+    laid_out = _left_padded(inputs, plan.prompts, prompt_length, plan.rows, plan.size)
     shift = None
     rope_index = getattr(getattr(module, "model", None), "get_rope_index", None)
     if rope_index is not None:
-        positions, deltas = _rope_positions(rope_index, plan, laid_out)
+        positions, deltas = _rope_positions(rope_index, plan.ids, plan.mask, laid_out)
         laid_out["position_ids"] = positions
         shift = deltas
     static = tuple((name, laid_out.pop(name).tolist()) for name in sorted(STATIC_INPUTS & laid_out.keys()))
-    return PrefillInputs(model_inputs=laid_out, position_shift=shift, static=_frozen(static))
+    return PrefillInputs(model_inputs=laid_out, position_shift=shift, static=frozen(static))
+
+
+def chunk_inputs(module, ids: np.ndarray, inputs: dict[str, np.ndarray], width: int) -> tuple[dict, int]:
+    """One prompt's prefill inputs for a one-row slot prefill chunk of `width` columns, its tokens
+    last: `ids` [S] int, `inputs` the processor's other outputs for it ([1, ...] host arrays, without
+    input_ids and attention_mask). Returns ({name: host array}, multimodal rope positions [3, 1, width]
+    among them, the `STATIC_INPUTS` as int arrays; the row's rope delta, 0 without a multimodal rope)."""
+    length = len(ids)
+    padded = np.zeros((1, width), np.int32)
+    padded[0, width - length :] = ids
+    mask = (np.arange(width) >= width - length).astype(np.int32)[None, :]
+    laid_out = _left_padded(inputs, 1, length, 1, width)
+    rope_index = getattr(getattr(module, "model", None), "get_rope_index", None)
+    if rope_index is None:
+        return laid_out, 0
+    positions, deltas = _rope_positions(rope_index, padded, mask, laid_out)
+    return {**laid_out, "position_ids": positions}, int(deltas[0])
+
+
+def _left_padded(inputs: dict, prompts: int, prompt_length: int, rows: int, size: int) -> dict:
+    # Inputs laid out along the prompts ([prompts, prompt_length]) left-padded with zeros to [rows, size].
+    laid_out = {}
+    for name, value in inputs.items():
+        if value.shape[:2] == (prompts, prompt_length) and value.ndim == 2:
+            padded = np.zeros((rows, size), value.dtype)
+            padded[:prompts, size - prompt_length :] = value
+            value = padded
+        laid_out[name] = value
+    return laid_out
 
 
 def encode_images_eagerly(module, inputs: dict) -> dict:
@@ -163,7 +217,7 @@ def signature(inputs: PrefillInputs | None) -> tuple:
     return shapes + inputs.static
 
 
-def _rope_positions(rope_index, plan: BatchPlan, inputs: dict) -> tuple[np.ndarray, np.ndarray]:
+def _rope_positions(rope_index, ids: np.ndarray, mask: np.ndarray, inputs: dict) -> tuple[np.ndarray, np.ndarray]:
     # Multimodal rope: positions [3, B, P] of (time, height, width), and per row the delta between
     # the next position and the count of prompt tokens. Run in PyTorch on the host: the image
     # layout decides them, which a traced program cannot read.
@@ -171,7 +225,7 @@ def _rope_positions(rope_index, plan: BatchPlan, inputs: dict) -> tuple[np.ndarr
 
     wanted = inspect.signature(rope_index).parameters
     arguments = {name: torch.as_tensor(inputs[name]) for name in wanted if name in inputs}
-    ids, mask = torch.as_tensor(plan.ids.astype(np.int64)), torch.as_tensor(plan.mask.astype(np.int64))
+    ids, mask = torch.as_tensor(ids.astype(np.int64)), torch.as_tensor(mask.astype(np.int64))
     if "mm_token_type_ids" in wanted and "mm_token_type_ids" not in arguments:
         raise GenerationError(
             "Model.generate: this model's multimodal rope needs mm_token_type_ids (the processor returns it with "
@@ -182,8 +236,9 @@ def _rope_positions(rope_index, plan: BatchPlan, inputs: dict) -> tuple[np.ndarr
     return positions.numpy().astype(np.int32), deltas.reshape(-1).numpy().astype(np.int32)
 
 
-def _frozen(value):
-    return tuple(_frozen(v) for v in value) if isinstance(value, (list, tuple)) else value
+def frozen(value):
+    """`value` (nested lists) as nested tuples, hashable."""
+    return tuple(frozen(v) for v in value) if isinstance(value, (list, tuple)) else value
 
 
 def _is_array(value) -> bool:

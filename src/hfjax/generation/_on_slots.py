@@ -7,8 +7,9 @@ same programs.
 
 A call runs here when the slot core carries out everything it asks: a decoder-only model with a
 static KV cache that takes `position_ids` (full or sliding-window attention), left-padded prompts,
-no prefill-only inputs (images), weights on one device or on a mesh (of one process or several),
-and a model that reads no values of its data. `Generator` runs the rest. Beam search runs its own
+images where it builds the model's masks (`takes_images`; the prefill chunk of every row's whole
+prompt takes them), weights on one device or on a mesh (of one process or several), and a model
+that reads no values of its data. `Generator` runs the rest. Beam search runs its own
 programs over the same cache (`_slot_beams`), from the slot prefill's logits. A row that has stopped runs
 on pad tokens until every row has, as transformers feeds it, so the processed scores and raw
 logits that `output_scores` / `output_logits` keep are transformers' for every row and step.
@@ -38,7 +39,7 @@ import torch
 
 from .. import bridge, parallel
 from .._errors import DataDependentError, GenerationError
-from . import _grammar, _planning, _rows
+from . import _grammar, _multimodal, _planning, _rows
 from ._settings import GenerationSettings
 from ._slot_beams import BeamCarry, SlotBeams
 from ._slots import SlotModel, SlotPrograms, check_supported
@@ -70,7 +71,9 @@ class SlotRuns:
 
     def takes(self, plan: _planning.BatchPlan, settings: GenerationSettings, inputs) -> bool:
         """Whether this call runs on the slot core (the module docstring says which do)."""
-        if not self.possible or inputs or self.generator.reads_data:
+        if not self.possible or self.generator.reads_data:
+            return False
+        if inputs and not takes_images(self.model.module, inputs, settings):
             return False
         return _left_padded(plan.mask)
 
@@ -86,6 +89,7 @@ class SlotRuns:
         constraint: _grammar.Constraint | None = None,
         lora: np.ndarray | None = None,
         draft=None,
+        inputs: _multimodal.PrefillInputs | None = None,
     ) -> tuple[np.ndarray, float, dict[str, jax.Array]] | None:
         """(new tokens int32 [prompts * num_return_sequences, T], padded with pad_token_id after a
         row's EOS (beam search: each prompt's best finished sequences, best first, `fill_token_id`
@@ -94,7 +98,8 @@ class SlotRuns:
         for; speculation's (drafted tokens, accepted tokens, target forwards), zeros without it), or
         None where the model turned out to read values of its data (then `Generator` runs the call). `constraint`: what every row's answer must be (see the module's docstring). `lora`: int32
         [prompts], each prompt's LoRA adapter slot (None: the model holds none). `draft`: the draft model
-        (an hfjax Model) where `settings.speculation` drafts with one."""
+        (an hfjax Model) where `settings.speculation` drafts with one. `inputs`: the prompts' images,
+        laid out for `plan` (its rows and prompt bucket), which the prefill takes."""
         start = time.perf_counter()
         rows, budget = plan.rows, settings.max_new_tokens
         precision = bridge.resolve_precision(self.model.matmul_precision)
@@ -126,6 +131,11 @@ class SlotRuns:
         sampling.key = _ROW_KEYS(sampling.key)  # each row's index folded in
         if lora is not None:  # each prompt's rows (num_return_sequences of them) run on its adapter
             sampling.lora[: plan.prompts * plan.per_prompt] = np.repeat(lora, plan.per_prompt)
+        arrays = None
+        if inputs is not None:  # images: one prefill chunk of every row's whole prompt takes them
+            if inputs.position_shift is not None:
+                sampling.rope_delta[:] = inputs.position_shift
+            arrays = {**inputs.model_inputs, **{name: np.asarray(values) for name, values in inputs.static}}
         allowed = sampling.allowed  # [rows, W] int32 on the host, where the call is constrained
         if matchers is not None:
             sampling.constrained[: len(matchers)] = True
@@ -134,7 +144,7 @@ class SlotRuns:
         every = np.ones(rows, bool)
         # Beam search takes no token from the prefill: its rows' next tokens come from the search.
         last = every if beam is None else np.zeros(rows, bool)
-        sampling, which, prompts, starts, counts, every, last, no = self._to_device(
+        sampling, which, prompts, starts, counts, every, last, no, arrays = self._to_device(
             (
                 sampling,
                 np.arange(rows, dtype=np.int32),
@@ -144,13 +154,14 @@ class SlotRuns:
                 every,
                 last,
                 np.False_,
+                arrays,
             )
         )
         try:  # the state's shapes come from an abstract run of the model, which may read its data too
             state = programs.slot_model.empty_state(features)
             # The prefill's window: the prompts' columns, the only ones it reads and writes.
             state, chosen = programs.prefill(
-                state, sampling, which, prompts, starts, counts, last, every, no, window=plan.size
+                state, sampling, which, prompts, starts, counts, last, every, no, window=plan.size, inputs=arrays
             )
         except DataDependentError:
             self.generator.reads_data = True
@@ -313,6 +324,16 @@ class SlotRuns:
                 features=features, stop_tokens=stops, pad_token=pad, kept=kept, cache=self.generator.programs,
             )  # fmt: skip
         return self._programs[key]
+
+
+def takes_images(module, inputs, settings: GenerationSettings | None = None) -> bool:
+    """Whether the slot core can prefill `module` with `inputs` (names of its prefill-only inputs):
+    its masks' bidirectional blocks are known (`_multimodal.BIDIRECTIONAL_BLOCKS`) where it reads
+    token_type_ids, and `settings` (Model.generate's) neither searches beams nor drafts, whose programs
+    take no rope shift."""
+    if "token_type_ids" in inputs and module.config.model_type not in _multimodal.BIDIRECTIONAL_BLOCKS:
+        return False
+    return settings is None or (settings.beam is None and settings.speculation is None)
 
 
 # [R, 2] uint32 key data with each row's index folded in, as one program (eagerly: 4 ms a call).

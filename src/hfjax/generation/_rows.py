@@ -9,7 +9,7 @@ and a static `SamplingFeatures` says which parts of the token choice it compiles
                       tokens (the program's, and the row's own) are not chosen, where the row's
                       answer starts and ends, the tokens a constrained row may choose next
                       (a bitmask a grammar on the host fills), the LoRA adapter it runs
-                      with, and a PRNG key, one row each
+                      with, its multimodal rope's shift, and a PRNG key, one row each
     SamplingFeatures  which of those any row may use (hashable: part of a program's key), and
                       `HistoryRules`: generate's processors that read the tokens so far
 
@@ -124,6 +124,9 @@ class RowSampling:
     allowed: np.ndarray
     constrained: np.ndarray
     lora: np.ndarray  # [R] int32: the row's LoRA adapter slot (`hfjax.lora`); -1: the base alone
+    # [R] int32: added to the row's decode positions in the model's rope (multimodal rope's delta
+    # between the next rope position and the prompt's token count, `_multimodal`); 0: none
+    rope_delta: np.ndarray
     key: np.ndarray  # [R, 2] uint32: each row's PRNG key data (the last field)
 
     @classmethod
@@ -177,6 +180,7 @@ class RowSampling:
             allowed=np.full((count, mask_words), -1, np.int32),
             constrained=np.zeros(count, bool),
             lora=np.full(count, -1, np.int32),
+            rope_delta=np.zeros(count, np.int32),
             key=np.stack([np.asarray(key, np.uint32) for _, _, key in rows]).reshape(count, 2),
         )
 
@@ -198,7 +202,8 @@ class RowSampling:
             min_position=filled(0, np.int32), held_ids=filled(unused, np.int32, (count, held_slots)),
             pads=filled(0, np.int32), first_new=filled(0, np.int32),
             last_new=filled(0, np.int32), allowed=filled(-1, np.int32, (count, mask_words)),
-            constrained=filled(False, bool), lora=filled(-1, np.int32), key=filled(0, np.uint32, (count, 2)),
+            constrained=filled(False, bool), lora=filled(-1, np.int32),
+            rope_delta=filled(0, np.int32), key=filled(0, np.uint32, (count, 2)),
         )  # fmt: skip
 
     def leaves(self) -> tuple:

@@ -29,11 +29,12 @@ import threading
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from .. import _backend, bridge, parallel
 from .. import lora as _lora
 from .._errors import GenerationError
-from . import _caches, _programs, _sampling
+from . import _caches, _multimodal, _programs, _sampling
 from ._adapters import StaticCacheAdapter, adapter_for
 from ._choose import apply_rules, choose_tokens
 from ._rows import RowSampling, SamplingFeatures
@@ -199,6 +200,8 @@ class SlotModel:
         self.module_names = {id(m): n for n, m in self.module.named_modules()}
         self.cache_keyword = _caches.cache_keyword(self.module)
         self.takes_logits_to_keep = "logits_to_keep" in inspect.signature(self.module.forward).parameters
+        # A multimodal rope (Qwen2-VL's): decode positions shift by each row's `RowSampling.rope_delta`.
+        self.rope_shift = hasattr(getattr(self.module, "model", None), "get_rope_index")
         self._shapes = None
         self._empty = {}  # the programs that make `empty_state`, per state layout
 
@@ -275,6 +278,18 @@ class SlotModel:
             with bridge.bound(self.module, params, self.model.aliases, bridge.prng_key()):
                 yield
 
+    def prompt_inputs(self, ids, processed: dict, width: int) -> tuple[dict, int]:
+        """One prompt's prefill-only inputs for a one-row `prefill_chunk` of `width` columns holding
+        its whole prompt (`_multimodal.chunk_inputs`: `ids` [S], `processed` the processor's other
+        outputs), an eager image encoder's output in place of its pixels (run here, op by op, with
+        the weights bound). Returns (the inputs, the row's `RowSampling.rope_delta`)."""
+        inputs, delta = _multimodal.chunk_inputs(self.module, ids, processed, width)
+        if type(self.module).__name__ in _multimodal.EAGER_IMAGE_ENCODERS:
+            precision = bridge.resolve_precision(self.model.matmul_precision)
+            with self.bound(self.model.params), bridge.products(precision):
+                inputs = _multimodal.encode_images_eagerly(self.module, inputs)
+        return {name: jnp.asarray(value) for name, value in inputs.items()}, delta
+
     def weights(self) -> dict:
         """What the programs take as their weights (`prefill_chunk` and `decode_chunk`'s `params`)."""
         return self.model.params
@@ -283,10 +298,14 @@ class SlotModel:
         """What, beside `SlotPrograms.key`, the programs depend on (none here)."""
         return ()
 
-    def run(self, params, cache, ids, positions, columns, keep=None, *, lora=None):
+    def run(self, params, cache, ids, positions, columns, keep=None, *, lora=None, inputs=None, blocks=None):
         """Logits [B, q, V] (or at the query indices `keep` [k] int32 only: [B, k, V]) and the cache
         after ids [B, q] at positions [B, q], whose keys and values go to columns [B, q] (past the
-        cache's end: nowhere). lora: [B] int32, each row's LoRA adapter slot (`RowSampling.lora`)."""
+        cache's end: nowhere). lora: [B] int32, each row's LoRA adapter slot (`RowSampling.lora`).
+        inputs: other forward arguments (a prefill's images), position_ids among them where the
+        model's rope positions differ from the cache's (multimodal rope: [3, B, q]). blocks: (query
+        blocks [B, q], key blocks [B, L]) int32, where queries and keys of one block (>= 0) see each
+        other both ways (`_multimodal.BIDIRECTIONAL_BLOCKS`)."""
         from transformers import StaticCache
 
         length = cache[0][0].shape[2]  # the columns given: all L, or a chunk's window
@@ -298,6 +317,9 @@ class SlotModel:
         masks = {}
         for kind in self.mask_kinds:
             allowed = every <= positions[:, :, None]  # [B, q, L]
+            if blocks is not None:  # transformers' OR of the causal mask and the blocks, before the window
+                query, key = blocks
+                allowed |= (query[:, :, None] == key[:, None, :]) & (query[:, :, None] >= 0)
             if kind == "sliding_attention":  # transformers' sliding window: the key within `window` of the query
                 allowed &= every > positions[:, :, None] - self.window
             masks[kind] = bridge.to_torch(self._mask(allowed[:, None], cache[0][0].dtype))  # [B, 1, q, L]
@@ -307,6 +329,7 @@ class SlotModel:
         if keep is not None and self.takes_logits_to_keep:
             kwargs["logits_to_keep"] = bridge.to_torch(keep)
             keep = None
+        kwargs.update({name: bridge.to_torch(value) for name, value in (inputs or {}).items()})
         with contextlib.nullcontext() if lora is None else _lora.rows(lora):
             out = self.module(input_ids=bridge.to_torch(ids), **kwargs)
         logits = bridge.to_jax(out.logits).astype(jnp.float32)
@@ -322,20 +345,36 @@ class SlotModel:
 
     # -- the two programs (traced) --------------------------------------------------
 
-    def run_chunk(self, params, cache: list, which, ids, start, count, *, window: int, lora=None):
+    def run_chunk(self, params, cache: list, which, ids, start, count, *, window: int, lora=None, inputs=None):
         """A prompt chunk run into rows `which` [P] of `cache` over its first `window` columns: ids [P, C]
         int32, row p's count[p] real tokens last, at positions start[p].. (the padding before them writes
-        nowhere). Returns (logits [P, 1, V] at index C-1, the cache with those rows written, offset [P, C]
-        int32: each token's place among the row's real ones, < 0 for padding)."""
+        nowhere). `inputs`: the chunk's prefill-only inputs (see `prefill_chunk`). Returns (logits
+        [P, 1, V] at index C-1, the cache with those rows written, offset [P, C] int32: each token's
+        place among the row's real ones, < 0 for padding)."""
         gathered = [tuple(a.at[which, :, :window].get(mode="fill", fill_value=0) for a in pair) for pair in cache]
         chunk = ids.shape[1]
         offset = jnp.arange(chunk, dtype=jnp.int32)[None, :] - (chunk - count)[:, None]
         positions = start[:, None] + jnp.maximum(offset, 0)
         columns = jnp.where(offset >= 0, positions, window)
-        with self.bound(params):
+        arguments, blocks, static = {}, None, ()
+        if inputs:
+            static = tuple(sorted((n, v) for n, v in inputs.items() if n in _multimodal.STATIC_INPUTS))
+            arrays = {n: v for n, v in inputs.items() if n not in _multimodal.STATIC_INPUTS}
+            query = _multimodal.block_ids(self.module, arrays)  # [P, C]
+            if query is not None:  # each key's block, by the column its token writes (else -1)
+                rows = jnp.broadcast_to(jnp.arange(ids.shape[0], dtype=jnp.int32)[:, None], columns.shape)
+                key = jnp.full((ids.shape[0], window), -1, jnp.int32).at[rows, columns].set(query, mode="drop")
+                blocks = (query, key)
+            prefill = _multimodal.PrefillInputs(model_inputs=arrays, position_shift=None, static=static)
+        # Static inputs (image grids) stay concrete through the ops the model runs on them.
+        evaluate = jax.ensure_compile_time_eval() if static else contextlib.nullcontext()
+        with self.bound(params), evaluate:
+            if inputs:
+                arguments = prefill.arguments()
             logits, gathered = self.run(
-                params, gathered, ids, positions, columns, keep=jnp.array([chunk - 1], jnp.int32), lora=lora
-            )
+                params, gathered, ids, positions, columns, keep=jnp.array([chunk - 1], jnp.int32), lora=lora,
+                inputs=arguments, blocks=blocks,
+            )  # fmt: skip
         written = [
             tuple(a.at[which, :, :window].set(r, mode="drop") for a, r in zip(pair, new))
             for pair, new in zip(cache, gathered)
@@ -358,6 +397,7 @@ class SlotModel:
         window: int,
         features: SamplingFeatures,
         kept: tuple[str, ...] = (),
+        inputs: dict | None = None,
     ) -> tuple[SlotState, Chosen]:
         """Prompt chunks of P slots at once: ids [P, C] int32, row p's count[p] real tokens last (at
         positions start[p]..; the padding before them writes nowhere), so every row's last real
@@ -366,11 +406,15 @@ class SlotModel:
         ends their prompt (their next token becomes the slot's next input); fresh [P] bool, the
         rows whose request starts here (its penalties' history starts empty). Only the first
         `window` columns are read and written. `kept`: "scores" and / or "logits", the first new
-        token's processed scores and raw logits to return (see `Chosen`). Returns (state, Chosen [P, 1])."""
+        token's processed scores and raw logits to return (see `Chosen`). `inputs`: the chunks'
+        prefill-only model inputs (`_multimodal`), where each row's chunk holds its whole prompt:
+        {name: array [P, ...]} (token_type_ids [P, C], laid out as `ids`; multimodal rope's
+        position_ids [3, P, C]; an eager image encoder's image_features), and the `STATIC_INPUTS` as
+        nested tuples of ints. Returns (state, Chosen [P, 1])."""
         slots = self.slots
         mine = jax.tree_util.tree_map(lambda a: a.at[which].get(mode="fill", fill_value=0), rows)
         logits, cache, offset = self.run_chunk(
-            params, state.cache, which, ids, start, count, window=window, lora=mine.lora
+            params, state.cache, which, ids, start, count, window=window, lora=mine.lora, inputs=inputs
         )
         seen = counts = None
         if state.seen is not None:  # the chunk's real tokens join the row's history
@@ -471,10 +515,13 @@ class SlotModel:
             going_now = going(tokens)
             # A row's stop token runs once, as any token; after it, pad tokens (transformers' rows).
             inputs = tokens if stops is None else jnp.where(tokens == STOPPED, jnp.int32(pad_token), tokens)
+            # Multimodal rope: the row's rope position is its column shifted by the row's delta.
+            rope = {"position_ids": (at + mine.rope_delta)[:, None]} if self.rope_shift else None
             with self.bound(params):
                 logits, cache = self.run(
-                    params, restore(cache), inputs[:, None], at[:, None], write_at[:, None], lora=mine.lora
-                )
+                    params, restore(cache), inputs[:, None], at[:, None], write_at[:, None], lora=mine.lora,
+                    inputs=rope,
+                )  # fmt: skip
             if history is not None:  # the step's input joins the row's tokens so far
                 column = jnp.where(write_at < write_nowhere, mine.pads + at, history.shape[1])
                 history = history.at[jnp.arange(r), column].set(inputs, mode="drop")
@@ -643,9 +690,23 @@ class SlotPrograms:
         )  # fmt: skip
 
     def prefill(
-        self, state: SlotState, rows: RowSampling, which, ids, start, count, last, fresh, want_logprobs, *, window
+        self,
+        state: SlotState,
+        rows: RowSampling,
+        which,
+        ids,
+        start,
+        count,
+        last,
+        fresh,
+        want_logprobs,
+        *,
+        window,
+        inputs: dict | None = None,
     ):
-        program, args = self._prefill(state, rows, which, ids, start, count, last, fresh, want_logprobs, window=window)
+        program, args = self._prefill(
+            state, rows, which, ids, start, count, last, fresh, want_logprobs, window=window, inputs=inputs
+        )
         leaves, chosen = program.run(*args)
         return SlotState(*leaves), Chosen(*chosen)
 
@@ -658,12 +719,12 @@ class SlotPrograms:
         leaves, chosen = program.run(*args)
         return SlotState(*leaves), Chosen(*chosen)
 
-    def compile_prefill(self, *arguments, window: int) -> tuple[bool, int]:
-        """Compiles the prefill program for these arguments (arrays or their shapes) without running it.
-        Returns (whether it was loaded from the compilation cache, XLA compiling nothing; the bytes it
-        holds, `held_bytes`)."""
+    def compile_prefill(self, *arguments, window: int, inputs: dict | None = None) -> tuple[bool, int]:
+        """Compiles the prefill program for these arguments (arrays or their shapes; `inputs` as
+        `prefill`'s, its static inputs as values) without running it. Returns (whether it was loaded
+        from the compilation cache, XLA compiling nothing; the bytes it holds, `held_bytes`)."""
         with bridge.Compiles() as compiles:
-            program, args = self._prefill(*arguments, window=window)
+            program, args = self._prefill(*arguments, window=window, inputs=inputs)
             compiled = program.run.lower(*args).compile()
         return not compiles.compiled, held_bytes(compiled)
 
@@ -676,10 +737,22 @@ class SlotPrograms:
             compiled = program.run.lower(*args).compile()
         return not compiles.compiled, held_bytes(compiled)
 
-    def _prefill(self, state, rows, which, ids, start, count, last, fresh, want_logprobs, *, window):
+    def _prefill(self, state, rows, which, ids, start, count, last, fresh, want_logprobs, *, window, inputs=None):
         args = (self.params, state.leaves(), rows.leaves(), which, ids, start, count, last, fresh, want_logprobs)
-        function = functools.partial(self._prefill_program, window=window)
-        return self._program(self.key("prefill", which.shape[0], window), function, args), args
+        key = self.key("prefill", which.shape[0], window)
+        static = ()
+        if inputs:  # the arrays are arguments; the static inputs' values, constants of the program
+            static = tuple(
+                (name, _multimodal.frozen(np.asarray(value).tolist()))
+                for name, value in sorted(inputs.items())
+                if name in _multimodal.STATIC_INPUTS
+            )
+            arrays = {name: value for name, value in inputs.items() if name not in _multimodal.STATIC_INPUTS}
+            args = (*args, arrays)
+            shapes = tuple((name, tuple(a.shape), str(a.dtype)) for name, a in sorted(arrays.items()))
+            key = (*key, "inputs", ids.shape[1], shapes, static)
+        function = functools.partial(self._prefill_program, window=window, static=static)
+        return self._program(key, function, args), args
 
     def _decode(self, state, rows, active, count, want_logprobs, *, decoding_rows, window, logprobs):
         args = (self.params, state.leaves(), rows.leaves(), active, count, want_logprobs)
@@ -694,11 +767,14 @@ class SlotPrograms:
 
     # -- traced: plain containers in and out, so that the programs can be kept on disk -------
 
-    def _prefill_program(self, params, leaves, rows, which, ids, start, count, last, fresh, want_logprobs, *, window):
+    def _prefill_program(
+        self, params, leaves, rows, which, ids, start, count, last, fresh, want_logprobs, arrays=None, *, window, static
+    ):
         self.cache.traced["prefill"] += 1
+        inputs = None if arrays is None else {**arrays, **dict(static)}
         state, chosen = self.slot_model.prefill_chunk(
             params, SlotState(*leaves), RowSampling(*rows), which, ids, start, count, last, fresh, want_logprobs,
-            window=window, features=self.features, kept=self.kept,
+            window=window, features=self.features, kept=self.kept, inputs=inputs,
         )  # fmt: skip
         return state.leaves(), _fields(chosen)
 

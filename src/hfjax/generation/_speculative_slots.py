@@ -103,8 +103,10 @@ class SpeculativeSlotModel(SlotModel):
         window: int,
         features: SamplingFeatures,
         kept: tuple[str, ...] = (),
+        inputs: dict | None = None,
     ):
-        """`SlotModel.prefill_chunk`, whose chunk the draft model's cache takes too (its logits unused)."""
+        """`SlotModel.prefill_chunk`, whose chunk the draft model's cache takes too (its logits unused;
+        `inputs` are the target's alone: Model.generate and the server draft no prompt with images)."""
         params, draft = self._split(params)
         drafted = state.draft
         state, chosen = super().prefill_chunk(
@@ -121,6 +123,7 @@ class SpeculativeSlotModel(SlotModel):
             window=window,
             features=features,
             kept=kept,
+            inputs=inputs,
         )
         if draft is None:
             return state, chosen

@@ -87,6 +87,13 @@ def encode(model, conversations: list[list[dict]]) -> tuple[dict, int]:
             rendered.append(message)
         texts.append(processor.apply_chat_template(rendered, add_generation_prompt=True, tokenize=False))
         images.append(found)
+    encoded = processed(processor, texts, images)
+    return encoded, encoded["input_ids"].shape[1]
+
+
+def processed(processor, texts: list[str], images: list[list]) -> dict:
+    """The processor's numpy outputs for rendered prompts `texts` (left-padded) and each one's images
+    (RGB PIL images): input_ids, attention_mask, pixel_values, ..."""
     processor.tokenizer.padding_side = "left"
     if any(images):
         encoded = processor(text=texts, images=images, padding=True, return_tensors="np")
@@ -94,7 +101,7 @@ def encode(model, conversations: list[list[dict]]) -> tuple[dict, int]:
         encoded = processor(text=texts, padding=True, return_tensors="np")
     encoded = dict(encoded)
     encoded.pop("labels", None)  # PaliGemma's processor returns training labels too
-    return encoded, encoded["input_ids"].shape[1]
+    return encoded
 
 
 def load_image(image):

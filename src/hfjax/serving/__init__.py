@@ -11,6 +11,7 @@ Parts, one concern each (docs/architecture.md, "Continuous batching", describes 
     _metrics.py    counters, gauges and latency histograms (prometheus_client), and vLLM's stats line
     _protocol.py   OpenAI request bodies checked into engine calls; OpenAI-shaped errors
     _tools.py      tool calls read out of chat answers: vLLM's parsers by name, or the tokenizer's own
+    _media.py      chat requests' images (OpenAI image_url parts: data:, file:, http(s) URLs) read and checked
     _models.py     the model names a server answers to: the base's and its LoRA adapters' (vLLM's
                    --lora-modules, /v1/load_lora_adapter), each request's adapter slot
     _app.py        the FastAPI application (needs the `serve` extra: pip install "hfjax[serve]")
@@ -21,12 +22,13 @@ The device side (the slot cache, the prefill and decode programs, the token choi
 
 Public names: `Engine`, `SamplingParams`, `Event`, `QueueFullError`, `TOOL_CALL_PARSERS` ({vLLM's name:
 its `ToolParser`}), `tool_call_parser` (the parser `hfjax serve --enable-auto-tool-choice` uses), and
-`build_app` (the web application; it imports FastAPI when called, so the package imports without the
+`MediaPolicy` (what a request's images may be), and `build_app` (the web application; it imports FastAPI when called, so the package imports without the
 `serve` extra).
 """
 
 import types
 
+from ._media import MediaPolicy
 from ._requests import Event, QueueFullError, SamplingParams
 from ._scheduler import Engine
 from ._tools import PARSERS, ToolParser, tool_call_parser
@@ -37,6 +39,7 @@ __all__ = [
     "TOOL_CALL_PARSERS",
     "Engine",
     "Event",
+    "MediaPolicy",
     "QueueFullError",
     "SamplingParams",
     "ToolParser",

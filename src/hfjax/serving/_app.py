@@ -29,7 +29,9 @@ from .._embed import pooling_config
 from .._errors import GenerationError, HfjaxError
 from .._version import __version__
 from ..generation import ConstraintError
-from . import _protocol, _tools
+from ..generation import processed as generation_processed
+from . import _media, _protocol, _tools
+from ._media import MediaPolicy
 from ._metrics import Metrics, StatsLine
 from ._models import ServedModels
 from ._protocol import ApiError
@@ -51,6 +53,7 @@ def build_app(
     enable_lora: bool = False,
     lora_parents: dict[str, str] | None = None,
     runtime_lora_updating: bool = False,
+    media: MediaPolicy | None = None,
 ):
     """The FastAPI application serving `model` (through `engine` for a causal LM; an encoder
     answers /v1/embeddings only). The engine is started and stopped with the application.
@@ -63,7 +66,8 @@ def build_app(
     with vLLM's stats line (prompt and generation tokens/s, requests running and waiting).
     `enable_auto_tool_choice`: chat answers are read for tool calls (tool_choice "auto") with the
     parser named `tool_call_parser` (vLLM's names: `_tools.PARSERS`), or without one the tokenizer's
-    response_template.
+    response_template. `media`: what chat requests' images may be (`_media`: the local path files may
+    be read under, the images per prompt), for a vision-language model (its processor prepares them).
 
     Raises:
         ValueError: an unknown `tool_call_parser`, or none and no response_template to use.
@@ -74,6 +78,8 @@ def build_app(
 
     metrics = engine.metrics if engine is not None else Metrics(0)
     tokenizer = model.tokenizer
+    media = media or MediaPolicy()
+    takes_images = engine is not None and engine.takes_images
     max_model_len = engine.max_model_len if engine is not None else None
     context = max_model_len or bridge.context_length(model.config) or tokenizer.model_max_length
     token_text = TokenText(tokenizer) if engine is not None else None
@@ -209,6 +215,7 @@ def build_app(
     @app.get("/")
     async def page():
         html = importlib.resources.files("hfjax.serving").joinpath("static/index.html").read_text("utf-8")
+        html = html.replace("__TAKES_IMAGES__", "true" if takes_images else "false")
         return HTMLResponse(html.replace("__DEFAULT_TEMPERATURE__", f"{default_temperature:g}"))
 
     @app.get("/favicon.svg")
@@ -251,14 +258,24 @@ def build_app(
     @app.post("/v1/chat/completions")
     async def chat(request: Request):
         running = needs_engine("/v1/chat/completions")
+        body = await read_json(request)
+        parts = _media.image_parts(body, media, takes_images=takes_images)
+        # A vision-language model's chat template is its processor's (it places the image tokens).
+        template = model.processor.apply_chat_template if takes_images else tokenizer.apply_chat_template
         generation = _protocol.chat_request(
-            await read_json(request), served.names(), running.max_model_len,
-            lambda messages, **kwargs: tokenizer.apply_chat_template(
-                messages, add_generation_prompt=True, tokenize=False, **kwargs
-            ),
+            body, served.names(), running.max_model_len,
+            lambda messages, **kwargs: template(messages, add_generation_prompt=True, tokenize=False, **kwargs),
             tool_parser=auto_tools,
         )  # fmt: skip
-        return await _answer(request, running, generation, chat=True)
+        images = None
+        if parts:
+            pictures = await _media.load_images(parts, media)
+
+            def process():  # the processor's outputs for the prompt: its ids with the image tokens, pixels, ...
+                return generation_processed(model.processor, [generation.prompt], [pictures])
+
+            images = await asyncio.get_running_loop().run_in_executor(None, process)
+        return await _answer(request, running, generation, chat=True, images=images)
 
     @app.post("/v1/completions")
     async def completions(request: Request):
@@ -266,8 +283,13 @@ def build_app(
         generation = _protocol.completion_request(await read_json(request), served.names(), running.max_model_len)
         return await _answer(request, running, generation, chat=False)
 
-    async def _answer(request: Request, running: Engine, generation: _protocol.Generation, *, chat: bool):
-        if isinstance(generation.prompt, str):
+    async def _answer(
+        request: Request, running: Engine, generation: _protocol.Generation, *, chat: bool, images: dict | None = None
+    ):
+        if images is not None:  # the processor tokenized the prompt, each image's tokens in it
+            ids = [int(t) for t in images.pop("input_ids")[0]]
+            images.pop("attention_mask", None)
+        elif isinstance(generation.prompt, str):
             _protocol.check_length(
                 generation.prompt, generation.prompt_field, running.max_model_len, longest,
                 f"the server's max_model_len={running.max_model_len}",
@@ -301,7 +323,9 @@ def build_app(
                         served.finished(name)
                     loop.call_soon_threadsafe(events.put_nowait, (index, event))
 
-                submitted.append(running.submit(ids, dataclasses.replace(params, adapter=adapter), listener))
+                submitted.append(
+                    running.submit(ids, dataclasses.replace(params, adapter=adapter), listener, images=images)
+                )
         except BaseException as error:  # the requests not submitted are not running on the adapter
             served.finished(name, len(generation.params) - len(submitted))
             for done in submitted:

@@ -1,5 +1,10 @@
 """The engine's programs: a set fixed when the engine is built, all compiled before it starts.
 
+A vision-language model's set also holds, where its processor gives every image the same shapes
+(LLaVA's, Gemma 3's, PaliGemma's fixed image size), the one-row prefill of a prompt with one image
+at each window that holds one ("image"); a prompt with other shapes (more images, Qwen2-VL's grids,
+which follow each image's size) compiles its prefill at its first request.
+
 A chunk of R rows whose rows end by column W runs the smallest program of its kind that holds it
 (rows >= R, window >= W; more rows and columns give the same tokens, only slower). The set is a
 few row counts and windows, each 4x the last (`geometric`), so that a chunk pays for at most 4x the
@@ -114,9 +119,13 @@ class Compiler:
         """Compiles one program: ((kind, rows, window), its seconds, whether it was read from the
         compilation cache)."""
         start = time.perf_counter()
-        arguments = jax.tree_util.tree_map(_abstract, example(kind, rows, window))
-        if kind == "prefill":
-            loaded, memory = self.programs.compile_prefill(*arguments, window=window)
+        arguments = example(kind, rows, window)
+        inputs = None
+        if kind == "image":  # a prompt with one image, whole, in one chunk: its inputs (static ones as values) last
+            *arguments, inputs = arguments
+        arguments = jax.tree_util.tree_map(_abstract, tuple(arguments))
+        if kind in ("prefill", "image"):
+            loaded, memory = self.programs.compile_prefill(*arguments, window=window, inputs=inputs)
         else:
             loaded, memory = self.programs.compile_decode(*arguments, decoding_rows=rows, window=window)
         seconds = time.perf_counter() - start

@@ -365,7 +365,8 @@ def template_kwargs(body: dict) -> dict:
 
 
 def messages_of(body: dict) -> list[dict]:
-    """The request's `messages` checked, text content parts joined into one string per message."""
+    """The request's `messages` checked, text content parts joined into one string per message; a
+    message with images (`_media.image_parts`' {"type": "image"} parts) keeps its list of parts."""
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise invalid("messages", "the request has no 'messages'; pass a list of {'role': ..., 'content': ...}")
@@ -373,18 +374,19 @@ def messages_of(body: dict) -> list[dict]:
         if not isinstance(message, dict) or not isinstance(message.get("role"), str):
             raise invalid(f"messages[{i}]", f"messages[{i}]={message!r}: pass {{'role': ..., 'content': ...}}")
         content = message.get("content")
-        if isinstance(content, list):  # the content-parts form: text parts only
-            if not all(isinstance(p, dict) and p.get("type") == "text" for p in content):
-                raise invalid(f"messages[{i}].content", "only text content parts are supported")
+        if isinstance(content, list):  # the content-parts form: text parts (and images, read before)
+            if not all(isinstance(p, dict) and p.get("type") in ("text", "image") for p in content):
+                raise invalid(f"messages[{i}].content", "only text and image_url content parts are supported")
             for j, part in enumerate(content):
                 if not isinstance(part.get("text", ""), str):
                     field = f"messages[{i}].content[{j}].text"
                     raise invalid(field, f"{field}={part['text']!r}: pass a string")
-            message = {**message, "content": "".join(p.get("text", "") for p in content)}
-            messages[i] = message
+            if all(p["type"] == "text" for p in content):
+                message = {**message, "content": "".join(p.get("text", "") for p in content)}
+                messages[i] = message
         if message.get("tool_calls") is not None and message["role"] == "assistant":
             messages[i] = _checked(_tools.message_with_tool_calls, message, i)
-        elif not isinstance(message.get("content"), str):
+        elif not isinstance(message.get("content"), (str, list)):
             raise invalid(f"messages[{i}].content", f"messages[{i}].content={content!r}: pass a string")
     return messages
 

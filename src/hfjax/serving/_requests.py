@@ -225,8 +225,12 @@ class Request:
         stream,
         matcher: generation.Matcher | None = None,
         adapter=None,
+        images: dict | None = None,
     ):
         self.prompt = prompt
+        # The processor's outputs for a prompt with images (pixel_values, ...; host arrays [1, ...]):
+        # its prefill reads the whole prompt in one chunk, and no other request reuses its keys.
+        self.images = images
         self.adapter = adapter  # the `hfjax.lora.Adapter` of `params.adapter` (None: the base alone)
         self.matcher = matcher  # where the answer is constrained: its place in the grammar
         # A constrained request's next token taken in by its matcher before delivery (`Engine._advance`):

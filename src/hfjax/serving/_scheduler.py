@@ -1,7 +1,8 @@
 """Continuous batching's host side: the queue, admission, prefill and decode chunking, cancellation.
 
 The engine thread repeats: admit waiting requests into free slots; run one prefill chunk of the
-oldest requests still reading their prompt; run one decode chunk of every decoding slot; hand each
+oldest requests still reading their prompt (where the oldest has images: its whole prompt, alone);
+run one decode chunk of every decoding slot; hand each
 request its new tokens, text and log-probabilities; free the slots of requests that finished (EOS,
 a stop string, max_tokens) or were cancelled. A running stream therefore waits at most one prefill
 chunk between two decode chunks. While only decoding goes on, the next decode chunk is sent before
@@ -39,7 +40,8 @@ import numpy as np
 
 from .. import _buckets, generation
 from .._errors import GenerationError, ServingError
-from ._compiler import Compiler, engine_grid
+from ._compiler import SMALLEST_WINDOW, Compiler, engine_grid, geometric
+from ._media import fixed_image_example
 from ._metrics import Metrics
 from ._requests import Event, QueueFullError, Request, SamplingParams, TokenLogprob, joined
 from ._sizing import Sizing, size_engine
@@ -166,9 +168,13 @@ class Engine:
         programs = generation.SlotPrograms(
             slot_model, prefill_chunk=prefill_chunk, steps=max_decode_steps, features=self.features
         )
-        self.compiler = Compiler(
-            programs, engine_grid(self.max_model_len, self.max_num_seqs, self.prefill_rows), progress=progress
-        )
+        grid = engine_grid(self.max_model_len, self.max_num_seqs, self.prefill_rows)
+        self._image_example = fixed_image_example(model.processor) if self.takes_images else None
+        self._image_inputs: dict[int, dict] = {}  # per window: the example's prefill inputs (`warm_up`)
+        if self._image_example is not None:
+            shortest = len(self._image_example[0])
+            grid["image"] = [(1, w) for w in geometric(SMALLEST_WINDOW, self.max_model_len) if w >= shortest]
+        self.compiler = Compiler(programs, grid, progress=progress)
         self.table = SlotTable(
             self.max_num_seqs, vocab_size=vocab_size, bias_slots=self.features.bias_slots,
             held_slots=self.features.held_slots, mask_words=self.features.mask_words, prefix_reuse=prefix_reuse,
@@ -200,6 +206,11 @@ class Engine:
         return self.compiler.programs.counts
 
     @property
+    def takes_images(self) -> bool:
+        """Whether the model reads images with its prompts (a vision-language model with a processor)."""
+        return hasattr(self.model.module, "get_image_features") and self.model.processor is not None
+
+    @property
     def running(self) -> int:
         return self.table.occupied
 
@@ -220,6 +231,12 @@ class Engine:
         """Allocates the cache and compiles (or reads from the compilation cache) every program of the
         engine's set, a `progress` line each; `start` calls it, and does nothing more on a second call."""
         self._allocate()
+        if self._image_example is not None:  # (here, not on the compile threads: an eager encoder binds weights)
+            ids, processed = self._image_example
+            self._image_inputs = {
+                window: self._slot_model.prompt_inputs(np.asarray(ids, np.int32), processed, window)[0]
+                for _, window in self.compiler.grid["image"]
+            }
         self.compiler.prepare(self._example_args)
         self.metrics.hold_programs(self.compiler.held, self.compiler.memory)
 
@@ -250,8 +267,18 @@ class Engine:
                 "pass ids the tokenizer gives"
             )
 
-    def submit(self, prompt: list[int], params: SamplingParams, listener: Callable[[Event], None]) -> Request:
+    def submit(
+        self,
+        prompt: list[int],
+        params: SamplingParams,
+        listener: Callable[[Event], None],
+        *,
+        images: dict | None = None,
+    ) -> Request:
         """Queues a prompt (token ids); `listener` gets an Event after each chunk, on the engine thread.
+        `images`: the processor's other outputs for a prompt with images (pixel_values, ...: host arrays
+        [1, ...]; `prompt` is its input_ids, image tokens included), for a model that reads them
+        (`takes_images`); its prefill is one chunk of the whole prompt.
 
         Raises:
             GenerationError: the prompt and max_tokens do not fit max_model_len, a setting is out of range, or
@@ -260,6 +287,10 @@ class Engine:
             ServingError: the engine has stopped, or failed.
         """
         self.check_prompt(prompt, params)
+        if images is not None and not self.takes_images:
+            raise GenerationError(
+                f"{type(self.model.module).__name__} reads no images; send text only, or serve a vision-language model"
+            )
         settings = params.settings(self.model, prompt_length=len(prompt))
         if settings.history_rules() != self.features.history:
             raise GenerationError(
@@ -271,7 +302,9 @@ class Engine:
             skip_special_tokens=params.skip_special_tokens,
         )  # fmt: skip
         matcher = None if params.constraint is None else self.grammars().matcher(params.constraint)
-        request = Request(list(prompt), params, settings, listener, text, matcher, self._adapter(params.adapter))
+        request = Request(
+            list(prompt), params, settings, listener, text, matcher, self._adapter(params.adapter), images=images
+        )
         with self._lock:
             if self._error is not None:
                 raise ServingError(f"the engine failed: {self._error!r}") from self._error
@@ -327,9 +360,13 @@ class Engine:
                 self._finish(request, "cancelled")
             self._wake.notify_all()
 
-    def generate(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams]) -> list[Event]:
-        """Runs prompts (token ids) together and waits: one Event per prompt with all of its tokens and text."""
+    def generate(
+        self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams], *, images: list | None = None
+    ) -> list[Event]:
+        """Runs prompts (token ids) together and waits: one Event per prompt with all of its tokens and text.
+        `images`: per prompt, its images' processor outputs or None (`submit`'s)."""
         params = params if isinstance(params, list) else [params] * len(prompts)
+        images = images or [None] * len(prompts)
         if len(params) != len(prompts):
             raise ServingError(
                 f"Engine.generate: {len(prompts)} prompts and {len(params)} SamplingParams; pass one per prompt"
@@ -345,8 +382,8 @@ class Engine:
 
             return call
 
-        for prompt, p, kept in zip(prompts, params, results):
-            self.submit(prompt, p, listener(kept))
+        for prompt, p, kept, pictures in zip(prompts, params, results, images):
+            self.submit(prompt, p, listener(kept), images=pictures)
         for _ in prompts:
             while not done.acquire(timeout=1.0):
                 if self._error is not None:
@@ -366,6 +403,14 @@ class Engine:
                 np.full(rows, self.max_num_seqs, np.int32), np.zeros((rows, self.prefill_chunk), np.int32),
                 np.zeros(rows, np.int32), np.ones(rows, np.int32), np.zeros(rows, bool), np.zeros(rows, bool), False,
             )  # fmt: skip
+        if kind == "image":
+            ids, inputs = self._image_example[0], self._image_inputs[window]
+            one = np.ones(1, np.int32)
+            args = self._prefill_args(
+                one * self.max_num_seqs, np.zeros((1, window), np.int32), one * 0, one * len(ids), one > 0, one > 0,
+                False,
+            )  # fmt: skip
+            return (*args, inputs)
         return self._decode_args(np.zeros(self.max_num_seqs, bool), 1, False)
 
     def _prefill_args(self, which, ids, start, count, last, fresh, want_logprobs) -> tuple:
@@ -395,8 +440,10 @@ class Engine:
                         self._wake.wait()
                         continue
                 reading = self.table.reading()
-                if reading:
-                    self._prefill(reading[: self.prefill_rows])
+                if reading and reading[0].images is not None:  # a prompt with images: a chunk of its own
+                    self._prefill_images(reading[0])
+                elif reading:
+                    self._prefill([r for r in reading if r.images is None][: self.prefill_rows])
                 chunk = self._dispatch() if self.table.decoding() else None
                 while chunk is not None:
                     # The next chunk goes to the device before this one's tokens come back, so the
@@ -490,6 +537,33 @@ class Engine:
             last, fresh = np.concatenate([last, np.zeros(extra, bool)]), np.concatenate([fresh, np.zeros(extra, bool)])
         args = self._prefill_args(which, ids, start, count, last, fresh, want)
         self._state, chosen = self.compiler.programs.prefill(*args, window=window)
+        self._prefilled(requests, count, last, chosen)
+
+    def _prefill_images(self, request: Request) -> None:
+        """A prompt with images, whole, in one chunk of one row (the images' tokens attend to each other,
+        and a multimodal rope's positions are the whole prompt's), as wide as the smallest window that
+        holds it (`image_width`)."""
+        width = self.image_width(len(request.prompt))
+        inputs, delta = self._slot_model.prompt_inputs(np.asarray(request.prompt, np.int32), request.images, width)
+        self.table.rows.rope_delta[request.slot] = delta
+        ids = np.zeros((1, width), np.int32)
+        ids[0, width - len(request.prompt) :] = request.prompt
+        count, last = np.full(1, len(request.prompt), np.int32), np.ones(1, bool)
+        args = self._prefill_args(
+            np.full(1, request.slot, np.int32), ids, np.zeros(1, np.int32), count, last, last,
+            request.params.logprobs is not None,
+        )  # fmt: skip
+        self._state, chosen = self.compiler.programs.prefill(*args, window=width, inputs=inputs)
+        self._prefilled([request], count, last, chosen)
+
+    def image_width(self, length: int) -> int:
+        """The columns of the one-chunk prefill of a prompt of `length` tokens with images: the smallest
+        of the engine's windows (128, 512, 2048, ..., max_model_len) that holds it."""
+        return next(w for w in geometric(SMALLEST_WINDOW, self.max_model_len) if w >= length)
+
+    def _prefilled(self, requests: list[Request], count, last, chosen) -> None:
+        """After a prefill call: each request's `count` tokens read; those whose prompt it ended (`last`)
+        get the first new token of `chosen`."""
         self.metrics.prompt_tokens_read += int(count[: len(requests)].sum())
         for i, request in enumerate(requests):
             request.prefilled += int(count[i])

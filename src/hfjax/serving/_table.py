@@ -75,7 +75,7 @@ class SlotTable:
         busy = [slot for slot, held in enumerate(self.requests) if held is not None]
         widest = self.decode_rows(max([*busy, free[0]]))
         free = [slot for slot in free if slot < widest]
-        reuse = self.prefix_reuse and request.settings.sampling.repetition_penalty == 1.0
+        reuse = self.prefix_reuse and request.settings.sampling.repetition_penalty == 1.0 and request.images is None
 
         def shared(slot: int) -> int:  # prompt tokens whose keys the slot holds, of the request's adapter
             same = self.cached_adapter[slot] is request.adapter
@@ -110,7 +110,8 @@ class SlotTable:
         slot = request.slot
         self.requests[slot] = None
         fed = request.text.ids[:-1] if request.prefilled == len(request.prompt) else []
-        self.cached[slot] = request.prompt[: request.prefilled] + fed
+        # (an image's tokens hold keys of that image: no prompt with the same placeholder tokens reuses them)
+        self.cached[slot] = request.prompt[: request.prefilled] + fed if request.images is None else []
         self.cached_adapter[slot] = request.adapter
         self.positions[slot] = 0
         self.rows.constrained[slot] = False
