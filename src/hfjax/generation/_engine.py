@@ -275,6 +275,8 @@ class Generator:
             if ran is not None:
                 new, ttft, kept, drafts = ran  # the caller's rows: num_return_sequences per prompt
                 prompt = np.repeat(ids, settings.num_return_sequences, axis=0).astype(np.int32)
+                if self.adapter.encoder_decoder:  # the decoder's prompt, as transformers returns it
+                    prompt = plan.decoder_prompt[: new.shape[0]]
                 self._stats(mask, new.shape[1], ttft, start, prepared_before, drafts)
                 out = jnp.asarray(np.concatenate([prompt, new], axis=1))
                 if settings.return_dict_in_generate:

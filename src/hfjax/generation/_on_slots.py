@@ -8,7 +8,10 @@ same programs.
 A call runs here when the slot core carries out everything it asks: a decoder-only model with a
 static KV cache that takes `position_ids` (full or sliding-window attention), left-padded prompts,
 no prefill-only inputs (images), weights on one device or on a mesh (of one process or several),
-and a model that reads no values of its data. `Generator` runs the rest. Beam search runs its own
+and a model that reads no values of its data; or an encoder-decoder whose decoder takes each row's
+positions (`_encoder_slots`: Whisper, BART), without beam search, speculation or
+encoder_no_repeat_ngram_size: its prefill reads the encoder's input and the decoder prompt, and the
+slots keep the cross-attention keys and values. `Generator` runs the rest. Beam search runs its own
 programs over the same cache (`_slot_beams`), from the slot prefill's logits. A row that has stopped runs
 on pad tokens until every row has, as transformers feeds it, so the processed scores and raw
 logits that `output_scores` / `output_logits` keep are transformers' for every row and step.
@@ -38,7 +41,8 @@ import torch
 
 from .. import bridge, parallel
 from .._errors import DataDependentError, GenerationError
-from . import _grammar, _planning, _rows
+from . import _encoder_slots, _grammar, _planning, _rows
+from ._encoder_slots import EncoderDecoderSlotModel
 from ._settings import GenerationSettings
 from ._slot_beams import BeamCarry, SlotBeams
 from ._slots import SlotModel, SlotPrograms, check_supported
@@ -58,9 +62,14 @@ class SlotRuns:
         self.generator = generator
         self.model = generator.model
         adapter = generator.adapter
+        self.encoder_decoder = adapter.encoder_decoder
         try:
-            check_supported(self.model)  # a static KV cache of full or sliding-window attention layers
-            self.possible = not adapter.encoder_decoder and adapter.takes_positions
+            if self.encoder_decoder:  # a decoder that takes each row's positions (`_encoder_slots`)
+                _encoder_slots.check_supported(self.model)
+                self.possible = True
+            else:
+                check_supported(self.model)  # a static KV cache of full or sliding-window attention layers
+                self.possible = adapter.takes_positions
         except GenerationError:
             self.possible = False
         self._models: dict[tuple, SlotModel] = {}
@@ -72,6 +81,10 @@ class SlotRuns:
         """Whether this call runs on the slot core (the module docstring says which do)."""
         if not self.possible or inputs or self.generator.reads_data:
             return False
+        if self.encoder_decoder:
+            # (beam search and speculation over cross-attention slots, and n-grams of the encoder's ids:
+            # `Generator`'s)
+            return settings.beam is None and settings.speculation is None and plan.ngram_source is None
         return _left_padded(plan.mask)
 
     def generate(
@@ -98,7 +111,11 @@ class SlotRuns:
         start = time.perf_counter()
         rows, budget = plan.rows, settings.max_new_tokens
         precision = bridge.resolve_precision(self.model.matmul_precision)
-        lengths = plan.mask.sum(axis=1).astype(np.int32)
+        # An encoder-decoder's prefill is its decoder prompt, after the encoder reads the plan's ids.
+        encoder_inputs, prompt_ids, width = None, plan.ids, plan.size
+        if self.encoder_decoder:
+            encoder_inputs, prompt_ids, width = self._encoder_inputs(plan), plan.decoder_prompt, plan.offset
+        lengths = np.full(rows, width, np.int32) if self.encoder_decoder else plan.mask.sum(axis=1).astype(np.int32)
         features = compiled.features
         if settings.min_new_tokens and settings.eos_token_ids:  # EOS held back for the first min_new_tokens
             features = dataclasses.replace(features, held_back=settings.eos_token_ids)
@@ -119,7 +136,7 @@ class SlotRuns:
             kept = ("logits",)
         programs = self._programs_for(plan, features, settings, kept, precision, draft)
         # The rules that read the tokens so far see transformers' input_ids: the caller's pads, then the row.
-        pads = plan.size - plan.first_column - lengths
+        pads = 0 if self.encoder_decoder else plan.size - plan.first_column - lengths
         sampling = settings.row_sampling(
             rows, _rows.key_data(seed), lengths=lengths, pads=pads, mask_words=features.mask_words
         )
@@ -134,23 +151,24 @@ class SlotRuns:
         every = np.ones(rows, bool)
         # Beam search takes no token from the prefill: its rows' next tokens come from the search.
         last = every if beam is None else np.zeros(rows, bool)
-        sampling, which, prompts, starts, counts, every, last, no = self._to_device(
+        sampling, which, prompts, starts, counts, every, last, no, encoder_inputs = self._to_device(
             (
                 sampling,
                 np.arange(rows, dtype=np.int32),
-                plan.ids,
+                prompt_ids,
                 np.zeros(rows, np.int32),
                 lengths,
                 every,
                 last,
                 np.False_,
+                encoder_inputs,
             )
         )
         try:  # the state's shapes come from an abstract run of the model, which may read its data too
             state = programs.slot_model.empty_state(features)
             # The prefill's window: the prompts' columns, the only ones it reads and writes.
             state, chosen = programs.prefill(
-                state, sampling, which, prompts, starts, counts, last, every, no, window=plan.size
+                state, sampling, which, prompts, starts, counts, last, every, no, encoder_inputs, window=width
             )
         except DataDependentError:
             self.generator.reads_data = True
@@ -225,7 +243,7 @@ class SlotRuns:
         key = (plan.rows, plan.total, features, beam, settings.eos_token_ids)
         if key not in self._beams:
             self._beams[key] = SlotBeams(
-                self._models[plan.rows, plan.total], features=features, settings=beam, eos=settings.eos_token_ids,
+                self._models[self._model_key(plan)], features=features, settings=beam, eos=settings.eos_token_ids,
                 cache=self.generator.programs,
             )  # fmt: skip
         beams = self._beams[key]
@@ -282,10 +300,25 @@ class SlotRuns:
             return jax.tree_util.tree_map(lambda array: parallel.place_rows(mesh, array), tree)
         return jax.device_put(tree)
 
+    def _encoder_inputs(self, plan: _planning.BatchPlan) -> dict[str, np.ndarray]:
+        """The encoder's inputs of an encoder-decoder's prefill: its main input [rows, ...] (features as
+        float32), and for token ids their mask [rows, size]."""
+        main = self.model.module.main_input_name
+        if main != "input_ids":
+            return {main: plan.ids.astype(np.float32)}
+        return {main: plan.ids, "attention_mask": plan.mask}
+
+    def _model_key(self, plan: _planning.BatchPlan) -> tuple:
+        # (an encoder-decoder's slots hold encoder outputs as long as the plan's padded prompts)
+        return (plan.rows, plan.total, plan.size) if self.encoder_decoder else (plan.rows, plan.total)
+
     def _slot_model(self, plan: _planning.BatchPlan) -> SlotModel:
-        key = (plan.rows, plan.total)
+        key = self._model_key(plan)
         if key not in self._models:
-            self._models[key] = SlotModel(self.model, plan.rows, plan.total)
+            if self.encoder_decoder:  # (token inputs: as long as the plan's padded prompts)
+                self._models[key] = EncoderDecoderSlotModel(self.model, plan.rows, plan.total, plan.size)
+            else:
+                self._models[key] = SlotModel(self.model, plan.rows, plan.total)
         return self._models[key]
 
     def _programs_for(
@@ -297,7 +330,7 @@ class SlotRuns:
         precision,
         draft=None,
     ) -> SlotPrograms:
-        model_key = (plan.rows, plan.total)
+        model_key = self._model_key(plan)
         self._slot_model(plan)
         if settings.speculation is not None:  # the slot model that drafts (with `draft`, where given)
             model_key = (*model_key, settings.speculation, None if draft is None else id(draft))
@@ -306,10 +339,11 @@ class SlotRuns:
                     self.model, plan.rows, plan.total, settings.speculation, draft=draft
                 )
         stops, pad = settings.eos_token_ids, settings.pad_token_id
-        key = (*model_key, plan.size, features, stops, pad, kept, precision)
+        width = plan.offset if self.encoder_decoder else plan.size  # the prefill's tokens: the decoder's prompt
+        key = (*model_key, width, plan.size, features, stops, pad, kept, precision)
         if key not in self._programs:
             self._programs[key] = SlotPrograms(
-                self._models[model_key], prefill_chunk=plan.size, steps=plan.total - plan.offset,
+                self._models[model_key], prefill_chunk=width, steps=plan.total - plan.offset,
                 features=features, stop_tokens=stops, pad_token=pad, kept=kept, cache=self.generator.programs,
             )  # fmt: skip
         return self._programs[key]

@@ -61,10 +61,19 @@ class SlotState:
     # [(keys, values)] per layer of a draft model's own cache in the same slots and columns, where a
     # speculative decode drafts with one (`SpeculativeSlotModel`); else None
     draft: list | None = None
+    # An encoder-decoder's (`EncoderDecoderSlotModel`; else None): [(keys, values)] per decoder layer of
+    # each slot's cross-attention over its encoder output, each [S, heads, E, head_dim] (E: the encoder
+    # length the slot model is built for), written by the prefill that reads the encoder's input; and
+    # encoder_mask [S, E] int32, 1 on the encoder's real positions
+    cross: list | None = None
+    encoder_mask: jax.Array | None = None
 
     def leaves(self) -> tuple:
         """The state as plain containers, which `jax.export` keeps (programs take and return these)."""
-        return self.cache, self.tokens, self.positions, self.seen, self.counts, self.history, self.draft
+        return (
+            self.cache, self.tokens, self.positions, self.seen, self.counts, self.history, self.draft, self.cross,
+            self.encoder_mask,
+        )  # fmt: skip
 
 
 @jax.tree_util.register_dataclass
@@ -250,6 +259,7 @@ class SlotModel:
                     seen=jnp.zeros((self.slots, vocab), bool) if repetition else None,
                     counts=jnp.zeros((self.slots, vocab), jnp.int32) if presence else None,
                     history=jnp.zeros((self.slots, self.length), jnp.int32) if history else None,
+                    **self.extra_state(),
                 )
 
             mesh, placed = self.model.mesh, None  # None: left to the programs (weights over several devices)
@@ -260,6 +270,11 @@ class SlotModel:
                 placed = weights if len(weights.device_set) == 1 else None
             self._empty[layout] = jax.jit(zeros, out_shardings=placed)
         return self._empty[layout]()
+
+    def extra_state(self) -> dict:
+        """Zeros of the `SlotState` fields a kind of model keeps beside the KV cache (inside `empty_state`'s
+        trace): none here."""
+        return {}
 
     def _sharding(self, mesh, array) -> jax.sharding.NamedSharding:
         """A state array's place on `mesh`: slots over "data", a cache's heads ([S, heads, L, D]) over "model"."""
@@ -294,14 +309,7 @@ class SlotModel:
         past.layers = [
             self.layer_class(bridge.to_torch(k), bridge.to_torch(v), bridge.to_torch(columns)) for k, v in cache
         ]
-        every = jnp.arange(length, dtype=jnp.int32)[None, None, :]
-        masks = {}
-        for kind in self.mask_kinds:
-            allowed = every <= positions[:, :, None]  # [B, q, L]
-            if kind == "sliding_attention":  # transformers' sliding window: the key within `window` of the query
-                allowed &= every > positions[:, :, None] - self.window
-            masks[kind] = bridge.to_torch(self._mask(allowed[:, None], cache[0][0].dtype))  # [B, 1, q, L]
-        mask = masks if len(masks) > 1 else next(iter(masks.values()))
+        mask = self.attention_mask(positions, length, cache[0][0].dtype)
         kwargs = {"use_cache": True, self.cache_keyword: past, "attention_mask": mask}
         kwargs["position_ids"] = bridge.to_torch(positions)
         if keep is not None and self.takes_logits_to_keep:
@@ -314,6 +322,19 @@ class SlotModel:
             logits = jnp.take(logits, keep, axis=1)
         cache = [(bridge.to_jax(layer.keys), bridge.to_jax(layer.values)) for layer in past.layers]
         return logits, cache
+
+    def attention_mask(self, positions, length: int, dtype):
+        """The self-attention mask of queries at positions [B, q] over `length` cache columns, as torch: each
+        key at or before its query (within the sliding window, where layers slide) [B, 1, q, L]; a dict per
+        kind of layer where the model takes several."""
+        every = jnp.arange(length, dtype=jnp.int32)[None, None, :]
+        masks = {}
+        for kind in self.mask_kinds:
+            allowed = every <= positions[:, :, None]  # [B, q, L]
+            if kind == "sliding_attention":  # transformers' sliding window: the key within `window` of the query
+                allowed &= every > positions[:, :, None] - self.window
+            masks[kind] = bridge.to_torch(self._mask(allowed[:, None], dtype))  # [B, 1, q, L]
+        return masks if len(masks) > 1 else next(iter(masks.values()))
 
     def _mask(self, allowed, dtype):
         """The attention mask of `allowed` [B, 1, q, L] bool in the form the attention takes: the booleans,
@@ -358,6 +379,7 @@ class SlotModel:
         window: int,
         features: SamplingFeatures,
         kept: tuple[str, ...] = (),
+        inputs: dict | None = None,
     ) -> tuple[SlotState, Chosen]:
         """Prompt chunks of P slots at once: ids [P, C] int32, row p's count[p] real tokens last (at
         positions start[p]..; the padding before them writes nowhere), so every row's last real
@@ -366,7 +388,14 @@ class SlotModel:
         ends their prompt (their next token becomes the slot's next input); fresh [P] bool, the
         rows whose request starts here (its penalties' history starts empty). Only the first
         `window` columns are read and written. `kept`: "scores" and / or "logits", the first new
-        token's processed scores and raw logits to return (see `Chosen`). Returns (state, Chosen [P, 1])."""
+        token's processed scores and raw logits to return (see `Chosen`). `inputs`: the chunk's prefill-only
+        model inputs ({name: [P, ...]}; None: none), which a decoder-only model does not take. Returns
+        (state, Chosen [P, 1])."""
+        if inputs is not None:
+            raise GenerationError(
+                f"SlotModel.prefill_chunk: inputs={sorted(inputs)} for {type(self.module).__name__}, which the slot "
+                "core runs on token ids alone; pass inputs=None"
+            )
         slots = self.slots
         mine = jax.tree_util.tree_map(lambda a: a.at[which].get(mode="fill", fill_value=0), rows)
         logits, cache, offset = self.run_chunk(
@@ -408,6 +437,8 @@ class SlotModel:
             counts=None if counts is None else state.counts.at[which].set(counts, mode="drop"),
             history=None if history is None else state.history.at[which].set(history, mode="drop"),
             draft=state.draft,
+            cross=state.cross,
+            encoder_mask=state.encoder_mask,
         )
         per_token = [f for f in (*PER_TOKEN, *_KEPT) if getattr(chosen, f) is not None]
         return state, dataclasses.replace(chosen, **{f: getattr(chosen, f)[:, None] for f in per_token})
@@ -521,6 +552,8 @@ class SlotModel:
             counts=None if counts is None else state.counts.at[:r].set(counts),
             history=None if history is None else state.history.at[:r].set(history),
             draft=state.draft,
+            cross=state.cross,
+            encoder_mask=state.encoder_mask,
         )
         return state, dataclasses.replace(chosen, ran=ran)
 
@@ -631,21 +664,39 @@ class SlotPrograms:
         """Programs prepared per kind in this process, traced or read from disk."""
         return {kind: self.cache.traced[kind] + self.cache.loaded[kind] for kind in ("prefill", "decode")}
 
-    def key(self, kind: str, rows: int, window: int, logprobs: bool = True) -> tuple:
+    def key(self, kind: str, rows: int, window: int, logprobs: bool = True, inputs=None) -> tuple:
         extent = self.prefill_chunk if kind == "prefill" else self.steps
         model = self.slot_model
         # The decode's own settings (the prefill's program does not depend on them).
         stops = (self.stop_tokens, self.pad_token) if kind == "decode" and self.stop_tokens else ()
         logprobs = logprobs or kind != "decode"
-        return (
+        key = (
             kind, model.slots, model.length, extent, rows, window, self.precision, self.features, stops, logprobs,
             self.kept, *model.program_key(),
         )  # fmt: skip
+        if inputs is None:
+            return key
+        # A prefill that takes model inputs: their names, shapes and dtypes
+        return (*key, tuple((name, tuple(a.shape), str(a.dtype)) for name, a in sorted(inputs.items())))
 
     def prefill(
-        self, state: SlotState, rows: RowSampling, which, ids, start, count, last, fresh, want_logprobs, *, window
+        self,
+        state: SlotState,
+        rows: RowSampling,
+        which,
+        ids,
+        start,
+        count,
+        last,
+        fresh,
+        want_logprobs,
+        inputs=None,
+        *,
+        window,
     ):
-        program, args = self._prefill(state, rows, which, ids, start, count, last, fresh, want_logprobs, window=window)
+        program, args = self._prefill(
+            state, rows, which, ids, start, count, last, fresh, want_logprobs, inputs, window=window
+        )
         leaves, chosen = program.run(*args)
         return SlotState(*leaves), Chosen(*chosen)
 
@@ -676,10 +727,13 @@ class SlotPrograms:
             compiled = program.run.lower(*args).compile()
         return not compiles.compiled, held_bytes(compiled)
 
-    def _prefill(self, state, rows, which, ids, start, count, last, fresh, want_logprobs, *, window):
+    def _prefill(self, state, rows, which, ids, start, count, last, fresh, want_logprobs, inputs=None, *, window):
         args = (self.params, state.leaves(), rows.leaves(), which, ids, start, count, last, fresh, want_logprobs)
+        if inputs is not None:  # (text chunks keep their programs' arguments as they were)
+            args = (*args, inputs)
         function = functools.partial(self._prefill_program, window=window)
-        return self._program(self.key("prefill", which.shape[0], window), function, args), args
+        key = self.key("prefill", which.shape[0], window, inputs=inputs)
+        return self._program(key, function, args), args
 
     def _decode(self, state, rows, active, count, want_logprobs, *, decoding_rows, window, logprobs):
         args = (self.params, state.leaves(), rows.leaves(), active, count, want_logprobs)
@@ -694,11 +748,13 @@ class SlotPrograms:
 
     # -- traced: plain containers in and out, so that the programs can be kept on disk -------
 
-    def _prefill_program(self, params, leaves, rows, which, ids, start, count, last, fresh, want_logprobs, *, window):
+    def _prefill_program(
+        self, params, leaves, rows, which, ids, start, count, last, fresh, want_logprobs, inputs=None, *, window
+    ):
         self.cache.traced["prefill"] += 1
         state, chosen = self.slot_model.prefill_chunk(
             params, SlotState(*leaves), RowSampling(*rows), which, ids, start, count, last, fresh, want_logprobs,
-            window=window, features=self.features, kept=self.kept,
+            window=window, features=self.features, kept=self.kept, inputs=inputs,
         )  # fmt: skip
         return state.leaves(), _fields(chosen)
 

@@ -94,6 +94,7 @@ class SpeculativeSlotModel(SlotModel):
         window: int,
         features: SamplingFeatures,
         kept: tuple[str, ...] = (),
+        inputs: dict | None = None,
     ):
         """`SlotModel.prefill_chunk`, whose chunk the draft model's cache takes too (its logits unused)."""
         params, draft = self._split(params)
@@ -112,6 +113,7 @@ class SpeculativeSlotModel(SlotModel):
             window=window,
             features=features,
             kept=kept,
+            inputs=inputs,
         )
         if draft is None:
             return state, chosen
@@ -326,5 +328,7 @@ class SpeculativeSlotModel(SlotModel):
             counts=None if counts is None else state.counts.at[:r].set(counts),
             history=state.history.at[:r].set(history),
             draft=state.draft if not by_model else written_back(state.draft, restore_draft(drafts_carried)),
+            cross=state.cross,
+            encoder_mask=state.encoder_mask,
         )
         return state, dataclasses.replace(chosen, ran=jnp.max(made), made=made, rounds=rounds)
