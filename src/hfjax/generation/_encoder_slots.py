@@ -34,6 +34,7 @@ import jax.numpy as jnp
 from .. import bridge
 from .. import lora as _lora
 from .._errors import GenerationError
+from . import _slots
 from ._slots import SlotModel, SlotState
 
 
@@ -61,14 +62,20 @@ def decoder_positions(module) -> str | None:
     return None
 
 
-def check_supported(model) -> None:
+def check_encoder_decoder(model) -> None:
     """Raises GenerationError for an encoder-decoder the slot core cannot run, saying why."""
     module = model.module
+    main = module.main_input_name
+    if main != "input_ids" and not (main == "input_features" and hasattr(module.config, "max_source_positions")):
+        raise GenerationError(
+            f"the slot core holds an encoder output of a length fixed per slot model: token ids, or Whisper's "
+            f"feature frames; {type(module).__name__}'s encoder reads {main}; use Model.generate for it"
+        )
     if decoder_positions(module) is None:
         raise GenerationError(
             f"the slot core gives each row's decoder its own positions; {type(module).__name__}'s decoder takes "
             "none (its positions, or its relative position bias, count from the cache's length, one for every "
-            "row); use Model.generate for it, which runs it on its own loop"
+            "row); use Model.generate for it, which runs it on a loop of its own"
         )
     config = module.config.get_text_config(decoder=True)
     if getattr(config, "sliding_window", None) is not None or getattr(config, "layer_types", None):
@@ -305,3 +312,20 @@ class EncoderDecoderSlotModel(SlotModel):
         cross = [tuple(a[:r] for a in pair) for pair in state.cross]
         with self._attending(cross, state.encoder_mask[:r]):
             return super().decode_chunk(params, state, rows, active, count, want_logprobs, decoding_rows=r, **kwargs)
+
+
+def check_supported(model) -> None:
+    """Raises GenerationError for a model the slot core cannot serve, saying why: a decoder-only model
+    (`_slots.check_supported`), or an encoder-decoder (`check_encoder_decoder`)."""
+    if getattr(model.module.config, "is_encoder_decoder", False):
+        check_encoder_decoder(model)
+    else:
+        _slots.check_supported(model)
+
+
+def slot_model(model, slots: int, length: int, *, encoder_length: int | None = None) -> SlotModel:
+    """The slot model of `model`: an `EncoderDecoderSlotModel` for an encoder-decoder (whose slots hold
+    `encoder_length` encoder positions where it reads tokens; default `length`), else a `SlotModel`."""
+    if getattr(model.module.config, "is_encoder_decoder", False):
+        return EncoderDecoderSlotModel(model, slots, length, encoder_length or length)
+    return SlotModel(model, slots, length)

@@ -65,7 +65,7 @@ class SlotRuns:
         self.encoder_decoder = adapter.encoder_decoder
         try:
             if self.encoder_decoder:  # a decoder that takes each row's positions (`_encoder_slots`)
-                _encoder_slots.check_supported(self.model)
+                _encoder_slots.check_encoder_decoder(self.model)
                 self.possible = True
             else:
                 check_supported(self.model)  # a static KV cache of full or sliding-window attention layers

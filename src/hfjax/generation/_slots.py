@@ -147,7 +147,8 @@ def _written(cache, new, columns):
 
 
 def check_supported(model) -> None:
-    """Raises GenerationError for a model the slot cache cannot serve, saying why."""
+    """Raises GenerationError for a decoder-only model the slot cache cannot serve, saying why (an
+    encoder-decoder: `_encoder_slots.check_supported`)."""
     adapter = adapter_for(model.module)
     if type(adapter) is not StaticCacheAdapter:
         raise GenerationError(

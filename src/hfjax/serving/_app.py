@@ -29,7 +29,7 @@ from .._embed import pooling_config
 from .._errors import GenerationError, HfjaxError
 from .._version import __version__
 from ..generation import ConstraintError
-from . import _protocol, _tools
+from . import _audio, _protocol, _tools
 from ._metrics import Metrics, StatsLine
 from ._models import ServedModels
 from ._protocol import ApiError
@@ -247,6 +247,8 @@ def build_app(
             "object": "list", "data": data, "model": served_model_name,
             "usage": {"prompt_tokens": tokens, "total_tokens": tokens},
         }  # fmt: skip
+
+    _audio.add_route(app, model, engine, served.names())
 
     @app.post("/v1/chat/completions")
     async def chat(request: Request):

@@ -227,6 +227,8 @@ class Request:
         adapter=None,
     ):
         self.prompt = prompt
+        self.prompt_tokens = len(prompt)  # what its usage counts (an encoder-decoder's: its encoder's tokens)
+        self.inputs: dict | None = None  # an encoder-decoder's encoder inputs, for its prefill
         self.adapter = adapter  # the `hfjax.lora.Adapter` of `params.adapter` (None: the base alone)
         self.matcher = matcher  # where the answer is constrained: its place in the grammar
         # A constrained request's next token taken in by its matcher before delivery (`Engine._advance`):
