@@ -98,7 +98,7 @@ def test_transcriptions_equal_model_generate_and_transformers(urls):
             model=WHISPER, file=("speech.wav", _wav(audio)), response_format="verbose_json", temperature=0
         )
         assert verbose.text == text and verbose.segments[0].tokens == want[0].tolist()
-        assert verbose.duration == pytest.approx(len(audio) / RATE)
+        assert verbose.duration == pytest.approx(len(audio) / RATE) and verbose.language == "english"
     assert _compilations(urls["whisper"]) == compiled
 
 

@@ -80,7 +80,12 @@ class Transcriber:
         if fields.get("stream", "false").lower() not in ("false", "0", ""):
             raise invalid("stream", "stream=true: transcriptions are answered whole here; leave stream out")
         temperature = _temperature(fields.get("temperature"))
-        language = fields.get("language") or DEFAULT_LANGUAGE
+        language = fields.get("language") or None
+        multilingual = getattr(self.model.generation_config, "is_multilingual", True) is not False
+        if language is not None and not multilingual:
+            raise invalid("language", f"language={language!r}: this checkpoint is English-only; leave language out")
+        if language is None and multilingual:
+            language = DEFAULT_LANGUAGE
         filename, audio = fields["file"]
         loop = asyncio.get_running_loop()
         features, seconds = await loop.run_in_executor(None, self.features, filename, audio)
@@ -114,7 +119,7 @@ class Transcriber:
             return {"text": text, "usage": {"type": "duration", "seconds": int(np.ceil(seconds))}}, response_format
         return {
             "task": "transcribe",
-            "language": language,
+            "language": _language_name(language),
             "duration": seconds,
             "text": text,
             "segments": [
@@ -145,11 +150,12 @@ class Transcriber:
         features = self.extractor(samples, sampling_rate=self.rate, return_tensors="np")["input_features"][0]
         return features.astype(np.float32), seconds
 
-    def decoder_prompt(self, features: np.ndarray, language: str, prompt: str) -> list[int]:
-        """Whisper's decoder prompt for transcribing in `language`, after `prompt`'s tokens where given
+    def decoder_prompt(self, features: np.ndarray, language: str | None, prompt: str) -> list[int]:
+        """Whisper's decoder prompt for transcribing in `language` (None: an English-only checkpoint's), after `prompt`'s tokens where given
         (transformers' prompt_ids: <|startofprev|> and the text with a space before it)."""
+        task = None if language is None else "transcribe"  # (an English-only checkpoint's prompt names neither)
         try:
-            start = tasks.whisper_decoder_prompt(self.model, features[None], language=language, task="transcribe")
+            start = tasks.whisper_decoder_prompt(self.model, features[None], language=language, task=task)
         except PipelineError as error:
             raise invalid("language", str(error).replace("hfjax.pipeline: ", "")) from None
         before = []
@@ -160,6 +166,16 @@ class Transcriber:
                 raise invalid("prompt", "this checkpoint's tokenizer has no <|startofprev|> token; leave prompt out")
             before = [previous, *tokenizer(" " + prompt.strip(), add_special_tokens=False)["input_ids"]]
         return [*before, *(int(t) for t in start[0])]
+
+
+def _language_name(language: str | None) -> str:
+    """OpenAI's verbose_json language: its name in English ("english"), from a code or a name."""
+    from transformers.models.whisper.tokenization_whisper import LANGUAGES
+
+    if language is None:
+        return "english"
+    code = language.lower().strip("<|>")
+    return LANGUAGES.get(code, code)
 
 
 def _temperature(value: str | None) -> float:
