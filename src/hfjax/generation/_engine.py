@@ -11,8 +11,9 @@ Stages (gpt-fast's names):
                    one loop per window, in the same program.
 
 A call that the continuous-batching core carries out runs on it instead (`_on_slots.SlotRuns`:
-decoder-only, a static KV cache, left-padded prompts, no images, ...; beam search as a program
-family of its own over the slot cache, `_slot_beams`), with the programs `hfjax serve` runs;
+decoder-only, a static KV cache, left-padded prompts, no images, ...; encoder-decoders whose
+decoder takes each row's positions, `_encoder_slots`; beam search as a program family of its own
+over the slot cache, `_slot_beams`), with the programs `hfjax serve` runs;
 `Generator`'s own programs below run the rest.
 
 `Generator` drives the parts, each of which another front end (a server's slots, a trainer's
