@@ -165,6 +165,10 @@ def _refused(url: str, files: dict, data: dict) -> dict:
          "klingon"),
         ("format", {"file": ("speech.wav", _wav(AUDIOS[0]))}, {"model": WHISPER, "response_format": "srt"},
          "response_format", "srt"),
+        ("temperature", {"file": ("speech.wav", _wav(AUDIOS[0]))}, {"model": WHISPER, "temperature": "hot"},
+         "temperature", "not a number"),
+        ("unknown field", {"file": ("speech.wav", _wav(AUDIOS[0]))}, {"model": WHISPER, "speed": "2"}, "speed",
+         "not a field"),
     ],
 )  # fmt: skip
 def test_bad_transcriptions_are_400s_naming_the_field(urls, name, files, data, param, message):
