@@ -167,6 +167,8 @@ def _refused(url: str, files: dict, data: dict) -> dict:
          "response_format", "srt"),
         ("temperature", {"file": ("speech.wav", _wav(AUDIOS[0]))}, {"model": WHISPER, "temperature": "hot"},
          "temperature", "not a number"),
+        ("prompt", {"file": ("speech.wav", _wav(AUDIOS[0]))}, {"model": WHISPER, "prompt": "a b c d " * 40}, "prompt",
+         "leaving none"),
         ("unknown field", {"file": ("speech.wav", _wav(AUDIOS[0]))}, {"model": WHISPER, "speed": "2"}, "speed",
          "not a field"),
     ],

@@ -90,8 +90,14 @@ class Transcriber:
         loop = asyncio.get_running_loop()
         features, seconds = await loop.run_in_executor(None, self.features, filename, audio)
         prompt = self.decoder_prompt(features, language, fields.get("prompt") or "")
-        limit = self.model.config.max_target_positions - len(prompt)
-        params = SamplingParams(max_tokens=min(limit, self.engine.max_model_len - len(prompt)), temperature=temperature)
+        positions = min(self.model.config.max_target_positions, self.engine.max_model_len)  # the decoder's
+        if len(prompt) >= positions:
+            raise invalid(
+                "prompt",
+                f"the prompt and Whisper's prefix take {len(prompt)} of the decoder's {positions} positions, leaving "
+                "none for the transcription; shorten the prompt",
+            )
+        params = SamplingParams(max_tokens=positions - len(prompt), temperature=temperature)
         events: asyncio.Queue[Event] = asyncio.Queue()
         try:
             submitted = self.engine.submit(
