@@ -256,7 +256,9 @@ def test_token_constraints_match_transformers(loaded, monkeypatch, family, name)
     decodes.clear()
     actual = np.asarray(model.generate(ids, mask, **settings))
     np.testing.assert_array_equal(actual, expected)
-    assert bool(decodes) == (model.task != "text2text-generation")
+    # Every call runs on the slot core but T5's, whose relative position bias counts from one cache position for
+    # every row (`Generator` runs it)
+    assert bool(decodes) == (family != "t5")
 
 
 @pytest.mark.parametrize("family, beams", [("llama", 1), ("llama", 2), ("t5", 1)])

@@ -255,11 +255,17 @@ def test_classify_image_cli(checkpoint, tmp_path, capsys):
     assert "is a text-classification model" in capsys.readouterr().err
 
 
-def test_whisper_matches_transformers(checkpoint, tmp_path, capsys):
+def test_whisper_matches_transformers(checkpoint, tmp_path, capsys, monkeypatch):
     """Whisper's short-form generate: the tokens of transformers' WhisperForConditionalGeneration.generate
-    (language and task given, greedy), and transformers.pipeline's texts (its default: 5 beams), with the
-    language given and detected; `hfjax transcribe` prints the pipeline's text."""
+    (language and task given, greedy: on the slot core, hfjax serve's programs), and transformers.pipeline's
+    texts (its default: 5 beams), with the language given and detected; `hfjax transcribe` prints the
+    pipeline's text."""
     pytest.importorskip("soundfile", reason="the audio extra is not installed: pip install 'hfjax[audio]'")
+    from hfjax.generation import _slots
+
+    decodes = []
+    decode = _slots.SlotPrograms.decode
+    monkeypatch.setattr(_slots.SlotPrograms, "decode", lambda self, *a, **k: decodes.append(1) or decode(self, *a, **k))
     path = checkpoint("whisper")
     audios = [AUDIO, AUDIO[:6000] * 2]
     reference = transformers.pipeline("automatic-speech-recognition", model=str(path), device="cpu")
@@ -270,6 +276,7 @@ def test_whisper_matches_transformers(checkpoint, tmp_path, capsys):
             want = reference.model.generate(features, language=language, task=task, do_sample=False)
         got = ours.model.generate(input_features=features, language=language, task=task, do_sample=False)
         torch.testing.assert_close(got, want, rtol=0, atol=0)
+    assert decodes, "the greedy calls did not run on the slot core"
     for kwargs in ({"generate_kwargs": {"language": "en", "task": "transcribe"}}, {}):
         assert ours(audios[0], **kwargs) == reference(audios[0], **kwargs)
     wav = tmp_path / "speech.wav"

@@ -536,6 +536,10 @@ def _load_adapters(model, args: argparse.Namespace) -> str | None:
     return None
 
 
+# The tasks served through the engine: causal LMs, encoder-decoders on text, speech to text (Whisper).
+SERVED_TASKS = ("text-generation", "image-text-to-text", "text2text-generation", "automatic-speech-recognition")
+
+
 def run(args: argparse.Namespace) -> int:
     """Loads the model and serves it on the socket `preflight` bound."""
     path, sock = model_path(args), args.listening
@@ -580,7 +584,7 @@ def run(args: argparse.Namespace) -> int:
             _say(f"draft model {speculative.model}")
         speculation = Speculation(**{k: v for k, v in speculative._asdict().items() if k != "model"})
     engine = None
-    if model.task in ("text-generation", "image-text-to-text"):
+    if model.task in SERVED_TASKS:
         engine = Engine(
             model, max_num_seqs=args.max_batch, max_model_len=args.max_model_len, kv_cache_memory=args.kv_cache_memory,
             gpu_memory_utilization=args.gpu_memory_utilization, max_queue=args.max_queue,
@@ -591,8 +595,11 @@ def run(args: argparse.Namespace) -> int:
         _say(engine.sizing.describe())
         engine.start()  # every program it will run, compiled (or read from the cache) before it listens
     elif model.task != "feature-extraction":
-        print(f"hfjax serve: {path} loads as task={model.task!r}; serve a causal LM, a vision-language model or an encoder",
-              file=sys.stderr)  # fmt: skip
+        print(
+            f"hfjax serve: {path} loads as task={model.task!r}; serve a causal LM, a vision-language model, an "
+            "encoder-decoder, a speech-to-text model or an encoder",
+            file=sys.stderr,
+        )
         return 2
     # What is loaded by now lives as long as the server: out of the garbage collector's full passes,
     # which otherwise scanned all of it mid-stream (pauses of 100-270 ms, seen at one stream).

@@ -22,6 +22,8 @@ Parts, one concern each (docs/architecture.md describes the engine's internal AP
                    device, how many tokens a round keeps, speculative sampling's rule
     _speculative_slots.py `SpeculativeSlotModel`: the slot core's decode in rounds of drafts
                    verified by one forward (prompt lookup, or a draft model with its own cache)
+    _encoder_slots.py encoder-decoders on the slot core: each slot's cross-attention keys and values,
+                   written by a prefill that runs the encoder (`EncoderDecoderSlotModel`)
     _on_slots.py   `Model.generate` on the slot core: every row admitted at once, decoded to its end
     _slot_beams.py beam search over the slot cache, a program family of its own
     _engine.py     `Generator`, which runs `Model.generate`: on the slot core where that carries
@@ -36,18 +38,19 @@ Public names: `chat_with_images`; for the rest of hfjax: `Generator` and `genera
 the one settings type (`GenerationSettings`, `SamplingConfig`, `resolve_settings`), the one context
 check (`check_context`), the continuous-batching core the server drives (`SlotModel`,
 `SlotPrograms`, `SlotState`, `Chosen`, `RowSampling`, `SamplingFeatures`, `key_data`,
-`check_supported`, `Speculation`, `SpeculativeSlotModel`, `check_draft`), structured outputs (`Constraint`, `ConstraintError`, `Grammars`, `Matcher`, `bitmask_words`), `cache_keyword` / `returned_cache`, and the CLI's `check_takes_images`,
+`check_supported`, `EncoderDecoderSlotModel`, `slot_model`, `Speculation`, `SpeculativeSlotModel`, `check_draft`), structured outputs (`Constraint`, `ConstraintError`, `Grammars`, `Matcher`, `bitmask_words`), `cache_keyword` / `returned_cache`, and the CLI's `check_takes_images`,
 `load_image`, `encode`, `GenerationStats`; the server's `processed` (a processor's outputs for prompts
 with images).
 """
 
 from ._caches import cache_keyword, returned_cache
+from ._encoder_slots import EncoderDecoderSlotModel, check_supported, slot_model
 from ._engine import GenerationStats, Generator, check_draft
 from ._generate import check_context, generate
 from ._grammar import Constraint, ConstraintError, Grammars, Matcher, bitmask_words
 from ._rows import MAX_HELD_STOP_TOKENS, MAX_LOGIT_BIAS, RowSampling, SamplingFeatures, key_data
 from ._settings import GenerationSettings, SamplingConfig, resolve_settings
-from ._slots import TOP_LOGPROBS, Chosen, SlotModel, SlotPrograms, SlotState, check_supported
+from ._slots import TOP_LOGPROBS, Chosen, SlotModel, SlotPrograms, SlotState
 from ._speculative import Speculation
 from ._speculative_slots import SpeculativeSlotModel
 from ._vision_chat import chat_with_images, check_takes_images, encode, load_image, processed
@@ -55,6 +58,7 @@ from ._vision_chat import chat_with_images, check_takes_images, encode, load_ima
 __all__ = [
     "Chosen",
     "Constraint",
+    "EncoderDecoderSlotModel",
     "ConstraintError",
     "Grammars",
     "Matcher",
@@ -86,4 +90,5 @@ __all__ = [
     "processed",
     "resolve_settings",
     "returned_cache",
+    "slot_model",
 ]

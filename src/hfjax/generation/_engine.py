@@ -11,7 +11,8 @@ Stages (gpt-fast's names):
                    one loop per window, in the same program.
 
 A call that the continuous-batching core carries out runs on it instead (`_on_slots.SlotRuns`:
-decoder-only, a static KV cache, left-padded prompts, images with greedy or sampled decoding, ...; beam search as a program
+decoder-only, a static KV cache, left-padded prompts, images with greedy or sampled decoding, ...;
+encoder-decoders whose decoder takes each row's positions, `_encoder_slots`; beam search as a program
 family of its own over the slot cache, `_slot_beams`), with the programs `hfjax serve` runs;
 `Generator`'s own programs below run the rest.
 
@@ -278,6 +279,8 @@ class Generator:
             if ran is not None:
                 new, ttft, kept, drafts = ran  # the caller's rows: num_return_sequences per prompt
                 prompt = np.repeat(ids, settings.num_return_sequences, axis=0).astype(np.int32)
+                if self.adapter.encoder_decoder:  # the decoder's prompt, as transformers returns it
+                    prompt = plan.decoder_prompt[: new.shape[0]]
                 self._stats(mask, new.shape[1], ttft, start, prepared_before, drafts)
                 out = jnp.asarray(np.concatenate([prompt, new], axis=1))
                 if settings.return_dict_in_generate:

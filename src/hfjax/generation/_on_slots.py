@@ -9,7 +9,10 @@ A call runs here when the slot core carries out everything it asks: a decoder-on
 static KV cache that takes `position_ids` (full or sliding-window attention), left-padded prompts,
 images where it builds the model's masks (`takes_images`; the prefill chunk of every row's whole
 prompt takes them), weights on one device or on a mesh (of one process or several), and a model
-that reads no values of its data. `Generator` runs the rest. Beam search runs its own
+that reads no values of its data; or an encoder-decoder whose decoder takes each row's positions
+(`_encoder_slots`: Whisper, BART), without beam search, speculation or encoder_no_repeat_ngram_size:
+its prefill reads the encoder's input and the decoder prompt, and the slots keep the cross-attention
+keys and values. `Generator` runs the rest. Beam search runs its own
 programs over the same cache (`_slot_beams`), from the slot prefill's logits. A row that has stopped runs
 on pad tokens until every row has, as transformers feeds it, so the processed scores and raw
 logits that `output_scores` / `output_logits` keep are transformers' for every row and step.
@@ -39,7 +42,8 @@ import torch
 
 from .. import bridge, parallel
 from .._errors import DataDependentError, GenerationError
-from . import _grammar, _multimodal, _planning, _rows
+from . import _encoder_slots, _grammar, _multimodal, _planning, _rows
+from ._encoder_slots import EncoderDecoderSlotModel
 from ._settings import GenerationSettings
 from ._slot_beams import BeamCarry, SlotBeams
 from ._slots import SlotModel, SlotPrograms, check_supported
@@ -59,9 +63,14 @@ class SlotRuns:
         self.generator = generator
         self.model = generator.model
         adapter = generator.adapter
+        self.encoder_decoder = adapter.encoder_decoder
         try:
-            check_supported(self.model)  # a static KV cache of full or sliding-window attention layers
-            self.possible = not adapter.encoder_decoder and adapter.takes_positions
+            if self.encoder_decoder:  # a decoder that takes each row's positions (`_encoder_slots`)
+                _encoder_slots.check_encoder_decoder(self.model)
+                self.possible = True
+            else:
+                check_supported(self.model)  # a static KV cache of full or sliding-window attention layers
+                self.possible = adapter.takes_positions
         except GenerationError:
             self.possible = False
         self._models: dict[tuple, SlotModel] = {}
@@ -73,8 +82,12 @@ class SlotRuns:
         """Whether this call runs on the slot core (the module docstring says which do)."""
         if not self.possible or self.generator.reads_data:
             return False
-        if inputs and not takes_images(self.model.module, inputs, settings):
+        if inputs and (self.encoder_decoder or not takes_images(self.model.module, inputs, settings)):
             return False
+        if self.encoder_decoder:
+            # (beam search and speculation over cross-attention slots, and n-grams of the encoder's ids:
+            # `Generator`'s)
+            return settings.beam is None and settings.speculation is None and plan.ngram_source is None
         return _left_padded(plan.mask)
 
     def generate(
@@ -103,7 +116,12 @@ class SlotRuns:
         start = time.perf_counter()
         rows, budget = plan.rows, settings.max_new_tokens
         precision = bridge.resolve_precision(self.model.matmul_precision)
-        lengths = plan.mask.sum(axis=1).astype(np.int32)
+        # An encoder-decoder's prefill is its decoder prompt, after the encoder reads the plan's ids (the
+        # prefill's `inputs`, as images are a decoder's).
+        arrays, prompt_ids, width = None, plan.ids, plan.size
+        if self.encoder_decoder:
+            arrays, prompt_ids, width = self._encoder_inputs(plan), plan.decoder_prompt, plan.offset
+        lengths = np.full(rows, width, np.int32) if self.encoder_decoder else plan.mask.sum(axis=1).astype(np.int32)
         features = compiled.features
         if settings.min_new_tokens and settings.eos_token_ids:  # EOS held back for the first min_new_tokens
             features = dataclasses.replace(features, held_back=settings.eos_token_ids)
@@ -124,14 +142,13 @@ class SlotRuns:
             kept = ("logits",)
         programs = self._programs_for(plan, features, settings, kept, precision, draft)
         # The rules that read the tokens so far see transformers' input_ids: the caller's pads, then the row.
-        pads = plan.size - plan.first_column - lengths
+        pads = 0 if self.encoder_decoder else plan.size - plan.first_column - lengths
         sampling = settings.row_sampling(
             rows, _rows.key_data(seed), lengths=lengths, pads=pads, mask_words=features.mask_words
         )
         sampling.key = _ROW_KEYS(sampling.key)  # each row's index folded in
         if lora is not None:  # each prompt's rows (num_return_sequences of them) run on its adapter
             sampling.lora[: plan.prompts * plan.per_prompt] = np.repeat(lora, plan.per_prompt)
-        arrays = None
         if inputs is not None:  # images: one prefill chunk of every row's whole prompt takes them
             if inputs.position_shift is not None:
                 sampling.rope_delta[:] = inputs.position_shift
@@ -148,7 +165,7 @@ class SlotRuns:
             (
                 sampling,
                 np.arange(rows, dtype=np.int32),
-                plan.ids,
+                prompt_ids,
                 np.zeros(rows, np.int32),
                 lengths,
                 every,
@@ -161,7 +178,7 @@ class SlotRuns:
             state = programs.slot_model.empty_state(features)
             # The prefill's window: the prompts' columns, the only ones it reads and writes.
             state, chosen = programs.prefill(
-                state, sampling, which, prompts, starts, counts, last, every, no, window=plan.size, inputs=arrays
+                state, sampling, which, prompts, starts, counts, last, every, no, window=width, inputs=arrays
             )
         except DataDependentError:
             self.generator.reads_data = True
@@ -236,7 +253,7 @@ class SlotRuns:
         key = (plan.rows, plan.total, features, beam, settings.eos_token_ids)
         if key not in self._beams:
             self._beams[key] = SlotBeams(
-                self._models[plan.rows, plan.total], features=features, settings=beam, eos=settings.eos_token_ids,
+                self._models[self._model_key(plan)], features=features, settings=beam, eos=settings.eos_token_ids,
                 cache=self.generator.programs,
             )  # fmt: skip
         beams = self._beams[key]
@@ -293,10 +310,25 @@ class SlotRuns:
             return jax.tree_util.tree_map(lambda array: parallel.place_rows(mesh, array), tree)
         return jax.device_put(tree)
 
+    def _encoder_inputs(self, plan: _planning.BatchPlan) -> dict[str, np.ndarray]:
+        """The encoder's inputs of an encoder-decoder's prefill: its main input [rows, ...] (features as
+        float32), and for token ids their mask [rows, size]."""
+        main = self.model.module.main_input_name
+        if main != "input_ids":
+            return {main: plan.ids.astype(np.float32)}
+        return {main: plan.ids, "attention_mask": plan.mask}
+
+    def _model_key(self, plan: _planning.BatchPlan) -> tuple:
+        # (an encoder-decoder's slots hold encoder outputs as long as the plan's padded prompts)
+        return (plan.rows, plan.total, plan.size) if self.encoder_decoder else (plan.rows, plan.total)
+
     def _slot_model(self, plan: _planning.BatchPlan) -> SlotModel:
-        key = (plan.rows, plan.total)
+        key = self._model_key(plan)
         if key not in self._models:
-            self._models[key] = SlotModel(self.model, plan.rows, plan.total)
+            if self.encoder_decoder:  # (token inputs: as long as the plan's padded prompts)
+                self._models[key] = EncoderDecoderSlotModel(self.model, plan.rows, plan.total, plan.size)
+            else:
+                self._models[key] = SlotModel(self.model, plan.rows, plan.total)
         return self._models[key]
 
     def _programs_for(
@@ -308,7 +340,7 @@ class SlotRuns:
         precision,
         draft=None,
     ) -> SlotPrograms:
-        model_key = (plan.rows, plan.total)
+        model_key = self._model_key(plan)
         self._slot_model(plan)
         if settings.speculation is not None:  # the slot model that drafts (with `draft`, where given)
             model_key = (*model_key, settings.speculation, None if draft is None else id(draft))
@@ -317,10 +349,11 @@ class SlotRuns:
                     self.model, plan.rows, plan.total, settings.speculation, draft=draft
                 )
         stops, pad = settings.eos_token_ids, settings.pad_token_id
-        key = (*model_key, plan.size, features, stops, pad, kept, precision)
+        width = plan.offset if self.encoder_decoder else plan.size  # the prefill's tokens: the decoder's prompt
+        key = (*model_key, width, plan.size, features, stops, pad, kept, precision)
         if key not in self._programs:
             self._programs[key] = SlotPrograms(
-                self._models[model_key], prefill_chunk=plan.size, steps=plan.total - plan.offset,
+                self._models[model_key], prefill_chunk=width, steps=plan.total - plan.offset,
                 features=features, stop_tokens=stops, pad_token=pad, kept=kept, cache=self.generator.programs,
             )  # fmt: skip
         return self._programs[key]

@@ -62,10 +62,19 @@ class SlotState:
     # [(keys, values)] per layer of a draft model's own cache in the same slots and columns, where a
     # speculative decode drafts with one (`SpeculativeSlotModel`); else None
     draft: list | None = None
+    # An encoder-decoder's (`EncoderDecoderSlotModel`; else None): [(keys, values)] per decoder layer of
+    # each slot's cross-attention over its encoder output, each [S, heads, E, head_dim] (E: the encoder
+    # length the slot model is built for), written by the prefill that reads the encoder's input; and
+    # encoder_mask [S, E] int32, 1 on the encoder's real positions
+    cross: list | None = None
+    encoder_mask: jax.Array | None = None
 
     def leaves(self) -> tuple:
         """The state as plain containers, which `jax.export` keeps (programs take and return these)."""
-        return self.cache, self.tokens, self.positions, self.seen, self.counts, self.history, self.draft
+        return (
+            self.cache, self.tokens, self.positions, self.seen, self.counts, self.history, self.draft, self.cross,
+            self.encoder_mask,
+        )  # fmt: skip
 
 
 @jax.tree_util.register_dataclass
@@ -139,7 +148,8 @@ def _written(cache, new, columns):
 
 
 def check_supported(model) -> None:
-    """Raises GenerationError for a model the slot cache cannot serve, saying why."""
+    """Raises GenerationError for a decoder-only model the slot cache cannot serve, saying why (an
+    encoder-decoder: `_encoder_slots.check_supported`)."""
     adapter = adapter_for(model.module)
     if type(adapter) is not StaticCacheAdapter:
         raise GenerationError(
@@ -253,6 +263,7 @@ class SlotModel:
                     seen=jnp.zeros((self.slots, vocab), bool) if repetition else None,
                     counts=jnp.zeros((self.slots, vocab), jnp.int32) if presence else None,
                     history=jnp.zeros((self.slots, self.length), jnp.int32) if history else None,
+                    **self.extra_state(),
                 )
 
             mesh, placed = self.model.mesh, None  # None: left to the programs (weights over several devices)
@@ -263,6 +274,11 @@ class SlotModel:
                 placed = weights if len(weights.device_set) == 1 else None
             self._empty[layout] = jax.jit(zeros, out_shardings=placed)
         return self._empty[layout]()
+
+    def extra_state(self) -> dict:
+        """Zeros of the `SlotState` fields a kind of model keeps beside the KV cache (inside `empty_state`'s
+        trace): none here."""
+        return {}
 
     def _sharding(self, mesh, array) -> jax.sharding.NamedSharding:
         """A state array's place on `mesh`: slots over "data", a cache's heads ([S, heads, L, D]) over "model"."""
@@ -313,17 +329,7 @@ class SlotModel:
         past.layers = [
             self.layer_class(bridge.to_torch(k), bridge.to_torch(v), bridge.to_torch(columns)) for k, v in cache
         ]
-        every = jnp.arange(length, dtype=jnp.int32)[None, None, :]
-        masks = {}
-        for kind in self.mask_kinds:
-            allowed = every <= positions[:, :, None]  # [B, q, L]
-            if blocks is not None:  # transformers' OR of the causal mask and the blocks, before the window
-                query, key = blocks
-                allowed |= (query[:, :, None] == key[:, None, :]) & (query[:, :, None] >= 0)
-            if kind == "sliding_attention":  # transformers' sliding window: the key within `window` of the query
-                allowed &= every > positions[:, :, None] - self.window
-            masks[kind] = bridge.to_torch(self._mask(allowed[:, None], cache[0][0].dtype))  # [B, 1, q, L]
-        mask = masks if len(masks) > 1 else next(iter(masks.values()))
+        mask = self.attention_mask(positions, length, cache[0][0].dtype, blocks=blocks)
         kwargs = {"use_cache": True, self.cache_keyword: past, "attention_mask": mask}
         kwargs["position_ids"] = bridge.to_torch(positions)
         if keep is not None and self.takes_logits_to_keep:
@@ -337,6 +343,22 @@ class SlotModel:
             logits = jnp.take(logits, keep, axis=1)
         cache = [(bridge.to_jax(layer.keys), bridge.to_jax(layer.values)) for layer in past.layers]
         return logits, cache
+
+    def attention_mask(self, positions, length: int, dtype, *, blocks=None):
+        """The self-attention mask of queries at positions [B, q] over `length` cache columns, as torch: each
+        key at or before its query, or in its bidirectional block (`run`'s `blocks`), within the sliding
+        window where layers slide [B, 1, q, L]; a dict per kind of layer where the model takes several."""
+        every = jnp.arange(length, dtype=jnp.int32)[None, None, :]
+        masks = {}
+        for kind in self.mask_kinds:
+            allowed = every <= positions[:, :, None]  # [B, q, L]
+            if blocks is not None:  # transformers' OR of the causal mask and the blocks, before the window
+                query, key = blocks
+                allowed |= (query[:, :, None] == key[:, None, :]) & (query[:, :, None] >= 0)
+            if kind == "sliding_attention":  # transformers' sliding window: the key within `window` of the query
+                allowed &= every > positions[:, :, None] - self.window
+            masks[kind] = bridge.to_torch(self._mask(allowed[:, None], dtype))  # [B, 1, q, L]
+        return masks if len(masks) > 1 else next(iter(masks.values()))
 
     def _mask(self, allowed, dtype):
         """The attention mask of `allowed` [B, 1, q, L] bool in the form the attention takes: the booleans,
@@ -452,6 +474,8 @@ class SlotModel:
             counts=None if counts is None else state.counts.at[which].set(counts, mode="drop"),
             history=None if history is None else state.history.at[which].set(history, mode="drop"),
             draft=state.draft,
+            cross=state.cross,
+            encoder_mask=state.encoder_mask,
         )
         per_token = [f for f in (*PER_TOKEN, *_KEPT) if getattr(chosen, f) is not None]
         return state, dataclasses.replace(chosen, **{f: getattr(chosen, f)[:, None] for f in per_token})
@@ -568,6 +592,8 @@ class SlotModel:
             counts=None if counts is None else state.counts.at[:r].set(counts),
             history=None if history is None else state.history.at[:r].set(history),
             draft=state.draft,
+            cross=state.cross,
+            encoder_mask=state.encoder_mask,
         )
         return state, dataclasses.replace(chosen, ran=ran)
 

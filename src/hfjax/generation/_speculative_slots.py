@@ -359,5 +359,7 @@ class SpeculativeSlotModel(SlotModel):
             counts=None if counts is None else state.counts.at[:r].set(counts),
             history=state.history.at[:r].set(history),
             draft=state.draft if not by_model else written_back(state.draft, restore_draft(drafts_carried)),
+            cross=state.cross,
+            encoder_mask=state.encoder_mask,
         )
         return state, dataclasses.replace(chosen, ran=jnp.max(made), made=made, rounds=rounds)

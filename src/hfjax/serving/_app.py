@@ -30,7 +30,7 @@ from .._errors import GenerationError, HfjaxError
 from .._version import __version__
 from ..generation import ConstraintError
 from ..generation import processed as generation_processed
-from . import _media, _protocol, _tools
+from . import _audio, _media, _protocol, _tools
 from ._media import MediaPolicy
 from ._metrics import Metrics, StatsLine
 from ._models import ServedModels
@@ -254,6 +254,8 @@ def build_app(
             "object": "list", "data": data, "model": served_model_name,
             "usage": {"prompt_tokens": tokens, "total_tokens": tokens},
         }  # fmt: skip
+
+    _audio.add_route(app, model, engine, served.names())
 
     @app.post("/v1/chat/completions")
     async def chat(request: Request):

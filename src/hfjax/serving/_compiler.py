@@ -121,7 +121,7 @@ class Compiler:
         start = time.perf_counter()
         arguments = example(kind, rows, window)
         inputs = None
-        if kind == "image":  # a prompt with one image, whole, in one chunk: its inputs (static ones as values) last
+        if kind in ("prefill", "image"):  # the chunk's model inputs last (images' static ones as values), or None
             *arguments, inputs = arguments
         arguments = jax.tree_util.tree_map(_abstract, tuple(arguments))
         if kind in ("prefill", "image"):

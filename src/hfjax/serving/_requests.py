@@ -231,6 +231,8 @@ class Request:
         # The processor's outputs for a prompt with images (pixel_values, ...; host arrays [1, ...]):
         # its prefill reads the whole prompt in one chunk, and no other request reuses its keys.
         self.images = images
+        self.prompt_tokens = len(prompt)  # what its usage counts (an encoder-decoder's: its encoder's tokens)
+        self.inputs: dict | None = None  # an encoder-decoder's encoder inputs, for its prefill
         self.adapter = adapter  # the `hfjax.lora.Adapter` of `params.adapter` (None: the base alone)
         self.matcher = matcher  # where the answer is constrained: its place in the grammar
         # A constrained request's next token taken in by its matcher before delivery (`Engine._advance`):

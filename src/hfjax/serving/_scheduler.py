@@ -63,7 +63,8 @@ class Engine:
     """Continuous batching of a causal LM over slots of one static KV cache.
 
     Args:
-        model: a `hfjax.Model` of a decoder-only causal LM with a tokenizer.
+        model: a `hfjax.Model` with a tokenizer: a decoder-only causal LM, or an encoder-decoder the slot
+            core runs (`generation.check_supported`: Whisper, BART), whose requests carry their encoder's inputs.
         max_num_seqs: the most requests decoded together (sequence slots); default: as many as the
             cache's memory holds, at most 256 on an accelerator and 64 on the CPU (`_sizing.py`).
             (`max_batch` is taken as its old name.)
@@ -150,8 +151,13 @@ class Engine:
         # after a forced_bos_token_id, which `submit` refuses.)
         checkpoint = SamplingParams(max_tokens=1).settings(model, prompt_length=2)
         self.eos_token_ids = checkpoint.eos_token_ids
+        # An encoder-decoder's slots also hold its cross-attention keys and values; its requests carry
+        # their encoder's inputs (`submit`), read by the prefill, which no other request's prefix can stand for.
+        self.encoder_decoder = bool(getattr(model.config, "is_encoder_decoder", False))
+        if self.encoder_decoder:
+            prefix_reuse = False
         slot_model = (
-            generation.SlotModel(model, self.max_num_seqs, self.max_model_len)
+            generation.slot_model(model, self.max_num_seqs, self.max_model_len)
             if speculation is None
             else generation.SpeculativeSlotModel(model, self.max_num_seqs, self.max_model_len, speculation, draft)
         )
@@ -274,11 +280,15 @@ class Engine:
         listener: Callable[[Event], None],
         *,
         images: dict | None = None,
+        inputs: dict | None = None,
     ) -> Request:
         """Queues a prompt (token ids); `listener` gets an Event after each chunk, on the engine thread.
         `images`: the processor's other outputs for a prompt with images (pixel_values, ...: host arrays
         [1, ...]; `prompt` is its input_ids, image tokens included), for a model that reads them
-        (`takes_images`); its prefill is one chunk of the whole prompt.
+        (`takes_images`); its prefill is one chunk of the whole prompt. An encoder-decoder's prompt is
+        its decoder's (Whisper's prefix), with `inputs` its encoder's ({name: array} of one row, as
+        `EncoderDecoderSlotModel.encoder_inputs` gives them); without `inputs`, the prompt is a token
+        encoder's input and the decoder starts from its start token.
 
         Raises:
             GenerationError: the prompt and max_tokens do not fit max_model_len, a setting is out of range, or
@@ -286,6 +296,9 @@ class Engine:
             QueueFullError: max_queue requests are waiting already.
             ServingError: the engine has stopped, or failed.
         """
+        prompt_tokens = len(prompt)
+        if self.encoder_decoder and inputs is None:
+            inputs, prompt = self.encoder_inputs(prompt), [self._decoder_start()]
         self.check_prompt(prompt, params)
         if images is not None and not self.takes_images:
             raise GenerationError(
@@ -305,6 +318,7 @@ class Engine:
         request = Request(
             list(prompt), params, settings, listener, text, matcher, self._adapter(params.adapter), images=images
         )
+        request.inputs, request.prompt_tokens = inputs, prompt_tokens
         with self._lock:
             if self._error is not None:
                 raise ServingError(f"the engine failed: {self._error!r}") from self._error
@@ -318,6 +332,19 @@ class Engine:
             self.metrics.queue_depth = len(self._waiting)
             self._wake.notify_all()
         return request
+
+    def _decoder_start(self) -> int:
+        """The decoder's first token: the checkpoint's decoder_start_token_id (else its BOS token)."""
+        config = self.model.generation_config
+        start = getattr(config, "decoder_start_token_id", None)
+        start = getattr(self.model.config, "decoder_start_token_id", None) if start is None else start
+        start = getattr(config, "bos_token_id", None) if start is None else start
+        if start is None:
+            raise GenerationError(
+                f"{self.model.source} sets neither decoder_start_token_id nor bos_token_id, so its decoder has no "
+                "first token; set one in its generation_config.json"
+            )
+        return int(start)
 
     def _adapter(self, index: int):
         """The model's LoRA adapter in slot `index` (None for -1, the base alone).
@@ -397,12 +424,16 @@ class Engine:
             self._state = self._slot_model.empty_state(self.features)
 
     def _example_args(self, kind: str, rows: int, window: int) -> tuple:
-        """Arguments like those the engine passes, for compiling a program ahead of its first call."""
+        """Arguments like those the engine passes, for compiling a program ahead of its first call; a
+        prefill's end with its chunk's model inputs (an encoder-decoder's encoder inputs,
+        `EncoderDecoderSlotModel.encoder_inputs`; a prompt's images), or None."""
         if kind == "prefill":
-            return self._prefill_args(
+            inputs = self._encoder_zeros(rows) if self.encoder_decoder else None
+            args = self._prefill_args(
                 np.full(rows, self.max_num_seqs, np.int32), np.zeros((rows, self.prefill_chunk), np.int32),
                 np.zeros(rows, np.int32), np.ones(rows, np.int32), np.zeros(rows, bool), np.zeros(rows, bool), False,
             )  # fmt: skip
+            return (*args, self._on_device(inputs))
         if kind == "image":
             ids, inputs = self._image_example[0], self._image_inputs[window]
             one = np.ones(1, np.int32)
@@ -418,6 +449,34 @@ class Engine:
             self._state, self.table.sampling(), jnp.asarray(which), jnp.asarray(ids), jnp.asarray(start),
             jnp.asarray(count), jnp.asarray(last), jnp.asarray(fresh), self.table.copies("want", np.bool_(want_logprobs)),
         )  # fmt: skip
+
+    @staticmethod
+    def _on_device(inputs: dict | None) -> dict | None:
+        """A prefill's model inputs (host arrays) on the device, as the programs take them."""
+        return None if inputs is None else {name: jnp.asarray(value) for name, value in inputs.items()}
+
+    def _encoder_zeros(self, rows: int) -> dict[str, np.ndarray]:
+        """Host zeros of an encoder-decoder's prefill inputs for `rows` rows (as requests' come: the
+        placing of host arrays of each shape is compiled at the start too)."""
+        examples = self._slot_model.encoder_inputs(rows)
+        return {name: np.zeros(example.shape, example.dtype) for name, example in examples.items()}
+
+    def encoder_inputs(self, ids: list[int]) -> dict[str, np.ndarray]:
+        """A token encoder's inputs for a prompt of `ids`: input_ids and attention_mask [E] int32, padded on
+        the right to the slots' encoder length E (max_model_len)."""
+        if self._slot_model.features_input:
+            raise GenerationError(
+                f"{self.model.source} reads audio features, not a text prompt; send its audio to "
+                "/v1/audio/transcriptions"
+            )
+        length = self._slot_model.encoder_length
+        if len(ids) > length:
+            raise GenerationError(
+                f"the prompt has {len(ids)} tokens, more than the encoder's max_model_len={length}; shorten it"
+            )
+        padded, mask = np.full(length, self.tokenizer.pad_token_id or 0, np.int32), np.zeros(length, np.int32)
+        padded[: len(ids)], mask[: len(ids)] = ids, 1
+        return {"input_ids": padded, "attention_mask": mask}
 
     def _decode_args(self, active, steps: int, want_logprobs) -> tuple:
         copies = self.table.copies
@@ -505,9 +564,9 @@ class Engine:
             self._since_freed = 0
             self._unclaimed += 1
         self.metrics.running = self.running
-        self.metrics.count_finished(reason, len(request.prompt), request.generated)
+        self.metrics.count_finished(reason, request.prompt_tokens, request.generated)
         if event is None:
-            event = Event([], [], None, reason, len(request.prompt), request.generated, request.text.rest())
+            event = Event([], [], None, reason, request.prompt_tokens, request.generated, request.text.rest())
         request.listener(event)
 
     def _prefill(self, requests: list[Request]) -> None:
@@ -535,8 +594,14 @@ class Engine:
                 np.concatenate([count, np.ones(extra, np.int32)]),
             )
             last, fresh = np.concatenate([last, np.zeros(extra, bool)]), np.concatenate([fresh, np.zeros(extra, bool)])
+        inputs = None
+        if self.encoder_decoder:  # each row's encoder inputs (its whole prompt is this chunk); padding rows: zeros
+            inputs = self._encoder_zeros(rows)
+            for i, request in enumerate(requests):
+                for name, value in request.inputs.items():
+                    inputs[name][i] = value
         args = self._prefill_args(which, ids, start, count, last, fresh, want)
-        self._state, chosen = self.compiler.programs.prefill(*args, window=window)
+        self._state, chosen = self.compiler.programs.prefill(*args, window=window, inputs=self._on_device(inputs))
         self._prefilled(requests, count, last, chosen)
 
     def _prefill_images(self, request: Request) -> None:
@@ -707,7 +772,7 @@ class Engine:
         if reason is None and request.matcher is not None and advanced is None:
             self.table.constrain(request)
         tail = request.text.rest() if reason is not None else ""
-        event = Event(ids, pieces, logprobs, reason, len(request.prompt), request.generated, tail, eos is not None)
+        event = Event(ids, pieces, logprobs, reason, request.prompt_tokens, request.generated, tail, eos is not None)
         if reason is None:
             request.listener(event)
         else:

@@ -67,7 +67,9 @@ def size_engine(
         raise ServingError(
             f"Engine: gpu_memory_utilization={utilization!r} is out of range; pass a fraction in (0, 1], such as 0.9"
         )
-    context = bridge.context_length(model.module.config.get_text_config(decoder=True))
+    decoder = model.module.config.get_text_config(decoder=True)
+    # (an encoder-decoder's decoder may count its own: Whisper's max_target_positions)
+    context = bridge.context_length(decoder) or getattr(decoder, "max_target_positions", None)
     if max_model_len is None:
         max_model_len = context or DEFAULT_LENGTH
     if context is not None and max_model_len > context:
@@ -76,7 +78,7 @@ def size_engine(
             f"(config.max_position_embeddings); pass max_model_len<={context}"
         )
     generation.check_supported(model)
-    per_slot = sum(generation.SlotModel(m, 1, max_model_len).bytes_per_slot() for m in (model, draft) if m is not None)
+    per_slot = sum(generation.slot_model(m, 1, max_model_len).bytes_per_slot() for m in (model, draft) if m is not None)
     if kv_cache_memory is not None:
         budget, source = kv_cache_memory, "kv_cache_memory"
         if gpu_memory_utilization is not None:

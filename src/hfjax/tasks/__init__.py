@@ -9,10 +9,13 @@ on JAX, speech (Whisper's generate, audio files), and parity checks against PyTo
 A Model's own methods (`classify`, `embed`) live beside it (`hfjax/_classify.py`, `_embed.py`): the
 Model does not import this package, which imports the Model.
 
-Public names: `pipeline`, `check`, `check_arch`, `CheckReport`.
+Public names: `pipeline`, `check`, `check_arch`, `CheckReport`; for the server's transcriptions,
+`read_audio`, `resample` and `whisper_decoder_prompt`.
 """
 
+from ._audio import read_audio, resample
 from ._check import CheckReport, check, check_arch
 from ._pipeline import pipeline
+from ._whisper import decoder_prompt as whisper_decoder_prompt
 
-__all__ = ["CheckReport", "check", "check_arch", "pipeline"]
+__all__ = ["CheckReport", "check", "check_arch", "pipeline", "read_audio", "resample", "whisper_decoder_prompt"]

@@ -1,0 +1,338 @@
+"""Encoder-decoders on the continuous-batching core (`_slots.py`): Whisper, BART and their kin.
+
+A slot holds its request's decoder keys and values as a decoder-only model's does, and beside them
+its cross-attention keys and values (`SlotState.cross`, [S, heads, E, head_dim] per decoder layer)
+and its encoder mask (`SlotState.encoder_mask`, [S, E]), E being the encoder length the slot model
+is built for (Whisper's 2 x max_source_positions feature frames make max_source_positions; a text
+encoder's longest input, padded on the right):
+
+    prefill_chunk   with `inputs` (the encoder's main input [P, ...] and, for token inputs, its
+                    attention_mask [P, E]): the encoder runs over the rows' inputs and each decoder
+                    layer's cross-attention keys and values are written into the rows' slots; the
+                    chunk's tokens (the decoder prompt: the decoder start token, or Whisper's forced
+                    prefix) then run as a decoder-only model's chunk does
+    decode_chunk    as a decoder-only model's; each step reads the slots' cross keys and values
+                    (transformers' EncoderDecoderCache with every layer's `is_updated` set) and never
+                    runs the encoder
+
+The decoder's positions are each row's own. Whisper takes them (`decoder_position_ids`); a decoder
+whose position embedding counts from its cache's length takes them through a hook on that module
+for the length of the call (`POSITION_EMBEDDINGS`: the modules it knows, and how each looks a
+position up). A decoder with neither (T5's relative position bias, counted from `cache_position`,
+which is one scalar for every row) is refused by `check_supported`, saying why: `Generator` runs it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import inspect
+
+import jax
+import jax.numpy as jnp
+
+from .. import bridge
+from .. import lora as _lora
+from .._errors import GenerationError
+from . import _slots
+from ._slots import SlotModel, SlotState
+
+
+def _offset_embedding(module, positions):
+    """BART's learned positions: row b's position p is the embedding's row p + module.offset (2)."""
+    return module.weight[positions + module.offset]
+
+
+# Position embeddings that count from the cache's length (one scalar for every row), by class name,
+# and how each looks up rows' own positions [B, q] (torch): the hook replaces the module's output.
+POSITION_EMBEDDINGS = {
+    "BartLearnedPositionalEmbedding": _offset_embedding,
+    "MBartLearnedPositionalEmbedding": _offset_embedding,
+}
+
+
+def decoder_positions(module) -> str | None:
+    """How `module`'s decoder takes each row's own positions: "keyword" (its forward's
+    decoder_position_ids), "hook" (a `POSITION_EMBEDDINGS` module in its decoder), or None."""
+    if "decoder_position_ids" in inspect.signature(module.forward).parameters:
+        return "keyword"
+    decoder = module.get_decoder()
+    if type(getattr(decoder, "embed_positions", None)).__name__ in POSITION_EMBEDDINGS:
+        return "hook"
+    return None
+
+
+def check_encoder_decoder(model) -> None:
+    """Raises GenerationError for an encoder-decoder the slot core cannot run, saying why."""
+    module = model.module
+    main = module.main_input_name
+    if main != "input_ids" and not (main == "input_features" and hasattr(module.config, "max_source_positions")):
+        raise GenerationError(
+            f"the slot core holds an encoder output of a length fixed per slot model: token ids, or Whisper's "
+            f"feature frames; {type(module).__name__}'s encoder reads {main}; use Model.generate for it"
+        )
+    if decoder_positions(module) is None:
+        raise GenerationError(
+            f"the slot core gives each row's decoder its own positions; {type(module).__name__}'s decoder takes "
+            "none (its positions, or its relative position bias, count from the cache's length, one for every "
+            "row); use Model.generate for it, which runs it on a loop of its own"
+        )
+    config = module.config.get_text_config(decoder=True)
+    if getattr(config, "sliding_window", None) is not None or getattr(config, "layer_types", None):
+        raise GenerationError(
+            f"the slot core runs encoder-decoders whose decoder attends to every earlier token; "
+            f"{config.model_type} has other attention layers; use Model.generate for it"
+        )
+
+
+def _cross_layer_class():
+    from transformers.cache_utils import StaticLayer
+
+    class CrossLayer(StaticLayer):
+        """A cross-attention layer [B, heads, E, head_dim]: given (`keys`, `values`), what the attention
+        reads (`is_updated`); else it keeps what the attention computes from the encoder's output."""
+
+        def __init__(self, keys=None, values=None):
+            super().__init__(max_cache_len=0)
+            self.keys, self.values = keys, values
+            self.is_initialized = keys is not None
+
+        def update(self, key_states, value_states, *args, **kwargs):
+            self.keys, self.values = key_states, value_states
+            self.is_initialized = True
+            return key_states, value_states
+
+        def get_seq_length(self):
+            return 0
+
+    return CrossLayer
+
+
+class EncoderDecoderSlotModel(SlotModel):
+    """An encoder-decoder run over S slots: a decoder KV cache of L columns per slot, and per slot the
+    cross-attention keys and values over an encoder output of E positions (inside traces)."""
+
+    def __init__(self, model, slots: int, length: int, encoder_length: int | None = None):
+        super().__init__(model, slots, length)
+        config = self.module.config
+        self.main_input = self.module.main_input_name
+        self.features_input = self.main_input != "input_ids"  # e.g. Whisper's input_features
+        if self.features_input:
+            encoder_length = config.max_source_positions  # Whisper: 2 x this many feature frames
+        if encoder_length is None:
+            raise GenerationError(
+                f"EncoderDecoderSlotModel: {type(self.module).__name__} reads token ids; pass encoder_length=, the "
+                "longest encoder input its slots hold"
+            )
+        self.encoder_length = encoder_length
+        self.positions = decoder_positions(self.module)
+        self.cross_class = _cross_layer_class()
+        self._cross_shapes = None
+        # The slots' cross keys and values and encoder mask that the decoder reads, within a program's trace.
+        self._reading = None
+
+    def program_key(self) -> tuple:
+        return ("encoder", self.encoder_length)
+
+    def encoder_inputs(self, rows: int) -> dict:
+        """Zeros like the `inputs` a prefill of `rows` rows takes: the encoder's main input, and (token
+        inputs) its attention mask."""
+        config = self.module.config
+        if self.features_input:
+            shape = (rows, config.num_mel_bins, 2 * self.encoder_length)
+            return {self.main_input: jnp.zeros(shape, jnp.float32)}
+        zeros = jnp.zeros((rows, self.encoder_length), jnp.int32)
+        return {"input_ids": zeros, "attention_mask": zeros}
+
+    def shapes(self):
+        if self._shapes is None:
+
+            def one_token(params):
+                cross, _ = self.encode(params, self.encoder_inputs(1))
+                self_cache = [(jnp.zeros((1, k.shape[1], self.length, k.shape[3]), k.dtype),) * 2 for k, _ in cross]
+                with self._attending(cross, jnp.ones((1, self.encoder_length), jnp.int32)), self.bound(params):
+                    logits, _ = self.run(
+                        params, self_cache, jnp.zeros((1, 1), jnp.int32), jnp.zeros((1, 1), jnp.int32),
+                        jnp.zeros((1, 1), jnp.int32),
+                    )  # fmt: skip
+                return cross, logits
+
+            cross, logits = jax.eval_shape(one_token, self.model.params)
+            self._cross_shapes = [
+                tuple(jax.ShapeDtypeStruct((self.slots, *s.shape[1:]), s.dtype) for s in pair) for pair in cross
+            ]
+            # The decoder's self-attention keys and values: as many heads as its cross-attention's, L columns.
+            cache = [
+                tuple(jax.ShapeDtypeStruct((self.slots, s.shape[1], self.length, s.shape[3]), s.dtype) for s in pair)
+                for pair in self._cross_shapes
+            ]
+            self._shapes = cache, logits.shape[-1]
+        return self._shapes
+
+    def bytes_per_slot(self) -> int:
+        self.shapes()
+        cross = sum(int(s.size // self.slots) * s.dtype.itemsize for pair in self._cross_shapes for s in pair)
+        return super().bytes_per_slot() + cross + 4 * self.encoder_length
+
+    def extra_state(self) -> dict:
+        self.shapes()
+        return {
+            "cross": [tuple(jnp.zeros(s.shape, s.dtype) for s in pair) for pair in self._cross_shapes],
+            "encoder_mask": jnp.zeros((self.slots, self.encoder_length), jnp.int32),
+        }
+
+    def encode(self, params, inputs: dict) -> tuple[list, jax.Array]:
+        """(each decoder layer's cross-attention (keys, values) [P, heads, E, head_dim], the encoder mask
+        [P, E] int32) for `inputs` of P rows: the encoder's output, projected by each layer's
+        cross-attention (a decoder run of one token, whose cross-attention cache keeps them)."""
+        from transformers import EncoderDecoderCache, StaticCache
+
+        main = inputs[self.main_input]
+        rows = main.shape[0]
+        mask = inputs.get("attention_mask")
+        with self.bound(params):
+            value = bridge.to_torch(main)
+            if value.is_floating_point():
+                value = value.to(self.module.dtype)
+            encoder_kwargs = {self.main_input: value}
+            if mask is not None:
+                encoder_kwargs["attention_mask"] = bridge.to_torch(mask)
+            hidden = self.module.get_encoder()(**encoder_kwargs).last_hidden_state  # [P, E, H]
+            if hidden.shape[1] != self.encoder_length:
+                raise GenerationError(
+                    f"EncoderDecoderSlotModel: the encoder gave {hidden.shape[1]} positions, and the slots hold "
+                    f"{self.encoder_length}; pad the encoder's input to {self.encoder_length}"
+                )
+            layers = len(self.module.get_decoder().layers)
+            # Both caches keep what the layers compute: the token attends to itself, and the cross keys stay.
+            own, cross = (StaticCache(config=self.config, max_cache_len=1) for _ in range(2))
+            own.layers = [self.cross_class() for _ in range(layers)]
+            cross.layers = [self.cross_class() for _ in range(layers)]
+            past = EncoderDecoderCache(own, cross)
+            past.is_updated = {i: False for i in range(layers)}
+            ids = bridge.to_torch(jnp.zeros((rows, 1), jnp.int32))
+            itself = bridge.to_torch(self._mask(jnp.ones((rows, 1, 1, 1), bool), bridge.to_jax(hidden).dtype))
+            kwargs = self._decoder_kwargs(hidden, mask, ids, jnp.zeros((rows, 1), jnp.int32), past, itself)
+            self.module(**kwargs)
+        keys = [(bridge.to_jax(layer.keys), bridge.to_jax(layer.values)) for layer in cross.layers]
+        if mask is None:
+            mask = jnp.ones((rows, self.encoder_length), jnp.int32)
+        return keys, mask.astype(jnp.int32)
+
+    @contextlib.contextmanager
+    def _attending(self, cross: list, encoder_mask):
+        """The decoder runs of this block read `cross` [(keys, values)] [B, heads, E, head_dim] and
+        `encoder_mask` [B, E] (the rows' slots')."""
+        before, self._reading = self._reading, (cross, encoder_mask)
+        try:
+            yield
+        finally:
+            self._reading = before
+
+    def run(self, params, cache, ids, positions, columns, keep=None, *, lora=None, inputs=None, blocks=None):
+        """`SlotModel.run` of the decoder, over the rows' cross-attention keys and values (`_attending`); the
+        encoder's inputs went to `prefill_chunk`, so a decoder run takes no other `inputs` nor `blocks`."""
+        from transformers import EncoderDecoderCache, StaticCache
+
+        if inputs or blocks is not None:
+            raise GenerationError(
+                f"EncoderDecoderSlotModel.run: inputs={sorted(inputs or ())}, blocks={blocks is not None} for "
+                f"{type(self.module).__name__}'s decoder; its encoder's inputs go to prefill_chunk"
+            )
+        cross, encoder_mask = self._reading
+        length = cache[0][0].shape[2]
+        past = StaticCache(config=self.config, max_cache_len=length)
+        past.layers = [
+            self.layer_class(bridge.to_torch(k), bridge.to_torch(v), bridge.to_torch(columns)) for k, v in cache
+        ]
+        crossed = StaticCache(config=self.config, max_cache_len=self.encoder_length)
+        crossed.layers = [self.cross_class(bridge.to_torch(k), bridge.to_torch(v)) for k, v in cross]
+        both = EncoderDecoderCache(past, crossed)
+        both.is_updated = {i: True for i in range(len(crossed.layers))}
+        rows, width = ids.shape[0], self.module.config.d_model
+        # The encoder's output is read only through the cross keys and values: the decoder gets zeros of its shape.
+        hidden = bridge.to_torch(jnp.zeros((rows, self.encoder_length, width), cross[0][0].dtype))
+        mask = self.attention_mask(positions, length, cache[0][0].dtype)
+        kwargs = self._decoder_kwargs(hidden, encoder_mask, bridge.to_torch(ids), positions, both, mask)
+        with self._positions_hook(positions), contextlib.nullcontext() if lora is None else _lora.rows(lora):
+            out = self.module(**kwargs)
+        logits = bridge.to_jax(out.logits).astype(jnp.float32)
+        if keep is not None:
+            logits = jnp.take(logits, keep, axis=1)
+        return logits, [(bridge.to_jax(layer.keys), bridge.to_jax(layer.values)) for layer in past.layers]
+
+    def _decoder_kwargs(self, hidden, encoder_mask, ids, positions, cache, mask) -> dict:
+        """The module's forward arguments for a decoder run: the encoder's output `hidden` (torch), the
+        cross-attention mask where the encoder reads tokens, the decoder's ids, positions and mask."""
+        from transformers.modeling_outputs import BaseModelOutput
+
+        kwargs = {
+            "encoder_outputs": BaseModelOutput(last_hidden_state=hidden),
+            "decoder_input_ids": ids,
+            "decoder_attention_mask": mask,
+            self.cache_keyword: cache,
+            "use_cache": True,
+        }
+        if not self.features_input and encoder_mask is not None:
+            kwargs["attention_mask"] = bridge.to_torch(encoder_mask)
+        if self.positions == "keyword":
+            kwargs["decoder_position_ids"] = bridge.to_torch(positions)
+        return kwargs
+
+    @contextlib.contextmanager
+    def _positions_hook(self, positions):
+        """Within the block, the decoder's position embedding (a `POSITION_EMBEDDINGS` module) looks up
+        each row's `positions` [B, q]; nothing where the decoder takes them as an argument."""
+        if self.positions != "hook":
+            yield
+            return
+        embedding = self.module.get_decoder().embed_positions
+        lookup = POSITION_EMBEDDINGS[type(embedding).__name__]
+        rows = bridge.to_torch(positions)
+        handle = embedding.register_forward_hook(lambda module, args, output: lookup(module, rows))
+        try:
+            yield
+        finally:
+            handle.remove()
+
+    def prefill_chunk(self, params, state: SlotState, rows, which, *args, inputs=None, **kwargs):
+        """`SlotModel.prefill_chunk`; with `inputs`, the encoder runs over them first and its cross keys
+        and values go to the rows' slots (see the module's docstring)."""
+        if inputs is not None:
+            cross, mask = self.encode(params, inputs)
+            state = dataclasses.replace(
+                state,
+                cross=[
+                    tuple(a.at[which].set(n.astype(a.dtype), mode="drop") for a, n in zip(pair, new))
+                    for pair, new in zip(state.cross, cross)
+                ],
+                encoder_mask=state.encoder_mask.at[which].set(mask, mode="drop"),
+            )
+        else:
+            cross = [tuple(a.at[which].get(mode="fill", fill_value=0) for a in pair) for pair in state.cross]
+            mask = state.encoder_mask.at[which].get(mode="fill", fill_value=0)
+        with self._attending(cross, mask):
+            return super().prefill_chunk(params, state, rows, which, *args, **kwargs)
+
+    def decode_chunk(self, params, state: SlotState, rows, active, count, want_logprobs, *, decoding_rows, **kwargs):
+        r = decoding_rows
+        cross = [tuple(a[:r] for a in pair) for pair in state.cross]
+        with self._attending(cross, state.encoder_mask[:r]):
+            return super().decode_chunk(params, state, rows, active, count, want_logprobs, decoding_rows=r, **kwargs)
+
+
+def check_supported(model) -> None:
+    """Raises GenerationError for a model the slot core cannot serve, saying why: a decoder-only model
+    (`_slots.check_supported`), or an encoder-decoder (`check_encoder_decoder`)."""
+    if getattr(model.module.config, "is_encoder_decoder", False):
+        check_encoder_decoder(model)
+    else:
+        _slots.check_supported(model)
+
+
+def slot_model(model, slots: int, length: int, *, encoder_length: int | None = None) -> SlotModel:
+    """The slot model of `model`: an `EncoderDecoderSlotModel` for an encoder-decoder (whose slots hold
+    `encoder_length` encoder positions where it reads tokens; default `length`), else a `SlotModel`."""
+    if getattr(model.module.config, "is_encoder_decoder", False):
+        return EncoderDecoderSlotModel(model, slots, length, encoder_length or length)
+    return SlotModel(model, slots, length)
