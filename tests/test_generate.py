@@ -110,8 +110,10 @@ def test_mamba_generates_like_transformers_on_its_own_test_config():
     with torch.no_grad():
         expected = module.generate(ids, attention_mask=mask, max_new_tokens=12, do_sample=False).numpy()
     assert min(len(set(row)) for row in expected[:, 7:]) >= 4, "the reference repeats itself: the test proves nothing"
-    actual = hfjax.Model.from_module(module).generate(ids.numpy(), mask.numpy(), max_new_tokens=12, do_sample=False)
+    model = hfjax.Model.from_module(module)
+    actual = model.generate(ids.numpy(), mask.numpy(), max_new_tokens=12, do_sample=False)
     np.testing.assert_array_equal(np.asarray(actual), expected)
+    assert model._generator.slot_runs._programs  # the slot core ran it (a state per slot)
 
 
 @pytest.mark.parametrize("family", ["llama", "gemma2", "mamba"])

@@ -6,7 +6,8 @@ same programs.
     SlotRuns.generate(...)                   the call's new tokens, as `Generator.generate` gives them
 
 A call runs here when the slot core carries out everything it asks: a decoder-only model with a
-static KV cache that takes `position_ids` (full or sliding-window attention), left-padded prompts,
+static KV cache that takes `position_ids` (full or sliding-window attention) or a recurrent state
+(Mamba: `SlotState.recurrent`, each prompt prefilled whole, not speculated), left-padded prompts,
 no prefill-only inputs (images), weights on one device or on a mesh (of one process or several),
 and a model that reads no values of its data. `Generator` runs the rest. Beam search runs its own
 programs over the same cache (`_slot_beams`), from the slot prefill's logits. A row that has stopped runs
@@ -41,7 +42,7 @@ from .._errors import DataDependentError, GenerationError
 from . import _grammar, _planning, _rows
 from ._settings import GenerationSettings
 from ._slot_beams import BeamCarry, SlotBeams
-from ._slots import SlotModel, SlotPrograms, check_supported
+from ._slots import SlotModel, SlotPrograms, check_supported, recurrent_model
 from ._speculative_slots import SpeculativeSlotModel
 
 
@@ -59,10 +60,11 @@ class SlotRuns:
         self.model = generator.model
         adapter = generator.adapter
         try:
-            check_supported(self.model)  # a static KV cache of full or sliding-window attention layers
-            self.possible = not adapter.encoder_decoder and adapter.takes_positions
+            check_supported(self.model)  # a static KV cache of full or sliding-window attention layers, or states
+            self.recurrent = recurrent_model(self.model.module)  # positions do not reach its state
+            self.possible = not adapter.encoder_decoder and (adapter.takes_positions or self.recurrent)
         except GenerationError:
-            self.possible = False
+            self.possible = self.recurrent = False
         self._models: dict[tuple, SlotModel] = {}
         self._programs: dict[tuple, SlotPrograms] = {}
         self._beams: dict[tuple, SlotBeams] = {}
@@ -71,6 +73,8 @@ class SlotRuns:
     def takes(self, plan: _planning.BatchPlan, settings: GenerationSettings, inputs) -> bool:
         """Whether this call runs on the slot core (the module docstring says which do)."""
         if not self.possible or inputs or self.generator.reads_data:
+            return False
+        if self.recurrent and settings.speculation is not None:  # a state cannot take back rejected drafts
             return False
         return _left_padded(plan.mask)
 
@@ -172,7 +176,10 @@ class SlotRuns:
         steps, position = 1, int(lengths.max())
         # A streamer re-enters the decode every few tokens: windows cut at each entry would copy more
         # than they save, so it attends over the whole cache (as `Generator`).
-        windows = _planning.windows(plan.offset, plan.total) if streamer is None else (plan.total,)
+        # A recurrent model's state has no columns to cut: one window.
+        windows = (
+            (plan.total,) if streamer is not None or self.recurrent else _planning.windows(plan.offset, plan.total)
+        )
         for window in windows:
             while steps < budget and not done.all() and position < window:
                 count = min(budget - steps, window - position)

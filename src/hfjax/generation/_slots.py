@@ -13,6 +13,12 @@ position p has its keys and values in column p. Rows advance independently, so t
                     tokens), over the first W columns of the cache; rows that are not decoding
                     write nowhere
 
+A recurrent model (Mamba: `recurrent_model`) keeps no keys and values: each slot holds its layers'
+states instead (`SlotState.recurrent`, [S, ...] per array). Its prefill chunk is a row's whole prompt,
+scanned from zeros (the pads before it masked, so they leave the state as the prompt alone gives
+it), and each decode step moves the active rows' states on and leaves the others' as they were; a
+window does not cut a state.
+
 Each slot's sampling settings are per-row arrays (`RowSampling`), and the token choice is the one
 every program makes (`_choose.choose_tokens`), so requests coming and going never change a
 program's shape. `SlotPrograms` keeps the programs (`ProgramCache`: in memory, and on disk as
@@ -34,7 +40,7 @@ from .. import _backend, bridge, parallel
 from .. import lora as _lora
 from .._errors import GenerationError
 from . import _caches, _programs, _sampling
-from ._adapters import StaticCacheAdapter, adapter_for
+from ._adapters import StateCacheAdapter, StaticCacheAdapter, adapter_for
 from ._choose import apply_rules, choose_tokens
 from ._rows import RowSampling, SamplingFeatures
 
@@ -61,10 +67,15 @@ class SlotState:
     # [(keys, values)] per layer of a draft model's own cache in the same slots and columns, where a
     # speculative decode drafts with one (`SpeculativeSlotModel`); else None
     draft: list | None = None
+    # (state arrays, ...) per layer of a recurrent model (Mamba: its conv and SSM states, each [S, ...]),
+    # in `SlotModel.state_layout`'s order: a row's state after its tokens so far; else None
+    recurrent: list | None = None
 
     def leaves(self) -> tuple:
         """The state as plain containers, which `jax.export` keeps (programs take and return these)."""
-        return self.cache, self.tokens, self.positions, self.seen, self.counts, self.history, self.draft
+        return (
+            self.cache, self.tokens, self.positions, self.seen, self.counts, self.history, self.draft, self.recurrent,
+        )  # fmt: skip
 
 
 @jax.tree_util.register_dataclass
@@ -140,12 +151,14 @@ def _written(cache, new, columns):
 def check_supported(model) -> None:
     """Raises GenerationError for a model the slot cache cannot serve, saying why."""
     adapter = adapter_for(model.module)
+    config = model.module.config.get_text_config(decoder=True)
+    if type(adapter) is StateCacheAdapter and recurrent_model(model.module):
+        return  # a state per slot (`SlotState.recurrent`)
     if type(adapter) is not StaticCacheAdapter:
         raise GenerationError(
-            f"hfjax serve batches decoder-only causal LMs with a static KV cache; {type(model.module).__name__} "
-            f"keeps its past as {adapter.kind!r}; use Model.generate for it"
+            f"hfjax serve batches decoder-only causal LMs with a static KV cache or a recurrent state; "
+            f"{type(model.module).__name__} keeps its past as {adapter.kind!r}; use Model.generate for it"
         )
-    config = model.module.config.get_text_config(decoder=True)
     if any(_caches.recurrent(layer) for layer in _caches.static_cache(config, 1).layers):
         raise GenerationError(
             f"hfjax serve's slot cache holds keys and values per slot; {config.model_type} also has "
@@ -160,6 +173,15 @@ def check_supported(model) -> None:
 
 
 MASKS = ("full_attention", "sliding_attention")  # the attention masks the slot programs build
+
+
+def recurrent_model(module) -> bool:
+    """Whether `module` keeps its whole past as recurrent states (Mamba: every layer's conv and SSM
+    states), which the slots hold per row (`SlotState.recurrent`) instead of keys and values."""
+    if type(adapter_for(module)) is not StateCacheAdapter:
+        return False
+    layers = _caches.static_cache(module.config.get_text_config(decoder=True), 1).layers
+    return bool(layers) and all(_caches.recurrent(layer) for layer in layers)
 
 
 def _layer_kinds(config) -> set[str]:
@@ -199,12 +221,20 @@ class SlotModel:
         self.module_names = {id(m): n for n, m in self.module.named_modules()}
         self.cache_keyword = _caches.cache_keyword(self.module)
         self.takes_logits_to_keep = "logits_to_keep" in inspect.signature(self.module.forward).parameters
+        self.takes_positions = "position_ids" in inspect.signature(self.module.forward).parameters
+        # A recurrent model (Mamba) keeps no keys and values: a state per layer and slot, in `SlotState.recurrent`.
+        self.recurrent = recurrent_model(self.module)
+        self.state_layout = None  # per layer: the (kind, index) of each state array, "conv" or "recurrent"
         self._shapes = None
+        self._state_shapes = None
         self._empty = {}  # the programs that make `empty_state`, per state layout
 
     def shapes(self) -> tuple[list[tuple[jax.ShapeDtypeStruct, jax.ShapeDtypeStruct]], int]:
         """(each layer's (keys, values) shape for S slots, the width of the logits), from an
-        abstract run of the model on one token."""
+        abstract run of the model on one token (a recurrent model: no layer's)."""
+        if self._shapes is None and self.recurrent:
+            self._state_shapes, vocab = self._recurrent_shapes()
+            self._shapes = [], vocab
         if self._shapes is None:
 
             def one_token(params):
@@ -222,10 +252,34 @@ class SlotModel:
             self._shapes = cache, logits.shape[-1]
         return self._shapes
 
+    def state_shapes(self) -> list[tuple[jax.ShapeDtypeStruct, ...]] | None:
+        """A recurrent model's state arrays per layer for S slots (`state_layout` names them); else None."""
+        self.shapes()
+        return self._state_shapes
+
+    def _recurrent_shapes(self) -> tuple[list[tuple[jax.ShapeDtypeStruct, ...]], int]:
+        """(the state arrays per layer for S slots, the width of the logits), from an abstract run of
+        the model on one token with the cache it makes itself; sets `state_layout`."""
+        layout = []
+
+        def one_token(params):
+            with self.bound(params):
+                out = self.module(input_ids=bridge.to_torch(jnp.zeros((1, 1), jnp.int32)), use_cache=True)
+            layers = _caches.returned_cache(out).layers
+            layout[:] = [_state_names(layer) for layer in layers]
+            states = [_states_of(layer, names) for layer, names in zip(layers, layout)]
+            return states, bridge.to_jax(out.logits)
+
+        states, logits = jax.eval_shape(one_token, self.model.params)
+        self.state_layout = tuple(layout)
+        rows = [tuple(jax.ShapeDtypeStruct((self.slots, *s.shape[1:]), s.dtype) for s in layer) for layer in states]
+        return rows, logits.shape[-1]
+
     def bytes_per_slot(self) -> int:
-        """The KV cache's bytes for one slot of L columns."""
+        """The KV cache's bytes for one slot of L columns (a recurrent model: its states' bytes for one slot)."""
         cache, _ = self.shapes()
-        return sum(int(s.size // self.slots) * s.dtype.itemsize for pair in cache for s in pair)
+        states = [s for layer in self.state_shapes() or () for s in layer]
+        return sum(int(s.size // self.slots) * s.dtype.itemsize for pair in [*cache, states] for s in pair)
 
     def empty_state(self, features: SamplingFeatures, *, history: bool = False) -> SlotState:
         """Zeros, placed where the programs' outputs will be, so the first call and every later one
@@ -240,6 +294,7 @@ class SlotModel:
         )
         if layout not in self._empty:
             cache, vocab = self.shapes()
+            states = self.state_shapes()
             repetition, presence, history = layout
 
             def zeros() -> SlotState:
@@ -250,22 +305,30 @@ class SlotModel:
                     seen=jnp.zeros((self.slots, vocab), bool) if repetition else None,
                     counts=jnp.zeros((self.slots, vocab), jnp.int32) if presence else None,
                     history=jnp.zeros((self.slots, self.length), jnp.int32) if history else None,
+                    recurrent=None
+                    if states is None
+                    else [tuple(jnp.zeros(s.shape, s.dtype) for s in a) for a in states],
                 )
 
             mesh, placed = self.model.mesh, None  # None: left to the programs (weights over several devices)
             if mesh is not None:
-                placed = jax.tree_util.tree_map(lambda a: self._sharding(mesh, a), jax.eval_shape(zeros))
+                shapes = jax.eval_shape(zeros)
+                placed = jax.tree_util.tree_map(lambda a: self._sharding(mesh, a), shapes)
+                # (a state's axes after the rows are the model's own: the rows alone are split)
+                placed.recurrent = jax.tree_util.tree_map(
+                    lambda a: self._sharding(mesh, a, heads=False), shapes.recurrent
+                )
             else:
                 weights = next(iter(self.model.params.values())).sharding
                 placed = weights if len(weights.device_set) == 1 else None
             self._empty[layout] = jax.jit(zeros, out_shardings=placed)
         return self._empty[layout]()
 
-    def _sharding(self, mesh, array) -> jax.sharding.NamedSharding:
+    def _sharding(self, mesh, array, *, heads: bool = True) -> jax.sharding.NamedSharding:
         """A state array's place on `mesh`: slots over "data", a cache's heads ([S, heads, L, D]) over "model"."""
         data, model = parallel.data_size(mesh), dict(mesh.shape).get("model", 1)
         rows = "data" if data > 1 and self.slots % data == 0 else None
-        if array.ndim == 4 and model > 1 and array.shape[1] % model == 0:
+        if heads and array.ndim == 4 and model > 1 and array.shape[1] % model == 0:
             return jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(rows, "model"))
         return jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(rows))
 
@@ -314,6 +377,56 @@ class SlotModel:
             logits = jnp.take(logits, keep, axis=1)
         cache = [(bridge.to_jax(layer.keys), bridge.to_jax(layer.values)) for layer in past.layers]
         return logits, cache
+
+    def run_states(self, params, states: list, ids, mask, *, carried: bool, keep=None, lora=None):
+        """A recurrent model's logits [B, q, V] (or at the query indices `keep` [k] int32 only) and its
+        states after ids [B, q]: from `states` (per layer, `state_layout`'s arrays [B, ...]) where
+        `carried`, else from zeros (the model scans a prompt from no state, as transformers' does;
+        `states` then only gives the arrays' shapes). mask: [B, q] int32, 0 at a row's padding, whose
+        inputs the model zeroes (so left padding leaves a prompt's state as it would be alone), or None."""
+        from transformers import DynamicCache
+
+        past = DynamicCache(config=self.config)
+        for layer, names, arrays in zip(past.layers, self.state_layout, states):
+            for (kind, index), array in zip(names, arrays):
+                tensor = bridge.to_torch(array)
+                getattr(layer, f"{kind}_states")[index] = tensor
+                getattr(layer, f"is_{kind}_states_initialized")[index] = True
+                if kind == "conv":
+                    layer.conv_kernel_size[index] = array.shape[-1]
+                layer.has_previous_state[index] = carried
+                layer.dtype, layer.device = tensor.dtype, tensor.device
+        kwargs = {"use_cache": True, self.cache_keyword: past, "attention_mask": None}
+        if mask is not None:
+            kwargs["attention_mask"] = bridge.to_torch(mask)
+        if keep is not None and self.takes_logits_to_keep:
+            kwargs["logits_to_keep"] = bridge.to_torch(keep)
+            keep = None
+        with contextlib.nullcontext() if lora is None else _lora.rows(lora):
+            out = self.module(input_ids=bridge.to_torch(ids), **kwargs)
+        logits = bridge.to_jax(out.logits).astype(jnp.float32)
+        if keep is not None:
+            logits = jnp.take(logits, keep, axis=1)
+        layers = _caches.returned_cache(out).layers
+        return logits, [_states_of(layer, names) for layer, names in zip(layers, self.state_layout)]
+
+    def run_prompts(self, params, states: list, which, ids, count, *, lora=None):
+        """Whole prompts of a recurrent model run into rows `which` [P] of `states`: ids [P, C] int32, row
+        p's count[p] real tokens last (its padding before them masked). Returns (logits [P, 1, V] at
+        index C-1, the states with those rows written, offset [P, C] int32 as `run_chunk`'s)."""
+        chunk = ids.shape[1]
+        offset = jnp.arange(chunk, dtype=jnp.int32)[None, :] - (chunk - count)[:, None]
+        zeros = [tuple(jnp.zeros((ids.shape[0], *a.shape[1:]), a.dtype) for a in layer) for layer in states]
+        with self.bound(params):
+            logits, new = self.run_states(
+                params, zeros, ids, (offset >= 0).astype(jnp.int32), carried=False,
+                keep=jnp.array([chunk - 1], jnp.int32), lora=lora,
+            )  # fmt: skip
+        written = [
+            tuple(a.at[which].set(n.astype(a.dtype), mode="drop") for a, n in zip(layer, rows))
+            for layer, rows in zip(states, new)
+        ]
+        return logits, written, offset
 
     def _mask(self, allowed, dtype):
         """The attention mask of `allowed` [B, 1, q, L] bool in the form the attention takes: the booleans,
@@ -369,9 +482,13 @@ class SlotModel:
         token's processed scores and raw logits to return (see `Chosen`). Returns (state, Chosen [P, 1])."""
         slots = self.slots
         mine = jax.tree_util.tree_map(lambda a: a.at[which].get(mode="fill", fill_value=0), rows)
-        logits, cache, offset = self.run_chunk(
-            params, state.cache, which, ids, start, count, window=window, lora=mine.lora
-        )
+        cache, recurrent = state.cache, state.recurrent
+        if self.recurrent:  # each row's chunk is its whole prompt (start 0): its state starts from zeros
+            logits, recurrent, offset = self.run_prompts(params, recurrent, which, ids, count, lora=mine.lora)
+        else:
+            logits, cache, offset = self.run_chunk(
+                params, state.cache, which, ids, start, count, window=window, lora=mine.lora
+            )
         seen = counts = None
         if state.seen is not None:  # the chunk's real tokens join the row's history
             before = jnp.where(fresh[:, None], False, state.seen.at[which].get(mode="fill", fill_value=False))
@@ -408,6 +525,7 @@ class SlotModel:
             counts=None if counts is None else state.counts.at[which].set(counts, mode="drop"),
             history=None if history is None else state.history.at[which].set(history, mode="drop"),
             draft=state.draft,
+            recurrent=recurrent,
         )
         per_token = [f for f in (*PER_TOKEN, *_KEPT) if getattr(chosen, f) is not None]
         return state, dataclasses.replace(chosen, **{f: getattr(chosen, f)[:, None] for f in per_token})
@@ -450,6 +568,8 @@ class SlotModel:
         seen = None if state.seen is None else state.seen[:r]
         counts = None if state.counts is None else state.counts[:r]
         history = None if state.history is None else state.history[:r]
+        # A recurrent model's states of those rows (the window does not apply: a state has no columns).
+        states = None if state.recurrent is None else [tuple(a[:r] for a in layer) for layer in state.recurrent]
         write_nowhere = jnp.int32(window)
         # The loop carries the cache in the backend's layout (on the CPU: without size-1 axes, in
         # which XLA does not copy each layer for the attention kernel on every step).
@@ -465,16 +585,26 @@ class SlotModel:
             return (i < count) & jnp.any(going(tokens))
 
         def step(carry):
-            i, cache, tokens, seen, counts, history, chosen = carry
+            i, cache, tokens, seen, counts, history, chosen, states = carry
             at = jnp.minimum(positions + i, write_nowhere - 1)  # a finished row may run past the end
             write_at = jnp.where(on & (positions + i < write_nowhere), at, write_nowhere)
             going_now = going(tokens)
             # A row's stop token runs once, as any token; after it, pad tokens (transformers' rows).
             inputs = tokens if stops is None else jnp.where(tokens == STOPPED, jnp.int32(pad_token), tokens)
             with self.bound(params):
-                logits, cache = self.run(
-                    params, restore(cache), inputs[:, None], at[:, None], write_at[:, None], lora=mine.lora
-                )
+                if states is None:
+                    logits, cache = self.run(
+                        params, restore(cache), inputs[:, None], at[:, None], write_at[:, None], lora=mine.lora
+                    )
+                else:  # the rows that are not decoding keep their states
+                    logits, new = self.run_states(params, states, inputs[:, None], None, carried=True, lora=mine.lora)
+                    states = [
+                        tuple(
+                            jnp.where(on.reshape(-1, *(1,) * (a.ndim - 1)), n.astype(a.dtype), a)
+                            for a, n in zip(old, now)
+                        )
+                        for old, now in zip(states, new)
+                    ]
             if history is not None:  # the step's input joins the row's tokens so far
                 column = jnp.where(write_at < write_nowhere, mine.pads + at, history.shape[1])
                 history = history.at[jnp.arange(r), column].set(inputs, mode="drop")
@@ -498,7 +628,7 @@ class SlotModel:
             if counts is not None:
                 counts = _sampling.update_counts(counts, appended, on)
             tokens = jnp.where(going_now, token, jnp.where(on, STOPPED, tokens))  # (no stop tokens: going_now is on)
-            return i + 1, backend.loop_carry(cache)[0], tokens, seen, counts, history, chosen
+            return i + 1, backend.loop_carry(cache)[0], tokens, seen, counts, history, chosen, states
 
         reported = steps if logprobs else 0
         chosen = Chosen(
@@ -509,8 +639,8 @@ class SlotModel:
             ran=jnp.int32(0),
             **{f: jnp.zeros((r, steps, self.shapes()[1]), jnp.float32) for f in kept},
         )
-        ran, carried, tokens, seen, counts, history, chosen = jax.lax.while_loop(
-            running, step, (jnp.int32(0), carried, tokens, seen, counts, history, chosen)
+        ran, carried, tokens, seen, counts, history, chosen, states = jax.lax.while_loop(
+            running, step, (jnp.int32(0), carried, tokens, seen, counts, history, chosen, states)
         )
         cache = written_back(whole, restore(carried))
         state = SlotState(
@@ -521,8 +651,24 @@ class SlotModel:
             counts=None if counts is None else state.counts.at[:r].set(counts),
             history=None if history is None else state.history.at[:r].set(history),
             draft=state.draft,
+            recurrent=None if states is None else written_back(state.recurrent, states),
         )
         return state, dataclasses.replace(chosen, ran=ran)
+
+
+def _state_names(layer) -> tuple[tuple[str, int], ...]:
+    """The (kind, index) of each state a recurrent cache layer holds: "conv" then "recurrent" states."""
+    return tuple(
+        (kind, index)
+        for kind in ("conv", "recurrent")
+        for index in range(layer.number_of_states)
+        if getattr(layer, f"is_{kind}_states_initialized")[index]
+    )
+
+
+def _states_of(layer, names) -> tuple:
+    """The arrays of a recurrent cache layer's states `names` (`_state_names`)."""
+    return tuple(bridge.to_jax(getattr(layer, f"{kind}_states")[index]) for kind, index in names)
 
 
 def held_bytes(compiled) -> int:
@@ -534,8 +680,9 @@ def held_bytes(compiled) -> int:
 
 
 def written_back(whole: list, parts: list) -> list:
-    """The cache `whole` [(keys, values)] per layer with `parts`, a program's leading rows and columns
-    of it (`cache[:R, :, :W]`), written back in place; `parts` itself where it is the whole cache."""
+    """The cache `whole` [(keys, values)] per layer (or a recurrent model's states) with `parts`, a
+    program's leading rows and columns of it (`cache[:R, :, :W]`), written back in place; `parts` itself
+    where it is the whole cache."""
     if all(part.shape == a.shape for pair, new in zip(whole, parts) for a, part in zip(pair, new)):
         return parts
     return [
