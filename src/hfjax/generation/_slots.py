@@ -779,8 +779,9 @@ class SlotPrograms:
         return {kind: self.cache.traced[kind] + self.cache.loaded[kind] for kind in ("prefill", "decode")}
 
     def key(self, kind: str, rows: int, window: int, logprobs: bool = True) -> tuple:
-        extent = self.prefill_chunk if kind == "prefill" else self.steps
         model = self.slot_model
+        # (a recurrent model's prefill chunk is a whole prompt as wide as the window)
+        extent = (window if model.recurrent else self.prefill_chunk) if kind == "prefill" else self.steps
         # The decode's own settings (the prefill's program does not depend on them).
         stops = (self.stop_tokens, self.pad_token) if kind == "decode" and self.stop_tokens else ()
         logprobs = logprobs or kind != "decode"

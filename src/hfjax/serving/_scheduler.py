@@ -58,7 +58,8 @@ class _Chunk:
 
 
 class Engine:
-    """Continuous batching of a causal LM over slots of one static KV cache.
+    """Continuous batching of a causal LM over slots of one static KV cache (a recurrent model's: of
+    its states, each prompt prefilled whole).
 
     Args:
         model: a `hfjax.Model` of a decoder-only causal LM with a tokenizer.
@@ -148,11 +149,19 @@ class Engine:
         # after a forced_bos_token_id, which `submit` refuses.)
         checkpoint = SamplingParams(max_tokens=1).settings(model, prompt_length=2)
         self.eos_token_ids = checkpoint.eos_token_ids
-        slot_model = (
-            generation.SlotModel(model, self.max_num_seqs, self.max_model_len)
-            if speculation is None
-            else generation.SpeculativeSlotModel(model, self.max_num_seqs, self.max_model_len, speculation, draft)
-        )
+        slot_model = generation.SlotModel(model, self.max_num_seqs, self.max_model_len)
+        if speculation is not None and slot_model.recurrent:
+            raise ServingError(
+                f"Engine: speculative decoding ({speculation.method}) with {type(model.module).__name__}, whose "
+                "recurrent state cannot take back rejected drafts; serve it without --speculative-config"
+            )
+        if speculation is not None:
+            slot_model = generation.SpeculativeSlotModel(
+                model, self.max_num_seqs, self.max_model_len, speculation, draft
+            )
+        # A recurrent model's slot holds the state after its whole prompt, not a prefix of it: each
+        # prompt is prefilled whole, in one chunk as wide as the prefill program's window.
+        self.recurrent = slot_model.recurrent
         vocab_size = slot_model.shapes()[1]  # the logits' width
         self.features = dataclasses.replace(
             generation.SamplingFeatures.every(),
@@ -162,12 +171,16 @@ class Engine:
         )
         if self.features.history is not None and self.features.history.reads_tokens:
             prefix_reuse = False  # a reused prefix's tokens are not read again into the row's history
+        if self.recurrent:
+            prefix_reuse = False  # a state holds no prefix of its prompt apart
         self.metrics = Metrics(self.max_num_seqs, 0 if speculation is None else speculation.num_speculative_tokens)
         programs = generation.SlotPrograms(
             slot_model, prefill_chunk=prefill_chunk, steps=max_decode_steps, features=self.features
         )
         self.compiler = Compiler(
-            programs, engine_grid(self.max_model_len, self.max_num_seqs, self.prefill_rows), progress=progress
+            programs,
+            engine_grid(self.max_model_len, self.max_num_seqs, self.prefill_rows, recurrent=self.recurrent),
+            progress=progress,
         )
         self.table = SlotTable(
             self.max_num_seqs, vocab_size=vocab_size, bias_slots=self.features.bias_slots,
@@ -362,8 +375,9 @@ class Engine:
     def _example_args(self, kind: str, rows: int, window: int) -> tuple:
         """Arguments like those the engine passes, for compiling a program ahead of its first call."""
         if kind == "prefill":
+            chunk = window if self.recurrent else self.prefill_chunk  # (a recurrent model's: a whole prompt)
             return self._prefill_args(
-                np.full(rows, self.max_num_seqs, np.int32), np.zeros((rows, self.prefill_chunk), np.int32),
+                np.full(rows, self.max_num_seqs, np.int32), np.zeros((rows, chunk), np.int32),
                 np.zeros(rows, np.int32), np.ones(rows, np.int32), np.zeros(rows, bool), np.zeros(rows, bool), False,
             )  # fmt: skip
         return self._decode_args(np.zeros(self.max_num_seqs, bool), 1, False)
@@ -464,9 +478,12 @@ class Engine:
         request.listener(event)
 
     def _prefill(self, requests: list[Request]) -> None:
-        """The next prompt chunk of each request in one program, over the fewest columns that hold every chunk."""
+        """The next prompt chunk of each request in one program, over the fewest columns that hold every
+        chunk (a recurrent model's: each request's whole prompt, as wide as that program's window)."""
         chunk_size = self.prefill_chunk
         rows = _buckets.bucket(len(requests), smallest=1, limit=self.prefill_rows)
+        if self.recurrent:
+            chunk_size = self.compiler.program_for("prefill", rows, max(len(r.prompt) for r in requests))[2]
         which = np.full(rows, self.max_num_seqs, np.int32)  # padding rows: slot S, out of range
         ids = np.zeros((rows, chunk_size), np.int32)
         start, count = np.zeros(rows, np.int32), np.ones(rows, np.int32)
