@@ -136,6 +136,7 @@ def test_a_hybrid_linear_attention_model_generates_like_transformers(loaded):
     np.testing.assert_array_equal(
         np.asarray(model.generate(ids, mask, do_sample=False, max_new_tokens=NEW_TOKENS)), expected
     )
+    assert model._generator.slot_runs._programs  # the slot core ran it (keys and values, and states)
 
 
 def test_a_missing_mask_is_inferred_from_the_pad_token_like_transformers(loaded):

@@ -42,7 +42,7 @@ from .._errors import DataDependentError, GenerationError
 from . import _grammar, _planning, _rows
 from ._settings import GenerationSettings
 from ._slot_beams import BeamCarry, SlotBeams
-from ._slots import SlotModel, SlotPrograms, check_supported, recurrent_model
+from ._slots import SlotModel, SlotPrograms, check_supported, hybrid_model, recurrent_model
 from ._speculative_slots import SpeculativeSlotModel
 
 
@@ -61,10 +61,13 @@ class SlotRuns:
         adapter = generator.adapter
         try:
             check_supported(self.model)  # a static KV cache of full or sliding-window attention layers, or states
-            self.recurrent = recurrent_model(self.model.module)  # positions do not reach its state
-            self.possible = not adapter.encoder_decoder and (adapter.takes_positions or self.recurrent)
+            pure = recurrent_model(self.model.module)  # (Mamba: positions do not reach its state)
+            self.possible = not adapter.encoder_decoder and (adapter.takes_positions or pure)
+            self.attends = not pure  # some layers keep keys and values, cut into windows
+            self.recurrent = pure or hybrid_model(self.model.module)  # a state per slot
         except GenerationError:
             self.possible = self.recurrent = False
+            self.attends = True
         self._models: dict[tuple, SlotModel] = {}
         self._programs: dict[tuple, SlotPrograms] = {}
         self._beams: dict[tuple, SlotBeams] = {}
@@ -176,10 +179,8 @@ class SlotRuns:
         steps, position = 1, int(lengths.max())
         # A streamer re-enters the decode every few tokens: windows cut at each entry would copy more
         # than they save, so it attends over the whole cache (as `Generator`).
-        # A recurrent model's state has no columns to cut: one window.
-        windows = (
-            (plan.total,) if streamer is not None or self.recurrent else _planning.windows(plan.offset, plan.total)
-        )
+        # (Mamba's states have no columns to cut: one window)
+        windows = _planning.windows(plan.offset, plan.total) if streamer is None and self.attends else (plan.total,)
         for window in windows:
             while steps < budget and not done.all() and position < window:
                 count = min(budget - steps, window - position)

@@ -159,12 +159,14 @@ def check_supported(model) -> None:
             f"hfjax serve batches decoder-only causal LMs with a static KV cache or a recurrent state; "
             f"{type(model.module).__name__} keeps its past as {adapter.kind!r}; use Model.generate for it"
         )
-    if any(_caches.recurrent(layer) for layer in _caches.static_cache(config, 1).layers):
+    if any(_caches.recurrent(layer) for layer in _caches.static_cache(config, 1).layers) and not hybrid_model(
+        model.module
+    ):
         raise GenerationError(
             f"hfjax serve's slot cache holds keys and values per slot; {config.model_type} also has "
             "linear-attention or mamba layers, whose states it does not keep; use Model.generate for it"
         )
-    unknown = sorted(_layer_kinds(config) - set(MASKS))
+    unknown = sorted(_layer_kinds(config) - set(MASKS) - _recurrent_kinds(config))
     if unknown:
         raise GenerationError(
             f"hfjax serve's slot cache masks full and sliding-window attention; {config.model_type} also has "
@@ -173,6 +175,29 @@ def check_supported(model) -> None:
 
 
 MASKS = ("full_attention", "sliding_attention")  # the attention masks the slot programs build
+
+
+def hybrid_model(module) -> bool:
+    """Whether `module` mixes attention layers (a static KV cache's) with recurrent ones (linear
+    attention, mamba: a state per slot), each layer one or the other, named by `config.layer_types`
+    (whose masks the model takes as a dict by kind, as transformers' Qwen3.5, Jamba or Bamba do)."""
+    from transformers.cache_utils import StaticLayer
+
+    if type(adapter_for(module)) is not StaticCacheAdapter:
+        return False
+    config = module.config.get_text_config(decoder=True)
+    layers = _caches.static_cache(config, 1).layers
+    kinds = [_caches.recurrent(layer) for layer in layers]
+    apart = all(not isinstance(layer, StaticLayer) for layer in layers if _caches.recurrent(layer))
+    types = getattr(config, "layer_types", None)
+    return any(kinds) and not all(kinds) and apart and types is not None and len(types) == len(layers)
+
+
+def _recurrent_kinds(config) -> set[str]:
+    """The `layer_types` of a model's recurrent layers (a hybrid's "linear_attention"); empty for others."""
+    layers = _caches.static_cache(config, 1).layers
+    types = getattr(config, "layer_types", None) or ()
+    return {kind for kind, layer in zip(types, layers) if _caches.recurrent(layer)}
 
 
 def recurrent_model(module) -> bool:
@@ -187,7 +212,7 @@ def recurrent_model(module) -> bool:
 def _layer_kinds(config) -> set[str]:
     """The masks the attention layers read, as transformers' models choose them: by `layer_types` where
     the config has them, else one mask for every layer, sliding where `sliding_window` is set (Mistral's
-    rule). Read after `check_supported` has refused recurrent layers (`_caches.recurrent`)."""
+    rule). A hybrid's recurrent layers' kinds are among them (`_recurrent_kinds`)."""
     types = getattr(config, "layer_types", None)
     if types is not None:
         return set(types)
@@ -222,19 +247,26 @@ class SlotModel:
         self.cache_keyword = _caches.cache_keyword(self.module)
         self.takes_logits_to_keep = "logits_to_keep" in inspect.signature(self.module.forward).parameters
         self.takes_positions = "position_ids" in inspect.signature(self.module.forward).parameters
-        # A recurrent model (Mamba) keeps no keys and values: a state per layer and slot, in `SlotState.recurrent`.
-        self.recurrent = recurrent_model(self.module)
-        self.state_layout = None  # per layer: the (kind, index) of each state array, "conv" or "recurrent"
+        # Recurrent layers (Mamba's; a hybrid's linear-attention or mamba layers) keep no keys and values:
+        # a state per layer and slot, in `SlotState.recurrent`; the other layers' keys and values in `cache`.
+        layers = _caches.static_cache(self.config, 1).layers
+        self.layer_recurrent = tuple(_caches.recurrent(layer) for layer in layers)
+        self.recurrent = any(self.layer_recurrent)
+        self.attends = not all(self.layer_recurrent)  # some layers keep keys and values (cut into windows)
+        # A hybrid's recurrent layers' kind of layer (config.layer_types), the key of their mask
+        self.recurrent_kind = next(
+            (kind for kind, r in zip(getattr(self.config, "layer_types", None) or (), self.layer_recurrent) if r), None
+        )
+        self.state_layout = None  # per recurrent layer: the (kind, index) of each state array, "conv" or "recurrent"
         self._shapes = None
         self._state_shapes = None
         self._empty = {}  # the programs that make `empty_state`, per state layout
 
     def shapes(self) -> tuple[list[tuple[jax.ShapeDtypeStruct, jax.ShapeDtypeStruct]], int]:
         """(each layer's (keys, values) shape for S slots, the width of the logits), from an
-        abstract run of the model on one token (a recurrent model: no layer's)."""
+        abstract run of the model on one token (a model with recurrent layers: of its other layers)."""
         if self._shapes is None and self.recurrent:
-            self._state_shapes, vocab = self._recurrent_shapes()
-            self._shapes = [], vocab
+            self._shapes, self._state_shapes = self._recurrent_shapes()
         if self._shapes is None:
 
             def one_token(params):
@@ -253,27 +285,41 @@ class SlotModel:
         return self._shapes
 
     def state_shapes(self) -> list[tuple[jax.ShapeDtypeStruct, ...]] | None:
-        """A recurrent model's state arrays per layer for S slots (`state_layout` names them); else None."""
+        """The recurrent layers' state arrays for S slots (`state_layout` names them); None without such layers."""
         self.shapes()
         return self._state_shapes
 
-    def _recurrent_shapes(self) -> tuple[list[tuple[jax.ShapeDtypeStruct, ...]], int]:
-        """(the state arrays per layer for S slots, the width of the logits), from an abstract run of
-        the model on one token with the cache it makes itself; sets `state_layout`."""
+    def _recurrent_shapes(self) -> tuple[tuple[list, int], list[tuple[jax.ShapeDtypeStruct, ...]]]:
+        """((the attention layers' (keys, values) shapes, the width of the logits), the recurrent layers'
+        state arrays), each for S slots, from an abstract run of the model on one token (with a static
+        cache where some layers attend; else with the cache it makes itself); sets `state_layout`."""
         layout = []
+        attends = not all(self.layer_recurrent)
 
         def one_token(params):
+            ids = bridge.to_torch(jnp.zeros((1, 1), jnp.int32))  # position 0
+            kwargs = {"use_cache": True, "position_ids": ids} if self.takes_positions else {"use_cache": True}
+            if attends:
+                kwargs[self.cache_keyword] = _caches.static_cache(self.config, self.length)
             with self.bound(params):
-                out = self.module(input_ids=bridge.to_torch(jnp.zeros((1, 1), jnp.int32)), use_cache=True)
+                out = self.module(input_ids=ids, **kwargs)
             layers = _caches.returned_cache(out).layers
-            layout[:] = [_state_names(layer) for layer in layers]
-            states = [_states_of(layer, names) for layer, names in zip(layers, layout)]
-            return states, bridge.to_jax(out.logits)
+            recurrent = [layer for layer in layers if _caches.recurrent(layer)]
+            layout[:] = [_state_names(layer) for layer in recurrent]
+            cache = [(bridge.to_jax(a.keys), bridge.to_jax(a.values)) for a in layers if not _caches.recurrent(a)]
+            return (
+                cache,
+                [_states_of(layer, names) for layer, names in zip(recurrent, layout)],
+                bridge.to_jax(out.logits),
+            )
 
-        states, logits = jax.eval_shape(one_token, self.model.params)
+        cache, states, logits = jax.eval_shape(one_token, self.model.params)
         self.state_layout = tuple(layout)
-        rows = [tuple(jax.ShapeDtypeStruct((self.slots, *s.shape[1:]), s.dtype) for s in layer) for layer in states]
-        return rows, logits.shape[-1]
+
+        def rows(arrays):
+            return tuple(jax.ShapeDtypeStruct((self.slots, *s.shape[1:]), s.dtype) for s in arrays)
+
+        return ([rows(pair) for pair in cache], logits.shape[-1]), [rows(layer) for layer in states]
 
     def bytes_per_slot(self) -> int:
         """The KV cache's bytes for one slot of L columns (a recurrent model: its states' bytes for one slot)."""
@@ -357,13 +403,7 @@ class SlotModel:
         past.layers = [
             self.layer_class(bridge.to_torch(k), bridge.to_torch(v), bridge.to_torch(columns)) for k, v in cache
         ]
-        every = jnp.arange(length, dtype=jnp.int32)[None, None, :]
-        masks = {}
-        for kind in self.mask_kinds:
-            allowed = every <= positions[:, :, None]  # [B, q, L]
-            if kind == "sliding_attention":  # transformers' sliding window: the key within `window` of the query
-                allowed &= every > positions[:, :, None] - self.window
-            masks[kind] = bridge.to_torch(self._mask(allowed[:, None], cache[0][0].dtype))  # [B, 1, q, L]
+        masks = self._attention_masks(positions, length, cache[0][0].dtype)
         mask = masks if len(masks) > 1 else next(iter(masks.values()))
         kwargs = {"use_cache": True, self.cache_keyword: past, "attention_mask": mask}
         kwargs["position_ids"] = bridge.to_torch(positions)
@@ -378,27 +418,47 @@ class SlotModel:
         cache = [(bridge.to_jax(layer.keys), bridge.to_jax(layer.values)) for layer in past.layers]
         return logits, cache
 
-    def run_states(self, params, states: list, ids, mask, *, carried: bool, keep=None, lora=None):
-        """A recurrent model's logits [B, q, V] (or at the query indices `keep` [k] int32 only) and its
-        states after ids [B, q]: from `states` (per layer, `state_layout`'s arrays [B, ...]) where
-        `carried`, else from zeros (the model scans a prompt from no state, as transformers' does;
-        `states` then only gives the arrays' shapes). mask: [B, q] int32, 0 at a row's padding, whose
-        inputs the model zeroes (so left padding leaves a prompt's state as it would be alone), or None."""
-        from transformers import DynamicCache
+    def _attention_masks(self, positions, length: int, dtype) -> dict:
+        """{kind: [B, 1, q, L] mask} of each attention kind the layers read (`mask_kinds`), for queries at
+        `positions` [B, q] over `length` columns, each column holding the key of its position."""
+        every = jnp.arange(length, dtype=jnp.int32)[None, None, :]
+        masks = {}
+        for kind in self.mask_kinds:
+            allowed = every <= positions[:, :, None]  # [B, q, L]
+            if kind == "sliding_attention":  # transformers' sliding window: the key within `window` of the query
+                allowed &= every > positions[:, :, None] - self.window
+            masks[kind] = bridge.to_torch(self._mask(allowed[:, None], dtype))  # [B, 1, q, L]
+        return masks
 
-        past = DynamicCache(config=self.config)
-        for layer, names, arrays in zip(past.layers, self.state_layout, states):
-            for (kind, index), array in zip(names, arrays):
-                tensor = bridge.to_torch(array)
-                getattr(layer, f"{kind}_states")[index] = tensor
-                getattr(layer, f"is_{kind}_states_initialized")[index] = True
-                if kind == "conv":
-                    layer.conv_kernel_size[index] = array.shape[-1]
-                layer.has_previous_state[index] = carried
-                layer.dtype, layer.device = tensor.dtype, tensor.device
-        kwargs = {"use_cache": True, self.cache_keyword: past, "attention_mask": None}
-        if mask is not None:
-            kwargs["attention_mask"] = bridge.to_torch(mask)
+    def run_states(self, params, cache, states: list, ids, positions, columns, pads, *, carried, keep=None, lora=None):
+        """`run` for a model with recurrent layers (Mamba's; a hybrid's linear-attention or mamba layers
+        beside attention ones): logits, the attention layers' cache (as `run`'s; none for Mamba) and
+        the recurrent layers' states after ids [B, q]. The states start from `states` (per recurrent
+        layer, `state_layout`'s arrays [B, ...]) where `carried`, else from zeros (the model scans a
+        prompt from no state, as transformers' does; `states` then gives only their shapes). pads: [B, q]
+        int32, 0 at a row's padding, whose inputs the recurrent layers zero (so left padding leaves a
+        prompt's state as the prompt alone gives it), or None (a decode step: no padding).
+        Returns (logits, cache, states)."""
+        from transformers import StaticCache
+
+        length = cache[0][0].shape[2] if cache else 1
+        past = StaticCache(config=self.config, max_cache_len=length)
+        pairs, held = iter(cache), iter(zip(self.state_layout, states))
+        layers = []
+        for is_recurrent in self.layer_recurrent:
+            if is_recurrent:
+                layers.append(_state_layer(*next(held), carried=carried))
+            else:
+                k, v = next(pairs)
+                layers.append(self.layer_class(bridge.to_torch(k), bridge.to_torch(v), bridge.to_torch(columns)))
+        past.layers = layers
+        pads = None if pads is None else bridge.to_torch(pads)
+        mask = pads
+        if cache:  # a hybrid: a mask per kind of layer, the recurrent layers' the padding's
+            mask = {**self._attention_masks(positions, length, cache[0][0].dtype), self.recurrent_kind: pads}
+        kwargs = {"use_cache": True, self.cache_keyword: past, "attention_mask": mask}
+        if self.takes_positions:
+            kwargs["position_ids"] = bridge.to_torch(positions)
         if keep is not None and self.takes_logits_to_keep:
             kwargs["logits_to_keep"] = bridge.to_torch(keep)
             keep = None
@@ -407,26 +467,39 @@ class SlotModel:
         logits = bridge.to_jax(out.logits).astype(jnp.float32)
         if keep is not None:
             logits = jnp.take(logits, keep, axis=1)
-        layers = _caches.returned_cache(out).layers
-        return logits, [_states_of(layer, names) for layer, names in zip(layers, self.state_layout)]
+        recurrent = [layer for layer, is_recurrent in zip(past.layers, self.layer_recurrent) if is_recurrent]
+        cache = [
+            (bridge.to_jax(layer.keys), bridge.to_jax(layer.values))
+            for layer, is_recurrent in zip(past.layers, self.layer_recurrent)
+            if not is_recurrent
+        ]
+        return logits, cache, [_states_of(layer, names) for layer, names in zip(recurrent, self.state_layout)]
 
-    def run_prompts(self, params, states: list, which, ids, count, *, lora=None):
-        """Whole prompts of a recurrent model run into rows `which` [P] of `states`: ids [P, C] int32, row
-        p's count[p] real tokens last (its padding before them masked). Returns (logits [P, 1, V] at
-        index C-1, the states with those rows written, offset [P, C] int32 as `run_chunk`'s)."""
+    def run_prompts(self, params, cache: list, states: list, which, ids, count, *, window: int, lora=None):
+        """Whole prompts of a model with recurrent layers run into rows `which` [P] of `cache` (over its
+        first `window` columns) and of `states`: ids [P, C] int32, row p's count[p] real tokens last, at
+        positions 0.. (its padding before them masked, writing nowhere). Returns (logits [P, 1, V] at
+        index C-1, the cache and the states with those rows written, offset [P, C] int32 as `run_chunk`'s)."""
+        gathered = [tuple(a.at[which, :, :window].get(mode="fill", fill_value=0) for a in pair) for pair in cache]
         chunk = ids.shape[1]
         offset = jnp.arange(chunk, dtype=jnp.int32)[None, :] - (chunk - count)[:, None]
+        positions = jnp.maximum(offset, 0)
+        columns = jnp.where(offset >= 0, positions, window)
         zeros = [tuple(jnp.zeros((ids.shape[0], *a.shape[1:]), a.dtype) for a in layer) for layer in states]
         with self.bound(params):
-            logits, new = self.run_states(
-                params, zeros, ids, (offset >= 0).astype(jnp.int32), carried=False,
+            logits, gathered, new = self.run_states(
+                params, gathered, zeros, ids, positions, columns, (offset >= 0).astype(jnp.int32), carried=False,
                 keep=jnp.array([chunk - 1], jnp.int32), lora=lora,
             )  # fmt: skip
-        written = [
+        cache = [
+            tuple(a.at[which, :, :window].set(r, mode="drop") for a, r in zip(pair, rows))
+            for pair, rows in zip(cache, gathered)
+        ]
+        states = [
             tuple(a.at[which].set(n.astype(a.dtype), mode="drop") for a, n in zip(layer, rows))
             for layer, rows in zip(states, new)
         ]
-        return logits, written, offset
+        return logits, cache, states, offset
 
     def _mask(self, allowed, dtype):
         """The attention mask of `allowed` [B, 1, q, L] bool in the form the attention takes: the booleans,
@@ -484,7 +557,9 @@ class SlotModel:
         mine = jax.tree_util.tree_map(lambda a: a.at[which].get(mode="fill", fill_value=0), rows)
         cache, recurrent = state.cache, state.recurrent
         if self.recurrent:  # each row's chunk is its whole prompt (start 0): its state starts from zeros
-            logits, recurrent, offset = self.run_prompts(params, recurrent, which, ids, count, lora=mine.lora)
+            logits, cache, recurrent, offset = self.run_prompts(
+                params, cache, recurrent, which, ids, count, window=window, lora=mine.lora
+            )
         else:
             logits, cache, offset = self.run_chunk(
                 params, state.cache, which, ids, start, count, window=window, lora=mine.lora
@@ -597,7 +672,10 @@ class SlotModel:
                         params, restore(cache), inputs[:, None], at[:, None], write_at[:, None], lora=mine.lora
                     )
                 else:  # the rows that are not decoding keep their states
-                    logits, new = self.run_states(params, states, inputs[:, None], None, carried=True, lora=mine.lora)
+                    logits, cache, new = self.run_states(
+                        params, restore(cache), states, inputs[:, None], at[:, None], write_at[:, None], None,
+                        carried=True, lora=mine.lora,
+                    )  # fmt: skip
                     states = [
                         tuple(
                             jnp.where(on.reshape(-1, *(1,) * (a.ndim - 1)), n.astype(a.dtype), a)
@@ -664,6 +742,23 @@ def _state_names(layer) -> tuple[tuple[str, int], ...]:
         for index in range(layer.number_of_states)
         if getattr(layer, f"is_{kind}_states_initialized")[index]
     )
+
+
+def _state_layer(names, arrays, *, carried: bool):
+    """transformers' LinearAttentionLayer holding `arrays`, the states `names` (`_state_names`), as after
+    a previous forward where `carried` (else as before the first: the model starts from zeros)."""
+    from transformers.cache_utils import LinearAttentionLayer
+
+    layer = LinearAttentionLayer(number_of_states=1 + max(index for _, index in names))
+    for (kind, index), array in zip(names, arrays):
+        tensor = bridge.to_torch(array)
+        getattr(layer, f"{kind}_states")[index] = tensor
+        getattr(layer, f"is_{kind}_states_initialized")[index] = True
+        if kind == "conv":
+            layer.conv_kernel_size[index] = array.shape[-1]
+        layer.has_previous_state[index] = carried
+        layer.dtype, layer.device = tensor.dtype, tensor.device
+    return layer
 
 
 def _states_of(layer, names) -> tuple:

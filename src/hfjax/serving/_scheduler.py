@@ -179,7 +179,7 @@ class Engine:
         )
         self.compiler = Compiler(
             programs,
-            engine_grid(self.max_model_len, self.max_num_seqs, self.prefill_rows, recurrent=self.recurrent),
+            engine_grid(self.max_model_len, self.max_num_seqs, self.prefill_rows, attends=slot_model.attends),
             progress=progress,
         )
         self.table = SlotTable(
