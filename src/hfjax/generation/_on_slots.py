@@ -40,9 +40,10 @@ import torch
 from .. import bridge, parallel
 from .._errors import DataDependentError, GenerationError
 from . import _grammar, _planning, _rows
+from ._recurrent import hybrid_model, recurrent_model
 from ._settings import GenerationSettings
 from ._slot_beams import BeamCarry, SlotBeams
-from ._slots import SlotModel, SlotPrograms, check_supported, hybrid_model, recurrent_model
+from ._slots import SlotModel, SlotPrograms, check_supported
 from ._speculative_slots import SpeculativeSlotModel
 
 

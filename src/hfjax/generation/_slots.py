@@ -13,11 +13,12 @@ position p has its keys and values in column p. Rows advance independently, so t
                     tokens), over the first W columns of the cache; rows that are not decoding
                     write nowhere
 
-A recurrent model (Mamba: `recurrent_model`) keeps no keys and values: each slot holds its layers'
-states instead (`SlotState.recurrent`, [S, ...] per array). Its prefill chunk is a row's whole prompt,
-scanned from zeros (the pads before it masked, so they leave the state as the prompt alone gives
-it), and each decode step moves the active rows' states on and leaves the others' as they were; a
-window does not cut a state.
+A recurrent model (Mamba: `_recurrent.recurrent_model`) keeps no keys and values: each slot holds its
+layers' states instead (`SlotState.recurrent`, [S, ...] per array); a hybrid (`_recurrent.hybrid_model`)
+keeps its attention layers' keys and values in the cache and its recurrent layers' states beside
+them. Such a model's prefill chunk is a row's whole prompt, scanned from zeros (the pads before it
+masked, so they leave the state as the prompt alone gives it), and each decode step moves the active
+rows' states on and leaves the others' as they were; a window does not cut a state.
 
 Each slot's sampling settings are per-row arrays (`RowSampling`), and the token choice is the one
 every program makes (`_choose.choose_tokens`), so requests coming and going never change a
@@ -40,8 +41,9 @@ from .. import _backend, bridge, parallel
 from .. import lora as _lora
 from .._errors import GenerationError
 from . import _caches, _programs, _sampling
-from ._adapters import StateCacheAdapter, StaticCacheAdapter, adapter_for
+from ._adapters import StaticCacheAdapter, adapter_for
 from ._choose import apply_rules, choose_tokens
+from ._recurrent import hybrid_model, recurrent_kinds, recurrent_model, state_layer, state_names, states_of
 from ._rows import RowSampling, SamplingFeatures
 
 TOP_LOGPROBS = 20  # the most alternatives OpenAI's API lets a request ask for per token
@@ -152,7 +154,7 @@ def check_supported(model) -> None:
     """Raises GenerationError for a model the slot cache cannot serve, saying why."""
     adapter = adapter_for(model.module)
     config = model.module.config.get_text_config(decoder=True)
-    if type(adapter) is StateCacheAdapter and recurrent_model(model.module):
+    if recurrent_model(model.module):
         return  # a state per slot (`SlotState.recurrent`)
     if type(adapter) is not StaticCacheAdapter:
         raise GenerationError(
@@ -166,7 +168,7 @@ def check_supported(model) -> None:
             f"hfjax serve's slot cache holds keys and values per slot; {config.model_type} also has "
             "linear-attention or mamba layers, whose states it does not keep; use Model.generate for it"
         )
-    unknown = sorted(_layer_kinds(config) - set(MASKS) - _recurrent_kinds(config))
+    unknown = sorted(_layer_kinds(config) - set(MASKS) - recurrent_kinds(config))
     if unknown:
         raise GenerationError(
             f"hfjax serve's slot cache masks full and sliding-window attention; {config.model_type} also has "
@@ -177,42 +179,10 @@ def check_supported(model) -> None:
 MASKS = ("full_attention", "sliding_attention")  # the attention masks the slot programs build
 
 
-def hybrid_model(module) -> bool:
-    """Whether `module` mixes attention layers (a static KV cache's) with recurrent ones (linear
-    attention, mamba: a state per slot), each layer one or the other, named by `config.layer_types`
-    (whose masks the model takes as a dict by kind, as transformers' Qwen3.5, Jamba or Bamba do)."""
-    from transformers.cache_utils import StaticLayer
-
-    if type(adapter_for(module)) is not StaticCacheAdapter:
-        return False
-    config = module.config.get_text_config(decoder=True)
-    layers = _caches.static_cache(config, 1).layers
-    kinds = [_caches.recurrent(layer) for layer in layers]
-    apart = all(not isinstance(layer, StaticLayer) for layer in layers if _caches.recurrent(layer))
-    types = getattr(config, "layer_types", None)
-    return any(kinds) and not all(kinds) and apart and types is not None and len(types) == len(layers)
-
-
-def _recurrent_kinds(config) -> set[str]:
-    """The `layer_types` of a model's recurrent layers (a hybrid's "linear_attention"); empty for others."""
-    layers = _caches.static_cache(config, 1).layers
-    types = getattr(config, "layer_types", None) or ()
-    return {kind for kind, layer in zip(types, layers) if _caches.recurrent(layer)}
-
-
-def recurrent_model(module) -> bool:
-    """Whether `module` keeps its whole past as recurrent states (Mamba: every layer's conv and SSM
-    states), which the slots hold per row (`SlotState.recurrent`) instead of keys and values."""
-    if type(adapter_for(module)) is not StateCacheAdapter:
-        return False
-    layers = _caches.static_cache(module.config.get_text_config(decoder=True), 1).layers
-    return bool(layers) and all(_caches.recurrent(layer) for layer in layers)
-
-
 def _layer_kinds(config) -> set[str]:
     """The masks the attention layers read, as transformers' models choose them: by `layer_types` where
     the config has them, else one mask for every layer, sliding where `sliding_window` is set (Mistral's
-    rule). A hybrid's recurrent layers' kinds are among them (`_recurrent_kinds`)."""
+    rule). A hybrid's recurrent layers' kinds are among them (`recurrent_kinds`)."""
     types = getattr(config, "layer_types", None)
     if types is not None:
         return set(types)
@@ -305,11 +275,11 @@ class SlotModel:
                 out = self.module(input_ids=ids, **kwargs)
             layers = _caches.returned_cache(out).layers
             recurrent = [layer for layer in layers if _caches.recurrent(layer)]
-            layout[:] = [_state_names(layer) for layer in recurrent]
+            layout[:] = [state_names(layer) for layer in recurrent]
             cache = [(bridge.to_jax(a.keys), bridge.to_jax(a.values)) for a in layers if not _caches.recurrent(a)]
             return (
                 cache,
-                [_states_of(layer, names) for layer, names in zip(recurrent, layout)],
+                [states_of(layer, names) for layer, names in zip(recurrent, layout)],
                 bridge.to_jax(out.logits),
             )
 
@@ -447,7 +417,7 @@ class SlotModel:
         layers = []
         for is_recurrent in self.layer_recurrent:
             if is_recurrent:
-                layers.append(_state_layer(*next(held), carried=carried))
+                layers.append(state_layer(*next(held), carried=carried))
             else:
                 k, v = next(pairs)
                 layers.append(self.layer_class(bridge.to_torch(k), bridge.to_torch(v), bridge.to_torch(columns)))
@@ -473,7 +443,7 @@ class SlotModel:
             for layer, is_recurrent in zip(past.layers, self.layer_recurrent)
             if not is_recurrent
         ]
-        return logits, cache, [_states_of(layer, names) for layer, names in zip(recurrent, self.state_layout)]
+        return logits, cache, [states_of(layer, names) for layer, names in zip(recurrent, self.state_layout)]
 
     def run_prompts(self, params, cache: list, states: list, which, ids, count, *, window: int, lora=None):
         """Whole prompts of a model with recurrent layers run into rows `which` [P] of `cache` (over its
@@ -732,38 +702,6 @@ class SlotModel:
             recurrent=None if states is None else written_back(state.recurrent, states),
         )
         return state, dataclasses.replace(chosen, ran=ran)
-
-
-def _state_names(layer) -> tuple[tuple[str, int], ...]:
-    """The (kind, index) of each state a recurrent cache layer holds: "conv" then "recurrent" states."""
-    return tuple(
-        (kind, index)
-        for kind in ("conv", "recurrent")
-        for index in range(layer.number_of_states)
-        if getattr(layer, f"is_{kind}_states_initialized")[index]
-    )
-
-
-def _state_layer(names, arrays, *, carried: bool):
-    """transformers' LinearAttentionLayer holding `arrays`, the states `names` (`_state_names`), as after
-    a previous forward where `carried` (else as before the first: the model starts from zeros)."""
-    from transformers.cache_utils import LinearAttentionLayer
-
-    layer = LinearAttentionLayer(number_of_states=1 + max(index for _, index in names))
-    for (kind, index), array in zip(names, arrays):
-        tensor = bridge.to_torch(array)
-        getattr(layer, f"{kind}_states")[index] = tensor
-        getattr(layer, f"is_{kind}_states_initialized")[index] = True
-        if kind == "conv":
-            layer.conv_kernel_size[index] = array.shape[-1]
-        layer.has_previous_state[index] = carried
-        layer.dtype, layer.device = tensor.dtype, tensor.device
-    return layer
-
-
-def _states_of(layer, names) -> tuple:
-    """The arrays of a recurrent cache layer's states `names` (`_state_names`)."""
-    return tuple(bridge.to_jax(getattr(layer, f"{kind}_states")[index]) for kind, index in names)
 
 
 def held_bytes(compiled) -> int:
