@@ -81,6 +81,8 @@ class Engine:
             waits, reads its prompt or has just left: decode_steps x (slots' rows / the chunk's rows), at
             most this many. Default 4 x decode_steps; decode_steps keeps every chunk at decode_steps.
         prefill_chunk: prompt tokens per prefill call; a long prompt takes several, between decode chunks.
+            (A model with recurrent layers reads each prompt whole, in a chunk as wide as the prefill
+            program's window.)
         prefill_rows: prompts whose next chunk one prefill call reads together (the oldest first).
         prefix_reuse: start a prompt in the free slot whose cache holds the longest prefix of it (a
             system prompt, earlier turns of a chat), reading only the rest.
