@@ -116,6 +116,21 @@ def test_mamba_generates_like_transformers_on_its_own_test_config():
     assert model._generator.slot_runs._programs  # the slot core ran it (a state per slot)
 
 
+def test_bloom_runs_on_the_slot_core_with_transformers_logits(loaded):
+    # Bloom takes no position_ids: its ALiBi comes from the 2-D mask, by each key's place among the
+    # row's real tokens; the slots bias each key by its column. The logits of three left-padded rows
+    # (the tiny checkpoint's tokens repeat, its logits do not) show a bias off by a row's pads.
+    model = loaded("bloom")
+    ids, mask = _batch(model)
+    logits = dict(max_new_tokens=6, return_dict_in_generate=True, output_logits=True)
+    expected = _torch_output(model, ids, mask, **logits)
+    actual = model.generate(ids, mask, **logits)
+    assert model._generator.slot_runs._programs  # the slot core ran it
+    np.testing.assert_array_equal(np.asarray(actual.sequences), expected.sequences.numpy())
+    for mine, theirs in zip(actual.logits, expected.logits, strict=True):
+        _assert_scores_equal(mine, theirs, tolerances.for_family("bloom"))
+
+
 @pytest.mark.parametrize("family", ["llama", "gemma2", "mamba"])
 def test_each_row_of_a_padded_batch_is_what_its_prompt_alone_gives(loaded, family):
     model = loaded(family)

@@ -43,7 +43,7 @@ from . import _grammar, _planning, _rows
 from ._recurrent import hybrid_model, recurrent_model
 from ._settings import GenerationSettings
 from ._slot_beams import BeamCarry, SlotBeams
-from ._slots import SlotModel, SlotPrograms, check_supported
+from ._slots import SlotModel, SlotPrograms, alibi_builder, check_supported
 from ._speculative_slots import SpeculativeSlotModel
 
 
@@ -63,7 +63,8 @@ class SlotRuns:
         try:
             check_supported(self.model)  # a static KV cache of full or sliding-window attention layers, or states
             pure = recurrent_model(self.model.module)  # (Mamba: positions do not reach its state)
-            self.possible = not adapter.encoder_decoder and (adapter.takes_positions or pure)
+            alibi = alibi_builder(self.model.module) is not None  # (Bloom: positions from the key columns)
+            self.possible = not adapter.encoder_decoder and (adapter.takes_positions or pure or alibi)
             self.attends = not pure  # some layers keep keys and values, cut into windows
             self.recurrent = pure or hybrid_model(self.model.module)  # a state per slot
         except GenerationError:

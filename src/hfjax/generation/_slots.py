@@ -168,6 +168,11 @@ def check_supported(model) -> None:
             f"hfjax serve's slot cache holds keys and values per slot; {config.model_type} also has "
             "linear-attention or mamba layers, whose states it does not keep; use Model.generate for it"
         )
+    if not adapter.takes_positions and alibi_builder(model.module) is None:
+        raise GenerationError(
+            f"hfjax serve's slots give each token its position; {type(model.module).__name__} takes no position_ids "
+            "(it counts positions from its cache's length); use Model.generate for it"
+        )
     unknown = sorted(_layer_kinds(config) - set(MASKS) - recurrent_kinds(config))
     if unknown:
         raise GenerationError(
@@ -177,6 +182,14 @@ def check_supported(model) -> None:
 
 
 MASKS = ("full_attention", "sliding_attention")  # the attention masks the slot programs build
+
+
+def alibi_builder(module):
+    """The submodule that builds `module`'s ALiBi biases from its 2-D attention mask (Bloom's
+    `build_alibi_tensor`), where its forward takes no position_ids; else None."""
+    if "position_ids" in inspect.signature(module.forward).parameters:
+        return None
+    return next((m for m in module.modules() if callable(getattr(m, "build_alibi_tensor", None))), None)
 
 
 def _layer_kinds(config) -> set[str]:
@@ -217,6 +230,8 @@ class SlotModel:
         self.cache_keyword = _caches.cache_keyword(self.module)
         self.takes_logits_to_keep = "logits_to_keep" in inspect.signature(self.module.forward).parameters
         self.takes_positions = "position_ids" in inspect.signature(self.module.forward).parameters
+        # Bloom's ALiBi: biases by key column, not by position_ids (`_alibi_by_column`)
+        self.alibi = alibi_builder(self.module)
         # Recurrent layers (Mamba's; a hybrid's linear-attention or mamba layers) keep no keys and values:
         # a state per layer and slot, in `SlotState.recurrent`; the other layers' keys and values in `cache`.
         layers = _caches.static_cache(self.config, 1).layers
@@ -376,17 +391,39 @@ class SlotModel:
         masks = self._attention_masks(positions, length, cache[0][0].dtype)
         mask = masks if len(masks) > 1 else next(iter(masks.values()))
         kwargs = {"use_cache": True, self.cache_keyword: past, "attention_mask": mask}
-        kwargs["position_ids"] = bridge.to_torch(positions)
+        if self.alibi is None:
+            kwargs["position_ids"] = bridge.to_torch(positions)
         if keep is not None and self.takes_logits_to_keep:
             kwargs["logits_to_keep"] = bridge.to_torch(keep)
             keep = None
-        with contextlib.nullcontext() if lora is None else _lora.rows(lora):
+        with contextlib.nullcontext() if lora is None else _lora.rows(lora), self._alibi_by_column():
             out = self.module(input_ids=bridge.to_torch(ids), **kwargs)
         logits = bridge.to_jax(out.logits).astype(jnp.float32)
         if keep is not None:
             logits = jnp.take(logits, keep, axis=1)
         cache = [(bridge.to_jax(layer.keys), bridge.to_jax(layer.values)) for layer in past.layers]
         return logits, cache
+
+    @contextlib.contextmanager
+    def _alibi_by_column(self):
+        """For a model that builds ALiBi from its 2-D mask (Bloom: slope x (cumsum(mask) - 1) per key):
+        while the model runs, it builds it from the 4-D mask the slots give as from a mask of ones as
+        wide, slope x column. A slot's key in column c is its row's position c, so each key gets the
+        bias transformers gives it (its position among the row's real tokens, pads before them not
+        counted)."""
+        if self.alibi is None:
+            yield
+            return
+        builder = self.alibi.build_alibi_tensor
+
+        def by_column(mask, num_heads, dtype):
+            return builder(bridge.to_torch(jnp.ones((mask.shape[0], mask.shape[-1]), jnp.int32)), num_heads, dtype)
+
+        self.alibi.build_alibi_tensor = by_column
+        try:
+            yield
+        finally:
+            del self.alibi.build_alibi_tensor
 
     def _attention_masks(self, positions, length: int, dtype) -> dict:
         """{kind: [B, 1, q, L] mask} of each attention kind the layers read (`mask_kinds`), for queries at
