@@ -6,8 +6,9 @@ same programs.
     SlotRuns.generate(...)                   the call's new tokens, as `Generator.generate` gives them
 
 A call runs here when the slot core carries out everything it asks: a decoder-only model with a
-static KV cache that takes `position_ids` (full or sliding-window attention) or a recurrent state
-(Mamba: `SlotState.recurrent`, each prompt prefilled whole, not speculated), left-padded prompts,
+static KV cache that takes `position_ids` or builds ALiBi by key (Bloom) (full or sliding-window
+attention), or a recurrent state, or both (Mamba, hybrids: `SlotState.recurrent`, each prompt
+prefilled whole, not speculated), left-padded prompts,
 no prefill-only inputs (images), weights on one device or on a mesh (of one process or several),
 and a model that reads no values of its data. `Generator` runs the rest. Beam search runs its own
 programs over the same cache (`_slot_beams`), from the slot prefill's logits. A row that has stopped runs
