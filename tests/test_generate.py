@@ -110,8 +110,25 @@ def test_mamba_generates_like_transformers_on_its_own_test_config():
     with torch.no_grad():
         expected = module.generate(ids, attention_mask=mask, max_new_tokens=12, do_sample=False).numpy()
     assert min(len(set(row)) for row in expected[:, 7:]) >= 4, "the reference repeats itself: the test proves nothing"
-    actual = hfjax.Model.from_module(module).generate(ids.numpy(), mask.numpy(), max_new_tokens=12, do_sample=False)
+    model = hfjax.Model.from_module(module)
+    actual = model.generate(ids.numpy(), mask.numpy(), max_new_tokens=12, do_sample=False)
     np.testing.assert_array_equal(np.asarray(actual), expected)
+    assert model._generator.slot_runs._programs  # the slot core ran it (a state per slot)
+
+
+def test_bloom_runs_on_the_slot_core_with_transformers_logits(loaded):
+    # Bloom takes no position_ids: its ALiBi comes from the 2-D mask, by each key's place among the
+    # row's real tokens; the slots bias each key by its column. The logits of three left-padded rows
+    # (the tiny checkpoint's tokens repeat, its logits do not) show a bias off by a row's pads.
+    model = loaded("bloom")
+    ids, mask = _batch(model)
+    logits = dict(max_new_tokens=6, return_dict_in_generate=True, output_logits=True)
+    expected = _torch_output(model, ids, mask, **logits)
+    actual = model.generate(ids, mask, **logits)
+    assert model._generator.slot_runs._programs  # the slot core ran it
+    np.testing.assert_array_equal(np.asarray(actual.sequences), expected.sequences.numpy())
+    for mine, theirs in zip(actual.logits, expected.logits, strict=True):
+        _assert_scores_equal(mine, theirs, tolerances.for_family("bloom"))
 
 
 @pytest.mark.parametrize("family", ["llama", "gemma2", "mamba"])
@@ -134,6 +151,7 @@ def test_a_hybrid_linear_attention_model_generates_like_transformers(loaded):
     np.testing.assert_array_equal(
         np.asarray(model.generate(ids, mask, do_sample=False, max_new_tokens=NEW_TOKENS)), expected
     )
+    assert model._generator.slot_runs._programs  # the slot core ran it (keys and values, and states)
 
 
 def test_a_missing_mask_is_inferred_from_the_pad_token_like_transformers(loaded):

@@ -452,11 +452,24 @@ def test_start_compiles_every_program_and_requests_after_it_compile_nothing(mode
         engine.stop()
 
 
-def test_a_hybrid_model_is_refused_by_name(checkpoint):
-    # Qwen3.5's linear-attention layers keep states the slot cache has no place for
+def test_a_hybrid_model_serves_transformers_tokens_from_its_states_and_keys(checkpoint):
+    # Qwen3.5 alternates linear-attention layers (a state per slot) with full-attention ones (keys and
+    # values): each prompt is prefilled whole, beside others; three requests for two slots, so a slot
+    # reused by a new request must start its states from zeros.
     hybrid = hfjax.load(checkpoint("qwen3_5_text"))
-    with pytest.raises(hfjax.GenerationError, match="qwen3_5_text also has linear-attention or mamba layers"):
-        Engine(hybrid, max_num_seqs=SLOTS, max_model_len=LENGTH, prefill_chunk=CHUNK, decode_steps=STEPS)
+    engine = Engine(hybrid, max_num_seqs=2, max_model_len=LENGTH, prefill_chunk=CHUNK, decode_steps=STEPS)
+    engine.start()
+    try:
+        ids = _ids(hybrid, PROMPTS[4:7])
+        got = engine.generate(ids, SamplingParams(max_tokens=12, temperature=0, ignore_eos=True))
+    finally:
+        engine.stop()
+    torch_model = transformers.AutoModelForCausalLM.from_pretrained(hybrid.path).eval()
+    for prompt, event in zip(ids, got):
+        with torch.no_grad():
+            want = torch_model.generate(torch.tensor([prompt]), max_new_tokens=12, do_sample=False, eos_token_id=None)
+        assert event.token_ids == want[0, len(prompt) :].tolist()
+    assert len({tuple(event.token_ids) for event in got}) == 3
 
 
 def test_a_sliding_window_model_serves_answers_past_its_window_like_transformers(checkpoint):

@@ -18,6 +18,8 @@ Parts, one concern each (docs/architecture.md describes the engine's internal AP
                    matcher filling its allowed-token bitmask (`Constraint`, `Grammars`)
     _slots.py      the continuous-batching core: a KV cache of S slots, a chunked multi-row
                    prefill and an N-step decode over it (`SlotModel`, `SlotPrograms`)
+    _recurrent.py  a recurrent state per slot: which models keep one (Mamba, hybrids), the cache
+                   layers that hold a slot's rows of it
     _speculative.py speculative decoding's setting (`Speculation`), its prompt-lookup drafter on the
                    device, how many tokens a round keeps, speculative sampling's rule
     _speculative_slots.py `SpeculativeSlotModel`: the slot core's decode in rounds of drafts

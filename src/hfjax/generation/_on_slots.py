@@ -6,13 +6,15 @@ same programs.
     SlotRuns.generate(...)                   the call's new tokens, as `Generator.generate` gives them
 
 A call runs here when the slot core carries out everything it asks: a decoder-only model with a
-static KV cache that takes `position_ids` (full or sliding-window attention), left-padded prompts,
-images where it builds the model's masks (`takes_images`; the prefill chunk of every row's whole
-prompt takes them), weights on one device or on a mesh (of one process or several), and a model
-that reads no values of its data; or an encoder-decoder whose decoder takes each row's positions
-(`_encoder_slots`: Whisper, BART), without beam search, speculation or encoder_no_repeat_ngram_size:
-its prefill reads the encoder's input and the decoder prompt, and the slots keep the cross-attention
-keys and values. `Generator` runs the rest. Beam search runs its own
+static KV cache that takes `position_ids` or builds ALiBi by key (Bloom) (full or sliding-window
+attention), or a recurrent state, or both (Mamba, hybrids: `SlotState.recurrent`, each prompt
+prefilled whole, not speculated), left-padded prompts, images where it builds the model's masks
+(`takes_images`; the prefill chunk of every row's whole prompt takes them), weights on one device or
+on a mesh (of one process or several), and a model that reads no values of its data; or an
+encoder-decoder whose decoder takes each row's positions (`_encoder_slots`: Whisper, BART), without
+beam search, speculation or encoder_no_repeat_ngram_size: its prefill reads the encoder's input and
+the decoder prompt, and the slots keep the cross-attention keys and values. `Generator` runs the
+rest. Beam search runs its own
 programs over the same cache (`_slot_beams`), from the slot prefill's logits. A row that has stopped runs
 on pad tokens until every row has, as transformers feeds it, so the processed scores and raw
 logits that `output_scores` / `output_logits` keep are transformers' for every row and step.
@@ -44,9 +46,10 @@ from .. import bridge, parallel
 from .._errors import DataDependentError, GenerationError
 from . import _encoder_slots, _grammar, _multimodal, _planning, _rows
 from ._encoder_slots import EncoderDecoderSlotModel
+from ._recurrent import hybrid_model, recurrent_model
 from ._settings import GenerationSettings
 from ._slot_beams import BeamCarry, SlotBeams
-from ._slots import SlotModel, SlotPrograms, check_supported
+from ._slots import SlotModel, SlotPrograms, alibi_builder, check_supported
 from ._speculative_slots import SpeculativeSlotModel
 
 
@@ -67,12 +70,17 @@ class SlotRuns:
         try:
             if self.encoder_decoder:  # a decoder that takes each row's positions (`_encoder_slots`)
                 _encoder_slots.check_encoder_decoder(self.model)
-                self.possible = True
+                self.possible, self.attends, self.recurrent = True, True, False
             else:
-                check_supported(self.model)  # a static KV cache of full or sliding-window attention layers
-                self.possible = adapter.takes_positions
+                check_supported(self.model)  # a static KV cache of full or sliding-window attention layers, or states
+                pure = recurrent_model(self.model.module)  # (Mamba: positions do not reach its state)
+                alibi = alibi_builder(self.model.module) is not None  # (Bloom: positions from the key columns)
+                self.possible = adapter.takes_positions or pure or alibi
+                self.attends = not pure  # some layers keep keys and values, cut into windows
+                self.recurrent = pure or hybrid_model(self.model.module)  # a state per slot
         except GenerationError:
-            self.possible = False
+            self.possible = self.recurrent = False
+            self.attends = True
         self._models: dict[tuple, SlotModel] = {}
         self._programs: dict[tuple, SlotPrograms] = {}
         self._beams: dict[tuple, SlotBeams] = {}
@@ -82,7 +90,9 @@ class SlotRuns:
         """Whether this call runs on the slot core (the module docstring says which do)."""
         if not self.possible or self.generator.reads_data:
             return False
-        if inputs and (self.encoder_decoder or not takes_images(self.model.module, inputs, settings)):
+        if inputs and (self.encoder_decoder or self.recurrent or not takes_images(self.model.module, inputs, settings)):
+            return False
+        if self.recurrent and settings.speculation is not None:  # a state cannot take back rejected drafts
             return False
         if self.encoder_decoder:
             # (beam search and speculation over cross-attention slots, and n-grams of the encoder's ids:
@@ -200,7 +210,8 @@ class SlotRuns:
         steps, position = 1, int(lengths.max())
         # A streamer re-enters the decode every few tokens: windows cut at each entry would copy more
         # than they save, so it attends over the whole cache (as `Generator`).
-        windows = _planning.windows(plan.offset, plan.total) if streamer is None else (plan.total,)
+        # (Mamba's states have no columns to cut: one window)
+        windows = _planning.windows(plan.offset, plan.total) if streamer is None and self.attends else (plan.total,)
         for window in windows:
             while steps < budget and not done.all() and position < window:
                 count = min(budget - steps, window - position)

@@ -13,6 +13,13 @@ position p has its keys and values in column p. Rows advance independently, so t
                     tokens), over the first W columns of the cache; rows that are not decoding
                     write nowhere
 
+A recurrent model (Mamba: `_recurrent.recurrent_model`) keeps no keys and values: each slot holds its
+layers' states instead (`SlotState.recurrent`, [S, ...] per array); a hybrid (`_recurrent.hybrid_model`)
+keeps its attention layers' keys and values in the cache and its recurrent layers' states beside
+them. Such a model's prefill chunk is a row's whole prompt, scanned from zeros (the pads before it
+masked, so they leave the state as the prompt alone gives it), and each decode step moves the active
+rows' states on and leaves the others' as they were; a window does not cut a state.
+
 Each slot's sampling settings are per-row arrays (`RowSampling`), and the token choice is the one
 every program makes (`_choose.choose_tokens`), so requests coming and going never change a
 program's shape. `SlotPrograms` keeps the programs (`ProgramCache`: in memory, and on disk as
@@ -37,6 +44,7 @@ from .._errors import GenerationError
 from . import _caches, _multimodal, _programs, _sampling
 from ._adapters import StaticCacheAdapter, adapter_for
 from ._choose import apply_rules, choose_tokens
+from ._recurrent import hybrid_model, recurrent_kinds, recurrent_model, state_layer, state_names, states_of
 from ._rows import RowSampling, SamplingFeatures
 
 TOP_LOGPROBS = 20  # the most alternatives OpenAI's API lets a request ask for per token
@@ -68,12 +76,15 @@ class SlotState:
     # encoder_mask [S, E] int32, 1 on the encoder's real positions
     cross: list | None = None
     encoder_mask: jax.Array | None = None
+    # (state arrays, ...) per layer of a recurrent model (Mamba: its conv and SSM states, each [S, ...]),
+    # in `SlotModel.state_layout`'s order: a row's state after its tokens so far; else None
+    recurrent: list | None = None
 
     def leaves(self) -> tuple:
         """The state as plain containers, which `jax.export` keeps (programs take and return these)."""
         return (
             self.cache, self.tokens, self.positions, self.seen, self.counts, self.history, self.draft, self.cross,
-            self.encoder_mask,
+            self.encoder_mask, self.recurrent,
         )  # fmt: skip
 
 
@@ -151,18 +162,27 @@ def check_supported(model) -> None:
     """Raises GenerationError for a decoder-only model the slot cache cannot serve, saying why (an
     encoder-decoder: `_encoder_slots.check_supported`)."""
     adapter = adapter_for(model.module)
+    config = model.module.config.get_text_config(decoder=True)
+    if recurrent_model(model.module):
+        return  # a state per slot (`SlotState.recurrent`)
     if type(adapter) is not StaticCacheAdapter:
         raise GenerationError(
-            f"hfjax serve batches decoder-only causal LMs with a static KV cache; {type(model.module).__name__} "
-            f"keeps its past as {adapter.kind!r}; use Model.generate for it"
+            f"hfjax serve batches decoder-only causal LMs with a static KV cache or a recurrent state; "
+            f"{type(model.module).__name__} keeps its past as {adapter.kind!r}; use Model.generate for it"
         )
-    config = model.module.config.get_text_config(decoder=True)
-    if any(_caches.recurrent(layer) for layer in _caches.static_cache(config, 1).layers):
+    if any(_caches.recurrent(layer) for layer in _caches.static_cache(config, 1).layers) and not hybrid_model(
+        model.module
+    ):
         raise GenerationError(
             f"hfjax serve's slot cache holds keys and values per slot; {config.model_type} also has "
             "linear-attention or mamba layers, whose states it does not keep; use Model.generate for it"
         )
-    unknown = sorted(_layer_kinds(config) - set(MASKS))
+    if not adapter.takes_positions and alibi_builder(model.module) is None:
+        raise GenerationError(
+            f"hfjax serve's slots give each token its position; {type(model.module).__name__} takes no position_ids "
+            "(it counts positions from its cache's length); use Model.generate for it"
+        )
+    unknown = sorted(_layer_kinds(config) - set(MASKS) - recurrent_kinds(config))
     if unknown:
         raise GenerationError(
             f"hfjax serve's slot cache masks full and sliding-window attention; {config.model_type} also has "
@@ -173,10 +193,18 @@ def check_supported(model) -> None:
 MASKS = ("full_attention", "sliding_attention")  # the attention masks the slot programs build
 
 
+def alibi_builder(module):
+    """The submodule that builds `module`'s ALiBi biases from its 2-D attention mask (Bloom's
+    `build_alibi_tensor`), where its forward takes no position_ids; else None."""
+    if "position_ids" in inspect.signature(module.forward).parameters:
+        return None
+    return next((m for m in module.modules() if callable(getattr(m, "build_alibi_tensor", None))), None)
+
+
 def _layer_kinds(config) -> set[str]:
     """The masks the attention layers read, as transformers' models choose them: by `layer_types` where
     the config has them, else one mask for every layer, sliding where `sliding_window` is set (Mistral's
-    rule). Read after `check_supported` has refused recurrent layers (`_caches.recurrent`)."""
+    rule). A hybrid's recurrent layers' kinds are among them (`recurrent_kinds`)."""
     types = getattr(config, "layer_types", None)
     if types is not None:
         return set(types)
@@ -212,12 +240,29 @@ class SlotModel:
         self.takes_logits_to_keep = "logits_to_keep" in inspect.signature(self.module.forward).parameters
         # A multimodal rope (Qwen2-VL's): decode positions shift by each row's `RowSampling.rope_delta`.
         self.rope_shift = hasattr(getattr(self.module, "model", None), "get_rope_index")
+        self.takes_positions = "position_ids" in inspect.signature(self.module.forward).parameters
+        # Bloom's ALiBi: biases by key column, not by position_ids (`_alibi_by_column`)
+        self.alibi = alibi_builder(self.module)
+        # Recurrent layers (Mamba's; a hybrid's linear-attention or mamba layers) keep no keys and values:
+        # a state per layer and slot, in `SlotState.recurrent`; the other layers' keys and values in `cache`.
+        layers = _caches.static_cache(self.config, 1).layers
+        self.layer_recurrent = tuple(_caches.recurrent(layer) for layer in layers)
+        self.recurrent = any(self.layer_recurrent)
+        self.attends = not all(self.layer_recurrent)  # some layers keep keys and values (cut into windows)
+        # A hybrid's recurrent layers' kind of layer (config.layer_types), the key of their mask
+        self.recurrent_kind = next(
+            (kind for kind, r in zip(getattr(self.config, "layer_types", None) or (), self.layer_recurrent) if r), None
+        )
+        self.state_layout = None  # per recurrent layer: the (kind, index) of each state array, "conv" or "recurrent"
         self._shapes = None
+        self._state_shapes = None
         self._empty = {}  # the programs that make `empty_state`, per state layout
 
     def shapes(self) -> tuple[list[tuple[jax.ShapeDtypeStruct, jax.ShapeDtypeStruct]], int]:
         """(each layer's (keys, values) shape for S slots, the width of the logits), from an
-        abstract run of the model on one token."""
+        abstract run of the model on one token (a model with recurrent layers: of its other layers)."""
+        if self._shapes is None and self.recurrent:
+            self._shapes, self._state_shapes = self._recurrent_shapes()
         if self._shapes is None:
 
             def one_token(params):
@@ -235,10 +280,48 @@ class SlotModel:
             self._shapes = cache, logits.shape[-1]
         return self._shapes
 
+    def state_shapes(self) -> list[tuple[jax.ShapeDtypeStruct, ...]] | None:
+        """The recurrent layers' state arrays for S slots (`state_layout` names them); None without such layers."""
+        self.shapes()
+        return self._state_shapes
+
+    def _recurrent_shapes(self) -> tuple[tuple[list, int], list[tuple[jax.ShapeDtypeStruct, ...]]]:
+        """((the attention layers' (keys, values) shapes, the width of the logits), the recurrent layers'
+        state arrays), each for S slots, from an abstract run of the model on one token (with a static
+        cache where some layers attend; else with the cache it makes itself); sets `state_layout`."""
+        layout = []
+        attends = not all(self.layer_recurrent)
+
+        def one_token(params):
+            ids = bridge.to_torch(jnp.zeros((1, 1), jnp.int32))  # position 0
+            kwargs = {"use_cache": True, "position_ids": ids} if self.takes_positions else {"use_cache": True}
+            if attends:
+                kwargs[self.cache_keyword] = _caches.static_cache(self.config, self.length)
+            with self.bound(params):
+                out = self.module(input_ids=ids, **kwargs)
+            layers = _caches.returned_cache(out).layers
+            recurrent = [layer for layer in layers if _caches.recurrent(layer)]
+            layout[:] = [state_names(layer) for layer in recurrent]
+            cache = [(bridge.to_jax(a.keys), bridge.to_jax(a.values)) for a in layers if not _caches.recurrent(a)]
+            return (
+                cache,
+                [states_of(layer, names) for layer, names in zip(recurrent, layout)],
+                bridge.to_jax(out.logits),
+            )
+
+        cache, states, logits = jax.eval_shape(one_token, self.model.params)
+        self.state_layout = tuple(layout)
+
+        def rows(arrays):
+            return tuple(jax.ShapeDtypeStruct((self.slots, *s.shape[1:]), s.dtype) for s in arrays)
+
+        return ([rows(pair) for pair in cache], logits.shape[-1]), [rows(layer) for layer in states]
+
     def bytes_per_slot(self) -> int:
-        """The KV cache's bytes for one slot of L columns."""
+        """The KV cache's bytes for one slot of L columns (a recurrent model: its states' bytes for one slot)."""
         cache, _ = self.shapes()
-        return sum(int(s.size // self.slots) * s.dtype.itemsize for pair in cache for s in pair)
+        states = [s for layer in self.state_shapes() or () for s in layer]
+        return sum(int(s.size // self.slots) * s.dtype.itemsize for pair in [*cache, states] for s in pair)
 
     def empty_state(self, features: SamplingFeatures, *, history: bool = False) -> SlotState:
         """Zeros, placed where the programs' outputs will be, so the first call and every later one
@@ -253,6 +336,7 @@ class SlotModel:
         )
         if layout not in self._empty:
             cache, vocab = self.shapes()
+            states = self.state_shapes()
             repetition, presence, history = layout
 
             def zeros() -> SlotState:
@@ -263,12 +347,20 @@ class SlotModel:
                     seen=jnp.zeros((self.slots, vocab), bool) if repetition else None,
                     counts=jnp.zeros((self.slots, vocab), jnp.int32) if presence else None,
                     history=jnp.zeros((self.slots, self.length), jnp.int32) if history else None,
+                    recurrent=None
+                    if states is None
+                    else [tuple(jnp.zeros(s.shape, s.dtype) for s in a) for a in states],
                     **self.extra_state(),
                 )
 
             mesh, placed = self.model.mesh, None  # None: left to the programs (weights over several devices)
             if mesh is not None:
-                placed = jax.tree_util.tree_map(lambda a: self._sharding(mesh, a), jax.eval_shape(zeros))
+                shapes = jax.eval_shape(zeros)
+                placed = jax.tree_util.tree_map(lambda a: self._sharding(mesh, a), shapes)
+                # (a state's axes after the rows are the model's own: the rows alone are split)
+                placed.recurrent = jax.tree_util.tree_map(
+                    lambda a: self._sharding(mesh, a, heads=False), shapes.recurrent
+                )
             else:
                 weights = next(iter(self.model.params.values())).sharding
                 placed = weights if len(weights.device_set) == 1 else None
@@ -280,11 +372,11 @@ class SlotModel:
         trace): none here."""
         return {}
 
-    def _sharding(self, mesh, array) -> jax.sharding.NamedSharding:
+    def _sharding(self, mesh, array, *, heads: bool = True) -> jax.sharding.NamedSharding:
         """A state array's place on `mesh`: slots over "data", a cache's heads ([S, heads, L, D]) over "model"."""
         data, model = parallel.data_size(mesh), dict(mesh.shape).get("model", 1)
         rows = "data" if data > 1 and self.slots % data == 0 else None
-        if array.ndim == 4 and model > 1 and array.shape[1] % model == 0:
+        if heads and array.ndim == 4 and model > 1 and array.shape[1] % model == 0:
             return jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(rows, "model"))
         return jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(rows))
 
@@ -331,12 +423,13 @@ class SlotModel:
         ]
         mask = self.attention_mask(positions, length, cache[0][0].dtype, blocks=blocks)
         kwargs = {"use_cache": True, self.cache_keyword: past, "attention_mask": mask}
-        kwargs["position_ids"] = bridge.to_torch(positions)
+        if self.alibi is None:
+            kwargs["position_ids"] = bridge.to_torch(positions)
         if keep is not None and self.takes_logits_to_keep:
             kwargs["logits_to_keep"] = bridge.to_torch(keep)
             keep = None
         kwargs.update({name: bridge.to_torch(value) for name, value in (inputs or {}).items()})
-        with contextlib.nullcontext() if lora is None else _lora.rows(lora):
+        with contextlib.nullcontext() if lora is None else _lora.rows(lora), self._alibi_by_column():
             out = self.module(input_ids=bridge.to_torch(ids), **kwargs)
         logits = bridge.to_jax(out.logits).astype(jnp.float32)
         if keep is not None:
@@ -344,10 +437,103 @@ class SlotModel:
         cache = [(bridge.to_jax(layer.keys), bridge.to_jax(layer.values)) for layer in past.layers]
         return logits, cache
 
-    def attention_mask(self, positions, length: int, dtype, *, blocks=None):
-        """The self-attention mask of queries at positions [B, q] over `length` cache columns, as torch: each
-        key at or before its query, or in its bidirectional block (`run`'s `blocks`), within the sliding
-        window where layers slide [B, 1, q, L]; a dict per kind of layer where the model takes several."""
+    @contextlib.contextmanager
+    def _alibi_by_column(self):
+        """For a model that builds ALiBi from its 2-D mask (Bloom: slope x (cumsum(mask) - 1) per key):
+        while the model runs, it builds it from the 4-D mask the slots give as from a mask of ones as
+        wide, slope x column. A slot's key in column c is its row's position c, so each key gets the
+        bias transformers gives it (its position among the row's real tokens, pads before them not
+        counted)."""
+        if self.alibi is None:
+            yield
+            return
+        builder = self.alibi.build_alibi_tensor
+
+        def by_column(mask, num_heads, dtype):
+            return builder(bridge.to_torch(jnp.ones((mask.shape[0], mask.shape[-1]), jnp.int32)), num_heads, dtype)
+
+        self.alibi.build_alibi_tensor = by_column
+        try:
+            yield
+        finally:
+            del self.alibi.build_alibi_tensor
+
+    def run_states(self, params, cache, states: list, ids, positions, columns, pads, *, carried, keep=None, lora=None):
+        """`run` for a model with recurrent layers (Mamba's; a hybrid's linear-attention or mamba layers
+        beside attention ones): logits, the attention layers' cache (as `run`'s; none for Mamba) and
+        the recurrent layers' states after ids [B, q]. The states start from `states` (per recurrent
+        layer, `state_layout`'s arrays [B, ...]) where `carried`, else from zeros (the model scans a
+        prompt from no state, as transformers' does; `states` then gives only their shapes). pads: [B, q]
+        int32, 0 at a row's padding, whose inputs the recurrent layers zero (so left padding leaves a
+        prompt's state as the prompt alone gives it), or None (a decode step: no padding).
+        Returns (logits, cache, states)."""
+        from transformers import StaticCache
+
+        length = cache[0][0].shape[2] if cache else 1
+        past = StaticCache(config=self.config, max_cache_len=length)
+        pairs, held = iter(cache), iter(zip(self.state_layout, states))
+        layers = []
+        for is_recurrent in self.layer_recurrent:
+            if is_recurrent:
+                layers.append(state_layer(*next(held), carried=carried))
+            else:
+                k, v = next(pairs)
+                layers.append(self.layer_class(bridge.to_torch(k), bridge.to_torch(v), bridge.to_torch(columns)))
+        past.layers = layers
+        pads = None if pads is None else bridge.to_torch(pads)
+        mask = pads
+        if cache:  # a hybrid: a mask per kind of layer, the recurrent layers' the padding's
+            mask = {**self.attention_masks(positions, length, cache[0][0].dtype), self.recurrent_kind: pads}
+        kwargs = {"use_cache": True, self.cache_keyword: past, "attention_mask": mask}
+        if self.takes_positions:
+            kwargs["position_ids"] = bridge.to_torch(positions)
+        if keep is not None and self.takes_logits_to_keep:
+            kwargs["logits_to_keep"] = bridge.to_torch(keep)
+            keep = None
+        with contextlib.nullcontext() if lora is None else _lora.rows(lora):
+            out = self.module(input_ids=bridge.to_torch(ids), **kwargs)
+        logits = bridge.to_jax(out.logits).astype(jnp.float32)
+        if keep is not None:
+            logits = jnp.take(logits, keep, axis=1)
+        recurrent = [layer for layer, is_recurrent in zip(past.layers, self.layer_recurrent) if is_recurrent]
+        cache = [
+            (bridge.to_jax(layer.keys), bridge.to_jax(layer.values))
+            for layer, is_recurrent in zip(past.layers, self.layer_recurrent)
+            if not is_recurrent
+        ]
+        return logits, cache, [states_of(layer, names) for layer, names in zip(recurrent, self.state_layout)]
+
+    def run_prompts(self, params, cache: list, states: list, which, ids, count, *, window: int, lora=None):
+        """Whole prompts of a model with recurrent layers run into rows `which` [P] of `cache` (over its
+        first `window` columns) and of `states`: ids [P, C] int32, row p's count[p] real tokens last, at
+        positions 0.. (its padding before them masked, writing nowhere). Returns (logits [P, 1, V] at
+        index C-1, the cache and the states with those rows written, offset [P, C] int32 as `run_chunk`'s)."""
+        gathered = [tuple(a.at[which, :, :window].get(mode="fill", fill_value=0) for a in pair) for pair in cache]
+        chunk = ids.shape[1]
+        offset = jnp.arange(chunk, dtype=jnp.int32)[None, :] - (chunk - count)[:, None]
+        positions = jnp.maximum(offset, 0)
+        columns = jnp.where(offset >= 0, positions, window)
+        zeros = [tuple(jnp.zeros((ids.shape[0], *a.shape[1:]), a.dtype) for a in layer) for layer in states]
+        with self.bound(params):
+            logits, gathered, new = self.run_states(
+                params, gathered, zeros, ids, positions, columns, (offset >= 0).astype(jnp.int32), carried=False,
+                keep=jnp.array([chunk - 1], jnp.int32), lora=lora,
+            )  # fmt: skip
+        cache = [
+            tuple(a.at[which, :, :window].set(r, mode="drop") for a, r in zip(pair, rows))
+            for pair, rows in zip(cache, gathered)
+        ]
+        states = [
+            tuple(a.at[which].set(n.astype(a.dtype), mode="drop") for a, n in zip(layer, rows))
+            for layer, rows in zip(states, new)
+        ]
+        return logits, cache, states, offset
+
+    def attention_masks(self, positions, length: int, dtype, *, blocks=None) -> dict:
+        """{kind: [B, 1, q, L] mask, as torch} of each attention kind the layers read (`mask_kinds`), for
+        queries at positions [B, q] over `length` cache columns (each column holding the key of its
+        position): each key at or before its query, or in its bidirectional block (`run`'s `blocks`),
+        within the sliding window where layers slide."""
         every = jnp.arange(length, dtype=jnp.int32)[None, None, :]
         masks = {}
         for kind in self.mask_kinds:
@@ -358,6 +544,11 @@ class SlotModel:
             if kind == "sliding_attention":  # transformers' sliding window: the key within `window` of the query
                 allowed &= every > positions[:, :, None] - self.window
             masks[kind] = bridge.to_torch(self._mask(allowed[:, None], dtype))  # [B, 1, q, L]
+        return masks
+
+    def attention_mask(self, positions, length: int, dtype, *, blocks=None):
+        """`attention_masks` as the model takes them: the one mask, or a dict per kind of layer where it reads several."""
+        masks = self.attention_masks(positions, length, dtype, blocks=blocks)
         return masks if len(masks) > 1 else next(iter(masks.values()))
 
     def _mask(self, allowed, dtype):
@@ -435,9 +626,15 @@ class SlotModel:
         nested tuples of ints. Returns (state, Chosen [P, 1])."""
         slots = self.slots
         mine = jax.tree_util.tree_map(lambda a: a.at[which].get(mode="fill", fill_value=0), rows)
-        logits, cache, offset = self.run_chunk(
-            params, state.cache, which, ids, start, count, window=window, lora=mine.lora, inputs=inputs
-        )
+        cache, recurrent = state.cache, state.recurrent
+        if self.recurrent:  # each row's chunk is its whole prompt (start 0): its state starts from zeros
+            logits, cache, recurrent, offset = self.run_prompts(
+                params, cache, recurrent, which, ids, count, window=window, lora=mine.lora
+            )
+        else:
+            logits, cache, offset = self.run_chunk(
+                params, state.cache, which, ids, start, count, window=window, lora=mine.lora, inputs=inputs
+            )
         seen = counts = None
         if state.seen is not None:  # the chunk's real tokens join the row's history
             before = jnp.where(fresh[:, None], False, state.seen.at[which].get(mode="fill", fill_value=False))
@@ -476,6 +673,7 @@ class SlotModel:
             draft=state.draft,
             cross=state.cross,
             encoder_mask=state.encoder_mask,
+            recurrent=recurrent,
         )
         per_token = [f for f in (*PER_TOKEN, *_KEPT) if getattr(chosen, f) is not None]
         return state, dataclasses.replace(chosen, **{f: getattr(chosen, f)[:, None] for f in per_token})
@@ -518,6 +716,8 @@ class SlotModel:
         seen = None if state.seen is None else state.seen[:r]
         counts = None if state.counts is None else state.counts[:r]
         history = None if state.history is None else state.history[:r]
+        # A recurrent model's states of those rows (the window does not apply: a state has no columns).
+        states = None if state.recurrent is None else [tuple(a[:r] for a in layer) for layer in state.recurrent]
         write_nowhere = jnp.int32(window)
         # The loop carries the cache in the backend's layout (on the CPU: without size-1 axes, in
         # which XLA does not copy each layer for the attention kernel on every step).
@@ -533,7 +733,7 @@ class SlotModel:
             return (i < count) & jnp.any(going(tokens))
 
         def step(carry):
-            i, cache, tokens, seen, counts, history, chosen = carry
+            i, cache, tokens, seen, counts, history, chosen, states = carry
             at = jnp.minimum(positions + i, write_nowhere - 1)  # a finished row may run past the end
             write_at = jnp.where(on & (positions + i < write_nowhere), at, write_nowhere)
             going_now = going(tokens)
@@ -542,10 +742,23 @@ class SlotModel:
             # Multimodal rope: the row's rope position is its column shifted by the row's delta.
             rope = {"position_ids": (at + mine.rope_delta)[:, None]} if self.rope_shift else None
             with self.bound(params):
-                logits, cache = self.run(
-                    params, restore(cache), inputs[:, None], at[:, None], write_at[:, None], lora=mine.lora,
-                    inputs=rope,
-                )  # fmt: skip
+                if states is None:
+                    logits, cache = self.run(
+                        params, restore(cache), inputs[:, None], at[:, None], write_at[:, None], lora=mine.lora,
+                        inputs=rope,
+                    )  # fmt: skip
+                else:  # the rows that are not decoding keep their states
+                    logits, cache, new = self.run_states(
+                        params, restore(cache), states, inputs[:, None], at[:, None], write_at[:, None], None,
+                        carried=True, lora=mine.lora,
+                    )  # fmt: skip
+                    states = [
+                        tuple(
+                            jnp.where(on.reshape(-1, *(1,) * (a.ndim - 1)), n.astype(a.dtype), a)
+                            for a, n in zip(old, now)
+                        )
+                        for old, now in zip(states, new)
+                    ]
             if history is not None:  # the step's input joins the row's tokens so far
                 column = jnp.where(write_at < write_nowhere, mine.pads + at, history.shape[1])
                 history = history.at[jnp.arange(r), column].set(inputs, mode="drop")
@@ -569,7 +782,7 @@ class SlotModel:
             if counts is not None:
                 counts = _sampling.update_counts(counts, appended, on)
             tokens = jnp.where(going_now, token, jnp.where(on, STOPPED, tokens))  # (no stop tokens: going_now is on)
-            return i + 1, backend.loop_carry(cache)[0], tokens, seen, counts, history, chosen
+            return i + 1, backend.loop_carry(cache)[0], tokens, seen, counts, history, chosen, states
 
         reported = steps if logprobs else 0
         chosen = Chosen(
@@ -580,8 +793,8 @@ class SlotModel:
             ran=jnp.int32(0),
             **{f: jnp.zeros((r, steps, self.shapes()[1]), jnp.float32) for f in kept},
         )
-        ran, carried, tokens, seen, counts, history, chosen = jax.lax.while_loop(
-            running, step, (jnp.int32(0), carried, tokens, seen, counts, history, chosen)
+        ran, carried, tokens, seen, counts, history, chosen, states = jax.lax.while_loop(
+            running, step, (jnp.int32(0), carried, tokens, seen, counts, history, chosen, states)
         )
         cache = written_back(whole, restore(carried))
         state = SlotState(
@@ -592,6 +805,7 @@ class SlotModel:
             counts=None if counts is None else state.counts.at[:r].set(counts),
             history=None if history is None else state.history.at[:r].set(history),
             draft=state.draft,
+            recurrent=None if states is None else written_back(state.recurrent, states),
             cross=state.cross,
             encoder_mask=state.encoder_mask,
         )
@@ -607,8 +821,9 @@ def held_bytes(compiled) -> int:
 
 
 def written_back(whole: list, parts: list) -> list:
-    """The cache `whole` [(keys, values)] per layer with `parts`, a program's leading rows and columns
-    of it (`cache[:R, :, :W]`), written back in place; `parts` itself where it is the whole cache."""
+    """The cache `whole` [(keys, values)] per layer (or a recurrent model's states) with `parts`, a
+    program's leading rows and columns of it (`cache[:R, :, :W]`), written back in place; `parts` itself
+    where it is the whole cache."""
     if all(part.shape == a.shape for pair, new in zip(whole, parts) for a, part in zip(pair, new)):
         return parts
     return [
@@ -705,8 +920,9 @@ class SlotPrograms:
         return {kind: self.cache.traced[kind] + self.cache.loaded[kind] for kind in ("prefill", "decode")}
 
     def key(self, kind: str, rows: int, window: int, logprobs: bool = True) -> tuple:
-        extent = self.prefill_chunk if kind == "prefill" else self.steps
         model = self.slot_model
+        # (a recurrent model's prefill chunk is a whole prompt as wide as the window)
+        extent = (window if model.recurrent else self.prefill_chunk) if kind == "prefill" else self.steps
         # The decode's own settings (the prefill's program does not depend on them).
         stops = (self.stop_tokens, self.pad_token) if kind == "decode" and self.stop_tokens else ()
         logprobs = logprobs or kind != "decode"

@@ -43,18 +43,26 @@ def geometric(smallest: int, limit: int) -> list[int]:
 SMALLEST_WINDOW = 128  # columns of the smallest window a chunk attends over
 
 
-def engine_grid(max_model_len: int, slots: int, prefill_rows: int) -> dict[str, list[tuple[int, int]]]:
+def engine_grid(
+    max_model_len: int, slots: int, prefill_rows: int, *, attends: bool = True
+) -> dict[str, list[tuple[int, int]]]:
     """Every (rows, window) an engine's prefill and decode chunks may run, smallest first, over windows
     of 128, 512, 2048, ... columns up to max_model_len. A decode chunk runs once per token: it has row
     counts 1, 4, 16, ... up to the slots at every window. A prefill chunk runs once per prefill_chunk
     prompt tokens: it has prefill_rows rows at every window, and one row at the smallest (a lone short
-    prompt, whose first token waits for it)."""
+    prompt, whose first token waits for it).
+
+    A model with recurrent layers prefills a whole prompt in a chunk as wide as the window (so the
+    prefill's windows bound its prompts: the last is max_model_len). One whose layers keep no keys and
+    values at all (Mamba: `attends=False`) has the decode's row counts over one window, max_model_len,
+    as a state has no columns to cut."""
     windows = geometric(SMALLEST_WINDOW, max_model_len)
     decode_rows = geometric(1, slots)
     prefill = [(prefill_rows, w) for w in windows]
     if prefill_rows > 1:
         prefill.insert(0, (1, windows[0]))
-    return {"prefill": prefill, "decode": [(r, w) for w in windows for r in decode_rows]}
+    decode_windows = windows if attends else [max_model_len]
+    return {"prefill": prefill, "decode": [(r, w) for w in decode_windows for r in decode_rows]}
 
 
 class Compiler:

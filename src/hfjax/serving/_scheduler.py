@@ -60,7 +60,8 @@ class _Chunk:
 
 
 class Engine:
-    """Continuous batching of a causal LM over slots of one static KV cache.
+    """Continuous batching of a causal LM over slots of one static KV cache (a recurrent model's: of
+    its states, each prompt prefilled whole).
 
     Args:
         model: a `hfjax.Model` with a tokenizer: a decoder-only causal LM, or an encoder-decoder the slot
@@ -83,6 +84,8 @@ class Engine:
             waits, reads its prompt or has just left: decode_steps x (slots' rows / the chunk's rows), at
             most this many. Default 4 x decode_steps; decode_steps keeps every chunk at decode_steps.
         prefill_chunk: prompt tokens per prefill call; a long prompt takes several, between decode chunks.
+            (A model with recurrent layers reads each prompt whole, in a chunk as wide as the prefill
+            program's window.)
         prefill_rows: prompts whose next chunk one prefill call reads together (the oldest first).
         prefix_reuse: start a prompt in the free slot whose cache holds the longest prefix of it (a
             system prompt, earlier turns of a chat), reading only the rest.
@@ -156,11 +159,19 @@ class Engine:
         self.encoder_decoder = bool(getattr(model.config, "is_encoder_decoder", False))
         if self.encoder_decoder:
             prefix_reuse = False
-        slot_model = (
-            generation.slot_model(model, self.max_num_seqs, self.max_model_len)
-            if speculation is None
-            else generation.SpeculativeSlotModel(model, self.max_num_seqs, self.max_model_len, speculation, draft)
-        )
+        slot_model = generation.slot_model(model, self.max_num_seqs, self.max_model_len)
+        if speculation is not None and slot_model.recurrent:
+            raise ServingError(
+                f"Engine: speculative decoding ({speculation.method}) with {type(model.module).__name__}, whose "
+                "recurrent state cannot take back rejected drafts; serve it without --speculative-config"
+            )
+        if speculation is not None:
+            slot_model = generation.SpeculativeSlotModel(
+                model, self.max_num_seqs, self.max_model_len, speculation, draft
+            )
+        # A recurrent model's slot holds the state after its whole prompt, not a prefix of it: each
+        # prompt is prefilled whole, in one chunk as wide as the prefill program's window.
+        self.recurrent = slot_model.recurrent
         vocab_size = slot_model.shapes()[1]  # the logits' width
         self.features = dataclasses.replace(
             generation.SamplingFeatures.every(),
@@ -170,11 +181,13 @@ class Engine:
         )
         if self.features.history is not None and self.features.history.reads_tokens:
             prefix_reuse = False  # a reused prefix's tokens are not read again into the row's history
+        if self.recurrent:
+            prefix_reuse = False  # a state holds no prefix of its prompt apart
         self.metrics = Metrics(self.max_num_seqs, 0 if speculation is None else speculation.num_speculative_tokens)
         programs = generation.SlotPrograms(
             slot_model, prefill_chunk=prefill_chunk, steps=max_decode_steps, features=self.features
         )
-        grid = engine_grid(self.max_model_len, self.max_num_seqs, self.prefill_rows)
+        grid = engine_grid(self.max_model_len, self.max_num_seqs, self.prefill_rows, attends=slot_model.attends)
         self._image_example = fixed_image_example(model.processor) if self.takes_images else None
         self._image_inputs: dict[int, dict] = {}  # per window: the example's prefill inputs (`warm_up`)
         if self._image_example is not None:
@@ -429,8 +442,9 @@ class Engine:
         `EncoderDecoderSlotModel.encoder_inputs`; a prompt's images), or None."""
         if kind == "prefill":
             inputs = self._encoder_zeros(rows) if self.encoder_decoder else None
+            chunk = window if self.recurrent else self.prefill_chunk  # (a recurrent model's: a whole prompt)
             args = self._prefill_args(
-                np.full(rows, self.max_num_seqs, np.int32), np.zeros((rows, self.prefill_chunk), np.int32),
+                np.full(rows, self.max_num_seqs, np.int32), np.zeros((rows, chunk), np.int32),
                 np.zeros(rows, np.int32), np.ones(rows, np.int32), np.zeros(rows, bool), np.zeros(rows, bool), False,
             )  # fmt: skip
             return (*args, self._on_device(inputs))
@@ -570,9 +584,12 @@ class Engine:
         request.listener(event)
 
     def _prefill(self, requests: list[Request]) -> None:
-        """The next prompt chunk of each request in one program, over the fewest columns that hold every chunk."""
+        """The next prompt chunk of each request in one program, over the fewest columns that hold every
+        chunk (a recurrent model's: each request's whole prompt, as wide as that program's window)."""
         chunk_size = self.prefill_chunk
         rows = _buckets.bucket(len(requests), smallest=1, limit=self.prefill_rows)
+        if self.recurrent:
+            chunk_size = self.compiler.program_for("prefill", rows, max(len(r.prompt) for r in requests))[2]
         which = np.full(rows, self.max_num_seqs, np.int32)  # padding rows: slot S, out of range
         ids = np.zeros((rows, chunk_size), np.int32)
         start, count = np.zeros(rows, np.int32), np.ones(rows, np.int32)
