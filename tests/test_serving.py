@@ -79,9 +79,9 @@ class _Calls:
                 state, rows, active, count, want, decoding_rows=decoding_rows, window=window, logprobs=logprobs
             )
 
-        def prefilling(*args, window):
+        def prefilling(*args, window, inputs=None):
             self.log.append(("prefill", args[2].shape[0], window))
-            return prefill(*args, window=window)
+            return prefill(*args, window=window, inputs=inputs)
 
         monkeypatch.setattr(programs, "decode", decoding)
         monkeypatch.setattr(programs, "prefill", prefilling)
