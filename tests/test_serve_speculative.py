@@ -6,8 +6,10 @@ at /metrics, and a bad --speculative-config is one line before the model loads.
 
 Three servers of one tiny Llama whose logits are scaled up 12x (the tiny checkpoint's are nearly flat,
 so that temperature barely changes its distribution and a wrong one would pass): "plain", "ngram"
-(prompt lookup, k=3) and "draft" (a one-layer Llama of the same tokenizer and other weights drafting
-k=3: its proposals are often rejected).
+(prompt lookup, k=3) and "draft" (the same Llama with its logits scaled up 100x, drafting k=3: its
+greedy proposals are the target's, and its sampled ones, drawn from a sharper distribution, are both
+accepted and rejected; an unrelated draft's are all rejected, and a row whose drafts are all rejected
+stops drafting for a few rounds).
 """
 
 from __future__ import annotations
@@ -57,12 +59,12 @@ STATS_LINE = re.compile(
 SERVERS = background.Servers("hfjax-serve-speculative-test-")
 
 
-def _peaked_llama(path, out):
-    """The checkpoint at `path` with its logits scaled up 12x, written to `out` with its tokenizer."""
+def _peaked_llama(path, out, factor: float = 12.0):
+    """The checkpoint at `path` with its logits scaled up `factor` times, written to `out` with its tokenizer."""
     shutil.copytree(path, out)
     module = transformers.AutoModelForCausalLM.from_pretrained(path).eval()
     with torch.no_grad():
-        module.lm_head.weight.mul_(12.0)
+        module.lm_head.weight.mul_(factor)
     module.save_pretrained(out)
     return out
 
@@ -79,8 +81,9 @@ def start_in_background() -> None:
     if SERVERS.started:
         return
     directory = SERVERS.directory
-    llama = _peaked_llama(testing.save_tiny_checkpoint("llama", directory / "llama"), directory / "peaked")
-    draft = testing.save_tiny_checkpoint("llama", directory / "draft", seed=1, num_hidden_layers=1)
+    original = testing.save_tiny_checkpoint("llama", directory / "llama")
+    llama = _peaked_llama(original, directory / "peaked")
+    draft = _peaked_llama(original, directory / "draft", factor=100.0)
     flags = ("--served-model-name", NAME, "--max-model-len", str(LENGTH), "--max-num-seqs", str(SLOTS))
     SERVERS.launch("plain", llama, *flags)
     # (every decode chunk 4 steps, whatever the load: a request's drafts are the same from one call to the next)
