@@ -4,10 +4,12 @@
     python benchmarks/ab.py --b-env HFJAX_CPU_KERNELS=0      # this tree, with and without the CPU hook
     python benchmarks/ab.py --a-env CXX=/bin/false --busy 0,1  # kernels off (A) and on (B), alone and beside a busy process
     python benchmarks/ab.py --baseline efddf78 --num-beams 4   # beam search, this tree against a commit
+    python benchmarks/ab.py --baseline 2695d59 --family bart   # an encoder-decoder (also whisper, llava)
 
 Each round runs A, then B, then B, then A (so neither side always runs first), each in a fresh
-process that loads the same checkpoint (the `150m` Llama shape of decode.py by default), warms
-up at the timed length, and times `--runs` greedy generates (or beam searches of `--num-beams`
+process that loads the same checkpoint (the `150m` Llama shape of decode.py by default; with
+`--family`, BART on random encoder ids, Whisper on a fixed waveform's features or LLaVA on a fixed
+image and question, in their shapes of shapes.py), warms up at the timed length, and times `--runs` greedy generates (or beam searches of `--num-beams`
 beams) of exactly `--new-tokens` tokens at each batch size. Reported: per side and batch, the median decode tokens/s per sequence over all
 runs, and B over A (the median of the per-round ratios). `--busy 0,1` runs every round once
 alone and once with one single-threaded CPU-bound process beside each worker, and reports each
@@ -29,10 +31,18 @@ import sys
 import tempfile
 import time
 
-from shapes import LLAMA_20M, LLAMA_150M
+from shapes import BART_60M, LLAMA_20M, LLAMA_150M, LLAVA_20M, WHISPER_TINY
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 SIZES = {"20m": LLAMA_20M, "150m": LLAMA_150M}  # the Llama shapes of benchmarks/decode.py
+# family: (shape name, config overrides, save_tiny_checkpoint's task); llama's shape is --size's
+FAMILIES = {
+    "llama": (None, None, None),
+    "bart": ("BART_60M", BART_60M, None),
+    "whisper": ("WHISPER_TINY", WHISPER_TINY, None),
+    "llava": ("LLAVA_20M", LLAVA_20M, "image-text-to-text"),
+}
+_QUESTION = "Describe this image in a few words."
 _BUSY = "import time\nwhile True:\n    sum(i * i for i in range(10000))\n"
 
 
@@ -49,19 +59,51 @@ def worker(args) -> dict:
     model = hfjax.load(args.checkpoint)
     rates = {}
     for batch in args.batches:
-        ids = np.random.default_rng(0).integers(8, model.config.vocab_size, (batch, args.prompt)).astype(np.int32)
-
-        generate(model, ids, args.new_tokens, args.num_beams)  # compile, and warm up
-        rates[str(batch)] = [generate(model, ids, args.new_tokens, args.num_beams) for _ in range(args.runs)]
+        if args.family == "whisper":
+            inputs = _speech_inputs(args.checkpoint, batch)
+        elif args.family == "llava":
+            inputs = _image_inputs(args.checkpoint, batch)
+        else:  # llama's prompt, or bart's encoder input
+            shape = (batch, args.prompt)
+            inputs = {
+                "input_ids": np.random.default_rng(0).integers(8, model.config.vocab_size, shape).astype(np.int32)
+            }
+        generate(model, inputs, args.new_tokens, args.num_beams)  # compile, and warm up
+        rates[str(batch)] = [generate(model, inputs, args.new_tokens, args.num_beams) for _ in range(args.runs)]
     return {"hfjax": str(pathlib.Path(hfjax.__file__).parent), "tokens_per_s": rates}
 
 
-def generate(model, ids, new_tokens: int, num_beams: int = 1) -> float:
+def _speech_inputs(checkpoint: str, batch: int) -> dict:
+    """Whisper's input_features [batch, mels, frames] of 5 s of a 440 Hz tone in noise (seeded), every row alike."""
+    import numpy as np
+    import transformers
+
+    seconds = np.arange(5 * 16000) / 16000
+    wave = 0.5 * np.sin(2 * np.pi * 440 * seconds) + 0.05 * np.random.default_rng(0).standard_normal(seconds.size)
+    extractor = transformers.AutoFeatureExtractor.from_pretrained(checkpoint)
+    features = extractor([wave.astype(np.float32)] * batch, sampling_rate=16000, return_tensors="np")
+    return {"input_features": features["input_features"]}
+
+
+def _image_inputs(checkpoint: str, batch: int) -> dict:
+    """The processor's input_ids, attention_mask and pixel_values for one fixed image and question, every row alike."""
+    import numpy as np
+    import PIL.Image
+    import transformers
+
+    processor = transformers.AutoProcessor.from_pretrained(checkpoint)
+    conversation = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": _QUESTION}]}]
+    text = processor.apply_chat_template(conversation, add_generation_prompt=True, tokenize=False)
+    image = PIL.Image.fromarray(np.random.default_rng(0).integers(0, 255, (48, 40, 3), dtype=np.uint8))
+    return dict(processor(text=[text] * batch, images=[[image]] * batch, return_tensors="np"))
+
+
+def generate(model, inputs: dict, new_tokens: int, num_beams: int = 1) -> float:
     """Decode tokens/s per sequence of one greedy generate (or beam search) of exactly `new_tokens` tokens."""
     import jax
 
     out = model.generate(
-        ids, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False, num_beams=num_beams
+        **inputs, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False, num_beams=num_beams
     )
     jax.block_until_ready(out)
     return model.last_generation_stats.tokens_per_second
@@ -77,7 +119,8 @@ def _side_env(source: pathlib.Path, extra: list[str]) -> dict:
 
 
 def _run_side(args, env: dict, busy: int) -> dict:
-    command = [sys.executable, __file__, "--worker", "--checkpoint", str(args.checkpoint), "--prompt", str(args.prompt),
+    command = [sys.executable, __file__, "--worker", "--checkpoint", str(args.checkpoint), "--family", args.family,
+               "--prompt", str(args.prompt),
                "--new-tokens", str(args.new_tokens), "--runs", str(args.runs), "--num-beams", str(args.num_beams),
                "--batches", ",".join(map(str, args.batches))]  # fmt: skip
     others = [subprocess.Popen([sys.executable, "-c", _BUSY]) for _ in range(busy)]
@@ -112,9 +155,17 @@ def main() -> None:
     parser.add_argument("--baseline", default=None, help="git revision of side A (default: this tree, like B)")
     parser.add_argument("--a-env", action="append", default=[], help="NAME=VALUE for side A's processes")
     parser.add_argument("--b-env", action="append", default=[], help="NAME=VALUE for side B's processes")
+    parser.add_argument(
+        "--family", choices=tuple(FAMILIES), default="llama",
+        help="the model (default llama): bart, whisper and llava have one shape each (shapes.py), --size is llama's",
+    )  # fmt: skip
     parser.add_argument("--size", choices=tuple(SIZES), default="150m", help="the Llama shape (default 150m)")
     parser.add_argument("--batches", default="1,8", help="batch sizes (default 1,8)")
-    parser.add_argument("--prompt", type=int, default=16, help="prompt tokens (default 16)")
+    parser.add_argument(
+        "--prompt", type=int, default=16,
+        help="prompt tokens (default 16): llama's prompt, bart's encoder input; whisper's audio and llava's image "
+        "and question are fixed",
+    )  # fmt: skip
     parser.add_argument("--new-tokens", type=int, default=128, help="new tokens per generate (default 128)")
     parser.add_argument("--num-beams", type=int, default=1, help="beams per prompt (default 1: greedy)")
     parser.add_argument("--runs", type=int, default=3, help="timed generates per batch size and worker (default 3)")
@@ -141,7 +192,10 @@ def main() -> None:
         sys.path.insert(0, str(ROOT / "src"))
         from hfjax import testing
 
-        args.checkpoint = testing.save_tiny_checkpoint("llama", work / args.size, **SIZES[args.size])
+        shape_name, shape, task = FAMILIES[args.family]
+        if args.family == "llama":
+            shape_name, shape = args.size, SIZES[args.size]
+        args.checkpoint = testing.save_tiny_checkpoint(args.family, work / args.family, task=task, **shape)
         source_b = ROOT / "src"
         source_a = _checkout(args.baseline, work / "baseline") if args.baseline else source_b
         sides = {"A": _side_env(source_a, args.a_env), "B": _side_env(source_b, args.b_env)}
@@ -161,7 +215,8 @@ def main() -> None:
                 subprocess.run(["git", "-C", str(ROOT), "worktree", "remove", "--force", str(work / "baseline")],
                                capture_output=True)  # fmt: skip
 
-    report = {"baseline": args.baseline or "this tree", "a_env": args.a_env, "b_env": args.b_env, "size": args.size,
+    report = {"baseline": args.baseline or "this tree", "a_env": args.a_env, "b_env": args.b_env,
+              "family": args.family, "size": shape_name, "shape": shape,
               "prompt": args.prompt, "new_tokens": args.new_tokens, "num_beams": args.num_beams, "busy_levels": levels,
               "seconds": round(time.perf_counter() - start, 1), "batches": {}}  # fmt: skip
     for batch in map(str, args.batches):

@@ -43,3 +43,35 @@ LLAMA_TINY = dict(
     head_dim=16,
     vocab_size=1024,
 )
+
+# ab.py --family shapes (random weights, the tiny tokenizers' ids inside larger vocabularies):
+# BART, ~61M parameters: bart-base's layout narrowed to d_model 512, 6 + 6 layers, a 32000-token vocabulary.
+BART_60M = dict(
+    d_model=512,
+    encoder_layers=6,
+    decoder_layers=6,
+    encoder_attention_heads=8,
+    decoder_attention_heads=8,
+    encoder_ffn_dim=2048,
+    decoder_ffn_dim=2048,
+    vocab_size=32000,
+    max_position_embeddings=1024,
+)
+# Whisper, ~38M parameters: whisper-tiny's shape (d_model 384, 4 + 4 layers, 80 mel bins, a 30 s window of 1500 encoder
+# positions, 448 decoder positions, 51865 tokens).
+WHISPER_TINY = dict(
+    d_model=384,
+    encoder_layers=4,
+    decoder_layers=4,
+    encoder_attention_heads=6,
+    decoder_attention_heads=6,
+    encoder_ffn_dim=1536,
+    decoder_ffn_dim=1536,
+    num_mel_bins=80,
+    max_source_positions=1500,
+    max_target_positions=448,
+    vocab_size=51865,
+)
+# LLaVA, ~23M parameters: the 20m Llama shape as its language model (2048 positions), the tiny CLIP vision tower
+# (hidden 64, 2 layers, 32x32 images in 8x8 patches: 16 image tokens).
+LLAVA_20M = dict(text_config={**LLAMA_20M, "max_position_embeddings": 2048})

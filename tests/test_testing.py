@@ -6,6 +6,7 @@ import doctest
 import importlib
 import json
 
+import numpy as np
 import pytest
 import safetensors.torch
 import torch
@@ -393,3 +394,22 @@ def test_generic_shrinker_configs_run_in_pytorch(model_type, what):
     ids = torch.randint(3, 500, (2, 8), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         assert model(ids, use_cache=True).logits.shape == (2, 8, config.vocab_size), what
+
+
+def test_media_and_vision_language_checkpoints_take_config_overrides(tmp_path):
+    # Whisper: a 2 s window (max_source_positions 100), which its feature extractor then produces.
+    path = save_tiny_checkpoint("whisper", tmp_path / "whisper", d_model=96, max_source_positions=100)
+    model = transformers.WhisperForConditionalGeneration.from_pretrained(path).eval()
+    extractor = transformers.AutoFeatureExtractor.from_pretrained(path)
+    features = extractor(np.zeros(8000, np.float32), sampling_rate=16000, return_tensors="pt")["input_features"]
+    assert (model.config.d_model, features.shape) == (96, (1, 80, 200))
+    with torch.no_grad():
+        assert model.get_encoder()(features).last_hidden_state.shape == (1, 100, 96)
+    with pytest.raises(ValueError, match="max_source_positions=75"):
+        save_tiny_checkpoint("whisper", tmp_path / "odd", max_source_positions=75)
+    # LLaVA: a text_config dict updates the tiny text model's fields, keeping its token ids.
+    path = save_tiny_checkpoint(
+        "llava", tmp_path / "llava", task="image-text-to-text", text_config={"hidden_size": 96, "vocab_size": 1000}
+    )
+    text = transformers.AutoConfig.from_pretrained(path).text_config
+    assert (text.hidden_size, text.vocab_size, text.num_hidden_layers, text.eos_token_id) == (96, 1000, 2, 2)

@@ -137,7 +137,8 @@ def save_tiny_checkpoint(
             saves a model. Needs task "feature-extraction" (the default then).
         pooling: "mean" (the default), "cls" or "lasttoken"; only with
             `sentence_transformers=True`.
-        **config_overrides: passed to `tiny_config`.
+        **config_overrides: passed to `tiny_config`; for `MEDIA_FAMILIES` and `VISION_LANGUAGE_FAMILIES`,
+            set on their hand-tuned config (a dict for a vision-language sub-config updates its fields).
 
     Returns:
         `path` as a `pathlib.Path`.
@@ -158,7 +159,7 @@ def save_tiny_checkpoint(
     """
     # -- vision and speech families (hfjax.pipeline's tasks) --
     if family in _media.MEDIA_FAMILIES and (task is None or task in _media.MEDIA_FAMILIES[family].tasks):
-        return _media.save_media_checkpoint(family, pathlib.Path(path), task=task, seed=seed)
+        return _media.save_media_checkpoint(family, pathlib.Path(path), task=task, seed=seed, **config_overrides)
     if task in _media.MEDIA_TASKS:
         return _media.save_generic_media_checkpoint(
             family, pathlib.Path(path), task=task, seed=seed, **config_overrides
@@ -168,7 +169,7 @@ def save_tiny_checkpoint(
         from ._vision_language import VISION_LANGUAGE_FAMILIES, save_tiny_vision_language_checkpoint
 
         if family in VISION_LANGUAGE_FAMILIES:
-            return save_tiny_vision_language_checkpoint(family, path, seed=seed)
+            return save_tiny_vision_language_checkpoint(family, path, seed=seed, **config_overrides)
         # any other model_type: its config shrunk by field name, no processor (the coverage sweep)
         return _media.save_generic_media_checkpoint(
             family, pathlib.Path(path), task=task, seed=seed, **config_overrides

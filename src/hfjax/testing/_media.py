@@ -52,7 +52,7 @@ class MediaFamily:
 
     config: Callable[[], transformers.PretrainedConfig]
     tasks: tuple[str, ...]
-    processor: Callable[[pathlib.Path], Any]
+    processor: Callable[[pathlib.Path, transformers.PretrainedConfig], Any]  # (checkpoint directory, its config)
 
 
 def _vit_config():
@@ -127,18 +127,25 @@ def _whisper_generation_config() -> transformers.GenerationConfig:
     )
 
 
-def _whisper_processor(path: pathlib.Path):
+def _whisper_processor(path: pathlib.Path, config):
     vocab, merges = _tokenizer.vocab_and_merges()
     vocab.update(_WHISPER_IDS)
     tokenizer = transformers.WhisperTokenizer(
         vocab=vocab,
         merges=merges,
         pad_token="<|endoftext|>",
-        model_max_length=_whisper_config().max_target_positions,
+        model_max_length=config.max_target_positions,
         extra_special_tokens=list(_WHISPER_SPECIALS[1:]),
     )
+    # The window the encoder reads: 2 * max_source_positions frames of 10 ms.
+    seconds, rest = divmod(2 * config.max_source_positions, 100)
+    if rest or not seconds:
+        raise ValueError(
+            f"max_source_positions should be a multiple of 50 (whole seconds of audio). "
+            f"Got: max_source_positions={config.max_source_positions}."
+        )
     extractor = transformers.WhisperFeatureExtractor(
-        feature_size=_WHISPER_MELS, sampling_rate=16000, chunk_length=_WHISPER_CHUNK_SECONDS
+        feature_size=config.num_mel_bins, sampling_rate=16000, chunk_length=seconds
     )
     _whisper_generation_config().save_pretrained(path)
     return transformers.WhisperProcessor(feature_extractor=extractor, tokenizer=tokenizer)
@@ -149,14 +156,14 @@ def _image_processor(kind):
     return kind(size=size, crop_size=size) if kind is not transformers.ViTImageProcessor else kind(size=size)
 
 
-def _vit_processor(path: pathlib.Path):
+def _vit_processor(path: pathlib.Path, config):
     return _image_processor(transformers.ViTImageProcessor)
 
 
 def _text_image_processor(image_kind: str, processor_kind: str):
     # By name: touching transformers' image processor classes imports their backends (~1.5 s, and
     # a warning without torchvision), which importing hfjax.testing should not cost.
-    def make(path: pathlib.Path):
+    def make(path: pathlib.Path, config):
         tokenizer = _tokenizer.build("encoder", None)
         tokenizer.model_max_length = _TEXT["max_position_embeddings"]
         image_processor = _image_processor(getattr(transformers, image_kind))
@@ -165,7 +172,7 @@ def _text_image_processor(image_kind: str, processor_kind: str):
     return make
 
 
-def _wav2vec2_processor(path: pathlib.Path):
+def _wav2vec2_processor(path: pathlib.Path, config):
     with tempfile.TemporaryDirectory() as scratch:
         vocab = pathlib.Path(scratch) / "vocab.json"
         vocab.write_text(json.dumps({c: i for i, c in enumerate(_CHARACTERS)}))
@@ -200,15 +207,21 @@ MEDIA_TASKS: tuple[str, ...] = (
 """The vision and speech tasks that `save_tiny_checkpoint` builds for any model_type with a model class for them."""
 
 
-def save_media_checkpoint(family: str, path: pathlib.Path, *, task: str | None, seed: int) -> pathlib.Path:
-    """A tiny random checkpoint of a vision or speech family with its processor, as save_pretrained writes them."""
+def save_media_checkpoint(
+    family: str, path: pathlib.Path, *, task: str | None, seed: int, **config_overrides: Any
+) -> pathlib.Path:
+    """A tiny random checkpoint of a vision or speech family with its processor, as save_pretrained writes them;
+    `config_overrides` set the config's fields (Whisper's feature extractor follows its
+    max_source_positions and num_mel_bins)."""
     spec = MEDIA_FAMILIES[family]
     task = task or spec.tasks[0]
     if task not in spec.tasks:
         raise ValueError(f"task={task!r} is not available for family {family!r}. Tasks: {', '.join(spec.tasks)}.")
-    _save(spec.config(), path, task=task, seed=seed)
+    config = spec.config()
+    config.update(config_overrides)
+    _save(config, path, task=task, seed=seed)
     with _quiet.no_torchvision_note():  # the image processors' PIL versions are what it writes
-        spec.processor(path).save_pretrained(path)
+        spec.processor(path, config).save_pretrained(path)
     return path
 
 

@@ -251,15 +251,21 @@ def _image_processor(spec):
 
 
 def tiny_vision_language_config(family: str, **overrides: Any) -> transformers.PretrainedConfig:
-    """The family's tiny config, its image token ids those of `tiny_processor(family)`."""
+    """The family's tiny config, its image token ids those of `tiny_processor(family)`; a dict in
+    `overrides` for a sub-config (text_config={"hidden_size": 256}) updates that sub-config's fields."""
     spec = _spec(family)
     ids = {name: VOCAB_SIZE + i for i, name in enumerate(spec.tokens)}
-    config = transformers.AutoConfig.for_model(family, **{**spec.config(ids), **overrides})
+    fields = spec.config(ids)
+    for name, value in overrides.items():
+        fields[name] = {**fields[name], **value} if isinstance(fields.get(name), dict) else value
+    config = transformers.AutoConfig.for_model(family, **fields)
     config.architectures = [transformers.AutoModelForImageTextToText._model_mapping[type(config)].__name__]
     return config
 
 
-def save_tiny_vision_language_checkpoint(family: str, path: str | pathlib.Path, *, seed: int = 0) -> pathlib.Path:
+def save_tiny_vision_language_checkpoint(
+    family: str, path: str | pathlib.Path, *, seed: int = 0, **config_overrides: Any
+) -> pathlib.Path:
     """Writes a tiny random image-text-to-text checkpoint and its processor, as `save_pretrained` does.
 
     Args:
@@ -267,6 +273,7 @@ def save_tiny_vision_language_checkpoint(family: str, path: str | pathlib.Path, 
             "paligemma").
         path: directory to write; created if missing.
         seed: torch seed for the random weights.
+        **config_overrides: passed to `tiny_vision_language_config`.
 
     Returns:
         `path` as a `pathlib.Path`.
@@ -277,7 +284,7 @@ def save_tiny_vision_language_checkpoint(family: str, path: str | pathlib.Path, 
         >>> processor = transformers.AutoProcessor.from_pretrained(path)
     """
 
-    config = tiny_vision_language_config(family)
+    config = tiny_vision_language_config(family, **config_overrides)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         model = transformers.AutoModelForImageTextToText.from_config(config)
