@@ -261,11 +261,13 @@ def test_whisper_matches_transformers(checkpoint, tmp_path, capsys, monkeypatch)
     texts (its default: 5 beams), with the language given and detected; `hfjax transcribe` prints the
     pipeline's text."""
     pytest.importorskip("soundfile", reason="the audio extra is not installed: pip install 'hfjax[audio]'")
-    from hfjax.generation import _slots
+    from hfjax import generation
 
     decodes = []
-    decode = _slots.SlotPrograms.decode
-    monkeypatch.setattr(_slots.SlotPrograms, "decode", lambda self, *a, **k: decodes.append(1) or decode(self, *a, **k))
+    decode = generation.SlotPrograms.decode
+    monkeypatch.setattr(
+        generation.SlotPrograms, "decode", lambda self, *a, **k: decodes.append(1) or decode(self, *a, **k)
+    )
     path = checkpoint("whisper")
     audios = [AUDIO, AUDIO[:6000] * 2]
     reference = transformers.pipeline("automatic-speech-recognition", model=str(path), device="cpu")

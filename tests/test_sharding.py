@@ -381,12 +381,12 @@ def test_shard_plan_cli(checkpoint, capsys):
 _RUN = f"""
 import sys, json, numpy as np, jax, hfjax
 from hfjax import parallel
-from hfjax.generation import _slots
+from hfjax import generation
 hfjax.distributed.initialize()  # hfjax launch has joined the run already: nothing more to do
 assert jax.process_count() == 2 and jax.device_count() == 8
 decodes = []
-decode = _slots.SlotPrograms.decode
-_slots.SlotPrograms.decode = lambda self, *a, **k: decodes.append(1) or decode(self, *a, **k)
+decode = generation.SlotPrograms.decode
+generation.SlotPrograms.decode = lambda self, *a, **k: decodes.append(1) or decode(self, *a, **k)
 model = hfjax.load(sys.argv[1], mesh=parallel.make_mesh(data=2, model=4))
 out = model.generate(np.array({PROMPTS}, np.int32), max_new_tokens={NEW_TOKENS}, do_sample=False)
 print('TOKENS', json.dumps(np.asarray(out).tolist()))

@@ -77,11 +77,13 @@ def _processed(path, family: str, images) -> dict:
 
 @pytest.mark.parametrize("family", testing.VISION_LANGUAGE_FAMILIES)
 def test_batched_greedy_tokens_match_transformers_generate(saved, family, monkeypatch):
-    from hfjax.generation import _slots
+    from hfjax import generation
 
     decodes = []  # the call runs on the slot core (hfjax serve's programs)
-    decode = _slots.SlotPrograms.decode
-    monkeypatch.setattr(_slots.SlotPrograms, "decode", lambda self, *a, **k: decodes.append(1) or decode(self, *a, **k))
+    decode = generation.SlotPrograms.decode
+    monkeypatch.setattr(
+        generation.SlotPrograms, "decode", lambda self, *a, **k: decodes.append(1) or decode(self, *a, **k)
+    )
     path = saved(family)
     inputs = _processor_outputs(path, family, _images())
     assert bool((inputs["attention_mask"] == 0).any())  # the two prompts differ in length: left padding

@@ -17,7 +17,9 @@ Parts, one concern each (docs/architecture.md describes the engine's internal AP
     _grammar.py    structured outputs on the host: constraints compiled by llguidance, each row's
                    matcher filling its allowed-token bitmask (`Constraint`, `Grammars`)
     _slots.py      the continuous-batching core: a KV cache of S slots, a chunked multi-row
-                   prefill and an N-step decode over it (`SlotModel`, `SlotPrograms`)
+                   prefill and an N-step decode over it (`SlotModel`, `SlotState`, `Chosen`)
+    _slot_programs.py `SlotPrograms`: a slot model's prefill and decode programs, compiled per
+                   (kind, rows, columns) and kept in the program cache
     _recurrent.py  a recurrent state per slot: which models keep one (Mamba, hybrids), the cache
                    layers that hold a slot's rows of it
     _speculative.py speculative decoding's setting (`Speculation`), its prompt-lookup drafter on the
@@ -52,7 +54,8 @@ from ._generate import check_context, generate
 from ._grammar import Constraint, ConstraintError, Grammars, Matcher, bitmask_words
 from ._rows import MAX_HELD_STOP_TOKENS, MAX_LOGIT_BIAS, RowSampling, SamplingFeatures, key_data
 from ._settings import GenerationSettings, SamplingConfig, resolve_settings
-from ._slots import TOP_LOGPROBS, Chosen, SlotModel, SlotPrograms, SlotState
+from ._slot_programs import SlotPrograms
+from ._slots import TOP_LOGPROBS, Chosen, SlotModel, SlotState
 from ._speculative import Speculation
 from ._speculative_slots import SpeculativeSlotModel
 from ._vision_chat import chat_with_images, check_takes_images, encode, load_image, processed

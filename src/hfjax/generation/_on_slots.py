@@ -49,7 +49,8 @@ from ._encoder_slots import EncoderDecoderSlotModel
 from ._recurrent import hybrid_model, recurrent_model
 from ._settings import GenerationSettings
 from ._slot_beams import BeamCarry, SlotBeams
-from ._slots import SlotModel, SlotPrograms, alibi_builder, check_supported
+from ._slot_programs import SlotPrograms
+from ._slots import SlotModel, alibi_builder, check_supported
 from ._speculative_slots import SpeculativeSlotModel
 
 

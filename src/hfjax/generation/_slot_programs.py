@@ -1,0 +1,195 @@
+"""The slot programs of one `SlotModel` (`SlotPrograms`): its prefill and decode chunks compiled per
+(kind, rows, columns) and kept in a `ProgramCache` (in memory, and on disk as `jax.export` blobs),
+with the bytes each compiled program holds (`held_bytes`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import threading
+
+import numpy as np
+
+from .. import bridge
+from . import _multimodal, _programs
+from ._rows import RowSampling, SamplingFeatures
+from ._slots import Chosen, SlotModel, SlotState
+
+
+def held_bytes(compiled) -> int:
+    """Bytes a compiled program holds beside its arguments and results: its scratch space and generated
+    code, by XLA's memory analysis (0 where the backend gives none)."""
+    analysis = compiled.memory_analysis()
+    parts = analysis if isinstance(analysis, (list, tuple)) else [analysis]  # (one per device, on some backends)
+    return sum(int(a.temp_size_in_bytes) + int(a.generated_code_size_in_bytes) for a in parts if a is not None)
+
+
+class SlotPrograms:
+    """The slot programs of one `SlotModel`, kept per (kind, rows, columns) in a `ProgramCache` (on
+    disk too, where the weights are on one device), built with one float32 precision and one set of
+    sampling features for the engine's life.
+
+        prefill(state, rows, which, ids, start, count, last, fresh, want_logprobs, window=W) -> (state, Chosen)
+        decode(state, rows, active, count, want_logprobs, decoding_rows=R, window=W, logprobs=True)
+            -> (state, Chosen)
+
+    `state` is donated: the programs update the cache in place. `stop_tokens`: the decode ends when
+    every active row has stopped at one (`Model.generate`'s EOS, a stopped row running on
+    `pad_token` until then; a server stops on the host). `kept`: "scores" and / or "logits", each new
+    token's processed scores and raw logits the programs return (`Model.generate`'s output_scores
+    and output_logits).
+    A decode with `logprobs=False` is a program of its own that computes and returns no
+    log-probabilities (`Model.generate`'s, and a server's chunks in which no request asks for them).
+    `cache`: the `ProgramCache` to keep the programs in (`Model.generate` shares `Generator`'s).
+    A `SpeculativeSlotModel` makes the decode speculative (each call makes up to `steps` tokens per row,
+    `Chosen.made` of them): its `weights()` are the programs' first argument, its `program_key()` part
+    of their key.
+    """
+
+    def __init__(
+        self,
+        slot_model: SlotModel,
+        *,
+        prefill_chunk: int,
+        steps: int,
+        features: SamplingFeatures,
+        stop_tokens: tuple[int, ...] = (),
+        pad_token: int = 0,
+        kept: tuple[str, ...] = (),
+        cache: _programs.ProgramCache | None = None,
+    ):
+        model = slot_model.model
+        self.slot_model = slot_model
+        self.prefill_chunk, self.steps, self.features = prefill_chunk, steps, features
+        self.stop_tokens, self.pad_token, self.kept = stop_tokens, pad_token, kept
+        if cache is None:
+            fingerprint = (
+                _programs.model_fingerprint(model.module, model.params, model.aliases)
+                if _programs.single_device(model.params)
+                else None
+            )
+            cache = _programs.ProgramCache(fingerprint)
+        self.cache = cache
+        self.precision = bridge.resolve_precision(model.matmul_precision)  # fixed for the programs' life
+        self.params = slot_model.weights()
+        self._lock = threading.Lock()
+
+    @property
+    def counts(self) -> dict[str, int]:
+        """Programs prepared per kind in this process, traced or read from disk."""
+        return {kind: self.cache.traced[kind] + self.cache.loaded[kind] for kind in ("prefill", "decode")}
+
+    def key(self, kind: str, rows: int, window: int, logprobs: bool = True) -> tuple:
+        model = self.slot_model
+        # (a recurrent model's prefill chunk is a whole prompt as wide as the window)
+        extent = (window if model.recurrent else self.prefill_chunk) if kind == "prefill" else self.steps
+        # The decode's own settings (the prefill's program does not depend on them).
+        stops = (self.stop_tokens, self.pad_token) if kind == "decode" and self.stop_tokens else ()
+        logprobs = logprobs or kind != "decode"
+        return (
+            kind, model.slots, model.length, extent, rows, window, self.precision, self.features, stops, logprobs,
+            self.kept, *model.program_key(),
+        )  # fmt: skip
+
+    def prefill(
+        self,
+        state: SlotState,
+        rows: RowSampling,
+        which,
+        ids,
+        start,
+        count,
+        last,
+        fresh,
+        want_logprobs,
+        *,
+        window,
+        inputs: dict | None = None,
+    ):
+        program, args = self._prefill(
+            state, rows, which, ids, start, count, last, fresh, want_logprobs, window=window, inputs=inputs
+        )
+        leaves, chosen = program.run(*args)
+        return SlotState(*leaves), Chosen(*chosen)
+
+    def decode(
+        self, state: SlotState, rows: RowSampling, active, count, want_logprobs, *, decoding_rows, window, logprobs=True
+    ):
+        program, args = self._decode(
+            state, rows, active, count, want_logprobs, decoding_rows=decoding_rows, window=window, logprobs=logprobs
+        )
+        leaves, chosen = program.run(*args)
+        return SlotState(*leaves), Chosen(*chosen)
+
+    def compile_prefill(self, *arguments, window: int, inputs: dict | None = None) -> tuple[bool, int]:
+        """Compiles the prefill program for these arguments (arrays or their shapes; `inputs` as
+        `prefill`'s, its static inputs as values) without running it. Returns (whether it was loaded
+        from the compilation cache, XLA compiling nothing; the bytes it holds, `held_bytes`)."""
+        with bridge.Compiles() as compiles:
+            program, args = self._prefill(*arguments, window=window, inputs=inputs)
+            compiled = program.run.lower(*args).compile()
+        return not compiles.compiled, held_bytes(compiled)
+
+    def compile_decode(self, *arguments, decoding_rows: int, window: int, logprobs: bool = True) -> tuple[bool, int]:
+        """Compiles the decode program for these arguments (arrays or their shapes) without running it.
+        Returns (whether it was loaded from the compilation cache, XLA compiling nothing; the bytes it
+        holds, `held_bytes`)."""
+        with bridge.Compiles() as compiles:
+            program, args = self._decode(*arguments, decoding_rows=decoding_rows, window=window, logprobs=logprobs)
+            compiled = program.run.lower(*args).compile()
+        return not compiles.compiled, held_bytes(compiled)
+
+    def _prefill(self, state, rows, which, ids, start, count, last, fresh, want_logprobs, *, window, inputs=None):
+        args = (self.params, state.leaves(), rows.leaves(), which, ids, start, count, last, fresh, want_logprobs)
+        key = self.key("prefill", which.shape[0], window)
+        static = ()
+        if inputs:  # the arrays are arguments; the static inputs' values, constants of the program
+            static = tuple(
+                (name, _multimodal.frozen(np.asarray(value).tolist()))
+                for name, value in sorted(inputs.items())
+                if name in _multimodal.STATIC_INPUTS
+            )
+            arrays = {name: value for name, value in inputs.items() if name not in _multimodal.STATIC_INPUTS}
+            args = (*args, arrays)
+            shapes = tuple((name, tuple(a.shape), str(a.dtype)) for name, a in sorted(arrays.items()))
+            key = (*key, "inputs", ids.shape[1], shapes, static)
+        function = functools.partial(self._prefill_program, window=window, static=static)
+        return self._program(key, function, args), args
+
+    def _decode(self, state, rows, active, count, want_logprobs, *, decoding_rows, window, logprobs):
+        args = (self.params, state.leaves(), rows.leaves(), active, count, want_logprobs)
+        function = functools.partial(
+            self._decode_program, decoding_rows=decoding_rows, window=window, logprobs=logprobs
+        )
+        return self._program(self.key("decode", decoding_rows, window, logprobs), function, args), args
+
+    def _program(self, key: tuple, function, args):
+        with self._lock:  # the engine's thread and the threads compiling its programs may ask at once
+            return self.cache.get(key, bridge.under(self.precision, function), args, metadata=dict, donate=(1,))
+
+    # -- traced: plain containers in and out, so that the programs can be kept on disk -------
+
+    def _prefill_program(
+        self, params, leaves, rows, which, ids, start, count, last, fresh, want_logprobs, arrays=None, *, window, static
+    ):
+        self.cache.traced["prefill"] += 1
+        inputs = None if arrays is None else {**arrays, **dict(static)}
+        state, chosen = self.slot_model.prefill_chunk(
+            params, SlotState(*leaves), RowSampling(*rows), which, ids, start, count, last, fresh, want_logprobs,
+            window=window, features=self.features, kept=self.kept, inputs=inputs,
+        )  # fmt: skip
+        return state.leaves(), _fields(chosen)
+
+    def _decode_program(self, params, leaves, rows, active, count, want_logprobs, *, decoding_rows, window, logprobs):
+        self.cache.traced["decode"] += 1
+        state, chosen = self.slot_model.decode_chunk(
+            params, SlotState(*leaves), RowSampling(*rows), active, count, want_logprobs,
+            steps=self.steps, decoding_rows=decoding_rows, window=window, features=self.features,
+            stop_tokens=self.stop_tokens, pad_token=self.pad_token, logprobs=logprobs, kept=self.kept,
+        )  # fmt: skip
+        return state.leaves(), _fields(chosen)
+
+
+def _fields(chosen: Chosen) -> tuple:
+    return tuple(getattr(chosen, field.name) for field in dataclasses.fields(chosen))
