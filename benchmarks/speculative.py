@@ -135,7 +135,7 @@ def write_trained_models(size: str, work: pathlib.Path, steps: int) -> dict[str,
             "llama", work / f"{name}-random", max_position_embeddings=4096, **{**shape, "num_hidden_layers": layers}
         )
         model = hfjax.load(path)
-        schedule = training.linear_schedule(1e-3, warmup_steps=10, total_steps=steps)
+        schedule = training.linear_schedule(1e-3, warmup_steps=min(10, steps), total_steps=steps)
         trainer = hfjax.Trainer(model, optimizer=training.adamw(schedule), max_grad_norm=1.0)
         log(f"training the {name} ({layers} layers) for {steps} steps on {CORPUS} code edits ...")
         history = trainer.fit(str(data), steps=steps, batch_size=8, max_length=256, progress=True)
