@@ -495,9 +495,19 @@ def main() -> None:
         if not args.mixed_prompts:
             log("Model.generate at batch 1 (the concurrency-1 reference) ...")
             reference = GenerateReference(checkpoint, prompt_text(0, args.prompt_tokens), args.new_tokens)
+        import httpx
+
         for kind in args.servers:
             paired = reference if kind == "hfjax" else None
-            report["servers"][kind] = asyncio.run(bench_server(kind, checkpoint, args, work, reference=paired))
+            try:
+                report["servers"][kind] = asyncio.run(bench_server(kind, checkpoint, args, work, reference=paired))
+            except (httpx.HTTPError, OSError, RuntimeError) as error:
+                if kind != "transformers":
+                    raise
+                # The peer failed (its server closed a stream, or never came up): its row says so, and the
+                # servers measured before and after it keep theirs; no ratio is made against it.
+                log(f"  transformers failed: {type(error).__name__}: {error}")
+                report["servers"][kind] = {"error": f"{type(error).__name__}: {error}"}
         if args.prefix_tokens and "hfjax" in args.servers:
             without = asyncio.run(
                 bench_server("hfjax", checkpoint, args, work, shared_prefix_only=True, flags=("--no-prefix-reuse",))
