@@ -153,7 +153,8 @@ class SpeculativeSlotModel(SlotModel):
         has made `count` tokens or stopped. A round: each going row's last token joins its `history`;
         k tokens are drafted (`lookup_drafts`, or k + 1 one-token steps of the draft model over its
         own cache, the last only to put the last draft in it) for the rows not backing off after
-        rejected drafts (`backoff`; where no row drafts, the draft model runs the last token alone);
+        rejected drafts (`backoff`; where no row drafts, the draft model runs nothing, and `catch_up`
+        gives its cache the tokens of those rounds when a row drafts again);
         ONE forward of the model runs the last
         token and the drafts ([R, k + 1] at the row's positions, keys and values written at their
         columns; where no row has a draft, a `cond` runs the last token alone); the token choice runs
@@ -202,11 +203,29 @@ class SpeculativeSlotModel(SlotModel):
             _, _, _, tokens, made, *_ = carry
             return jnp.any(going(tokens, made))
 
+        def catch_up(drafted, at, now, history):
+            """The draft model's cache given the keys and values of each row's `backoff_rounds` tokens before
+            its last (one forward over them, from `history`): the last tokens of the rounds it paused in
+            (`backoff`), which it ran no step for. The ones it holds already are written again, the same."""
+            model, weights = draft
+            behind = speculation.backoff_rounds
+            where = at[:, None] - behind + jnp.arange(behind, dtype=jnp.int32)[None, :]  # [R, behind]
+            ids = jnp.take_along_axis(history, jnp.clip(mine.pads[:, None] + where, 0, history.shape[1] - 1), axis=1)
+            column = jnp.where(now[:, None] & (where >= 0) & (where < window), where, window)
+            with model.bound(weights):
+                _, drafted = model.run(
+                    weights, restore_draft(drafted), ids, jnp.clip(where, 0, window - 1), column
+                )  # fmt: skip
+            return backend.loop_carry(drafted)[0]
+
         def by_draft_model(drafted, tokens, at, now, seen, counts, history):
             """k + 1 one-token steps of the draft model from each row's last token (the last step only
-            puts the last draft in its cache): (its cache, drafts [R, k], their processed scores [R, k, V], history)."""
+            puts the last draft in its cache), after `catch_up` where rows may have paused: (its cache,
+            drafts [R, k], their processed scores [R, k, V], history)."""
             model, weights = draft
             draw = dataclasses.replace(mine, key=purpose_keys(mine.key, DRAFT))
+            if speculation.backoff_rounds:
+                drafted = catch_up(drafted, at, now, history)
 
             def step(carry, j):
                 drafted, token, seen, counts, history = carry
@@ -234,18 +253,11 @@ class SpeculativeSlotModel(SlotModel):
             )
             return drafted, proposed[:k].T, jnp.swapaxes(scores[:k], 0, 1), history
 
-        def one_draft_step(drafted, tokens, at, now, seen, counts, history):
-            """No row drafts this round: the draft model runs each row's last token alone, which puts it
-            in its cache (no drafts: zeros)."""
-            model, weights = draft
-            column = jnp.where(now & (at < window), at, window)
-            with model.bound(weights):
-                _, drafted = model.run(
-                    weights, restore_draft(drafted), tokens[:, None], jnp.minimum(at, window - 1)[:, None],
-                    column[:, None],
-                )  # fmt: skip
+        def no_drafts(drafted, tokens, at, now, seen, counts, history):
+            """No row drafts this round: the draft model runs nothing (`catch_up` gives its cache the
+            tokens of such rounds when a row drafts again); no drafts (zeros)."""
             nothing = jnp.zeros((r, k), jnp.int32), jnp.zeros((r, k, vocab), jnp.float32)
-            return backend.loop_carry(drafted)[0], *nothing, history
+            return drafted, *nothing, history
 
         def round_(carry):
             rounds, cache, drafted, tokens, made, seen, counts, history, chosen, pause, wait = carry
@@ -256,7 +268,7 @@ class SpeculativeSlotModel(SlotModel):
             room = jnp.where(now, count - made, 0)
             if by_model:
                 drafted, drafts, draft_scores, history = jax.lax.cond(
-                    jnp.any(drafting), by_draft_model, one_draft_step, drafted, tokens, at, now, seen, counts, history
+                    jnp.any(drafting), by_draft_model, no_drafts, drafted, tokens, at, now, seen, counts, history
                 )
                 offered = jnp.full((r,), k, jnp.int32)
             else:
