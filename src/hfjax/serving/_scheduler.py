@@ -311,7 +311,7 @@ class Engine:
         """
         prompt_tokens = len(prompt)
         if self.encoder_decoder and inputs is None:
-            inputs, prompt = self.encoder_inputs(prompt), [self._decoder_start()]
+            inputs, prompt = self.encoder_inputs(prompt), [self._decoder_start(params)]
         self.check_prompt(prompt, params)
         if images is not None and not self.takes_images:
             raise GenerationError(
@@ -346,18 +346,16 @@ class Engine:
             self._wake.notify_all()
         return request
 
-    def _decoder_start(self) -> int:
-        """The decoder's first token: the checkpoint's decoder_start_token_id (else its BOS token)."""
-        config = self.model.generation_config
-        start = getattr(config, "decoder_start_token_id", None)
-        start = getattr(self.model.config, "decoder_start_token_id", None) if start is None else start
-        start = getattr(config, "bos_token_id", None) if start is None else start
+    def _decoder_start(self, params: SamplingParams) -> int:
+        """The decoder's first token, as `Model.generate` resolves it (`GenerationSettings.decoder_start_token_id`:
+        the generation_config's decoder_start_token_id, else the config's, else its BOS token)."""
+        start = params.settings(self.model, prompt_length=1).decoder_start_token_id
         if start is None:
             raise GenerationError(
                 f"{self.model.source} sets neither decoder_start_token_id nor bos_token_id, so its decoder has no "
                 "first token; set one in its generation_config.json"
             )
-        return int(start)
+        return start
 
     def _adapter(self, index: int):
         """The model's LoRA adapter in slot `index` (None for -1, the base alone).
