@@ -37,6 +37,17 @@ def loaded(checkpoint):
     return load
 
 
+@pytest.fixture
+def decodes(monkeypatch):
+    """A list that gains an entry per decode call of the slot core (hfjax serve's programs)."""
+    from hfjax.generation import SlotPrograms
+
+    calls = []
+    decode = SlotPrograms.decode
+    monkeypatch.setattr(SlotPrograms, "decode", lambda self, *a, **k: calls.append(1) or decode(self, *a, **k))
+    return calls
+
+
 def _batch(model, prompts=PROMPTS):
     model.tokenizer.padding_side = "left"
     encoded = model.tokenizer(prompts, padding=True, return_tensors="np")
@@ -256,12 +267,7 @@ CONSTRAINT_CASES = [(name, "llama") for name in CONSTRAINTS] + [
 
 
 @pytest.mark.parametrize("name, family", CONSTRAINT_CASES)
-def test_token_constraints_match_transformers(loaded, monkeypatch, family, name):
-    from hfjax.generation import _slots
-
-    decodes = []  # a decoder's calls run on the slot core (hfjax serve's programs)
-    decode = _slots.SlotPrograms.decode
-    monkeypatch.setattr(_slots.SlotPrograms, "decode", lambda self, *a, **k: decodes.append(1) or decode(self, *a, **k))
+def test_token_constraints_match_transformers(loaded, decodes, family, name):
     model = loaded(family)
     ids, mask = _batch(model)
     plain = _torch_generate(model, ids, mask, max_new_tokens=NEW_TOKENS)
@@ -339,14 +345,9 @@ def test_return_dict_in_generate_gives_transformers_scores_and_logits(loaded, fa
     assert isinstance(plain, jax.Array)
 
 
-def test_return_dict_in_generate_alone_runs_on_the_slot_core_and_gives_transformers_output(loaded, monkeypatch):
-    from hfjax.generation import _slots
-
+def test_return_dict_in_generate_alone_runs_on_the_slot_core_and_gives_transformers_output(loaded, decodes):
     model = loaded("llama")
     ids, mask = _batch(model)
-    decodes = []
-    decode = _slots.SlotPrograms.decode
-    monkeypatch.setattr(_slots.SlotPrograms, "decode", lambda self, *a, **k: decodes.append(1) or decode(self, *a, **k))
     settings = dict(max_new_tokens=6, do_sample=False, return_dict_in_generate=True)
     expected = _torch_output(model, ids, mask, **settings)
     actual = model.generate(ids, mask, **settings)
@@ -355,12 +356,10 @@ def test_return_dict_in_generate_alone_runs_on_the_slot_core_and_gives_transform
     np.testing.assert_array_equal(np.asarray(actual.sequences), expected.sequences.numpy())
 
 
-def test_scores_and_logits_run_on_the_slot_core_and_equal_transformers_past_a_rows_eos(loaded, monkeypatch):
+def test_scores_and_logits_run_on_the_slot_core_and_equal_transformers_past_a_rows_eos(loaded, decodes):
     # Row 0 stops at its third token; transformers then feeds it pad tokens, which its repetition
     # penalty and n-gram ban read, while the other rows go on: every step's scores of every row,
     # the stopped one's included, are transformers'.
-    from hfjax.generation import _slots
-
     model = loaded("llama")
     # Prompts of one length: transformers before 5.23 penalises a batch's left pads as seen tokens
     # (see test_sampling.py), a difference this test is not about.
@@ -368,9 +367,6 @@ def test_scores_and_logits_run_on_the_slot_core_and_equal_transformers_past_a_ro
     ids = np.stack([words[i : i + 12] for i in (0, 13, 26)]).astype(np.int64)
     mask = np.ones_like(ids)
     tolerance = tolerances.for_family(model.config.model_type)
-    decodes = []
-    decode = _slots.SlotPrograms.decode
-    monkeypatch.setattr(_slots.SlotPrograms, "decode", lambda self, *a, **k: decodes.append(1) or decode(self, *a, **k))
     settings = dict(max_new_tokens=8, do_sample=False, repetition_penalty=1.3, no_repeat_ngram_size=2)
     free = _torch_generate(model, ids, mask, eos_token_id=None, **settings)[:, ids.shape[1] :]
     eos = int(free[0, 2])
@@ -609,17 +605,14 @@ ON_SLOTS = {
 
 
 @pytest.mark.parametrize("name", ON_SLOTS)
-def test_generate_on_the_slot_core_gives_the_generators_tokens(loaded, monkeypatch, name):
+def test_generate_on_the_slot_core_gives_the_generators_tokens(loaded, decodes, monkeypatch, name):
     # The slot core (hfjax serve's programs) runs these calls; `Generator`'s own programs run what it
     # cannot (other caches, images, models without position_ids, right-padded prompts). Both give one
     # answer.
-    from hfjax.generation import _on_slots, _slots
+    from hfjax.generation import _on_slots
 
     model = loaded("llama")
     ids, mask = _batch(model)
-    decodes = []
-    decode = _slots.SlotPrograms.decode
-    monkeypatch.setattr(_slots.SlotPrograms, "decode", lambda self, *a, **k: decodes.append(1) or decode(self, *a, **k))
     on_slots = np.asarray(model.generate(ids, mask, **ON_SLOTS[name]))
     assert decodes, "the call did not run on the slot core"
     monkeypatch.setattr(_on_slots.SlotRuns, "takes", lambda self, *args: False)
@@ -627,19 +620,14 @@ def test_generate_on_the_slot_core_gives_the_generators_tokens(loaded, monkeypat
 
 
 @pytest.mark.parametrize("family", ["mistral", "gemma2", "gemma3_text"])
-def test_sliding_window_models_run_on_the_slot_core_like_transformers(loaded, monkeypatch, family):
+def test_sliding_window_models_run_on_the_slot_core_like_transformers(loaded, decodes, family):
     # Mistral slides in every layer (one mask); Gemma 2 and 3 alternate sliding and full layers (a mask
     # per kind). The answers pass the 64-token window, so a key outside it would change them.
-    from hfjax.generation import _slots
-
     model = loaded(family)
     window = model.module.config.sliding_window
     ids, mask = _batch(model)
     new = dict(max_new_tokens=LONG, min_new_tokens=LONG, do_sample=False)
     assert ids.shape[1] + LONG > window + 8
-    decodes = []
-    decode = _slots.SlotPrograms.decode
-    monkeypatch.setattr(_slots.SlotPrograms, "decode", lambda self, *a, **k: decodes.append(1) or decode(self, *a, **k))
     actual = np.asarray(model.generate(ids, mask, **new))
     assert decodes, "the call did not run on the slot core"
     np.testing.assert_array_equal(actual, _torch_generate(model, ids, mask, **new))
