@@ -472,3 +472,42 @@ def test_sequence_bias_and_bad_words_match_transformers(seed):
     actual = scores + np.asarray(sequence_bias(buffer, start, end, entries, VOCAB))
     assert not np.array_equal(expected, scores + np.asarray(sequence_bias(buffer, start, end, entries[:1], VOCAB)))
     np.testing.assert_allclose(actual, expected, rtol=0, atol=tolerances.BIASES.atol)
+
+
+def test_the_stop_rule_is_transformers_min_new_tokens_and_eos_criteria():
+    """`hold_back` with every row's stop tokens compiled in (a tuple) and with each row's own ([R, H],
+    ids past the vocabulary unused) gives transformers' MinNewTokensLengthLogitsProcessor's scores row
+    by row, and `stopped` (on the device and on the host) its EosTokenCriteria."""
+    from transformers.generation.stopping_criteria import EosTokenCriteria
+
+    from hfjax.generation import stopped
+    from hfjax.generation._stops import hold_back
+
+    vocab, prompt, least = 32, 4, 3
+    scores = np.random.default_rng(0).normal(size=(3, vocab)).astype(np.float32)
+    steps = np.asarray([0, 2, 3], np.int32)  # each row's new tokens so far: the first two are held back
+    own = [[5, 9], [7], [5, 9, 11]]
+    held = np.full((3, 3), vocab, np.int32)
+    for row, tokens in enumerate(own):
+        held[row, : len(tokens)] = tokens
+    positions, bound = prompt + steps, np.full(3, prompt + least, np.int32)
+
+    def transformers_rows(eos_of_row):
+        rows = []
+        for row, step in enumerate(steps):
+            processor = transformers.MinNewTokensLengthLogitsProcessor(prompt, least, eos_of_row(row))
+            so_far = torch.zeros((1, prompt + int(step)), dtype=torch.long)
+            rows.append(processor(so_far, torch.from_numpy(scores[row : row + 1].copy()))[0].numpy())
+        return np.stack(rows)
+
+    compiled = jax.jit(hold_back, static_argnums=1)(jnp.asarray(scores), (5, 9), positions, bound)
+    np.testing.assert_array_equal(np.asarray(compiled), transformers_rows(lambda row: [5, 9]))
+    each = jax.jit(hold_back)(jnp.asarray(scores), jnp.asarray(held), positions, bound)
+    np.testing.assert_array_equal(np.asarray(each), transformers_rows(lambda row: own[row]))
+    assert np.isinf(np.asarray(each)[1, 7]) and not np.isinf(np.asarray(each)[1, 9])  # a row's own ids only
+
+    tokens = np.asarray([[3, 9], [4, 5], [8, 8]], np.int32)  # each row's tokens so far, the last one new
+    want = EosTokenCriteria([5, 9])(torch.from_numpy(tokens).long(), torch.zeros(3, vocab)).numpy()
+    np.testing.assert_array_equal(np.asarray(jax.jit(stopped, static_argnums=1)(tokens[:, -1], (5, 9))), want)
+    np.testing.assert_array_equal(stopped(tokens[:, -1], (5, 9)), want)
+    assert not stopped(tokens, ()).any()

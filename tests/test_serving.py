@@ -579,6 +579,34 @@ def test_stop_token_ids_end_the_answer_with_that_token(model, engine):
         engine.submit(ids[0], SamplingParams(max_tokens=4, stop_token_ids=[99999]), lambda event: None)
 
 
+def test_each_row_holds_its_own_stop_token_ids_back_as_transformers(model, engine):
+    # Two requests in one batch, each with its own stop token and min_tokens; both favour both tokens,
+    # the row's own stop token most: each holds its own back (not the other's) for its min_tokens, then
+    # ends with it, as transformers' min_new_tokens with that token as EOS.
+    ids = _ids(model, PROMPTS[5:7])
+    first, second = sorted({t for t in ids[0] + ids[1]} - {_tokenizer.EOS_ID})[:2]
+    rows = ((first, second, 3), (second, first, 5))  # (its stop token, the other one, its min_tokens)
+    got = engine.generate(
+        ids,
+        [
+            SamplingParams(
+                max_tokens=12, temperature=0, stop_token_ids=[stop], min_tokens=least,
+                logit_bias={stop: 60.0, other: 50.0},
+            )
+            for stop, other, least in rows
+        ],
+    )  # fmt: skip
+    torch_model = transformers.AutoModelForCausalLM.from_pretrained(model.path).eval()
+    for prompt, (stop, other, least), event in zip(ids, rows, got):
+        with torch.no_grad():
+            want = torch_model.generate(
+                torch.tensor([prompt]), max_new_tokens=12, do_sample=False, min_new_tokens=least,
+                eos_token_id=[stop], pad_token_id=0, sequence_bias={(stop,): 60.0, (other,): 50.0},
+            )[0, len(prompt) :].tolist()  # fmt: skip
+        assert want == [other] * least + [stop]  # held back, the other token comes; then the row's own
+        assert event.token_ids == want and event.finish_reason == "stop"
+
+
 def test_min_tokens_lets_a_stop_string_end_the_answer_only_after_them(model, engine):
     ids = _ids(model, PROMPTS[3:4])
     [alone] = engine.generate(ids, [SamplingParams(max_tokens=16, temperature=0)])

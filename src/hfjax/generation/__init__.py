@@ -42,7 +42,7 @@ Public names: `chat_with_images`; for the rest of hfjax: `Generator` and `genera
 the one settings type (`GenerationSettings`, `SamplingConfig`, `resolve_settings`), the one context
 check (`check_context`), the continuous-batching core the server drives (`SlotModel`,
 `SlotPrograms`, `SlotState`, `Chosen`, `RowSampling`, `SamplingFeatures`, `key_data`,
-`check_supported`, `EncoderDecoderSlotModel`, `slot_model`, `Speculation`, `SpeculativeSlotModel`, `check_draft`), structured outputs (`Constraint`, `ConstraintError`, `Grammars`, `Matcher`, `bitmask_words`), `cache_keyword` / `returned_cache`, and the CLI's `check_takes_images`,
+`check_supported`, `EncoderDecoderSlotModel`, `slot_model`, `Speculation`, `SpeculativeSlotModel`, `check_draft`), structured outputs (`Constraint`, `ConstraintError`, `Grammars`, `Matcher`, `bitmask_words`), `cache_keyword` / `returned_cache`, the stop rule's test (`stopped`), and the CLI's `check_takes_images`,
 `load_image`, `encode`, `GenerationStats`; the server's `processed` (a processor's outputs for prompts
 with images).
 """
@@ -58,6 +58,7 @@ from ._slot_programs import SlotPrograms
 from ._slots import TOP_LOGPROBS, Chosen, SlotModel, SlotState
 from ._speculative import Speculation
 from ._speculative_slots import SpeculativeSlotModel
+from ._stops import stopped
 from ._vision_chat import chat_with_images, check_takes_images, encode, load_image, processed
 
 __all__ = [
@@ -96,4 +97,5 @@ __all__ = [
     "resolve_settings",
     "returned_cache",
     "slot_model",
+    "stopped",
 ]

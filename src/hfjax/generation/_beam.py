@@ -19,6 +19,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from . import _stops
+
 EMPTY = -1.0e9  # the score of an empty slot or of a beam that must not be chosen, as transformers uses
 
 
@@ -106,8 +108,7 @@ def step(beams: BeamState, log_probs, sequence, end, step_index, budget, eos: tu
     candidates = jax.lax.dynamic_update_slice_in_dim(
         sequence[parent.reshape(-1)], token.reshape(-1, 1), end, axis=1
     ).reshape(batch, keep, length)  # [B, C, L]
-    ends = jnp.isin(token, jnp.asarray(eos)) if eos else jnp.zeros_like(token, bool)
-    ends = ends | (step_index + 1 >= budget)  # [B, C]
+    ends = _stops.stopped(token, eos) | (step_index + 1 >= budget)  # [B, C]
 
     # The best K candidates that go on running.
     running = top + ends.astype(jnp.float32) * EMPTY

@@ -10,7 +10,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from . import _beam, _sampling
+from . import _beam, _sampling, _stops
 from ._rows import HistoryRules, RowSampling, SamplingFeatures
 from ._settings import GenerationSettings
 from ._state import DecodeState
@@ -48,7 +48,7 @@ def process_scores(
     scores = _sampling.add_biases(scores, rows, features)
     # transformers holds EOS back after the biases and n-gram bans, before the forced tokens: a ban
     # commutes with those biases and bans, and the forced tokens override it.
-    scores = _sampling.hold_back(scores, rows, features, positions)
+    scores = _stops.hold_back(scores, features.held_ids(rows), positions, rows.min_position)
     if history is not None:
         scores = history(scores)
     return _sampling.process_logits(scores, rows, features, seen=seen, counts=counts)
@@ -57,10 +57,10 @@ def process_scores(
 def processed(logits, state: DecodeState, end, settings: GenerationSettings):
     """`logits` [B, V] after transformers' processors that come before repetition penalty and
     sampling, in its order. The rows so far are `state.sequence`'s columns [first_column, end)."""
-    step, vocab_size = state.step, logits.shape[-1]
-    if settings.eos_token_ids:  # min_new_tokens and min_length (bans commute with the biases and bans before them)
-        held = jnp.isin(jnp.arange(vocab_size), jnp.asarray(settings.eos_token_ids)) & (step < state.least)
-        logits = jnp.where(held[None, :], -jnp.inf, logits)
+    step = state.step
+    # min_new_tokens and min_length: every row's EOS tokens, until the call's least new tokens (bans
+    # commute with the biases and bans before them).
+    logits = _stops.hold_back(logits, settings.eos_token_ids, step, state.least)
     rules = settings.history_rules()
     if rules is None:
         return logits
@@ -174,9 +174,7 @@ def choose(state: DecodeState, logits, offset: int, settings: GenerationSettings
     token = jnp.where(state.done, settings.pad_token_id, token)
     slot = offset + state.step
     sequence = jax.lax.dynamic_update_slice_in_dim(state.sequence, token[:, None], slot, axis=1)
-    done = state.done
-    if settings.eos_token_ids:
-        done = done | jnp.isin(token, jnp.asarray(settings.eos_token_ids))
+    done = state.done | _stops.stopped(token, settings.eos_token_ids)
     counts = None if state.counts is None else _sampling.update_counts(state.counts, token, ~state.done)
     return _advanced(state, sequence, token, slot, state.seen, done=done, counts=counts)
 

@@ -44,7 +44,7 @@ import torch
 
 from .. import bridge, parallel
 from .._errors import DataDependentError, GenerationError
-from . import _encoder_slots, _grammar, _multimodal, _planning, _rows
+from . import _encoder_slots, _grammar, _multimodal, _planning, _rows, _stops
 from ._encoder_slots import EncoderDecoderSlotModel
 from ._recurrent import hybrid_model, recurrent_model
 from ._settings import GenerationSettings
@@ -201,10 +201,10 @@ class SlotRuns:
         if streamer is not None:
             streamer.put(torch.as_tensor(ids.astype(np.int64)))
             streamer.put(torch.as_tensor(first[: plan.prompts * plan.per_prompt].astype(np.int64)))
-        stops, pad = np.asarray(settings.eos_token_ids, np.int32), settings.pad_token_id
+        stops, pad = settings.eos_token_ids, settings.pad_token_id
         if matchers is not None:
             sampling = self._constrained(sampling, matchers, allowed, first[:, None], np.zeros(rows, bool))
-        done = np.isin(first, stops)
+        done = _stops.stopped(first, stops)
         produced = [first[:, None]]  # each call's tokens, pad_token_id after a row's stop
         drafts = np.zeros(3, np.int64)  # speculation's drafted and accepted tokens, and the target's forwards
         kept_values = {name: [getattr(chosen, name)] for name in kept}  # each call's [rows, steps, V]
@@ -242,7 +242,7 @@ class SlotRuns:
                 if matchers is not None:
                     sampling = self._constrained(sampling, matchers, allowed, tokens, done)
                 produced.append(tokens)
-                done |= np.isin(tokens, stops).any(axis=1)
+                done |= _stops.stopped(tokens, stops).any(axis=1)
                 steps, position = steps + ran, position + ran
                 if streamer is not None:
                     for token in tokens[: plan.prompts * plan.per_prompt].T:
@@ -387,8 +387,8 @@ _ROW_KEYS = jax.jit(_rows.row_keys)
 _FIRST_CARRY = jax.jit(BeamCarry.first, static_argnames=("width", "settings"))
 
 
-def _padded(tokens: np.ndarray, stops: np.ndarray, pad: int) -> np.ndarray:
+def _padded(tokens: np.ndarray, stops: tuple[int, ...], pad: int) -> np.ndarray:
     """`tokens` [R, T] with every token after a row's first stop token set to `pad`."""
-    stopped = np.cumsum(np.isin(tokens, stops), axis=1)
-    after = (stopped - np.isin(tokens, stops)) > 0  # a stop token itself stays
+    stopping = _stops.stopped(tokens, stops)
+    after = (np.cumsum(stopping, axis=1) - stopping) > 0  # a stop token itself stays
     return np.where(after, pad, tokens).astype(np.int32)

@@ -65,15 +65,30 @@ class SamplingFeatures:
     repetition: bool = False  # transformers' repetition penalty: prompt and answer tokens
     presence: bool = False  # OpenAI's presence and frequency penalties: answer tokens
     bias_slots: int = 0  # single-token biases per row (0: none)
-    # Tokens no row chooses before its `min_position` (Model.generate's EOS under min_new_tokens).
+    # The stop tokens a row does not choose before its `min_position` (`_stops.hold_back`), one of:
+    # the same for every row, compiled in (Model.generate's EOS under min_new_tokens); or each row's
+    # own, `held_slots` of them (`RowSampling.held_ids`: a server's, each request's EOS tokens and
+    # vLLM's stop_token_ids under min_tokens); 0: none.
     held_back: tuple[int, ...] = ()
-    # Tokens of each row's own (`RowSampling.held_ids`) that it does not choose before its `min_position`
-    # (a server's: each request's EOS tokens and vLLM's stop_token_ids under min_tokens); 0: none.
     held_slots: int = 0
     history: HistoryRules | None = None  # Model.generate's processors that read the tokens so far
     # int32 words of each row's allowed-token bitmask (`RowSampling.allowed`): ceil(V / 32) where rows
     # may be constrained to a grammar (structured outputs), else 0: no mask is compiled.
     mask_words: int = 0
+
+    def __post_init__(self):
+        if self.held_back and self.held_slots:
+            raise GenerationError(
+                f"SamplingFeatures: held_back={self.held_back} and held_slots={self.held_slots}; the stop tokens held "
+                "back are every row's (held_back) or each row's own (held_slots), so pass one of them"
+            )
+
+    def held_ids(self, rows: RowSampling):
+        """The stop tokens the rows hold back before their `min_position` (`_stops.hold_back`'s ids): the
+        compiled-in tuple, or each row's own [R, H] int32; () where none are."""
+        if self.held_back:
+            return self.held_back
+        return rows.held_ids if self.held_slots else ()
 
     @classmethod
     def of(cls, configs: Sequence, bias_slots: int = 0) -> SamplingFeatures:

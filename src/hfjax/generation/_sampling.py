@@ -170,25 +170,6 @@ def pick(scores: jax.Array, rows: RowSampling, positions: jax.Array, features: S
     return jax.lax.cond(jnp.any(sampling), drawn, lambda: greedy)
 
 
-def hold_back(scores: jax.Array, rows: RowSampling, features: SamplingFeatures, positions) -> jax.Array:
-    """`scores` [R, V] with `features.held_back`, and each row's own `held_ids`, at -inf in the rows
-    whose new token's position (`positions` [R] int32) is before their `min_position` (transformers'
-    MinNewTokensLengthLogitsProcessor; vLLM's min_tokens, which holds back stop_token_ids too)."""
-    if not features.held_back and not features.held_slots:
-        return scores
-    # Only the held-back columns are read and written: a select over all [R, V] scores made a batch-1
-    # decode step of an 8-layer Llama on the CPU about 5% slower.
-    early = (positions < rows.min_position)[:, None]  # [R, 1]
-    if features.held_back:
-        ids = jnp.asarray(features.held_back, jnp.int32)
-        scores = scores.at[:, ids].set(jnp.where(early, -jnp.inf, scores[:, ids]), mode="drop")
-    if features.held_slots:  # -inf where early, else unchanged; ids past the vocabulary are unused
-        index = jnp.broadcast_to(jnp.arange(scores.shape[0])[:, None], rows.held_ids.shape)
-        floor = jnp.broadcast_to(jnp.where(early, -jnp.inf, jnp.inf), rows.held_ids.shape)
-        scores = scores.at[index, rows.held_ids].min(floor, mode="drop")
-    return scores
-
-
 def allowed_only(scores: jax.Array, rows: RowSampling, features: SamplingFeatures) -> jax.Array:
     """`scores` [R, V] at -inf in the tokens a `constrained` row's bitmask (`rows.allowed` [R, ceil(V / 32)]
     int32) does not allow; unchanged where no row is constrained (a `lax.cond`: such chunks expand no mask)."""

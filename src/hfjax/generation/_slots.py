@@ -39,7 +39,7 @@ import jax.numpy as jnp
 from .. import _backend, bridge, parallel
 from .. import lora as _lora
 from .._errors import GenerationError
-from . import _caches, _multimodal, _sampling
+from . import _caches, _multimodal, _sampling, _stops
 from ._adapters import StaticCacheAdapter, adapter_for
 from ._choose import apply_rules, choose_tokens
 from ._recurrent import hybrid_model, recurrent_kinds, recurrent_model, state_layer, state_names, states_of
@@ -721,10 +721,9 @@ class SlotModel:
         # which XLA does not copy each layer for the attention kernel on every step).
         backend = _backend.active()
         carried, restore = backend.loop_carry(cache)
-        stops = jnp.asarray(stop_tokens, jnp.int32) if stop_tokens else None
 
         def going(tokens):  # [R] bool: the rows with steps left to run (not at a stop token, nor past one)
-            return on if stops is None else on & ~jnp.isin(tokens, stops) & (tokens != STOPPED)
+            return on & ~_stops.stopped(tokens, stop_tokens) & (tokens != STOPPED) if stop_tokens else on
 
         def running(carry):
             i, _, tokens, *_ = carry
@@ -736,7 +735,7 @@ class SlotModel:
             write_at = jnp.where(on & (positions + i < write_nowhere), at, write_nowhere)
             going_now = going(tokens)
             # A row's stop token runs once, as any token; after it, pad tokens (transformers' rows).
-            inputs = tokens if stops is None else jnp.where(tokens == STOPPED, jnp.int32(pad_token), tokens)
+            inputs = jnp.where(tokens == STOPPED, jnp.int32(pad_token), tokens) if stop_tokens else tokens
             # Multimodal rope: the row's rope position is its column shifted by the row's delta.
             rope = {"position_ids": (at + mine.rope_delta)[:, None]} if self.rope_shift else None
             with self.bound(params):
@@ -767,7 +766,7 @@ class SlotModel:
             kept_now = kept_values(kept, scores=scores, logits=logits[:, 0])
             chosen = dataclasses.replace(chosen, **{f: getattr(chosen, f).at[:, i].set(v) for f, v in kept_now.items()})
             # What the row's tokens so far take in: the token, or a stopped row's pad.
-            appended = token if stops is None else jnp.where(going_now, token, jnp.int32(pad_token))
+            appended = jnp.where(going_now, token, jnp.int32(pad_token)) if stop_tokens else token
             if logprobs:
                 picked = with_logprobs(logits[:, 0], token, want_logprobs)
                 chosen = dataclasses.replace(

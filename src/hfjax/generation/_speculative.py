@@ -20,6 +20,7 @@ import jax
 import jax.numpy as jnp
 
 from .._errors import GenerationError
+from . import _stops
 
 METHODS = ("ngram", "draft_model")
 
@@ -123,11 +124,11 @@ def accepted_count(agree, offered):
 def kept_count(tokens, accepted, room, stops):
     """How many of a round's tokens `tokens` [R, k + 1] (its accepted drafts, then the target's token
     after them) each row keeps: `accepted` [R] + 1, at most `room` [R] (what the row may still make in
-    this chunk; 0: nothing), and nothing after a stop token (`stops` [n] int32, or None). Returns
+    this chunk; 0: nothing), and nothing after a stop token (`stops`, a tuple of ids). Returns
     (kept [R], the drafts among them [R]) int32."""
     kept = jnp.minimum(accepted + 1, room)
-    if stops is not None:
-        stopping = jnp.isin(tokens, stops)  # [R, k + 1]
+    if stops:
+        stopping = _stops.stopped(tokens, stops)  # [R, k + 1]
         first_stop = jnp.where(jnp.any(stopping, axis=1), jnp.argmax(stopping, axis=1), tokens.shape[1])
         kept = jnp.minimum(kept, first_stop + 1)
     kept = kept.astype(jnp.int32)

@@ -24,7 +24,7 @@ import jax.numpy as jnp
 
 from .. import _backend
 from .._errors import GenerationError
-from . import _programs, _sampling
+from . import _programs, _sampling, _stops
 from ._choose import choose_tokens, process_scores
 from ._rows import RowSampling, SamplingFeatures
 from ._slots import (
@@ -191,13 +191,12 @@ class SpeculativeSlotModel(SlotModel):
             drafts_carried, restore_draft = backend.loop_carry(
                 [tuple(a[:r, :, :window] for a in p) for p in state.draft]
             )
-        stops = jnp.asarray(stop_tokens, jnp.int32) if stop_tokens else None
         each = jnp.arange(r, dtype=jnp.int32)[:, None]  # [R, 1]
         offsets = jnp.arange(width, dtype=jnp.int32)[None, :]  # [1, k + 1]
 
         def going(tokens, made):  # [R] bool: the rows with tokens left to make (not at a stop token)
             left = on & (made < count)
-            return left if stops is None else left & ~jnp.isin(tokens, stops) & (tokens != STOPPED)
+            return left & ~_stops.stopped(tokens, stop_tokens) & (tokens != STOPPED) if stop_tokens else left
 
         def running(carry):
             _, _, _, tokens, made, *_ = carry
@@ -315,7 +314,7 @@ class SpeculativeSlotModel(SlotModel):
                 made_tokens, agreed = sampled_round(targets, scores, draft_scores, drafts, offered, mine, at)
             else:  # a draft is kept where it is the token the target chooses there
                 made_tokens, agreed = targets, accepted_count(drafts == targets[:, :k], offered)
-            made_now, accepted_now = kept_count(made_tokens, agreed, room, stops)
+            made_now, accepted_now = kept_count(made_tokens, agreed, room, stop_tokens)
             kept_now = offsets < made_now[:, None]  # [R, k + 1]
             column = jnp.where(kept_now, made[:, None] + offsets, steps)  # Chosen's columns (steps: dropped)
             values = {"token": made_tokens}

@@ -15,7 +15,7 @@ import numbers
 import sys
 
 from .._errors import GenerationError
-from ..generation import Constraint, check_context
+from ..generation import TOP_LOGPROBS, Constraint, check_context
 from . import _structured, _tools
 from ._requests import SamplingParams, logit_bias_problem, stop_token_ids_problem
 from ._tools import ToolParser
@@ -426,7 +426,7 @@ def chat_request(
     logprobs = body.get("logprobs") or False
     if not isinstance(logprobs, bool):
         raise invalid("logprobs", f"logprobs={logprobs!r}: pass true or false")
-    top = _number(body, "top_logprobs", 0, 0, 20, integer=True)
+    top = _number(body, "top_logprobs", 0, 0, TOP_LOGPROBS, integer=True)
     if body.get("top_logprobs") is not None and not logprobs:
         raise invalid("top_logprobs", "top_logprobs needs logprobs=true")
     prompt = rendered(apply_template, messages, **kwargs)
@@ -449,7 +449,7 @@ def completion_request(body, served: tuple[str, ...], max_model_len: int) -> Gen
     if not (isinstance(prompt, str) and prompt) and not is_ids:
         raise invalid("prompt", "the request has no 'prompt'; pass one non-empty string (or a list of token ids)")
     max_tokens = _number(body, "max_tokens", 16, 1, max_model_len, integer=True)
-    logprobs = _number(body, "logprobs", None, 0, 20, integer=True)
+    logprobs = _number(body, "logprobs", None, 0, TOP_LOGPROBS, integer=True)
     stream, usage = _stream(body)
     generation = Generation(
         prompt, _sampling(body, max_tokens, logprobs, max_model_len), stream, usage, max_tokens, "prompt", model=model

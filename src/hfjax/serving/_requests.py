@@ -7,6 +7,8 @@ import dataclasses
 import time
 from collections.abc import Callable
 
+import numpy as np
+
 from .. import generation
 from .._errors import GenerationError, ServingError
 
@@ -41,7 +43,7 @@ class SamplingParams:
         min_tokens: the fewest new tokens before an end-of-sequence token may end the answer (vLLM's
             name; transformers' min_new_tokens, whose processor holds EOS back). None: the
             checkpoint's (min_new_tokens, min_length), else 0.
-        logprobs: None, or how many most likely alternatives (0..20) to report beside each token.
+        logprobs: None, or how many most likely alternatives (0..generation.TOP_LOGPROBS) to report beside each token.
         ignore_eos: keep going past the end-of-sequence token.
         skip_special_tokens: leave special tokens' text out of the answer (vLLM's field); False keeps
             it, as a tool call parser needs where its markers are special tokens.
@@ -92,7 +94,9 @@ class SamplingParams:
         if problem:
             raise GenerationError(problem)
         if self.logprobs is not None and not 0 <= self.logprobs <= generation.TOP_LOGPROBS:
-            raise GenerationError(f"logprobs={self.logprobs!r}: pass a number of alternatives in [0, 20]")
+            raise GenerationError(
+                f"logprobs={self.logprobs!r}: pass a number of alternatives in [0, {generation.TOP_LOGPROBS}]"
+            )
         if isinstance(self.logit_bias, dict):
             object.__setattr__(self, "logit_bias", tuple(sorted(self.logit_bias.items())))
         problem = logit_bias_problem(len(self.logit_bias))
@@ -266,13 +270,14 @@ class Request:
             and self.scheduled < self.settings.max_new_tokens
         )
 
-    def stops_at(self, token: int) -> bool:
-        """The one end-of-sequence rule: the token is one of the settings' EOS tokens (none with ignore_eos)."""
-        return token in self.settings.eos_token_ids
-
-    def ends_with(self, token: int) -> bool:
-        """Whether the token ends the answer as its last token (one of the request's stop_token_ids)."""
-        return token in self.params.stop_token_ids
+    def stops(self, tokens: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Where `tokens` [T] end the answer, by generation's stop rule (`generation.stopped`): (an EOS
+        token of the settings', which the answer's text leaves out (none with ignore_eos); one of the
+        request's stop_token_ids, the answer's last token), each [T] bool."""
+        return (
+            generation.stopped(tokens, self.settings.eos_token_ids),
+            generation.stopped(tokens, self.params.stop_token_ids),
+        )
 
 
 def joined(events: list[Event]) -> Event:

@@ -688,10 +688,12 @@ class Engine:
         chunk.host = _to_host(chunk.chosen, chunk.requests.values(), chunk.steps)
         tokens = chunk.host[0]
         for slot, request in chunk.requests.items():
-            token = int(tokens[slot, 0])
-            if request.matcher is None or request.finished or request.cancelled or request.stops_at(token):
+            if request.matcher is None or request.finished or request.cancelled:
                 continue
-            request.advanced = request.matcher.consume(token)
+            eos, _ = request.stops(tokens[slot, :1])
+            if eos[0]:
+                continue
+            request.advanced = request.matcher.consume(int(tokens[slot, 0]))
             if request.advanced and not request.matcher.stopped:
                 self.table.constrain(request)
 
@@ -753,10 +755,11 @@ class Engine:
         reason, eos, advanced = None, None, None
         kept, pieces = [], []
         before = request.generated
+        eos_at, last_at = request.stops(tokens[:count])  # [count] bool each
         for t in range(count):  # token by token: the answer ends at the token where a stop string ends
             token = int(tokens[t])
             request.generated += 1
-            if request.stops_at(token):
+            if eos_at[t]:
                 reason, eos = "stop", t
                 break
             kept.append(t)
@@ -766,7 +769,7 @@ class Engine:
                 break
             piece, stopped = request.text.add([token])
             pieces.append(piece)
-            if stopped or request.ends_with(token) or (request.matcher is not None and request.matcher.stopped):
+            if stopped or last_at[t] or (request.matcher is not None and request.matcher.stopped):
                 reason = "stop"
                 break
             if request.generated >= request.settings.max_new_tokens:
