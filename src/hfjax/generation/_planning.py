@@ -124,8 +124,9 @@ def plan_batch(
 
 def program_settings(settings: GenerationSettings, plan: BatchPlan) -> GenerationSettings:
     """The settings a program is compiled for: the plan's token buffer (`buffer_tokens`; this call's
-    max_new_tokens and min_new_tokens are arguments), one row per plan row, the sampling values and single-token biases as
-    per-row arrays (`GenerationSettings.row_sampling`) and only what they use compiled (`features`)."""
+    max_new_tokens and min_new_tokens are arguments), one row per plan row, the sampling values and
+    single-token biases as per-row arrays (`GenerationSettings.row_sampling`) and only what they use
+    compiled (`features`)."""
     # encoder_no_repeat_ngram_size holds where there are n-grams to read: a decoder's prompt, an encoder's ids.
     readable = plan.decoder_prompt is None or plan.ngram_source is not None
     return dataclasses.replace(
