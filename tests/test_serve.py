@@ -414,6 +414,68 @@ def test_the_openai_client_raises_bad_request_with_the_field(client):
     assert error.value.status_code == 400 and error.value.body["param"] == "presence_penalty"
 
 
+HI = [{"role": "user", "content": "hi"}]
+# Each length past a limit, as the openai client sends it: (endpoint, arguments, the param of the 400, its message).
+OVER_LIMITS = [
+    (
+        "chat",
+        {"messages": HI, "max_completion_tokens": LENGTH},
+        "max_completion_tokens",
+        rf"max_completion_tokens={LENGTH}, ",
+    ),
+    ("chat", {"messages": HI, "max_completion_tokens": 0}, "max_completion_tokens", r"max_completion_tokens=0 must be"),
+    ("chat", {"messages": HI, "max_tokens": LENGTH}, "max_tokens", rf"max_tokens={LENGTH}, \d+ in all"),
+    (
+        "chat",
+        {"messages": HI, "max_tokens": -5},
+        "max_tokens",
+        r"max_tokens=-5 must be a positive integer; pass one in",
+    ),
+    ("chat", {"messages": HI, "max_tokens": 4, "extra_body": {"min_tokens": 5}}, "min_tokens", r"min_tokens=5 is more"),
+    (
+        "chat",
+        {"messages": HI, "extra_body": {"min_tokens": LENGTH}},
+        "min_tokens",
+        rf"min_tokens={LENGTH} is more than",
+    ),
+    (
+        "chat",
+        {"messages": HI, "extra_body": {"min_tokens": -1}},
+        "min_tokens",
+        r"min_tokens=-1 must be an integer >= 0",
+    ),
+    (
+        "chat",
+        {"messages": [{"role": "user", "content": "river " * LENGTH}]},
+        "messages",
+        r"the prompt \(messages\) has",
+    ),
+    (
+        "completions",
+        {"prompt": [5] * LENGTH, "max_tokens": 1},
+        "prompt",
+        r"the prompt \(prompt\) has \d+ tokens; max_model",
+    ),
+    ("completions", {"prompt": [5] * 8, "max_tokens": LENGTH - 7}, "max_tokens", rf"pass max_tokens<={LENGTH - 8}"),
+]
+
+
+@pytest.mark.parametrize(
+    ("endpoint", "arguments", "param", "message"),
+    OVER_LIMITS,
+    ids=[f"{e}-{p}-{i}" for i, (e, _, p, _) in enumerate(OVER_LIMITS)],
+)
+def test_lengths_past_a_limit_are_a_400_on_the_field_the_client_sent(client, endpoint, arguments, param, message):
+    """max_tokens / max_completion_tokens, min_tokens and the prompt against --max-model-len: one check in
+    the engine, answered by the openai client's BadRequestError on the request's own field."""
+    create = {"chat": client.chat.completions.create, "completions": client.completions.create}[endpoint]
+    with pytest.raises(openai.BadRequestError) as raised:
+        create(model=NAME, **arguments)
+    error = raised.value.body
+    assert set(error) == {"message", "type", "param", "code"} and error["type"] == "invalid_request_error"
+    assert error["param"] == param and re.search(message, error["message"]) and "\n" not in error["message"], error
+
+
 def test_sampling_fields_beyond_openais_act_as_in_transformers_and_vllm(client, model):
     """repetition_penalty (vLLM's extra field) answers as transformers' repetition_penalty does in
     Model.generate_text; logit_bias and ignore_eos force a token the length of the budget; min_tokens

@@ -351,7 +351,7 @@ def test_min_tokens_holds_eos_back_as_transformers_min_new_tokens(model, engine)
         assert want[-1] == _tokenizer.EOS_ID and len(want) == least + 1
         assert event.token_ids == want[:-1] and event.finish_reason == "stop" and event.completion_tokens == least + 1
     with pytest.raises(hfjax.GenerationError, match=r"min_tokens=13 is more than max_tokens=12; pass min_tokens<=12"):
-        SamplingParams(max_tokens=12, min_tokens=13)
+        engine.submit(ids[0], SamplingParams(max_tokens=12, min_tokens=13), lambda e: None)
 
 
 def test_filters_that_keep_one_token_sample_the_greedy_answer(model, engine):
@@ -407,6 +407,14 @@ def test_bad_requests_raise_errors_that_name_the_argument(model, engine):
         match=rf"the prompt has \d+ tokens and max_tokens={LENGTH}, \d+ in all, more than max_model_len={LENGTH}",
     ):
         engine.submit(ids, SamplingParams(max_tokens=LENGTH), lambda e: None)
+    room = LENGTH - len(ids)
+    for params, match in (
+        (SamplingParams(max_tokens=0), rf"max_tokens=0 must be a positive integer; pass one in \[1, {room}\]"),
+        (SamplingParams(min_tokens=-1), r"min_tokens=-1 must be an integer >= 0"),
+        (SamplingParams(min_tokens=LENGTH), rf"min_tokens={LENGTH} is more than the {room} tokens the prompt"),
+    ):
+        with pytest.raises(generation.LimitError, match=match):
+            engine.submit(ids, params, lambda e: None)
     with pytest.raises(hfjax.GenerationError, match="top_p=0"):
         engine.submit(ids, SamplingParams(max_tokens=1, top_p=0.0), lambda e: None)
     with pytest.raises(hfjax.GenerationError, match=r"presence_penalty=3.0 is outside \[-2, 2\]"):

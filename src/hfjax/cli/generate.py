@@ -37,7 +37,7 @@ def add_image_argument(parser: argparse.ArgumentParser) -> None:
 
 
 def add_generation_arguments(parser: argparse.ArgumentParser) -> None:
-    """The flags `generate` and `chat` share: token budget, sampling, seed, --stats."""
+    """The flags `generate` and `chat` share: max_new_tokens, sampling, seed, --stats."""
     parser.add_argument("--max-new-tokens", type=int, default=128, help="most tokens to generate")
     parser.add_argument(
         "--temperature",
@@ -73,9 +73,9 @@ def generation_kwargs(args: argparse.Namespace) -> dict:
     Raises:
       ValueError: for a setting out of range, naming the flag's value.
     """
-    from hfjax.generation import GenerationSettings, SamplingConfig
+    from hfjax.generation import SamplingConfig, check_limits
 
-    GenerationSettings(max_new_tokens=args.max_new_tokens)
+    check_limits(0, args.max_new_tokens, context=None)  # the prompt and the context are checked by generate
     at_least_one(args, "model_parallel", "data_parallel")
     sampling = {
         name: getattr(args, name) for name in ("temperature", "top_k", "top_p") if getattr(args, name) is not None

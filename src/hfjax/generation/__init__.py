@@ -34,13 +34,14 @@ Parts, one concern each (docs/architecture.md describes the engine's internal AP
                    out the call (`_on_slots`), else with its own programs (other caches, images whose
                    masks the core does not build,
                    models without position_ids, right-padded prompts)
+    _limits.py     `check_limits`: max_new_tokens and min_new_tokens against the prompt and the context
     _generate.py   `generate`: `Model.generate`'s arguments checked and resolved into one engine run
     _multimodal.py prefill-only model inputs (images), multimodal rope positions
     _vision_chat.py `chat_with_images`: conversations with images through a processor
 
 Public names: `chat_with_images`; for the rest of hfjax: `Generator` and `generate` (Model.generate),
-the one settings type (`GenerationSettings`, `SamplingConfig`, `resolve_settings`), the one context
-check (`check_context`), the continuous-batching core the server drives (`SlotModel`,
+the one settings type (`GenerationSettings`, `SamplingConfig`, `resolve_settings`), the one check of the
+lengths against the prompt and the context (`check_limits`, `LimitNames`, `LimitError`), the continuous-batching core the server drives (`SlotModel`,
 `SlotPrograms`, `SlotState`, `Chosen`, `RowSampling`, `SamplingFeatures`, `key_data`,
 `check_supported`, `EncoderDecoderSlotModel`, `slot_model`, `Speculation`, `SpeculativeSlotModel`, `check_draft`), structured outputs (`Constraint`, `ConstraintError`, `Grammars`, `Matcher`, `bitmask_words`), `cache_keyword` / `returned_cache`, the stop rule's test (`stopped`), and the CLI's `check_takes_images`,
 `load_image`, `encode`, `GenerationStats`; the server's `processed` (a processor's outputs for prompts
@@ -50,8 +51,9 @@ with images).
 from ._caches import cache_keyword, returned_cache
 from ._encoder_slots import EncoderDecoderSlotModel, check_supported, slot_model
 from ._engine import GenerationStats, Generator, check_draft
-from ._generate import check_context, generate
+from ._generate import generate
 from ._grammar import Constraint, ConstraintError, Grammars, Matcher, bitmask_words
+from ._limits import LimitError, LimitNames, check_limits
 from ._rows import MAX_HELD_STOP_TOKENS, MAX_LOGIT_BIAS, RowSampling, SamplingFeatures, key_data
 from ._settings import GenerationSettings, SamplingConfig, resolve_settings
 from ._slot_programs import SlotPrograms
@@ -70,6 +72,8 @@ __all__ = [
     "Matcher",
     "GenerationSettings",
     "GenerationStats",
+    "LimitError",
+    "LimitNames",
     "Generator",
     "RowSampling",
     "SamplingConfig",
@@ -85,7 +89,7 @@ __all__ = [
     "bitmask_words",
     "cache_keyword",
     "chat_with_images",
-    "check_context",
+    "check_limits",
     "check_draft",
     "check_supported",
     "check_takes_images",

@@ -2,8 +2,8 @@
 
 Each prompt b has K beams, rows b * K + k of the model's batch. Every step scores the K x V
 continuations by summed log-probabilities, keeps the best 2K or more candidates (so that K
-of them are still running when some end), moves the best K that end (EOS or the token
-budget) into a per-prompt list of finished sequences, scored with the length penalty, and
+of them are still running when some end), moves the best K that end (EOS or the
+max_new_tokens-th token) into a per-prompt list of finished sequences, scored with the length penalty, and
 runs on with the best K that do not end. The KV cache follows its beams: its rows are
 gathered by each new beam's parent every step.
 
@@ -79,15 +79,17 @@ def initial(batch: int, settings: BeamSettings, sequence: jax.Array) -> BeamStat
     )
 
 
-def step(beams: BeamState, log_probs, sequence, end, step_index, budget, eos: tuple[int, ...], settings: BeamSettings):
+def step(
+    beams: BeamState, log_probs, sequence, end, step_index, max_new_tokens, eos: tuple[int, ...], settings: BeamSettings
+):
     """One beam search step.
 
     Args:
         beams: the beam state before this step.
         log_probs: [B*K, V] float32 processed log-probabilities of the next token.
         sequence: [B*K, L] int32 running beams; their new token goes to column `end`.
-        end, step_index, budget: int32 scalars: the column, the new token's index (0 for the
-            first new token) and max_new_tokens.
+        end, step_index, max_new_tokens: int32 scalars: the column, the new token's index (0 for the
+            first new token) and the call's max_new_tokens.
         eos: the EOS token ids (static).
 
     Returns:
@@ -108,7 +110,7 @@ def step(beams: BeamState, log_probs, sequence, end, step_index, budget, eos: tu
     candidates = jax.lax.dynamic_update_slice_in_dim(
         sequence[parent.reshape(-1)], token.reshape(-1, 1), end, axis=1
     ).reshape(batch, keep, length)  # [B, C, L]
-    ends = _stops.stopped(token, eos) | (step_index + 1 >= budget)  # [B, C]
+    ends = _stops.stopped(token, eos) | (step_index + 1 >= max_new_tokens)  # [B, C]
 
     # The best K candidates that go on running.
     running = top + ends.astype(jnp.float32) * EMPTY
@@ -136,7 +138,7 @@ def step(beams: BeamState, log_probs, sequence, end, step_index, budget, eos: tu
 
     # Whether the best running beam could still beat the worst finished one (transformers' heuristic).
     if settings.early_stopping == "never" and settings.length_penalty > 0:
-        hoped = denominators[budget - 1]
+        hoped = denominators[max_new_tokens - 1]
     else:
         hoped = denominators[step_index]
     worst = jnp.where(is_finished, jnp.min(finished_scores, axis=1, keepdims=True), EMPTY)  # [B, K]

@@ -70,8 +70,9 @@ def processed(logits, state: DecodeState, end, settings: GenerationSettings):
     else:
         source = (state.sequence, state.first_column, end - step)
     return apply_rules(
-        logits, rules, state.sequence, state.first_column, end, step=step, last_step=state.budget - 1, source=source
-    )
+        logits, rules, state.sequence, state.first_column, end, step=step, last_step=state.max_new_tokens - 1,
+        source=source,
+    )  # fmt: skip
 
 
 def apply_rules(scores, rules: HistoryRules, sequence, start, end, *, step, last_step, source):
@@ -81,7 +82,7 @@ def apply_rules(scores, rules: HistoryRules, sequence, start, end, *, step, last
     Args:
         sequence: [B, L] int32, each row's tokens so far (transformers' input_ids, pads included) in
             its columns [start, end); start and end are [] (every row's) or [B] int32.
-        step, last_step: the new token's index in the answer and the budget's last, [] or [B].
+        step, last_step: the new token's index in the answer and that of the max_new_tokens-th, [] or [B].
         source: (ids [B, S], start, end), the n-grams `prompt_ngram_size` bans: a decoder's prompt,
             an encoder's ids.
     """
@@ -201,8 +202,9 @@ def _choose_beams(state: DecodeState, logits, offset: int, settings: GenerationS
     log_probs = processed(log_probs, state, end, settings)
     log_probs = _sampling.process_logits(log_probs, state.rows, settings.features, seen=state.seen, counts=state.counts)
     beams, sequence, parents, keep_going = _beam.step(
-        state.beams, log_probs, state.sequence, end, state.step, state.budget, settings.eos_token_ids, settings.beam
-    )
+        state.beams, log_probs, state.sequence, end, state.step, state.max_new_tokens, settings.eos_token_ids,
+        settings.beam,
+    )  # fmt: skip
     rows = parents.shape[0]
 
     def follow(leaf):  # the cache's rows are the beams: each takes its parent's

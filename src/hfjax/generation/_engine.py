@@ -118,7 +118,7 @@ class PrefillArguments:
     ids: jax.Array  # [B, P] int32, padded (an encoder that takes features: its main input)
     mask: jax.Array  # [B, P] int32
     rows: tuple  # `RowSampling.leaves()` [B]: each row's sampling settings, every key the call's seed
-    budget: jax.Array  # [] int32: this call's max_new_tokens
+    max_new_tokens: jax.Array  # [] int32: this call's max_new_tokens
     least: jax.Array  # [] int32: this call's min_new_tokens
     first_column: jax.Array  # [] int32: where transformers' rows start in the buffer
     decoder_prompt: jax.Array | None  # encoder-decoders' [B, offset] int32 first decoder tokens, else None
@@ -300,7 +300,7 @@ class Generator:
             ids=self._place(plan.ids),
             mask=self._place(plan.mask),
             rows=tuple(self._place(a) for a in settings.row_sampling(plan.rows, _rows.key_data(seed)).leaves()),
-            budget=jnp.int32(settings.max_new_tokens),
+            max_new_tokens=jnp.int32(settings.max_new_tokens),
             least=jnp.int32(settings.min_new_tokens),
             first_column=jnp.int32(plan.first_column),
             decoder_prompt=None if plan.decoder_prompt is None else self._place(plan.decoder_prompt),
@@ -324,7 +324,7 @@ class Generator:
         ttft = time.perf_counter() - start
         if streamer is not None:
             streamer.put(torch.as_tensor(first.astype(np.int64)))
-        limit = settings.max_new_tokens
+        max_new_tokens = settings.max_new_tokens
         decode_function = bridge.under(precision, functools.partial(
             self._decode_flat, layout=layout, offset=plan.offset, settings=compiled, windows=windows,
             trace_prefill=lambda: jax.eval_shape(prefill_function, *prefill_args),
@@ -334,11 +334,11 @@ class Generator:
         )  # fmt: skip
         steps = 1
         if streamer is None:
-            leaves = decode(params, leaves, jnp.int32(limit))
+            leaves = decode(params, leaves, jnp.int32(max_new_tokens))
             steps = int(field("step"))
         else:
-            while steps < limit and not bool(np.all(field("done"))):
-                leaves = decode(params, leaves, jnp.int32(min(steps + _planning.STREAM_CHUNK, limit)))
+            while steps < max_new_tokens and not bool(np.all(field("done"))):
+                leaves = decode(params, leaves, jnp.int32(min(steps + _planning.STREAM_CHUNK, max_new_tokens)))
                 now = int(field("step"))
                 for token in field("sequence")[:batch, plan.offset + steps : plan.offset + now].T:
                     streamer.put(torch.as_tensor(token.astype(np.int64)))
@@ -403,8 +403,8 @@ class Generator:
             specialized, run_with, lambda known: bridge.discover_values(function, args, known), eager
         )
 
-    def _run_decode(self, key: tuple, function, params, leaves: list, limit, *, fields: dict) -> list:
-        """Runs the decode program for `key` up to step `limit`; returns the state's leaves. A model
+    def _run_decode(self, key: tuple, function, params, leaves: list, until, *, fields: dict) -> list:
+        """Runs the decode program for `key` up to step `until`; returns the state's leaves. A model
         that reads values of its data in its step gets a loop specialised on the values its first
         step reads, which stops before a token whose values differ; the loop then goes on with the
         program for the values found from there."""
@@ -412,8 +412,8 @@ class Generator:
         specialized = self._specialized.get(key)
         if specialized is None:
             try:
-                return self.programs.get(key, function, (params, leaves, limit), metadata=metadata, donate=(1,)).run(
-                    params, leaves, limit
+                return self.programs.get(key, function, (params, leaves, until), metadata=metadata, donate=(1,)).run(
+                    params, leaves, until
                 )
             except DataDependentError:
                 specialized = self._specialized[key] = bridge.Specializations()
@@ -432,13 +432,13 @@ class Generator:
                 if specialized.full:
                     self._warn_running_eagerly(specialized, "decode step")
                     with jax.disable_jit():  # op by op: every value of the data is at hand
-                        return function(params, leaves, limit)
-                specialized.add(bridge.discover_values(one_step, (params, leaves, limit), known))
+                        return function(params, leaves, until)
+                specialized.add(bridge.discover_values(one_step, (params, leaves, until), known))
                 if bridge.values_key(specialized.last) in failed:
                     raise DataDependentError(
                         "values of the data", None, detail="a decode step's guards disagreed with its values"
                     )
-            args = (params, leaves, limit)
+            args = (params, leaves, until)
             values = specialized.last
             program = self._specialized_program(key, function, values, args, metadata, donate=(1,))
             leaves, held, observed = program.run(*args)
@@ -507,7 +507,7 @@ class Generator:
         return leaves if values is None else (leaves, tape.observed)
 
     def _decode_flat(
-        self, params, leaves, limit, *, layout, offset, settings, windows, trace_prefill, values=None, probing=False
+        self, params, leaves, until, *, layout, offset, settings, windows, trace_prefill, values=None, probing=False
     ):
         # values: the values of the data the model's step reads (hfjax._specialize), or None; with
         # them, one loop checks them at every token, and it returns (leaves, whether all held, the
@@ -518,14 +518,14 @@ class Generator:
         self.programs.traced["decode"] += 1
         state = jax.tree_util.tree_unflatten(self._treedefs[layout], leaves)
         if probing:
-            self._decode_loop(params, state, limit, offset=offset, settings=settings, probing=True)
+            self._decode_loop(params, state, until, offset=offset, settings=settings, probing=True)
             return None
         if values is not None:
             state, held, observed = self._decode_loop(
-                params, state, limit, offset=offset, settings=settings, values=values
+                params, state, until, offset=offset, settings=settings, values=values
             )
             return self._flatten(state, layout), held, observed
-        state = self._decode_n_tokens(params, state, limit, offset=offset, settings=settings, windows=windows)
+        state = self._decode_n_tokens(params, state, until, offset=offset, settings=settings, windows=windows)
         return self._flatten(state, layout)
 
     def _flatten(self, state: DecodeState, layout: tuple) -> list:
@@ -541,7 +541,7 @@ class Generator:
         self.programs.traced["prefill"] += 1
         ids, mask, extra = arguments.ids, arguments.mask, arguments.extra
         batch = ids.shape[0]
-        total = offset + settings.max_new_tokens
+        total = offset + settings.buffer_tokens
         if self.adapter.encoder_decoder:
             prompt = arguments.decoder_prompt
             prompt_mask = jnp.ones_like(prompt)
@@ -577,7 +577,7 @@ class Generator:
             done=jnp.zeros((batch,), bool),
             step=jnp.int32(0),
             rows=_rows.RowSampling(*arguments.rows[:-1], key=_rows.row_keys(arguments.rows[-1])),
-            budget=arguments.budget,
+            max_new_tokens=arguments.max_new_tokens,
             least=arguments.least,
             first_column=arguments.first_column,
             encoder_ids=arguments.ngram_source,
@@ -592,7 +592,7 @@ class Generator:
     # -- traced: decode loop -----------------------------------------------------
 
     def _decode_n_tokens(
-        self, params, state: DecodeState, limit, *, offset: int, settings: GenerationSettings, windows: tuple[int, ...]
+        self, params, state: DecodeState, until, *, offset: int, settings: GenerationSettings, windows: tuple[int, ...]
     ) -> DecodeState:
         if len(windows) > 1 and not _caches.windowable(state.cache):
             windows = windows[-1:]
@@ -603,18 +603,18 @@ class Generator:
             state = self._decode_loop(
                 params,
                 state.replace(cache=_caches.window(full, window)),
-                jnp.minimum(limit, window - offset + 1),
+                jnp.minimum(until, window - offset + 1),
                 offset=offset,
                 settings=settings,
             )
             state = state.replace(cache=_caches.written_back(full, state.cache))
-        return self._decode_loop(params, state, limit, offset=offset, settings=settings)
+        return self._decode_loop(params, state, until, offset=offset, settings=settings)
 
     def _decode_loop(
         self,
         params,
         state: DecodeState,
-        limit,
+        until,
         *,
         offset: int,
         settings: GenerationSettings,
@@ -626,7 +626,7 @@ class Generator:
         carried, restore = self.backend.loop_carry(state.cache)
 
         def running(state: DecodeState):
-            return (state.step < limit) & ~jnp.all(state.done)
+            return (state.step < until) & ~jnp.all(state.done)
 
         def step(state: DecodeState) -> DecodeState:
             slot = offset + state.step - 1  # where the last chosen token sits

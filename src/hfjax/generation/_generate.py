@@ -9,6 +9,7 @@ from .. import bridge
 from .._errors import GenerationError, LoadError
 from . import _grammar, _multimodal, _planning, _settings
 from ._engine import Generator
+from ._limits import LimitNames, check_limits
 
 
 def generate(generator: Generator, input_ids, attention_mask, *, generation_config, seed: int, streamer, **arguments):
@@ -53,13 +54,12 @@ def generate(generator: Generator, input_ids, attention_mask, *, generation_conf
     if attention_mask is None:
         inferred = _planning.infer_mask(ids, resolved)  # int32 [B, S], or None: all ones
         mask = mask if inferred is None else inferred
-    context = bridge.context_length(config)
-    if not encoder_decoder and context is not None:
-        check_context(
-            int(mask.sum(axis=1).max()), resolved.max_new_tokens, limit=context,
-            limit_name=f"the model's context of {context} tokens (config.max_position_embeddings)",
-            prompt_name="Model.generate: the prompt",
-        )  # fmt: skip
+    context = None if encoder_decoder else bridge.context_length(config)
+    context_name = f"the model's context of {context} tokens (config.max_position_embeddings)"
+    check_limits(
+        int(mask.sum(axis=1).max()), resolved.max_new_tokens, context=context,
+        names=LimitNames(prompt="Model.generate: the prompt", context=context_name),
+    )  # fmt: skip
     return generator.generate(
         ids,
         mask,
@@ -100,31 +100,3 @@ def adapter_rows(model, adapter, prompts: int) -> np.ndarray | None:
         return np.asarray([slots.index(name, caller="Model.generate(adapter=...)") for name in names], np.int32)
     except LoadError as error:
         raise GenerationError(str(error)) from None
-
-
-def check_context(
-    prompt_tokens: int,
-    max_new_tokens: int | None,
-    *,
-    limit: int,
-    limit_name: str,
-    budget_name: str = "max_new_tokens",
-    prompt_name: str = "the prompt",
-) -> None:
-    """The one context check (Model.generate, the server's engine and its HTTP requests): raises
-    GenerationError when a prompt of `prompt_tokens` tokens leaves no room for an answer within
-    `limit` tokens, or with `max_new_tokens` new ones (None: unset) goes past them.
-
-    `limit_name` says what the limit is ("the model's context of 256 tokens (config.max_position_embeddings)",
-    "max_model_len=256"); `budget_name` and `prompt_name` name the caller's arguments.
-    """
-    if prompt_tokens >= limit:
-        raise GenerationError(
-            f"{prompt_name} has {prompt_tokens} tokens; {limit_name} leaves no room for an answer. Shorten {prompt_name}"
-        )
-    if max_new_tokens is not None and prompt_tokens + max_new_tokens > limit:
-        raise GenerationError(
-            f"{prompt_name} has {prompt_tokens} tokens and {budget_name}={max_new_tokens}, "
-            f"{prompt_tokens + max_new_tokens} in all, more than {limit_name}; shorten {prompt_name} or pass "
-            f"{budget_name}<={limit - prompt_tokens}"
-        )

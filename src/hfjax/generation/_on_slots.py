@@ -125,7 +125,7 @@ class SlotRuns:
         (an hfjax Model) where `settings.speculation` drafts with one. `inputs`: the prompts' images,
         laid out for `plan` (its rows and prompt bucket), which the prefill takes."""
         start = time.perf_counter()
-        rows, budget = plan.rows, settings.max_new_tokens
+        rows, max_new_tokens = plan.rows, settings.max_new_tokens
         precision = bridge.resolve_precision(self.model.matmul_precision)
         # An encoder-decoder's prefill is its decoder prompt, after the encoder reads the plan's ids (the
         # prefill's `inputs`, as images are a decoder's).
@@ -214,8 +214,8 @@ class SlotRuns:
         # (Mamba's states have no columns to cut: one window)
         windows = _planning.windows(plan.offset, plan.total) if streamer is None and self.attends else (plan.total,)
         for window in windows:
-            while steps < budget and not done.all() and position < window:
-                count = min(budget - steps, window - position)
+            while steps < max_new_tokens and not done.all() and position < window:
+                count = min(max_new_tokens - steps, window - position)
                 if matchers is not None:  # the next mask needs this step's token
                     count = 1
                 if streamer is not None:
@@ -257,9 +257,9 @@ class SlotRuns:
     def _search(self, state, sampling, logits, lengths, plan, settings: GenerationSettings, features, start: float):
         """Beam search from the prefill's `logits` [rows, V] (`_slot_beams`) of prompts of `lengths` [rows]
         tokens; returns as `generate`."""
-        beam, budget = settings.beam, settings.max_new_tokens
-        width = plan.total - plan.offset  # the new tokens' columns: at least the budget
-        carry = _FIRST_CARRY(logits, budget, width=width, settings=beam)
+        beam, max_new_tokens = settings.beam, settings.max_new_tokens
+        width = plan.total - plan.offset  # the new tokens' columns: at least max_new_tokens
+        carry = _FIRST_CARRY(logits, max_new_tokens, width=width, settings=beam)
         jax.block_until_ready(carry)
         ttft = time.perf_counter() - start
         key = (plan.rows, plan.total, features, beam, settings.eos_token_ids)
@@ -272,8 +272,8 @@ class SlotRuns:
         prompt_lengths = self._to_device(lengths)
         steps, position = 0, int(lengths.max())  # the tokens chosen, the column the next one takes
         for window in _planning.windows(plan.offset, plan.total):
-            while steps < budget and position < window and bool(parallel.to_host(carry.going)):
-                count = np.int32(min(budget - steps, window - position))
+            while steps < max_new_tokens and position < window and bool(parallel.to_host(carry.going)):
+                count = np.int32(min(max_new_tokens - steps, window - position))
                 try:
                     state, carry = beams.search(state, sampling, carry, prompt_lengths, count, window=window)
                 except DataDependentError:

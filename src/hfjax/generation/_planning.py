@@ -1,8 +1,8 @@
 """Batch planning: how a call's prompts are padded and laid out for the compiled programs.
 
 Pure functions of the host's arrays and the settings: no model, no tracing. Programs are keyed
-by the plan's sizes, so prompts whose lengths fall in one bucket, and token budgets that round
-to one buffer length, share their programs.
+by the plan's sizes, so prompts whose lengths fall in one bucket, and max_new_tokens values that
+round to one buffer length, share their programs.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from .._buckets import bucket, round_up
 from .._errors import GenerationError
 from ._settings import GenerationSettings, SamplingConfig
 
-CACHE_MULTIPLE = 64  # cache and buffer lengths round up to this, so nearby budgets share programs
+CACHE_MULTIPLE = 64  # cache and buffer lengths round up to this, so nearby max_new_tokens share programs
 MIN_BUCKET = 16  # the shortest padded prompt
 STREAM_CHUNK = 8  # decode steps per host round trip when streaming
 
@@ -123,14 +123,16 @@ def plan_batch(
 
 
 def program_settings(settings: GenerationSettings, plan: BatchPlan) -> GenerationSettings:
-    """The settings a program is compiled for: the budget as the whole buffer (this call's budget and
-    minimum are arguments), one row per plan row, the sampling values and single-token biases as
-    per-row arrays (`GenerationSettings.row_sampling`) and only what they use compiled (`features`)."""
+    """The settings a program is compiled for: the plan's token buffer (`buffer_tokens`; this call's
+    max_new_tokens and min_new_tokens are arguments), one row per plan row, the sampling values and
+    single-token biases as per-row arrays (`GenerationSettings.row_sampling`) and only what they use
+    compiled (`features`)."""
     # encoder_no_repeat_ngram_size holds where there are n-grams to read: a decoder's prompt, an encoder's ids.
     readable = plan.decoder_prompt is None or plan.ngram_source is not None
     return dataclasses.replace(
         settings,
-        max_new_tokens=plan.total - plan.offset,
+        max_new_tokens=None,
+        buffer_tokens=plan.total - plan.offset,
         min_new_tokens=0,
         num_return_sequences=1,
         encoder_no_repeat_ngram_size=settings.encoder_no_repeat_ngram_size if readable else 0,

@@ -43,7 +43,7 @@ class HistoryRules:
     no_repeat_ngram_size: int = 0
     prompt_ngram_size: int = 0  # a decoder's encoder_no_repeat_ngram_size: n-grams of its prompt
     forced_bos_token_id: int | None = None  # where the row holds one token
-    forced_eos_token_ids: tuple[int, ...] = ()  # at the budget's last new token
+    forced_eos_token_ids: tuple[int, ...] = ()  # as the max_new_tokens-th new token
     suppress_tokens: tuple[int, ...] = ()
     begin_suppress_tokens: tuple[int, ...] = ()
     begin_suppress_step: int = 0  # the new token at which begin_suppress_tokens apply
@@ -129,11 +129,11 @@ class RowSampling:
     min_position: np.ndarray  # [R] int32: the first position whose token may be a held-back one; 0: off
     held_ids: np.ndarray  # [R, H] int32: the row's own held-back tokens; past the vocabulary where unused
     # Where `SamplingFeatures.history` rules count from (0 where a program has none): the pads before
-    # the row's first token in transformers' input_ids, the position of its first new token, and that
-    # of its budget's last.
+    # the row's first token in transformers' input_ids, the position of its first new token, and its
+    # max_new_tokens (forced_eos_token_id's step is the last of them).
     pads: np.ndarray  # [R] int32
     first_new: np.ndarray  # [R] int32
-    last_new: np.ndarray  # [R] int32
+    max_new_tokens: np.ndarray  # [R] int32
     # [R, W] int32, W = `SamplingFeatures.mask_words`: bit j of word i set where token 32i + j may come
     # next (llguidance's layout), read only in rows that are `constrained` ([R] bool).
     allowed: np.ndarray
@@ -191,7 +191,7 @@ class RowSampling:
             held_ids=np.full((count, held_slots), unused, np.int32),
             pads=np.zeros(count, np.int32),
             first_new=np.zeros(count, np.int32),
-            last_new=np.zeros(count, np.int32),
+            max_new_tokens=np.zeros(count, np.int32),
             allowed=np.full((count, mask_words), -1, np.int32),
             constrained=np.zeros(count, bool),
             lora=np.full(count, -1, np.int32),
@@ -216,7 +216,7 @@ class RowSampling:
             bias_ids=filled(unused, np.int32, (count, bias_slots)), bias_values=filled(0.0, np.float32, (count, bias_slots)),
             min_position=filled(0, np.int32), held_ids=filled(unused, np.int32, (count, held_slots)),
             pads=filled(0, np.int32), first_new=filled(0, np.int32),
-            last_new=filled(0, np.int32), allowed=filled(-1, np.int32, (count, mask_words)),
+            max_new_tokens=filled(0, np.int32), allowed=filled(-1, np.int32, (count, mask_words)),
             constrained=filled(False, bool), lora=filled(-1, np.int32),
             rope_delta=filled(0, np.int32), key=filled(0, np.uint32, (count, 2)),
         )  # fmt: skip

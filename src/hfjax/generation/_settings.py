@@ -131,7 +131,9 @@ SequenceBias = tuple[tuple[int, ...], float]
 class GenerationSettings:
     """Everything that shapes a generation program. Hashable: it is a static jit argument."""
 
-    max_new_tokens: int
+    # The most new tokens a row takes (checked against the prompt and the context by `check_limits`);
+    # None in a program's settings (`program_settings`), which take it as an argument.
+    max_new_tokens: int | None
     min_new_tokens: int = 0
     eos_token_ids: tuple[int, ...] = ()
     pad_token_id: int = 0
@@ -140,7 +142,7 @@ class GenerationSettings:
     pad_token_given: bool = dataclasses.field(default=False, compare=False)
     decoder_start_token_id: int | None = None  # encoder-decoders: the decoder's first token
     forced_bos_token_id: int | None = None  # the first new token (BART-style checkpoints)
-    forced_eos_token_ids: tuple[int, ...] = ()  # forced as the last token of the budget
+    forced_eos_token_ids: tuple[int, ...] = ()  # forced as the max_new_tokens-th new token
     sequence_bias: tuple[SequenceBias, ...] = ()
     no_repeat_ngram_size: int = 0
     encoder_no_repeat_ngram_size: int = 0  # n-grams of the encoder's input (a decoder's: its prompt)
@@ -158,14 +160,9 @@ class GenerationSettings:
     features: SamplingFeatures | None = None
     # Speculative decoding (prompt lookup), or None: one token per step.
     speculation: Speculation | None = None
-
-    def __post_init__(self):
-        if not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 1:
-            raise GenerationError(
-                f"max_new_tokens={self.max_new_tokens!r} must be a positive integer, e.g. max_new_tokens=32"
-            )
-        if not isinstance(self.min_new_tokens, int) or self.min_new_tokens < 0:
-            raise GenerationError(f"min_new_tokens={self.min_new_tokens!r} must be an integer >= 0")
+    # A program's token buffer: the new-token columns after the prompt's, at least any call's
+    # max_new_tokens it runs (`program_settings` sets it); None: unset.
+    buffer_tokens: int | None = None
 
     def single_token_biases(self) -> dict[int, float]:
         """{token id: bias} of the sequence biases of one token (OpenAI's logit_bias; transformers'
@@ -236,7 +233,7 @@ class GenerationSettings:
             sampling.min_position = np.where(held > 0, lengths + np.int32(held), 0).astype(np.int32)
             sampling.pads = np.broadcast_to(np.asarray(pads, np.int32), (rows,)).copy()
             sampling.first_new = lengths
-            sampling.last_new = lengths + np.int32(self.max_new_tokens - 1)
+            sampling.max_new_tokens = np.full(rows, self.max_new_tokens, np.int32)
         return sampling
 
 

@@ -38,27 +38,27 @@ class BeamCarry:
     sequence: jax.Array  # [R, W] int32: each running beam's new tokens, `fill_token_id` after them
     logits: jax.Array  # [R, V] float32: the model's logits of each beam's next token
     step: jax.Array  # [] int32: the new tokens chosen so far
-    budget: jax.Array  # [] int32: max_new_tokens
+    max_new_tokens: jax.Array  # [] int32: the call's max_new_tokens
     going: jax.Array  # [] bool: whether a beam may still change the answer
 
     @classmethod
-    def first(cls, logits, budget, *, width: int, settings: BeamSettings) -> BeamCarry:
-        """The carry after the prefill: logits [R, V] of each beam's first new token; budget: [] int32,
-        max_new_tokens, at most `width`."""
+    def first(cls, logits, max_new_tokens, *, width: int, settings: BeamSettings) -> BeamCarry:
+        """The carry after the prefill: logits [R, V] of each beam's first new token; max_new_tokens: [] int32,
+        at most `width`."""
         sequence = jnp.full((logits.shape[0], width), settings.fill_token_id, jnp.int32)
         return cls(
             beams=_beam.initial(logits.shape[0] // settings.num_beams, settings, sequence),
             sequence=sequence,
             logits=logits.astype(jnp.float32),
             step=jnp.int32(0),
-            budget=jnp.asarray(budget, jnp.int32),
+            max_new_tokens=jnp.asarray(max_new_tokens, jnp.int32),
             going=jnp.bool_(True),
         )
 
     def leaves(self) -> tuple:
         """Plain containers (which `jax.export` keeps); `BeamCarry.of(leaves)` rebuilds it."""
         beams = tuple(getattr(self.beams, field.name) for field in dataclasses.fields(BeamState))
-        return beams, self.sequence, self.logits, self.step, self.budget, self.going
+        return beams, self.sequence, self.logits, self.step, self.max_new_tokens, self.going
 
     @classmethod
     def of(cls, leaves) -> BeamCarry:
@@ -102,7 +102,7 @@ def search_steps(
             history=history_rules(features, rows, history, at),
         )  # fmt: skip
         beams, sequence, parents, going = _beam.step(
-            carry.beams, scores, carry.sequence, carry.step, carry.step, carry.budget, eos, settings
+            carry.beams, scores, carry.sequence, carry.step, carry.step, carry.max_new_tokens, eos, settings
         )
         token = jax.lax.dynamic_index_in_dim(sequence, carry.step, axis=1, keepdims=False)  # [R]
         # Each slot takes its new beam's past: its parent's cache row and tokens so far.
@@ -117,8 +117,9 @@ def search_steps(
             written = jnp.where(at < window, at, window)  # past the window: nowhere
             logits, cache = slot_model.run(params, cache, token[:, None], at[:, None], written[:, None], lora=rows.lora)
         carry = BeamCarry(
-            beams=beams, sequence=sequence, logits=logits[:, 0], step=carry.step + 1, budget=carry.budget, going=going
-        )
+            beams=beams, sequence=sequence, logits=logits[:, 0], step=carry.step + 1,
+            max_new_tokens=carry.max_new_tokens, going=going,
+        )  # fmt: skip
         return i + 1, backend.loop_carry(cache)[0], seen, counts, history, carry
 
     _, carried, seen, counts, history, carry = jax.lax.while_loop(

@@ -63,7 +63,7 @@ class SlotState:
     counts: jax.Array | None  # [S, V] int32: the answer's tokens (presence / frequency penalties); else None
     # [S, L] int32: each row's tokens so far as transformers' input_ids hold them (its pads first, see
     # `RowSampling.pads`), where a `HistoryRules` rule reads them (Model.generate's: its L columns hold
-    # the prompt bucket and the budget, so the caller's narrower padded prompt and the answer fit); else None
+    # the prompt bucket and the token buffer, so the caller's narrower padded prompt and the answer fit); else None
     history: jax.Array | None = None
     # [(keys, values)] per layer of a draft model's own cache in the same slots and columns, where a
     # speculative decode drafts with one (`SpeculativeSlotModel`); else None
@@ -831,7 +831,7 @@ def history_rules(features: SamplingFeatures, rows: RowSampling, history, positi
     step = positions - rows.first_new
     return functools.partial(
         apply_rules, rules=rules, sequence=history, start=0, end=rows.pads + positions, step=step,
-        last_step=rows.last_new - rows.first_new, source=(history, 0, rows.pads + rows.first_new),
+        last_step=rows.max_new_tokens - 1, source=(history, 0, rows.pads + rows.first_new),
     )  # fmt: skip
 
 

@@ -272,7 +272,7 @@ class SpeculativeSlotModel(SlotModel):
                 offered = jnp.full((r,), k, jnp.int32)
             else:
                 drafts, offered = lookup_drafts(history, mine.pads, mine.pads + at + 1, speculation)
-            offered = jnp.where(drafting, jnp.minimum(offered, room - 1), 0)  # none past the budget
+            offered = jnp.where(drafting, jnp.minimum(offered, room - 1), 0)  # none past the count this call makes
             ids = jnp.concatenate([tokens[:, None], drafts], axis=1)  # [R, k + 1]
             where = at[:, None] + offsets  # [R, k + 1]
             columns = jnp.where(now[:, None] & (where < window), where, window)

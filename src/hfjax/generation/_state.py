@@ -32,7 +32,7 @@ class DecodeState:
     done: jax.Array  # [B] bool: rows that have produced EOS
     step: jax.Array  # [] int32: new tokens so far
     rows: RowSampling  # each row's sampling settings and PRNG key
-    budget: jax.Array  # [] int32: this call's max_new_tokens
+    max_new_tokens: jax.Array  # [] int32: this call's max_new_tokens
     least: jax.Array  # [] int32: this call's min_new_tokens
     first_column: jax.Array  # [] int32: where transformers' rows start in `sequence`
     encoder_ids: jax.Array | None  # encoder_no_repeat_ngram_size on an encoder-decoder: `BatchPlan.ngram_source`

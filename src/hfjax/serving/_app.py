@@ -28,7 +28,7 @@ from .. import bridge
 from .._embed import pooling_config
 from .._errors import GenerationError, HfjaxError
 from .._version import __version__
-from ..generation import ConstraintError
+from ..generation import ConstraintError, LimitError
 from ..generation import processed as generation_processed
 from . import _audio, _media, _protocol, _tools
 from ._media import MediaPolicy
@@ -265,7 +265,7 @@ def build_app(
         # A vision-language model's chat template is its processor's (it places the image tokens).
         template = model.processor.apply_chat_template if takes_images else tokenizer.apply_chat_template
         generation = _protocol.chat_request(
-            body, served.names(), running.max_model_len,
+            body, served.names(),
             lambda messages, **kwargs: template(messages, add_generation_prompt=True, tokenize=False, **kwargs),
             tool_parser=auto_tools,
         )  # fmt: skip
@@ -282,7 +282,7 @@ def build_app(
     @app.post("/v1/completions")
     async def completions(request: Request):
         running = needs_engine("/v1/completions")
-        generation = _protocol.completion_request(await read_json(request), served.names(), running.max_model_len)
+        generation = _protocol.completion_request(await read_json(request), served.names())
         return await _answer(request, running, generation, chat=False)
 
     async def _answer(
@@ -301,7 +301,6 @@ def build_app(
             ids = tokenizer(generation.prompt, add_special_tokens=not chat, verbose=False)["input_ids"]
         else:
             ids = generation.prompt
-        generation = _protocol.with_budget(generation, len(ids), running.max_model_len)
         _protocol.check_token_ids(
             generation, getattr(running.model.config.get_text_config(decoder=True), "vocab_size", None)
         )
@@ -334,6 +333,8 @@ def build_app(
                 running.cancel(done)
             if isinstance(error, QueueFullError):
                 raise ApiError(429, str(error), code="rate_limit_exceeded") from None
+            if isinstance(error, LimitError):
+                raise _protocol.limit_error(error, generation) from None
             if isinstance(error, GenerationError):
                 raise _protocol.invalid(generation.prompt_field, str(error)) from None
             raise

@@ -15,7 +15,7 @@ import numbers
 import sys
 
 from .._errors import GenerationError
-from ..generation import TOP_LOGPROBS, Constraint, check_context
+from ..generation import TOP_LOGPROBS, Constraint, LimitError
 from . import _structured, _tools
 from ._requests import SamplingParams, logit_bias_problem, stop_token_ids_problem
 from ._tools import ToolParser
@@ -171,7 +171,7 @@ class Generation:
     params: list[SamplingParams]  # one per choice (n)
     stream: bool
     include_usage: bool
-    max_tokens: int | None  # None: up to the context
+    max_tokens_field: str  # "max_tokens" or "max_completion_tokens": the field that set the params' max_tokens
     prompt_field: str  # "messages" or "prompt", named in errors about the prompt's length
     tools: list[dict] | None = None  # the chat's tools, rendered into the prompt by the chat template
     tool_parser: ToolParser | None = None  # reads tool calls out of the answer (tool_choice "auto")
@@ -239,6 +239,11 @@ def _number(body: dict, name: str, default, low: float, high: float, *, low_open
     return value
 
 
+def _whole_number(body: dict, name: str, default):
+    """A whole number's type only: its range is checked with the prompt (`generation.check_limits`)."""
+    return _number(body, name, default, -math.inf, math.inf, integer=True)
+
+
 def _stops(body: dict) -> tuple[str, ...]:
     stop = body.get("stop")
     if stop is None:
@@ -283,10 +288,10 @@ def _logit_bias(body: dict) -> tuple[tuple[int, float], ...]:
     return tuple(sorted(pairs))
 
 
-def _sampling(body: dict, max_tokens: int | None, logprobs: int | None, max_model_len: int) -> list[SamplingParams]:
+def _sampling(body: dict, max_tokens: int | None, logprobs: int | None) -> list[SamplingParams]:
     """One SamplingParams per choice (n). A sampling field left out takes the checkpoint's
     generation_config.json, else OpenAI's default, as vLLM does (`SamplingParams.settings`).
-    `max_tokens` None: up to the context (`with_budget` sets it)."""
+    `max_tokens` None: up to the context (the engine fills it in)."""
     temperature = _number(body, "temperature", None, 0.0, 2.0)
     top_p = _number(body, "top_p", None, 0.0, 1.0, low_open=True)
     top_k = _number(body, "top_k", None, -1, 2**31 - 1, integer=True)  # vLLM's -1 and 0 are off
@@ -295,7 +300,7 @@ def _sampling(body: dict, max_tokens: int | None, logprobs: int | None, max_mode
     presence = _number(body, "presence_penalty", 0.0, -2.0, 2.0)
     frequency = _number(body, "frequency_penalty", 0.0, -2.0, 2.0)
     seed = _number(body, "seed", None, 0, 2**63 - 1, integer=True)
-    least = _number(body, "min_tokens", None, 0, max_tokens or max_model_len, integer=True)  # vLLM's field
+    least = _whole_number(body, "min_tokens", None)  # vLLM's field
     n = _number(body, "n", 1, 1, 16, integer=True)
     ignore_eos = body.get("ignore_eos") or False
     if not isinstance(ignore_eos, bool):
@@ -303,7 +308,7 @@ def _sampling(body: dict, max_tokens: int | None, logprobs: int | None, max_mode
     stops, stop_ids, bias = _stops(body), _stop_token_ids(body, least), _logit_bias(body)
     return [
         SamplingParams(
-            max_tokens=max_tokens or max_model_len,  # a stand-in until `with_budget`
+            max_tokens=max_tokens,
             temperature=None if temperature is None else float(temperature),
             top_p=None if top_p is None else float(top_p),
             top_k=None if top_k is None else max(int(top_k), 0),
@@ -337,11 +342,12 @@ def _stream(body: dict) -> tuple[bool, bool]:
     return stream, bool(options.get("include_usage", False))
 
 
-def _max_tokens(body: dict, names: tuple[str, ...], max_model_len: int) -> tuple[int | None, str]:
+def _max_tokens(body: dict, names: tuple[str, ...], default: int | None) -> tuple[int | None, str]:
+    """(the first of the fields `names` the body sets, or `default`; that field's name)."""
     for name in names:
         if body.get(name) is not None:
-            return _number(body, name, None, 1, max_model_len, integer=True), name
-    return None, names[0]
+            return _whole_number(body, name, None), name
+    return default, names[-1]
 
 
 def template_kwargs(body: dict) -> dict:
@@ -407,9 +413,7 @@ def _checked(check, *args):
         raise invalid(error.param, str(error)) from None
 
 
-def chat_request(
-    body, served: tuple[str, ...], max_model_len: int, apply_template, tool_parser: ToolParser | None = None
-) -> Generation:
+def chat_request(body, served: tuple[str, ...], apply_template, tool_parser: ToolParser | None = None) -> Generation:
     """A /v1/chat/completions body checked; `served`: the model names it may ask for (`check_model`);
     `apply_template(messages, **chat_template_kwargs)` gives the prompt text (with `tools=` where the
     request has tools). `tool_parser`: the server's parser of tool calls (--enable-auto-tool-choice),
@@ -422,7 +426,7 @@ def chat_request(
     parser = _checked(_tools.parser_for, body, tools, tool_parser)
     if tools is not None:
         kwargs = {**kwargs, "tools": tools}
-    max_tokens, _ = _max_tokens(body, ("max_completion_tokens", "max_tokens"), max_model_len)
+    max_tokens, max_tokens_field = _max_tokens(body, ("max_completion_tokens", "max_tokens"), None)
     logprobs = body.get("logprobs") or False
     if not isinstance(logprobs, bool):
         raise invalid("logprobs", f"logprobs={logprobs!r}: pass true or false")
@@ -431,14 +435,14 @@ def chat_request(
         raise invalid("top_logprobs", "top_logprobs needs logprobs=true")
     prompt = rendered(apply_template, messages, **kwargs)
     stream, usage = _stream(body)
-    params = _sampling(body, max_tokens, top if logprobs else None, max_model_len)
+    params = _sampling(body, max_tokens, top if logprobs else None)
     if parser is not None and parser.special_markers:
         params = [dataclasses.replace(p, skip_special_tokens=False) for p in params]
-    generation = Generation(prompt, params, stream, usage, max_tokens, "messages", tools, parser, model=model)
+    generation = Generation(prompt, params, stream, usage, max_tokens_field, "messages", tools, parser, model=model)
     return _constrained(generation, body)
 
 
-def completion_request(body, served: tuple[str, ...], max_model_len: int) -> Generation:
+def completion_request(body, served: tuple[str, ...]) -> Generation:
     """A /v1/completions body checked (one prompt: a string or a list of token ids)."""
     body = check_fields(body, COMPLETION_FIELDS)
     model = check_model(body, served)
@@ -448,11 +452,11 @@ def completion_request(body, served: tuple[str, ...], max_model_len: int) -> Gen
     is_ids = isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt)
     if not (isinstance(prompt, str) and prompt) and not is_ids:
         raise invalid("prompt", "the request has no 'prompt'; pass one non-empty string (or a list of token ids)")
-    max_tokens = _number(body, "max_tokens", 16, 1, max_model_len, integer=True)
+    max_tokens, max_tokens_field = _max_tokens(body, ("max_tokens",), 16)
     logprobs = _number(body, "logprobs", None, 0, TOP_LOGPROBS, integer=True)
     stream, usage = _stream(body)
     generation = Generation(
-        prompt, _sampling(body, max_tokens, logprobs, max_model_len), stream, usage, max_tokens, "prompt", model=model
+        prompt, _sampling(body, max_tokens, logprobs), stream, usage, max_tokens_field, "prompt", model=model
     )
     return _constrained(generation, body)
 
@@ -609,25 +613,11 @@ def check_token_ids(generation: Generation, vocab_size: int | None) -> None:
         raise invalid(*problem)
 
 
-def with_budget(generation: Generation, prompt_length: int, max_model_len: int) -> Generation:
-    """The request with max_tokens filled in (the rest of the context when unset) and checked
-    against the prompt's length."""
-    try:
-        check_context(
-            prompt_length, generation.max_tokens, limit=max_model_len, limit_name=f"the server's max_model_len={max_model_len}",
-            budget_name="max_tokens", prompt_name=f"the prompt ({generation.prompt_field})",
-        )  # fmt: skip
-    except GenerationError as error:
-        param = generation.prompt_field if prompt_length >= max_model_len else "max_tokens"
-        raise invalid(param, str(error)) from None
-    room = max_model_len - prompt_length
-    budget = generation.max_tokens or room
-    least = max((p.min_tokens or 0 for p in generation.params), default=0)
-    if least > budget:  # (max_tokens unset: the rest of the context)
-        raise invalid(
-            "min_tokens",
-            f"min_tokens={least} is more than the {budget} tokens the prompt leaves of the server's "
-            f"max_model_len={max_model_len}; pass min_tokens<={budget} or a shorter prompt",
-        )
-    params = [dataclasses.replace(p, max_tokens=budget) for p in generation.params]
-    return dataclasses.replace(generation, params=params, max_tokens=budget)
+def limit_error(error: LimitError, generation: Generation) -> ApiError:
+    """The engine's `LimitError` (`generation.check_limits`) as a 400 on the request's own field, in its
+    names: max_tokens or max_completion_tokens, min_tokens, or the prompt's (messages, prompt)."""
+    param = {"max_new_tokens": generation.max_tokens_field, "min_new_tokens": "min_tokens"}.get(
+        error.field, generation.prompt_field
+    )
+    prompt = f"the prompt ({generation.prompt_field})"
+    return invalid(param, error.renamed(max_new_tokens=generation.max_tokens_field, prompt=prompt))

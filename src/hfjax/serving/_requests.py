@@ -28,7 +28,8 @@ class SamplingParams:
     one type the engine runs.
 
     Args:
-        max_tokens: the most tokens to generate (>= 1).
+        max_tokens: the most tokens to generate (>= 1); None: what the prompt leaves of the engine's
+            max_model_len. The engine checks it, and min_tokens, against the prompt (`generation.check_limits`).
         temperature: 0 takes the most likely token (greedy); else sample at this temperature.
         top_p, top_k, min_p: the sampling filters (1.0, 0 and 0.0 are off).
         repetition_penalty: transformers' (prompt and answer tokens); 1.0 is off.
@@ -55,7 +56,7 @@ class SamplingParams:
             A server sets it from the model name the request asks for.
     """
 
-    max_tokens: int
+    max_tokens: int | None = None
     temperature: float | None = None
     top_p: float | None = None
     top_k: int | None = None
@@ -78,16 +79,6 @@ class SamplingParams:
         if isinstance(self.adapter, bool) or not isinstance(self.adapter, int) or self.adapter < -1:
             raise GenerationError(
                 f"adapter={self.adapter!r}: pass an adapter's slot (Adapter.index), or -1 for the base"
-            )
-        if isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int) or self.max_tokens < 1:
-            raise GenerationError(f"max_tokens={self.max_tokens!r}: pass a whole number >= 1")
-        if self.min_tokens is not None and (
-            isinstance(self.min_tokens, bool) or not isinstance(self.min_tokens, int) or self.min_tokens < 0
-        ):
-            raise GenerationError(f"min_tokens={self.min_tokens!r}: pass a whole number >= 0")
-        if self.min_tokens is not None and self.min_tokens > self.max_tokens:
-            raise GenerationError(
-                f"min_tokens={self.min_tokens} is more than max_tokens={self.max_tokens}; pass min_tokens<={self.max_tokens}"
             )
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
         problem = stop_token_ids_problem(list(self.stop_token_ids), self.min_tokens)
@@ -116,7 +107,8 @@ class SamplingParams:
 
     def settings(self, model, prompt_length: int) -> generation.GenerationSettings:
         """This request as `Model.generate`'s settings, over the checkpoint's generation_config.json
-        (whose min_length counts the prompt's `prompt_length` tokens, as transformers counts it).
+        (whose min_length counts the prompt's `prompt_length` tokens, as transformers counts it), with
+        max_tokens as checked (`Engine.check_prompt` fills it in where it is None).
 
         Raises:
           GenerationError: a value out of range, naming it.

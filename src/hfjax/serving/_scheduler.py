@@ -270,14 +270,15 @@ class Engine:
         if self._thread is not None:
             self._thread.join(timeout)
 
-    def check_prompt(self, prompt: list[int], params: SamplingParams) -> None:
-        """Raises GenerationError when prompt and max_tokens do not fit a slot, naming which, or a
-        prompt's token lies outside the vocabulary."""
+    def check_prompt(self, prompt: list[int], params: SamplingParams) -> int:
+        """The request's max_tokens (where unset: what the prompt leaves of max_model_len). Raises
+        GenerationError when a prompt's token lies outside the vocabulary, and `generation.LimitError`
+        when max_tokens, min_tokens and the prompt do not fit a slot, naming which."""
         if not prompt:
             raise GenerationError("the prompt is empty; pass at least one token")
-        generation.check_context(
-            len(prompt), params.max_tokens, limit=self.max_model_len, limit_name=f"max_model_len={self.max_model_len}",
-            budget_name="max_tokens",
+        max_tokens = generation.check_limits(
+            len(prompt), params.max_tokens, context=self.max_model_len, min_new_tokens=params.min_tokens,
+            names=generation.LimitNames("max_tokens", "min_tokens", context=f"max_model_len={self.max_model_len}"),
         )  # fmt: skip
         outside = next((t for t in prompt if not 0 <= t < self.table.vocab_size), None)
         if outside is not None:
@@ -285,6 +286,7 @@ class Engine:
                 f"the prompt holds token id {outside}, outside the vocabulary [0, {self.table.vocab_size}); "
                 "pass ids the tokenizer gives"
             )
+        return max_tokens
 
     def submit(
         self,
@@ -304,15 +306,16 @@ class Engine:
         encoder's input and the decoder starts from its start token.
 
         Raises:
-            GenerationError: the prompt and max_tokens do not fit max_model_len, a setting is out of range, or
-                `params.adapter` names a slot that holds no LoRA adapter.
+            GenerationError: the prompt, max_tokens and min_tokens do not fit max_model_len
+                (`generation.LimitError`), a setting is out of range, or `params.adapter` names a slot that
+                holds no LoRA adapter.
             QueueFullError: max_queue requests are waiting already.
             ServingError: the engine has stopped, or failed.
         """
         prompt_tokens = len(prompt)
         if self.encoder_decoder and inputs is None:
             inputs, prompt = self.encoder_inputs(prompt), [self._decoder_start(params)]
-        self.check_prompt(prompt, params)
+        params = dataclasses.replace(params, max_tokens=self.check_prompt(prompt, params))
         if images is not None and not self.takes_images:
             raise GenerationError(
                 f"{type(self.model.module).__name__} reads no images; send text only, or serve a vision-language model"
