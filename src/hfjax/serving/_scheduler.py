@@ -65,7 +65,8 @@ class Engine:
 
     Args:
         model: a `hfjax.Model` with a tokenizer: a decoder-only causal LM, or an encoder-decoder the slot
-            core runs (`generation.check_supported`: Whisper, BART), whose requests carry their encoder's inputs.
+            core runs (`generation.check_supported`: Whisper, BART, T5, Marian, ...), whose requests carry their
+            encoder's inputs.
         max_num_seqs: the most requests decoded together (sequence slots); default: as many as the
             cache's memory holds, at most 256 on an accelerator and 64 on the CPU (`_sizing.py`).
             (`max_batch` is taken as its old name.)
