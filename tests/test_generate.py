@@ -453,6 +453,14 @@ def test_encoder_decoders_of_other_position_schemes_run_on_the_slot_core_like_tr
     assert bool(searches if beams > 1 else decodes)
 
 
+def test_speculation_on_an_encoder_decoder_is_refused_by_name(loaded):
+    # (its drafts and their verification do not read the slots' cross keys)
+    model = loaded("t5")
+    ids, mask = _batch(model)
+    with pytest.raises(ValueError, match=r"prompt_lookup_num_tokens=3 \(speculative decoding\).*T5ForConditional"):
+        model.generate(ids, mask, max_new_tokens=4, prompt_lookup_num_tokens=3)
+
+
 def test_the_decoder_gets_the_encoder_output_type_like_transformers(checkpoint):
     # Switch Transformers' forward reads encoder_outputs.router_logits, a field BaseModelOutput lacks.
     model = hfjax.load(checkpoint("switch_transformers", task="text2text-generation"))
