@@ -453,12 +453,25 @@ def test_encoder_decoders_of_other_position_schemes_run_on_the_slot_core_like_tr
     assert bool(searches if beams > 1 else decodes)
 
 
-def test_speculation_on_an_encoder_decoder_is_refused_by_name(loaded):
-    # (its drafts and their verification do not read the slots' cross keys)
-    model = loaded("t5")
+def test_prompt_lookup_on_an_encoder_decoder_runs_on_the_slot_core_like_transformers(checkpoint, decodes):
+    # Drafts from each row's decoder tokens, verified over its slot's cross keys. transformers' prompt
+    # lookup takes one prompt at a time; its greedy tokens are its plain greedy decode's.
+    path = checkpoint("bart", init_std=0.2)
+    model = hfjax.load(path)
     ids, mask = _batch(model)
-    with pytest.raises(ValueError, match=r"prompt_lookup_num_tokens=3 \(speculative decoding\).*T5ForConditional"):
-        model.generate(ids, mask, max_new_tokens=4, prompt_lookup_num_tokens=3)
+    settings = dict(max_new_tokens=NEW_TOKENS, do_sample=False)
+    expected = _torch_generate(model, ids, mask, **settings)
+    actual = np.asarray(model.generate(ids, mask, prompt_lookup_num_tokens=3, **settings))
+    stats = model.last_generation_stats
+    np.testing.assert_array_equal(actual, expected)
+    alone = _torch_generate(
+        model, ids[:1, -mask[0].sum() :], mask[:1, -mask[0].sum() :], prompt_lookup_num_tokens=3, **settings
+    )
+    np.testing.assert_array_equal(actual[:1], alone)
+    assert stats.accepted_tokens > 0 and decodes, stats
+    # A draft model would need cross slots of its own: the draft is refused, naming its kind of past.
+    with pytest.raises(ValueError, match=r"BartForConditionalGeneration keeps its past as 'encoder-decoder'"):
+        model.generate(ids, mask, max_new_tokens=4, assistant_model=model)
 
 
 def test_the_decoder_gets_the_encoder_output_type_like_transformers(checkpoint):

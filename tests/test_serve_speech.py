@@ -26,7 +26,7 @@ import transformers
 
 import background
 import hfjax
-from hfjax import testing
+from hfjax import generation, testing
 from hfjax.serving import Engine, SamplingParams
 
 pytest.importorskip("fastapi", reason="the serve extra is not installed: pip install 'hfjax[serve]'")
@@ -196,6 +196,23 @@ def test_t5_rows_at_different_positions_each_get_their_own_relative_bias(urls):
     for prompt, budget, event in zip(T5_PROMPTS, budgets, got):
         assert event.token_ids == _t5_reference(path, prompt, budget), prompt
     assert len({tuple(event.token_ids[:3]) for event in got}) == 3
+
+
+def test_an_encoder_decoder_engine_drafting_by_prompt_lookup_gives_transformers_tokens(urls):
+    # The engine's decode in speculative rounds, each verifying forward over the rows' cross keys.
+    path = SERVERS["t5"]["checkpoint"]
+    model = hfjax.load(str(path))
+    speculation = generation.Speculation(method="ngram", num_speculative_tokens=3)
+    engine = Engine(model, max_num_seqs=2, max_model_len=64, prefill_chunk=16, decode_steps=4, speculation=speculation)
+    engine.start()
+    try:
+        ids = [model.tokenizer(prompt)["input_ids"] for prompt in T5_PROMPTS]
+        got = engine.generate(ids, SamplingParams(max_tokens=12, temperature=0, ignore_eos=True))
+    finally:
+        engine.stop()
+    for prompt, event in zip(T5_PROMPTS, got):
+        assert event.token_ids == _t5_reference(path, prompt, 12), prompt
+    assert engine.metrics.draft_tokens > 0, "no row drafted"
 
 
 def test_t5_beams_over_its_cross_slots_equal_transformers(urls, monkeypatch):

@@ -22,6 +22,9 @@ position up: BART, mBART, Blenderbot, Marian). T5's relative position bias, whic
 computes from the cache's length (one scalar for every row), is each row's own through a hook on
 that attention's `compute_bias` for the length of the call (`RELATIVE_BIASES`: T5, mT5, UMT5,
 LongT5's decoder). A decoder with none of these is refused by `check_supported`, saying why.
+
+`SpeculativeEncoderDecoderSlotModel` drafts by prompt lookup over each row's decoder tokens and
+verifies the drafts with one decoder run over the rows' cross keys.
 """
 
 from __future__ import annotations
@@ -39,6 +42,7 @@ from .. import lora as _lora
 from .._errors import GenerationError
 from . import _slots
 from ._slots import SlotModel, SlotState
+from ._speculative_slots import SpeculativeSlotModel
 
 # The prefill input that gives the n-grams encoder_no_repeat_ngram_size bans ([P, E] int32, as
 # `SlotState.encoder_ids`), where they are not the encoder's ids on its mask (transformers reads the
@@ -165,6 +169,10 @@ class EncoderDecoderSlotModel(SlotModel):
 
     def __init__(self, model, slots: int, length: int, encoder_length: int | None = None):
         super().__init__(model, slots, length)
+        self._hold_encoder(encoder_length)
+
+    def _hold_encoder(self, encoder_length: int | None) -> None:
+        """What the slots keep of the encoder, beside `SlotModel`'s decoder cache (see the class)."""
         config = self.module.config
         self.main_input = self.module.main_input_name
         self.features_input = self.main_input != "input_ids"  # e.g. Whisper's input_features
@@ -395,6 +403,24 @@ class EncoderDecoderSlotModel(SlotModel):
             return super().decode_chunk(params, state, rows, active, count, want_logprobs, decoding_rows=r, **kwargs)
 
 
+class SpeculativeEncoderDecoderSlotModel(EncoderDecoderSlotModel, SpeculativeSlotModel):
+    """An `EncoderDecoderSlotModel` whose decode drafts by prompt lookup over each row's decoder tokens
+    and verifies in rounds (`SpeculativeSlotModel`): its prefill and every decoder run, the verifying
+    forward of k + 1 tokens included, read the rows' cross keys (`attending`)."""
+
+    def __init__(self, model, slots: int, length: int, encoder_length: int | None, speculation):
+        if speculation.method != "ngram":
+            raise GenerationError(
+                f"SpeculativeEncoderDecoderSlotModel: Speculation(method={speculation.method!r}); an encoder-decoder "
+                "drafts by prompt lookup only (method='ngram'): a draft model would need cross slots of its own"
+            )
+        SpeculativeSlotModel.__init__(self, model, slots, length, speculation)
+        self._hold_encoder(encoder_length)
+
+    def program_key(self) -> tuple:
+        return (*EncoderDecoderSlotModel.program_key(self), *SpeculativeSlotModel.program_key(self))
+
+
 def check_supported(model) -> None:
     """Raises GenerationError for a model the slot core cannot serve, saying why: a decoder-only model
     (`_slots.check_supported`), or an encoder-decoder (`check_encoder_decoder`)."""
@@ -404,9 +430,16 @@ def check_supported(model) -> None:
         _slots.check_supported(model)
 
 
-def slot_model(model, slots: int, length: int, *, encoder_length: int | None = None) -> SlotModel:
+def slot_model(
+    model, slots: int, length: int, *, encoder_length: int | None = None, speculation=None, draft=None
+) -> SlotModel:
     """The slot model of `model`: an `EncoderDecoderSlotModel` for an encoder-decoder (whose slots hold
-    `encoder_length` encoder positions where it reads tokens; default `length`), else a `SlotModel`."""
+    `encoder_length` encoder positions where it reads tokens; default `length`), else a `SlotModel`;
+    with `speculation` (and its `draft` model), the speculative kind of either."""
     if getattr(model.module.config, "is_encoder_decoder", False):
+        if speculation is not None:
+            return SpeculativeEncoderDecoderSlotModel(model, slots, length, encoder_length or length, speculation)
         return EncoderDecoderSlotModel(model, slots, length, encoder_length or length)
+    if speculation is not None:
+        return SpeculativeSlotModel(model, slots, length, speculation, draft=draft)
     return SlotModel(model, slots, length)

@@ -12,9 +12,9 @@ prefilled whole, not speculated), left-padded prompts, images where it builds th
 (`takes_images`; the prefill chunk of every row's whole prompt takes them), weights on one device or
 on a mesh (of one process or several), and a model that reads no values of its data; or an
 encoder-decoder whose decoder takes each row's positions (`_encoder_slots`: Whisper, BART, T5,
-Marian, Blenderbot), without speculation: its prefill reads the encoder's input and the decoder
-prompt, and the slots keep the cross-attention keys and values (and a token encoder's ids, the
-n-grams encoder_no_repeat_ngram_size bans). `Generator` runs the rest. Beam search runs its own
+Marian, Blenderbot), speculating by prompt lookup only: its prefill reads the encoder's input and
+the decoder prompt, and the slots keep the cross-attention keys and values (and a token encoder's
+ids, the n-grams encoder_no_repeat_ngram_size bans). `Generator` runs the rest. Beam search runs its own
 programs over the same cache (`_slot_beams`; an encoder-decoder's beams over their slots' cross
 keys), from the slot prefill's logits. A row that has stopped runs
 on pad tokens until every row has, as transformers feeds it, so the processed scores and raw
@@ -46,7 +46,7 @@ import torch
 from .. import bridge, parallel
 from .._errors import DataDependentError, GenerationError
 from . import _encoder_slots, _grammar, _multimodal, _planning, _rows
-from ._encoder_slots import EncoderDecoderSlotModel
+from ._encoder_slots import EncoderDecoderSlotModel, SpeculativeEncoderDecoderSlotModel
 from ._recurrent import hybrid_model, recurrent_model
 from ._settings import GenerationSettings
 from ._slot_beams import BeamCarry, SlotBeams
@@ -96,9 +96,8 @@ class SlotRuns:
             return False
         if self.recurrent and settings.speculation is not None:  # a state cannot take back rejected drafts
             return False
-        if self.encoder_decoder:
-            # (speculation over cross-attention slots, and n-grams of the encoder's ids: `Generator`'s)
-            return settings.speculation is None
+        if self.encoder_decoder:  # (drafts by prompt lookup; a draft model would need cross slots of its own)
+            return settings.speculation is None or settings.speculation.method == "ngram"
         return _left_padded(plan.mask)
 
     def generate(
@@ -359,7 +358,11 @@ class SlotRuns:
         self._slot_model(plan)
         if settings.speculation is not None:  # the slot model that drafts (with `draft`, where given)
             model_key = (*model_key, settings.speculation, None if draft is None else id(draft))
-            if model_key not in self._models:
+            if model_key not in self._models and self.encoder_decoder:
+                self._models[model_key] = SpeculativeEncoderDecoderSlotModel(
+                    self.model, plan.rows, plan.total, plan.size, settings.speculation
+                )
+            elif model_key not in self._models:
                 self._models[model_key] = SpeculativeSlotModel(
                     self.model, plan.rows, plan.total, settings.speculation, draft=draft
                 )

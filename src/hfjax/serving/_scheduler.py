@@ -166,9 +166,9 @@ class Engine:
                 f"Engine: speculative decoding ({speculation.method}) with {type(model.module).__name__}, whose "
                 "recurrent state cannot take back rejected drafts; serve it without --speculative-config"
             )
-        if speculation is not None:
-            slot_model = generation.SpeculativeSlotModel(
-                model, self.max_num_seqs, self.max_model_len, speculation, draft
+        if speculation is not None:  # (an encoder-decoder's drafts by prompt lookup, verified over its cross keys)
+            slot_model = generation.slot_model(
+                model, self.max_num_seqs, self.max_model_len, speculation=speculation, draft=draft
             )
         # A recurrent model's slot holds the state after its whole prompt, not a prefix of it: each
         # prompt is prefilled whole, in one chunk as wide as the prefill program's window.
