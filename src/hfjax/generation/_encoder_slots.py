@@ -18,8 +18,13 @@ encoder's longest input, padded on the right):
 The decoder's positions are each row's own. Whisper takes them (`decoder_position_ids`); a decoder
 whose position embedding counts from its cache's length takes them through a hook on that module
 for the length of the call (`POSITION_EMBEDDINGS`: the modules it knows, and how each looks a
-position up). A decoder with neither (T5's relative position bias, counted from `cache_position`,
-which is one scalar for every row) is refused by `check_supported`, saying why: `Generator` runs it.
+position up: BART, mBART, Blenderbot, Marian). T5's relative position bias, which its attention
+computes from the cache's length (one scalar for every row), is each row's own through a hook on
+that attention's `compute_bias` for the length of the call (`RELATIVE_BIASES`: T5, mT5, UMT5,
+LongT5's decoder). A decoder with none of these is refused by `check_supported`, saying why.
+
+`SpeculativeEncoderDecoderSlotModel` drafts by prompt lookup over each row's decoder tokens and
+verifies the drafts with one decoder run over the rows' cross keys.
 """
 
 from __future__ import annotations
@@ -30,12 +35,19 @@ import inspect
 
 import jax
 import jax.numpy as jnp
+import torch
 
 from .. import bridge
 from .. import lora as _lora
 from .._errors import GenerationError
 from . import _slots
 from ._slots import SlotModel, SlotState
+from ._speculative_slots import SpeculativeSlotModel
+
+# The prefill input that gives the n-grams encoder_no_repeat_ngram_size bans ([P, E] int32, as
+# `SlotState.encoder_ids`), where they are not the encoder's ids on its mask (transformers reads the
+# caller's pads too: `BatchPlan.ngram_source`).
+NGRAM_SOURCE = "ngram_source"
 
 
 def _offset_embedding(module, positions):
@@ -43,22 +55,65 @@ def _offset_embedding(module, positions):
     return module.weight[positions + module.offset]
 
 
+def _plain_embedding(module, positions):
+    """Blenderbot's learned and Marian's sinusoidal positions: row b's position p is the table's row p."""
+    return module.weight[positions]
+
+
 # Position embeddings that count from the cache's length (one scalar for every row), by class name,
 # and how each looks up rows' own positions [B, q] (torch): the hook replaces the module's output.
 POSITION_EMBEDDINGS = {
     "BartLearnedPositionalEmbedding": _offset_embedding,
     "MBartLearnedPositionalEmbedding": _offset_embedding,
+    "BlenderbotLearnedPositionalEmbedding": _plain_embedding,
+    "BlenderbotSmallLearnedPositionalEmbedding": _plain_embedding,
+    "MarianSinusoidalPositionalEmbedding": _plain_embedding,
 }
+
+# Attention modules whose relative position bias counts its queries from the cache's length (one
+# scalar for every row), by class name: each has `compute_bias(query_length, key_length, device=,
+# past_seen_tokens=)` giving [1, heads, q, k] for keys at columns 0..k-1, a function of (key's
+# column - query's position) alone. The bias hook replaces it, for the decoder's self-attention
+# modules that hold a bias table, with each row's own [B, heads, q, k].
+RELATIVE_BIASES = frozenset({"T5Attention", "MT5Attention", "UMT5Attention", "LongT5Attention"})
+
+
+def _bias_modules(decoder) -> list:
+    """The decoder's attention modules of `RELATIVE_BIASES` that compute a bias of their own."""
+    return [
+        m
+        for m in decoder.modules()
+        if type(m).__name__ in RELATIVE_BIASES and getattr(m, "has_relative_attention_bias", False)
+    ]
+
+
+def _rows_bias(compute_bias, positions):
+    """A `compute_bias` of each row's queries at `positions` [B, q] (torch), from the module's own
+    `compute_bias`: one query at position `key_length - 1` over 2 x key_length - 1 keys gives the
+    bias of every offset from -(key_length - 1) to key_length - 1, which each row then picks."""
+
+    def bias(query_length, key_length, device=None, past_seen_tokens=0):
+        table = compute_bias(1, 2 * key_length - 1, device=device, past_seen_tokens=key_length - 1)[0, :, 0]
+        columns = torch.arange(key_length, device=positions.device)
+        offsets = columns[None, None, :] - positions[:, :, None].long() + (key_length - 1)  # [B, q, k]
+        offsets = offsets.clamp(0, 2 * key_length - 2)
+        picked = torch.nn.functional.embedding(offsets, table.transpose(0, 1))  # [B, q, k, heads]
+        return picked.permute(0, 3, 1, 2)
+
+    return bias
 
 
 def decoder_positions(module) -> str | None:
     """How `module`'s decoder takes each row's own positions: "keyword" (its forward's
-    decoder_position_ids), "hook" (a `POSITION_EMBEDDINGS` module in its decoder), or None."""
+    decoder_position_ids), "hook" (a `POSITION_EMBEDDINGS` module in its decoder), "bias" (a
+    `RELATIVE_BIASES` attention in its decoder, and no other position embedding), or None."""
     if "decoder_position_ids" in inspect.signature(module.forward).parameters:
         return "keyword"
     decoder = module.get_decoder()
     if type(getattr(decoder, "embed_positions", None)).__name__ in POSITION_EMBEDDINGS:
         return "hook"
+    if getattr(decoder, "embed_positions", None) is None and _bias_modules(decoder):
+        return "bias"
     return None
 
 
@@ -114,6 +169,10 @@ class EncoderDecoderSlotModel(SlotModel):
 
     def __init__(self, model, slots: int, length: int, encoder_length: int | None = None):
         super().__init__(model, slots, length)
+        self._hold_encoder(encoder_length)
+
+    def _hold_encoder(self, encoder_length: int | None) -> None:
+        """What the slots keep of the encoder, beside `SlotModel`'s decoder cache (see the class)."""
         config = self.module.config
         self.main_input = self.module.main_input_name
         self.features_input = self.main_input != "input_ids"  # e.g. Whisper's input_features
@@ -150,7 +209,7 @@ class EncoderDecoderSlotModel(SlotModel):
             def one_token(params):
                 cross, _ = self.encode(params, self.encoder_inputs(1))
                 self_cache = [(jnp.zeros((1, k.shape[1], self.length, k.shape[3]), k.dtype),) * 2 for k, _ in cross]
-                with self._attending(cross, jnp.ones((1, self.encoder_length), jnp.int32)), self.bound(params):
+                with self.attending(cross, jnp.ones((1, self.encoder_length), jnp.int32)), self.bound(params):
                     logits, _ = self.run(
                         params, self_cache, jnp.zeros((1, 1), jnp.int32), jnp.zeros((1, 1), jnp.int32),
                         jnp.zeros((1, 1), jnp.int32),
@@ -176,10 +235,13 @@ class EncoderDecoderSlotModel(SlotModel):
 
     def extra_state(self) -> dict:
         self.shapes()
-        return {
+        extra = {
             "cross": [tuple(jnp.zeros(s.shape, s.dtype) for s in pair) for pair in self._cross_shapes],
             "encoder_mask": jnp.zeros((self.slots, self.encoder_length), jnp.int32),
         }
+        if not self.features_input:  # the n-grams encoder_no_repeat_ngram_size reads
+            extra["encoder_ids"] = jnp.full((self.slots, self.encoder_length), -1, jnp.int32)
+        return extra
 
     def encode(self, params, inputs: dict) -> tuple[list, jax.Array]:
         """(each decoder layer's cross-attention (keys, values) [P, heads, E, head_dim], the encoder mask
@@ -203,7 +265,8 @@ class EncoderDecoderSlotModel(SlotModel):
                     f"EncoderDecoderSlotModel: the encoder gave {hidden.shape[1]} positions, and the slots hold "
                     f"{self.encoder_length}; pad the encoder's input to {self.encoder_length}"
                 )
-            layers = len(self.module.get_decoder().layers)
+            decoder = self.module.get_decoder()
+            layers = len(decoder.layers if hasattr(decoder, "layers") else decoder.block)  # (T5's: `block`)
             # Both caches keep what the layers compute: the token attends to itself, and the cross keys stay.
             own, cross = (StaticCache(config=self.config, max_cache_len=1) for _ in range(2))
             own.layers = [self.cross_class() for _ in range(layers)]
@@ -220,9 +283,9 @@ class EncoderDecoderSlotModel(SlotModel):
         return keys, mask.astype(jnp.int32)
 
     @contextlib.contextmanager
-    def _attending(self, cross: list, encoder_mask):
+    def attending(self, cross: list, encoder_mask):
         """The decoder runs of this block read `cross` [(keys, values)] [B, heads, E, head_dim] and
-        `encoder_mask` [B, E] (the rows' slots')."""
+        `encoder_mask` [B, E] (the rows' slots': `SlotState.cross`, `SlotState.encoder_mask`)."""
         before, self._reading = self._reading, (cross, encoder_mask)
         try:
             yield
@@ -282,13 +345,24 @@ class EncoderDecoderSlotModel(SlotModel):
     @contextlib.contextmanager
     def _positions_hook(self, positions):
         """Within the block, the decoder's position embedding (a `POSITION_EMBEDDINGS` module) looks up
-        each row's `positions` [B, q]; nothing where the decoder takes them as an argument."""
+        each row's `positions` [B, q], or its relative bias (`RELATIVE_BIASES`) is each row's own;
+        nothing where the decoder takes them as an argument."""
+        rows = bridge.to_torch(positions)
+        if self.positions == "bias":
+            attentions = _bias_modules(self.module.get_decoder())
+            for attention in attentions:  # an instance attribute over the class's method, for this block
+                attention.compute_bias = _rows_bias(type(attention).compute_bias.__get__(attention), rows)
+            try:
+                yield
+            finally:
+                for attention in attentions:
+                    del attention.compute_bias
+            return
         if self.positions != "hook":
             yield
             return
         embedding = self.module.get_decoder().embed_positions
         lookup = POSITION_EMBEDDINGS[type(embedding).__name__]
-        rows = bridge.to_torch(positions)
         handle = embedding.register_forward_hook(lambda module, args, output: lookup(module, rows))
         try:
             yield
@@ -299,6 +373,8 @@ class EncoderDecoderSlotModel(SlotModel):
         """`SlotModel.prefill_chunk`; with `inputs`, the encoder runs over them first and its cross keys
         and values go to the rows' slots (see the module's docstring)."""
         if inputs is not None:
+            inputs = dict(inputs)
+            source = inputs.pop(NGRAM_SOURCE, None)
             cross, mask = self.encode(params, inputs)
             state = dataclasses.replace(
                 state,
@@ -308,17 +384,41 @@ class EncoderDecoderSlotModel(SlotModel):
                 ],
                 encoder_mask=state.encoder_mask.at[which].set(mask, mode="drop"),
             )
+            if state.encoder_ids is not None:  # (without a source: the ids on the encoder's mask)
+                if source is None:
+                    source = jnp.where(mask > 0, inputs["input_ids"], -1)
+                state = dataclasses.replace(
+                    state, encoder_ids=state.encoder_ids.at[which].set(source.astype(jnp.int32), mode="drop")
+                )
         else:
             cross = [tuple(a.at[which].get(mode="fill", fill_value=0) for a in pair) for pair in state.cross]
             mask = state.encoder_mask.at[which].get(mode="fill", fill_value=0)
-        with self._attending(cross, mask):
+        with self.attending(cross, mask):
             return super().prefill_chunk(params, state, rows, which, *args, **kwargs)
 
     def decode_chunk(self, params, state: SlotState, rows, active, count, want_logprobs, *, decoding_rows, **kwargs):
         r = decoding_rows
         cross = [tuple(a[:r] for a in pair) for pair in state.cross]
-        with self._attending(cross, state.encoder_mask[:r]):
+        with self.attending(cross, state.encoder_mask[:r]):
             return super().decode_chunk(params, state, rows, active, count, want_logprobs, decoding_rows=r, **kwargs)
+
+
+class SpeculativeEncoderDecoderSlotModel(EncoderDecoderSlotModel, SpeculativeSlotModel):
+    """An `EncoderDecoderSlotModel` whose decode drafts by prompt lookup over each row's decoder tokens
+    and verifies in rounds (`SpeculativeSlotModel`): its prefill and every decoder run, the verifying
+    forward of k + 1 tokens included, read the rows' cross keys (`attending`)."""
+
+    def __init__(self, model, slots: int, length: int, encoder_length: int | None, speculation):
+        if speculation.method != "ngram":
+            raise GenerationError(
+                f"SpeculativeEncoderDecoderSlotModel: Speculation(method={speculation.method!r}); an encoder-decoder "
+                "drafts by prompt lookup only (method='ngram'): a draft model would need cross slots of its own"
+            )
+        SpeculativeSlotModel.__init__(self, model, slots, length, speculation)
+        self._hold_encoder(encoder_length)
+
+    def program_key(self) -> tuple:
+        return (*EncoderDecoderSlotModel.program_key(self), *SpeculativeSlotModel.program_key(self))
 
 
 def check_supported(model) -> None:
@@ -330,9 +430,16 @@ def check_supported(model) -> None:
         _slots.check_supported(model)
 
 
-def slot_model(model, slots: int, length: int, *, encoder_length: int | None = None) -> SlotModel:
+def slot_model(
+    model, slots: int, length: int, *, encoder_length: int | None = None, speculation=None, draft=None
+) -> SlotModel:
     """The slot model of `model`: an `EncoderDecoderSlotModel` for an encoder-decoder (whose slots hold
-    `encoder_length` encoder positions where it reads tokens; default `length`), else a `SlotModel`."""
+    `encoder_length` encoder positions where it reads tokens; default `length`), else a `SlotModel`;
+    with `speculation` (and its `draft` model), the speculative kind of either."""
     if getattr(model.module.config, "is_encoder_decoder", False):
+        if speculation is not None:
+            return SpeculativeEncoderDecoderSlotModel(model, slots, length, encoder_length or length, speculation)
         return EncoderDecoderSlotModel(model, slots, length, encoder_length or length)
+    if speculation is not None:
+        return SpeculativeSlotModel(model, slots, length, speculation, draft=draft)
     return SlotModel(model, slots, length)

@@ -11,11 +11,12 @@ attention), or a recurrent state, or both (Mamba, hybrids: `SlotState.recurrent`
 prefilled whole, not speculated), left-padded prompts, images where it builds the model's masks
 (`takes_images`; the prefill chunk of every row's whole prompt takes them), weights on one device or
 on a mesh (of one process or several), and a model that reads no values of its data; or an
-encoder-decoder whose decoder takes each row's positions (`_encoder_slots`: Whisper, BART), without
-beam search, speculation or encoder_no_repeat_ngram_size: its prefill reads the encoder's input and
-the decoder prompt, and the slots keep the cross-attention keys and values. `Generator` runs the
-rest. Beam search runs its own
-programs over the same cache (`_slot_beams`), from the slot prefill's logits. A row that has stopped runs
+encoder-decoder whose decoder takes each row's positions (`_encoder_slots`: Whisper, BART, T5,
+Marian, Blenderbot), speculating by prompt lookup only: its prefill reads the encoder's input and
+the decoder prompt, and the slots keep the cross-attention keys and values (and a token encoder's
+ids, the n-grams encoder_no_repeat_ngram_size bans). `Generator` runs the rest. Beam search runs its own
+programs over the same cache (`_slot_beams`; an encoder-decoder's beams over their slots' cross
+keys), from the slot prefill's logits. A row that has stopped runs
 on pad tokens until every row has, as transformers feeds it, so the processed scores and raw
 logits that `output_scores` / `output_logits` keep are transformers' for every row and step.
 A constrained call (structured outputs) decodes one step per program call: between two, each row's
@@ -45,7 +46,7 @@ import torch
 from .. import bridge, parallel
 from .._errors import DataDependentError, GenerationError
 from . import _encoder_slots, _grammar, _multimodal, _planning, _rows, _stops
-from ._encoder_slots import EncoderDecoderSlotModel
+from ._encoder_slots import EncoderDecoderSlotModel, SpeculativeEncoderDecoderSlotModel
 from ._recurrent import hybrid_model, recurrent_model
 from ._settings import GenerationSettings
 from ._slot_beams import BeamCarry, SlotBeams
@@ -95,10 +96,8 @@ class SlotRuns:
             return False
         if self.recurrent and settings.speculation is not None:  # a state cannot take back rejected drafts
             return False
-        if self.encoder_decoder:
-            # (beam search and speculation over cross-attention slots, and n-grams of the encoder's ids:
-            # `Generator`'s)
-            return settings.beam is None and settings.speculation is None and plan.ngram_source is None
+        if self.encoder_decoder:  # (drafts by prompt lookup; a draft model would need cross slots of its own)
+            return settings.speculation is None or settings.speculation.method == "ngram"
         return _left_padded(plan.mask)
 
     def generate(
@@ -328,7 +327,10 @@ class SlotRuns:
         main = self.model.module.main_input_name
         if main != "input_ids":
             return {main: plan.ids.astype(np.float32)}
-        return {main: plan.ids, "attention_mask": plan.mask}
+        inputs = {main: plan.ids, "attention_mask": plan.mask}
+        if plan.ngram_source is not None:  # (encoder_no_repeat_ngram_size's n-grams)
+            inputs[_encoder_slots.NGRAM_SOURCE] = plan.ngram_source
+        return inputs
 
     def _model_key(self, plan: _planning.BatchPlan) -> tuple:
         # (an encoder-decoder's slots hold encoder outputs as long as the plan's padded prompts)
@@ -356,7 +358,11 @@ class SlotRuns:
         self._slot_model(plan)
         if settings.speculation is not None:  # the slot model that drafts (with `draft`, where given)
             model_key = (*model_key, settings.speculation, None if draft is None else id(draft))
-            if model_key not in self._models:
+            if model_key not in self._models and self.encoder_decoder:
+                self._models[model_key] = SpeculativeEncoderDecoderSlotModel(
+                    self.model, plan.rows, plan.total, plan.size, settings.speculation
+                )
+            elif model_key not in self._models:
                 self._models[model_key] = SpeculativeSlotModel(
                     self.model, plan.rows, plan.total, settings.speculation, draft=draft
                 )

@@ -15,6 +15,7 @@ window of `_planning.windows`, until `BeamCarry.going` is false (no beam can cha
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 
@@ -99,7 +100,7 @@ def search_steps(
         # transformers' beam search processes log-probabilities, not logits.
         scores = process_scores(
             jax.nn.log_softmax(carry.logits, axis=-1), rows, features, at, seen=seen, counts=counts,
-            history=history_rules(features, rows, history, at),
+            history=history_rules(features, rows, history, at, encoder_ids=state.encoder_ids),
         )  # fmt: skip
         beams, sequence, parents, going = _beam.step(
             carry.beams, scores, carry.sequence, carry.step, carry.step, carry.max_new_tokens, eos, settings
@@ -113,7 +114,7 @@ def search_steps(
             counts = _sampling.update_counts(counts[parents], token)
         if history is not None:
             history = history[parents].at[every, rows.pads + at].set(token, mode="drop")
-        with slot_model.bound(params):
+        with slot_model.bound(params), _cross_attending(slot_model, state):
             written = jnp.where(at < window, at, window)  # past the window: nowhere
             logits, cache = slot_model.run(params, cache, token[:, None], at[:, None], written[:, None], lora=rows.lora)
         carry = BeamCarry(
@@ -129,6 +130,15 @@ def search_steps(
         state, cache=written_back(whole, restore(carried)), seen=seen, counts=counts, history=history
     )
     return state, carry
+
+
+def _cross_attending(slot_model: SlotModel, state: SlotState):
+    """An encoder-decoder's decoder runs over the slots' cross keys and values and encoder mask; a
+    decoder-only model's, nothing. A slot keeps them whichever beam it takes: a beam's parent is
+    one of its own prompt's beams, whose slots hold the same encoder output."""
+    if state.cross is None:
+        return contextlib.nullcontext()
+    return slot_model.attending(state.cross, state.encoder_mask)
 
 
 class SlotBeams:

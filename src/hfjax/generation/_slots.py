@@ -77,12 +77,15 @@ class SlotState:
     # (state arrays, ...) per layer of a recurrent model (Mamba: its conv and SSM states, each [S, ...]),
     # in `SlotModel.state_layout`'s order: a row's state after its tokens so far; else None
     recurrent: list | None = None
+    # [S, E] int32: a token encoder's input ids as transformers' encoder_input_ids hold them (-1 past
+    # them), the n-grams encoder_no_repeat_ngram_size bans (`history_rules`); else None
+    encoder_ids: jax.Array | None = None
 
     def leaves(self) -> tuple:
         """The state as plain containers, which `jax.export` keeps (programs take and return these)."""
         return (
             self.cache, self.tokens, self.positions, self.seen, self.counts, self.history, self.draft, self.cross,
-            self.encoder_mask, self.recurrent,
+            self.encoder_mask, self.recurrent, self.encoder_ids,
         )  # fmt: skip
 
 
@@ -648,9 +651,10 @@ class SlotModel:
             column = jnp.where(written, column, state.history.shape[1])  # past the end: dropped
             before = state.history.at[which].get(mode="fill", fill_value=0)
             history = before.at[jnp.arange(ids.shape[0])[:, None], column].set(ids, mode="drop")  # [P, L]
+        encoder_ids = None if state.encoder_ids is None else state.encoder_ids.at[which].get(mode="fill", fill_value=-1)
         token, scores = choose_tokens(
             logits[:, 0], mine, features, start + count, seen=seen, counts=counts,
-            history=history_rules(features, mine, history, start + count),
+            history=history_rules(features, mine, history, start + count, encoder_ids=encoder_ids),
         )  # fmt: skip
         chosen = with_logprobs(logits[:, 0], token, want_logprobs)
         chosen = dataclasses.replace(chosen, **kept_values(kept, scores=scores, logits=logits[:, 0]))
@@ -672,6 +676,7 @@ class SlotModel:
             cross=state.cross,
             encoder_mask=state.encoder_mask,
             recurrent=recurrent,
+            encoder_ids=state.encoder_ids,
         )
         per_token = [f for f in (*PER_TOKEN, *_KEPT) if getattr(chosen, f) is not None]
         return state, dataclasses.replace(chosen, **{f: getattr(chosen, f)[:, None] for f in per_token})
@@ -714,6 +719,7 @@ class SlotModel:
         seen = None if state.seen is None else state.seen[:r]
         counts = None if state.counts is None else state.counts[:r]
         history = None if state.history is None else state.history[:r]
+        encoder_ids = None if state.encoder_ids is None else state.encoder_ids[:r]
         # A recurrent model's states of those rows (the window does not apply: a state has no columns).
         states = None if state.recurrent is None else [tuple(a[:r] for a in layer) for layer in state.recurrent]
         write_nowhere = jnp.int32(window)
@@ -761,7 +767,7 @@ class SlotModel:
                 history = history.at[jnp.arange(r), column].set(inputs, mode="drop")
             token, scores = choose_tokens(
                 logits[:, 0], mine, features, at + 1, seen=seen, counts=counts,
-                history=history_rules(features, mine, history, at + 1),
+                history=history_rules(features, mine, history, at + 1, encoder_ids=encoder_ids),
             )  # fmt: skip
             kept_now = kept_values(kept, scores=scores, logits=logits[:, 0])
             chosen = dataclasses.replace(chosen, **{f: getattr(chosen, f).at[:, i].set(v) for f, v in kept_now.items()})
@@ -805,6 +811,7 @@ class SlotModel:
             recurrent=None if states is None else written_back(state.recurrent, states),
             cross=state.cross,
             encoder_mask=state.encoder_mask,
+            encoder_ids=state.encoder_ids,
         )
         return state, dataclasses.replace(chosen, ran=ran)
 
@@ -821,17 +828,23 @@ def written_back(whole: list, parts: list) -> list:
     ]
 
 
-def history_rules(features: SamplingFeatures, rows: RowSampling, history, positions):
+def history_rules(features: SamplingFeatures, rows: RowSampling, history, positions, *, encoder_ids=None):
     """The scores function applying `features.history` (generate's processors that read the tokens so
     far) to rows whose new tokens take `positions` [R], over their tokens `history` [R, L] (or None
-    where no rule reads them); None where there are no such rules."""
+    where no rule reads them); None where there are no such rules. The n-grams that
+    encoder_no_repeat_ngram_size bans are `encoder_ids`' [R, E] (an encoder-decoder's,
+    `SlotState.encoder_ids`), else each row's prompt in its history."""
     rules = features.history
     if rules is None:
         return None
     step = positions - rows.first_new
+    if encoder_ids is not None:
+        source = (encoder_ids, 0, encoder_ids.shape[1])
+    else:
+        source = (history, 0, rows.pads + rows.first_new)
     return functools.partial(
         apply_rules, rules=rules, sequence=history, start=0, end=rows.pads + positions, step=step,
-        last_step=rows.max_new_tokens - 1, source=(history, 0, rows.pads + rows.first_new),
+        last_step=rows.max_new_tokens - 1, source=source,
     )  # fmt: skip
 
 

@@ -183,6 +183,7 @@ class SpeculativeSlotModel(SlotModel):
         seen = None if state.seen is None else state.seen[:r]
         counts = None if state.counts is None else state.counts[:r]
         history = state.history[:r]
+        encoder_ids = None if state.encoder_ids is None else state.encoder_ids[:r]  # (an encoder-decoder's)
         vocab = self.shapes()[1]
         backend = _backend.active()
         carried, restore = backend.loop_carry(cache)
@@ -237,7 +238,7 @@ class SpeculativeSlotModel(SlotModel):
                     )  # fmt: skip
                 scores = process_scores(
                     logits[:, 0], mine, features, where + 1, seen=seen, counts=counts,
-                    history=history_rules(features, mine, history, where + 1),
+                    history=history_rules(features, mine, history, where + 1, encoder_ids=encoder_ids),
                 )  # fmt: skip
                 token = _sampling.pick(scores, draw, where + 1, features)
                 history = history.at[each[:, 0], jnp.where(now, mine.pads + where + 1, history.shape[1])].set(
@@ -298,7 +299,7 @@ class SpeculativeSlotModel(SlotModel):
                 logits_j, draft_j, j = position
                 token, processed = choose_tokens(
                     logits_j, mine, features, at + j + 1, seen=seen, counts=counts,
-                    history=history_rules(features, mine, history, at + j + 1),
+                    history=history_rules(features, mine, history, at + j + 1, encoder_ids=encoder_ids),
                 )  # fmt: skip
                 # The next position's choice sees this draft among the row's tokens.
                 seen = None if seen is None else _sampling.update_seen(seen, draft_j)
@@ -372,5 +373,6 @@ class SpeculativeSlotModel(SlotModel):
             draft=state.draft if not by_model else written_back(state.draft, restore_draft(drafts_carried)),
             cross=state.cross,
             encoder_mask=state.encoder_mask,
+            encoder_ids=state.encoder_ids,
         )
         return state, dataclasses.replace(chosen, ran=jnp.max(made), made=made, rounds=rounds)

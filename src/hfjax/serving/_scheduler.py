@@ -65,7 +65,8 @@ class Engine:
 
     Args:
         model: a `hfjax.Model` with a tokenizer: a decoder-only causal LM, or an encoder-decoder the slot
-            core runs (`generation.check_supported`: Whisper, BART), whose requests carry their encoder's inputs.
+            core runs (`generation.check_supported`: Whisper, BART, T5, Marian, ...), whose requests carry their
+            encoder's inputs.
         max_num_seqs: the most requests decoded together (sequence slots); default: as many as the
             cache's memory holds, at most 256 on an accelerator and 64 on the CPU (`_sizing.py`).
             (`max_batch` is taken as its old name.)
@@ -165,9 +166,9 @@ class Engine:
                 f"Engine: speculative decoding ({speculation.method}) with {type(model.module).__name__}, whose "
                 "recurrent state cannot take back rejected drafts; serve it without --speculative-config"
             )
-        if speculation is not None:
-            slot_model = generation.SpeculativeSlotModel(
-                model, self.max_num_seqs, self.max_model_len, speculation, draft
+        if speculation is not None:  # (an encoder-decoder's drafts by prompt lookup, verified over its cross keys)
+            slot_model = generation.slot_model(
+                model, self.max_num_seqs, self.max_model_len, speculation=speculation, draft=draft
             )
         # A recurrent model's slot holds the state after its whole prompt, not a prefix of it: each
         # prompt is prefilled whole, in one chunk as wide as the prefill program's window.
