@@ -190,6 +190,23 @@ def test_right_padded_prompts_warn_like_transformers(loaded, with_mask):
         model.generate(ids, mask if with_mask else None, max_new_tokens=2)
 
 
+def test_right_padded_prompts_run_on_the_slot_core_as_left_padded_ones(loaded, decodes):
+    # transformers reads a right-padded row's first new token off its last pad (at position 0) and
+    # places the new tokens at positions 1, 2, ...; the slot core lays each row out as left padding
+    # does. The answer is the caller's prompts, then transformers' new tokens for them left-padded.
+    model = loaded("llama")
+    model.tokenizer.padding_side = "right"
+    right = model.tokenizer(PROMPTS, padding=True, return_tensors="np")
+    ids, mask = _batch(model)
+    width = ids.shape[1]
+    with pytest.warns(UserWarning, match="right-padding was detected"):
+        actual = np.asarray(model.generate(right["input_ids"], right["attention_mask"], max_new_tokens=NEW_TOKENS))
+    assert decodes, "the call did not run on the slot core"
+    np.testing.assert_array_equal(actual[:, :width], right["input_ids"])
+    expected = _torch_generate(model, ids, mask, max_new_tokens=NEW_TOKENS)
+    np.testing.assert_array_equal(actual[:, width:], expected[:, width:])
+
+
 def test_eos_stops_rows_and_pads_them_like_transformers(loaded):
     model = loaded("qwen3")
     ids, mask = _batch(model)
@@ -607,8 +624,7 @@ ON_SLOTS = {
 @pytest.mark.parametrize("name", ON_SLOTS)
 def test_generate_on_the_slot_core_gives_the_generators_tokens(loaded, decodes, monkeypatch, name):
     # The slot core (hfjax serve's programs) runs these calls; `Generator`'s own programs run what it
-    # cannot (other caches, images, models without position_ids, right-padded prompts). Both give one
-    # answer.
+    # cannot (docs/architecture.md). Both give one answer.
     from hfjax.generation import _on_slots
 
     model = loaded("llama")

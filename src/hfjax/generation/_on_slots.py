@@ -60,6 +60,18 @@ def _left_padded(mask: np.ndarray) -> bool:
     return bool(np.array_equal(mask, np.arange(mask.shape[1])[None, :] >= mask.shape[1] - count))
 
 
+def _core_layout(plan: _planning.BatchPlan) -> _planning.BatchPlan:
+    """`plan` with each row's real tokens moved, in their order, to the right end of its prompt
+    columns (the slot prefill's layout; positions then count from a row's first real token), where
+    the caller padded them anywhere else."""
+    if _left_padded(plan.mask):
+        return plan
+    order = np.argsort(plan.mask, axis=1, kind="stable")  # each row's pad columns, then its real ones
+    return dataclasses.replace(
+        plan, ids=np.take_along_axis(plan.ids, order, axis=1), mask=np.take_along_axis(plan.mask, order, axis=1)
+    )
+
+
 class SlotRuns:
     """`Model.generate` calls on the slot core, for one `Generator` (whose program cache they share)."""
 
@@ -99,7 +111,9 @@ class SlotRuns:
             # (beam search and speculation over cross-attention slots, and n-grams of the encoder's ids:
             # `Generator`'s)
             return settings.beam is None and settings.speculation is None and plan.ngram_source is None
-        return _left_padded(plan.mask)
+        # Text padded anywhere is laid out as the prefill takes it (`_core_layout`); images' per-token
+        # inputs are laid out for the caller's columns.
+        return not inputs or _left_padded(plan.mask)
 
     def generate(
         self,
@@ -129,6 +143,8 @@ class SlotRuns:
         precision = bridge.resolve_precision(self.model.matmul_precision)
         # An encoder-decoder's prefill is its decoder prompt, after the encoder reads the plan's ids (the
         # prefill's `inputs`, as images are a decoder's).
+        if not self.encoder_decoder:
+            plan = _core_layout(plan)
         arrays, prompt_ids, width = None, plan.ids, plan.size
         if self.encoder_decoder:
             arrays, prompt_ids, width = self._encoder_inputs(plan), plan.decoder_prompt, plan.offset
