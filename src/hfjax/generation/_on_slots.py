@@ -8,8 +8,10 @@ same programs.
 A call runs here when the slot core carries out everything it asks: a decoder-only model with a
 static KV cache that takes `position_ids` or builds ALiBi by key (Bloom) (full or sliding-window
 attention), or a recurrent state, or both (Mamba, hybrids: `SlotState.recurrent`, each prompt
-prefilled whole, not speculated), left-padded prompts, images where it builds the model's masks
-(`takes_images`; the prefill chunk of every row's whole prompt takes them), weights on one device or
+prefilled whole, not speculated), prompts padded anywhere (text padded elsewhere than on the left is
+laid out as left padding: `_core_layout`), images where it builds the model's masks (`takes_images`;
+the prefill chunk of every row's whole prompt takes them; beams and drafts decode at the multimodal
+rope's positions; a draft model does not read them), weights on one device or
 on a mesh (of one process or several), and a model that reads no values of its data; or an
 encoder-decoder whose decoder takes each row's positions (`_encoder_slots`: Whisper, BART), without
 beam search, speculation or encoder_no_repeat_ngram_size: its prefill reads the encoder's input and
@@ -390,11 +392,11 @@ class SlotRuns:
 def takes_images(module, inputs, settings: GenerationSettings | None = None) -> bool:
     """Whether the slot core can prefill `module` with `inputs` (names of its prefill-only inputs):
     its masks' bidirectional blocks are known (`_multimodal.BIDIRECTIONAL_BLOCKS`) where it reads
-    token_type_ids, and `settings` (Model.generate's) neither searches beams nor drafts, whose programs
-    take no rope shift."""
+    token_type_ids, and `settings` (Model.generate's) drafts with no draft model (which would read
+    the images' placeholder tokens without the images)."""
     if "token_type_ids" in inputs and module.config.model_type not in _multimodal.BIDIRECTIONAL_BLOCKS:
         return False
-    return settings is None or (settings.beam is None and settings.speculation is None)
+    return settings is None or settings.speculation is None or settings.speculation.method != "draft_model"
 
 
 # [R, 2] uint32 key data with each row's index folded in, as one program (eagerly: 4 ms a call).
