@@ -153,6 +153,27 @@ def test_each_row_of_a_padded_batch_is_what_its_prompt_alone_gives(loaded, famil
         np.testing.assert_array_equal(batch[row, : alone.shape[1]], alone[0], err_msg=f"row {row}: {prompt!r}")
 
 
+@pytest.mark.parametrize("family", ["zamba", "falcon_h1"])
+def test_layers_that_attend_and_scan_run_on_the_slot_core_like_transformers(loaded, decodes, family):
+    # Zamba's and Falcon-H1's "hybrid" layers keep keys and values and a mamba state in one cache layer.
+    model = loaded(family)
+    ids, mask = _batch(model)
+    settings = dict(max_new_tokens=NEW_TOKENS, do_sample=False)
+    actual = np.asarray(model.generate(ids, mask, **settings))
+    assert decodes, "the call did not run on the slot core"
+    np.testing.assert_array_equal(actual, _torch_generate(model, ids, mask, **settings))
+
+
+def test_beam_search_over_a_hybrids_states_is_transformers(loaded):
+    # The slot core's beam programs move keys and values to each beam, not states: `Generator` searches.
+    model = loaded("jamba")
+    ids, mask = _batch(model)
+    settings = dict(max_new_tokens=NEW_TOKENS, num_beams=2, do_sample=False)
+    np.testing.assert_array_equal(
+        np.asarray(model.generate(ids, mask, **settings)), _torch_generate(model, ids, mask, **settings)
+    )
+
+
 def test_a_hybrid_linear_attention_model_generates_like_transformers(loaded):
     # Qwen3.5's linear-attention layers zero the prompt's pads by the last columns of the mask they
     # get (transformers' create_recurrent_attention_mask): the prefill must pass the prompt's mask.

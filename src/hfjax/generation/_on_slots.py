@@ -109,6 +109,8 @@ class SlotRuns:
             return False
         if self.recurrent and settings.speculation is not None:  # a state cannot take back rejected drafts
             return False
+        if self.recurrent and settings.beam is not None:  # (the search's programs move no state to its beams)
+            return False
         if self.encoder_decoder:
             # (beam search and speculation over cross-attention slots, and n-grams of the encoder's ids:
             # `Generator`'s)
