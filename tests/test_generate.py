@@ -164,6 +164,18 @@ def test_layers_that_attend_and_scan_run_on_the_slot_core_like_transformers(load
     np.testing.assert_array_equal(actual, _torch_generate(model, ids, mask, **settings))
 
 
+@pytest.mark.parametrize("family", ["gpt_neo", "ctrl"])
+def test_models_generate_recomputes_run_on_the_slot_core_with_a_cache_like_transformers(loaded, decodes, family):
+    # transformers compiles neither in one whole program, so `Generator` runs them without a cache; their
+    # forwards take transformers' static cache all the same, which the slots keep.
+    model = loaded(family)
+    ids, mask = _batch(model)
+    settings = dict(max_new_tokens=NEW_TOKENS, do_sample=False)
+    actual = np.asarray(model.generate(ids, mask, **settings))
+    assert decodes, "the call did not run on the slot core"
+    np.testing.assert_array_equal(actual, _torch_generate(model, ids, mask, **settings))
+
+
 def test_beam_search_over_a_hybrids_states_is_transformers(loaded):
     # The slot core's beam programs move keys and values to each beam, not states: `Generator` searches.
     model = loaded("jamba")

@@ -40,7 +40,7 @@ from .. import _backend, bridge, parallel
 from .. import lora as _lora
 from .._errors import GenerationError
 from . import _caches, _multimodal, _sampling
-from ._adapters import StaticCacheAdapter, adapter_for
+from ._adapters import RecomputeAdapter, StaticCacheAdapter, adapter_for
 from ._choose import apply_rules, choose_tokens
 from ._recurrent import (
     hybrid_model,
@@ -188,7 +188,7 @@ def check_supported(model) -> None:
     config = model.module.config.get_text_config(decoder=True)
     if recurrent_model(model.module):
         return  # a state per slot (`SlotState.recurrent`)
-    if type(adapter) is not StaticCacheAdapter and not hybrid_model(model.module):
+    if type(adapter) is not StaticCacheAdapter and not hybrid_model(model.module) and not _cached_anyway(model.module):
         raise GenerationError(
             f"hfjax serve batches decoder-only causal LMs with a static KV cache or a recurrent state; "
             f"{type(model.module).__name__} keeps its past as {adapter.kind!r}; use Model.generate for it"
@@ -211,6 +211,20 @@ def check_supported(model) -> None:
             f"hfjax serve's slot cache masks full and sliding-window attention; {config.model_type} also has "
             f"{', '.join(unknown)} layers; use Model.generate for it"
         )
+
+
+def _cached_anyway(module) -> bool:
+    """Whether `module`, which `Generator` runs without a cache (transformers compiles it in no whole
+    program), takes transformers' cache anyway: its forward has the cache's argument, and every layer
+    of its static cache keeps keys and values."""
+    from transformers.cache_utils import StaticLayer
+
+    if type(adapter_for(module)) is not RecomputeAdapter:
+        return False
+    if _caches.cache_keyword(module) not in inspect.signature(module.forward).parameters:
+        return False
+    layers = _caches.static_cache(module.config.get_text_config(decoder=True), 1).layers
+    return bool(layers) and all(isinstance(layer, StaticLayer) and not _caches.recurrent(layer) for layer in layers)
 
 
 MASKS = ("full_attention", "sliding_attention")  # the attention masks the slot programs build
