@@ -7,8 +7,10 @@ same programs.
 
 A call runs here when the slot core carries out everything it asks: a decoder-only model with a
 static KV cache that takes `position_ids` or builds ALiBi by key (Bloom) (full or sliding-window
-attention), or a recurrent state, or both (Mamba, hybrids: `SlotState.recurrent`, each prompt
-prefilled whole, not speculated), prompts padded anywhere (text padded elsewhere than on the left is
+attention; a model `Generator` recomputes without a cache whose forward takes transformers' static
+cache all the same: GPT-Neo, CTRL), or a recurrent state, or both, in separate layers or in one
+(Mamba, hybrids, Zamba, Falcon-H1: `SlotState.recurrent`, each prompt prefilled whole, neither
+speculated nor beam-searched), prompts padded anywhere (text padded elsewhere than on the left is
 laid out as left padding: `_core_layout`), images where it builds the model's masks (`takes_images`;
 the prefill chunk of every row's whole prompt takes them; beams and drafts decode at the multimodal
 rope's positions; a draft model does not read them), weights on one device or
