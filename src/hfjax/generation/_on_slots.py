@@ -10,8 +10,8 @@ static KV cache that takes `position_ids` or builds ALiBi by key (Bloom) (full o
 attention; a model `Generator` recomputes without a cache whose forward takes transformers' static
 cache all the same: GPT-Neo, CTRL), or a recurrent state, or both, in separate layers or in one
 (Mamba, hybrids, Zamba, Falcon-H1: `SlotState.recurrent`, each prompt prefilled whole, neither
-speculated nor beam-searched), prompts padded anywhere (text padded elsewhere than on the left is
-laid out as left padding: `_core_layout`), images where it builds the model's masks (`takes_images`;
+speculated nor beam-searched), prompts padded anywhere (laid out as left padding: `_core_layout`,
+the images' per-token inputs with them), images where it builds the model's masks (`takes_images`;
 the prefill chunk of every row's whole prompt takes them; beams and drafts decode at the multimodal
 rope's positions; a draft model does not read them), weights on one device or
 on a mesh (of one process or several), and a model that reads no values of its data; or an
@@ -64,16 +64,31 @@ def _left_padded(mask: np.ndarray) -> bool:
     return bool(np.array_equal(mask, np.arange(mask.shape[1])[None, :] >= mask.shape[1] - count))
 
 
-def _core_layout(plan: _planning.BatchPlan) -> _planning.BatchPlan:
-    """`plan` with each row's real tokens moved, in their order, to the right end of its prompt
+def _core_layout(plan: _planning.BatchPlan) -> tuple[_planning.BatchPlan, np.ndarray | None]:
+    """(`plan` with each row's real tokens moved, in their order, to the right end of its prompt
     columns (the slot prefill's layout; positions then count from a row's first real token), where
-    the caller padded them anywhere else."""
+    the caller padded them anywhere else; the columns each row takes them from, [rows, size] int,
+    or None where the plan is already so)."""
     if _left_padded(plan.mask):
-        return plan
+        return plan, None
     order = np.argsort(plan.mask, axis=1, kind="stable")  # each row's pad columns, then its real ones
-    return dataclasses.replace(
+    moved = dataclasses.replace(
         plan, ids=np.take_along_axis(plan.ids, order, axis=1), mask=np.take_along_axis(plan.mask, order, axis=1)
     )
+    return moved, order
+
+
+def _moved(arrays: dict, order: np.ndarray) -> dict:
+    """`arrays` (images' prefill inputs) with those laid out along the prompt columns (token types
+    [rows, size], multimodal rope positions [3, rows, size]: integers) taken from the columns `order`
+    [rows, size] names."""
+    moved = {}
+    for name, value in arrays.items():
+        value = np.asarray(value)
+        if np.issubdtype(value.dtype, np.integer) and value.shape[-2:] == order.shape and value.ndim in (2, 3):
+            value = np.take_along_axis(value, np.broadcast_to(order, value.shape), axis=-1)
+        moved[name] = value
+    return moved
 
 
 class SlotRuns:
@@ -117,9 +132,7 @@ class SlotRuns:
             # (beam search and speculation over cross-attention slots, and n-grams of the encoder's ids:
             # `Generator`'s)
             return settings.beam is None and settings.speculation is None and plan.ngram_source is None
-        # Text padded anywhere is laid out as the prefill takes it (`_core_layout`); images' per-token
-        # inputs are laid out for the caller's columns.
-        return not inputs or _left_padded(plan.mask)
+        return True  # (prompts padded anywhere: laid out as the prefill takes them, `_core_layout`)
 
     def generate(
         self,
@@ -149,8 +162,9 @@ class SlotRuns:
         precision = bridge.resolve_precision(self.model.matmul_precision)
         # An encoder-decoder's prefill is its decoder prompt, after the encoder reads the plan's ids (the
         # prefill's `inputs`, as images are a decoder's).
+        order = None
         if not self.encoder_decoder:
-            plan = _core_layout(plan)
+            plan, order = _core_layout(plan)
         arrays, prompt_ids, width = None, plan.ids, plan.size
         if self.encoder_decoder:
             arrays, prompt_ids, width = self._encoder_inputs(plan), plan.decoder_prompt, plan.offset
@@ -186,6 +200,8 @@ class SlotRuns:
             if inputs.position_shift is not None:
                 sampling.rope_delta[:] = inputs.position_shift
             arrays = {**inputs.model_inputs, **{name: np.asarray(values) for name, values in inputs.static}}
+            if order is not None:  # (the images' per-token inputs follow their tokens)
+                arrays = {**arrays, **_moved(inputs.model_inputs, order)}
         allowed = sampling.allowed  # [rows, W] int32 on the host, where the call is constrained
         if matchers is not None:
             sampling.constrained[: len(matchers)] = True
