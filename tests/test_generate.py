@@ -153,6 +153,39 @@ def test_each_row_of_a_padded_batch_is_what_its_prompt_alone_gives(loaded, famil
         np.testing.assert_array_equal(batch[row, : alone.shape[1]], alone[0], err_msg=f"row {row}: {prompt!r}")
 
 
+@pytest.mark.parametrize("family", ["zamba", "falcon_h1"])
+def test_layers_that_attend_and_scan_run_on_the_slot_core_like_transformers(loaded, decodes, family):
+    # Zamba's and Falcon-H1's "hybrid" layers keep keys and values and a mamba state in one cache layer.
+    model = loaded(family)
+    ids, mask = _batch(model)
+    settings = dict(max_new_tokens=NEW_TOKENS, do_sample=False)
+    actual = np.asarray(model.generate(ids, mask, **settings))
+    assert decodes, "the call did not run on the slot core"
+    np.testing.assert_array_equal(actual, _torch_generate(model, ids, mask, **settings))
+
+
+@pytest.mark.parametrize("family", ["gpt_neo", "ctrl"])
+def test_models_generate_recomputes_run_on_the_slot_core_with_a_cache_like_transformers(loaded, decodes, family):
+    # transformers compiles neither in one whole program, so `Generator` runs them without a cache; their
+    # forwards take transformers' static cache all the same, which the slots keep.
+    model = loaded(family)
+    ids, mask = _batch(model)
+    settings = dict(max_new_tokens=NEW_TOKENS, do_sample=False)
+    actual = np.asarray(model.generate(ids, mask, **settings))
+    assert decodes, "the call did not run on the slot core"
+    np.testing.assert_array_equal(actual, _torch_generate(model, ids, mask, **settings))
+
+
+def test_beam_search_over_a_hybrids_states_is_transformers(loaded):
+    # The slot core's beam programs move keys and values to each beam, not states: `Generator` searches.
+    model = loaded("jamba")
+    ids, mask = _batch(model)
+    settings = dict(max_new_tokens=NEW_TOKENS, num_beams=2, do_sample=False)
+    np.testing.assert_array_equal(
+        np.asarray(model.generate(ids, mask, **settings)), _torch_generate(model, ids, mask, **settings)
+    )
+
+
 def test_a_hybrid_linear_attention_model_generates_like_transformers(loaded):
     # Qwen3.5's linear-attention layers zero the prompt's pads by the last columns of the mask they
     # get (transformers' create_recurrent_attention_mask): the prefill must pass the prompt's mask.
@@ -188,6 +221,23 @@ def test_right_padded_prompts_warn_like_transformers(loaded, with_mask):
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         model.generate(ids, mask if with_mask else None, max_new_tokens=2)
+
+
+def test_right_padded_prompts_run_on_the_slot_core_as_left_padded_ones(loaded, decodes):
+    # transformers reads a right-padded row's first new token off its last pad (at position 0) and
+    # places the new tokens at positions 1, 2, ...; the slot core lays each row out as left padding
+    # does. The answer is the caller's prompts, then transformers' new tokens for them left-padded.
+    model = loaded("llama")
+    model.tokenizer.padding_side = "right"
+    right = model.tokenizer(PROMPTS, padding=True, return_tensors="np")
+    ids, mask = _batch(model)
+    width = ids.shape[1]
+    with pytest.warns(UserWarning, match="right-padding was detected"):
+        actual = np.asarray(model.generate(right["input_ids"], right["attention_mask"], max_new_tokens=NEW_TOKENS))
+    assert decodes, "the call did not run on the slot core"
+    np.testing.assert_array_equal(actual[:, :width], right["input_ids"])
+    expected = _torch_generate(model, ids, mask, max_new_tokens=NEW_TOKENS)
+    np.testing.assert_array_equal(actual[:, width:], expected[:, width:])
 
 
 def test_eos_stops_rows_and_pads_them_like_transformers(loaded):
@@ -657,8 +707,7 @@ ON_SLOTS = {
 @pytest.mark.parametrize("name", ON_SLOTS)
 def test_generate_on_the_slot_core_gives_the_generators_tokens(loaded, decodes, monkeypatch, name):
     # The slot core (hfjax serve's programs) runs these calls; `Generator`'s own programs run what it
-    # cannot (other caches, images, models without position_ids, right-padded prompts). Both give one
-    # answer.
+    # cannot (docs/architecture.md). Both give one answer.
     from hfjax.generation import _on_slots
 
     model = loaded("llama")

@@ -480,6 +480,24 @@ def test_a_hybrid_model_serves_transformers_tokens_from_its_states_and_keys(chec
     assert len({tuple(event.token_ids) for event in got}) == 3
 
 
+def test_a_model_whose_layers_attend_and_scan_serves_transformers_tokens(checkpoint):
+    # Zamba's layers each keep keys and values and a mamba state (transformers compiles it in no whole
+    # program, so `Generator` recomputes it; the slots keep both).
+    zamba = hfjax.load(checkpoint("zamba"))
+    engine = Engine(zamba, max_num_seqs=2, max_model_len=LENGTH, prefill_chunk=CHUNK, decode_steps=STEPS)
+    engine.start()
+    try:
+        ids = _ids(zamba, PROMPTS[4:7])  # three requests for two slots: a reused slot starts from zeros
+        got = engine.generate(ids, SamplingParams(max_tokens=12, temperature=0, ignore_eos=True))
+    finally:
+        engine.stop()
+    torch_model = transformers.AutoModelForCausalLM.from_pretrained(zamba.path).eval()
+    for prompt, event in zip(ids, got):
+        with torch.no_grad():
+            want = torch_model.generate(torch.tensor([prompt]), max_new_tokens=12, do_sample=False, eos_token_id=None)
+        assert event.token_ids == want[0, len(prompt) :].tolist()
+
+
 def test_a_sliding_window_model_serves_answers_past_its_window_like_transformers(checkpoint):
     # Gemma 3 alternates layers that attend over the last 64 positions with full ones; answers of 80
     # tokens in a 256-column cache pass the window, where a key outside it would change the tokens.

@@ -102,6 +102,77 @@ def test_batched_greedy_tokens_match_transformers_generate(saved, family, monkey
         np.testing.assert_allclose(np.asarray(ours), theirs.numpy(), atol=tolerance.atol, err_msg=f"step {step}")
 
 
+@pytest.mark.parametrize("family", ["llava", "qwen2_vl"])
+def test_beam_search_and_prompt_lookup_with_images_run_on_the_slot_core_like_transformers(saved, family, monkeypatch):
+    # Beams and drafts decode at each row's multimodal rope position (Qwen2-VL's delta); each prompt's
+    # beams take its images. transformers' own prompt lookup takes one prompt and drafts image
+    # placeholders it cannot verify, so the drafted call is held to its greedy tokens, which
+    # speculation at temperature 0 does not change.
+    from hfjax import generation
+    from hfjax.generation import _slot_beams
+
+    calls = []  # the slot core's decode and beam search programs
+    for owner, name in ((generation.SlotPrograms, "decode"), (_slot_beams.SlotBeams, "search")):
+        run = getattr(owner, name)
+        monkeypatch.setattr(
+            owner, name, lambda self, *a, _run=run, _name=name, **k: calls.append(_name) or _run(self, *a, **k)
+        )
+    path = saved(family)
+    inputs = _processor_outputs(path, family, _images())
+    reference = transformers.AutoModelForImageTextToText.from_pretrained(path).eval()
+    model = hfjax.load(path)
+    given = {name: value.numpy() for name, value in inputs.items()}
+    for settings, program in ((dict(num_beams=2), "search"), (dict(prompt_lookup_num_tokens=3), "decode")):
+        with torch.no_grad():
+            expected = reference.generate(
+                **inputs, do_sample=False, max_new_tokens=NEW_TOKENS, num_beams=settings.get("num_beams", 1)
+            ).numpy()
+        calls.clear()
+        actual = np.asarray(model.generate(**given, do_sample=False, max_new_tokens=NEW_TOKENS, **settings))
+        np.testing.assert_array_equal(actual, expected, err_msg=str(settings))
+        assert program in calls, f"{settings} did not run on the slot core"
+
+
+@pytest.mark.parametrize("family", ["llava", "qwen2_vl"])
+def test_right_padded_prompts_with_images_run_on_the_slot_core_as_left_padded_ones(saved, family, monkeypatch):
+    # Each row's tokens and their per-token inputs (token types, multimodal rope positions) move to
+    # the right end; the answer follows the caller's right-padded prompts (see test_generate's text case).
+    from hfjax import generation
+
+    decodes = []
+    decode = generation.SlotPrograms.decode
+    monkeypatch.setattr(
+        generation.SlotPrograms, "decode", lambda self, *a, **k: decodes.append(1) or decode(self, *a, **k)
+    )
+    path = saved(family)
+    left = _processor_outputs(path, family, _images())
+    mask = left["attention_mask"].numpy()
+    # The same prompts right-padded: each row's columns rolled so that its pads come last.
+    shifts = mask.shape[1] - mask.sum(axis=1)
+    right = {
+        name: np.stack([np.roll(row, -shift) for row, shift in zip(value.numpy(), shifts)])
+        if value.shape == mask.shape
+        else value.numpy()
+        for name, value in left.items()
+    }
+    assert (right["attention_mask"][:, -1] == 0).any()
+    reference = transformers.AutoModelForImageTextToText.from_pretrained(path).eval()
+    settings = dict(do_sample=False, max_new_tokens=NEW_TOKENS, output_logits=True, return_dict_in_generate=True)
+    with torch.no_grad():
+        expected = reference.generate(**left, **settings)
+    model = hfjax.load(path)
+    with pytest.warns(UserWarning, match="right-padding was detected"):
+        out = model.generate(**right, **settings)
+    assert decodes, "the call did not run on the slot core"
+    actual, width = np.asarray(out.sequences), mask.shape[1]
+    np.testing.assert_array_equal(actual[:, :width], right["input_ids"])
+    np.testing.assert_array_equal(actual[:, width:], expected.sequences.numpy()[:, width:])
+    # A token at another rope position changes the logits, if not the tiny model's tokens.
+    tolerance = tolerances.for_family(family)
+    for step, (ours, theirs) in enumerate(zip(out.logits, expected.logits)):
+        np.testing.assert_allclose(np.asarray(ours), theirs.numpy(), atol=tolerance.atol, err_msg=f"step {step}")
+
+
 @pytest.fixture(scope="module")
 def llava(saved):
     path = saved("llava")

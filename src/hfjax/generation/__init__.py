@@ -31,9 +31,8 @@ Parts, one concern each (docs/architecture.md describes the engine's internal AP
     _on_slots.py   `Model.generate` on the slot core: every row admitted at once, decoded to its end
     _slot_beams.py beam search over the slot cache, a program family of its own
     _engine.py     `Generator`, which runs `Model.generate`: on the slot core where that carries
-                   out the call (`_on_slots`), else with its own programs (other caches, images whose
-                   masks the core does not build,
-                   models without position_ids, right-padded prompts)
+                   out the call (`_on_slots`), else with its own programs (docs/architecture.md,
+                   "Where each kind of model runs")
     _limits.py     `check_limits`: max_new_tokens and min_new_tokens against the prompt and the context
     _generate.py   `generate`: `Model.generate`'s arguments checked and resolved into one engine run
     _multimodal.py prefill-only model inputs (images), multimodal rope positions

@@ -11,7 +11,7 @@ Stages (gpt-fast's names):
                    one loop per window, in the same program.
 
 A call that the continuous-batching core carries out runs on it instead (`_on_slots.SlotRuns`:
-decoder-only, a static KV cache, left-padded prompts, images with greedy or sampled decoding, ...;
+decoder-only, a static KV cache, prompts padded anywhere, images, ...;
 encoder-decoders whose decoder takes each row's positions, `_encoder_slots`; beam search as a program
 family of its own over the slot cache, `_slot_beams`), with the programs `hfjax serve` runs;
 `Generator`'s own programs below run the rest.
@@ -55,15 +55,15 @@ from ._state import DecodeState, field_slices, read
 # Why a constrained call cannot run: the mask is applied on the slot core only.
 _NOT_CONSTRAINABLE = (
     "Model.generate: structured outputs (json_schema, regex, choice, grammar, response_format) run on the slot "
-    "core, which takes decoder-only models with a static KV cache and position_ids, left-padded prompts and "
-    "the image inputs whose masks it builds; {}"
+    "core, which takes decoder-only models with a static KV cache and position_ids, and the image inputs "
+    "whose masks it builds; {}"
 )
 
 
 # Why a speculative call cannot run: the drafts are verified on the slot core only.
 _NOT_SPECULABLE = (
     "Model.generate: {0} (speculative decoding) runs on the slot core, which takes decoder-only models with a "
-    "static KV cache and position_ids, left-padded prompts and no image inputs; {1}; leave it out"
+    "static KV cache and position_ids, and images where it drafts with no draft model; {1}; leave it out"
 )
 
 

@@ -139,13 +139,15 @@ def split_model_inputs(module, arguments: dict) -> tuple[dict, dict]:
 
 def prefill_inputs(module, plan: BatchPlan, inputs: dict[str, np.ndarray], prompt_length: int) -> PrefillInputs:
     """`inputs` laid out for `plan` (host arrays); `prompt_length` is the caller's S."""
-    if plan.per_prompt != 1 or plan.padded_prompts != plan.prompts:
+    if plan.padded_prompts != plan.prompts:
         raise GenerationError(
-            f"Model.generate: image inputs ({', '.join(inputs)}) with {plan.per_prompt} rows per prompt "
-            f"(num_beams / num_return_sequences) or a batch of {plan.prompts} that does not divide over the mesh's "
-            "data devices: hfjax does not repeat image inputs; use num_beams=1, num_return_sequences=1"
+            f"Model.generate: image inputs ({', '.join(inputs)}) with a batch of {plan.prompts} that does not divide "
+            "over the mesh's data devices: hfjax does not repeat image inputs for the padding rows; pass a batch "
+            "that divides over them"
         )
-    laid_out = _left_padded(inputs, plan.prompts, prompt_length, plan.rows, plan.size)
+    if plan.per_prompt != 1:  # each prompt's rows (beams, samples) side by side, each with its images
+        inputs = repeated(module, plan.ids[:: plan.per_prompt, -prompt_length:], inputs, plan.per_prompt)
+    laid_out = _left_padded(inputs, plan.rows, prompt_length, plan.rows, plan.size)
     shift = None
     rope_index = getattr(getattr(module, "model", None), "get_rope_index", None)
     if rope_index is not None:
@@ -154,6 +156,57 @@ def prefill_inputs(module, plan: BatchPlan, inputs: dict[str, np.ndarray], promp
         shift = deltas
     static = tuple((name, laid_out.pop(name).tolist()) for name in sorted(STATIC_INPUTS & laid_out.keys()))
     return PrefillInputs(model_inputs=laid_out, position_shift=shift, static=frozen(static))
+
+
+def repeated(module, ids: np.ndarray, inputs: dict[str, np.ndarray], times: int) -> dict[str, np.ndarray]:
+    """`inputs` of the prompts `ids` [B, S] for each prompt repeated `times` times side by side, as
+    transformers expands them for beams and samples: arrays along the prompts ([B, ...]) row by row;
+    arrays along the images (pixels, grids, an eager encoder's features) each prompt's group of images
+    whole, found by counting its image placeholder tokens. A GenerationError where the images'
+    tokens cannot be told apart."""
+    prompts = ids.shape[0]
+    config = module.config
+    token = getattr(config, "image_token_id", None)
+    token = getattr(config, "image_token_index", None) if token is None else token
+    placeholders = (ids == token).sum(axis=1) if token is not None else np.zeros(prompts, np.int64)
+    grids = inputs.get("image_grid_thw")
+    if _IMAGE_FEATURES in inputs:  # one feature row per placeholder token
+        images, tokens = int(placeholders.sum()), np.ones(int(placeholders.sum()), np.int64)
+        rows = {_IMAGE_FEATURES: tokens}
+    elif grids is not None:  # Qwen2-VL: each image's patches in pixel_values, merged into its tokens
+        patches = np.prod(grids, axis=1).astype(np.int64)
+        merge = getattr(getattr(config, "vision_config", None), "spatial_merge_size", 1)
+        images, tokens = len(grids), patches // merge**2
+        rows = {"image_grid_thw": np.ones(images, np.int64), "pixel_values": patches}
+    else:
+        pixels = inputs.get("pixel_values")
+        images = 0 if pixels is None or pixels.ndim != 4 else pixels.shape[0]  # [images, channels, H, W]
+        tokens = np.full(images, placeholders.sum() // max(images, 1), np.int64)
+        rows = {"pixel_values": np.ones(images, np.int64)} if images else {}
+    # Each prompt's images: the run of images whose tokens add up to its placeholders.
+    ends = np.searchsorted(np.cumsum(tokens), np.cumsum(placeholders), side="right")
+    if images and (int(tokens.sum()) != int(placeholders.sum()) or ends[-1] != images):
+        raise GenerationError(
+            f"Model.generate: image inputs ({', '.join(inputs)}) hold {int(tokens.sum())} image tokens and the "
+            f"prompts {int(placeholders.sum())} placeholders, so hfjax cannot give each of a prompt's {times} rows "
+            "(num_beams / num_return_sequences) its images; pass the processor's outputs for these prompts"
+        )
+    starts = np.concatenate([[0], ends[:-1]])
+    out = {}
+    for name, value in inputs.items():
+        if name in rows:  # each prompt's images, whole, `times` times
+            bounds = np.concatenate([[0], np.cumsum(rows[name])])
+            parts = [value[bounds[first] : bounds[last]] for first, last in zip(starts, ends)]
+            out[name] = np.concatenate([part for part in parts for _ in range(times)])
+        elif value.shape[:1] == (prompts,):
+            out[name] = np.repeat(value, times, axis=0)
+        else:
+            raise GenerationError(
+                f"Model.generate: image input {name} [{', '.join(map(str, value.shape))}] is laid out neither along "
+                f"the prompts nor along the images, so hfjax cannot repeat it for each prompt's {times} rows; use "
+                "num_beams=1, num_return_sequences=1"
+            )
+    return out
 
 
 def chunk_inputs(module, ids: np.ndarray, inputs: dict[str, np.ndarray], width: int) -> tuple[dict, int]:

@@ -7,9 +7,13 @@ same programs.
 
 A call runs here when the slot core carries out everything it asks: a decoder-only model with a
 static KV cache that takes `position_ids` or builds ALiBi by key (Bloom) (full or sliding-window
-attention), or a recurrent state, or both (Mamba, hybrids: `SlotState.recurrent`, each prompt
-prefilled whole, not speculated), left-padded prompts, images where it builds the model's masks
-(`takes_images`; the prefill chunk of every row's whole prompt takes them), weights on one device or
+attention; a model `Generator` recomputes without a cache whose forward takes transformers' static
+cache all the same: GPT-Neo, CTRL), or a recurrent state, or both, in separate layers or in one
+(Mamba, hybrids, Zamba, Falcon-H1: `SlotState.recurrent`, each prompt prefilled whole, neither
+speculated nor beam-searched), prompts padded anywhere (laid out as left padding: `_core_layout`,
+the images' per-token inputs with them), images where it builds the model's masks (`takes_images`;
+the prefill chunk of every row's whole prompt takes them; beams and drafts decode at the multimodal
+rope's positions; a draft model does not read them), weights on one device or
 on a mesh (of one process or several), and a model that reads no values of its data; or an
 encoder-decoder whose decoder takes each row's positions (`_encoder_slots`: Whisper, BART, T5,
 Marian, Blenderbot), speculating by prompt lookup only: its prefill reads the encoder's input and
@@ -61,6 +65,33 @@ def _left_padded(mask: np.ndarray) -> bool:
     return bool(np.array_equal(mask, np.arange(mask.shape[1])[None, :] >= mask.shape[1] - count))
 
 
+def _core_layout(plan: _planning.BatchPlan) -> tuple[_planning.BatchPlan, np.ndarray | None]:
+    """(`plan` with each row's real tokens moved, in their order, to the right end of its prompt
+    columns (the slot prefill's layout; positions then count from a row's first real token), where
+    the caller padded them anywhere else; the columns each row takes them from, [rows, size] int,
+    or None where the plan is already so)."""
+    if _left_padded(plan.mask):
+        return plan, None
+    order = np.argsort(plan.mask, axis=1, kind="stable")  # each row's pad columns, then its real ones
+    moved = dataclasses.replace(
+        plan, ids=np.take_along_axis(plan.ids, order, axis=1), mask=np.take_along_axis(plan.mask, order, axis=1)
+    )
+    return moved, order
+
+
+def _moved(arrays: dict, order: np.ndarray) -> dict:
+    """`arrays` (images' prefill inputs) with those laid out along the prompt columns (token types
+    [rows, size], multimodal rope positions [3, rows, size]: integers) taken from the columns `order`
+    [rows, size] names."""
+    moved = {}
+    for name, value in arrays.items():
+        value = np.asarray(value)
+        if np.issubdtype(value.dtype, np.integer) and value.shape[-2:] == order.shape and value.ndim in (2, 3):
+            value = np.take_along_axis(value, np.broadcast_to(order, value.shape), axis=-1)
+        moved[name] = value
+    return moved
+
+
 class SlotRuns:
     """`Model.generate` calls on the slot core, for one `Generator` (whose program cache they share)."""
 
@@ -96,9 +127,11 @@ class SlotRuns:
             return False
         if self.recurrent and settings.speculation is not None:  # a state cannot take back rejected drafts
             return False
+        if self.recurrent and settings.beam is not None:  # (the search's programs move no state to its beams)
+            return False
         if self.encoder_decoder:  # (drafts by prompt lookup; a draft model would need cross slots of its own)
             return settings.speculation is None or settings.speculation.method == "ngram"
-        return _left_padded(plan.mask)
+        return True  # (prompts padded anywhere: laid out as the prefill takes them, `_core_layout`)
 
     def generate(
         self,
@@ -128,6 +161,9 @@ class SlotRuns:
         precision = bridge.resolve_precision(self.model.matmul_precision)
         # An encoder-decoder's prefill is its decoder prompt, after the encoder reads the plan's ids (the
         # prefill's `inputs`, as images are a decoder's).
+        order = None
+        if not self.encoder_decoder:
+            plan, order = _core_layout(plan)
         arrays, prompt_ids, width = None, plan.ids, plan.size
         if self.encoder_decoder:
             arrays, prompt_ids, width = self._encoder_inputs(plan), plan.decoder_prompt, plan.offset
@@ -163,6 +199,8 @@ class SlotRuns:
             if inputs.position_shift is not None:
                 sampling.rope_delta[:] = inputs.position_shift
             arrays = {**inputs.model_inputs, **{name: np.asarray(values) for name, values in inputs.static}}
+            if order is not None:  # (the images' per-token inputs follow their tokens)
+                arrays = {**arrays, **_moved(inputs.model_inputs, order)}
         allowed = sampling.allowed  # [rows, W] int32 on the host, where the call is constrained
         if matchers is not None:
             sampling.constrained[: len(matchers)] = True
@@ -380,11 +418,11 @@ class SlotRuns:
 def takes_images(module, inputs, settings: GenerationSettings | None = None) -> bool:
     """Whether the slot core can prefill `module` with `inputs` (names of its prefill-only inputs):
     its masks' bidirectional blocks are known (`_multimodal.BIDIRECTIONAL_BLOCKS`) where it reads
-    token_type_ids, and `settings` (Model.generate's) neither searches beams nor drafts, whose programs
-    take no rope shift."""
+    token_type_ids, and `settings` (Model.generate's) drafts with no draft model (which would read
+    the images' placeholder tokens without the images)."""
     if "token_type_ids" in inputs and module.config.model_type not in _multimodal.BIDIRECTIONAL_BLOCKS:
         return False
-    return settings is None or (settings.beam is None and settings.speculation is None)
+    return settings is None or settings.speculation is None or settings.speculation.method != "draft_model"
 
 
 # [R, 2] uint32 key data with each row's index folded in, as one program (eagerly: 4 ms a call).

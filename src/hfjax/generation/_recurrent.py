@@ -2,7 +2,7 @@
 or mamba layers beside attention ones), and transformers' cache layers that hold a slot's rows of it.
 
     recurrent_model(module)   every layer keeps a state (Mamba, Mamba 2, FalconMamba)
-    hybrid_model(module)      attention layers and recurrent ones, each layer one or the other
+    hybrid_model(module)      attention layers and recurrent ones, a layer one or the other or both
     state_names(layer)        the (kind, index) of each state array a cache layer holds
     state_layer(names, arrays, carried=...)   a LinearAttentionLayer holding those arrays
     states_of(layer, names)   its arrays after a forward
@@ -14,23 +14,32 @@ from __future__ import annotations
 
 from .. import bridge
 from . import _caches
-from ._adapters import StateCacheAdapter, StaticCacheAdapter, adapter_for
+from ._adapters import RecomputeAdapter, StateCacheAdapter, StaticCacheAdapter, adapter_for
 
 
 def hybrid_model(module) -> bool:
-    """Whether `module` mixes attention layers (a static KV cache's) with recurrent ones (linear
-    attention, mamba: a state per slot), each layer one or the other, named by `config.layer_types`
-    (whose masks the model takes as a dict by kind, as transformers' Qwen3.5, Jamba or Bamba do)."""
-    from transformers.cache_utils import StaticLayer
+    """Whether `module` mixes attention (a static KV cache's keys and values) with recurrent layers
+    (linear attention, mamba: a state per slot), a layer holding either or both (Zamba's and Falcon-H1's
+    "hybrid" layers: full attention beside mamba), named by `config.layer_types` (whose masks the model
+    takes as a dict by kind, as transformers' Qwen3.5, Jamba, Bamba, Zamba or Falcon-H1 do)."""
+    from transformers.cache_utils import StaticLayer, StaticSlidingWindowLayer
 
-    if type(adapter_for(module)) is not StaticCacheAdapter:
+    adapter = type(adapter_for(module))
+    if adapter not in (StaticCacheAdapter, RecomputeAdapter):
         return False
     config = module.config.get_text_config(decoder=True)
     layers = _caches.static_cache(config, 1).layers
     kinds = [_caches.recurrent(layer) for layer in layers]
-    apart = all(not isinstance(layer, StaticLayer) for layer in layers if _caches.recurrent(layer))
+    attends = [isinstance(layer, StaticLayer) for layer in layers]
+    # transformers compiles no Zamba or Falcon-H1 whole, so `Generator` recomputes them without a cache;
+    # the slot core keeps their layers' states and keys and values in transformers' cache (and falls back
+    # where a trace reads data). Other models without a cache keep none of transformers' (RecurrentGemma).
+    if adapter is RecomputeAdapter and not any(k and a for k, a in zip(kinds, attends)):
+        return False
+    # (a state beside a sliding window's rolling buffer: none of the slots' columns)
+    rolling = any(isinstance(layer, StaticSlidingWindowLayer) for layer in layers if _caches.recurrent(layer))
     types = getattr(config, "layer_types", None)
-    return any(kinds) and not all(kinds) and apart and types is not None and len(types) == len(layers)
+    return any(kinds) and any(attends) and not rolling and types is not None and len(types) == len(layers)
 
 
 def recurrent_kinds(config) -> set[str]:
@@ -59,12 +68,14 @@ def state_names(layer) -> tuple[tuple[str, int], ...]:
     )
 
 
-def state_layer(names, arrays, *, carried: bool):
+def state_layer(names, arrays, *, carried: bool, layer=None):
     """transformers' LinearAttentionLayer holding `arrays`, the states `names` (`state_names`), as after
-    a previous forward where `carried` (else as before the first: the model starts from zeros)."""
+    a previous forward where `carried` (else as before the first: the model starts from zeros);
+    `layer`: a LinearAttentionLayer (made empty) to fill, else a new one."""
     from transformers.cache_utils import LinearAttentionLayer
 
-    layer = LinearAttentionLayer(number_of_states=1 + max(index for _, index in names))
+    if layer is None:
+        layer = LinearAttentionLayer(number_of_states=number_of_states(names))
     for (kind, index), array in zip(names, arrays):
         tensor = bridge.to_torch(array)
         getattr(layer, f"{kind}_states")[index] = tensor
@@ -74,6 +85,11 @@ def state_layer(names, arrays, *, carried: bool):
         layer.has_previous_state[index] = carried
         layer.dtype, layer.device = tensor.dtype, tensor.device
     return layer
+
+
+def number_of_states(names) -> int:
+    """How many states a LinearAttentionLayer holding `names` (`state_names`) keeps per kind."""
+    return 1 + max(index for _, index in names)
 
 
 def states_of(layer, names) -> tuple:

@@ -116,7 +116,11 @@ def search_steps(
             history = history[parents].at[every, rows.pads + at].set(token, mode="drop")
         with slot_model.bound(params), _cross_attending(slot_model, state):
             written = jnp.where(at < window, at, window)  # past the window: nowhere
-            logits, cache = slot_model.run(params, cache, token[:, None], at[:, None], written[:, None], lora=rows.lora)
+            # Multimodal rope: the row's rope position is its column shifted by the row's delta.
+            rope = {"position_ids": (at + rows.rope_delta)[:, None]} if slot_model.rope_shift else None
+            logits, cache = slot_model.run(
+                params, cache, token[:, None], at[:, None], written[:, None], lora=rows.lora, inputs=rope
+            )
         carry = BeamCarry(
             beams=beams, sequence=sequence, logits=logits[:, 0], step=carry.step + 1,
             max_new_tokens=carry.max_new_tokens, going=going,

@@ -40,9 +40,17 @@ from .. import _backend, bridge, parallel
 from .. import lora as _lora
 from .._errors import GenerationError
 from . import _caches, _multimodal, _sampling, _stops
-from ._adapters import StaticCacheAdapter, adapter_for
+from ._adapters import RecomputeAdapter, StaticCacheAdapter, adapter_for
 from ._choose import apply_rules, choose_tokens
-from ._recurrent import hybrid_model, recurrent_kinds, recurrent_model, state_layer, state_names, states_of
+from ._recurrent import (
+    hybrid_model,
+    number_of_states,
+    recurrent_kinds,
+    recurrent_model,
+    state_layer,
+    state_names,
+    states_of,
+)
 from ._rows import RowSampling, SamplingFeatures
 
 TOP_LOGPROBS = 20  # the most alternatives OpenAI's API lets a request ask for per token
@@ -140,6 +148,23 @@ def _slot_layer_class():
     return SlotLayer
 
 
+def _slot_state_layer_class(slot_layer):
+    from transformers.cache_utils import LinearAttentionLayer
+
+    class SlotStateLayer(LinearAttentionLayer, slot_layer):
+        """A `slot_layer` (keys and values written at each row's columns) that also holds a recurrent
+        layer's states: a layer that attends and scans (Zamba's and Falcon-H1's "hybrid" layers)."""
+
+        def __init__(self, keys, values, columns, states: int):
+            LinearAttentionLayer.__init__(self, number_of_states=states)
+            slot_layer.__init__(self, keys, values, columns)
+
+        update = slot_layer.update
+        get_seq_length = slot_layer.get_seq_length
+
+    return SlotStateLayer
+
+
 def _written(cache, new, columns):
     cache, new, columns = bridge.to_jax(cache), bridge.to_jax(new), bridge.to_jax(columns)  # [B,H,L,D] [B,H,q,D] [B,q]
     new = new.astype(cache.dtype)
@@ -166,7 +191,7 @@ def check_supported(model) -> None:
     config = model.module.config.get_text_config(decoder=True)
     if recurrent_model(model.module):
         return  # a state per slot (`SlotState.recurrent`)
-    if type(adapter) is not StaticCacheAdapter:
+    if type(adapter) is not StaticCacheAdapter and not hybrid_model(model.module) and not _cached_anyway(model.module):
         raise GenerationError(
             f"hfjax serve batches decoder-only causal LMs with a static KV cache or a recurrent state; "
             f"{type(model.module).__name__} keeps its past as {adapter.kind!r}; use Model.generate for it"
@@ -191,7 +216,22 @@ def check_supported(model) -> None:
         )
 
 
+def _cached_anyway(module) -> bool:
+    """Whether `module`, which `Generator` runs without a cache (transformers compiles it in no whole
+    program), takes transformers' cache anyway: its forward has the cache's argument, and every layer
+    of its static cache keeps keys and values."""
+    from transformers.cache_utils import StaticLayer
+
+    if type(adapter_for(module)) is not RecomputeAdapter:
+        return False
+    if _caches.cache_keyword(module) not in inspect.signature(module.forward).parameters:
+        return False
+    layers = _caches.static_cache(module.config.get_text_config(decoder=True), 1).layers
+    return bool(layers) and all(isinstance(layer, StaticLayer) and not _caches.recurrent(layer) for layer in layers)
+
+
 MASKS = ("full_attention", "sliding_attention")  # the attention masks the slot programs build
+_BOTH = ("hybrid",)  # the layer_types of layers that attend and keep a recurrent state
 
 
 def alibi_builder(module):
@@ -231,6 +271,7 @@ class SlotModel:
         self.config = model.module.config.get_text_config(decoder=True)
         self.slots, self.length = slots, length
         self.layer_class = _slot_layer_class()
+        self.state_layer_class = _slot_state_layer_class(self.layer_class)
         self.boolean_mask = getattr(self.config, "_attn_implementation", "sdpa") != "eager"
         # Sliding-window layers see only the last `window` positions; where every layer slides, one mask
         # serves them all, and where some do not, the model takes a mask per kind of layer (a dict).
@@ -246,14 +287,20 @@ class SlotModel:
         self.alibi = alibi_builder(self.module)
         # Recurrent layers (Mamba's; a hybrid's linear-attention or mamba layers) keep no keys and values:
         # a state per layer and slot, in `SlotState.recurrent`; the other layers' keys and values in `cache`.
+        from transformers.cache_utils import StaticLayer
+
         layers = _caches.static_cache(self.config, 1).layers
         self.layer_recurrent = tuple(_caches.recurrent(layer) for layer in layers)
-        self.recurrent = any(self.layer_recurrent)
-        self.attends = not all(self.layer_recurrent)  # some layers keep keys and values (cut into windows)
-        # A hybrid's recurrent layers' kind of layer (config.layer_types), the key of their mask
-        self.recurrent_kind = next(
-            (kind for kind, r in zip(getattr(self.config, "layer_types", None) or (), self.layer_recurrent) if r), None
+        # Layers that keep keys and values: all but the purely recurrent ones (a "hybrid" layer does both)
+        self.layer_attends = tuple(
+            not r or isinstance(layer, StaticLayer) for r, layer in zip(self.layer_recurrent, layers)
         )
+        self.recurrent = any(self.layer_recurrent)
+        self.attends = any(self.layer_attends)  # some layers keep keys and values (cut into windows)
+        # A hybrid's recurrent layers' kind of layer (config.layer_types), the key of their mask; a layer
+        # that also attends reads transformers' recurrent mask, "linear_attention"
+        kinds = [kind for kind, r in zip(getattr(self.config, "layer_types", None) or (), self.layer_recurrent) if r]
+        self.recurrent_kind = next((kind for kind in kinds if kind not in _BOTH), "linear_attention" if kinds else None)
         self.state_layout = None  # per recurrent layer: the (kind, index) of each state array, "conv" or "recurrent"
         self._shapes = None
         self._state_shapes = None
@@ -291,7 +338,7 @@ class SlotModel:
         state arrays), each for S slots, from an abstract run of the model on one token (with a static
         cache where some layers attend; else with the cache it makes itself); sets `state_layout`."""
         layout = []
-        attends = not all(self.layer_recurrent)
+        attends = self.attends
 
         def one_token(params):
             ids = bridge.to_torch(jnp.zeros((1, 1), jnp.int32))  # position 0
@@ -303,7 +350,7 @@ class SlotModel:
             layers = _caches.returned_cache(out).layers
             recurrent = [layer for layer in layers if _caches.recurrent(layer)]
             layout[:] = [state_names(layer) for layer in recurrent]
-            cache = [(bridge.to_jax(a.keys), bridge.to_jax(a.values)) for a in layers if not _caches.recurrent(a)]
+            cache = [(bridge.to_jax(a.keys), bridge.to_jax(a.values)) for a, k in zip(layers, self.layer_attends) if k]
             return (
                 cache,
                 [states_of(layer, names) for layer, names in zip(recurrent, layout)],
@@ -474,12 +521,17 @@ class SlotModel:
         past = StaticCache(config=self.config, max_cache_len=length)
         pairs, held = iter(cache), iter(zip(self.state_layout, states))
         layers = []
-        for is_recurrent in self.layer_recurrent:
-            if is_recurrent:
+        for is_recurrent, attends in zip(self.layer_recurrent, self.layer_attends):
+            if attends:
+                k, v = (bridge.to_torch(a) for a in next(pairs))
+            if is_recurrent and attends:  # both: keys and values, and states
+                names, arrays = next(held)
+                layer = self.state_layer_class(k, v, bridge.to_torch(columns), number_of_states(names))
+                layers.append(state_layer(names, arrays, carried=carried, layer=layer))
+            elif is_recurrent:
                 layers.append(state_layer(*next(held), carried=carried))
             else:
-                k, v = next(pairs)
-                layers.append(self.layer_class(bridge.to_torch(k), bridge.to_torch(v), bridge.to_torch(columns)))
+                layers.append(self.layer_class(k, v, bridge.to_torch(columns)))
         past.layers = layers
         pads = None if pads is None else bridge.to_torch(pads)
         mask = pads
@@ -499,8 +551,8 @@ class SlotModel:
         recurrent = [layer for layer, is_recurrent in zip(past.layers, self.layer_recurrent) if is_recurrent]
         cache = [
             (bridge.to_jax(layer.keys), bridge.to_jax(layer.values))
-            for layer, is_recurrent in zip(past.layers, self.layer_recurrent)
-            if not is_recurrent
+            for layer, attends in zip(past.layers, self.layer_attends)
+            if attends
         ]
         return logits, cache, [states_of(layer, names) for layer, names in zip(recurrent, self.state_layout)]
 

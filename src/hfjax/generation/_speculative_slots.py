@@ -279,12 +279,17 @@ class SpeculativeSlotModel(SlotModel):
             columns = jnp.where(now[:, None] & (where < window), where, window)
             at_most = jnp.minimum(where, window - 1)
 
+            # Multimodal rope: a row's rope positions are its columns shifted by the row's delta.
+            rope = (at_most + mine.rope_delta[:, None]) if self.rope_shift else None
+
             def verify(cache):  # the last token and the drafts: [R, k + 1] logits
-                return self.run(params, restore(cache), ids, at_most, columns, lora=mine.lora)
+                shifted = None if rope is None else {"position_ids": rope}
+                return self.run(params, restore(cache), ids, at_most, columns, lora=mine.lora, inputs=shifted)
 
             def plain(cache):  # no row has a draft: the last token alone (the other positions' logits zeros)
+                shifted = None if rope is None else {"position_ids": rope[:, :1]}
                 logits, cache = self.run(
-                    params, restore(cache), ids[:, :1], at_most[:, :1], columns[:, :1], lora=mine.lora
+                    params, restore(cache), ids[:, :1], at_most[:, :1], columns[:, :1], lora=mine.lora, inputs=shifted
                 )
                 return jnp.pad(logits, ((0, 0), (0, width - 1), (0, 0))), cache
 
