@@ -833,3 +833,17 @@ def test_constrained_rows_sent_ahead_choose_generates_tokens(model, engine, monk
         assert re.fullmatch(regex, event.text) and event.finish_reason == "stop"
     order = [entry[0] for entry in calls.log if entry[0] in ("decode", "event")]
     assert any(a == b == "decode" for a, b in zip(order, order[1:])), calls.log  # sent before the last one's events
+
+
+@pytest.mark.parametrize(
+    "family, reason",
+    [
+        ("dbrx", "reads values of its data"),  # its MoE routing: torch.nonzero's size
+        ("mpt", "takes no position_ids"),
+        ("recurrent_gemma", "keeps its past as 'recompute'"),
+    ],
+)
+def test_a_model_the_slot_core_cannot_run_is_refused_at_start_with_the_reason(checkpoint, family, reason):
+    other = hfjax.load(checkpoint(family))
+    with pytest.raises(hfjax.GenerationError, match=rf"{type(other.module).__name__}.*{reason}.*use Model.generate"):
+        Engine(other, max_num_seqs=2, max_model_len=LENGTH, prefill_chunk=CHUNK, decode_steps=STEPS).start()
