@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 import torch
 import transformers
+from packaging.version import Version
 
 import background
 import hfjax
@@ -504,10 +505,13 @@ def test_prompt_lookup_on_an_encoder_decoder_runs_on_the_slot_core_like_transfor
     actual = np.asarray(model.generate(ids, mask, prompt_lookup_num_tokens=3, **settings))
     stats = model.last_generation_stats
     np.testing.assert_array_equal(actual, expected)
-    alone = _torch_generate(
-        model, ids[:1, -mask[0].sum() :], mask[:1, -mask[0].sum() :], prompt_lookup_num_tokens=3, **settings
-    )
-    np.testing.assert_array_equal(actual[:1], alone)
+    # transformers' own prompt lookup on one prompt gives the same tokens (5.17's stops at BART's decoder
+    # start token; 5.24's decodes)
+    if Version(transformers.__version__) >= Version("5.24"):
+        alone = _torch_generate(
+            model, ids[:1, -mask[0].sum() :], mask[:1, -mask[0].sum() :], prompt_lookup_num_tokens=3, **settings
+        )
+        np.testing.assert_array_equal(actual[:1], alone)
     assert stats.accepted_tokens > 0 and decodes, stats
     # A draft model would need cross slots of its own: the draft is refused, naming its kind of past.
     with pytest.raises(ValueError, match=r"BartForConditionalGeneration keeps its past as 'encoder-decoder'"):

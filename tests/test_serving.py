@@ -839,11 +839,12 @@ def test_constrained_rows_sent_ahead_choose_generates_tokens(model, engine, monk
     "family, reason",
     [
         ("dbrx", "reads values of its data"),  # its MoE routing: torch.nonzero's size
-        ("mpt", "takes no position_ids"),
+        # transformers 5.24's MPT takes no position_ids; 5.17's also reads a value of its mask (.item())
+        ("mpt", "takes no position_ids|reads values of its data"),
         ("recurrent_gemma", "keeps its past as 'recompute'"),
     ],
 )
 def test_a_model_the_slot_core_cannot_run_is_refused_at_start_with_the_reason(checkpoint, family, reason):
     other = hfjax.load(checkpoint(family))
-    with pytest.raises(hfjax.GenerationError, match=rf"{type(other.module).__name__}.*{reason}.*use Model.generate"):
+    with pytest.raises(hfjax.GenerationError, match=rf"{type(other.module).__name__}.*({reason}).*use Model.generate"):
         Engine(other, max_num_seqs=2, max_model_len=LENGTH, prefill_chunk=CHUNK, decode_steps=STEPS).start()

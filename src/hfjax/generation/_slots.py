@@ -38,7 +38,7 @@ import jax.numpy as jnp
 
 from .. import _backend, bridge, parallel
 from .. import lora as _lora
-from .._errors import GenerationError
+from .._errors import DataDependentError, GenerationError
 from . import _caches, _multimodal, _sampling, _stops
 from ._adapters import RecomputeAdapter, StaticCacheAdapter, adapter_for
 from ._choose import apply_rules, choose_tokens
@@ -191,7 +191,7 @@ def check_supported(model) -> None:
     config = model.module.config.get_text_config(decoder=True)
     if recurrent_model(model.module):
         return  # a state per slot (`SlotState.recurrent`)
-    if type(adapter) is not StaticCacheAdapter and not hybrid_model(model.module) and not _cached_anyway(model.module):
+    if type(adapter) is not StaticCacheAdapter and not hybrid_model(model.module) and not _cached_anyway(model):
         raise GenerationError(
             f"hfjax serve batches decoder-only causal LMs with a static KV cache or a recurrent state; "
             f"{type(model.module).__name__} keeps its past as {adapter.kind!r}; use Model.generate for it"
@@ -216,18 +216,45 @@ def check_supported(model) -> None:
         )
 
 
-def _cached_anyway(module) -> bool:
-    """Whether `module`, which `Generator` runs without a cache (transformers compiles it in no whole
-    program), takes transformers' cache anyway: its forward has the cache's argument, and every layer
-    of its static cache keeps keys and values."""
+def _cached_anyway(model) -> bool:
+    """Whether `model`'s module, which `Generator` runs without a cache (transformers compiles it in no
+    whole program), takes transformers' cache anyway: its forward has the cache's argument, every layer
+    of its static cache keeps keys and values, and a forward gives that cache back (an abstract run of
+    one token: RecurrentGemma before transformers 5.24 takes the argument and keeps its state in its
+    modules)."""
     from transformers.cache_utils import StaticLayer
 
+    module = model.module
     if type(adapter_for(module)) is not RecomputeAdapter:
         return False
     if _caches.cache_keyword(module) not in inspect.signature(module.forward).parameters:
         return False
-    layers = _caches.static_cache(module.config.get_text_config(decoder=True), 1).layers
-    return bool(layers) and all(isinstance(layer, StaticLayer) and not _caches.recurrent(layer) for layer in layers)
+    config = module.config.get_text_config(decoder=True)
+    layers = _caches.static_cache(config, 1).layers
+    if not layers or not all(isinstance(layer, StaticLayer) and not _caches.recurrent(layer) for layer in layers):
+        return False
+    returned = []
+
+    def one_token(params):
+        with bridge.bound(module, params, model.aliases, bridge.prng_key()):
+            ids = bridge.to_torch(jnp.zeros((1, 1), jnp.int32))
+            out = module(
+                input_ids=ids,
+                position_ids=ids,
+                use_cache=True,
+                **{_caches.cache_keyword(module): _caches.static_cache(config, 1)},
+            )
+            returned.append(_caches.returned_cache(out) is not None)
+            return bridge.to_jax(out.logits)
+
+    try:
+        jax.eval_shape(one_token, model.params)
+    except DataDependentError as error:  # (`Generator` specialises such programs per call, and guards them)
+        raise GenerationError(
+            f"{type(module).__name__} reads values of its data ({str(error).split('. ')[0]}), and the slot core "
+            "compiles each program once; use Model.generate for it"
+        ) from error
+    return returned[0]
 
 
 MASKS = ("full_attention", "sliding_attention")  # the attention masks the slot programs build

@@ -274,6 +274,15 @@ _GENERIC_FIXES: dict[str, dict[str, Any]] = {
     "nemotron": {"num_key_value_heads": _HEADS},  # its default None breaks its own attention
     # one entry per layer; two hybrid layers, as the shared transformer's tied weights need
     "zamba": {"layers_block_type": ["hybrid", "hybrid"], "attention_head_dim": 2 * _HIDDEN // _HEADS},
+    # its mamba's defaults (128 heads, a 256-wide state, chunks of 256) made transformers 5.17's scan
+    # allocate 24 GiB for three short prompts
+    "falcon_h1": {
+        "mamba_n_heads": 8,
+        "mamba_d_head": 8,
+        "mamba_d_ssm": 64,
+        "mamba_d_state": 16,
+        "mamba_chunk_size": 16,
+    },
     "zamba2": {
         "layers_block_type": ["mamba", "hybrid"],
         "hybrid_layer_ids": [1],
