@@ -81,6 +81,9 @@ class Step:
     limit_s: float
     dry_limit_s: float
     reports_json: bool = True
+    # Inner errors at these paths of the JSON are a peer's known failure: kept as `peer_errors`, not a
+    # failed step (the step's own figures stand).
+    known_peer_failures: tuple[str, ...] = ()
 
     def argv(self, dry_run: bool) -> list[str]:
         words = (self.dry if dry_run else self.gpu).split()
@@ -131,6 +134,9 @@ STEPS = (
         "--servers hfjax transformers --prompt-tokens 8 --new-tokens 8 --requests-per-client 1 --min-requests 16",
         limit_s=45,
         dry_limit_s=300,
+        # transformers serve --continuous-batching 5.17 (the GPU machines') closes a chat stream after its
+        # role delta (reproduced with curl alone); serve.py records that as the peer's error
+        known_peer_failures=("/servers/transformers",),
     ),
     Step(
         "demo",
@@ -183,7 +189,9 @@ def run_step(step: Step, argv: list[str], limit_s: float, env: dict, logs: pathl
             record["error"] = "the last line on stdout is not JSON"
         else:
             # A peer that failed inside the script (inductor on this machine, say) fails the step.
-            record["inner_errors"] = inner_errors(record["result"])
+            found = inner_errors(record["result"])
+            record["peer_errors"] = {k: v for k, v in found.items() if k in step.known_peer_failures}
+            record["inner_errors"] = {k: v for k, v in found.items() if k not in step.known_peer_failures}
             record["ok"] = not record["inner_errors"]
     if not record["ok"] or not step.reports_json:
         record["output_tail"] = (stdout + "\n" + stderr)[-3000:]
