@@ -56,7 +56,7 @@ from ._limits import LimitError, LimitNames, check_limits
 from ._rows import MAX_HELD_STOP_TOKENS, MAX_LOGIT_BIAS, RowSampling, SamplingFeatures, key_data
 from ._settings import GenerationSettings, SamplingConfig, resolve_settings
 from ._slot_programs import SlotPrograms
-from ._slots import TOP_LOGPROBS, Chosen, SlotModel, SlotState
+from ._slots import TOP_LOGPROBS, Chosen, SlotModel, SlotState, reads_no_data
 from ._speculative import Speculation
 from ._speculative_slots import SpeculativeSlotModel
 from ._stops import stopped
@@ -97,6 +97,7 @@ __all__ = [
     "key_data",
     "load_image",
     "processed",
+    "reads_no_data",
     "resolve_settings",
     "returned_cache",
     "slot_model",

@@ -247,14 +247,23 @@ def _cached_anyway(model) -> bool:
             returned.append(_caches.returned_cache(out) is not None)
             return bridge.to_jax(out.logits)
 
-    try:
+    with reads_no_data(model):
         jax.eval_shape(one_token, model.params)
-    except DataDependentError as error:  # (`Generator` specialises such programs per call, and guards them)
-        raise GenerationError(
-            f"{type(module).__name__} reads values of its data ({str(error).split('. ')[0]}), and the slot core "
-            "compiles each program once; use Model.generate for it"
-        ) from error
     return returned[0]
+
+
+@contextlib.contextmanager
+def reads_no_data(model):
+    """Within the block, a model whose trace reads values of its data (`DataDependentError`) is a
+    GenerationError saying so: the slot core (hfjax serve's engine) compiles each program once, where
+    `Generator` specialises its programs per call and guards them."""
+    try:
+        yield
+    except DataDependentError as error:
+        raise GenerationError(
+            f"{type(model.module).__name__} reads values of its data ({str(error).split('. ')[0]}), and the slot "
+            "core compiles each program once, before it runs; use Model.generate for it"
+        ) from error
 
 
 MASKS = ("full_attention", "sliding_attention")  # the attention masks the slot programs build

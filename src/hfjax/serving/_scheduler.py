@@ -44,7 +44,7 @@ from ._compiler import SMALLEST_WINDOW, Compiler, engine_grid, geometric
 from ._media import fixed_image_example
 from ._metrics import Metrics
 from ._requests import Event, QueueFullError, Request, SamplingParams, TokenLogprob, joined
-from ._sizing import Sizing, reads_no_data, size_engine
+from ._sizing import Sizing, size_engine
 from ._table import SlotTable
 from ._text import TextStream
 
@@ -242,7 +242,7 @@ class Engine:
         """Allocates the cache, compiles every program the engine will run (`warm_up`), and starts
         the engine thread (idempotent)."""
         if self._thread is None:
-            with reads_no_data(self.model):
+            with generation.reads_no_data(self.model):
                 self.warm_up()
             self._thread = threading.Thread(target=self._run, name="hfjax-engine", daemon=True)
             self._thread.start()

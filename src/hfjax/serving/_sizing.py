@@ -4,14 +4,13 @@ fixed batch."""
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import os
 
 import jax
 
 from .. import bridge, generation
-from .._errors import DataDependentError, GenerationError, ServingError
+from .._errors import ServingError
 
 # Slots when nothing else bounds them: an accelerator runs many rows per step for nearly the cost of
 # one; on the CPU each row costs, and more rows mean more programs to compile.
@@ -79,7 +78,7 @@ def size_engine(
             f"(config.max_position_embeddings); pass max_model_len<={context}"
         )
     generation.check_supported(model)
-    with reads_no_data(model):  # (the slots' shapes come from an abstract run of the model)
+    with generation.reads_no_data(model):  # (the slots' shapes come from an abstract run of the model)
         per_slot = sum(
             generation.slot_model(m, 1, max_model_len).bytes_per_slot() for m in (model, draft) if m is not None
         )
@@ -163,17 +162,3 @@ def _size(count: int) -> str:
         if count >= scale:
             return f"{count / scale:.2f} {unit}"
     return f"{count} B"
-
-
-@contextlib.contextmanager
-def reads_no_data(model):
-    """Within the block, a model whose trace reads values of its data (`DataDependentError`) is a
-    GenerationError saying so: the server compiles each program once, before it answers, where
-    `Model.generate` specialises its programs per call and guards them."""
-    try:
-        yield
-    except DataDependentError as error:
-        raise GenerationError(
-            f"{type(model.module).__name__} reads values of its data ({str(error).split('. ')[0]}), and the server "
-            "compiles each program once, before it answers; use Model.generate for it"
-        ) from error
