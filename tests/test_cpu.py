@@ -389,6 +389,30 @@ def test_attention_kernel_matches_float64_attention(kernels, shape):
         assert not got[1].any()
 
 
+def test_attention_kernel_reads_no_column_past_the_last_one_a_sequence_may_see(kernels):
+    # Slot caches are wider than most rows' lengths: the kernel stops at each sequence's last column
+    # that some query row may see, so keys and values past it (NaN here) are never read, and the
+    # result is the same to the bit as over finite values there.
+    batch, heads, rows, slots, depth, length = 4, 2, 4, 300, 32, 2
+    rng = np.random.default_rng(7)
+    q = rng.standard_normal((batch, heads, rows, depth), np.float32)
+    k = rng.standard_normal((batch, heads, slots, depth), np.float32)
+    v = rng.standard_normal((batch, heads, slots, depth), np.float32)
+    seen = np.array([1, 17, 150, slots])  # each sequence's visible columns
+    bias = np.where(np.arange(slots)[None, None, :] < seen[:, None, None], 0.0, -np.inf).astype(np.float32)
+    bias = np.broadcast_to(bias, (batch, length, slots)).copy()
+    bias[2, 1, 149] = -np.inf  # (one row sees a column fewer: the sequence reads as far as its rows reach)
+    past = np.arange(slots)[None, None, :, None] >= seen[:, None, None, None]
+    attend = jax.jit(_kernels.decode_attention, static_argnums=4)
+    finite = np.asarray(attend(q, k, v, bias, 0.5))
+    unread = np.asarray(attend(q, np.where(past, np.nan, k), np.where(past, np.nan, v), bias, 0.5))
+    np.testing.assert_array_equal(unread, finite)
+    scores = np.einsum("bhrd,bhsd->bhrs", q.astype(np.float64), k.astype(np.float64)) * 0.5
+    weights = np.exp(scores + bias[:, None, np.arange(rows) % length])
+    expected = np.einsum("bhrs,bhsd->bhrd", weights / weights.sum(-1, keepdims=True), v.astype(np.float64))
+    np.testing.assert_allclose(finite, expected, rtol=0, atol=MATMUL.atol)
+
+
 # -- convolution (channels-last) ----------------------------------------------------
 
 CONV_CASES = {

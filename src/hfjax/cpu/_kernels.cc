@@ -468,14 +468,25 @@ struct Attention {
   float scale;
 };
 
+// The columns of a sequence's cache that any of its query rows may read: past the last column
+// whose bias is above -inf in some row, every weight is exactly 0, so attention stops there and
+// its cost follows the sequence's real length, not the cache's. `bias` is [L, S].
+int64_t UsedColumns(const float* bias, int64_t rows, int64_t s_size) {
+  for (int64_t s = s_size; s > 0; --s)
+    for (int64_t r = 0; r < rows; ++r)
+      if (bias[r * s_size + s - 1] != -INFINITY) return s;
+  return 0;
+}
+
 // One (sequence, key/value head): kRows query rows; `scores` holds kRows x slots floats.
 template <int kRows>
 void AttendHead(const Attention& a, int64_t task, float* scores) {
-  const int64_t b = task / a.heads, s_size = a.slots, d_size = a.depth, dv_size = a.value_depth;
+  const int64_t b = task / a.heads, stride = a.slots, d_size = a.depth, dv_size = a.value_depth;
   const float* q = a.q + task * kRows * d_size;
-  const float* k = a.k + task * s_size * d_size;
-  const float* v = a.v + task * s_size * dv_size;
-  const float* bias = a.bias + b * a.length * s_size;
+  const float* k = a.k + task * stride * d_size;
+  const float* v = a.v + task * stride * dv_size;
+  const float* bias = a.bias + b * a.length * stride;
+  const int64_t s_size = UsedColumns(bias, a.length, stride);  // the columns read; rows of scores are `stride` apart
   float* out = a.out + task * kRows * dv_size;
   const int64_t whole = d_size / kLanes * kLanes;
   const Tail tail = TailOf(d_size - whole);
@@ -492,13 +503,13 @@ void AttendHead(const Attention& a, int64_t task, float* scores) {
       for (int r = 0; r < kRows; ++r) sums[r] = Fma(LoadTail(tail, q + r * d_size + whole), keys, sums[r]);
     }
     for (int r = 0; r < kRows; ++r)
-      scores[r * s_size + s] = ReduceAdd(sums[r]) * a.scale + bias[(r % a.length) * s_size + s];
+      scores[r * stride + s] = ReduceAdd(sums[r]) * a.scale + bias[(r % a.length) * stride + s];
   }
   const int64_t s_whole = s_size / kLanes * kLanes;
   const Tail s_tail = TailOf(s_size - s_whole);
   float inverse[kRows];
   for (int r = 0; r < kRows; ++r) {  // softmax over each row; a row that may attend to nothing gives zeros
-    float* row = scores + r * s_size;
+    float* row = scores + r * stride;
     Vec top = Set1(-INFINITY);
     for (int64_t s = 0; s < s_whole; s += kLanes) top = Max(top, Load(row + s));
     if (s_whole < s_size) top = MaxTail(top, s_tail, LoadTail(s_tail, row + s_whole));
@@ -534,7 +545,7 @@ void AttendHead(const Attention& a, int64_t task, float* scores) {
       Vec values[kChunks];
       for (int c = 0; c < kChunks; ++c) values[c] = c < chunks ? LoadTail(tails[c], value + kLanes * c) : Zero();
       for (int r = 0; r < kRows; ++r) {
-        const Vec weight = Set1(scores[r * s_size + s]);
+        const Vec weight = Set1(scores[r * stride + s]);
         for (int c = 0; c < kChunks; ++c) sums[r][c] = Fma(weight, values[c], sums[r][c]);
       }
     }
