@@ -677,11 +677,7 @@ class SlotModel:
                 params, gathered, ids, positions, columns, keep=jnp.array([chunk - 1], jnp.int32), lora=lora,
                 inputs=arguments, blocks=blocks,
             )  # fmt: skip
-        written = [
-            tuple(a.at[which, :, :window].set(r, mode="drop") for a, r in zip(pair, new))
-            for pair, new in zip(cache, gathered)
-        ]
-        return logits, written, offset
+        return logits, columns_written(cache, gathered, which, columns, window=window), offset
 
     def prefill_chunk(
         self,
@@ -887,7 +883,13 @@ class SlotModel:
         ran, carried, tokens, seen, counts, history, chosen, states = jax.lax.while_loop(
             running, step, (jnp.int32(0), carried, tokens, seen, counts, history, chosen, states)
         )
-        cache = written_back(whole, restore(carried))
+        # Each row wrote at most `steps` columns from its position: only those go back.
+        written = positions[:, None] + jnp.arange(steps, dtype=jnp.int32)[None, :]  # [R, steps]
+        written = jnp.where(on[:, None], written, window)  # (rows not decoding: nowhere)
+        cache = restore(carried)
+        if any(part.shape != a.shape for pair, new in zip(whole, cache) for a, part in zip(pair, new)):
+            # (else the loop ran on the whole cache, which it returns)
+            cache = columns_written(whole, cache, jnp.arange(r, dtype=jnp.int32), written, window=window)
         state = SlotState(
             cache=cache,
             tokens=state.tokens.at[:r].set(tokens),
@@ -902,6 +904,25 @@ class SlotModel:
             encoder_ids=state.encoder_ids,
         )
         return state, dataclasses.replace(chosen, ran=ran)
+
+
+def columns_written(whole: list, parts: list, which, columns, *, window: int) -> list:
+    """The cache `whole` [(keys, values)] per layer with the columns a program wrote into `parts`, its
+    rows `which` [P] (a row S: none) over the first `window` columns ([P, H, W, D]), copied back: row
+    p's columns `columns` [P, C] (`window` and past it: none). Only those columns move: writing back
+    the window of every row copied the rows' whole window twice per call, which at long windows cost
+    more than the model's forward."""
+    length = whole[0][0].shape[2]
+    taken = jnp.minimum(columns, window - 1)[:, None, :, None]  # [P, 1, C, 1]
+    target = jnp.where(columns < window, columns, length)  # past the end: dropped
+    rows = which[:, None]
+    return [
+        tuple(
+            a.at[rows, :, target].set(jnp.swapaxes(jnp.take_along_axis(part, taken, axis=2), 1, 2), mode="drop")
+            for a, part in zip(pair, new)
+        )
+        for pair, new in zip(whole, parts)
+    ]
 
 
 def written_back(whole: list, parts: list) -> list:
