@@ -130,6 +130,27 @@ def test_greedy_answers_equal_generate_with_16_requests_in_4_slots(model, engine
     assert engine.running == 0 and engine.waiting == 0
 
 
+def test_a_long_prompt_is_read_in_wider_chunks_at_a_wider_window_and_equals_generate(model, engine, monkeypatch):
+    # A prefill call reads its rows' whole window, so at a wider window each call takes more tokens a
+    # row (`prefill_width`): 16 over 128 columns, 32 over 256. A prompt past 128 tokens reads its
+    # first 128 in chunks of 16, the rest in chunks of 32, beside a short one; both equal generate.
+    calls, prefill = [], engine.compiler.programs.prefill
+
+    def prefilling(*args, window, inputs=None):
+        calls.append((window, args[3].shape[1]))
+        return prefill(*args, window=window, inputs=inputs)
+
+    monkeypatch.setattr(engine.compiler.programs, "prefill", prefilling)
+    ids = _ids(model, [" ".join(WORDS * 3), PROMPTS[5]])
+    assert 128 + 2 * CHUNK < len(ids[0]) < LENGTH - 8
+    got = engine.generate(ids, SamplingParams(max_tokens=8, temperature=0))
+    want = _generate_alone(model, ids, 8)
+    for event, reference in zip(got, want):
+        assert event.token_ids == reference[:8]
+    assert {(128, CHUNK), (256, 2 * CHUNK)} == set(calls)
+    assert calls.count((256, 2 * CHUNK)) == -(-(len(ids[0]) - 128) // (2 * CHUNK))
+
+
 def test_a_lone_stream_runs_long_chunks_sent_ahead_and_no_step_past_max_tokens(model, engine, monkeypatch):
     calls = _Calls(engine, monkeypatch)
     ids = _ids(model, PROMPTS[3:4])

@@ -80,10 +80,12 @@ class SlotPrograms:
         """Programs prepared per kind in this process, traced or read from disk."""
         return {kind: self.cache.traced[kind] + self.cache.loaded[kind] for kind in ("prefill", "decode")}
 
-    def key(self, kind: str, rows: int, window: int, logprobs: bool = True) -> tuple:
+    def key(self, kind: str, rows: int, window: int, logprobs: bool = True, *, width: int | None = None) -> tuple:
+        """The program cache's key of a program; `width`: a prefill's prompt tokens per row (its ids'
+        columns), where it is not `prefill_chunk`."""
         model = self.slot_model
         # (a recurrent model's prefill chunk is a whole prompt as wide as the window)
-        extent = (window if model.recurrent else self.prefill_chunk) if kind == "prefill" else self.steps
+        extent = (window if model.recurrent else width or self.prefill_chunk) if kind == "prefill" else self.steps
         # The decode's own settings (the prefill's program does not depend on them).
         stops = (self.stop_tokens, self.pad_token) if kind == "decode" and self.stop_tokens else ()
         logprobs = logprobs or kind != "decode"
@@ -142,7 +144,7 @@ class SlotPrograms:
 
     def _prefill(self, state, rows, which, ids, start, count, last, fresh, want_logprobs, *, window, inputs=None):
         args = (self.params, state.leaves(), rows.leaves(), which, ids, start, count, last, fresh, want_logprobs)
-        key = self.key("prefill", which.shape[0], window)
+        key = self.key("prefill", which.shape[0], window, width=ids.shape[1])
         static = ()
         if inputs:  # the arrays are arguments; the static inputs' values, constants of the program
             static = tuple(

@@ -41,6 +41,17 @@ def geometric(smallest: int, limit: int) -> list[int]:
 
 
 SMALLEST_WINDOW = 128  # columns of the smallest window a chunk attends over
+WIDTH_GROWTH = 4  # a prefill chunk reads at most this many times --prefill-chunk tokens a row
+
+
+def prefill_width(window: int, chunk: int) -> int:
+    """Prompt tokens per row of the prefill program over `window` columns, for --prefill-chunk `chunk`:
+    an eighth of the window, at least `chunk` and at most 4x it. A prefill call reads its rows'
+    whole window of keys and values whatever its width, so at long windows that read is paid for
+    fewer tokens when each call takes more of them (a 4000-token prompt over 8192 columns: 0.74 ms a
+    token in chunks of 256 against 1.8 ms in chunks of 64, on 2 CPU cores); at short ones a wider
+    chunk would be padding."""
+    return max(chunk, min(window // 8, WIDTH_GROWTH * chunk))
 
 
 def engine_grid(
@@ -48,9 +59,9 @@ def engine_grid(
 ) -> dict[str, list[tuple[int, int]]]:
     """Every (rows, window) an engine's prefill and decode chunks may run, smallest first, over windows
     of 128, 512, 2048, ... columns up to max_model_len. A decode chunk runs once per token: it has row
-    counts 1, 4, 16, ... up to the slots at every window. A prefill chunk runs once per prefill_chunk
-    prompt tokens: it has prefill_rows rows at every window, and one row at the smallest (a lone short
-    prompt, whose first token waits for it).
+    counts 1, 4, 16, ... up to the slots at every window. A prefill chunk runs once per chunk of a
+    prompt (`prefill_width` tokens, wider at long windows): it has prefill_rows rows at every window,
+    and one row at the smallest (a lone short prompt, whose first token waits for it).
 
     A model with recurrent layers prefills a whole prompt in a chunk as wide as the window (so the
     prefill's windows bound its prompts: the last is max_model_len). One whose layers keep no keys and

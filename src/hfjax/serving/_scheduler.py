@@ -38,9 +38,9 @@ from collections.abc import Callable
 import jax.numpy as jnp
 import numpy as np
 
-from .. import _buckets, generation
+from .. import generation
 from .._errors import GenerationError, ServingError
-from ._compiler import SMALLEST_WINDOW, Compiler, engine_grid, geometric
+from ._compiler import SMALLEST_WINDOW, Compiler, engine_grid, geometric, prefill_width
 from ._media import fixed_image_example
 from ._metrics import Metrics
 from ._requests import Event, QueueFullError, Request, SamplingParams, TokenLogprob, joined
@@ -445,7 +445,7 @@ class Engine:
         `EncoderDecoderSlotModel.encoder_inputs`; a prompt's images), or None."""
         if kind == "prefill":
             inputs = self._encoder_zeros(rows) if self.encoder_decoder else None
-            chunk = window if self.recurrent else self.prefill_chunk  # (a recurrent model's: a whole prompt)
+            chunk = self._prefill_width(window)
             args = self._prefill_args(
                 np.full(rows, self.max_num_seqs, np.int32), np.zeros((rows, chunk), np.int32),
                 np.zeros(rows, np.int32), np.ones(rows, np.int32), np.zeros(rows, bool), np.zeros(rows, bool), False,
@@ -586,13 +586,23 @@ class Engine:
             event = Event([], [], None, reason, request.prompt_tokens, request.generated, request.text.rest())
         request.listener(event)
 
+    def _prefill_width(self, window: int) -> int:
+        """Prompt tokens per row of the prefill program over `window` columns (`prefill_width`; a
+        recurrent model's: a whole prompt, as wide as the window)."""
+        return window if self.recurrent else prefill_width(window, self.prefill_chunk)
+
     def _prefill(self, requests: list[Request]) -> None:
-        """The next prompt chunk of each request in one program, over the fewest columns that hold every
-        chunk (a recurrent model's: each request's whole prompt, as wide as that program's window)."""
-        chunk_size = self.prefill_chunk
-        rows = _buckets.bucket(len(requests), smallest=1, limit=self.prefill_rows)
-        if self.recurrent:
-            chunk_size = self.compiler.program_for("prefill", rows, max(len(r.prompt) for r in requests))[2]
+        """The next prompt chunk of each request in one program: the smallest that holds every row's
+        next chunk, as wide as that program takes (`_prefill_width`)."""
+        rows, window = next(
+            (rows, window)
+            for rows, window in self.compiler.grid["prefill"]
+            if rows >= len(requests)
+            and all(
+                r.prefilled + min(self._prefill_width(window), len(r.prompt) - r.prefilled) <= window for r in requests
+            )
+        )
+        chunk_size = self._prefill_width(window)
         which = np.full(rows, self.max_num_seqs, np.int32)  # padding rows: slot S, out of range
         ids = np.zeros((rows, chunk_size), np.int32)
         start, count = np.zeros(rows, np.int32), np.ones(rows, np.int32)
@@ -604,16 +614,6 @@ class Engine:
             last[i] = request.prefilled + len(chunk) == len(request.prompt)
             fresh[i] = request.prefilled == request.started
         want = any(r.params.logprobs is not None for r in requests)
-        _, rows, window = self.compiler.program_for("prefill", rows, int((start + count).max()))
-        if rows > len(which):  # a larger ready program: more padding rows
-            extra = rows - len(which)
-            which = np.concatenate([which, np.full(extra, self.max_num_seqs, np.int32)])
-            ids = np.concatenate([ids, np.zeros((extra, chunk_size), np.int32)])
-            start, count = (
-                np.concatenate([start, np.zeros(extra, np.int32)]),
-                np.concatenate([count, np.ones(extra, np.int32)]),
-            )
-            last, fresh = np.concatenate([last, np.zeros(extra, bool)]), np.concatenate([fresh, np.zeros(extra, bool)])
         inputs = None
         if self.encoder_decoder:  # each row's encoder inputs (its whole prompt is this chunk); padding rows: zeros
             inputs = self._encoder_zeros(rows)
