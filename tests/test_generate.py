@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-import functools
 import json
 import re
 import warnings
@@ -125,7 +124,7 @@ def test_mamba_generates_like_transformers_on_its_own_test_config():
     model = hfjax.Model.from_module(module)
     actual = model.generate(ids.numpy(), mask.numpy(), max_new_tokens=12, do_sample=False)
     np.testing.assert_array_equal(np.asarray(actual), expected)
-    assert model._generator.slot_runs._programs  # the slot core ran it (a state per slot)
+    assert model.generation_programs.on_slot_core  # (a state per slot)
 
 
 def test_bloom_runs_on_the_slot_core_with_transformers_logits(loaded):
@@ -137,7 +136,7 @@ def test_bloom_runs_on_the_slot_core_with_transformers_logits(loaded):
     logits = dict(max_new_tokens=6, return_dict_in_generate=True, output_logits=True)
     expected = _torch_output(model, ids, mask, **logits)
     actual = model.generate(ids, mask, **logits)
-    assert model._generator.slot_runs._programs  # the slot core ran it
+    assert model.generation_programs.on_slot_core
     np.testing.assert_array_equal(np.asarray(actual.sequences), expected.sequences.numpy())
     for mine, theirs in zip(actual.logits, expected.logits, strict=True):
         _assert_scores_equal(mine, theirs, tolerances.for_family("bloom"))
@@ -186,7 +185,7 @@ def test_a_hybrid_linear_attention_model_generates_like_transformers(loaded):
     np.testing.assert_array_equal(
         np.asarray(model.generate(ids, mask, do_sample=False, max_new_tokens=NEW_TOKENS)), expected
     )
-    assert model._generator.slot_runs._programs  # the slot core ran it (keys and values, and states)
+    assert model.generation_programs.on_slot_core  # (keys and values, and states)
 
 
 def test_a_missing_mask_is_inferred_from_the_pad_token_like_transformers(loaded):
@@ -766,11 +765,11 @@ def test_prompt_lengths_in_one_bucket_share_programs(loaded):
         ids, mask = _batch(model, [prompt])
         assert ids.shape[1] <= 16
         model.generate(ids, mask, max_new_tokens=7)
-        counts.append(dict(model._generator.program_counts))
+        counts.append(model.generation_programs.counts)
     assert counts[-1] == counts[0], "a new prompt length in the same bucket recompiled"
     ids, mask = _batch(model, ["a prompt well past sixteen tokens, so it lands in the next bucket up"])
     model.generate(ids, mask, max_new_tokens=7)
-    assert model._generator.program_counts == {"prefill": counts[0]["prefill"] + 1, "decode": counts[0]["decode"] + 1}
+    assert model.generation_programs.counts == {"prefill": counts[0]["prefill"] + 1, "decode": counts[0]["decode"] + 1}
 
 
 def test_budgets_in_one_buffer_length_share_programs(loaded):
@@ -780,9 +779,9 @@ def test_budgets_in_one_buffer_length_share_programs(loaded):
     for budget in (5, 9, 12):
         lengths.append(np.asarray(model.generate(ids, mask, max_new_tokens=budget, min_new_tokens=budget)).shape[1])
         if budget == 5:
-            counts = dict(model._generator.program_counts)
+            counts = model.generation_programs.counts
     assert lengths == [ids.shape[1] + 5, ids.shape[1] + 9, ids.shape[1] + 12]
-    assert model._generator.program_counts == counts, "a new max_new_tokens recompiled"
+    assert model.generation_programs.counts == counts, "a new max_new_tokens recompiled"
 
 
 def _shapes(model, ids, max_new_tokens: int) -> tuple:
@@ -897,16 +896,15 @@ def test_streamer_receives_prompt_then_every_token_in_chunks(loaded):
     ids, mask = _batch(model, PROMPTS[:1])
     recorder = _Recorder()
     unstreamed = np.asarray(model.generate(ids, mask, max_new_tokens=20))
-    generator = model._generator
-    decode_programs = generator.program_counts["decode"]
+    decode_programs = model.generation_programs.counts["decode"]
     # streamed: the whole cache, one window, the program the unstreamed call ran (a 64-token cache)
-    calls = []
-    for key, program in generator.programs._programs.items():
-        if key[0] == "decode":
-            program.run = functools.partial(
-                lambda run, *args: calls.append(len(recorder.puts)) or run(*args), program.run
-            )
-    streamed = np.asarray(model.generate(ids, mask, max_new_tokens=20, streamer=recorder))
+    runs_before = []  # per put: the decode programs run before it
+    with _compile.recording() as recorded:
+        put = recorder.put
+        recorder.put = lambda value: runs_before.append(sum(p.stage == "decode" for p in recorded)) or put(value)
+        streamed = np.asarray(model.generate(ids, mask, max_new_tokens=20, streamer=recorder))
+    runs = sum(p.stage == "decode" for p in recorded)
+    calls = [sum(before <= run for before in runs_before) for run in range(runs)]  # per run: the puts before it
     assert recorder.ended
     np.testing.assert_array_equal(recorder.puts[0], ids)
     tokens = np.concatenate([p.reshape(-1) for p in recorder.puts[1:]])
@@ -915,7 +913,7 @@ def test_streamer_receives_prompt_then_every_token_in_chunks(loaded):
     assert len(recorder.puts) == 1 + 20  # the prompt, then each token
     # 19 tokens after the prefill's first, in chunks; each chunk's tokens arrive before the next runs.
     assert calls == [2, 2 + _planning.STREAM_CHUNK, 2 + 2 * _planning.STREAM_CHUNK]
-    assert model._generator.program_counts["decode"] == decode_programs  # chunks reuse the one decode program
+    assert model.generation_programs.counts["decode"] == decode_programs  # chunks reuse the one decode program
 
 
 def test_text_streamer_prints_the_generated_text(loaded, capsys):
@@ -1046,7 +1044,7 @@ def _switching_model(checkpoint):
 
 
 def _decode_specializations(model) -> list:
-    return [specialized.built for key, specialized in model._generator._specialized.items() if key[0] == "decode"]
+    return model.generation_programs.specializations("decode")
 
 
 def test_a_step_that_reads_its_data_stays_compiled_across_a_change_of_value(checkpoint):
@@ -1063,9 +1061,9 @@ def test_a_step_that_reads_its_data_stays_compiled_across_a_change_of_value(chec
         np.testing.assert_array_equal(actual, expected.numpy())
         # The loop stopped before the first token past SWITCH and went on with a second program.
         assert [len(programs) for programs in _decode_specializations(model)] == [2]
-        counts = model._generator.program_counts
+        counts = model.generation_programs.counts
         np.testing.assert_array_equal(np.asarray(model.generate(ids, mask, max_new_tokens=NEW_TOKENS)), actual)
-        assert model._generator.program_counts == counts  # the same values again: nothing traced
+        assert model.generation_programs.counts == counts  # the same values again: nothing traced
 
 
 def test_a_streamed_answer_of_a_model_that_reads_its_data_is_the_unstreamed_one(checkpoint):
@@ -1131,8 +1129,8 @@ if not path.exists():  # the cold run writes the checkpoint, before anything com
     testing.save_tiny_checkpoint("llama", path)
 model = hfjax.load(path)
 tokens = np.asarray(model.generate(np.array([[1, 5, 6, 7], [2, 8, 6, 7]]), max_new_tokens=4)).tolist()  # stored programs call the CPU kernels
-generator = model._generator
-print(json.dumps(dict(hits=len(hits), traced=generator.trace_counts, loaded=generator.load_counts, tokens=tokens)))
+programs = model.generation_programs
+print(json.dumps(dict(hits=len(hits), traced=programs.traced, loaded=programs.loaded, tokens=tokens)))
 """
 
 
@@ -1174,37 +1172,36 @@ def test_a_second_process_reuses_programs_without_tracing():
     assert warm["tokens"] == cold["tokens"]
 
 
-def _private_store(model, directory, monkeypatch):
-    """`model` keeps its programs in `directory` alone, from a new generator: the session's store is
-    shared with other processes, which may write the same programs at any moment."""
+def _private_store(checkpoint, directory, monkeypatch):
+    """A new llama model that keeps its programs in `directory` alone: the session's store is shared
+    with other processes, which may write the same programs at any moment."""
     monkeypatch.setattr(_compilation_cache, "directory", lambda: directory)
-    model._generator = _engine.Generator(model)
+    return hfjax.load(checkpoint("llama"))
 
 
-def test_a_stored_prefill_without_its_decode_loop_still_generates(loaded, tmp_path, monkeypatch):
+def test_a_stored_prefill_without_its_decode_loop_still_generates(checkpoint, tmp_path, monkeypatch):
     # The slot core's decode program is traced on its own (`Generator`'s own decode loop needs the
     # state's structure, which only tracing the prefill gives).
-    model = loaded("llama")
-    _private_store(model, tmp_path, monkeypatch)
+    model = _private_store(checkpoint, tmp_path, monkeypatch)
     ids, mask = _batch(model, PROMPTS[:1])
     expected = np.asarray(model.generate(ids, mask, max_new_tokens=6))
-    fresh = _engine.Generator(model)
-    decode_keys = [key for key in model._generator.programs.keys() if key[0] == "decode"]
-    for key in decode_keys:  # as if only the prefill had been written by an earlier process
-        fresh.programs.path(key).unlink(missing_ok=True)
-    model._generator = fresh
-    np.testing.assert_array_equal(np.asarray(model.generate(ids, mask, max_new_tokens=6)), expected)
-    assert fresh.load_counts["prefill"] == 1 and fresh.trace_counts == {"prefill": 0, "decode": 1}
+    decodes = model.generation_programs.keys("decode")
+    assert decodes and all(model.generation_programs.path(key).is_file() for key in decodes)
+    for key in decodes:  # as if only the prefill had been written by an earlier process
+        model.generation_programs.path(key).unlink()
+    fresh = hfjax.load(checkpoint("llama"))  # a new process's model: nothing in memory
+    np.testing.assert_array_equal(np.asarray(fresh.generate(ids, mask, max_new_tokens=6)), expected)
+    programs = fresh.generation_programs
+    assert programs.loaded["prefill"] == 1 and programs.traced == {"prefill": 0, "decode": 1}
 
 
-def test_an_unreadable_stored_program_is_traced_again(loaded, tmp_path, monkeypatch):
-    model = loaded("llama")
-    _private_store(model, tmp_path, monkeypatch)
+def test_an_unreadable_stored_program_is_traced_again(checkpoint, tmp_path, monkeypatch):
+    model = _private_store(checkpoint, tmp_path, monkeypatch)
     ids, mask = _batch(model, PROMPTS[:1])
     expected = np.asarray(model.generate(ids, mask, max_new_tokens=6))
-    fresh = _engine.Generator(model)
-    for key in model._generator.programs.keys():
-        fresh.programs.path(key).write_bytes(b"\x05\x00")  # truncated by a writer that was killed
-    model._generator = fresh
-    np.testing.assert_array_equal(np.asarray(model.generate(ids, mask, max_new_tokens=6)), expected)
-    assert fresh.load_counts == {"prefill": 0, "decode": 0} and fresh.trace_counts == {"prefill": 1, "decode": 1}
+    for key in model.generation_programs.keys():
+        model.generation_programs.path(key).write_bytes(b"\x05\x00")  # truncated by a writer that was killed
+    fresh = hfjax.load(checkpoint("llama"))  # a new process's model: nothing in memory
+    np.testing.assert_array_equal(np.asarray(fresh.generate(ids, mask, max_new_tokens=6)), expected)
+    programs = fresh.generation_programs
+    assert programs.loaded == {"prefill": 0, "decode": 0} and programs.traced == {"prefill": 1, "decode": 1}

@@ -13,9 +13,7 @@ import numpy as np
 import pytest
 
 from hfjax import generation, testing
-from hfjax.generation._choose import choose_tokens
-from hfjax.generation._rows import RowSampling, SamplingFeatures, key_data
-from hfjax.generation._settings import SamplingConfig
+from hfjax.generation import RowSampling, SamplingConfig, SamplingFeatures, _choose, key_data
 
 pytest.importorskip("llguidance", reason="structured outputs need llguidance: pip install 'hfjax[serve]'")
 import llguidance  # noqa: E402
@@ -149,7 +147,7 @@ def test_a_constrained_greedy_row_takes_the_most_likely_allowed_token_and_others
     logits = jax.random.normal(jax.random.key(0), (3, VOCAB))
     allowed = [{5, 17, 64, 99}, {3}, set(range(VOCAB))]
     rows, features = _rows([0.0, 0.0, 0.0], [True, False, False], allowed)
-    token, scores = choose_tokens(logits, rows, features, jnp.zeros(3, jnp.int32))
+    token, scores = _choose.choose_tokens(logits, rows, features, jnp.zeros(3, jnp.int32))
     expected = [
         max(allowed[0], key=lambda t: float(logits[0, t])),
         int(jnp.argmax(logits[1])),
@@ -164,7 +162,9 @@ def test_constrained_draws_follow_the_softmax_over_the_allowed_tokens():
     allowed = {2, 3, 40, 97}
     logits = jnp.tile(jnp.linspace(-1.0, 1.0, VOCAB)[None], (1, 1))
     rows, features = _rows([1.0], [True], [allowed])
-    draws = jax.vmap(lambda p: choose_tokens(logits, rows, features, p[None])[0][0])(jnp.arange(4000, dtype=jnp.int32))
+    draws = jax.vmap(lambda p: _choose.choose_tokens(logits, rows, features, p[None])[0][0])(
+        jnp.arange(4000, dtype=jnp.int32)
+    )
     counts = np.bincount(np.asarray(draws), minlength=VOCAB)
     assert set(np.flatnonzero(counts)) == allowed
     ids = sorted(allowed)
@@ -175,8 +175,8 @@ def test_constrained_draws_follow_the_softmax_over_the_allowed_tokens():
 def test_no_constrained_row_leaves_the_scores_as_they_were():
     logits = jax.random.normal(jax.random.key(1), (2, VOCAB))
     rows, features = _rows([0.0, 1.0], [False, False], [{1}, {2}])
-    masked, _ = choose_tokens(logits, rows, features, jnp.arange(2, dtype=jnp.int32))
-    plain, _ = choose_tokens(logits, rows, SamplingFeatures(sampling=True), jnp.arange(2, dtype=jnp.int32))
+    masked, _ = _choose.choose_tokens(logits, rows, features, jnp.arange(2, dtype=jnp.int32))
+    plain, _ = _choose.choose_tokens(logits, rows, SamplingFeatures(sampling=True), jnp.arange(2, dtype=jnp.int32))
     assert masked.tolist() == plain.tolist()
 
 

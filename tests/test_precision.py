@@ -104,12 +104,12 @@ def test_a_changed_setting_builds_new_programs_and_the_models_own_wins(llama):
     with torch_precision("highest"):
         first = np.asarray(model(ids).logits)
         model.generate(ids, max_new_tokens=3)
-    counts = (model.compiled.compile_count, dict(model._generator.program_counts))
+    counts = (model.compiled.compile_count, model.generation_programs.counts)
     with torch_precision("high"):
         again = np.asarray(model(ids).logits)
         model.generate(ids, max_new_tokens=3)
     assert model.compiled.compile_count == counts[0] + 1
-    assert model._generator.program_counts == {stage: n + 1 for stage, n in counts[1].items()}
+    assert model.generation_programs.counts == {stage: n + 1 for stage, n in counts[1].items()}
     np.testing.assert_allclose(again, first, atol=tolerances.DEFAULT.atol)  # XLA:CPU: float32 either way
     with torch_precision("highest"):
         model(ids)

@@ -15,19 +15,7 @@ import torch
 import transformers
 
 from hfjax import testing, tolerances
-from hfjax.generation._rows import RowSampling, SamplingFeatures, key_data, row_keys
-from hfjax.generation._sampling import (
-    add_biases,
-    first_argmax,
-    ngram_bans,
-    pick,
-    process_logits,
-    seen_mask,
-    sequence_bias,
-    update_counts,
-    update_seen,
-)
-from hfjax.generation._settings import SamplingConfig
+from hfjax.generation import RowSampling, SamplingConfig, SamplingFeatures, _rows, _sampling, key_data
 
 # Probabilities of float32 softmaxes of the same O(1) logits, processed by the same formulas.
 PROBS = tolerances.DEFAULT
@@ -84,12 +72,14 @@ def rows_of(configs, seed: int = 0, biases=None) -> RowSampling:
         [(c, b, key_data(seed)) for c, b in zip(configs, biases)], vocab_size=None, bias_slots=max(map(len, biases))
     )
     rows = jax.tree_util.tree_map(jnp.asarray, rows)
-    return RowSampling(*rows.leaves()[:-1], key=row_keys(rows.key))
+    return RowSampling(*rows.leaves()[:-1], key=_rows.row_keys(rows.key))
 
 
 @functools.partial(jax.jit, static_argnames="features")
 def _process(logits, seen, counts, rows, *, features):
-    return process_logits(add_biases(logits, rows, features), rows, features, seen=seen, counts=counts)
+    return _sampling.process_logits(
+        _sampling.add_biases(logits, rows, features), rows, features, seen=seen, counts=counts
+    )
 
 
 def jit_process(logits, seen, config: SamplingConfig, counts=None):
@@ -100,7 +90,7 @@ def jit_process(logits, seen, config: SamplingConfig, counts=None):
 
 @functools.partial(jax.jit, static_argnames="features")
 def _next(logits, seen, rows, positions, *, features):
-    return pick(process_logits(logits, rows, features, seen=seen), rows, positions, features)
+    return _sampling.pick(_sampling.process_logits(logits, rows, features, seen=seen), rows, positions, features)
 
 
 def jit_next(logits, seen, config: SamplingConfig, seed: int = 0, positions=None):
@@ -155,7 +145,7 @@ def test_process_logits_matches_transformers(name):
     expected = hf_process(logits, input_ids, attention_mask, config)  # [3, V]
     assert not np.array_equal(expected, logits), f"{name}: transformers left the logits unchanged"
 
-    seen = seen_mask(jnp.asarray(input_ids), jnp.asarray(attention_mask), VOCAB)
+    seen = _sampling.seen_mask(jnp.asarray(input_ids), jnp.asarray(attention_mask), VOCAB)
     got = np.asarray(jit_process(jnp.asarray(logits), seen, config))  # [3, V]
 
     assert got.dtype == np.float32
@@ -203,7 +193,7 @@ def test_greedy_is_argmax_of_penalized_logits():
 
     expected = hf_process(logits, input_ids, attention_mask, config).argmax(axis=-1)  # [3]
     np.testing.assert_array_equal(expected, runner_up)
-    seen = seen_mask(jnp.asarray(input_ids), jnp.asarray(attention_mask), VOCAB)
+    seen = _sampling.seen_mask(jnp.asarray(input_ids), jnp.asarray(attention_mask), VOCAB)
     for seed in (0, 1):  # greedy ignores the key
         got = jit_next(jnp.asarray(logits), seen, config, seed)
         assert got.dtype == jnp.int32
@@ -218,7 +208,7 @@ def test_first_argmax_matches_numpy_argmax_with_ties_nan_and_minus_inf():
     scores[3] = -np.inf  # nothing allowed: index 0
     scores[4, VOCAB - 1] = 9.0  # the last index
     scores[5, :3] = np.inf  # +inf ties
-    got = jax.jit(first_argmax)(jnp.asarray(scores))
+    got = jax.jit(_sampling.first_argmax)(jnp.asarray(scores))
     assert got.dtype == jnp.int32
     np.testing.assert_array_equal(np.asarray(got), np.argmax(scores, axis=-1))
     np.testing.assert_array_equal(np.asarray(got)[1:], [7, 11, 0, VOCAB - 1, 0])
@@ -287,7 +277,7 @@ def test_rows_with_different_settings_each_match_transformers():
     logits = np.random.default_rng(9).normal(0.0, 2.0, (len(configs), VOCAB)).astype(np.float32)
     input_ids, attention_mask = history(seed=10, batch=3)
     input_ids, attention_mask = np.resize(input_ids, (len(configs), 12)), np.ones((len(configs), 12), np.int64)
-    seen = seen_mask(jnp.asarray(input_ids), jnp.asarray(attention_mask), VOCAB)
+    seen = _sampling.seen_mask(jnp.asarray(input_ids), jnp.asarray(attention_mask), VOCAB)
     features = SamplingFeatures.of(configs)
     got = np.asarray(_process(jnp.asarray(logits), seen, None, rows_of(configs), features=features))
     for row, config in enumerate(configs):
@@ -312,7 +302,7 @@ def test_presence_and_frequency_penalties_follow_openais_definition():
                          for i, c in enumerate(configs)])  # fmt: skip
     grown = jnp.zeros((3, VOCAB), jnp.int32)
     for column in range(answer.shape[1]):
-        grown = update_counts(grown, jnp.asarray(answer[:, column], jnp.int32))
+        grown = _sampling.update_counts(grown, jnp.asarray(answer[:, column], jnp.int32))
     np.testing.assert_array_equal(np.asarray(grown), counts)
     got = _process(jnp.asarray(logits), None, grown, rows_of(configs), features=SamplingFeatures.of(configs))
     np.testing.assert_allclose(np.asarray(got), expected, rtol=0, atol=tolerances.BIASES.atol)
@@ -332,23 +322,23 @@ def test_single_token_biases_match_transformers_sequence_bias():
 
 def test_seen_mask_and_update_seen():
     input_ids, attention_mask = history(seed=6)
-    seen = np.asarray(seen_mask(jnp.asarray(input_ids), jnp.asarray(attention_mask), VOCAB))
+    seen = np.asarray(_sampling.seen_mask(jnp.asarray(input_ids), jnp.asarray(attention_mask), VOCAB))
     expected = np.zeros((3, VOCAB), bool)
     for row in range(3):
         expected[row, input_ids[row][attention_mask[row] == 1]] = True
     np.testing.assert_array_equal(seen, expected)
     assert not seen[:, PAD].any()
-    assert np.asarray(seen_mask(jnp.asarray(input_ids), None, VOCAB))[1:, PAD].all()
+    assert np.asarray(_sampling.seen_mask(jnp.asarray(input_ids), None, VOCAB))[1:, PAD].all()
 
     tokens = np.array([PAD, 0, input_ids[2, -1]])
-    grown = np.asarray(update_seen(jnp.asarray(seen), jnp.asarray(tokens)))
+    grown = np.asarray(_sampling.update_seen(jnp.asarray(seen), jnp.asarray(tokens)))
     appended = np.concatenate([input_ids, tokens[:, None]], axis=1)
     appended_mask = np.concatenate([attention_mask, np.ones((3, 1), np.int64)], axis=1)
     np.testing.assert_array_equal(
-        grown, np.asarray(seen_mask(jnp.asarray(appended), jnp.asarray(appended_mask), VOCAB))
+        grown, np.asarray(_sampling.seen_mask(jnp.asarray(appended), jnp.asarray(appended_mask), VOCAB))
     )
 
-    traced = jax.jit(seen_mask, static_argnums=2)(jnp.asarray(input_ids), jnp.asarray(attention_mask), VOCAB)
+    traced = jax.jit(_sampling.seen_mask, static_argnums=2)(jnp.asarray(input_ids), jnp.asarray(attention_mask), VOCAB)
     np.testing.assert_array_equal(np.asarray(traced), expected)
 
 
@@ -395,19 +385,19 @@ def test_bad_arrays_name_argument_and_shape():
     penalised = SamplingConfig(repetition_penalty=1.3)
     rows = rows_of([penalised] * 2)
     with pytest.raises(ValueError, match=r"logits has shape \(2, 1, 50\)"):
-        process_logits(logits[:, None, :], rows_of([plain] * 2), SamplingFeatures.of([plain]))
+        _sampling.process_logits(logits[:, None, :], rows_of([plain] * 2), SamplingFeatures.of([plain]))
     with pytest.raises(ValueError, match=r"seen is None but the settings need a bool array"):
-        process_logits(logits, rows, SamplingFeatures.of([penalised]))
+        _sampling.process_logits(logits, rows, SamplingFeatures.of([penalised]))
     with pytest.raises(ValueError, match=r"seen is int32 \(2, 50\)"):
-        process_logits(logits, rows, SamplingFeatures.of([penalised]), seen=jnp.zeros((2, VOCAB), jnp.int32))
+        _sampling.process_logits(logits, rows, SamplingFeatures.of([penalised]), seen=jnp.zeros((2, VOCAB), jnp.int32))
     ids = jnp.array([[1, 2, VOCAB]])
     with pytest.raises(ValueError, match=r"input_ids\[0, 2\]=50 is outside \[0, vocab_size=50\)"):
-        seen_mask(ids, None, VOCAB)
-    assert not np.asarray(seen_mask(ids, jnp.array([[1, 1, 0]]), VOCAB))[0, 3:].any()  # a pad may be anything
+        _sampling.seen_mask(ids, None, VOCAB)
+    assert not np.asarray(_sampling.seen_mask(ids, jnp.array([[1, 1, 0]]), VOCAB))[0, 3:].any()  # a pad may be anything
     with pytest.raises(ValueError, match=r"attention_mask has shape \(1, 2\) but input_ids has \(1, 3\)"):
-        seen_mask(ids, jnp.ones((1, 2), jnp.int32), VOCAB)
+        _sampling.seen_mask(ids, jnp.ones((1, 2), jnp.int32), VOCAB)
     with pytest.raises(ValueError, match=r"input_ids has shape \(3,\)"):
-        seen_mask(ids[0], None, VOCAB)
+        _sampling.seen_mask(ids[0], None, VOCAB)
 
 
 # -- processors that read the tokens so far ------------------------------------------
@@ -438,7 +428,7 @@ def test_ngram_bans_match_transformers(size, seed):
     scores = np.random.default_rng(seed).standard_normal((3, VOCAB)).astype(np.float32)
     expected = transformers.NoRepeatNGramLogitsProcessor(size)(torch.from_numpy(input_ids), torch.from_numpy(scores))
     buffer, start, end = _buffer(input_ids, lead=5, tail=9)
-    banned = jax.jit(ngram_bans, static_argnums=(3, 4))(buffer, start, end, size, VOCAB)
+    banned = jax.jit(_sampling.ngram_bans, static_argnums=(3, 4))(buffer, start, end, size, VOCAB)
     actual = np.where(np.asarray(banned), -np.inf, scores)
     assert np.isinf(expected.numpy()).any()  # the history repeats, so something is banned
     np.testing.assert_array_equal(actual, expected.numpy())
@@ -447,9 +437,9 @@ def test_ngram_bans_match_transformers(size, seed):
 def test_columns_before_the_row_are_not_part_of_it():
     input_ids = np.array([[5, 5]])
     buffer, start, end = _buffer(input_ids, lead=4, tail=4)  # the lead is 7, 7, 7, 7
-    assert not np.asarray(ngram_bans(buffer, start, end, 3, VOCAB)).any()  # (7, 5, 5) is not in the row
-    assert np.asarray(ngram_bans(buffer, start, end, 2, VOCAB))[0, 5]
-    bias = np.asarray(sequence_bias(buffer, start, end, (((7, 5, 5, 20), 1.0), ((5, 5, 21), 2.0)), VOCAB))
+    assert not np.asarray(_sampling.ngram_bans(buffer, start, end, 3, VOCAB)).any()  # (7, 5, 5) is not in the row
+    assert np.asarray(_sampling.ngram_bans(buffer, start, end, 2, VOCAB))[0, 5]
+    bias = np.asarray(_sampling.sequence_bias(buffer, start, end, (((7, 5, 5, 20), 1.0), ((5, 5, 21), 2.0)), VOCAB))
     assert bias[0, 20] == 0 and bias[0, 21] == 2  # transformers skips a prefix longer than the row
 
 
@@ -469,8 +459,10 @@ def test_sequence_bias_and_bad_words_match_transformers(seed):
     expected = transformers.NoBadWordsLogitsProcessor(bad, eos_token_id=None)(ids_t, expected).numpy()
     entries = tuple(biases.items()) + tuple((tuple(ids), -np.inf) for ids in bad)
     buffer, start, end = _buffer(input_ids, lead=3, tail=5)
-    actual = scores + np.asarray(sequence_bias(buffer, start, end, entries, VOCAB))
-    assert not np.array_equal(expected, scores + np.asarray(sequence_bias(buffer, start, end, entries[:1], VOCAB)))
+    actual = scores + np.asarray(_sampling.sequence_bias(buffer, start, end, entries, VOCAB))
+    assert not np.array_equal(
+        expected, scores + np.asarray(_sampling.sequence_bias(buffer, start, end, entries[:1], VOCAB))
+    )
     np.testing.assert_allclose(actual, expected, rtol=0, atol=tolerances.BIASES.atol)
 
 
@@ -480,8 +472,7 @@ def test_the_stop_rule_is_transformers_min_new_tokens_and_eos_criteria():
     by row, and `stopped` (on the device and on the host) its EosTokenCriteria."""
     from transformers.generation.stopping_criteria import EosTokenCriteria
 
-    from hfjax.generation import stopped
-    from hfjax.generation._stops import hold_back
+    from hfjax.generation import _stops, stopped
 
     vocab, prompt, least = 32, 4, 3
     scores = np.random.default_rng(0).normal(size=(3, vocab)).astype(np.float32)
@@ -500,9 +491,9 @@ def test_the_stop_rule_is_transformers_min_new_tokens_and_eos_criteria():
             rows.append(processor(so_far, torch.from_numpy(scores[row : row + 1].copy()))[0].numpy())
         return np.stack(rows)
 
-    compiled = jax.jit(hold_back, static_argnums=1)(jnp.asarray(scores), (5, 9), positions, bound)
+    compiled = jax.jit(_stops.hold_back, static_argnums=1)(jnp.asarray(scores), (5, 9), positions, bound)
     np.testing.assert_array_equal(np.asarray(compiled), transformers_rows(lambda row: [5, 9]))
-    each = jax.jit(hold_back)(jnp.asarray(scores), jnp.asarray(held), positions, bound)
+    each = jax.jit(_stops.hold_back)(jnp.asarray(scores), jnp.asarray(held), positions, bound)
     np.testing.assert_array_equal(np.asarray(each), transformers_rows(lambda row: own[row]))
     assert np.isinf(np.asarray(each)[1, 7]) and not np.isinf(np.asarray(each)[1, 9])  # a row's own ids only
 

@@ -17,8 +17,7 @@ import transformers
 
 import hfjax
 from hfjax import _compilation_cache, generation
-from hfjax.serving import Engine, QueueFullError, SamplingParams
-from hfjax.serving._text import TextStream, TokenText
+from hfjax.serving import Engine, QueueFullError, SamplingParams, _text
 from hfjax.testing import _tokenizer
 
 # Mixed lengths: some fit one prefill chunk (16 tokens here), some take two or three.
@@ -573,10 +572,10 @@ class _Letters:
 
 
 def test_text_stream_holds_back_a_possible_stop_string_and_cuts_at_it():
-    stream = TextStream(_Letters(), stops=("STOP",))
+    stream = _text.TextStream(_Letters(), stops=("STOP",))
     pieces = [stream.add([ord(c) for c in chunk]) for chunk in ("abc S", "T", "OP and more")]
     assert pieces == [("abc ", False), ("", False), ("", True)]
-    stream = TextStream(_Letters(), stops=("STOP",))
+    stream = _text.TextStream(_Letters(), stops=("STOP",))
     assert stream.add([ord(c) for c in "ab ST"]) == ("ab ", False)
     assert stream.add([ord(c) for c in "ay"]) == ("STay", False)
     assert stream.rest() == ""
@@ -586,9 +585,9 @@ def test_text_stream_counts_a_stop_string_only_where_it_ends_after_min_tokens():
     """vLLM's rule: the first min_tokens tokens' text cannot end the answer, a stop string ending
     in a later token's text does (one that straddles the boundary too)."""
     letters = [ord(c) for c in "xabyab"]
-    assert TextStream(_Letters(), stops=("ab",), min_tokens=3).add(letters) == ("xaby", True)
-    assert TextStream(_Letters(), stops=("ab",), min_tokens=2).add(letters) == ("x", True)
-    stream = TextStream(_Letters(), stops=("ab",), min_tokens=3)
+    assert _text.TextStream(_Letters(), stops=("ab",), min_tokens=3).add(letters) == ("xaby", True)
+    assert _text.TextStream(_Letters(), stops=("ab",), min_tokens=2).add(letters) == ("x", True)
+    stream = _text.TextStream(_Letters(), stops=("ab",), min_tokens=3)
     assert stream.add(letters[:3]) == ("xab", False)  # still inside the first three tokens
     assert stream.add(letters[3:]) == ("y", True)
 
@@ -720,7 +719,7 @@ def test_text_streamed_in_pieces_is_the_decode_of_all_tokens_and_costs_linear_wo
     for text in TEXTS:
         ids = tokenizer(text, add_special_tokens=False)["input_ids"] * 8
         counting = _Counting(tokenizer)
-        stream = TextStream(counting)
+        stream = _text.TextStream(counting)
         pieces, at = [], 0
         while at < len(ids):
             size = int(rng.integers(1, 5))
@@ -778,7 +777,7 @@ def test_token_bytes_are_each_tokens_own_and_join_into_the_texts_utf8(kind):
     byte fallback such as <0xE2>) gives its own bytes, so an answer's tokens' bytes join into its UTF-8;
     each token's text (vLLM's) is what it adds after the ones before it: "" until a character is whole."""
     tokenizer = _tokenizer.build("causal", "llama") if kind == "byte-level BPE" else _metaspace_tokenizer()
-    token_text = TokenText(tokenizer)
+    token_text = _text.TokenText(tokenizer)
     split_seen = 0
     for text in TEXTS:
         ids = tokenizer(text, add_special_tokens=False)["input_ids"]

@@ -73,7 +73,7 @@ def _child(out: pathlib.Path) -> None:
                 with _prefill_state(model) as state:
                     got = np.asarray(model.generate(ids, max_new_tokens=NEW_TOKENS, do_sample=False)).tolist()
                 record["tokens"], record["want_tokens"] = got, want_tokens
-                record["on_slots"] = bool(model._generator.slot_runs._programs)  # the slot core ran it
+                record["on_slots"] = model.generation_programs.on_slot_core
                 record["split"] = sum("model" in spec for spec in plan.values())
                 record["bad_shards"] = _bad_shards(model.params, plan, model_size)
                 record["kv_cache"] = _kv_cache_shards(state)
@@ -207,9 +207,9 @@ def _prefill_state(model):
     """Catches what the compiled prefill returns (the decode's state and the first tokens) while the
     block generates, by wrapping the prefill program (the slot core's or `Generator`'s: they share
     the program cache)."""
-    from hfjax.generation import _engine
+    from hfjax import generation
 
-    generator = model._generator or _engine.Generator(model)
+    generator = model._generator or generation.Generator(model)
     model._generator = generator
     get, caught = generator.programs.get, []
 

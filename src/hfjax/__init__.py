@@ -3,6 +3,7 @@
 Public API:
     load                read a checkpoint (a path or hub id) into jax.Arrays: a `Model`
     Model               generate, classify, embed, a compiled forward; `Model.from_module(m)`
+    chat_with_images    a vision-language model's reply to a conversation whose parts hold images
     jit                 compile a torch module's methods with XLA, weights as arguments
     JittedModule        what `jit` returns
     to_jax              run a diffusers pipeline on JAX, heavy parts compiled
@@ -50,6 +51,7 @@ if TYPE_CHECKING:  # for type checkers and editors; at run time each name is imp
     from ._model import Model, jit, load
     from .bridge import JittedModule, override_op, register_pytree, register_stateful
     from .diffusion import load_pipeline, to_jax
+    from .generation import chat_with_images
     from .parallel import distributed, make_mesh
     from .tasks import check, pipeline
     from .training import Trainer
@@ -58,6 +60,7 @@ if TYPE_CHECKING:  # for type checkers and editors; at run time each name is imp
 # (the command line's `--help` and `launch` need neither torch nor JAX); the first use of a name
 # imports its module. `Trainer` needs the `train` extra (optax).
 _LAZY = {
+    "chat_with_images": (".generation", "chat_with_images"),
     "check": (".tasks", "check"),
     "set_cache_dir": ("._compilation_cache", "set_cache_dir"),
     "JittedModule": (".bridge", "JittedModule"),
@@ -89,6 +92,7 @@ __all__ = [
     "TrainingError",
     "UnsupportedOpError",
     "__version__",
+    "chat_with_images",
     "check",
     "distributed",
     "jit",

@@ -463,6 +463,12 @@ class Model:
         """Timings of the last `generate` call: time_to_first_token, tokens_per_second, ..."""
         return None if self._generator is None else self._generator.last_stats
 
+    @property
+    def generation_programs(self) -> generation.GenerationPrograms:
+        """Which programs `generate` has prepared (traced or read from disk) and where its calls ran,
+        read-only (`hfjax.generation.GenerationPrograms`): the face tests use to see inside the engine."""
+        return generation.GenerationPrograms(lambda: self._generator)
+
 
 def load(
     path_or_hub_id: str | os.PathLike | torch.nn.Module,

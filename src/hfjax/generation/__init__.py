@@ -33,26 +33,26 @@ Parts, one concern each (docs/architecture.md describes the engine's internal AP
     _engine.py     `Generator`, which runs `Model.generate`: on the slot core where that carries
                    out the call (`_on_slots`), else with its own programs (docs/architecture.md,
                    "Where each kind of model runs")
+    _program_view.py `GenerationPrograms`: which programs the engine prepared and where calls ran
+                   (`Model.generation_programs`), read-only, for tests
     _limits.py     `check_limits`: max_new_tokens and min_new_tokens against the prompt and the context
     _generate.py   `generate`: `Model.generate`'s arguments checked and resolved into one engine run
     _multimodal.py prefill-only model inputs (images), multimodal rope positions
     _vision_chat.py `chat_with_images`: conversations with images through a processor
 
-Public names: `chat_with_images`; for the rest of hfjax: `Generator` and `generate` (Model.generate),
-the one settings type (`GenerationSettings`, `SamplingConfig`, `resolve_settings`), the one check of the
-lengths against the prompt and the context (`check_limits`, `LimitNames`, `LimitError`), the continuous-batching core the server drives (`SlotModel`,
-`SlotPrograms`, `SlotState`, `Chosen`, `RowSampling`, `SamplingFeatures`, `key_data`,
-`check_supported`, `EncoderDecoderSlotModel`, `slot_model`, `Speculation`, `SpeculativeSlotModel`, `check_draft`), structured outputs (`Constraint`, `ConstraintError`, `Grammars`, `Matcher`, `bitmask_words`), `cache_keyword` / `returned_cache`, the stop rule's test (`stopped`), and the CLI's `check_takes_images`,
-`load_image`, `encode`, `GenerationStats`; the server's `processed` (a processor's outputs for prompts
-with images).
+Public names, what the rest of hfjax imports: for users, `chat_with_images` (also
+`hfjax.chat_with_images`); for `Model`, `Generator`, `generate` and `GenerationPrograms` (the face tests
+read the engine through, `Model.generation_programs`); for the CLI, `check_takes_images`, `load_image`,
+`encode`, `SamplingConfig`; for the server, the rest (`__all__`): the settings and the length check, the
+slot core, speculative decoding, structured outputs, the stop rule, a processor's outputs.
 """
 
-from ._caches import cache_keyword, returned_cache
-from ._encoder_slots import EncoderDecoderSlotModel, check_supported, slot_model
-from ._engine import GenerationStats, Generator, check_draft
+from ._encoder_slots import check_supported, slot_model
+from ._engine import Generator, check_draft
 from ._generate import generate
 from ._grammar import Constraint, ConstraintError, Grammars, Matcher, bitmask_words
 from ._limits import LimitError, LimitNames, check_limits
+from ._program_view import GenerationPrograms
 from ._rows import MAX_HELD_STOP_TOKENS, MAX_LOGIT_BIAS, RowSampling, SamplingFeatures, key_data
 from ._settings import GenerationSettings, SamplingConfig, resolve_settings
 from ._slot_programs import SlotPrograms
@@ -65,20 +65,19 @@ from ._vision_chat import chat_with_images, check_takes_images, encode, load_ima
 __all__ = [
     "Chosen",
     "Constraint",
-    "EncoderDecoderSlotModel",
     "ConstraintError",
-    "Grammars",
-    "Matcher",
+    "GenerationPrograms",
     "GenerationSettings",
-    "GenerationStats",
+    "Generator",
+    "Grammars",
     "LimitError",
     "LimitNames",
-    "Generator",
+    "MAX_HELD_STOP_TOKENS",
+    "MAX_LOGIT_BIAS",
+    "Matcher",
     "RowSampling",
     "SamplingConfig",
     "SamplingFeatures",
-    "MAX_HELD_STOP_TOKENS",
-    "MAX_LOGIT_BIAS",
     "SlotModel",
     "SlotPrograms",
     "SlotState",
@@ -86,10 +85,9 @@ __all__ = [
     "SpeculativeSlotModel",
     "TOP_LOGPROBS",
     "bitmask_words",
-    "cache_keyword",
     "chat_with_images",
-    "check_limits",
     "check_draft",
+    "check_limits",
     "check_supported",
     "check_takes_images",
     "encode",
@@ -99,7 +97,6 @@ __all__ = [
     "processed",
     "reads_no_data",
     "resolve_settings",
-    "returned_cache",
     "slot_model",
     "stopped",
 ]
