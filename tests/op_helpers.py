@@ -85,12 +85,19 @@ def attention_case(case: str):
     if case == "mask_per_head":  # a different mask for each query head
         mask = torch.rand(2, 4, 1, 6, generator=generator) > 0.4
         return q[:, :, :1], k, v, dict(attn_mask=mask)
+    if (
+        case == "prompt_chunk_over_a_long_cache"
+    ):  # 16 queries of 2 rows over 2048 columns, each row's keys up to its position
+        positions = torch.tensor([300, 1500])[:, None] + torch.arange(16)[None, :]  # [2, 16]
+        mask = (torch.arange(2048)[None, None, :] <= positions[:, :, None])[:, None]  # [2, 1, 16, 2048]
+        mask[0, :, 0] = False  # a query that may attend to nothing
+        return randn(2, 4, 16, 8), randn(2, 2, 2048, 8), randn(2, 2, 2048, 8), dict(attn_mask=mask, enable_gqa=True)
     raise ValueError(f"unknown case {case!r}")
 
 
 ATTENTION_CASES = (
     "bool_mask_with_empty_rows", "float_mask", "causal", "grouped_query", "grouped_decode", "decode_odd_sizes",
-    "mask_per_head",
+    "mask_per_head", "prompt_chunk_over_a_long_cache",
 )  # fmt: skip
 
 

@@ -242,6 +242,26 @@ def test_attention_of_a_few_rows_runs_in_the_kernel_where_it_runs(env):
     assert _kernels.ATTENTION not in _attention_program(env, 2, 1, per_head)
 
 
+def test_a_prompt_chunk_over_a_long_cache_attends_in_key_blocks_only_as_far_as_its_rows_see(env):
+    # 8 queries x 2 heads over 2048 columns run in blocks of 512 keys, in a loop that stops after the
+    # last block any query may see (`_blocked_attention`; its values: the attention cases above);
+    # over 512 columns, or without a mask, one pass.
+    def program(columns: int, masked: bool = True) -> str:
+        q, k = jax.numpy.ones((1, 4, 8, 8)), jax.numpy.ones((1, 2, columns, 8))
+        mask = jax.numpy.ones((1, 1, 8, columns), bool)
+
+        def apply(q, k, mask):
+            with env:
+                q, k, m = (torchax.tensor.Tensor(a, env) for a in (q, k, mask))
+                m = m if masked else None
+                return torch.nn.functional.scaled_dot_product_attention(q, k, k, attn_mask=m, enable_gqa=True).jax()
+
+        return jax.jit(apply).lower(q, k, mask).as_text()
+
+    assert "while" in program(2048)
+    assert "while" not in program(512) and "while" not in program(2048, masked=False)
+
+
 def test_attention_swaps_the_score_product_only_for_a_few_rows_without_the_kernel(env, monkeypatch):
     monkeypatch.setattr(_kernels, "usable", lambda *arrays: False)
     assert all("optimization_barrier" in _attention_program(env, *shape) for shape in FEW_ROWS)

@@ -3,7 +3,8 @@
 - convolutions run channels-last, with weights held in that layout (`store_convolutions_channels_last`);
 - a few rows times a Linear weight go to hfjax's kernel, or to a swapped product; a thin weight's
   gradient (LoRA's B) is taken as (input^T @ grad)^T, so that XLA transposes only small operands;
-- decoding attention goes to hfjax's kernel, or computes its scores as key @ query.T;
+- decoding attention goes to hfjax's kernel, or computes its scores as key @ query.T; a prompt
+  chunk's attention over a long cache runs in key blocks, only as far as its rows' last key;
 - the static cache is updated without its size-1 axes, the layout the decode loop carries.
 
 Each has a parity test against torch in tests/test_cpu.py.
@@ -259,6 +260,72 @@ def _kernel_attention(grouped, key, value, attn_mask, is_causal: bool, scale: fl
     return out.reshape(*batch, kv_heads, groups, length, -1)
 
 
+# Keys per block of the blocked attention, and the fewest keys it takes: below that, one pass's
+# scores fit the caches and no column is past a row's length often enough to pay for the loop.
+_KEY_BLOCK = 512
+_BLOCKED_LEAST_KEYS = 2048
+
+
+def _blocked_takes(query, key, attn_mask, is_causal: bool, rows: int) -> bool:
+    """Whether attention runs in key blocks (`_blocked_attention`): many query rows per key/value head
+    (a prompt's chunk, not decoding) over a long cache, under a boolean mask the same for every head."""
+    kv_length = key.shape[-2]
+    return (
+        rows > _SWAPPED_SCORE_ROWS
+        and not is_causal
+        and kv_length >= _BLOCKED_LEAST_KEYS
+        and kv_length % _KEY_BLOCK == 0
+        and attn_mask is not None
+        and attn_mask.dtype == jnp.bool_
+        and attn_mask.ndim >= 3
+        and attn_mask.shape[-3] == 1
+        and attn_mask.shape[-1] == kv_length
+    )
+
+
+def _blocked_attention(query, key, value, attn_mask, scale):
+    """torch's attention with a boolean mask, over the keys in blocks of _KEY_BLOCK with a running
+    softmax, and only as far as the last key any query may see: a prompt chunk's cost follows its
+    rows' lengths, not the cache's width, and no [queries, keys] score matrix of the whole cache is
+    ever written (at 8192 columns, 4 rows x 256 queries x 8 heads of them were 268 MB a layer).
+
+    query [..., Hq, L, D]; key [..., Hkv, S, D]; value [..., Hkv, S, Dv]; attn_mask bool [..., 1, L, S].
+    A query that may see nothing gets zeros, as `attention` gives."""
+    *batch, heads, length, depth = query.shape
+    kv_heads, kv_length = key.shape[-3], key.shape[-2]
+    grouped = query.reshape(*batch, kv_heads, heads // kv_heads, length, depth)
+    mask = jnp.broadcast_to(attn_mask, (*batch, 1, length, kv_length))[..., None, :, :]  # [..., 1, 1, L, S]
+    seen = jnp.any(mask, axis=tuple(range(mask.ndim - 1)))  # [S]: a column some query may see
+    last = jnp.max(jnp.where(seen, jnp.arange(kv_length), -1))
+    blocks = (last + _KEY_BLOCK) // _KEY_BLOCK
+    shape = (*batch, kv_heads, heads // kv_heads, length)
+
+    def step(carry):
+        i, top, total, out = carry
+        start = i * _KEY_BLOCK
+        keys = jax.lax.dynamic_slice_in_dim(key, start, _KEY_BLOCK, axis=-2)
+        values = jax.lax.dynamic_slice_in_dim(value, start, _KEY_BLOCK, axis=-2)
+        allowed = jax.lax.dynamic_slice_in_dim(mask, start, _KEY_BLOCK, axis=-1)
+        logits = grouped_scores(grouped, keys) * scale
+        logits = jnp.where(allowed, logits, -jnp.inf)
+        now = jnp.maximum(top, jnp.max(logits, axis=-1))
+        shift = jnp.where(jnp.isfinite(now), now, 0.0)
+        exp = jnp.exp(logits - shift[..., None])
+        kept = jnp.exp(top - shift)  # what the blocks before weigh against the new top (0 where none)
+        part = jnp.einsum(
+            "...hgls,...hsd->...hgld", exp.astype(value.dtype), values, preferred_element_type=jnp.float32
+        )
+        return i + 1, now, total * kept + jnp.sum(exp, axis=-1), out * kept[..., None] + part
+
+    start = (
+        jnp.int32(0), jnp.full(shape, -jnp.inf, jnp.float32), jnp.zeros(shape, jnp.float32),
+        jnp.zeros((*shape, value.shape[-1]), jnp.float32),
+    )  # fmt: skip
+    _, _, total, out = jax.lax.while_loop(lambda carry: carry[0] < blocks, step, start)
+    out = out / jnp.where(total > 0, total, 1.0)[..., None]
+    return out.reshape(*batch, heads, length, value.shape[-1]).astype(query.dtype)
+
+
 def _sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
     # query: [..., Hq, L, D]; key: [..., Hkv, S, D]; value: [..., Hkv, S, Dv] -> [..., Hq, L, Dv]
     check_no_dropout(dropout_p)
@@ -270,6 +337,9 @@ def _sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, sca
         scale = 1.0 / float(np.sqrt(depth)) if scale is None else scale
         out = _kernel_attention(grouped, key, value, attn_mask, is_causal, scale)
         return out.reshape(*batch, heads, length, value.shape[-1])
+    if rows and _blocked_takes(query, key, attn_mask, is_causal, rows):
+        scale = 1.0 / float(np.sqrt(depth)) if scale is None else scale
+        return _blocked_attention(query, key, value, attn_mask, scale)
     scores = _swapped_scores if 0 < rows <= _SWAPPED_SCORE_ROWS else grouped_scores
     return attention(query, key, value, attn_mask, is_causal, scale, scores=scores)
 
