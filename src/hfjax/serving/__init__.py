@@ -14,7 +14,13 @@ Parts, one concern each (docs/architecture.md, "Continuous batching", describes 
     _media.py      chat requests' images (OpenAI image_url parts: data:, file:, http(s) URLs) read and checked
     _models.py     the model names a server answers to: the base's and its LoRA adapters' (vLLM's
                    --lora-modules, /v1/load_lora_adapter), each request's adapter slot
-    _app.py        the FastAPI application (needs the `serve` extra: pip install "hfjax[serve]")
+    _app.py        the FastAPI application assembled: lifespan, the API key gate, OpenAI-shaped errors, routes
+                   (needs the `serve` extra: pip install "hfjax[serve]")
+    _routes.py     the routes answered on the host: /health, /v1/models, /version, /metrics, the chat page,
+                   /tokenize, /detokenize, LoRA loading, /v1/embeddings; `Service`, what every route reads
+    _routes_completions.py  /v1/chat/completions and /v1/completions: submit each choice, stream or collect
+    _answer.py     `Answer`: a chat or completion answer in OpenAI's shapes, whole or as server-sent events
+    _audio.py      /v1/audio/transcriptions for a speech-to-text checkpoint
     static/        the chat page served at GET /
 
 The device side (the slot cache, the prefill and decode programs, the token choice) is

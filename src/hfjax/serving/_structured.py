@@ -9,7 +9,7 @@
 
 vLLM's older `guided_*` fields, which it removed, are refused with a 400 that names the field to send
 instead. A problem is a `FieldError` naming the field; a constraint the grammar engine cannot compile
-is the server's 400 too, with the engine's reason (`_app`, which compiles it off the event loop).
+is the server's 400 too, with the engine's reason (`_routes_completions`, which compiles it off the event loop).
 """
 
 from __future__ import annotations
