@@ -28,7 +28,7 @@ import test_quantization  # hfjax.quantization's op: its parity tests are there
 from hfjax import bridge
 from hfjax.bridge import _compile, _ops
 from hfjax.tolerances import EXACT, MATMUL, for_dot_products
-from op_helpers import ATTENTION_CASES, SEED, check_attention, environment, jit_modes, run, to_jax
+from op_helpers import ATTENTION_CASES, SEED, attention_case, check_attention, environment, jit_modes, run, to_jax
 from op_helpers import assert_close as _assert_close
 
 cpu = pytest.importorskip("hfjax.cpu", reason="hfjax.cpu is not installed: the generic engine runs on the CPU")
@@ -260,6 +260,28 @@ def test_a_prompt_chunk_over_a_long_cache_attends_in_key_blocks_only_as_far_as_i
 
     assert "while" in program(2048)
     assert "while" not in program(512) and "while" not in program(2048, masked=False)
+
+
+def test_attention_in_key_blocks_has_the_gradients_of_one_pass(env):
+    # Fine-tuning on long sequences takes the blocked path: its gradients are those of the one-pass
+    # attention (`hfjax.bridge.attention`) on the same arrays.
+    from hfjax.bridge import attention
+
+    q, k, v, kwargs = attention_case("prompt_chunk_over_a_long_cache")
+    q, k, v, mask = (jax.numpy.asarray(a.numpy()) for a in (q, k, v, kwargs["attn_mask"]))
+    cotangent = jax.random.normal(jax.random.key(SEED), (2, 4, 16, 8))
+
+    def blocked(q, k, v):
+        with env:
+            q, k, v, m = (torchax.tensor.Tensor(a, env) for a in (q, k, v, mask))
+            out = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=m, enable_gqa=True).jax()
+        return (out * cotangent).sum()
+
+    one_pass = lambda q, k, v: (attention(q, k, v, mask) * cotangent).sum()  # noqa: E731
+    got = jax.jit(jax.grad(blocked, argnums=(0, 1, 2)))(q, k, v)
+    want = jax.jit(jax.grad(one_pass, argnums=(0, 1, 2)))(q, k, v)
+    for g, w in zip(got, want):
+        np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=0, atol=MATMUL.atol)
 
 
 def test_attention_swaps_the_score_product_only_for_a_few_rows_without_the_kernel(env, monkeypatch):

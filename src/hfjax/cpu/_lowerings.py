@@ -300,8 +300,8 @@ def _blocked_attention(query, key, value, attn_mask, scale):
     blocks = (last + _KEY_BLOCK) // _KEY_BLOCK
     shape = (*batch, kv_heads, heads // kv_heads, length)
 
-    def step(carry):
-        i, top, total, out = carry
+    def attend(carry, i):
+        top, total, out = carry
         start = i * _KEY_BLOCK
         keys = jax.lax.dynamic_slice_in_dim(key, start, _KEY_BLOCK, axis=-2)
         values = jax.lax.dynamic_slice_in_dim(value, start, _KEY_BLOCK, axis=-2)
@@ -315,13 +315,17 @@ def _blocked_attention(query, key, value, attn_mask, scale):
         part = jnp.einsum(
             "...hgls,...hsd->...hgld", exp.astype(value.dtype), values, preferred_element_type=jnp.float32
         )
-        return i + 1, now, total * kept + jnp.sum(exp, axis=-1), out * kept[..., None] + part
+        return now, total * kept + jnp.sum(exp, axis=-1), out * kept[..., None] + part
+
+    def block(carry, i):  # a block past the last key any query sees is skipped (a scan, not a while
+        # loop, so that gradients flow through it: training on long sequences takes this path too)
+        return jax.lax.cond(i < blocks, attend, lambda carry, i: carry, carry, i), None
 
     start = (
-        jnp.int32(0), jnp.full(shape, -jnp.inf, jnp.float32), jnp.zeros(shape, jnp.float32),
+        jnp.full(shape, -jnp.inf, jnp.float32), jnp.zeros(shape, jnp.float32),
         jnp.zeros((*shape, value.shape[-1]), jnp.float32),
     )  # fmt: skip
-    _, _, total, out = jax.lax.while_loop(lambda carry: carry[0] < blocks, step, start)
+    (_, total, out), _ = jax.lax.scan(block, start, jnp.arange(kv_length // _KEY_BLOCK))
     out = out / jnp.where(total > 0, total, 1.0)[..., None]
     return out.reshape(*batch, heads, length, value.shape[-1]).astype(query.dtype)
 
