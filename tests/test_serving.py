@@ -132,8 +132,13 @@ def test_greedy_answers_equal_generate_with_16_requests_in_4_slots(model, engine
 def test_a_long_prompt_is_read_in_wider_chunks_at_a_wider_window_and_equals_generate(model, engine, monkeypatch):
     # A prefill call reads its rows' whole window, so at a wider window each call takes more tokens a
     # row (`prefill_width`): 16 over 128 columns, 32 over 256. A prompt past 128 tokens reads its
-    # first 128 in chunks of 16, the rest in chunks of 32, beside a short one; both equal generate.
+    # first 128 in chunks of 16, the rest in chunks of 32, beside a short one; both equal generate,
+    # and the programs of those widths were compiled at the start.
     calls, prefill = [], engine.compiler.programs.prefill
+    compiled = []
+    jax.monitoring.register_event_duration_secs_listener(
+        lambda event, seconds, **kwargs: compiled.append(event) if event.startswith("/jax/core/compile/") else None
+    )
 
     def prefilling(*args, window, inputs=None):
         calls.append((window, args[3].shape[1]))
@@ -143,6 +148,7 @@ def test_a_long_prompt_is_read_in_wider_chunks_at_a_wider_window_and_equals_gene
     ids = _ids(model, [" ".join(WORDS * 3), PROMPTS[5]])
     assert 128 + 2 * CHUNK < len(ids[0]) < LENGTH - 8
     got = engine.generate(ids, SamplingParams(max_tokens=8, temperature=0))
+    assert compiled == []
     want = _generate_alone(model, ids, 8)
     for event, reference in zip(got, want):
         assert event.token_ids == reference[:8]

@@ -116,7 +116,13 @@ def add_parser(subparsers) -> None:
         help="the most decode steps of a chunk of fewer rows, which run as many steps as take about the time of a "
         "full chunk while no request waits (default: 4 x --decode-steps; equal to it: every chunk the same)",
     )
-    parser.add_argument("--prefill-chunk", type=int, default=64, help="prompt tokens per prefill chunk (default: 64)")
+    parser.add_argument(
+        "--prefill-chunk",
+        type=int,
+        default=64,
+        help="prompt tokens per row of a prefill call (default: 64); calls over a longer window read more, an eighth "
+        "of the window up to 4x this",
+    )
     parser.add_argument(
         "--enable-prefix-caching",
         action=argparse.BooleanOptionalAction,
