@@ -137,7 +137,7 @@ class CoreCalls:
 
     def prefill(self, requests: list[Request]) -> tuple[np.ndarray, generation.Chosen]:
         """The next prompt chunk of each request in one program: the smallest that holds every row's
-        next chunk, as wide as that program takes (`prefill_width`). Returns `_prefilled`'s."""
+        next chunk, as wide as that program takes (`prefill_width`). Returns last [rows] and chosen (`_prefilled`)."""
         rows, window = next(
             (rows, window)
             for rows, window in self.compiler.grid["prefill"]
@@ -171,7 +171,7 @@ class CoreCalls:
     def prefill_images(self, request: Request) -> tuple[np.ndarray, generation.Chosen]:
         """A prompt with images, whole, in one chunk of one row (the images' tokens attend to each other,
         and a multimodal rope's positions are the whole prompt's), as wide as the smallest window that
-        holds it (`image_width`). Returns `_prefilled`'s."""
+        holds it (`image_width`). Returns last [1] and chosen (`_prefilled`)."""
         width = self.image_width(len(request.prompt))
         inputs, delta = self.slot_model.prompt_inputs(np.asarray(request.prompt, np.int32), request.images, width)
         self.table.rows.rope_delta[request.slot] = delta
