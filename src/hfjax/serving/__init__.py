@@ -6,7 +6,10 @@ Parts, one concern each (docs/architecture.md, "Continuous batching", describes 
     _sizing.py     slots and cache length from a memory budget
     _table.py      the slots' row state on the host: requests, positions, cached prefixes, settings
     _compiler.py   the programs: their set (rows x windows), all compiled before the engine starts
-    _scheduler.py  `Engine`: the queue, admission, prefill and decode chunking, cancellation, delivery
+    _scheduler.py  `Engine`: the public face, and the engine thread's schedule of prefill and decode chunks
+    _queue.py      the requests waiting for a slot: submit, cancel, admission, finishing
+    _calls.py      the engine's calls into the slot core: programs' arguments, prefill and decode chunks run
+    _delivery.py   chosen tokens handed to their requests: text, log-probabilities, events, stops
     _text.py       incremental detokenising and stop strings (`TextStream`); tokens' own bytes (`TokenText`)
     _metrics.py    counters, gauges and latency histograms (prometheus_client), and vLLM's stats line
     _protocol.py   OpenAI request bodies checked into engine calls; OpenAI-shaped errors

@@ -231,7 +231,7 @@ class Request:
         self.inputs: dict | None = None  # an encoder-decoder's encoder inputs, for its prefill
         self.adapter = adapter  # the `hfjax.lora.Adapter` of `params.adapter` (None: the base alone)
         self.matcher = matcher  # where the answer is constrained: its place in the grammar
-        # A constrained request's next token taken in by its matcher before delivery (`Engine._advance`):
+        # A constrained request's next token taken in by its matcher before delivery (`Delivery.advance`):
         # whether the grammar allowed it; None where nothing was taken in ahead.
         self.advanced: bool | None = None
         self.params = params

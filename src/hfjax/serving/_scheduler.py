@@ -1,4 +1,4 @@
-"""Continuous batching's host side: the queue, admission, prefill and decode chunking, cancellation.
+"""`Engine`: continuous batching's host side, and the engine thread that schedules its chunks.
 
 The engine thread repeats: admit waiting requests into free slots; run one prefill chunk of the
 oldest requests still reading their prompt (where the oldest has images: its whole prompt, alone);
@@ -22,41 +22,35 @@ last max_model_len) and runs the fewest rows that hold every decoding slot (1, 4
 last the slots). That set of programs is fixed when the engine is built and compiled before it
 starts (`_compiler.py`): no request waits for a compile.
 
-Parts: `_requests.py` (SamplingParams, Request, Event), `_table.py` (the slots' row state),
-`_sizing.py` (slots and cache length from a memory budget), this module (the engine thread),
-`_compiler.py` (the programs: their set, compiled before the engine starts).
+Parts: this module (`Engine`: its public face, and the thread's schedule: what runs next and how
+many steps a decode chunk takes), `_queue.py` (the waiting requests: submit, cancel, admission,
+finishing), `_table.py` (the slots' row state), `_calls.py` (the programs' arguments, the prefill and
+decode calls, the cache state), `_delivery.py` (chosen tokens into text, events and stops),
+`_metrics.py` (counters), `_requests.py` (SamplingParams, Request, Event), `_sizing.py` (slots and
+cache length from a memory budget), `_compiler.py` (the programs: their set, compiled before the
+engine starts).
 """
 
 from __future__ import annotations
 
-import collections
 import dataclasses
 import threading
-import time
 from collections.abc import Callable
 
-import jax.numpy as jnp
 import numpy as np
 
 from .. import generation
 from .._errors import GenerationError, ServingError
-from ._compiler import SMALLEST_WINDOW, Compiler, engine_grid, geometric, prefill_width
+from ._calls import Chunk, CoreCalls, constrained
+from ._compiler import SMALLEST_WINDOW, Compiler, engine_grid, geometric
+from ._delivery import Delivery
 from ._media import fixed_image_example
 from ._metrics import Metrics
-from ._requests import Event, QueueFullError, Request, SamplingParams, TokenLogprob, joined
+from ._queue import RequestQueue
+from ._requests import Event, Request, SamplingParams, joined
 from ._sizing import Sizing, size_engine
 from ._table import SlotTable
 from ._text import TextStream
-
-
-@dataclasses.dataclass
-class _Chunk:
-    """A decode chunk dispatched and not yet delivered: whose tokens it chooses, and how many."""
-
-    requests: dict[int, Request]  # slot -> the request decoding there when it was dispatched
-    steps: int
-    chosen: generation.Chosen  # token [rows, K], logprob [rows, K], top ids and logprobs [rows, K, 20]
-    host: list[np.ndarray | None] | None = None  # `chosen` on the host, where `_advance` waited for it
 
 
 class Engine:
@@ -143,7 +137,6 @@ class Engine:
             gpu_memory_utilization=gpu_memory_utilization, draft=draft,
         )  # fmt: skip
         self.max_num_seqs, self.max_model_len = self.sizing.slots, self.sizing.max_model_len
-        self.max_queue = max_queue
         self.decode_steps, self.max_decode_steps, self.prefill_chunk = decode_steps, max_decode_steps, prefill_chunk
         self.prefill_rows = min(prefill_rows, self.max_num_seqs)
         # Every request's settings come over the checkpoint's generation_config.json: its processors
@@ -189,10 +182,9 @@ class Engine:
             slot_model, prefill_chunk=prefill_chunk, steps=max_decode_steps, features=self.features
         )
         grid = engine_grid(self.max_model_len, self.max_num_seqs, self.prefill_rows, attends=slot_model.attends)
-        self._image_example = fixed_image_example(model.processor) if self.takes_images else None
-        self._image_inputs: dict[int, dict] = {}  # per window: the example's prefill inputs (`warm_up`)
-        if self._image_example is not None:
-            shortest = len(self._image_example[0])
+        image_example = fixed_image_example(model.processor) if self.takes_images else None
+        if image_example is not None:
+            shortest = len(image_example[0])
             grid["image"] = [(1, w) for w in geometric(SMALLEST_WINDOW, self.max_model_len) if w >= shortest]
         self.compiler = Compiler(programs, grid, progress=progress)
         self.table = SlotTable(
@@ -203,15 +195,14 @@ class Engine:
         self._grammars: generation.Grammars | None = None  # made at the first constraint
         self._grammars_lock = threading.Lock()
         self._slot_model = slot_model
-        self._state: generation.SlotState | None = None
-        self._waiting: collections.deque[Request] = collections.deque()
-        self._lock = threading.Lock()
-        self._wake = threading.Condition(self._lock)
+        self._queue = RequestQueue(self.table, self.metrics, max_queue)
+        self._calls = CoreCalls(
+            slot_model, self.compiler, self.table, self.metrics, features=self.features,
+            max_model_len=self.max_model_len, prefill_chunk=prefill_chunk, encoder_decoder=self.encoder_decoder,
+            image_example=image_example,
+        )  # fmt: skip
+        self._delivery = Delivery(self.table, self.metrics, self._queue)
         self._thread: threading.Thread | None = None
-        self._stopping = False
-        self._error: BaseException | None = None
-        self._since_freed = 0  # decode chunks dispatched since a slot was last freed
-        self._unclaimed = 0  # slots freed since the last decode chunk, less requests admitted since
 
     # -- the caller's side ------------------------------------------------------------
 
@@ -236,7 +227,12 @@ class Engine:
 
     @property
     def waiting(self) -> int:
-        return len(self._waiting)
+        return len(self._queue.waiting)
+
+    @property
+    def max_queue(self) -> int:
+        """Requests waiting for a slot beyond which `submit` raises QueueFullError."""
+        return self._queue.max_queue
 
     def start(self) -> Engine:
         """Allocates the cache, compiles every program the engine will run (`warm_up`), and starts
@@ -251,24 +247,12 @@ class Engine:
     def warm_up(self) -> None:
         """Allocates the cache and compiles (or reads from the compilation cache) every program of the
         engine's set, a `progress` line each; `start` calls it, and does nothing more on a second call."""
-        self._allocate()
-        if self._image_example is not None:  # (here, not on the compile threads: an eager encoder binds weights)
-            ids, processed = self._image_example
-            self._image_inputs = {
-                window: self._slot_model.prompt_inputs(np.asarray(ids, np.int32), processed, window)[0]
-                for _, window in self.compiler.grid["image"]
-            }
-        self.compiler.prepare(self._example_args)
+        self._calls.warm_up()
         self.metrics.hold_programs(self.compiler.held, self.compiler.memory)
 
     def stop(self, *, drain: bool = True, timeout: float | None = None) -> None:
         """Stops the threads: after finishing every queued and running request (drain), or at once."""
-        with self._lock:
-            self._stopping = True
-            if not drain:
-                for request in [*self._waiting, *filter(None, self.table.requests)]:
-                    request.cancelled = True
-            self._wake.notify_all()
+        self._queue.stop(drain=drain)
         if self._thread is not None:
             self._thread.join(timeout)
 
@@ -337,18 +321,7 @@ class Engine:
             list(prompt), params, settings, listener, text, matcher, self._adapter(params.adapter), images=images
         )
         request.inputs, request.prompt_tokens = inputs, prompt_tokens
-        with self._lock:
-            if self._error is not None:
-                raise ServingError(f"the engine failed: {self._error!r}") from self._error
-            if self._stopping or self._thread is None:
-                raise ServingError("the engine is not running (start() it, or it is shutting down)")
-            if len(self._waiting) >= self.max_queue:
-                raise QueueFullError(
-                    f"{len(self._waiting)} requests are waiting, max_queue={self.max_queue}; try again later"
-                )
-            self._waiting.append(request)
-            self.metrics.queue_depth = len(self._waiting)
-            self._wake.notify_all()
+        self._queue.put(request, started=self._thread is not None)
         return request
 
     def _decoder_start(self, params: SamplingParams) -> int:
@@ -395,13 +368,7 @@ class Engine:
 
     def cancel(self, request: Request) -> None:
         """Drops a request (its client left): at once from the queue, from a slot at the next chunk boundary."""
-        with self._lock:
-            request.cancelled = True
-            if request in self._waiting:
-                self._waiting.remove(request)
-                self.metrics.queue_depth = len(self._waiting)
-                self._finish(request, "cancelled")
-            self._wake.notify_all()
+        self._queue.cancel(request)
 
     def generate(
         self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams], *, images: list | None = None
@@ -429,54 +396,8 @@ class Engine:
             self.submit(prompt, p, listener(kept), images=pictures)
         for _ in prompts:
             while not done.acquire(timeout=1.0):
-                if self._error is not None:
-                    raise ServingError(f"the engine failed: {self._error!r}") from self._error
+                self._queue.check_failed()
         return [joined(events) for events in results]
-
-    # -- programs ----------------------------------------------------------------------
-
-    def _allocate(self) -> None:
-        if self._state is None:
-            self._state = self._slot_model.empty_state(self.features)
-
-    def _example_args(self, kind: str, rows: int, window: int) -> tuple:
-        """Arguments like those the engine passes, for compiling a program ahead of its first call; a
-        prefill's end with its chunk's model inputs (an encoder-decoder's encoder inputs,
-        `EncoderDecoderSlotModel.encoder_inputs`; a prompt's images), or None."""
-        if kind == "prefill":
-            inputs = self._encoder_zeros(rows) if self.encoder_decoder else None
-            chunk = self._prefill_width(window)
-            args = self._prefill_args(
-                np.full(rows, self.max_num_seqs, np.int32), np.zeros((rows, chunk), np.int32),
-                np.zeros(rows, np.int32), np.ones(rows, np.int32), np.zeros(rows, bool), np.zeros(rows, bool), False,
-            )  # fmt: skip
-            return (*args, self._on_device(inputs))
-        if kind == "image":
-            ids, inputs = self._image_example[0], self._image_inputs[window]
-            one = np.ones(1, np.int32)
-            args = self._prefill_args(
-                one * self.max_num_seqs, np.zeros((1, window), np.int32), one * 0, one * len(ids), one > 0, one > 0,
-                False,
-            )  # fmt: skip
-            return (*args, inputs)
-        return self._decode_args(np.zeros(self.max_num_seqs, bool), 1, False)
-
-    def _prefill_args(self, which, ids, start, count, last, fresh, want_logprobs) -> tuple:
-        return (
-            self._state, self.table.sampling(), jnp.asarray(which), jnp.asarray(ids), jnp.asarray(start),
-            jnp.asarray(count), jnp.asarray(last), jnp.asarray(fresh), self.table.copies("want", np.bool_(want_logprobs)),
-        )  # fmt: skip
-
-    @staticmethod
-    def _on_device(inputs: dict | None) -> dict | None:
-        """A prefill's model inputs (host arrays) on the device, as the programs take them."""
-        return None if inputs is None else {name: jnp.asarray(value) for name, value in inputs.items()}
-
-    def _encoder_zeros(self, rows: int) -> dict[str, np.ndarray]:
-        """Host zeros of an encoder-decoder's prefill inputs for `rows` rows (as requests' come: the
-        placing of host arrays of each shape is compiled at the start too)."""
-        examples = self._slot_model.encoder_inputs(rows)
-        return {name: np.zeros(example.shape, example.dtype) for name, example in examples.items()}
 
     def encoder_inputs(self, ids: list[int]) -> dict[str, np.ndarray]:
         """A token encoder's inputs for a prompt of `ids`: input_ids and attention_mask [E] int32, padded on
@@ -495,31 +416,31 @@ class Engine:
         padded[: len(ids)], mask[: len(ids)] = ids, 1
         return {"input_ids": padded, "attention_mask": mask}
 
-    def _decode_args(self, active, steps: int, want_logprobs) -> tuple:
-        copies = self.table.copies
-        return (
-            self._state, self.table.sampling(), copies("active", active), copies(f"count {steps}", np.int32(steps)),
-            copies("want", np.bool_(want_logprobs)),
-        )  # fmt: skip
+    def image_width(self, length: int) -> int:
+        """The columns of the one-chunk prefill of a prompt of `length` tokens with images: the smallest
+        of the engine's windows (128, 512, 2048, ..., max_model_len) that holds it."""
+        return self._calls.image_width(length)
 
     # -- the engine thread --------------------------------------------------------------
 
     def _run(self) -> None:
+        queue = self._queue
         try:
             while True:
-                with self._lock:
-                    self._release_cancelled()
-                    self._admit()
+                with queue.lock:
+                    queue.release_cancelled()
+                    queue.admit()
                     if not any(self.table.requests):
-                        if self._stopping:
+                        if queue.stopping:
                             return
-                        self._wake.wait()
+                        queue.wake.wait()
                         continue
                 reading = self.table.reading()
                 if reading and reading[0].images is not None:  # a prompt with images: a chunk of its own
-                    self._prefill_images(reading[0])
+                    self._delivery.first_tokens([reading[0]], *self._calls.prefill_images(reading[0]))
                 elif reading:
-                    self._prefill([r for r in reading if r.images is None][: self.prefill_rows])
+                    requests = [r for r in reading if r.images is None][: self.prefill_rows]
+                    self._delivery.first_tokens(requests, *self._calls.prefill(requests))
                 chunk = self._dispatch() if self.table.decoding() else None
                 while chunk is not None:
                     # The next chunk goes to the device before this one's tokens come back, so the
@@ -528,22 +449,19 @@ class Engine:
                     # frees: a new request would wait for that chunk too.
                     ahead = None
                     if self._steady(chunk):
-                        if _constrained(chunk.requests):  # the next masks need this chunk's tokens
-                            self._advance(chunk)
+                        if constrained(chunk.requests):  # the next masks need this chunk's tokens
+                            self._delivery.advance(chunk)
                         ahead = self._dispatch()
-                    self._collect(chunk)
+                    self._delivery.collect(chunk)
                     chunk = ahead
         except BaseException as error:  # noqa: BLE001 (handed to every waiting caller)
-            self._error = error
-            with self._lock:
-                for request in [*self._waiting, *filter(None, self.table.requests)]:
-                    self._finish(request, "error")
+            queue.fail(error)
             raise
 
-    def _steady(self, chunk: _Chunk) -> bool:
+    def _steady(self, chunk: Chunk) -> bool:
         """Whether the next decode chunk can go before `chunk` is delivered (see `_run`); where a row
-        is constrained, once its matcher has taken in this chunk's token (`_advance`)."""
-        if not self._only_decoding() or self._stopping or self._since_freed < 2:
+        is constrained, once its matcher has taken in this chunk's token (`Delivery.advance`)."""
+        if not self._only_decoding() or self._queue.stopping or self._queue.since_freed < 2:
             return False  # (a slot freed by the chunk before: its client's next request is likely on its way)
         if any(r is not None and r.cancelled for r in self.table.requests):
             return False
@@ -553,184 +471,20 @@ class Engine:
 
     def _only_decoding(self) -> bool:
         """Nothing waits for a slot and no slot reads its prompt."""
-        return not self._waiting and not self.table.reading()
+        return not self._queue.waiting and not self.table.reading()
 
-    def _admit(self) -> None:
-        while self._waiting and self.table.free():
-            request = self._waiting.popleft()
-            if request.cancelled:
-                self._finish(request, "cancelled")
-                continue
-            self.table.assign(request)
-            self.metrics.prefix_hit_tokens += request.prefilled
-            self._unclaimed = max(self._unclaimed - 1, 0)
-        self.metrics.queue_depth = len(self._waiting)
-        self.metrics.running = self.running
-
-    def _release_cancelled(self) -> None:
-        for request in self.table.requests:
-            if request is not None and request.cancelled:
-                self._finish(request, "cancelled")
-
-    def _finish(self, request: Request, reason: str, event: Event | None = None) -> None:
-        if request.finished:
-            return
-        request.finished = True
-        if request.slot is not None:
-            self.table.release(request)
-            self._since_freed = 0
-            self._unclaimed += 1
-        self.metrics.running = self.running
-        self.metrics.count_finished(reason, request.prompt_tokens, request.generated)
-        if event is None:
-            event = Event([], [], None, reason, request.prompt_tokens, request.generated, request.text.rest())
-        request.listener(event)
-
-    def _prefill_width(self, window: int) -> int:
-        """Prompt tokens per row of the prefill program over `window` columns (`prefill_width`; a
-        recurrent model's: a whole prompt, as wide as the window)."""
-        return window if self.recurrent else prefill_width(window, self.prefill_chunk)
-
-    def _prefill(self, requests: list[Request]) -> None:
-        """The next prompt chunk of each request in one program: the smallest that holds every row's
-        next chunk, as wide as that program takes (`_prefill_width`)."""
-        rows, window = next(
-            (rows, window)
-            for rows, window in self.compiler.grid["prefill"]
-            if rows >= len(requests)
-            and all(
-                r.prefilled + min(self._prefill_width(window), len(r.prompt) - r.prefilled) <= window for r in requests
-            )
-        )
-        chunk_size = self._prefill_width(window)
-        which = np.full(rows, self.max_num_seqs, np.int32)  # padding rows: slot S, out of range
-        ids = np.zeros((rows, chunk_size), np.int32)
-        start, count = np.zeros(rows, np.int32), np.ones(rows, np.int32)
-        last, fresh = np.zeros(rows, bool), np.zeros(rows, bool)
-        for i, request in enumerate(requests):
-            chunk = request.prompt[request.prefilled : request.prefilled + chunk_size]
-            which[i], start[i], count[i] = request.slot, request.prefilled, len(chunk)
-            ids[i, chunk_size - len(chunk) :] = chunk  # the real tokens last: logits at one index
-            last[i] = request.prefilled + len(chunk) == len(request.prompt)
-            fresh[i] = request.prefilled == request.started
-        want = any(r.params.logprobs is not None for r in requests)
-        inputs = None
-        if self.encoder_decoder:  # each row's encoder inputs (its whole prompt is this chunk); padding rows: zeros
-            inputs = self._encoder_zeros(rows)
-            for i, request in enumerate(requests):
-                for name, value in request.inputs.items():
-                    inputs[name][i] = value
-        args = self._prefill_args(which, ids, start, count, last, fresh, want)
-        self._state, chosen = self.compiler.programs.prefill(*args, window=window, inputs=self._on_device(inputs))
-        self._prefilled(requests, count, last, chosen)
-
-    def _prefill_images(self, request: Request) -> None:
-        """A prompt with images, whole, in one chunk of one row (the images' tokens attend to each other,
-        and a multimodal rope's positions are the whole prompt's), as wide as the smallest window that
-        holds it (`image_width`)."""
-        width = self.image_width(len(request.prompt))
-        inputs, delta = self._slot_model.prompt_inputs(np.asarray(request.prompt, np.int32), request.images, width)
-        self.table.rows.rope_delta[request.slot] = delta
-        ids = np.zeros((1, width), np.int32)
-        ids[0, width - len(request.prompt) :] = request.prompt
-        count, last = np.full(1, len(request.prompt), np.int32), np.ones(1, bool)
-        args = self._prefill_args(
-            np.full(1, request.slot, np.int32), ids, np.zeros(1, np.int32), count, last, last,
-            request.params.logprobs is not None,
-        )  # fmt: skip
-        self._state, chosen = self.compiler.programs.prefill(*args, window=width, inputs=inputs)
-        self._prefilled([request], count, last, chosen)
-
-    def image_width(self, length: int) -> int:
-        """The columns of the one-chunk prefill of a prompt of `length` tokens with images: the smallest
-        of the engine's windows (128, 512, 2048, ..., max_model_len) that holds it."""
-        return next(w for w in geometric(SMALLEST_WINDOW, self.max_model_len) if w >= length)
-
-    def _prefilled(self, requests: list[Request], count, last, chosen) -> None:
-        """After a prefill call: each request's `count` tokens read; those whose prompt it ended (`last`)
-        get the first new token of `chosen`."""
-        self.metrics.prompt_tokens_read += int(count[: len(requests)].sum())
-        for i, request in enumerate(requests):
-            request.prefilled += int(count[i])
-            if last[i]:
-                self.table.positions[request.slot] = len(request.prompt)
-                request.scheduled = 1
-        if not last.any():
-            return
-        ended = [requests[i] for i in np.flatnonzero(last)]
-        chosen = _to_host(chosen, ended, 1)  # [rows, 1] ...
-        with self._lock:
-            for i in np.flatnonzero(last):
-                self._deliver(requests[i], [c if c is None else c[i] for c in chosen], 1)
-
-    def _dispatch(self) -> _Chunk:
+    def _dispatch(self) -> Chunk:
         """Sends the next decode chunk of every decoding slot to the device and returns at once. It
         runs `_chunk_steps` steps, or fewer: as many as the request that needs most still needs; one
         where a row is constrained (its next mask needs this step's token)."""
         requests = self.table.decoding()
-        active = np.zeros(self.max_num_seqs, bool)
-        active[list(requests)] = True
         most = max((r.settings.max_new_tokens - r.scheduled for r in requests.values()), default=self.decode_steps)
         rows = self.table.decode_rows(max(requests))
-        steps = 1 if _constrained(requests) else min(self._chunk_steps(rows), most)
-        end = int(self.table.positions[active].max(initial=0)) + steps  # every column the chunk writes
-        want = any(r.params.logprobs is not None for r in requests.values())
-        _, rows, window = self.compiler.program_for("decode", rows, end)
-        args = self._decode_args(active, steps, want)
-        self._state, chosen = self.compiler.programs.decode(*args, decoding_rows=rows, window=window)
-        self.table.positions = np.where(active, self.table.positions + steps, self.table.positions).astype(np.int32)
-        for request in requests.values():
-            request.scheduled += steps
-        self._since_freed += 1
-        self._unclaimed = 0
-        return _Chunk(requests, steps, chosen)
-
-    def _advance(self, chunk: _Chunk) -> None:
-        """Waits for a one-step chunk of constrained rows and has each constrained request's matcher
-        take in its token and fill the slot's mask for the next one, before the next chunk goes; its
-        text and events follow in `_collect`, while the device runs that chunk. A token that ends the
-        answer (EOS, a stop token) is left to `_deliver`."""
-        chunk.host = _to_host(chunk.chosen, chunk.requests.values(), chunk.steps)
-        tokens = chunk.host[0]
-        for slot, request in chunk.requests.items():
-            if request.matcher is None or request.finished or request.cancelled:
-                continue
-            eos, _ = request.stops(tokens[slot, :1])
-            if eos[0]:
-                continue
-            request.advanced = request.matcher.consume(int(tokens[slot, 0]))
-            if request.advanced and not request.matcher.stopped:
-                self.table.constrain(request)
-
-    def _collect(self, chunk: _Chunk) -> None:
-        """Waits for a dispatched chunk and hands its tokens to the requests still in their slots (one
-        that finished or left since gets nothing more)."""
-        chosen = chunk.host or _to_host(chunk.chosen, chunk.requests.values(), chunk.steps)  # [rows, steps] ...
-        made = self._speculated(chunk)
-        with self._lock:
-            for slot, request in chunk.requests.items():
-                if self.table.requests[slot] is request and not request.finished and not request.cancelled:
-                    count = chunk.steps if made is None else int(made[slot])
-                    self._deliver(request, [c if c is None else c[slot] for c in chosen], count)
-
-    def _speculated(self, chunk: _Chunk) -> np.ndarray | None:
-        """A speculative chunk's tokens made per row [rows] (its drafts counted into the metrics), or None
-        for a plain chunk. Each decoding row makes all of the chunk's steps (the engine's decode has no
-        stop tokens, it stops requests here), as the host's positions have it."""
-        chosen = chunk.chosen
-        if chosen.made is None:
-            return None
-        made = np.asarray(chosen.made)
-        self.metrics.count_drafts(
-            *(np.asarray(a).sum(axis=0) for a in (chosen.proposed, chosen.drafted, chosen.accepted_at))
-        )
-        short = [slot for slot in chunk.requests if made[slot] != chunk.steps]
-        if short:
-            raise ServingError(
-                f"a speculative decode chunk of {chunk.steps} steps made {int(made[short[0]])} tokens in slot "
-                f"{short[0]}; each decoding row makes every step"
-            )
-        return made
+        steps = 1 if constrained(requests) else min(self._chunk_steps(rows), most)
+        chunk = self._calls.decode(requests, rows, steps)
+        self._queue.since_freed += 1
+        self._queue.unclaimed = 0
+        return chunk
 
     def _chunk_steps(self, rows: int) -> int:
         """decode_steps; or, for a chunk of fewer rows than the slots while nothing waits or reads its
@@ -739,81 +493,11 @@ class Engine:
         as the slots' rows are to the chunk's, max_decode_steps at most: a lone request makes fewer
         round trips (each chunk's tokens wake the server's event loop and the client), and a
         newcomer waits no longer than a chunk of every slot takes."""
-        if self._unclaimed or not self._only_decoding():
+        if self._queue.unclaimed or not self._only_decoding():
             return self.decode_steps
         return min(self.max_decode_steps, self.decode_steps * max(1, self.max_num_seqs // rows))
-
-    def _deliver(self, request: Request, chosen: list[np.ndarray], count: int) -> None:
-        """Hands a request its new tokens (chosen: token [T], logprob [T], top ids [T, 20], top logprobs
-        [T, 20]; the last three None when no request of the program asked for log-probabilities), each
-        with the text it releases, cut at EOS, max_tokens, a stop token or the token whose text completes
-        a stop string, and finishes it when one of its stops is met. A constrained request's matcher
-        takes each kept token in; the answer ends where its grammar is complete, else the matcher fills
-        the slot's mask for the next token."""
-        tokens, logprob, top_token, top_logprob = chosen
-        now = time.perf_counter()
-        if request.last_token_time is None:
-            self.metrics.time_to_first_token.observe(now - request.arrived)
-        else:
-            self.metrics.inter_token_latency.observe((now - request.last_token_time) / count, count)
-        request.last_token_time = now
-        reason, eos, advanced = None, None, None
-        kept, pieces = [], []
-        before = request.generated
-        eos_at, last_at = request.stops(tokens[:count])  # [count] bool each
-        for t in range(count):  # token by token: the answer ends at the token where a stop string ends
-            token = int(tokens[t])
-            request.generated += 1
-            if eos_at[t]:
-                reason, eos = "stop", t
-                break
-            kept.append(t)
-            advanced, request.advanced = request.advanced, None
-            if request.matcher is not None and not (request.matcher.consume(token) if advanced is None else advanced):
-                reason = "error"  # the mask allowed it: the grammar and the mask disagree
-                break
-            piece, stopped = request.text.add([token])
-            pieces.append(piece)
-            if stopped or last_at[t] or (request.matcher is not None and request.matcher.stopped):
-                reason = "stop"
-                break
-            if request.generated >= request.settings.max_new_tokens:
-                reason = "length"
-                break
-        self.metrics.tokens_generated += request.generated - before
-        ids = [int(tokens[t]) for t in kept]
-        logprobs = None
-        if request.params.logprobs is not None:
-            alternatives = request.params.logprobs
-            logprobs = [
-                TokenLogprob(
-                    int(tokens[t]), float(logprob[t]),
-                    [(int(i), float(v)) for i, v in zip(top_token[t][:alternatives], top_logprob[t][:alternatives])],
-                )
-                for t in kept + ([] if eos is None else [eos])
-            ]  # fmt: skip
-        if reason is None and request.matcher is not None and advanced is None:
-            self.table.constrain(request)
-        tail = request.text.rest() if reason is not None else ""
-        event = Event(ids, pieces, logprobs, reason, request.prompt_tokens, request.generated, tail, eos is not None)
-        if reason is None:
-            request.listener(event)
-        else:
-            self._finish(request, reason, event)
-
-
-def _constrained(requests: dict[int, Request]) -> bool:
-    return any(r.matcher is not None for r in requests.values())
 
 
 def _check_count(name: str, value) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise ServingError(f"Engine: {name}={value!r}; pass a whole number >= 1")
-
-
-def _to_host(chosen: generation.Chosen, requests, steps: int) -> list[np.ndarray | None]:
-    """A program's chosen tokens [rows, steps] on the host; their log-probabilities and the top 20
-    too when one of `requests` asked for them (else None: one copy from the device, not four)."""
-    wanted = any(r.params.logprobs is not None for r in requests)
-    fields = (chosen.token, chosen.logprob, chosen.top_token, chosen.top_logprob)
-    return [np.asarray(c)[:, :steps] if wanted or i == 0 else None for i, c in enumerate(fields)]
