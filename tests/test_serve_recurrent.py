@@ -17,7 +17,7 @@ import transformers
 import background
 import hfjax
 from hfjax import generation, testing
-from hfjax.serving import Engine
+from hfjax.serving import Engine, SamplingParams
 
 pytest.importorskip("fastapi", reason="the serve extra is not installed: pip install 'hfjax[serve]'")
 openai = pytest.importorskip("openai", reason="the openai client is a test dependency: pip install openai")
@@ -119,3 +119,25 @@ def test_speculative_decoding_of_a_recurrent_model_is_refused_by_name(model):
     speculation = generation.Speculation(method="ngram", num_speculative_tokens=3)
     with pytest.raises(hfjax.ServingError, match=r"Mamba2ForCausalLM, whose recurrent state cannot take back"):
         Engine(model, max_num_seqs=SLOTS, max_model_len=LENGTH, speculation=speculation)
+
+
+def test_a_prompt_is_scanned_whole_in_one_prefill_call(model, monkeypatch):
+    # A state is scanned from zeros over the chunk it is given, so a recurrent model's prompt is never
+    # split: the 200-token prompt runs in the one program whose window (256) holds all of it, and the
+    # answer is Model.generate's.
+    engine = Engine(model, max_num_seqs=SLOTS, max_model_len=LENGTH)
+    calls, prefill = [], engine.compiler.programs.prefill
+
+    def prefilling(*args, window, inputs=None):
+        calls.append((window, args[5].tolist()))  # (window, each row's count of prompt tokens)
+        return prefill(*args, window=window, inputs=inputs)
+
+    monkeypatch.setattr(engine.compiler.programs, "prefill", prefilling)
+    engine.start()
+    try:
+        got = engine.generate([PROMPTS[2]], SamplingParams(max_tokens=NEW_TOKENS, temperature=0, ignore_eos=True))
+    finally:
+        engine.stop()
+    assert [(window, counts[0]) for window, counts in calls] == [(256, len(PROMPTS[2]))]
+    want = np.asarray(model.generate(np.asarray([PROMPTS[2]]), max_new_tokens=NEW_TOKENS, do_sample=False))
+    assert got[0].token_ids == want[0, len(PROMPTS[2]) :].tolist()

@@ -130,6 +130,13 @@ class CoreCalls:
         recurrent model's: a whole prompt, as wide as the window)."""
         return window if self.recurrent else prefill_width(window, self.prefill_chunk)
 
+    def _holds(self, window: int, request: Request) -> bool:
+        """Whether the prefill program over `window` columns holds `request`'s next chunk (at that
+        program's width); a recurrent model's only where the chunk is the rest of the prompt, which it
+        scans whole."""
+        end = request.prefilled + min(self.prefill_width(window), len(request.prompt) - request.prefilled)
+        return end <= window and (not self.recurrent or end == len(request.prompt))
+
     def image_width(self, length: int) -> int:
         """The columns of the one-chunk prefill of a prompt of `length` tokens with images: the smallest
         of the engine's windows (128, 512, 2048, ..., max_model_len) that holds it."""
@@ -141,10 +148,7 @@ class CoreCalls:
         rows, window = next(
             (rows, window)
             for rows, window in self.compiler.grid["prefill"]
-            if rows >= len(requests)
-            and all(
-                r.prefilled + min(self.prefill_width(window), len(r.prompt) - r.prefilled) <= window for r in requests
-            )
+            if rows >= len(requests) and all(self._holds(window, r) for r in requests)
         )
         chunk_size = self.prefill_width(window)
         which = np.full(rows, self.slots, np.int32)  # padding rows: slot S, out of range
