@@ -287,7 +287,7 @@ def _blocked_attention(query, key, value, attn_mask, scale):
     """torch's attention with a boolean mask, over the keys in blocks of _KEY_BLOCK with a running
     softmax, and only as far as the last key any query may see: a prompt chunk's cost follows its
     rows' lengths, not the cache's width, and no [queries, keys] score matrix of the whole cache is
-    ever written (at 8192 columns, 4 rows x 256 queries x 8 heads of them were 268 MB a layer).
+    ever written.
 
     query [..., Hq, L, D]; key [..., Hkv, S, D]; value [..., Hkv, S, Dv]; attn_mask bool [..., 1, L, S].
     A query that may see nothing gets zeros, as `attention` gives."""

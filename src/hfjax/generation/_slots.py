@@ -909,20 +909,16 @@ class SlotModel:
 def columns_written(whole: list, parts: list, which, columns, *, window: int) -> list:
     """The cache `whole` [(keys, values)] per layer with the columns a program wrote into `parts`, its
     rows `which` [P] (a row S: none) over the first `window` columns ([P, H, W, D]), copied back: row
-    p's columns `columns` [P, C] (`window` and past it: none). Only those columns move: writing back
-    the window of every row copied the rows' whole window twice per call, which at long windows cost
-    more than the model's forward."""
-    length = whole[0][0].shape[2]
+    p's columns `columns` [P, C] (`window` and past it: none). Only those columns move, not the rows'
+    whole window."""
     taken = jnp.minimum(columns, window - 1)[:, None, :, None]  # [P, 1, C, 1]
-    target = jnp.where(columns < window, columns, length)  # past the end: dropped
     rows = which[:, None]
-    return [
-        tuple(
-            a.at[rows, :, target].set(jnp.swapaxes(jnp.take_along_axis(part, taken, axis=2), 1, 2), mode="drop")
-            for a, part in zip(pair, new)
-        )
-        for pair, new in zip(whole, parts)
-    ]
+
+    def back(a, part):
+        target = jnp.where(columns < window, columns, a.shape[2])  # past the end: dropped
+        return a.at[rows, :, target].set(jnp.swapaxes(jnp.take_along_axis(part, taken, axis=2), 1, 2), mode="drop")
+
+    return [tuple(back(a, part) for a, part in zip(pair, new)) for pair, new in zip(whole, parts)]
 
 
 def written_back(whole: list, parts: list) -> list:

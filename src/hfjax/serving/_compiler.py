@@ -46,11 +46,10 @@ WIDTH_GROWTH = 4  # a prefill chunk reads at most this many times --prefill-chun
 
 def prefill_width(window: int, chunk: int) -> int:
     """Prompt tokens per row of the prefill program over `window` columns, for --prefill-chunk `chunk`:
-    an eighth of the window, at least `chunk` and at most 4x it. A prefill call reads its rows'
-    whole window of keys and values whatever its width, so at long windows that read is paid for
-    fewer tokens when each call takes more of them (a 4000-token prompt over 8192 columns: 0.74 ms a
-    token in chunks of 256 against 1.8 ms in chunks of 64, on 2 CPU cores); at short ones a wider
-    chunk would be padding."""
+    an eighth of the window, at least `chunk` and at most 4x it. A prefill call gathers its rows'
+    whole window of keys and values whatever its width, so over a long window each call takes more
+    tokens and a long prompt fewer calls; over a short one a wider chunk would be padding
+    (docs/architecture.md, "Long prompts")."""
     return max(chunk, min(window // 8, WIDTH_GROWTH * chunk))
 
 
