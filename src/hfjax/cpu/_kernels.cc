@@ -466,6 +466,7 @@ struct Attention {
   float* out;                     // [B, H, R, Dv]
   int64_t heads, rows, length, slots, depth, value_depth;
   float scale;
+  const int64_t* used;  // [B]: the columns each sequence reads (`UsedColumns`)
 };
 
 // The columns of a sequence's cache that any of its query rows may read: past the last column
@@ -486,7 +487,7 @@ void AttendHead(const Attention& a, int64_t task, float* scores) {
   const float* k = a.k + task * stride * d_size;
   const float* v = a.v + task * stride * dv_size;
   const float* bias = a.bias + b * a.length * stride;
-  const int64_t s_size = UsedColumns(bias, a.length, stride);  // the columns read; rows of scores are `stride` apart
+  const int64_t s_size = a.used[b];  // the columns read; rows of scores are `stride` apart
   float* out = a.out + task * kRows * dv_size;
   const int64_t whole = d_size / kLanes * kLanes;
   const Tail tail = TailOf(d_size - whole);
@@ -579,8 +580,10 @@ ffi::Error DecodeAttention(ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k,
         "hfjax_decode_attention takes q [B, H, 1-8, D], k [B, H, S, D], v [B, H, S, Dv] and bias [B, L, S]");
   }
   const int64_t value_depth = v.element_count() / (tasks * slots);
+  std::vector<int64_t> used(qd[0]);  // once per sequence, not per head
+  for (int64_t b = 0; b < qd[0]; ++b) used[b] = UsedColumns(bias.typed_data() + b * bd[1] * slots, bd[1], slots);
   const Attention a{q.typed_data(), k.typed_data(), v.typed_data(), bias.typed_data(), out->typed_data(),
-                    qd[1], qd[2], bd[1], slots, qd[3], value_depth, scale};
+                    qd[1], qd[2], bd[1], slots, qd[3], value_depth, scale, used.data()};
   const HeadFunction attend = kHeadFunctions[qd[2]];
   const int64_t bytes = tasks * slots * (qd[3] + value_depth) * 4;
   const int64_t split = bytes < kLeastBytes ? 1 : std::max<int64_t>(1, std::min<int64_t>(Threads(), tasks));

@@ -336,13 +336,12 @@ def _sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, sca
     *batch, heads, length, depth = query.shape
     kv_heads = key.shape[-3]
     rows = heads // kv_heads * length if heads % kv_heads == 0 else 0
+    scale = 1.0 / float(np.sqrt(depth)) if scale is None else scale
     if rows and _kernel_takes(query, key, value, attn_mask, rows):
         grouped = query.reshape(*batch, kv_heads, heads // kv_heads, length, depth)
-        scale = 1.0 / float(np.sqrt(depth)) if scale is None else scale
         out = _kernel_attention(grouped, key, value, attn_mask, is_causal, scale)
         return out.reshape(*batch, heads, length, value.shape[-1])
     if rows and _blocked_takes(query, key, attn_mask, is_causal, rows):
-        scale = 1.0 / float(np.sqrt(depth)) if scale is None else scale
         return _blocked_attention(query, key, value, attn_mask, scale)
     scores = _swapped_scores if 0 < rows <= _SWAPPED_SCORE_ROWS else grouped_scores
     return attention(query, key, value, attn_mask, is_causal, scale, scores=scores)
