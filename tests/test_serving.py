@@ -237,6 +237,22 @@ def test_chunks_that_outgrow_a_window_attend_over_the_next(model, engine, monkey
     assert {window for kind, *_, window in calls.log if kind == "prefill"} == {128, 256}
 
 
+def test_a_chunk_runs_past_max_model_len_for_a_row_that_ends_there_beside_one_that_goes_on(model, engine, monkeypatch):
+    # A 250-token prompt with 6 tokens to go ends at column 256 (max_model_len) while a short prompt
+    # decodes on: their shared chunks write past the last column for the long row (its finished
+    # steps, dropped), and run over the widest window. Both answers equal Model.generate's.
+    calls = _Calls(engine, monkeypatch)
+    ids = [np.random.default_rng(n).integers(5, 400, n).tolist() for n in (LENGTH - 6, 5)]
+    budgets = (6, 150)
+    got = engine.generate(ids, [SamplingParams(max_tokens=b, temperature=0, ignore_eos=True) for b in budgets])
+    for prompt, budget, event in zip(ids, budgets, got):
+        alone = model.generate(
+            np.array([prompt], np.int32), max_new_tokens=budget, min_new_tokens=budget, do_sample=False
+        )
+        assert (event.token_ids, event.finish_reason) == (np.asarray(alone)[0, len(prompt) :].tolist(), "length")
+    assert ("decode", STEPS, SLOTS, LENGTH) in calls.log  # a chunk of both rows at the end of the long one
+
+
 def test_programs_stay_fixed_over_50_requests_of_mixed_lengths_and_settings(model, engine):
     before = dict(engine.program_counts)
     # warm_up prepared them all: a prefill chunk of 4 rows per window (128, 256 columns) and of one

@@ -205,7 +205,9 @@ class CoreCalls:
         device and returns at once; their positions and steps scheduled advance by `steps`."""
         active = np.zeros(self.slots, bool)
         active[list(requests)] = True
-        end = int(self.table.positions[active].max(initial=0)) + steps  # every column the chunk writes
+        # Every column the chunk writes, up to max_model_len: a row's columns past it are steps after
+        # its last token (a row beside it needs more), which the program drops.
+        end = min(int(self.table.positions[active].max(initial=0)) + steps, self.max_model_len)
         want = any(r.params.logprobs is not None for r in requests.values())
         _, rows, window = self.compiler.program_for("decode", rows, end)
         args = self.decode_args(active, steps, want)
