@@ -346,6 +346,36 @@ def test_two_apps_in_one_process_keep_their_own_metrics(tmp_path):
         assert [s.value for s in requests if s.labels["endpoint"] == "/v1/models"] == [times]
 
 
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")  # the engine thread's traceback
+def test_a_failed_engine_answers_503_on_health_and_every_generating_route(tmp_path):
+    """Where the engine thread fails, the request in flight gets a 500, and /health and every route
+    that generates a 503 in OpenAI's shape naming the failure (a supervisor restarts the server, as
+    it restarts vLLM's on a dead engine); the routes that do not generate still answer."""
+    from fastapi.testclient import TestClient
+
+    model = hfjax.load(testing.save_tiny_checkpoint("llama", tmp_path / "llama"))
+    engine = serving.Engine(model, max_num_seqs=2, max_model_len=128, prefill_chunk=16, progress=lambda line: None)
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("a decode program that fails")
+
+    engine.compiler.programs.decode = broken
+    body = {"model": NAME, "prompt": "the river", "max_tokens": 4}
+    with TestClient(serving.build_app(model, served_model_name=NAME, engine=engine)) as client:
+        assert client.get("/health").status_code == 200
+        in_flight = client.post("/v1/completions", json=body)
+        assert in_flight.status_code == 500 and "the engine failed" in in_flight.json()["error"]["message"]
+        for method, path, sent in (
+            ("GET", "/health", None), ("POST", "/v1/completions", body),
+            ("POST", "/v1/chat/completions", {"model": NAME, "messages": [{"role": "user", "content": "hi"}]}),
+        ):  # fmt: skip
+            answer = client.request(method, path, json=sent)
+            assert answer.status_code == 503, path
+            error = answer.json()["error"]
+            assert error["code"] == "engine_failed" and "a decode program that fails" in error["message"], path
+        assert client.post("/tokenize", json={"model": NAME, "prompt": "the river"}).status_code == 200
+
+
 BAD = [
     ("chat", b"{not json", "body"),
     ("chat", {"model": NAME}, "messages"),

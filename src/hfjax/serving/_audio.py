@@ -22,8 +22,8 @@ import asyncio
 import numpy as np
 
 from .. import tasks
-from .._errors import GenerationError, PipelineError
-from ._protocol import ApiError, check_model, invalid
+from .._errors import GenerationError, PipelineError, ServingError
+from ._protocol import ApiError, check_model, engine_failed, invalid
 from ._requests import Event, QueueFullError, SamplingParams
 
 FORMATS = ("json", "text", "verbose_json")  # the response formats answered (OpenAI's srt and vtt need timestamps)
@@ -108,6 +108,10 @@ class Transcriber:
             raise ApiError(429, str(error), code="rate_limit_exceeded") from None
         except GenerationError as error:
             raise invalid("file", str(error)) from None
+        except ServingError:
+            if self.engine.failure is None:
+                raise
+            raise engine_failed(self.engine.failure) from None
         tokens, usage = [], None
         try:
             while usage is None:

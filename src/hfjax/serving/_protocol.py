@@ -38,6 +38,14 @@ class ApiError(Exception):
         return {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.code}}
 
 
+def engine_failed(failure: BaseException) -> ApiError:
+    """The 503 of a server whose engine thread failed with `failure`."""
+    return ApiError(
+        503, f"the engine failed ({failure!r}) and answers no more requests; restart the server (its log holds "
+        "the traceback)", code="engine_failed",
+    )  # fmt: skip
+
+
 def invalid(param: str, message: str) -> ApiError:
     return ApiError(400, message, param=param)
 

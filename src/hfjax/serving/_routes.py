@@ -44,13 +44,22 @@ class Service:
         return self.model.tokenizer
 
     def needs_engine(self, endpoint: str) -> Engine:
-        """The engine, or a 400 naming `endpoint` for an encoder, which has none."""
+        """The engine; a 400 naming `endpoint` for an encoder, which has none; a 503 where the engine
+        failed (`check_engine`)."""
         if self.engine is None:
             raise ApiError(
                 400, f"{self.name!r} is an encoder ({self.model.task}); it answers /v1/embeddings, not {endpoint}",
                 param="model", code="model_not_supported",
             )  # fmt: skip
+        self.check_engine()
         return self.engine
+
+    def check_engine(self) -> None:
+        """A 503 where the engine thread failed: the server answers nothing more that generates, and
+        says so on /health, so that whatever supervises it restarts it (as vLLM's dead engine does)."""
+        failure = None if self.engine is None else self.engine.failure
+        if failure is not None:
+            raise _protocol.engine_failed(failure)
 
 
 async def read_json(request):
@@ -70,6 +79,7 @@ def add_state_routes(app, service: Service) -> None:
 
     @app.get("/health")
     async def health():
+        service.check_engine()
         return {"status": "ok"}
 
     @app.get("/v1/models")

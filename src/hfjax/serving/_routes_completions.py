@@ -115,6 +115,8 @@ async def respond(
             raise _protocol.limit_error(error, generation) from None
         if isinstance(error, GenerationError):
             raise _protocol.invalid(generation.prompt_field, str(error)) from None
+        if running.failure is not None:  # the engine failed since needs_engine looked
+            raise _protocol.engine_failed(running.failure) from None
         raise
     answer = Answer(name, chat, len(generation.params), len(ids), token_text, generation)
 

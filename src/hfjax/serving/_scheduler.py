@@ -230,6 +230,12 @@ class Engine:
         return len(self._queue.waiting)
 
     @property
+    def failure(self) -> BaseException | None:
+        """The error that stopped the engine thread (every request after it is refused); None while
+        it runs, or where it stopped cleanly."""
+        return self._queue.error
+
+    @property
     def max_queue(self) -> int:
         """Requests waiting for a slot beyond which `submit` raises QueueFullError."""
         return self._queue.max_queue
