@@ -455,6 +455,51 @@ def test_attention_kernel_reads_no_column_past_the_last_one_a_sequence_may_see(k
     np.testing.assert_allclose(finite, expected, rtol=0, atol=MATMUL.atol)
 
 
+def test_attention_kernel_reads_its_sequences_rows_and_columns_of_a_larger_cache_where_they_lie(kernels):
+    # A slot decode in place: 3 query sequences over the leading rows and 40 leading columns of a cache
+    # of 5 rows x 64 columns. Rows and columns past those (NaN) are never read, and the result is the
+    # same to the bit as over those rows and columns sliced out.
+    batch, heads, rows, depth, columns, cache_rows, cache_columns = 3, 2, 2, 16, 40, 5, 64
+    rng = np.random.default_rng(11)
+    q = rng.standard_normal((batch, heads, rows, depth), np.float32)
+    k = rng.standard_normal((cache_rows, heads, cache_columns, depth), np.float32)
+    v = rng.standard_normal((cache_rows, heads, cache_columns, depth), np.float32)
+    bias = np.where(np.arange(columns)[None, None, :] < np.array([5, 40, 23])[:, None, None], 0.0, -np.inf)
+    bias = np.broadcast_to(bias.astype(np.float32), (batch, 1, columns))
+    outside = (np.arange(cache_rows)[:, None, None, None] >= batch) | (
+        np.arange(cache_columns)[None, None, :, None] >= columns
+    )
+    sliced = jax.jit(_kernels.decode_attention, static_argnums=4)(
+        q, k[:batch, :, :columns], v[:batch, :, :columns], bias, 0.25
+    )
+    whole = jax.jit(_kernels.decode_attention, static_argnums=(4, 5))(
+        q, np.where(outside, np.nan, k), np.where(outside, np.nan, v), bias, 0.25, cache_columns
+    )
+    np.testing.assert_array_equal(np.asarray(whole), np.asarray(sliced))
+
+
+def test_attention_reads_a_slot_caches_leading_rows_and_columns_inside_its_context(kernels):
+    # torch's attention over queries of 2 rows and a mask of 40 columns, given keys of 5 rows x 64
+    # columns: inside `reading_in_place` (the slot decode's step) it attends over the keys' leading
+    # rows and columns, as torch's over them sliced out.
+    rng = np.random.default_rng(3)
+    q = torch.from_numpy(rng.standard_normal((2, 4, 1, 8), np.float32))
+    k = torch.from_numpy(rng.standard_normal((5, 2, 64, 8), np.float32))
+    v = torch.from_numpy(rng.standard_normal((5, 2, 64, 8), np.float32))
+    mask = torch.arange(40)[None, None, None, :] <= torch.tensor([7, 39])[:, None, None, None]
+    want = torch.nn.functional.scaled_dot_product_attention(
+        q, k[:2, :, :40], v[:2, :, :40], attn_mask=mask, enable_gqa=True
+    )
+
+    def attend(q, k, v, mask):
+        return torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
+
+    env = environment("cpu")
+    with cpu_ops.reading_in_place():
+        got = run(env, attend, q, k, v, mask, jit=True)
+    torch.testing.assert_close(got, want, rtol=0, atol=MATMUL.atol)
+
+
 # -- convolution (channels-last) ----------------------------------------------------
 
 CONV_CASES = {

@@ -253,6 +253,27 @@ def test_a_chunk_runs_past_max_model_len_for_a_row_that_ends_there_beside_one_th
     assert ("decode", STEPS, SLOTS, LENGTH) in calls.log  # a chunk of both rows at the end of the long one
 
 
+def test_decode_chunks_read_their_rows_of_the_whole_cache_where_they_lie(model, monkeypatch):
+    # Every decode program's attention reads the first rows and window columns of the whole cache
+    # (4 slots x 256 columns) in place: none slices its rows' window out (and copies it back).
+    kernels = pytest.importorskip("hfjax.cpu._kernels")
+    read = []
+    attend = kernels.decode_attention
+
+    def recording(query, key, value, bias, scale, key_length=None):
+        read.append((query.shape[0], key.size // (query.shape[1] * query.shape[3]), bias.shape[-1], key_length))
+        return attend(query, key, value, bias, scale, key_length)
+
+    monkeypatch.setattr(kernels, "decode_attention", recording)
+    engine = Engine(model, max_num_seqs=SLOTS, max_model_len=LENGTH, prefill_chunk=CHUNK, decode_steps=STEPS)
+    if not engine.compiler.programs.slot_model.attends_in_place:
+        pytest.skip("this transformers repeats each key/value head for grouped queries: decode slices its window")
+    read.clear()  # (building the engine sized a slot's cache)
+    engine.warm_up()
+    assert {(rows, columns) for rows, _, columns, _ in read} == set(engine.compiler.grid["decode"])
+    assert {(cache, length) for _, cache, _, length in read} == {(SLOTS * LENGTH, LENGTH)}
+
+
 def test_programs_stay_fixed_over_50_requests_of_mixed_lengths_and_settings(model, engine):
     before = dict(engine.program_counts)
     # warm_up prepared them all: a prefill chunk of 4 rows per window (128, 256 columns) and of one

@@ -8,6 +8,7 @@ change what happens there:
     prepare_weights()    weights just loaded into jax.Arrays
     prepare_module()     a torch module (a diffusers component) about to move to JAX
     loop_carry()         the layout in which the decode loop carries its cache
+    attention_in_place() where decoding attention reads a slot cache's leading rows and columns in place
     custom_calls()       custom calls that exported programs may hold
     compiler_options()   XLA options a program of one stage is compiled with (`jit_program`)
     fingerprint()        what the backend adds to the key of a program kept on disk
@@ -19,6 +20,7 @@ until then the generic hook answers.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 from typing import Any
 
@@ -42,6 +44,14 @@ class Backend:
     def loop_carry(self, cache) -> tuple[Any, Callable[[Any], Any]]:
         """(the cache as the decode loop carries it, a function giving the model's layout back)."""
         return cache, lambda carried: carried
+
+    def attention_in_place(self, dtype, groups: int) -> contextlib.AbstractContextManager | None:
+        """A context in which torch's attention, lowered here, takes keys and values of more rows and
+        columns than its queries read, theirs the leading ones (the mask as wide as those columns),
+        and reads them where they lie, for a cache of `dtype` with `groups` query heads per key/value
+        head; None where it cannot. In it the slot decode runs over the whole cache instead of
+        copying its rows' window out and back (`generation._slots`)."""
+        return None
 
     def custom_calls(self) -> tuple[str, ...]:
         """XLA custom-call targets that programs exported with `jax.export` may hold."""

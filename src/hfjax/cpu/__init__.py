@@ -7,7 +7,8 @@
 - installs the CPU's op lowerings (`_lowerings.py`: kernels, operand swaps, channels-last convolutions);
 - moves loaded weights onto 2 MB pages when asked (`_pages.py`, HFJAX_HUGE_PAGES=1);
 - holds diffusers' convolution weights channels-last (`prepare_module`);
-- carries the decode loop's cache without its size-1 axes (`loop_carry`).
+- carries the decode loop's cache without its size-1 axes (`loop_carry`);
+- has the slot decode read its rows of the cache where they lie (`attention_in_place`).
 
 Deleting this package, or setting HFJAX_CPU_KERNELS=0, runs the generic engine on the CPU:
 every feature works, only slower. docs/architecture.md says what each part gains.
@@ -22,7 +23,7 @@ import jax
 import jax.numpy as jnp
 
 from ..bridge import Backend
-from . import _build, _lowerings, _pages
+from . import _build, _kernels, _lowerings, _pages
 
 __all__ = ["Cpu", "build_kernels", "kernel_compiler", "kernels_status"]
 
@@ -54,6 +55,15 @@ class Cpu(Backend):
             return jax.tree_util.tree_unflatten(treedef, [jnp.reshape(x, s) for x, s in zip(leaves, shapes)])
 
         return jax.tree_util.tree_map(jnp.squeeze, cache), restore
+
+    def attention_in_place(self, dtype, groups: int):
+        # The attention kernel reads a sequence's row of a cache of more rows and columns
+        # (`_lowerings.reading_in_place`), where it takes the attention at all (`_kernels.usable`).
+        usable = (
+            dtype == jnp.float32 and groups in _kernels.QUERY_ROWS and _build.built() is not None
+            and jax.device_count() == 1
+        )  # fmt: skip
+        return _lowerings.reading_in_place() if usable else None
 
     def custom_calls(self) -> tuple[str, ...]:
         return tuple(_build.TARGETS) if _build.built() is not None else ()

@@ -462,9 +462,12 @@ constexpr int64_t kMaxQueryRows = 8;
 constexpr int64_t kLeastBytes = 256 << 10;  // keys and values below which attention is not split between threads
 
 struct Attention {
-  const float *q, *k, *v, *bias;  // [B, H, R, D], [B, H, S, D], [B, H, S, Dv], [B, L, S]
+  // [B, H, R, D], [B', H, K, D], [B', H, K, Dv], [B, L, S]: sequence b reads k's and v's row b,
+  // its first S of K columns (B' >= B, K >= S: a slot cache whose leading rows decode over its
+  // leading columns, read where it lies)
+  const float *q, *k, *v, *bias;
   float* out;                     // [B, H, R, Dv]
-  int64_t heads, rows, length, slots, depth, value_depth;
+  int64_t heads, rows, length, slots, key_length, depth, value_depth;
   float scale;
   const int64_t* used;  // [B]: the columns each sequence reads (`UsedColumns`)
 };
@@ -484,8 +487,8 @@ template <int kRows>
 void AttendHead(const Attention& a, int64_t task, float* scores) {
   const int64_t b = task / a.heads, stride = a.slots, d_size = a.depth, dv_size = a.value_depth;
   const float* q = a.q + task * kRows * d_size;
-  const float* k = a.k + task * stride * d_size;
-  const float* v = a.v + task * stride * dv_size;
+  const float* k = a.k + task * a.key_length * d_size;
+  const float* v = a.v + task * a.key_length * dv_size;
   const float* bias = a.bias + b * a.length * stride;
   const int64_t s_size = a.used[b];  // the columns read; rows of scores are `stride` apart
   float* out = a.out + task * kRows * dv_size;
@@ -561,29 +564,33 @@ constexpr HeadFunction kHeadFunctions[kMaxQueryRows + 1] = {
     nullptr,       AttendHead<1>, AttendHead<2>, AttendHead<3>, AttendHead<4>,
     AttendHead<5>, AttendHead<6>, AttendHead<7>, AttendHead<8>};
 
-// Decoding attention: q [B, H, R, D], k [B, H, S, D], v [B, H, S, Dv], bias [B, L, S] (0 or
+// Decoding attention: q [B, H, R, D], k [B', H, K, D], v [B', H, K, Dv], bias [B, L, S] (0 or
 // -inf, or a float mask; query row r reads bias row r % L) -> [B, H, R, Dv], for R <= 8.
+// Sequence b reads row b of k and v, its first S columns: K is `key_length` (>= S), B' >= B.
 ffi::Error DecodeAttention(ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k,
                            ffi::Buffer<ffi::F32> v, ffi::Buffer<ffi::F32> bias, ffi::ResultBuffer<ffi::F32> out,
-                           float scale) {
-  // Keys and values come in any shape with B x H x S x D elements: the decode loop carries a
+                           float scale, int64_t key_length) {
+  // Keys and values come in any shape with B' x H x K x D elements: the decode loop carries a
   // batch of 1 without its size-1 axes, and a reshape here would make XLA copy the cache.
   const auto qd = q.dimensions(), bd = bias.dimensions();
   const bool shapes = qd.size() == 4 && bd.size() == 3 && qd[0] >= 1 && qd[1] >= 1 && qd[2] >= 1 &&
                       qd[2] <= kMaxQueryRows && qd[3] >= 1 && bd[0] == qd[0] && bd[1] >= 1 && qd[2] % bd[1] == 0 &&
-                      bd[2] >= 1;
+                      bd[2] >= 1 && key_length >= bd[2];
   const int64_t tasks = shapes ? qd[0] * qd[1] : 0, slots = shapes ? bd[2] : 0;
-  if (!shapes || static_cast<int64_t>(k.element_count()) != tasks * slots * qd[3] ||
-      static_cast<int64_t>(v.element_count()) % (tasks * slots) != 0 ||
-      static_cast<int64_t>(out->element_count()) != tasks * qd[2] * static_cast<int64_t>(v.element_count()) / (tasks * slots)) {
+  const int64_t row = shapes ? qd[1] * key_length : 0;  // columns of one row of k and v, all heads
+  const int64_t key_rows = shapes ? static_cast<int64_t>(k.element_count()) / (row * qd[3]) : 0;
+  if (!shapes || key_rows < qd[0] || static_cast<int64_t>(k.element_count()) != key_rows * row * qd[3] ||
+      static_cast<int64_t>(v.element_count()) % (key_rows * row) != 0 ||
+      static_cast<int64_t>(out->element_count()) != tasks * qd[2] * static_cast<int64_t>(v.element_count()) / (key_rows * row)) {
     return ffi::Error::InvalidArgument(
-        "hfjax_decode_attention takes q [B, H, 1-8, D], k [B, H, S, D], v [B, H, S, Dv] and bias [B, L, S]");
+        "hfjax_decode_attention takes q [B, H, 1-8, D], k [B', H, K, D], v [B', H, K, Dv] and bias [B, L, S], "
+        "with B' >= B and K (key_length) >= S");
   }
-  const int64_t value_depth = v.element_count() / (tasks * slots);
+  const int64_t value_depth = v.element_count() / (key_rows * row);
   std::vector<int64_t> used(qd[0]);  // once per sequence, not per head
   for (int64_t b = 0; b < qd[0]; ++b) used[b] = UsedColumns(bias.typed_data() + b * bd[1] * slots, bd[1], slots);
   const Attention a{q.typed_data(), k.typed_data(), v.typed_data(), bias.typed_data(), out->typed_data(),
-                    qd[1], qd[2], bd[1], slots, qd[3], value_depth, scale, used.data()};
+                    qd[1], qd[2], bd[1], slots, key_length, qd[3], value_depth, scale, used.data()};
   const HeadFunction attend = kHeadFunctions[qd[2]];
   const int64_t bytes = tasks * slots * (qd[3] + value_depth) * 4;
   const int64_t split = bytes < kLeastBytes ? 1 : std::max<int64_t>(1, std::min<int64_t>(Threads(), tasks));
@@ -831,7 +838,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(HfjaxDecodeAttention, DecodeAttention,
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>()
-                                  .Attr<float>("scale"));
+                                  .Attr<float>("scale")
+                                  .Attr<int64_t>("key_length"));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(HfjaxRowsTimesQuantized, RowsTimesQuantized,
                               ffi::Ffi::Bind()

@@ -75,40 +75,46 @@ def _product_backward(saved, grad):
 rows_times_weight.defvjp(_product_forward, _product_backward)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
-def decode_attention(query, key, value, bias, scale: float) -> jax.Array:
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))
+def decode_attention(query, key, value, bias, scale: float, key_length: int | None = None) -> jax.Array:
     """Attention of a few query rows per key/value head, float32, through the kernel.
 
-    query [B, H, R, D] (R in QUERY_ROWS); key and value [B, H, S, D] and [B, H, S, Dv] in any
+    query [B, H, R, D] (R in QUERY_ROWS); key and value [B', H, K, D] and [B', H, K, Dv] in any
     shape with those elements (the decode loop carries a batch of 1 without its size-1 axes,
     and reshaping it back would make XLA copy the cache); bias [B, L, S], added to the scores
-    of query row r from its row r % L (-inf where a row may not look) -> [B, H, R, Dv].
+    of query row r from its row r % L (-inf where a row may not look) -> [B, H, R, Dv]. Sequence
+    b reads row b of key and value, its first S columns: K is `key_length` (default S) and
+    B' >= B, so a slot cache's leading rows and columns are read where they lie, not sliced out.
     """
-    batch, heads, rows, _ = query.shape
-    value_depth = value.size // (batch * heads * bias.shape[-1])
+    batch, heads, rows, depth = query.shape
+    key_length = bias.shape[-1] if key_length is None else key_length
+    key_rows = key.size // (heads * key_length * depth)
+    value_depth = value.size // (key_rows * heads * key_length)
     result = jax.ShapeDtypeStruct((batch, heads, rows, value_depth), jnp.float32)
     return jax.ffi.ffi_call(ATTENTION, result, vmap_method="sequential")(
-        query, key, value, bias, scale=np.float32(scale)
+        query, key, value, bias, scale=np.float32(scale), key_length=np.int64(key_length)
     )
 
 
-def _attention_in_jnp(query, key, value, bias, scale: float) -> jax.Array:
+def _attention_in_jnp(query, key, value, bias, scale: float, key_length: int | None) -> jax.Array:
     """What the attention kernel computes, in jnp (for its gradient)."""
     batch, heads, rows, depth = query.shape
     slots = bias.shape[-1]
-    key = key.reshape(batch, heads, slots, depth)
-    value = value.reshape(batch, heads, slots, -1)
+    key_length = slots if key_length is None else key_length
+    key_rows = key.size // (heads * key_length * depth)
+    key = key.reshape(key_rows, heads, key_length, depth)[:batch, :, :slots]
+    value = value.reshape(key_rows, heads, key_length, -1)[:batch, :, :slots]
     row_bias = bias[:, np.arange(rows) % bias.shape[1]]  # [B, R, S]
     scores = jnp.einsum("bhrd,bhsd->bhrs", query, key) * scale + row_bias[:, None]
     return jnp.einsum("bhrs,bhsv->bhrv", jax.nn.softmax(scores, axis=-1), value)
 
 
-def _attention_forward(query, key, value, bias, scale):
-    return decode_attention(query, key, value, bias, scale), (query, key, value, bias)
+def _attention_forward(query, key, value, bias, scale, key_length):
+    return decode_attention(query, key, value, bias, scale, key_length), (query, key, value, bias)
 
 
-def _attention_backward(scale, saved, grad):
-    _, pullback = jax.vjp(lambda *arrays: _attention_in_jnp(*arrays, scale), *saved)
+def _attention_backward(scale, key_length, saved, grad):
+    _, pullback = jax.vjp(lambda *arrays: _attention_in_jnp(*arrays, scale, key_length), *saved)
     return pullback(grad)
 
 

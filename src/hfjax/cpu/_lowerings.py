@@ -12,6 +12,9 @@ Each has a parity test against torch in tests/test_cpu.py.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -230,12 +233,13 @@ def _swapped_scores(grouped, key):
 
 def _kernel_takes(query, key, value, attn_mask, rows: int) -> bool:
     """Whether the attention kernel takes this attention: a few float32 query rows per key/value
-    head (decoding), keys and values per sequence, a mask the same for every head."""
+    head (decoding), keys and values per sequence (or a slot cache read in place: `_in_place`), a
+    mask the same for every head."""
     batch = query.shape[:-3]
     return (
         rows in _kernels.QUERY_ROWS
-        and key.shape[:-3] == batch
-        and value.shape[:-3] == batch
+        and (key.shape[:-3] == batch or _in_place(query, key, attn_mask))
+        and value.shape[:-3] == key.shape[:-3]
         and (attn_mask is None or attn_mask.ndim < 3 or attn_mask.shape[-3] == 1)
         and _kernels.usable(query, key, value)
     )
@@ -244,7 +248,7 @@ def _kernel_takes(query, key, value, attn_mask, rows: int) -> bool:
 def _kernel_attention(grouped, key, value, attn_mask, is_causal: bool, scale: float):
     # grouped: [..., Hkv, G, L, D] -> [..., Hkv, G, L, Dv]
     *batch, kv_heads, groups, length, depth = grouped.shape
-    kv_length = key.shape[-2]
+    kv_length = attn_mask.shape[-1] if _in_place(grouped, key, attn_mask) else key.shape[-2]  # columns read
     sequences = int(np.prod(batch, dtype=np.int64))
     # One [L, S] bias per sequence, added to the scores: 0 where a query may look, -inf where not.
     allowed = jnp.tril(jnp.ones((length, kv_length), bool)) if is_causal else jnp.ones((length, kv_length), bool)
@@ -256,7 +260,7 @@ def _kernel_attention(grouped, key, value, attn_mask, is_causal: bool, scale: fl
     # Keys and values go in squeezed, as the decode loop carries a batch of 1 (`Cpu.loop_carry`);
     # in [1, H, S, D], XLA copied each cache layer into a second buffer for the call on every token.
     query = grouped.reshape(sequences, kv_heads, groups * length, depth)
-    out = _kernels.decode_attention(query, jnp.squeeze(key), jnp.squeeze(value), bias, scale)
+    out = _kernels.decode_attention(query, jnp.squeeze(key), jnp.squeeze(value), bias, scale, key.shape[-2])
     return out.reshape(*batch, kv_heads, groups, length, -1)
 
 
@@ -330,8 +334,35 @@ def _blocked_attention(query, key, value, attn_mask, scale):
     return out.reshape(*batch, heads, length, value.shape[-1]).astype(query.dtype)
 
 
+_READING_IN_PLACE = contextvars.ContextVar("hfjax_reading_in_place", default=False)
+
+
+@contextlib.contextmanager
+def reading_in_place():
+    """While traced in it, attention takes keys and values of a slot cache read in place (`_in_place`;
+    `Cpu.attention_in_place`, the slot decode's step)."""
+    token = _READING_IN_PLACE.set(True)
+    try:
+        yield
+    finally:
+        _READING_IN_PLACE.reset(token)
+
+
+def _in_place(query, key, attn_mask) -> bool:
+    """Whether `key` is a slot cache read in place (in `reading_in_place`): [B', Hkv, K, D] beside
+    queries [B, Hq, L, D] (or grouped [B, Hkv, G, L, D]) and a mask [B, 1, L, S], with more rows
+    (B' > B) or more columns (K > S) than the queries read, which are its leading ones. (torch
+    would broadcast a query batch of 1 over the keys' rows instead: the context tells them apart.)"""
+    columns = key.shape[-2] if attn_mask is None else attn_mask.shape[-1]
+    return (
+        _READING_IN_PLACE.get() and key.ndim == 4 and query.ndim >= 4 and key.shape[0] >= query.shape[0]
+        and (key.shape[0] > query.shape[0] or columns < key.shape[-2])
+    )  # fmt: skip
+
+
 def _sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
     # query: [..., Hq, L, D]; key: [..., Hkv, S, D]; value: [..., Hkv, S, Dv] -> [..., Hq, L, Dv]
+    # (or key and value [B', Hkv, K, D], a slot cache whose leading rows and columns are read: `_in_place`)
     check_no_dropout(dropout_p)
     *batch, heads, length, depth = query.shape
     kv_heads = key.shape[-3]
@@ -341,6 +372,9 @@ def _sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, sca
         grouped = query.reshape(*batch, kv_heads, heads // kv_heads, length, depth)
         out = _kernel_attention(grouped, key, value, attn_mask, is_causal, scale)
         return out.reshape(*batch, heads, length, value.shape[-1])
+    if _in_place(query, key, attn_mask):  # the kernel does not take it: those rows and columns, sliced out
+        columns = key.shape[-2] if attn_mask is None else attn_mask.shape[-1]
+        key, value = key[: query.shape[0], :, :columns], value[: query.shape[0], :, :columns]
     if rows and _blocked_takes(query, key, attn_mask, is_causal, rows):
         return _blocked_attention(query, key, value, attn_mask, scale)
     scores = _swapped_scores if 0 < rows <= _SWAPPED_SCORE_ROWS else grouped_scores

@@ -124,6 +124,14 @@ class Chosen:
     accepted_at: jax.Array | None = None
 
 
+def _packs_grouped_queries() -> bool:
+    """Whether transformers' sdpa attention hands torch's attention a decode step's query heads packed
+    by key/value head (transformers 5.24's `pack_gqa`), not each key/value head repeated."""
+    from transformers.integrations import sdpa_attention
+
+    return hasattr(sdpa_attention, "pack_gqa")
+
+
 def _slot_layer_class():
     from transformers.cache_utils import StaticLayer
 
@@ -333,6 +341,18 @@ class SlotModel:
         )
         self.recurrent = any(self.layer_recurrent)
         self.attends = any(self.layer_attends)  # some layers keep keys and values (cut into windows)
+        # Query heads per key/value head; and whether decoding attention may read the slots' rows of the
+        # whole cache where they lie (`decode_chunk`): a decoder whose layers all attend through torch's
+        # attention with no ALiBi, whose grouped heads reach it as kept (transformers 5.24 packs a
+        # decode step's query heads by group; 5.17 repeats each key/value head, which over the whole
+        # cache would copy it at every step).
+        heads = getattr(self.config, "num_attention_heads", None)
+        kv_heads = getattr(self.config, "num_key_value_heads", None) or heads
+        self.groups = heads // kv_heads if heads and kv_heads and heads % kv_heads == 0 else 0
+        self.attends_in_place = (
+            getattr(self.config, "_attn_implementation", None) == "sdpa" and self.alibi is None
+            and not self.recurrent and self.groups > 0 and (self.groups == 1 or _packs_grouped_queries())
+        )  # fmt: skip
         # A hybrid's recurrent layers' kind of layer (config.layer_types), the key of their mask; a layer
         # that also attends reads transformers' recurrent mask, "linear_attention"
         kinds = [kind for kind, r in zip(getattr(self.config, "layer_types", None) or (), self.layer_recurrent) if r]
@@ -490,10 +510,15 @@ class SlotModel:
         """What, beside `SlotPrograms.key`, the programs depend on (none here)."""
         return ()
 
-    def run(self, params, cache, ids, positions, columns, keep=None, *, lora=None, inputs=None, blocks=None):
+    def run(
+        self, params, cache, ids, positions, columns, keep=None, *, lora=None, inputs=None, blocks=None, window=None
+    ):
         """Logits [B, q, V] (or at the query indices `keep` [k] int32 only: [B, k, V]) and the cache
         after ids [B, q] at positions [B, q], whose keys and values go to columns [B, q] (past the
         cache's end: nowhere). lora: [B] int32, each row's LoRA adapter slot (`RowSampling.lora`).
+        window: the cache's leading columns the queries attend over (default: all), where the cache
+        is the whole one of more rows than B (`decode_chunk` in place: the mask is that wide, and
+        attention reads the B rows' first `window` columns where they lie).
         inputs: other forward arguments (a prefill's images), position_ids among them where the
         model's rope positions differ from the cache's (multimodal rope: [3, B, q]). blocks: (query
         blocks [B, q], key blocks [B, L]) int32, where queries and keys of one block (>= 0) see each
@@ -505,7 +530,7 @@ class SlotModel:
         past.layers = [
             self.layer_class(bridge.to_torch(k), bridge.to_torch(v), bridge.to_torch(columns)) for k, v in cache
         ]
-        mask = self.attention_mask(positions, length, cache[0][0].dtype, blocks=blocks)
+        mask = self.attention_mask(positions, length if window is None else window, cache[0][0].dtype, blocks=blocks)
         kwargs = {"use_cache": True, self.cache_keyword: past, "attention_mask": mask}
         if self.alibi is None:
             kwargs["position_ids"] = bridge.to_torch(positions)
@@ -765,6 +790,18 @@ class SlotModel:
         per_token = [f for f in (*PER_TOKEN, *_KEPT) if getattr(chosen, f) is not None]
         return state, dataclasses.replace(chosen, **{f: getattr(chosen, f)[:, None] for f in per_token})
 
+    def _in_place(self, state: SlotState):
+        """A new context of the backend's in which a decode step runs over the whole cache of `state`,
+        its rows' attention reading their keys and values where they lie (`Backend.attention_in_place`),
+        or None: the chunk runs over its rows' window, sliced out and written back. That copy of rows
+        x window columns per chunk is what a long window cost (16 rows at 8192 columns: most of a
+        chunk's time). Only where every layer keeps the same columns (one mask serves them all), for
+        a decoder's own keys."""
+        shapes = {a.shape for pair in state.cache for a in pair}
+        if not self.attends_in_place or state.cross is not None or len(shapes) != 1:
+            return None
+        return _backend.active().attention_in_place(state.cache[0][0].dtype, self.groups)
+
     def decode_chunk(
         self,
         params,
@@ -797,7 +834,11 @@ class SlotModel:
         Chosen [R, steps], whose steps from `Chosen.ran` on are zeros)."""
         r = decoding_rows
         whole = state.cache
-        cache = [tuple(a[:r, :, :window] for a in pair) for pair in whole]
+        backend = _backend.active()
+        in_place = self._in_place(state) is not None
+        # In place, attention reads the rows' first `window` columns of the whole cache where they lie:
+        # nothing is sliced out or written back.
+        cache = whole if in_place else [tuple(a[:r, :, :window] for a in pair) for pair in whole]
         tokens, positions, on = state.tokens[:r], state.positions[:r], active[:r]
         mine = jax.tree_util.tree_map(lambda a: a[:r], rows)
         seen = None if state.seen is None else state.seen[:r]
@@ -806,10 +847,9 @@ class SlotModel:
         encoder_ids = None if state.encoder_ids is None else state.encoder_ids[:r]
         # A recurrent model's states of those rows (the window does not apply: a state has no columns).
         states = None if state.recurrent is None else [tuple(a[:r] for a in layer) for layer in state.recurrent]
-        write_nowhere = jnp.int32(window)
+        write_nowhere = jnp.int32(whole[0][0].shape[2] if in_place else window)  # past the carried columns
         # The loop carries the cache in the backend's layout (on the CPU: without size-1 axes, in
         # which XLA does not copy each layer for the attention kernel on every step).
-        backend = _backend.active()
         carried, restore = backend.loop_carry(cache)
 
         def going(tokens):  # [R] bool: the rows with steps left to run (not at a stop token, nor past one)
@@ -821,8 +861,8 @@ class SlotModel:
 
         def step(carry):
             i, cache, tokens, seen, counts, history, chosen, states = carry
-            at = jnp.minimum(positions + i, write_nowhere - 1)  # a finished row may run past the end
-            write_at = jnp.where(on & (positions + i < write_nowhere), at, write_nowhere)
+            at = jnp.minimum(positions + i, window - 1)  # a finished row may run past the end
+            write_at = jnp.where(on & (positions + i < window), at, write_nowhere)
             going_now = going(tokens)
             # A row's stop token runs once, as any token; after it, pad tokens (transformers' rows).
             inputs = jnp.where(tokens == STOPPED, jnp.int32(pad_token), tokens) if stop_tokens else tokens
@@ -830,10 +870,11 @@ class SlotModel:
             rope = {"position_ids": (at + mine.rope_delta)[:, None]} if self.rope_shift else None
             with self.bound(params):
                 if states is None:
-                    logits, cache = self.run(
-                        params, restore(cache), inputs[:, None], at[:, None], write_at[:, None], lora=mine.lora,
-                        inputs=rope,
-                    )  # fmt: skip
+                    with self._in_place(state) if in_place else contextlib.nullcontext():
+                        logits, cache = self.run(
+                            params, restore(cache), inputs[:, None], at[:, None], write_at[:, None], lora=mine.lora,
+                            inputs=rope, window=window if in_place else None,
+                        )  # fmt: skip
                 else:  # the rows that are not decoding keep their states
                     logits, cache, new = self.run_states(
                         params, restore(cache), states, inputs[:, None], at[:, None], write_at[:, None], None,
