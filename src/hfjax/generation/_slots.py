@@ -790,15 +790,20 @@ class SlotModel:
         per_token = [f for f in (*PER_TOKEN, *_KEPT) if getattr(chosen, f) is not None]
         return state, dataclasses.replace(chosen, **{f: getattr(chosen, f)[:, None] for f in per_token})
 
+    def decodes_in_place(self, dtype) -> bool:
+        """Whether a decode chunk over a cache of `dtype` runs over the whole cache, its rows' attention
+        reading their keys and values where they lie (`Backend.attention_in_place`), instead of over
+        its rows' window, sliced out and written back: that copy of rows x window columns per chunk
+        is what a long window cost (16 rows at 8192 columns: most of a chunk's time). For a decoder
+        whose layers all attend through sdpa (`attends_in_place`), where the backend can."""
+        return self.attends_in_place and _backend.active().attention_in_place(dtype, self.groups) is not None
+
     def _in_place(self, state: SlotState):
-        """A new context of the backend's in which a decode step runs over the whole cache of `state`,
-        its rows' attention reading their keys and values where they lie (`Backend.attention_in_place`),
-        or None: the chunk runs over its rows' window, sliced out and written back. That copy of rows
-        x window columns per chunk is what a long window cost (16 rows at 8192 columns: most of a
-        chunk's time). Only where every layer keeps the same columns (one mask serves them all), for
-        a decoder's own keys."""
+        """A new context of the backend's in which a decode step of `state` reads the whole cache in
+        place (`decodes_in_place`), or None: a decoder's own keys only, every layer keeping the same
+        columns (one mask serves them all)."""
         shapes = {a.shape for pair in state.cache for a in pair}
-        if not self.attends_in_place or state.cross is not None or len(shapes) != 1:
+        if state.cross is not None or len(shapes) != 1 or not self.decodes_in_place(state.cache[0][0].dtype):
             return None
         return _backend.active().attention_in_place(state.cache[0][0].dtype, self.groups)
 
@@ -822,7 +827,8 @@ class SlotModel:
     ) -> tuple[SlotState, Chosen]:
         """`count` ([] int32, at most `steps`) decode steps of the first `decoding_rows` slots (R) over
         the first `window` columns (every decoding slot is among those rows and writes within those
-        columns: one request does not pay for S rows, nor a short one for L columns). active: [S]
+        columns: one request does not pay for S rows, nor a short one for L columns); read in place
+        in the whole cache where the backend's attention can (`_in_place`), else sliced out. active: [S]
         bool, the decoding slots; want_logprobs: [] bool, whether any row reports log-probabilities.
         With `stop_tokens`, a row whose last token is one of them has stopped (its stop token runs
         once more, then `STOPPED` marks it), and the loop ends early once every active row has
@@ -873,7 +879,7 @@ class SlotModel:
                     with self._in_place(state) if in_place else contextlib.nullcontext():
                         logits, cache = self.run(
                             params, restore(cache), inputs[:, None], at[:, None], write_at[:, None], lora=mine.lora,
-                            inputs=rope, window=window if in_place else None,
+                            inputs=rope, **({"window": window} if in_place else {}),
                         )  # fmt: skip
                 else:  # the rows that are not decoding keep their states
                     logits, cache, new = self.run_states(
