@@ -798,14 +798,11 @@ class SlotModel:
         whose layers all attend through sdpa (`attends_in_place`), where the backend can."""
         return self.attends_in_place and _backend.active().attention_in_place(dtype, self.groups) is not None
 
-    def _in_place(self, state: SlotState):
-        """A new context of the backend's in which a decode step of `state` reads the whole cache in
-        place (`decodes_in_place`), or None: a decoder's own keys only, every layer keeping the same
-        columns (one mask serves them all)."""
+    def _in_place(self, state: SlotState) -> bool:
+        """Whether a decode chunk of `state` reads the whole cache in place (`decodes_in_place`): a
+        decoder's own keys only, every layer keeping the same columns (one mask serves them all)."""
         shapes = {a.shape for pair in state.cache for a in pair}
-        if state.cross is not None or len(shapes) != 1 or not self.decodes_in_place(state.cache[0][0].dtype):
-            return None
-        return _backend.active().attention_in_place(state.cache[0][0].dtype, self.groups)
+        return state.cross is None and len(shapes) == 1 and self.decodes_in_place(state.cache[0][0].dtype)
 
     def decode_chunk(
         self,
@@ -841,7 +838,7 @@ class SlotModel:
         r = decoding_rows
         whole = state.cache
         backend = _backend.active()
-        in_place = self._in_place(state) is not None
+        in_place = self._in_place(state)
         # In place, attention reads the rows' first `window` columns of the whole cache where they lie:
         # nothing is sliced out or written back.
         cache = whole if in_place else [tuple(a[:r, :, :window] for a in pair) for pair in whole]
@@ -876,7 +873,8 @@ class SlotModel:
             rope = {"position_ids": (at + mine.rope_delta)[:, None]} if self.rope_shift else None
             with self.bound(params):
                 if states is None:
-                    with self._in_place(state) if in_place else contextlib.nullcontext():
+                    reading = backend.attention_in_place(whole[0][0].dtype, self.groups) if in_place else None
+                    with reading or contextlib.nullcontext():
                         logits, cache = self.run(
                             params, restore(cache), inputs[:, None], at[:, None], write_at[:, None], lora=mine.lora,
                             inputs=rope, **({"window": window} if in_place else {}),
