@@ -18,6 +18,7 @@ import sys
 import time
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
@@ -478,6 +479,28 @@ def test_attention_kernel_reads_its_sequences_rows_and_columns_of_a_larger_cache
     np.testing.assert_array_equal(np.asarray(whole), np.asarray(sliced))
 
 
+def test_attention_kernel_reads_no_column_past_each_sequences_used_ones(kernels):
+    # Sequences of 5, 40 and 23 columns of 64, their keys and values NaN past those: the kernel reads
+    # each one's columns up to `used` (given, as the slot decode gives each row's position + 1, or
+    # found from the bias), never past it, and gives each sequence's attention over its own columns.
+    batch, heads, rows, depth, columns = 3, 2, 2, 16, 64
+    lengths = np.array([5, 40, 23], np.int32)
+    rng = np.random.default_rng(5)
+    q = rng.standard_normal((batch, heads, rows, depth), np.float32)
+    k = rng.standard_normal((batch, heads, columns, depth), np.float32)
+    v = rng.standard_normal((batch, heads, columns, depth), np.float32)
+    past = np.arange(columns)[None, None, :, None] >= lengths[:, None, None, None]
+    bias = np.where(past[:, :, :, 0], -np.inf, 0.0).astype(np.float32)  # [B, 1, S]
+    attend = jax.jit(_kernels.decode_attention, static_argnums=(4, 5))
+    given = attend(q, np.where(past, np.nan, k), np.where(past, np.nan, v), bias, 0.25, None, jnp.asarray(lengths))
+    found = attend(q, np.where(past, np.nan, k), np.where(past, np.nan, v), bias, 0.25)
+    np.testing.assert_array_equal(np.asarray(_kernels.used_columns(bias)), lengths)
+    for b, n in enumerate(lengths):
+        alone = attend(q[b : b + 1], k[b : b + 1, :, :n], v[b : b + 1, :, :n], bias[b : b + 1, :, :n], 0.25)
+        np.testing.assert_array_equal(np.asarray(given[b]), np.asarray(alone[0]))
+        np.testing.assert_array_equal(np.asarray(found[b]), np.asarray(alone[0]))
+
+
 def test_attention_reads_a_slot_caches_leading_rows_and_columns_inside_its_context(kernels):
     # torch's attention over queries of 2 rows and a mask of 40 columns, given keys of 5 rows x 64
     # columns: inside `reading_in_place` (the slot decode's step) it attends over the keys' leading
@@ -498,6 +521,13 @@ def test_attention_reads_a_slot_caches_leading_rows_and_columns_inside_its_conte
     with cpu_ops.reading_in_place():
         got = run(env, attend, q, k, v, mask, jit=True)
     torch.testing.assert_close(got, want, rtol=0, atol=MATMUL.atol)
+    # Told each row's columns (the slot decode gives its positions + 1), the kernel reads those and no
+    # more: told 4 for row 0 (its mask allows 8), it attends over row 0's first 4 keys alone.
+    with cpu_ops.reading_in_place(jnp.asarray([4, 40], jnp.int32)):
+        got = run(env, attend, q, k, v, mask, jit=True)
+    first = torch.nn.functional.scaled_dot_product_attention(q[:1], k[:1, :, :4], v[:1, :, :4], enable_gqa=True)
+    torch.testing.assert_close(got[:1], first, rtol=0, atol=MATMUL.atol)
+    torch.testing.assert_close(got[1:], want[1:], rtol=0, atol=MATMUL.atol)
 
 
 # -- convolution (channels-last) ----------------------------------------------------

@@ -6,6 +6,7 @@ structured outputs, streams, chat and completions) compiles nothing, counted by 
 from __future__ import annotations
 
 import concurrent.futures
+import re
 
 import numpy as np
 import pytest
@@ -115,8 +116,11 @@ def test_a_mixed_load_after_health_compiles_nothing(urls, server):
 
 
 def test_metrics_report_the_programs_held_and_their_memory(url):
-    # 3 prefill programs (4 rows over 128 and 256 columns, one row over 128) and 4 decode programs
-    # (1 and 6 rows over each window)
-    assert _metric(url, "hfjax_programs_held") == 3 + 4
+    # 3 prefill programs (4 rows over 128 and 256 columns, one row over 128) and decode programs of 1
+    # and 6 rows over each window: where the decode reads its rows of the cache in place, the one
+    # window of all 256 columns (the kernel stops at each row's position); else 128 and 256.
+    decode = re.findall(r"(?:compiled|loaded) the decode program for (\d+) rows x (\d+) columns", SERVERS.log("main"))
+    windows = {int(columns) for _, columns in decode}
+    assert {int(rows) for rows, _ in decode} == {1, SLOTS} and windows in ({LENGTH}, {128, LENGTH})
+    assert _metric(url, "hfjax_programs_held") == 3 + len(decode) == 3 + 2 * len(windows)
     assert _metric(url, "hfjax_programs_memory_bytes") > 0
-    assert "compiled the decode program for 6 rows x 256 columns" in SERVERS.log("main")

@@ -118,9 +118,12 @@ def test_greedy_answers_equal_generate_with_16_requests_in_4_slots(model, engine
     got = engine.generate(ids, [SamplingParams(max_tokens=b, temperature=0) for b in budgets])
     want = _generate_alone(model, ids, max(budgets))
     assert len({len(i) for i in ids}) > 8 and max(len(i) for i in ids) > 2 * CHUNK
-    # Chunks attend over windows of 128 of the 256 columns, and over all of them.
+    # Chunks attend over windows of 128 of the 256 columns, and over all of them; a decode that reads
+    # its rows of the cache in place has the one window, all of them (its attention stops at each row's
+    # position).
     assert engine.compiler.grid["decode"][-1] == (SLOTS, LENGTH)
-    assert sorted({w for _, w in engine.compiler.grid["decode"]}) == [128, 256]
+    assert {w for _, w in engine.compiler.grid["decode"]} == _decode_windows(engine)
+    assert sorted({w for _, w in engine.compiler.grid["prefill"]}) == [128, 256]
     for prompt, budget, event, reference in zip(PROMPTS, budgets, got, want):
         assert event.token_ids == reference[:budget], prompt
         assert event.finish_reason == ("length" if len(reference) >= budget else "stop"), prompt
@@ -225,7 +228,7 @@ def test_max_decode_steps_below_decode_steps_is_refused_by_name(model):
 def test_chunks_that_outgrow_a_window_attend_over_the_next(model, engine, monkeypatch):
     # Prompts of 120-123 tokens: their decode chunks write columns 120-132, across the 128-column
     # window, so the later ones run over 256; the 140-token prompt's last prefill chunk (columns
-    # 128-139) too. Greedy answers equal Model.generate's.
+    # 128-139) too (the decode's one window where it reads in place). Greedy answers equal Model.generate's.
     calls = _Calls(engine, monkeypatch)
     for lengths in ((120, 121, 122, 123), (140,)):
         ids = [np.random.default_rng(n).integers(5, 400, n).tolist() for n in lengths]
@@ -233,7 +236,7 @@ def test_chunks_that_outgrow_a_window_attend_over_the_next(model, engine, monkey
         for prompt, event in zip(ids, got):
             alone = model.generate(np.array([prompt], np.int32), max_new_tokens=10, min_new_tokens=10, do_sample=False)
             assert event.token_ids == np.asarray(alone)[0, len(prompt) :].tolist()
-    assert {window for kind, *_, window in calls.log if kind == "decode"} == {128, 256}
+    assert {window for kind, *_, window in calls.log if kind == "decode"} == _decode_windows(engine)
     assert {window for kind, *_, window in calls.log if kind == "prefill"} == {128, 256}
 
 
@@ -260,9 +263,11 @@ def test_decode_chunks_read_their_rows_of_the_whole_cache_where_they_lie(model, 
     read = []
     attend = kernels.decode_attention
 
-    def recording(query, key, value, bias, scale, key_length=None):
-        read.append((query.shape[0], key.size // (query.shape[1] * query.shape[3]), bias.shape[-1], key_length))
-        return attend(query, key, value, bias, scale, key_length)
+    def recording(query, key, value, bias, scale, key_length=None, used=None):
+        read.append(
+            (query.shape[0], key.size // (query.shape[1] * query.shape[3]), bias.shape[-1], key_length, used is None)
+        )
+        return attend(query, key, value, bias, scale, key_length, used)
 
     monkeypatch.setattr(kernels, "decode_attention", recording)
     engine = Engine(model, max_num_seqs=SLOTS, max_model_len=LENGTH, prefill_chunk=CHUNK, decode_steps=STEPS)
@@ -270,15 +275,18 @@ def test_decode_chunks_read_their_rows_of_the_whole_cache_where_they_lie(model, 
         pytest.skip("this transformers repeats each key/value head for grouped queries: decode slices its window")
     read.clear()  # (building the engine sized a slot's cache)
     engine.warm_up()
-    assert {(rows, columns) for rows, _, columns, _ in read} == set(engine.compiler.grid["decode"])
-    assert {(cache, length) for _, cache, _, length in read} == {(SLOTS * LENGTH, LENGTH)}
+    # One window, the whole cache's columns: each step tells the kernel its rows' columns (their positions
+    # + 1), where it stops, so the kernel neither reads nor looks for the mask's last column past them.
+    assert engine.compiler.grid["decode"] == [(1, LENGTH), (SLOTS, LENGTH)]
+    assert {(rows, columns) for rows, _, columns, _, _ in read} == set(engine.compiler.grid["decode"])
+    assert {(cache, length, found) for _, cache, _, length, found in read} == {(SLOTS * LENGTH, LENGTH, False)}
 
 
 def test_programs_stay_fixed_over_50_requests_of_mixed_lengths_and_settings(model, engine):
     before = dict(engine.program_counts)
     # warm_up prepared them all: a prefill chunk of 4 rows per window (128, 256 columns) and of one
-    # row over 128, and a decode chunk per row bucket (1, 4) and window.
-    assert before == {"prefill": 3, "decode": 4}
+    # row over 128, and a decode chunk per row bucket (1, 4) and window (one where it reads in place).
+    assert before == {"prefill": 3, "decode": _decode_programs(engine)}
     ids = _ids(model, [PROMPTS[i % len(PROMPTS)] for i in range(50)])
     params = [
         SamplingParams(
@@ -510,7 +518,7 @@ def test_start_compiles_every_program_and_requests_after_it_compile_nothing(mode
     engine.start()
     try:
         held = engine.compiler.held
-        assert held == len(engine.compiler) == 3 + 4 and len(lines) == held + 1
+        assert held == len(engine.compiler) == 3 + _decode_programs(engine) and len(lines) == held + 1
         assert engine.metrics.registry.get_sample_value("hfjax_programs_held") == held
         assert engine.metrics.registry.get_sample_value("hfjax_programs_memory_bytes") == engine.compiler.memory
         before = engine.metrics.compilations
@@ -785,7 +793,18 @@ def test_a_prompt_starts_after_the_prefix_a_free_slot_holds_and_answers_the_same
     shared = next(i for i, (a, b) in enumerate(zip(first, second)) if a != b)
     assert shared > CHUNK and engine.metrics.prefix_hit_tokens - hits == shared
     assert got.token_ids == _generate_alone(model, [second], 12)[0][:12]
-    assert engine.program_counts == {"prefill": 3, "decode": 4}
+    assert engine.program_counts == {"prefill": 3, "decode": _decode_programs(engine)}
+
+
+def _decode_windows(engine) -> set[int]:
+    """An engine's decode windows at SLOTS x LENGTH: the one of 256 columns where the decode reads its
+    rows of the cache in place (attention stops at each row's position), else 128 and 256."""
+    return {LENGTH} if engine.compiler.programs.slot_model.reads_cache_in_place() else {128, LENGTH}
+
+
+def _decode_programs(engine) -> int:
+    """An engine's decode programs at SLOTS x LENGTH: 1 and 4 rows over each decode window."""
+    return 2 * len(_decode_windows(engine))
 
 
 def test_serve_without_the_extra_says_what_to_install(monkeypatch, capsys):

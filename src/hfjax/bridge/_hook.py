@@ -45,12 +45,13 @@ class Backend:
         """(the cache as the decode loop carries it, a function giving the model's layout back)."""
         return cache, lambda carried: carried
 
-    def attention_in_place(self, dtype, groups: int) -> contextlib.AbstractContextManager | None:
+    def attention_in_place(self, dtype, groups: int, columns=None) -> contextlib.AbstractContextManager | None:
         """A context in which torch's attention, lowered here, takes keys and values of more rows and
         columns than its queries read, theirs the leading ones (the mask as wide as those columns),
         and reads them where they lie, for a cache of `dtype` with `groups` query heads per key/value
         head; None where it cannot. In it the slot decode runs over the whole cache instead of
-        copying its rows' window out and back (`generation._slots`)."""
+        copying its rows' window out and back (`generation._slots`). columns [B] int32, where given:
+        how many columns each row's queries may read at most (the mask hides every key past them)."""
         return None
 
     def custom_calls(self) -> tuple[str, ...]:

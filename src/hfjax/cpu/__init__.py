@@ -56,14 +56,14 @@ class Cpu(Backend):
 
         return jax.tree_util.tree_map(jnp.squeeze, cache), restore
 
-    def attention_in_place(self, dtype, groups: int):
+    def attention_in_place(self, dtype, groups: int, columns=None):
         # The attention kernel reads a sequence's row of a cache of more rows and columns
         # (`_lowerings.reading_in_place`), where it takes the attention at all (`_kernels.usable`).
         usable = (
             dtype == jnp.float32 and groups in _kernels.QUERY_ROWS and _build.built() is not None
             and jax.device_count() == 1
         )  # fmt: skip
-        return _lowerings.reading_in_place() if usable else None
+        return _lowerings.reading_in_place(columns) if usable else None
 
     def custom_calls(self) -> tuple[str, ...]:
         return tuple(_build.TARGETS) if _build.built() is not None else ()

@@ -469,18 +469,8 @@ struct Attention {
   float* out;                     // [B, H, R, Dv]
   int64_t heads, rows, length, slots, key_length, depth, value_depth;
   float scale;
-  const int64_t* used;  // [B]: the columns each sequence reads (`UsedColumns`)
+  const int32_t* used;  // [B]: the columns each sequence reads (past them every weight is 0)
 };
-
-// The columns of a sequence's cache that any of its query rows may read: past the last column
-// whose bias is above -inf in some row, every weight is exactly 0, so attention stops there and
-// its cost follows the sequence's real length, not the cache's. `bias` is [L, S].
-int64_t UsedColumns(const float* bias, int64_t rows, int64_t s_size) {
-  for (int64_t s = s_size; s > 0; --s)
-    for (int64_t r = 0; r < rows; ++r)
-      if (bias[r * s_size + s - 1] != -INFINITY) return s;
-  return 0;
-}
 
 // One (sequence, key/value head): kRows query rows; `scores` holds kRows x slots floats.
 template <int kRows>
@@ -567,9 +557,12 @@ constexpr HeadFunction kHeadFunctions[kMaxQueryRows + 1] = {
 // Decoding attention: q [B, H, R, D], k [B', H, K, D], v [B', H, K, Dv], bias [B, L, S] (0 or
 // -inf, or a float mask; query row r reads bias row r % L) -> [B, H, R, Dv], for R <= 8.
 // Sequence b reads row b of k and v, its first S columns: K is `key_length` (>= S), B' >= B.
+// used [B]: the columns sequence b reads, past which every row's bias is -inf, so that every
+// weight there is exactly 0: attention stops there, and its cost follows the sequence's real
+// length, not the cache's (the caller finds it once for all layers: `decode_attention`).
 ffi::Error DecodeAttention(ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k,
-                           ffi::Buffer<ffi::F32> v, ffi::Buffer<ffi::F32> bias, ffi::ResultBuffer<ffi::F32> out,
-                           float scale, int64_t key_length) {
+                           ffi::Buffer<ffi::F32> v, ffi::Buffer<ffi::F32> bias, ffi::Buffer<ffi::S32> used,
+                           ffi::ResultBuffer<ffi::F32> out, float scale, int64_t key_length) {
   // Keys and values come in any shape with B' x H x K x D elements: the decode loop carries a
   // batch of 1 without its size-1 axes, and a reshape here would make XLA copy the cache.
   const auto qd = q.dimensions(), bd = bias.dimensions();
@@ -579,20 +572,25 @@ ffi::Error DecodeAttention(ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k,
   const int64_t tasks = shapes ? qd[0] * qd[1] : 0, slots = shapes ? bd[2] : 0;
   const int64_t row = shapes ? qd[1] * key_length : 0;  // columns of one row of k and v, all heads
   const int64_t key_rows = shapes ? static_cast<int64_t>(k.element_count()) / (row * qd[3]) : 0;
-  if (!shapes || key_rows < qd[0] || static_cast<int64_t>(k.element_count()) != key_rows * row * qd[3] ||
+  if (!shapes || key_rows < qd[0] || static_cast<int64_t>(used.element_count()) != qd[0] ||
+      static_cast<int64_t>(k.element_count()) != key_rows * row * qd[3] ||
       static_cast<int64_t>(v.element_count()) % (key_rows * row) != 0 ||
       static_cast<int64_t>(out->element_count()) != tasks * qd[2] * static_cast<int64_t>(v.element_count()) / (key_rows * row)) {
     return ffi::Error::InvalidArgument(
         "hfjax_decode_attention takes q [B, H, 1-8, D], k [B', H, K, D], v [B', H, K, Dv] and bias [B, L, S], "
-        "with B' >= B and K (key_length) >= S");
+        "with B' >= B and K (key_length) >= S, and used [B]");
   }
   const int64_t value_depth = v.element_count() / (key_rows * row);
-  std::vector<int64_t> used(qd[0]);  // once per sequence, not per head
-  for (int64_t b = 0; b < qd[0]; ++b) used[b] = UsedColumns(bias.typed_data() + b * bd[1] * slots, bd[1], slots);
+  std::vector<int32_t> columns(qd[0]);  // each sequence's, within [0, S]
+  int64_t read = 0;  // columns read, over all sequences
+  for (int64_t b = 0; b < qd[0]; ++b) {
+    columns[b] = static_cast<int32_t>(std::clamp<int64_t>(used.typed_data()[b], 0, slots));
+    read += columns[b];
+  }
   const Attention a{q.typed_data(), k.typed_data(), v.typed_data(), bias.typed_data(), out->typed_data(),
-                    qd[1], qd[2], bd[1], slots, key_length, qd[3], value_depth, scale, used.data()};
+                    qd[1], qd[2], bd[1], slots, key_length, qd[3], value_depth, scale, columns.data()};
   const HeadFunction attend = kHeadFunctions[qd[2]];
-  const int64_t bytes = tasks * slots * (qd[3] + value_depth) * 4;
+  const int64_t bytes = read * qd[1] * (qd[3] + value_depth) * 4;  // keys and values read
   const int64_t split = bytes < kLeastBytes ? 1 : std::max<int64_t>(1, std::min<int64_t>(Threads(), tasks));
   const int64_t per_chunk = (tasks + split - 1) / split;
   RunChunks((tasks + per_chunk - 1) / per_chunk, [=](int64_t chunk) {
@@ -837,6 +835,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(HfjaxDecodeAttention, DecodeAttention,
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>()
                                   .Attr<float>("scale")
                                   .Attr<int64_t>("key_length"));

@@ -75,8 +75,7 @@ def _product_backward(saved, grad):
 rows_times_weight.defvjp(_product_forward, _product_backward)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))
-def decode_attention(query, key, value, bias, scale: float, key_length: int | None = None) -> jax.Array:
+def decode_attention(query, key, value, bias, scale: float, key_length: int | None = None, used=None) -> jax.Array:
     """Attention of a few query rows per key/value head, float32, through the kernel.
 
     query [B, H, R, D] (R in QUERY_ROWS); key and value [B', H, K, D] and [B', H, K, Dv] in any
@@ -85,14 +84,32 @@ def decode_attention(query, key, value, bias, scale: float, key_length: int | No
     of query row r from its row r % L (-inf where a row may not look) -> [B, H, R, Dv]. Sequence
     b reads row b of key and value, its first S columns: K is `key_length` (default S) and
     B' >= B, so a slot cache's leading rows and columns are read where they lie, not sliced out.
+
+    used [B] int32: how many columns of each sequence to read, at least up to the last one where
+    some row's bias is above -inf (past it every weight is exactly 0), so that the kernel's cost
+    follows the sequences' lengths, not the bias's width. Default: found from the bias
+    (`used_columns`), a pass over it per call; a caller that knows it (the slot decode: each row's
+    position + 1, the same for every layer) saves that pass.
     """
+    used = used_columns(bias) if used is None else jnp.minimum(used, bias.shape[-1]).astype(jnp.int32)
+    return _attention(query, key, value, bias, used, scale, key_length)
+
+
+def used_columns(bias) -> jax.Array:
+    """[B] int32: for bias [B, L, S], the columns up to the last one where some row's bias is above -inf."""
+    columns = jnp.arange(1, bias.shape[-1] + 1, dtype=jnp.int32)
+    return jnp.max(jnp.where(bias > -jnp.inf, columns, 0), axis=(1, 2))
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6))
+def _attention(query, key, value, bias, used, scale: float, key_length: int | None) -> jax.Array:
     batch, heads, rows, depth = query.shape
     key_length = bias.shape[-1] if key_length is None else key_length
     key_rows = key.size // (heads * key_length * depth)
     value_depth = value.size // (key_rows * heads * key_length)
     result = jax.ShapeDtypeStruct((batch, heads, rows, value_depth), jnp.float32)
     return jax.ffi.ffi_call(ATTENTION, result, vmap_method="sequential")(
-        query, key, value, bias, scale=np.float32(scale), key_length=np.int64(key_length)
+        query, key, value, bias, used, scale=np.float32(scale), key_length=np.int64(key_length)
     )
 
 
@@ -109,16 +126,17 @@ def _attention_in_jnp(query, key, value, bias, scale: float, key_length: int | N
     return jnp.einsum("bhrs,bhsv->bhrv", jax.nn.softmax(scores, axis=-1), value)
 
 
-def _attention_forward(query, key, value, bias, scale, key_length):
-    return decode_attention(query, key, value, bias, scale, key_length), (query, key, value, bias)
+def _attention_forward(query, key, value, bias, used, scale, key_length):
+    return _attention(query, key, value, bias, used, scale, key_length), (query, key, value, bias, used)
 
 
 def _attention_backward(scale, key_length, saved, grad):
-    _, pullback = jax.vjp(lambda *arrays: _attention_in_jnp(*arrays, scale, key_length), *saved)
-    return pullback(grad)
+    *arrays, used = saved
+    _, pullback = jax.vjp(lambda *arrays: _attention_in_jnp(*arrays, scale, key_length), *arrays)
+    return (*pullback(grad), np.zeros(used.shape, jax.dtypes.float0))  # `used` is a count: no gradient
 
 
-decode_attention.defvjp(_attention_forward, _attention_backward)
+_attention.defvjp(_attention_forward, _attention_backward)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))

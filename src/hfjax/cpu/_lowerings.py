@@ -248,7 +248,8 @@ def _kernel_takes(query, key, value, attn_mask, rows: int) -> bool:
 def _kernel_attention(grouped, key, value, attn_mask, is_causal: bool, scale: float):
     # grouped: [..., Hkv, G, L, D] -> [..., Hkv, G, L, Dv]
     *batch, kv_heads, groups, length, depth = grouped.shape
-    kv_length = attn_mask.shape[-1] if _in_place(grouped, key, attn_mask) else key.shape[-2]  # columns read
+    in_place = _in_place(grouped, key, attn_mask)
+    kv_length = attn_mask.shape[-1] if in_place else key.shape[-2]  # columns read
     sequences = int(np.prod(batch, dtype=np.int64))
     # One [L, S] bias per sequence, added to the scores: 0 where a query may look, -inf where not.
     allowed = jnp.tril(jnp.ones((length, kv_length), bool)) if is_causal else jnp.ones((length, kv_length), bool)
@@ -260,7 +261,10 @@ def _kernel_attention(grouped, key, value, attn_mask, is_causal: bool, scale: fl
     # Keys and values go in squeezed, as the decode loop carries a batch of 1 (`Cpu.loop_carry`);
     # in [1, H, S, D], XLA copied each cache layer into a second buffer for the call on every token.
     query = grouped.reshape(sequences, kv_heads, groups * length, depth)
-    out = _kernels.decode_attention(query, jnp.squeeze(key), jnp.squeeze(value), bias, scale, key.shape[-2])
+    # Each row's columns where the slot decode's step says (its rows' cache read in place, or, when the
+    # chunk has every row and column, as it is).
+    (used,) = _READING_IN_PLACE.get() or (None,)
+    out = _kernels.decode_attention(query, jnp.squeeze(key), jnp.squeeze(value), bias, scale, key.shape[-2], used)
     return out.reshape(*batch, kv_heads, groups, length, -1)
 
 
@@ -334,14 +338,16 @@ def _blocked_attention(query, key, value, attn_mask, scale):
     return out.reshape(*batch, heads, length, value.shape[-1]).astype(query.dtype)
 
 
-_READING_IN_PLACE = contextvars.ContextVar("hfjax_reading_in_place", default=False)
+_READING_IN_PLACE = contextvars.ContextVar("hfjax_reading_in_place", default=None)
 
 
 @contextlib.contextmanager
-def reading_in_place():
+def reading_in_place(columns=None):
     """While traced in it, attention takes keys and values of a slot cache read in place (`_in_place`;
-    `Cpu.attention_in_place`, the slot decode's step)."""
-    token = _READING_IN_PLACE.set(True)
+    `Cpu.attention_in_place`, the slot decode's step). columns [B] int32, where given: how many of
+    its columns each row's queries may read at most (the mask hides every key past them), so that
+    the kernel stops there without looking for the last one in the mask, layer after layer."""
+    token = _READING_IN_PLACE.set((columns,))
     try:
         yield
     finally:
@@ -355,7 +361,7 @@ def _in_place(query, key, attn_mask) -> bool:
     would broadcast a query batch of 1 over the keys' rows instead: the context tells them apart.)"""
     columns = key.shape[-2] if attn_mask is None else attn_mask.shape[-1]
     return (
-        _READING_IN_PLACE.get() and key.ndim == 4 and query.ndim >= 4 and key.shape[0] >= query.shape[0]
+        _READING_IN_PLACE.get() is not None and key.ndim == 4 and query.ndim >= 4 and key.shape[0] >= query.shape[0]
         and (key.shape[0] > query.shape[0] or columns < key.shape[-2])
     )  # fmt: skip
 

@@ -396,6 +396,9 @@ class EncoderDecoderSlotModel(SlotModel):
         with self.attending(cross, mask):
             return super().prefill_chunk(params, state, rows, which, *args, **kwargs)
 
+    def reads_cache_in_place(self) -> bool:
+        return False  # its decode reads the rows' cross keys too: the window is sliced out (`_in_place`)
+
     def decode_chunk(self, params, state: SlotState, rows, active, count, want_logprobs, *, decoding_rows, **kwargs):
         r = decoding_rows
         cross = [tuple(a[:r] for a in pair) for pair in state.cross]

@@ -804,6 +804,14 @@ class SlotModel:
         shapes = {a.shape for pair in state.cache for a in pair}
         return state.cross is None and len(shapes) == 1 and self.decodes_in_place(state.cache[0][0].dtype)
 
+    def reads_cache_in_place(self) -> bool:
+        """Whether every decode chunk reads the whole cache in place (`_in_place` of the states this
+        model's slots hold), known before any state is made: then a chunk's window only sizes its
+        mask, and one window serves every chunk (`serving.engine_grid`)."""
+        cache, _ = self.shapes()
+        shapes = {a.shape for pair in cache for a in pair}
+        return len(shapes) == 1 and self.decodes_in_place(cache[0][0].dtype)
+
     def decode_chunk(
         self,
         params,
@@ -873,7 +881,8 @@ class SlotModel:
             rope = {"position_ids": (at + mine.rope_delta)[:, None]} if self.rope_shift else None
             with self.bound(params):
                 if states is None:
-                    reading = backend.attention_in_place(whole[0][0].dtype, self.groups) if in_place else None
+                    # Each row's queries read its columns up to its position (`at`), not the window's.
+                    reading = backend.attention_in_place(whole[0][0].dtype, self.groups, at + 1) if in_place else None
                     with reading or contextlib.nullcontext():
                         logits, cache = self.run(
                             params, restore(cache), inputs[:, None], at[:, None], write_at[:, None], lora=mine.lora,

@@ -131,6 +131,9 @@ class SpeculativeSlotModel(SlotModel):
         _, drafted, _ = model.run_chunk(weights, drafted, which, ids, start, count, window=window)
         return dataclasses.replace(state, draft=drafted), chosen
 
+    def reads_cache_in_place(self) -> bool:
+        return False  # its rounds read their rows' window sliced out, the draft model's too
+
     def decode_chunk(
         self,
         params,

@@ -26,7 +26,7 @@ import jax
 
 from .. import generation
 
-COMPILE_THREADS = 4  # at most, and half the cores: XLA compiles without the GIL, tracing takes turns
+COMPILE_THREADS = 4  # at most, and no more than the cores: XLA compiles and loads without the GIL, tracing takes turns
 GROWTH = 4  # each row count and window of the set is this many times the last
 
 
@@ -54,7 +54,7 @@ def prefill_width(window: int, chunk: int) -> int:
 
 
 def engine_grid(
-    max_model_len: int, slots: int, prefill_rows: int, *, attends: bool = True
+    max_model_len: int, slots: int, prefill_rows: int, *, attends: bool = True, in_place: bool = False
 ) -> dict[str, list[tuple[int, int]]]:
     """Every (rows, window) an engine's prefill and decode chunks may run, smallest first, over windows
     of 128, 512, 2048, ... columns up to max_model_len. A decode chunk runs once per token: it has row
@@ -65,13 +65,19 @@ def engine_grid(
     A model with recurrent layers prefills a whole prompt in a chunk as wide as the window (so the
     prefill's windows bound its prompts: the last is max_model_len). One whose layers keep no keys and
     values at all (Mamba: `attends=False`) has the decode's row counts over one window, max_model_len,
-    as a state has no columns to cut."""
+    as a state has no columns to cut.
+
+    A decode that reads its rows of the cache in place (`in_place`: `SlotModel.reads_cache_in_place`)
+    runs over max_model_len alone: there a window only sizes the mask, and attention stops at each
+    row's position, so the whole cache cost 16 rows of 32-token prompts 2% more a step than 128
+    columns at 2048, 3% at 8192 (docs/architecture.md, "One decode window"), for a third (at 2048)
+    or a quarter (8192) of the decode programs to compile before the server is ready."""
     windows = geometric(SMALLEST_WINDOW, max_model_len)
     decode_rows = geometric(1, slots)
     prefill = [(prefill_rows, w) for w in windows]
     if prefill_rows > 1:
         prefill.insert(0, (1, windows[0]))
-    decode_windows = windows if attends else [max_model_len]
+    decode_windows = windows if attends and not in_place else [max_model_len]
     return {"prefill": prefill, "decode": [(r, w) for w in decode_windows for r in decode_rows]}
 
 
@@ -105,13 +111,14 @@ class Compiler:
         return sum(len(cells) for cells in self.grid.values())
 
     def prepare(self, example: Callable) -> None:
-        """Compiles every program of the set now, on up to COMPILE_THREADS threads (at most half the
-        cores: on 2 cores a second thread was slower while other work shared them), a progress line
-        each; `example(kind, rows, window)` gives arguments like those the engine passes (idempotent)."""
+        """Compiles every program of the set now, on up to COMPILE_THREADS threads (one per core: on 2
+        cores, a second thread made the server ready 12-17% sooner from an empty cache and 0.4 s
+        sooner from a warm one), a progress line each; `example(kind, rows, window)` gives arguments
+        like those the engine passes (idempotent)."""
         if self._ready:
             return
         todo = [(kind, rows, window) for kind, cells in self.grid.items() for rows, window in cells]
-        threads = max(1, min(COMPILE_THREADS, (os.cpu_count() or 1) // 2, len(todo)))
+        threads = max(1, min(COMPILE_THREADS, os.cpu_count() or 1, len(todo)))
         start = time.perf_counter()
         with concurrent.futures.ThreadPoolExecutor(threads, thread_name_prefix="hfjax-compile") as pool:
             futures = [pool.submit(self._compile, example, *cell) for cell in todo]

@@ -181,7 +181,10 @@ class Engine:
         programs = generation.SlotPrograms(
             slot_model, prefill_chunk=prefill_chunk, steps=max_decode_steps, features=self.features
         )
-        grid = engine_grid(self.max_model_len, self.max_num_seqs, self.prefill_rows, attends=slot_model.attends)
+        grid = engine_grid(
+            self.max_model_len, self.max_num_seqs, self.prefill_rows, attends=slot_model.attends,
+            in_place=slot_model.reads_cache_in_place(),
+        )  # fmt: skip
         image_example = fixed_image_example(model.processor) if self.takes_images else None
         if image_example is not None:
             shortest = len(image_example[0])
