@@ -559,7 +559,8 @@ constexpr HeadFunction kHeadFunctions[kMaxQueryRows + 1] = {
 // Sequence b reads row b of k and v, its first S columns: K is `key_length` (>= S), B' >= B.
 // used [B]: the columns sequence b reads, past which every row's bias is -inf, so that every
 // weight there is exactly 0: attention stops there, and its cost follows the sequence's real
-// length, not the cache's (the caller finds it once for all layers: `decode_attention`).
+// length, not the cache's. The caller gives it (`decode_attention`: the slot decode's step knows
+// each row's position; other callers find it from the bias).
 ffi::Error DecodeAttention(ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k,
                            ffi::Buffer<ffi::F32> v, ffi::Buffer<ffi::F32> bias, ffi::Buffer<ffi::S32> used,
                            ffi::ResultBuffer<ffi::F32> out, float scale, int64_t key_length) {
