@@ -262,8 +262,10 @@ def _kernel_attention(grouped, key, value, attn_mask, is_causal: bool, scale: fl
     # in [1, H, S, D], XLA copied each cache layer into a second buffer for the call on every token.
     query = grouped.reshape(sequences, kv_heads, groups * length, depth)
     # Each row's columns where the slot decode's step says (its rows' cache read in place, or, when the
-    # chunk has every row and column, as it is).
+    # chunk has every row and column, as it is); else the kernel's wrapper finds them in the bias.
     (used,) = _READING_IN_PLACE.get() or (None,)
+    if used is not None and used.shape != (sequences,):
+        used = None
     out = _kernels.decode_attention(query, jnp.squeeze(key), jnp.squeeze(value), bias, scale, key.shape[-2], used)
     return out.reshape(*batch, kv_heads, groups, length, -1)
 
