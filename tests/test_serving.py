@@ -8,6 +8,7 @@ import json
 import re
 import shutil
 import threading
+import time
 
 import jax
 import numpy as np
@@ -18,6 +19,7 @@ import transformers
 import hfjax
 from hfjax import _compilation_cache, generation
 from hfjax.serving import Engine, QueueFullError, SamplingParams, _text
+from hfjax.serving import _compiler as serving_compiler
 from hfjax.testing import _tokenizer
 
 # Mixed lengths: some fit one prefill chunk (16 tokens here), some take two or three.
@@ -254,6 +256,44 @@ def test_a_chunk_runs_past_max_model_len_for_a_row_that_ends_there_beside_one_th
         )
         assert (event.token_ids, event.finish_reason) == (np.asarray(alone)[0, len(prompt) :].tolist(), "length")
     assert ("decode", STEPS, SLOTS, LENGTH) in calls.log  # a chunk of both rows at the end of the long one
+
+
+def test_threads_compiling_the_programs_trace_them_one_at_a_time(model, monkeypatch):
+    # The engine compiles its programs on a thread per core (up to 4); XLA's compiles overlap, their
+    # traces do not: a trace runs the torch model, and a slot model holds a call's state while it runs
+    # (an encoder-decoder's rows' cross keys). Each trace is held long enough for another to come in.
+    monkeypatch.setattr(serving_compiler.os, "cpu_count", lambda: 4)
+    engine = Engine(model, max_num_seqs=SLOTS, max_model_len=LENGTH, prefill_chunk=CHUNK, decode_steps=STEPS)
+    slot_model = engine.compiler.programs.slot_model
+    inside, most, lock = [0], [0], threading.Lock()
+
+    def traced(chunk):  # a program's trace runs the slot model's chunk from start to end
+        def tracing(*args, **kwargs):
+            with lock:
+                inside[0] += 1
+                most[0] = max(most[0], inside[0])
+            try:
+                time.sleep(0.2)
+                return chunk(*args, **kwargs)
+            finally:
+                with lock:
+                    inside[0] -= 1
+
+        return tracing
+
+    monkeypatch.setattr(slot_model, "prefill_chunk", traced(slot_model.prefill_chunk))
+    monkeypatch.setattr(slot_model, "decode_chunk", traced(slot_model.decode_chunk))
+    threads = set()
+    compile_one = engine.compiler._compile
+
+    def recording(*args):
+        threads.add(threading.get_ident())
+        return compile_one(*args)
+
+    monkeypatch.setattr(engine.compiler, "_compile", recording)
+    engine.warm_up()
+    assert engine.compiler.held == len(engine.compiler) and len(threads) > 1
+    assert most == [1]
 
 
 def test_decode_chunks_read_their_rows_of_the_whole_cache_where_they_lie(model, monkeypatch):

@@ -74,6 +74,10 @@ class SlotPrograms:
         self.precision = bridge.resolve_precision(model.matmul_precision)  # fixed for the programs' life
         self.params = slot_model.weights()
         self._lock = threading.Lock()
+        # Threads compiling programs at once (`serving.Compiler`) trace them one at a time: a trace runs
+        # the torch model, and a slot model holds a call's state while it runs (an encoder-decoder's
+        # rows' cross keys, `EncoderDecoderSlotModel.attending`). XLA's compiles still overlap.
+        self._tracing = threading.Lock()
 
     @property
     def counts(self) -> dict[str, int]:
@@ -129,8 +133,10 @@ class SlotPrograms:
         `prefill`'s, its static inputs as values) without running it. Returns (whether it was loaded
         from the compilation cache, XLA compiling nothing; the bytes it holds, `held_bytes`)."""
         with bridge.Compiles() as compiles:
-            program, args = self._prefill(*arguments, window=window, inputs=inputs)
-            compiled = program.run.lower(*args).compile()
+            with self._tracing:
+                program, args = self._prefill(*arguments, window=window, inputs=inputs)
+                lowered = program.run.lower(*args)
+            compiled = lowered.compile()
         return not compiles.compiled, held_bytes(compiled)
 
     def compile_decode(self, *arguments, decoding_rows: int, window: int, logprobs: bool = True) -> tuple[bool, int]:
@@ -138,8 +144,10 @@ class SlotPrograms:
         Returns (whether it was loaded from the compilation cache, XLA compiling nothing; the bytes it
         holds, `held_bytes`)."""
         with bridge.Compiles() as compiles:
-            program, args = self._decode(*arguments, decoding_rows=decoding_rows, window=window, logprobs=logprobs)
-            compiled = program.run.lower(*args).compile()
+            with self._tracing:
+                program, args = self._decode(*arguments, decoding_rows=decoding_rows, window=window, logprobs=logprobs)
+                lowered = program.run.lower(*args)
+            compiled = lowered.compile()
         return not compiles.compiled, held_bytes(compiled)
 
     def _prefill(self, state, rows, which, ids, start, count, last, fresh, want_logprobs, *, window, inputs=None):
