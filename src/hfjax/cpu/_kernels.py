@@ -91,7 +91,7 @@ def decode_attention(query, key, value, bias, scale: float, key_length: int | No
     (`used_columns`), a pass over it per call; a caller that knows it (the slot decode: each row's
     position + 1, the same for every layer) saves that pass.
     """
-    used = used_columns(bias) if used is None else jnp.minimum(used, bias.shape[-1]).astype(jnp.int32)
+    used = used_columns(bias) if used is None else jnp.asarray(used, jnp.int32)  # (the kernel keeps it within S)
     return _attention(query, key, value, bias, used, scale, key_length)
 
 

@@ -248,8 +248,7 @@ def _kernel_takes(query, key, value, attn_mask, rows: int) -> bool:
 def _kernel_attention(grouped, key, value, attn_mask, is_causal: bool, scale: float):
     # grouped: [..., Hkv, G, L, D] -> [..., Hkv, G, L, Dv]
     *batch, kv_heads, groups, length, depth = grouped.shape
-    in_place = _in_place(grouped, key, attn_mask)
-    kv_length = attn_mask.shape[-1] if in_place else key.shape[-2]  # columns read
+    kv_length = attn_mask.shape[-1] if _in_place(grouped, key, attn_mask) else key.shape[-2]  # columns read
     sequences = int(np.prod(batch, dtype=np.int64))
     # One [L, S] bias per sequence, added to the scores: 0 where a query may look, -inf where not.
     allowed = jnp.tril(jnp.ones((length, kv_length), bool)) if is_causal else jnp.ones((length, kv_length), bool)

@@ -396,8 +396,8 @@ class EncoderDecoderSlotModel(SlotModel):
         with self.attending(cross, mask):
             return super().prefill_chunk(params, state, rows, which, *args, **kwargs)
 
-    def reads_cache_in_place(self) -> bool:
-        return False  # its decode reads the rows' cross keys too: the window is sliced out (`_in_place`)
+    def reads_cache_in_place(self, cache=None) -> bool:
+        return False  # its decode reads the rows' cross keys too: the window is sliced out
 
     def decode_chunk(self, params, state: SlotState, rows, active, count, want_logprobs, *, decoding_rows, **kwargs):
         r = decoding_rows

@@ -798,17 +798,12 @@ class SlotModel:
         whose layers all attend through sdpa (`attends_in_place`), where the backend can."""
         return self.attends_in_place and _backend.active().attention_in_place(dtype, self.groups) is not None
 
-    def _in_place(self, state: SlotState) -> bool:
-        """Whether a decode chunk of `state` reads the whole cache in place (`decodes_in_place`): a
-        decoder's own keys only, every layer keeping the same columns (one mask serves them all)."""
-        shapes = {a.shape for pair in state.cache for a in pair}
-        return state.cross is None and len(shapes) == 1 and self.decodes_in_place(state.cache[0][0].dtype)
-
-    def reads_cache_in_place(self) -> bool:
-        """Whether every decode chunk reads the whole cache in place (`_in_place` of the states this
-        model's slots hold), known before any state is made: then a chunk's window only sizes its
-        mask, and one window serves every chunk (`serving.engine_grid`)."""
-        cache, _ = self.shapes()
+    def reads_cache_in_place(self, cache=None) -> bool:
+        """Whether a decode chunk reads the whole `cache` in place (`decodes_in_place`): a decoder's own
+        keys only, every layer keeping the same columns (one mask serves them all). Default: the cache
+        this model's slots hold (`shapes`), known before any state is made: then a chunk's window only
+        sizes its mask, and one window serves every chunk (`serving.engine_grid`)."""
+        cache = self.shapes()[0] if cache is None else cache
         shapes = {a.shape for pair in cache for a in pair}
         return len(shapes) == 1 and self.decodes_in_place(cache[0][0].dtype)
 
@@ -833,7 +828,7 @@ class SlotModel:
         """`count` ([] int32, at most `steps`) decode steps of the first `decoding_rows` slots (R) over
         the first `window` columns (every decoding slot is among those rows and writes within those
         columns: one request does not pay for S rows, nor a short one for L columns); read in place
-        in the whole cache where the backend's attention can (`_in_place`), else sliced out. active: [S]
+        in the whole cache where the backend's attention can (`reads_cache_in_place`), else sliced out. active: [S]
         bool, the decoding slots; want_logprobs: [] bool, whether any row reports log-probabilities.
         With `stop_tokens`, a row whose last token is one of them has stopped (its stop token runs
         once more, then `STOPPED` marks it), and the loop ends early once every active row has
@@ -846,7 +841,7 @@ class SlotModel:
         r = decoding_rows
         whole = state.cache
         backend = _backend.active()
-        in_place = self._in_place(state)
+        in_place = self.reads_cache_in_place(whole)
         # In place, attention reads the rows' first `window` columns of the whole cache where they lie:
         # nothing is sliced out or written back.
         cache = whole if in_place else [tuple(a[:r, :, :window] for a in pair) for pair in whole]

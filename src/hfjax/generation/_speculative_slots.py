@@ -131,7 +131,7 @@ class SpeculativeSlotModel(SlotModel):
         _, drafted, _ = model.run_chunk(weights, drafted, which, ids, start, count, window=window)
         return dataclasses.replace(state, draft=drafted), chosen
 
-    def reads_cache_in_place(self) -> bool:
+    def reads_cache_in_place(self, cache=None) -> bool:
         return False  # its rounds read their rows' window sliced out, the draft model's too
 
     def decode_chunk(
