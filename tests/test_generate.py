@@ -166,14 +166,39 @@ def test_models_generator_recomputes_run_on_the_slot_core_like_transformers(load
     np.testing.assert_array_equal(actual, _torch_generate(model, ids, mask, **settings))
 
 
-def test_beam_search_over_a_hybrids_states_is_transformers(loaded):
-    # The slot core's beam programs move keys and values to each beam, not states: `Generator` searches.
-    model = loaded("jamba")
+@pytest.mark.parametrize("family", ["jamba", "zamba"])
+def test_beam_search_over_a_hybrids_states_runs_on_the_slot_core_like_transformers(loaded, monkeypatch, family):
+    # Each step moves every slot's keys and values and its recurrent layers' states to its beam's
+    # parent (Jamba: mamba layers beside attention ones; Zamba: both in one layer).
+    searches = _count_searches(monkeypatch)
+    model = loaded(family)
     ids, mask = _batch(model)
-    settings = dict(max_new_tokens=NEW_TOKENS, num_beams=2, do_sample=False)
+    settings = dict(max_new_tokens=NEW_TOKENS, num_beams=3, num_return_sequences=2, do_sample=False)
     np.testing.assert_array_equal(
         np.asarray(model.generate(ids, mask, **settings)), _torch_generate(model, ids, mask, **settings)
     )
+    assert searches, "the search did not run on the slot core"
+
+
+@pytest.mark.parametrize("family", ["mpt", "marian", "blenderbot"])
+def test_models_that_take_no_position_ids_run_on_the_slot_core_like_transformers(checkpoint, decodes, family):
+    # MPT's ALiBi reads key columns alone, left pads included. Marian's and Blenderbot's causal LMs
+    # count positions from their cache's length, left pads included: the slots look each row's own up,
+    # which is transformers' where a call has no left pads; with them, `Generator` runs the call.
+    model = hfjax.load(checkpoint(family, task="text-generation"))
+    ids, mask = _batch(model)
+    settings = dict(max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS, do_sample=False)
+    np.testing.assert_array_equal(
+        np.asarray(model.generate(ids, mask, **settings)), _torch_generate(model, ids, mask, **settings)
+    )
+    assert bool(decodes) == (family == "mpt")
+    decodes.clear()
+    longest = [int(mask.sum(axis=1).argmax())]
+    ids, mask = ids[longest], mask[longest]
+    np.testing.assert_array_equal(
+        np.asarray(model.generate(ids, mask, **settings)), _torch_generate(model, ids, mask, **settings)
+    )
+    assert decodes, "the call did not run on the slot core"
 
 
 def test_a_hybrid_linear_attention_model_generates_like_transformers(loaded):

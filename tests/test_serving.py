@@ -961,8 +961,6 @@ def test_constrained_rows_sent_ahead_choose_generates_tokens(model, engine, monk
     "family, reason",
     [
         ("dbrx", "reads values of its data"),  # its MoE routing: torch.nonzero's size
-        # transformers 5.24's MPT takes no position_ids; 5.17's also reads a value of its mask (.item())
-        ("mpt", "takes no position_ids|reads values of its data"),
         ("recurrent_gemma", "keeps its past as 'recompute'"),
     ],
 )
@@ -970,3 +968,24 @@ def test_a_model_the_slot_core_cannot_run_is_refused_at_start_with_the_reason(ch
     other = hfjax.load(checkpoint(family))
     with pytest.raises(hfjax.GenerationError, match=rf"{type(other.module).__name__}.*({reason}).*use Model.generate"):
         Engine(other, max_num_seqs=2, max_model_len=LENGTH, prefill_chunk=CHUNK, decode_steps=STEPS).start()
+
+
+@pytest.mark.parametrize("family", ["mpt", "marian"])
+def test_models_that_take_no_position_ids_are_served_with_transformers_tokens(checkpoint, family):
+    # MPT's ALiBi is a bias of the key columns alone; MarianForCausalLM's sinusoidal table counts
+    # positions from its cache's length, and the slots look each row's own up in it
+    # (`generation._slots.position_source`). Two prompts of different lengths run side by side.
+    path = checkpoint(family, task="text-generation")
+    other = hfjax.load(path)
+    reference = transformers.AutoModelForCausalLM.from_pretrained(path).eval()
+    prompts = [np.random.default_rng(seed).integers(5, 400, length).tolist() for seed, length in ((0, 3), (1, 11))]
+    engine = Engine(other, max_num_seqs=2, max_model_len=LENGTH, prefill_chunk=CHUNK, decode_steps=STEPS).start()
+    try:
+        got = engine.generate(prompts, SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))
+    finally:
+        engine.stop()
+    for prompt, event in zip(prompts, got):
+        with torch.no_grad():
+            want = reference.generate(torch.tensor([prompt]), max_new_tokens=8, min_new_tokens=8, do_sample=False)
+        assert event.token_ids == want[0, len(prompt) :].tolist()
+    assert got[0].token_ids != got[1].token_ids  # (each row reads its own prompt)

@@ -41,7 +41,7 @@ from .. import bridge
 from .. import lora as _lora
 from .._errors import GenerationError
 from . import _slots
-from ._slots import SlotModel, SlotState
+from ._slots import POSITION_EMBEDDINGS, SlotModel, SlotState
 from ._speculative_slots import SpeculativeSlotModel
 
 # The prefill input that gives the n-grams encoder_no_repeat_ngram_size bans ([P, E] int32, as
@@ -49,26 +49,6 @@ from ._speculative_slots import SpeculativeSlotModel
 # caller's pads too: `BatchPlan.ngram_source`).
 NGRAM_SOURCE = "ngram_source"
 
-
-def _offset_embedding(module, positions):
-    """BART's learned positions: row b's position p is the embedding's row p + module.offset (2)."""
-    return module.weight[positions + module.offset]
-
-
-def _plain_embedding(module, positions):
-    """Blenderbot's learned and Marian's sinusoidal positions: row b's position p is the table's row p."""
-    return module.weight[positions]
-
-
-# Position embeddings that count from the cache's length (one scalar for every row), by class name,
-# and how each looks up rows' own positions [B, q] (torch): the hook replaces the module's output.
-POSITION_EMBEDDINGS = {
-    "BartLearnedPositionalEmbedding": _offset_embedding,
-    "MBartLearnedPositionalEmbedding": _offset_embedding,
-    "BlenderbotLearnedPositionalEmbedding": _plain_embedding,
-    "BlenderbotSmallLearnedPositionalEmbedding": _plain_embedding,
-    "MarianSinusoidalPositionalEmbedding": _plain_embedding,
-}
 
 # Attention modules whose relative position bias counts its queries from the cache's length (one
 # scalar for every row), by class name: each has `compute_bias(query_length, key_length, device=,
@@ -361,13 +341,8 @@ class EncoderDecoderSlotModel(SlotModel):
         if self.positions != "hook":
             yield
             return
-        embedding = self.module.get_decoder().embed_positions
-        lookup = POSITION_EMBEDDINGS[type(embedding).__name__]
-        handle = embedding.register_forward_hook(lambda module, args, output: lookup(module, rows))
-        try:
+        with _slots.looked_up(self.module.get_decoder().embed_positions, rows):
             yield
-        finally:
-            handle.remove()
 
     def prefill_chunk(self, params, state: SlotState, rows, which, *args, inputs=None, **kwargs):
         """`SlotModel.prefill_chunk`; with `inputs`, the encoder runs over them first and its cross keys

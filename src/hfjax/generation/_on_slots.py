@@ -6,11 +6,13 @@ same programs.
     SlotRuns.generate(...)                   the call's new tokens, as `Generator.generate` gives them
 
 A call runs here when the slot core carries out everything it asks: a decoder-only model with a
-static KV cache that takes `position_ids` or builds ALiBi by key (Bloom) (full or sliding-window
-attention; a model `Generator` recomputes without a cache whose forward takes transformers' static
-cache all the same: GPT-Neo, CTRL), or a recurrent state, or both, in separate layers or in one
-(Mamba, hybrids, Zamba, Falcon-H1: `SlotState.recurrent`, each prompt prefilled whole, neither
-speculated nor beam-searched), prompts padded anywhere (laid out as left padding: `_core_layout`,
+static KV cache that takes `position_ids`, or builds ALiBi by key (Bloom, MPT), or looks positions
+up in a table that counts from its cache's length (Blenderbot's and Marian's causal LMs, in calls
+without left pads, which transformers counts) (full or sliding-window attention; a model `Generator`
+recomputes without a cache whose forward takes transformers' static cache all the same: GPT-Neo,
+CTRL), or a recurrent state, or both, in separate layers or in one (Mamba, hybrids, Zamba,
+Falcon-H1: `SlotState.recurrent`, each prompt prefilled whole, never speculated; a hybrid's beams
+take their parents' states), prompts padded anywhere (laid out as left padding: `_core_layout`,
 the images' per-token inputs with them), images where it builds the model's masks (`takes_images`;
 the prefill chunk of every row's whole prompt takes them; beams and drafts decode at the multimodal
 rope's positions; a draft model does not read them), weights on one device or
@@ -55,7 +57,7 @@ from ._recurrent import hybrid_model, recurrent_model
 from ._settings import GenerationSettings
 from ._slot_beams import BeamCarry, SlotBeams
 from ._slot_programs import SlotPrograms
-from ._slots import SlotModel, alibi_builder, check_supported
+from ._slots import SlotModel, check_supported, position_source
 from ._speculative_slots import SpeculativeSlotModel
 
 
@@ -103,16 +105,18 @@ class SlotRuns:
         try:
             if self.encoder_decoder:  # a decoder that takes each row's positions (`_encoder_slots`)
                 _encoder_slots.check_encoder_decoder(self.model)
-                self.possible, self.attends, self.recurrent = True, True, False
+                self.possible, self.attends, self.recurrent, self.counts_pads = True, True, False, False
             else:
                 check_supported(self.model)  # a static KV cache of full or sliding-window attention layers, or states
                 pure = recurrent_model(self.model.module)  # (Mamba: positions do not reach its state)
-                alibi = alibi_builder(self.model.module) is not None  # (Bloom: positions from the key columns)
-                self.possible = adapter.takes_positions or pure or alibi
+                # (Bloom and MPT: positions from the key columns; Blenderbot's and Marian's causal LMs: a table)
+                self.possible = position_source(self.model.module) is not None or pure
+                # transformers gives a left pad a position in a table that counts from the cache's length
+                self.counts_pads = position_source(self.model.module) == "hook"
                 self.attends = not pure  # some layers keep keys and values, cut into windows
                 self.recurrent = pure or hybrid_model(self.model.module)  # a state per slot
         except GenerationError:
-            self.possible = self.recurrent = False
+            self.possible = self.recurrent = self.counts_pads = False
             self.attends = True
         self._models: dict[tuple, SlotModel] = {}
         self._programs: dict[tuple, SlotPrograms] = {}
@@ -125,9 +129,11 @@ class SlotRuns:
             return False
         if inputs and (self.encoder_decoder or self.recurrent or not takes_images(self.model.module, inputs, settings)):
             return False
+        if self.counts_pads and np.any(plan.size - plan.first_column > plan.mask.sum(axis=1)):
+            return False  # (left pads that the model counts: the slots give a row's first token position 0)
         if self.recurrent and settings.speculation is not None:  # a state cannot take back rejected drafts
             return False
-        if self.recurrent and settings.beam is not None:  # (the search's programs move no state to its beams)
+        if not self.attends and settings.beam is not None:  # (Mamba's beams: refused, as transformers refuses them)
             return False
         if self.encoder_decoder:  # (drafts by prompt lookup; a draft model would need cross slots of its own)
             return settings.speculation is None or settings.speculation.method == "ngram"

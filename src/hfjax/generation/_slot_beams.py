@@ -7,7 +7,8 @@ Each prompt's K beams are K slots (rows b * K + k), each prefilled with the whol
 slot prefill, which returns the first position's raw logits (`BeamCarry.logits`). Every step of the
 search then scores those logits as transformers' `_beam_search` does (log-softmax, then the
 processors `choose_tokens` applies), takes one `_beam.step`, and moves each slot's past to its new
-beam's parent: the cache rows, the tokens so far (`seen`, `counts`, `history`). Then the model runs
+beam's parent: the cache rows, a hybrid's recurrent states (Jamba's), the tokens so far (`seen`,
+`counts`, `history`). Then the model runs
 the new tokens, writing their keys and values at each row's next column, for the next step's logits.
 A program runs up to `count` steps over the first W columns of the cache; the host calls it once per
 window of `_planning.windows`, until `BeamCarry.going` is false (no beam can change the answer).
@@ -95,7 +96,7 @@ def search_steps(
         return (i < count) & carry.going
 
     def step(loop):
-        i, cache, seen, counts, history, carry = loop
+        i, cache, states, seen, counts, history, carry = loop
         at = lengths + carry.step  # [R]: the new token's position, and its column
         # transformers' beam search processes log-probabilities, not logits.
         scores = process_scores(
@@ -108,6 +109,8 @@ def search_steps(
         token = jax.lax.dynamic_index_in_dim(sequence, carry.step, axis=1, keepdims=False)  # [R]
         # Each slot takes its new beam's past: its parent's cache row and tokens so far.
         cache = [tuple(a[parents] for a in pair) for pair in restore(cache)]
+        if states is not None:  # a hybrid's recurrent layers: their states, as the keys and values
+            states = [tuple(a[parents] for a in layer) for layer in states]
         if seen is not None:
             seen = _sampling.update_seen(seen[parents], token)
         if counts is not None:
@@ -118,21 +121,29 @@ def search_steps(
             written = jnp.where(at < window, at, window)  # past the window: nowhere
             # Multimodal rope: the row's rope position is its column shifted by the row's delta.
             rope = {"position_ids": (at + rows.rope_delta)[:, None]} if slot_model.rope_shift else None
-            logits, cache = slot_model.run(
-                params, cache, token[:, None], at[:, None], written[:, None], lora=rows.lora, inputs=rope
-            )
+            if states is None:
+                logits, cache = slot_model.run(
+                    params, cache, token[:, None], at[:, None], written[:, None], lora=rows.lora, inputs=rope
+                )
+            else:
+                logits, cache, new = slot_model.run_states(
+                    params, cache, states, token[:, None], at[:, None], written[:, None], None, carried=True,
+                    lora=rows.lora,
+                )  # fmt: skip
+                states = [tuple(n.astype(a.dtype) for a, n in zip(old, now)) for old, now in zip(states, new)]
         carry = BeamCarry(
             beams=beams, sequence=sequence, logits=logits[:, 0], step=carry.step + 1,
             max_new_tokens=carry.max_new_tokens, going=going,
         )  # fmt: skip
-        return i + 1, backend.loop_carry(cache)[0], seen, counts, history, carry
+        return i + 1, backend.loop_carry(cache)[0], states, seen, counts, history, carry
 
-    _, carried, seen, counts, history, carry = jax.lax.while_loop(
-        running, step, (jnp.int32(0), carried, state.seen, state.counts, state.history, carry)
+    _, carried, states, seen, counts, history, carry = jax.lax.while_loop(
+        running, step, (jnp.int32(0), carried, state.recurrent, state.seen, state.counts, state.history, carry)
     )
     state = dataclasses.replace(
-        state, cache=written_back(whole, restore(carried)), seen=seen, counts=counts, history=history
-    )
+        state, cache=written_back(whole, restore(carried)), recurrent=states, seen=seen, counts=counts,
+        history=history,
+    )  # fmt: skip
     return state, carry
 
 

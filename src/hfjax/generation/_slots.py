@@ -211,7 +211,7 @@ def check_supported(model) -> None:
             f"hfjax serve's slot cache holds keys and values per slot; {config.model_type} also has "
             "linear-attention or mamba layers, whose states it does not keep; use Model.generate for it"
         )
-    if not adapter.takes_positions and alibi_builder(model.module) is None:
+    if position_source(model.module) is None:
         raise GenerationError(
             f"hfjax serve's slots give each token its position; {type(model.module).__name__} takes no position_ids "
             "(it counts positions from its cache's length); use Model.generate for it"
@@ -250,7 +250,7 @@ def _cached_anyway(model) -> bool:
                 input_ids=ids,
                 position_ids=ids,
                 use_cache=True,
-                **{_caches.cache_keyword(module): _caches.static_cache(config, 1)},
+                **{_caches.cache_keyword(module): _probe_cache(config, 1)},
             )
             returned.append(_caches.returned_cache(out) is not None)
             return bridge.to_jax(out.logits)
@@ -258,6 +258,15 @@ def _cached_anyway(model) -> bool:
     with reads_no_data(model):
         jax.eval_shape(one_token, model.params)
     return returned[0]
+
+
+def _probe_cache(config, length: int):
+    """A static cache for an abstract run that finds what the slots' cache holds: it counts no tokens
+    seen, as the slots' layers do (`SlotLayer.get_seq_length`), so a model that reads that count as a
+    Python value (MPT's bias offsets) reads no data."""
+    cache = _caches.static_cache(config, length)
+    cache.get_seq_length = lambda layer_idx=0: 0
+    return cache
 
 
 @contextlib.contextmanager
@@ -284,6 +293,67 @@ def alibi_builder(module):
     if "position_ids" in inspect.signature(module.forward).parameters:
         return None
     return next((m for m in module.modules() if callable(getattr(m, "build_alibi_tensor", None))), None)
+
+
+def _plain_embedding(module, positions):
+    """Blenderbot's learned and Marian's sinusoidal positions: row b's position p is the table's row p."""
+    return module.weight[positions]
+
+
+def _offset_embedding(module, positions):
+    """BART's learned positions: row b's position p is the embedding's row p + module.offset (2)."""
+    return module.weight[positions + module.offset]
+
+
+# Position embeddings that count from the cache's length (one scalar for every row), by class name,
+# and how each looks up rows' own positions [B, q] (torch): `looked_up` replaces the module's output.
+POSITION_EMBEDDINGS = {
+    "BartLearnedPositionalEmbedding": _offset_embedding,
+    "MBartLearnedPositionalEmbedding": _offset_embedding,
+    "BlenderbotLearnedPositionalEmbedding": _plain_embedding,
+    "BlenderbotSmallLearnedPositionalEmbedding": _plain_embedding,
+    "MarianSinusoidalPositionalEmbedding": _plain_embedding,
+}
+
+# Methods that build an ALiBi bias from the key columns alone: MPT's is slope x (column - last column)
+# for every query, a shift the same across a query's keys, which the softmax takes out. No position
+# reaches it, so a slot's keys in their columns get the weights transformers gives them.
+COLUMN_BIASES = ("build_mpt_alibi_tensor",)
+
+
+@contextlib.contextmanager
+def looked_up(embedding, positions):
+    """Within the block, `embedding` (a `POSITION_EMBEDDINGS` module) gives the rows' own `positions`
+    [B, q] (torch) in place of the ones it counts from its cache's length."""
+    lookup = POSITION_EMBEDDINGS[type(embedding).__name__]
+    handle = embedding.register_forward_hook(lambda module, args, output: lookup(module, positions))
+    try:
+        yield
+    finally:
+        handle.remove()
+
+
+def position_embedding(module):
+    """`module`'s `POSITION_EMBEDDINGS` module (its decoder's, for an encoder-decoder), or None."""
+    decoder = module.get_decoder() if getattr(module.config, "is_encoder_decoder", False) else module
+    return next((m for m in decoder.modules() if type(m).__name__ in POSITION_EMBEDDINGS), None)
+
+
+def position_source(module) -> str | None:
+    """How the slots give a decoder-only `module` each token's position: "keyword" (its forward's
+    position_ids), "alibi" (Bloom's ALiBi from the 2-D mask: `SlotModel._alibi_by_column`), "columns"
+    (an ALiBi of the key columns alone, `COLUMN_BIASES`: MPT's), "hook" (a `POSITION_EMBEDDINGS` table
+    looked up per row: BlenderbotForCausalLM, MarianForCausalLM); or None, where it counts positions
+    from its cache's length in a way the slots do not know."""
+    if "position_ids" in inspect.signature(module.forward).parameters:
+        return "keyword"
+    if alibi_builder(module) is not None:
+        return "alibi"
+    if any(callable(getattr(m, name, None)) for m in module.modules() for name in COLUMN_BIASES):
+        return "columns"
+    if position_embedding(module) is not None:
+        return "hook"
+    return None
 
 
 def _layer_kinds(config) -> set[str]:
@@ -327,8 +397,12 @@ class SlotModel:
         # A multimodal rope (Qwen2-VL's): decode positions shift by each row's `RowSampling.rope_delta`.
         self.rope_shift = hasattr(getattr(self.module, "model", None), "get_rope_index")
         self.takes_positions = "position_ids" in inspect.signature(self.module.forward).parameters
-        # Bloom's ALiBi: biases by key column, not by position_ids (`_alibi_by_column`)
+        # How each token's position reaches the model (`position_source`); Bloom's ALiBi: biases by key
+        # column, not by position_ids (`_alibi_by_column`); a table that counts from the cache's length:
+        # each row's own positions looked up (`looked_up`)
+        self.position_source = position_source(self.module)
         self.alibi = alibi_builder(self.module)
+        self.embedding = position_embedding(self.module) if self.position_source == "hook" else None
         # Recurrent layers (Mamba's; a hybrid's linear-attention or mamba layers) keep no keys and values:
         # a state per layer and slot, in `SlotState.recurrent`; the other layers' keys and values in `cache`.
         from transformers.cache_utils import StaticLayer
@@ -350,7 +424,7 @@ class SlotModel:
         kv_heads = getattr(self.config, "num_key_value_heads", None) or heads
         self.groups = heads // kv_heads if heads and kv_heads and heads % kv_heads == 0 else 0
         self.attends_in_place = (
-            getattr(self.config, "_attn_implementation", None) == "sdpa" and self.alibi is None
+            getattr(self.config, "_attn_implementation", None) == "sdpa" and self.position_source == "keyword"
             and not self.recurrent and self.groups > 0 and (self.groups == 1 or _packs_grouped_queries())
         )  # fmt: skip
         # A hybrid's recurrent layers' kind of layer (config.layer_types), the key of their mask; a layer
@@ -370,7 +444,7 @@ class SlotModel:
         if self._shapes is None:
 
             def one_token(params):
-                cache = _caches.static_cache(self.config, self.length)
+                cache = _probe_cache(self.config, self.length)
                 with self.bound(params):
                     ids = bridge.to_torch(jnp.zeros((1, 1), jnp.int32))  # position 0, as `run` gives positions
                     out = self.module(input_ids=ids, position_ids=ids, use_cache=True, **{self.cache_keyword: cache})
@@ -532,13 +606,18 @@ class SlotModel:
         ]
         mask = self.attention_mask(positions, length if window is None else window, cache[0][0].dtype, blocks=blocks)
         kwargs = {"use_cache": True, self.cache_keyword: past, "attention_mask": mask}
-        if self.alibi is None:
+        if self.position_source == "keyword":
             kwargs["position_ids"] = bridge.to_torch(positions)
         if keep is not None and self.takes_logits_to_keep:
             kwargs["logits_to_keep"] = bridge.to_torch(keep)
             keep = None
         kwargs.update({name: bridge.to_torch(value) for name, value in (inputs or {}).items()})
-        with contextlib.nullcontext() if lora is None else _lora.rows(lora), self._alibi_by_column():
+        lookup = (
+            contextlib.nullcontext()
+            if self.embedding is None
+            else looked_up(self.embedding, bridge.to_torch(positions))
+        )
+        with contextlib.nullcontext() if lora is None else _lora.rows(lora), self._alibi_by_column(), lookup:
             out = self.module(input_ids=bridge.to_torch(ids), **kwargs)
         logits = bridge.to_jax(out.logits).astype(jnp.float32)
         if keep is not None:
