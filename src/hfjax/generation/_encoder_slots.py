@@ -272,7 +272,9 @@ class EncoderDecoderSlotModel(SlotModel):
         finally:
             self._reading = before
 
-    def run(self, params, cache, ids, positions, columns, keep=None, *, lora=None, inputs=None, blocks=None):
+    def run(
+        self, params, cache, ids, positions, columns, keep=None, *, lora=None, inputs=None, blocks=None, shift=None
+    ):  # (shift: a decoder prompt has no pads)
         """`SlotModel.run` of the decoder, over the rows' cross-attention keys and values (`_attending`); the
         encoder's inputs went to `prefill_chunk`, so a decoder run takes no other `inputs` nor `blocks`."""
         from transformers import EncoderDecoderCache, StaticCache

@@ -7,8 +7,8 @@ same programs.
 
 A call runs here when the slot core carries out everything it asks: a decoder-only model with a
 static KV cache that takes `position_ids`, or builds ALiBi by key (Bloom, MPT), or looks positions
-up in a table that counts from its cache's length (Blenderbot's and Marian's causal LMs, in calls
-without left pads, which transformers counts) (full or sliding-window attention; a model `Generator`
+up in a table that counts from its cache's length (Blenderbot's and Marian's causal LMs, each row's
+positions shifted by its left pads, which transformers counts) (full or sliding-window attention; a model `Generator`
 recomputes without a cache whose forward takes transformers' static cache all the same: GPT-Neo,
 CTRL), or a recurrent state, or both, in separate layers or in one (Mamba, hybrids, Zamba,
 Falcon-H1: `SlotState.recurrent`, each prompt prefilled whole, never speculated; a hybrid's beams
@@ -105,18 +105,16 @@ class SlotRuns:
         try:
             if self.encoder_decoder:  # a decoder that takes each row's positions (`_encoder_slots`)
                 _encoder_slots.check_encoder_decoder(self.model)
-                self.possible, self.attends, self.recurrent, self.counts_pads = True, True, False, False
+                self.possible, self.attends, self.recurrent = True, True, False
             else:
                 check_supported(self.model)  # a static KV cache of full or sliding-window attention layers, or states
                 pure = recurrent_model(self.model.module)  # (Mamba: positions do not reach its state)
                 # (Bloom and MPT: positions from the key columns; Blenderbot's and Marian's causal LMs: a table)
                 self.possible = position_source(self.model.module) is not None or pure
-                # transformers gives a left pad a position in a table that counts from the cache's length
-                self.counts_pads = position_source(self.model.module) == "hook"
                 self.attends = not pure  # some layers keep keys and values, cut into windows
                 self.recurrent = pure or hybrid_model(self.model.module)  # a state per slot
         except GenerationError:
-            self.possible = self.recurrent = self.counts_pads = False
+            self.possible = self.recurrent = False
             self.attends = True
         self._models: dict[tuple, SlotModel] = {}
         self._programs: dict[tuple, SlotPrograms] = {}
@@ -129,8 +127,6 @@ class SlotRuns:
             return False
         if inputs and (self.encoder_decoder or self.recurrent or not takes_images(self.model.module, inputs, settings)):
             return False
-        if self.counts_pads and np.any(plan.size - plan.first_column > plan.mask.sum(axis=1)):
-            return False  # (left pads that the model counts: the slots give a row's first token position 0)
         if self.recurrent and settings.speculation is not None:  # a state cannot take back rejected drafts
             return False
         if not self.attends and settings.beam is not None:  # (Mamba's beams: refused, as transformers refuses them)

@@ -123,8 +123,9 @@ def search_steps(
             rope = {"position_ids": (at + rows.rope_delta)[:, None]} if slot_model.rope_shift else None
             if states is None:
                 logits, cache = slot_model.run(
-                    params, cache, token[:, None], at[:, None], written[:, None], lora=rows.lora, inputs=rope
-                )
+                    params, cache, token[:, None], at[:, None], written[:, None], lora=rows.lora, inputs=rope,
+                    shift=rows.pads,
+                )  # fmt: skip
             else:
                 logits, cache, new = slot_model.run_states(
                     params, cache, states, token[:, None], at[:, None], written[:, None], None, carried=True,

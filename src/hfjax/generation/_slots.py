@@ -585,8 +585,9 @@ class SlotModel:
         return ()
 
     def run(
-        self, params, cache, ids, positions, columns, keep=None, *, lora=None, inputs=None, blocks=None, window=None
-    ):
+        self, params, cache, ids, positions, columns, keep=None, *, lora=None, inputs=None, blocks=None, window=None,
+        shift=None,
+    ):  # fmt: skip
         """Logits [B, q, V] (or at the query indices `keep` [k] int32 only: [B, k, V]) and the cache
         after ids [B, q] at positions [B, q], whose keys and values go to columns [B, q] (past the
         cache's end: nowhere). lora: [B] int32, each row's LoRA adapter slot (`RowSampling.lora`).
@@ -596,7 +597,9 @@ class SlotModel:
         inputs: other forward arguments (a prefill's images), position_ids among them where the
         model's rope positions differ from the cache's (multimodal rope: [3, B, q]). blocks: (query
         blocks [B, q], key blocks [B, L]) int32, where queries and keys of one block (>= 0) see each
-        other both ways (`_multimodal.BIDIRECTIONAL_BLOCKS`)."""
+        other both ways (`_multimodal.BIDIRECTIONAL_BLOCKS`). shift: [B] int32, each row's left pads in
+        the caller's batch (`RowSampling.pads`), which a position table that counts from the cache's
+        length counts in transformers (`position_source` "hook": its rows look up positions + shift)."""
         from transformers import StaticCache
 
         length = cache[0][0].shape[2]  # the columns given: all L, or a chunk's window
@@ -612,11 +615,11 @@ class SlotModel:
             kwargs["logits_to_keep"] = bridge.to_torch(keep)
             keep = None
         kwargs.update({name: bridge.to_torch(value) for name, value in (inputs or {}).items()})
-        lookup = (
-            contextlib.nullcontext()
-            if self.embedding is None
-            else looked_up(self.embedding, bridge.to_torch(positions))
-        )
+        lookup = contextlib.nullcontext()
+        if self.embedding is not None:
+            lookup = looked_up(
+                self.embedding, bridge.to_torch(positions if shift is None else positions + shift[:, None])
+            )
         with contextlib.nullcontext() if lora is None else _lora.rows(lora), self._alibi_by_column(), lookup:
             out = self.module(input_ids=bridge.to_torch(ids), **kwargs)
         logits = bridge.to_jax(out.logits).astype(jnp.float32)
@@ -751,10 +754,12 @@ class SlotModel:
 
     # -- the two programs (traced) --------------------------------------------------
 
-    def run_chunk(self, params, cache: list, which, ids, start, count, *, window: int, lora=None, inputs=None):
+    def run_chunk(
+        self, params, cache: list, which, ids, start, count, *, window: int, lora=None, inputs=None, shift=None
+    ):
         """A prompt chunk run into rows `which` [P] of `cache` over its first `window` columns: ids [P, C]
         int32, row p's count[p] real tokens last, at positions start[p].. (the padding before them writes
-        nowhere). `inputs`: the chunk's prefill-only inputs (see `prefill_chunk`). Returns (logits
+        nowhere). `inputs`: the chunk's prefill-only inputs (see `prefill_chunk`); `shift`: as `run`'s. Returns (logits
         [P, 1, V] at index C-1, the cache with those rows written, offset [P, C] int32: each token's
         place among the row's real ones, < 0 for padding)."""
         gathered = [tuple(a.at[which, :, :window].get(mode="fill", fill_value=0) for a in pair) for pair in cache]
@@ -779,7 +784,7 @@ class SlotModel:
                 arguments = prefill.arguments()
             logits, gathered = self.run(
                 params, gathered, ids, positions, columns, keep=jnp.array([chunk - 1], jnp.int32), lora=lora,
-                inputs=arguments, blocks=blocks,
+                inputs=arguments, blocks=blocks, shift=shift,
             )  # fmt: skip
         return logits, columns_written(cache, gathered, which, columns, window=window), offset
 
@@ -822,8 +827,9 @@ class SlotModel:
             )
         else:
             logits, cache, offset = self.run_chunk(
-                params, state.cache, which, ids, start, count, window=window, lora=mine.lora, inputs=inputs
-            )
+                params, state.cache, which, ids, start, count, window=window, lora=mine.lora, inputs=inputs,
+                shift=mine.pads,
+            )  # fmt: skip
         seen = counts = None
         if state.seen is not None:  # the chunk's real tokens join the row's history
             before = jnp.where(fresh[:, None], False, state.seen.at[which].get(mode="fill", fill_value=False))
@@ -960,7 +966,7 @@ class SlotModel:
                     with reading or contextlib.nullcontext():
                         logits, cache = self.run(
                             params, restore(cache), inputs[:, None], at[:, None], write_at[:, None], lora=mine.lora,
-                            inputs=rope, **({"window": window} if in_place else {}),
+                            inputs=rope, shift=mine.pads, **({"window": window} if in_place else {}),
                         )  # fmt: skip
                 else:  # the rows that are not decoding keep their states
                     logits, cache, new = self.run_states(

@@ -287,13 +287,16 @@ class SpeculativeSlotModel(SlotModel):
 
             def verify(cache):  # the last token and the drafts: [R, k + 1] logits
                 shifted = None if rope is None else {"position_ids": rope}
-                return self.run(params, restore(cache), ids, at_most, columns, lora=mine.lora, inputs=shifted)
+                return self.run(
+                    params, restore(cache), ids, at_most, columns, lora=mine.lora, inputs=shifted, shift=mine.pads
+                )
 
             def plain(cache):  # no row has a draft: the last token alone (the other positions' logits zeros)
                 shifted = None if rope is None else {"position_ids": rope[:, :1]}
                 logits, cache = self.run(
-                    params, restore(cache), ids[:, :1], at_most[:, :1], columns[:, :1], lora=mine.lora, inputs=shifted
-                )
+                    params, restore(cache), ids[:, :1], at_most[:, :1], columns[:, :1], lora=mine.lora, inputs=shifted,
+                    shift=mine.pads,
+                )  # fmt: skip
                 return jnp.pad(logits, ((0, 0), (0, width - 1), (0, 0))), cache
 
             with self.bound(params):
