@@ -537,14 +537,17 @@ def test_prompt_lookup_on_an_encoder_decoder_runs_on_the_slot_core_like_transfor
         model.generate(ids, mask, max_new_tokens=4, assistant_model=model)
 
 
-def test_the_decoder_gets_the_encoder_output_type_like_transformers(checkpoint):
-    # Switch Transformers' forward reads encoder_outputs.router_logits, a field BaseModelOutput lacks.
+def test_the_decoder_gets_the_encoder_output_type_like_transformers(checkpoint, decodes):
+    # Switch Transformers' forward reads encoder_outputs.router_logits, a field BaseModelOutput lacks
+    # (`_encoder_slots.ROUTED_ENCODERS`); its decoder's relative bias is T5's, each row's own on the core.
     model = hfjax.load(checkpoint("switch_transformers", task="text2text-generation"))
     ids = np.random.default_rng(0).integers(4, model.config.vocab_size, size=(2, 6))
     mask = np.ones_like(ids)
+    mask[1, 4:] = 0
     settings = dict(max_new_tokens=6, min_new_tokens=6, do_sample=False)
     expected = _torch_generate(model, ids, mask, **settings)
     np.testing.assert_array_equal(np.asarray(model.generate(ids, mask, **settings)), expected)
+    assert decodes, "the call did not run on the slot core"
 
 
 def test_num_return_sequences_gives_adjacent_draws_per_prompt(loaded):

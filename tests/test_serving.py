@@ -989,3 +989,21 @@ def test_models_that_take_no_position_ids_are_served_with_transformers_tokens(ch
             want = reference.generate(torch.tensor([prompt]), max_new_tokens=8, min_new_tokens=8, do_sample=False)
         assert event.token_ids == want[0, len(prompt) :].tolist()
     assert got[0].token_ids != got[1].token_ids  # (each row reads its own prompt)
+
+
+def test_switch_transformers_is_served_with_transformers_tokens(checkpoint):
+    # An encoder-decoder whose forward reads its encoder output's router_logits, and whose decoder's
+    # relative bias is T5's (`_encoder_slots.ROUTED_ENCODERS`, `RELATIVE_BIASES`).
+    path = checkpoint("switch_transformers", task="text2text-generation")
+    other = hfjax.load(path)
+    reference = transformers.AutoModelForSeq2SeqLM.from_pretrained(path).eval()
+    prompts = [np.random.default_rng(seed).integers(4, 400, length).tolist() for seed, length in ((0, 3), (1, 9))]
+    engine = Engine(other, max_num_seqs=2, max_model_len=LENGTH, prefill_chunk=CHUNK, decode_steps=STEPS).start()
+    try:
+        got = engine.generate(prompts, SamplingParams(max_tokens=6, temperature=0, ignore_eos=True))
+    finally:
+        engine.stop()
+    for prompt, event in zip(prompts, got):
+        with torch.no_grad():
+            want = reference.generate(torch.tensor([prompt]), max_new_tokens=6, min_new_tokens=6, do_sample=False)
+        assert event.token_ids == want[0, 1:].tolist()  # (after the decoder's start token)

@@ -21,7 +21,7 @@ for the length of the call (`POSITION_EMBEDDINGS`: the modules it knows, and how
 position up: BART, mBART, Blenderbot, Marian). T5's relative position bias, which its attention
 computes from the cache's length (one scalar for every row), is each row's own through a hook on
 that attention's `compute_bias` for the length of the call (`RELATIVE_BIASES`: T5, mT5, UMT5,
-LongT5's decoder). A decoder with none of these is refused by `check_supported`, saying why.
+LongT5's, Switch Transformers' decoder). A decoder with none of these is refused by `check_supported`, saying why.
 
 `SpeculativeEncoderDecoderSlotModel` drafts by prompt lookup over each row's decoder tokens and
 verifies the drafts with one decoder run over the rows' cross keys.
@@ -55,7 +55,14 @@ NGRAM_SOURCE = "ngram_source"
 # past_seen_tokens=)` giving [1, heads, q, k] for keys at columns 0..k-1, a function of (key's
 # column - query's position) alone. The bias hook replaces it, for the decoder's self-attention
 # modules that hold a bias table, with each row's own [B, heads, q, k].
-RELATIVE_BIASES = frozenset({"T5Attention", "MT5Attention", "UMT5Attention", "LongT5Attention"})
+RELATIVE_BIASES = frozenset(
+    {"T5Attention", "MT5Attention", "UMT5Attention", "LongT5Attention", "SwitchTransformersAttention"}
+)
+
+# Models whose forward reads the encoder output's `router_logits` (a mixture-of-experts encoder's), by
+# class name: the decoder runs get transformers' `MoEModelOutput` (its routers' fields None) in place of
+# `BaseModelOutput`, which has no such field.
+ROUTED_ENCODERS = frozenset({"SwitchTransformersForConditionalGeneration"})
 
 
 def _bias_modules(decoder) -> list:
@@ -309,10 +316,11 @@ class EncoderDecoderSlotModel(SlotModel):
     def _decoder_kwargs(self, hidden, encoder_mask, ids, positions, cache, mask) -> dict:
         """The module's forward arguments for a decoder run: the encoder's output `hidden` (torch), the
         cross-attention mask where the encoder reads tokens, the decoder's ids, positions and mask."""
-        from transformers.modeling_outputs import BaseModelOutput
+        from transformers.modeling_outputs import BaseModelOutput, MoEModelOutput
 
+        output = MoEModelOutput if type(self.module).__name__ in ROUTED_ENCODERS else BaseModelOutput
         kwargs = {
-            "encoder_outputs": BaseModelOutput(last_hidden_state=hidden),
+            "encoder_outputs": output(last_hidden_state=hidden),
             "decoder_input_ids": ids,
             "decoder_attention_mask": mask,
             self.cache_keyword: cache,
