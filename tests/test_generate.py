@@ -537,6 +537,24 @@ def test_prompt_lookup_on_an_encoder_decoder_runs_on_the_slot_core_like_transfor
         model.generate(ids, mask, max_new_tokens=4, assistant_model=model)
 
 
+@pytest.mark.parametrize("family", ["m2m_100", "nllb-moe", "pegasus", "plbart"])
+def test_encoder_decoders_whose_decoder_counts_positions_from_its_cache_run_on_the_slot_core(
+    checkpoint, decodes, family
+):
+    # Their decoders' position tables count from the cache's length; the slots look each row's own up
+    # (`_slots.POSITION_EMBEDDINGS`: M2M100's and NLLB-MoE's from padding_idx + 1). The second prompt
+    # is padded on the right, as the encoder takes it.
+    model = hfjax.load(checkpoint(family, task="text2text-generation"))
+    ids = np.random.default_rng(0).integers(4, min(400, model.config.vocab_size), size=(2, 7))
+    mask = np.ones_like(ids)
+    mask[1, 4:] = 0
+    ids[1, 4:] = model.config.pad_token_id
+    settings = dict(max_new_tokens=8, min_new_tokens=8, do_sample=False)
+    expected = _torch_generate(model, ids, mask, **settings)
+    np.testing.assert_array_equal(np.asarray(model.generate(ids, mask, **settings)), expected)
+    assert decodes, "the call did not run on the slot core"
+
+
 def test_the_decoder_gets_the_encoder_output_type_like_transformers(checkpoint, decodes):
     # Switch Transformers' forward reads encoder_outputs.router_logits, a field BaseModelOutput lacks
     # (`_encoder_slots.ROUTED_ENCODERS`); its decoder's relative bias is T5's, each row's own on the core.

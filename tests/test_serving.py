@@ -991,10 +991,12 @@ def test_models_that_take_no_position_ids_are_served_with_transformers_tokens(ch
     assert got[0].token_ids != got[1].token_ids  # (each row reads its own prompt)
 
 
-def test_switch_transformers_is_served_with_transformers_tokens(checkpoint):
-    # An encoder-decoder whose forward reads its encoder output's router_logits, and whose decoder's
-    # relative bias is T5's (`_encoder_slots.ROUTED_ENCODERS`, `RELATIVE_BIASES`).
-    path = checkpoint("switch_transformers", task="text2text-generation")
+@pytest.mark.parametrize("family", ["switch_transformers", "m2m_100"])
+def test_encoder_decoders_are_served_with_transformers_tokens(checkpoint, family):
+    # Switch Transformers' forward reads its encoder output's router_logits, and its decoder's relative
+    # bias is T5's (`_encoder_slots.ROUTED_ENCODERS`, `RELATIVE_BIASES`); M2M100's (NLLB's) decoder counts
+    # its positions from its cache's length (`_slots.POSITION_EMBEDDINGS`).
+    path = checkpoint(family, task="text2text-generation")
     other = hfjax.load(path)
     reference = transformers.AutoModelForSeq2SeqLM.from_pretrained(path).eval()
     prompts = [np.random.default_rng(seed).integers(4, 400, length).tolist() for seed, length in ((0, 3), (1, 9))]

@@ -18,7 +18,7 @@ encoder's longest input, padded on the right):
 The decoder's positions are each row's own. Whisper takes them (`decoder_position_ids`); a decoder
 whose position embedding counts from its cache's length takes them through a hook on that module
 for the length of the call (`POSITION_EMBEDDINGS`: the modules it knows, and how each looks a
-position up: BART, mBART, Blenderbot, Marian). T5's relative position bias, which its attention
+position up: BART, mBART, PLBart, Blenderbot, Marian, Pegasus, M2M100 and NLLB, NLLB-MoE). T5's relative position bias, which its attention
 computes from the cache's length (one scalar for every row), is each row's own through a hook on
 that attention's `compute_bias` for the length of the call (`RELATIVE_BIASES`: T5, mT5, UMT5,
 LongT5's, Switch Transformers' decoder). A decoder with none of these is refused by `check_supported`, saying why.
@@ -62,7 +62,7 @@ RELATIVE_BIASES = frozenset(
 # Models whose forward reads the encoder output's `router_logits` (a mixture-of-experts encoder's), by
 # class name: the decoder runs get transformers' `MoEModelOutput` (its routers' fields None) in place of
 # `BaseModelOutput`, which has no such field.
-ROUTED_ENCODERS = frozenset({"SwitchTransformersForConditionalGeneration"})
+ROUTED_ENCODERS = frozenset({"SwitchTransformersForConditionalGeneration", "NllbMoeForConditionalGeneration"})
 
 
 def _bias_modules(decoder) -> list:

@@ -296,13 +296,21 @@ def alibi_builder(module):
 
 
 def _plain_embedding(module, positions):
-    """Blenderbot's learned and Marian's sinusoidal positions: row b's position p is the table's row p."""
+    """Blenderbot's learned and Marian's and Pegasus' sinusoidal positions: row b's position p is the table's row p."""
     return module.weight[positions]
 
 
 def _offset_embedding(module, positions):
-    """BART's learned positions: row b's position p is the embedding's row p + module.offset (2)."""
+    """BART's (mBART's, PLBart's) learned positions: row b's position p is the embedding's row p + module.offset (2)."""
     return module.weight[positions + module.offset]
+
+
+def _m2m100_embedding(module, positions):
+    """M2M100's (NLLB's, NLLB-MoE's) sinusoidal positions: transformers numbers a row's tokens that are
+    not padding from padding_idx + 1, so row b's position p is the table's row p + padding_idx + 1 (a
+    decoder's tokens are never padding, unless it makes the pad token itself: transformers then gives
+    that token the padding's row, and the slots its position's)."""
+    return module.weights[positions + module.padding_idx + 1]
 
 
 # Position embeddings that count from the cache's length (one scalar for every row), by class name,
@@ -310,9 +318,13 @@ def _offset_embedding(module, positions):
 POSITION_EMBEDDINGS = {
     "BartLearnedPositionalEmbedding": _offset_embedding,
     "MBartLearnedPositionalEmbedding": _offset_embedding,
+    "PLBartLearnedPositionalEmbedding": _offset_embedding,
+    "PegasusSinusoidalPositionalEmbedding": _plain_embedding,
     "BlenderbotLearnedPositionalEmbedding": _plain_embedding,
     "BlenderbotSmallLearnedPositionalEmbedding": _plain_embedding,
     "MarianSinusoidalPositionalEmbedding": _plain_embedding,
+    "M2M100SinusoidalPositionalEmbedding": _m2m100_embedding,
+    "NllbMoeSinusoidalPositionalEmbedding": _m2m100_embedding,
 }
 
 # Methods that build an ALiBi bias from the key columns alone: MPT's is slope x (column - last column)
