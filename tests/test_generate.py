@@ -537,7 +537,7 @@ def test_prompt_lookup_on_an_encoder_decoder_runs_on_the_slot_core_like_transfor
         model.generate(ids, mask, max_new_tokens=4, assistant_model=model)
 
 
-@pytest.mark.parametrize("family", ["m2m_100", "nllb-moe", "pegasus", "plbart"])
+@pytest.mark.parametrize("family", ["m2m_100", "nllb-moe", "pegasus", "pegasus_x", "plbart", "mvp", "bigbird_pegasus"])
 def test_encoder_decoders_whose_decoder_counts_positions_from_its_cache_run_on_the_slot_core(
     checkpoint, decodes, family
 ):

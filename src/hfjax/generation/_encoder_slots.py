@@ -18,10 +18,11 @@ encoder's longest input, padded on the right):
 The decoder's positions are each row's own. Whisper takes them (`decoder_position_ids`); a decoder
 whose position embedding counts from its cache's length takes them through a hook on that module
 for the length of the call (`POSITION_EMBEDDINGS`: the modules it knows, and how each looks a
-position up: BART, mBART, PLBart, Blenderbot, Marian, Pegasus, M2M100 and NLLB, NLLB-MoE). T5's relative position bias, which its attention
-computes from the cache's length (one scalar for every row), is each row's own through a hook on
-that attention's `compute_bias` for the length of the call (`RELATIVE_BIASES`: T5, mT5, UMT5,
-LongT5's, Switch Transformers' decoder). A decoder with none of these is refused by `check_supported`, saying why.
+position up: BART, mBART, PLBart, MVP, Blenderbot, Marian, Pegasus, Pegasus-X, BigBird-Pegasus, M2M100
+and NLLB, NLLB-MoE). T5's relative position bias, which its attention computes from the cache's length
+(one scalar for every row), is each row's own through a hook on that attention's `compute_bias` for the
+length of the call (`RELATIVE_BIASES`: T5's, mT5's, UMT5's, LongT5's and Switch Transformers'
+decoders). A decoder with none of these is refused by `check_supported`, saying why.
 
 `SpeculativeEncoderDecoderSlotModel` drafts by prompt lookup over each row's decoder tokens and
 verifies the drafts with one decoder run over the rows' cross keys.

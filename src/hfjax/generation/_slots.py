@@ -32,6 +32,7 @@ import contextlib
 import dataclasses
 import functools
 import inspect
+import math
 
 import jax
 import jax.numpy as jnp
@@ -305,6 +306,20 @@ def _offset_embedding(module, positions):
     return module.weight[positions + module.offset]
 
 
+def _sinusoids(module, positions):
+    """Pegasus-X's positions, computed: the sines then the cosines of position x 10000^(-i / (half - 1))
+    over the first half of the features, as its forward computes them for positions it counts."""
+    import torch
+
+    half = module.embed_dim // 2
+    frequencies = torch.exp(
+        torch.arange(half, dtype=torch.int64, device=positions.device).to(torch.float32)
+        * -(math.log(float(module.max_scale)) / (half - 1))
+    )
+    angles = positions[..., None] * frequencies  # [B, q, half]
+    return torch.cat([torch.sin(angles), torch.cos(angles)], dim=-1)
+
+
 def _m2m100_embedding(module, positions):
     """M2M100's (NLLB's, NLLB-MoE's) sinusoidal positions: transformers numbers a row's tokens that are
     not padding from padding_idx + 1, so row b's position p is the table's row p + padding_idx + 1 (a
@@ -319,7 +334,10 @@ POSITION_EMBEDDINGS = {
     "BartLearnedPositionalEmbedding": _offset_embedding,
     "MBartLearnedPositionalEmbedding": _offset_embedding,
     "PLBartLearnedPositionalEmbedding": _offset_embedding,
+    "MvpLearnedPositionalEmbedding": _offset_embedding,
     "PegasusSinusoidalPositionalEmbedding": _plain_embedding,
+    "BigBirdPegasusLearnedPositionalEmbedding": _plain_embedding,
+    "PegasusXSinusoidalPositionalEmbedding": _sinusoids,
     "BlenderbotLearnedPositionalEmbedding": _plain_embedding,
     "BlenderbotSmallLearnedPositionalEmbedding": _plain_embedding,
     "MarianSinusoidalPositionalEmbedding": _plain_embedding,
@@ -338,7 +356,7 @@ def looked_up(embedding, positions):
     """Within the block, `embedding` (a `POSITION_EMBEDDINGS` module) gives the rows' own `positions`
     [B, q] (torch) in place of the ones it counts from its cache's length."""
     lookup = POSITION_EMBEDDINGS[type(embedding).__name__]
-    handle = embedding.register_forward_hook(lambda module, args, output: lookup(module, positions))
+    handle = embedding.register_forward_hook(lambda module, args, output: lookup(module, positions).to(output.dtype))
     try:
         yield
     finally:
