@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import re
+import shutil
 import warnings
 
 import jax
@@ -555,6 +556,29 @@ def test_encoder_decoders_whose_decoder_counts_positions_from_its_cache_run_on_t
     assert decodes, "the call did not run on the slot core"
 
 
+def test_an_encoder_decoder_with_sliding_window_layers_runs_on_the_slot_core_like_transformers(
+    checkpoint, decodes, tmp_path
+):
+    # T5Gemma's decoder alternates sliding-window and full self-attention layers (Gemma 2's): the slots
+    # give it a mask per kind. A window of 4 hides keys from prompts of 7 tokens and 10 new ones.
+    path = checkpoint("t5gemma", task="text2text-generation")
+    config = json.loads((path / "config.json").read_text())
+    for part in ("encoder", "decoder"):
+        config[part]["sliding_window"] = 4
+    narrow = shutil.copytree(path, tmp_path / "t5gemma")
+    (narrow / "config.json").write_text(json.dumps(config))
+    model = hfjax.load(narrow)
+    ids = np.random.default_rng(0).integers(4, 400, size=(2, 7))
+    mask = np.ones_like(ids)
+    mask[1, 4:] = 0
+    ids[1, 4:] = model.config.pad_token_id
+    settings = dict(max_new_tokens=10, min_new_tokens=10, do_sample=False)
+    expected = _torch_generate(model, ids, mask, **settings)
+    assert not np.array_equal(expected, _torch_generate(hfjax.load(path), ids, mask, **settings))  # the window counts
+    np.testing.assert_array_equal(np.asarray(model.generate(ids, mask, **settings)), expected)
+    assert decodes, "the call did not run on the slot core"
+
+
 def test_the_decoder_gets_the_encoder_output_type_like_transformers(checkpoint, decodes):
     # Switch Transformers' forward reads encoder_outputs.router_logits, a field BaseModelOutput lacks
     # (`_encoder_slots.ROUTED_ENCODERS`); its decoder's relative bias is T5's, each row's own on the core.
@@ -585,7 +609,6 @@ def test_num_return_sequences_gives_adjacent_draws_per_prompt(loaded):
 
 
 def test_checkpoint_settings_are_carried_out_or_named(checkpoint, tmp_path):
-    import shutil
 
     path = shutil.copytree(checkpoint("llama"), tmp_path / "llama")
     config = json.loads((path / "generation_config.json").read_text())
@@ -675,7 +698,6 @@ def test_beam_search_refuses_what_it_cannot_do(loaded):
 
 
 def test_checkpoint_generation_config_gives_the_defaults(checkpoint, tmp_path):
-    import shutil
 
     path = shutil.copytree(checkpoint("llama"), tmp_path / "llama")
     config = json.loads((path / "generation_config.json").read_text())

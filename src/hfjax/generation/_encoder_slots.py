@@ -121,11 +121,19 @@ def check_encoder_decoder(model) -> None:
             "row); use Model.generate for it, which runs it on a loop of its own"
         )
     config = module.config.get_text_config(decoder=True)
-    if getattr(config, "sliding_window", None) is not None or getattr(config, "layer_types", None):
+    other = sorted(_slots.layer_kinds(config) - set(_slots.MASKS))
+    if other:
         raise GenerationError(
-            f"the slot core runs encoder-decoders whose decoder attends to every earlier token; "
-            f"{config.model_type} has other attention layers; use Model.generate for it"
+            f"the slot core masks full and sliding-window self-attention; {config.model_type}'s decoder also has "
+            f"{', '.join(other)} layers; use Model.generate for it"
         )
+
+
+def _encoder_width(config) -> int:
+    """The width of the encoder's output: `d_model` (BART's, T5's, Whisper's), else the encoder's hidden
+    size (T5Gemma's, whose encoder and decoder have configs of their own)."""
+    width = getattr(config, "d_model", None)
+    return width if width is not None else getattr(config, "encoder", config).hidden_size
 
 
 def _cross_layer_class():
@@ -302,7 +310,7 @@ class EncoderDecoderSlotModel(SlotModel):
         crossed.layers = [self.cross_class(bridge.to_torch(k), bridge.to_torch(v)) for k, v in cross]
         both = EncoderDecoderCache(past, crossed)
         both.is_updated = {i: True for i in range(len(crossed.layers))}
-        rows, width = ids.shape[0], self.module.config.d_model
+        rows, width = ids.shape[0], _encoder_width(self.module.config)
         # The encoder's output is read only through the cross keys and values: the decoder gets zeros of its shape.
         hidden = bridge.to_torch(jnp.zeros((rows, self.encoder_length, width), cross[0][0].dtype))
         mask = self.attention_mask(positions, length, cache[0][0].dtype)

@@ -217,7 +217,7 @@ def check_supported(model) -> None:
             f"hfjax serve's slots give each token its position; {type(model.module).__name__} takes no position_ids "
             "(it counts positions from its cache's length); use Model.generate for it"
         )
-    unknown = sorted(_layer_kinds(config) - set(MASKS) - recurrent_kinds(config))
+    unknown = sorted(layer_kinds(config) - set(MASKS) - recurrent_kinds(config))
     if unknown:
         raise GenerationError(
             f"hfjax serve's slot cache masks full and sliding-window attention; {config.model_type} also has "
@@ -386,7 +386,7 @@ def position_source(module) -> str | None:
     return None
 
 
-def _layer_kinds(config) -> set[str]:
+def layer_kinds(config) -> set[str]:
     """The masks the attention layers read, as transformers' models choose them: by `layer_types` where
     the config has them, else one mask for every layer, sliding where `sliding_window` is set (Mistral's
     rule). A hybrid's recurrent layers' kinds are among them (`recurrent_kinds`)."""
@@ -401,7 +401,7 @@ def _sliding_window(config, length: int) -> int | None:
     """The sliding window the slot programs mask with over a cache of `length` columns, or None where
     none does (no sliding layer, or a window no narrower than the cache: it hides nothing)."""
     window = getattr(config, "sliding_window", None)
-    if "sliding_attention" not in _layer_kinds(config) or not isinstance(window, int) or window >= length:
+    if "sliding_attention" not in layer_kinds(config) or not isinstance(window, int) or window >= length:
         return None
     return window
 
@@ -420,7 +420,7 @@ class SlotModel:
         # Sliding-window layers see only the last `window` positions; where every layer slides, one mask
         # serves them all, and where some do not, the model takes a mask per kind of layer (a dict).
         self.window = _sliding_window(self.config, length)
-        self.mask_kinds = _layer_kinds(self.config) if self.window is not None else {"full_attention"}
+        self.mask_kinds = layer_kinds(self.config) if self.window is not None else {"full_attention"}
         self.module_names = {id(m): n for n, m in self.module.named_modules()}
         self.cache_keyword = _caches.cache_keyword(self.module)
         self.takes_logits_to_keep = "logits_to_keep" in inspect.signature(self.module.forward).parameters
