@@ -1158,6 +1158,24 @@ def test_a_step_whose_values_keep_changing_runs_op_by_op(checkpoint, monkeypatch
     np.testing.assert_array_equal(actual, expected.numpy())
 
 
+def test_a_mixture_of_experts_that_asks_which_experts_were_chosen_runs_on_the_slot_core(checkpoint, decodes):
+    # DBRX's experts loop over the experts its tokens chose (nonzero, torch.where); hfjax runs every
+    # expert and weighs each token's chosen ones (`bridge._data_free`), reading no values, so the
+    # slot core runs it. The module's own forward is back after each trace.
+    path = checkpoint("dbrx")
+    model = hfjax.load(path)
+    ids, mask = _batch(model)
+    with torch.no_grad():
+        logits = _torch_model(model)(torch.as_tensor(ids), attention_mask=torch.as_tensor(mask)).logits.numpy()
+    np.testing.assert_allclose(np.asarray(model(ids, attention_mask=mask).logits), logits, atol=tolerances.DEFAULT.atol)
+    settings = dict(max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS, do_sample=False)
+    np.testing.assert_array_equal(
+        np.asarray(model.generate(ids, mask, **settings)), _torch_generate(model, ids, mask, **settings)
+    )
+    assert decodes, "the call did not run on the slot core"
+    assert not any("forward" in vars(m) for m in model.module.modules())
+
+
 def test_an_encoder_decoder_that_reads_its_data_generates_like_transformers(checkpoint):
     # led's encoder asks `mask.any().item()` in the prefill; its decoder counts positions with
     # torch.arange(past_length, past_length + 1), a tensor bound, at every token.

@@ -960,7 +960,7 @@ def test_constrained_rows_sent_ahead_choose_generates_tokens(model, engine, monk
 @pytest.mark.parametrize(
     "family, reason",
     [
-        ("dbrx", "reads values of its data"),  # its MoE routing: torch.nonzero's size
+        ("jetmoe", "reads values of its data"),  # its MoE routing: expert sizes .tolist()
         ("recurrent_gemma", "keeps its past as 'recompute'"),
     ],
 )
@@ -970,14 +970,25 @@ def test_a_model_the_slot_core_cannot_run_is_refused_at_start_with_the_reason(ch
         Engine(other, max_num_seqs=2, max_model_len=LENGTH, prefill_chunk=CHUNK, decode_steps=STEPS).start()
 
 
-@pytest.mark.parametrize("family", ["mpt", "marian"])
-def test_models_that_take_no_position_ids_are_served_with_transformers_tokens(checkpoint, family):
-    # MPT's ALiBi is a bias of the key columns alone; MarianForCausalLM's sinusoidal table counts
-    # positions from its cache's length, and the slots look each row's own up in it
-    # (`generation._slots.position_source`). Two prompts of different lengths run side by side.
-    path = checkpoint(family, task="text-generation")
+@pytest.mark.parametrize(
+    "family, task",
+    [
+        ("mpt", "text-generation"),  # ALiBi of the key columns alone
+        # a sinusoidal table that counts from its cache's length: each row's own positions looked up
+        ("marian", "text-generation"),
+        ("dbrx", "text-generation"),  # its experts: every one run, weighed by the routing (`bridge._data_free`)
+        # its forward reads its encoder output's router_logits; its decoder's relative bias is T5's
+        ("switch_transformers", "text2text-generation"),
+        ("m2m_100", "text2text-generation"),  # (NLLB's) a decoder position table, as Marian's
+    ],
+)
+def test_models_the_slot_core_took_on_are_served_with_transformers_tokens(checkpoint, family, task):
+    # Two prompts of different lengths run side by side; each gives transformers' greedy tokens.
+    path = checkpoint(family, task=task)
     other = hfjax.load(path)
-    reference = transformers.AutoModelForCausalLM.from_pretrained(path).eval()
+    seq2seq = task == "text2text-generation"
+    auto = transformers.AutoModelForSeq2SeqLM if seq2seq else transformers.AutoModelForCausalLM
+    reference = auto.from_pretrained(path).eval()
     prompts = [np.random.default_rng(seed).integers(5, 400, length).tolist() for seed, length in ((0, 3), (1, 11))]
     engine = Engine(other, max_num_seqs=2, max_model_len=LENGTH, prefill_chunk=CHUNK, decode_steps=STEPS).start()
     try:
@@ -987,25 +998,5 @@ def test_models_that_take_no_position_ids_are_served_with_transformers_tokens(ch
     for prompt, event in zip(prompts, got):
         with torch.no_grad():
             want = reference.generate(torch.tensor([prompt]), max_new_tokens=8, min_new_tokens=8, do_sample=False)
-        assert event.token_ids == want[0, len(prompt) :].tolist()
-    assert got[0].token_ids != got[1].token_ids  # (each row reads its own prompt)
-
-
-@pytest.mark.parametrize("family", ["switch_transformers", "m2m_100"])
-def test_encoder_decoders_are_served_with_transformers_tokens(checkpoint, family):
-    # Switch Transformers' forward reads its encoder output's router_logits, and its decoder's relative
-    # bias is T5's (`_encoder_slots.ROUTED_ENCODERS`, `RELATIVE_BIASES`); M2M100's (NLLB's) decoder counts
-    # its positions from its cache's length (`_slots.POSITION_EMBEDDINGS`).
-    path = checkpoint(family, task="text2text-generation")
-    other = hfjax.load(path)
-    reference = transformers.AutoModelForSeq2SeqLM.from_pretrained(path).eval()
-    prompts = [np.random.default_rng(seed).integers(4, 400, length).tolist() for seed, length in ((0, 3), (1, 9))]
-    engine = Engine(other, max_num_seqs=2, max_model_len=LENGTH, prefill_chunk=CHUNK, decode_steps=STEPS).start()
-    try:
-        got = engine.generate(prompts, SamplingParams(max_tokens=6, temperature=0, ignore_eos=True))
-    finally:
-        engine.stop()
-    for prompt, event in zip(prompts, got):
-        with torch.no_grad():
-            want = reference.generate(torch.tensor([prompt]), max_new_tokens=6, min_new_tokens=6, do_sample=False)
-        assert event.token_ids == want[0, 1:].tolist()  # (after the decoder's start token)
+        # (an encoder-decoder's answer follows its decoder's start token; a decoder-only one's, the prompt)
+        assert event.token_ids == want[0, 1 if seq2seq else len(prompt) :].tolist()

@@ -1,0 +1,59 @@
+"""Forwards that read no values of their data, for transformers modules whose own forwards do.
+
+Some mixture-of-experts layers loop over the experts their tokens were routed to: DBRX's
+`DbrxExperts` asks `nonzero()` which experts any token chose and `torch.where` which tokens chose
+each, so its trace needs those values (`_specialize`), and a program compiled once (the slot core,
+`hfjax serve`) cannot hold it. transformers' own MoE layers that take `experts_implementation` run
+"grouped_mm" by default, which needs no values; these modules do not take it.
+
+`data_free(module)` gives every such submodule of `module` a forward of the same arithmetic that
+reads no values, for the length of the block (`bound` enters it around all torch code it runs, so
+the module itself is left as it was): each expert runs over every token, and each token's output is
+the sum of its chosen experts' outputs, each times its routing weight, as transformers sums them.
+Running every expert costs num_experts / top_k times the FLOPs of the routed ones, which a decode
+step's few tokens do not notice; a long prefill does.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import types
+import weakref
+
+import torch
+
+
+def _dbrx_experts(self, hidden_states, top_k_index, top_k_weights):
+    """`DbrxExperts.forward`: hidden_states [B, q, H], top_k_index and top_k_weights [B * q, k]."""
+    tokens = hidden_states.reshape(-1, self.hidden_size)  # [T, H]
+    shape = (self.num_experts, self.ffn_hidden_size, self.hidden_size)
+    w1, v1, w2 = (weight.view(shape) for weight in (self.mlp.w1, self.mlp.v1, self.mlp.w2))  # [E, F, H] each
+    gate = self.mlp.activation_fn(torch.einsum("th,efh->etf", tokens, w1))
+    up = torch.einsum("th,efh->etf", tokens, v1)
+    out = torch.einsum("etf,efh->eth", gate * up, w2)  # every expert's output for every token
+    # Each token's routing weight per expert: its top-k weights where it chose the expert, else 0.
+    chosen = torch.nn.functional.one_hot(top_k_index, self.num_experts).to(top_k_weights.dtype)  # [T, k, E]
+    weights = torch.einsum("tk,tke->te", top_k_weights, chosen).to(out.dtype)
+    return torch.einsum("eth,te->th", out, weights).view(hidden_states.shape)
+
+
+# By class name: the forward that stands in for the module's own.
+FORWARDS = {"DbrxExperts": _dbrx_experts}
+
+_FOUND: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # module -> its submodules of FORWARDS
+
+
+@contextlib.contextmanager
+def data_free(module: torch.nn.Module):
+    """Within the block, `module`'s submodules of a `FORWARDS` class run that forward (see the docstring)."""
+    found = _FOUND.get(module)
+    if found is None:
+        found = _FOUND[module] = [m for m in module.modules() if type(m).__name__ in FORWARDS]
+    mine = [m for m in found if "forward" not in vars(m)]  # (an enclosing block's stay as they are)
+    for submodule in mine:  # an instance attribute over the class's method, for this block
+        submodule.forward = types.MethodType(FORWARDS[type(submodule).__name__], submodule)
+    try:
+        yield
+    finally:
+        for submodule in mine:
+            del submodule.forward
