@@ -167,10 +167,10 @@ def test_models_generator_recomputes_run_on_the_slot_core_like_transformers(load
     np.testing.assert_array_equal(actual, _torch_generate(model, ids, mask, **settings))
 
 
-@pytest.mark.parametrize("family", ["jamba", "zamba"])
-def test_beam_search_over_a_hybrids_states_runs_on_the_slot_core_like_transformers(loaded, monkeypatch, family):
+@pytest.mark.parametrize("family", ["mamba2", "jamba", "zamba"])
+def test_beam_search_over_recurrent_states_runs_on_the_slot_core_like_transformers(loaded, monkeypatch, family):
     # Each step moves every slot's keys and values and its recurrent layers' states to its beam's
-    # parent (Jamba: mamba layers beside attention ones; Zamba: both in one layer).
+    # parent (Mamba 2: states alone; Jamba: mamba layers beside attention ones; Zamba: both in one layer).
     searches = _count_searches(monkeypatch)
     model = loaded(family)
     ids, mask = _batch(model)
@@ -691,10 +691,6 @@ def test_beam_search_refuses_what_it_cannot_do(loaded):
         model.generate(ids, mask, max_new_tokens=4, num_beams=2, num_return_sequences=3)
     with pytest.raises(ValueError, match=r"early_stopping='sometimes' must be True, False or 'never'"):
         model.generate(ids, mask, max_new_tokens=4, num_beams=2, early_stopping="sometimes")
-    with pytest.raises(ValueError, match=r"num_beams=2: MambaForCausalLM keeps a recurrent state"):
-        mamba = loaded("mamba")
-        mamba_ids, mamba_mask = _batch(mamba)
-        mamba.generate(mamba_ids, mamba_mask, max_new_tokens=4, num_beams=2)
 
 
 def test_checkpoint_generation_config_gives_the_defaults(checkpoint, tmp_path):

@@ -241,16 +241,17 @@ class Generator:
                 f"num_beams={beam.num_beams} with a streamer: beam search knows its answer only at the end; "
                 "stream with num_beams=1"
             )
-        if beam is not None and not self.adapter.reorders_beams:
-            raise GenerationError(
-                f"num_beams={beam.num_beams}: {type(self.module).__name__} keeps a recurrent state that hfjax does "
-                "not reorder between beams; use num_beams=1"
-            )
         plan = _planning.plan_batch(
             ids, mask, settings, encoder_decoder=self.adapter.encoder_decoder,
             pad_to_bucket=self.adapter.pads_prompts and ids.shape == mask.shape,
             data_devices=parallel.data_size(self.model.mesh), decoder_prompt=decoder_prompt,
         )  # fmt: skip
+        # (the slot core's beams move a recurrent state to each beam's parent; `Generator`'s do not)
+        if beam is not None and not self.adapter.reorders_beams and not self.slot_runs.takes(plan, settings, inputs):
+            raise GenerationError(
+                f"num_beams={beam.num_beams}: {type(self.module).__name__} keeps a recurrent state that hfjax does "
+                "not reorder between beams; use num_beams=1"
+            )
         compiled = _planning.program_settings(settings, plan)
         prepared_before = sum(self.program_counts.values())
         if constraint is not None:

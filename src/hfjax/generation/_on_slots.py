@@ -8,11 +8,11 @@ same programs.
 A call runs here when the slot core carries out everything it asks: a decoder-only model with a
 static KV cache that takes `position_ids`, or builds ALiBi by key (Bloom, MPT), or looks positions
 up in a table that counts from its cache's length (Blenderbot's and Marian's causal LMs, each row's
-positions shifted by its left pads, which transformers counts) (full or sliding-window attention; a model `Generator`
-recomputes without a cache whose forward takes transformers' static cache all the same: GPT-Neo,
-CTRL), or a recurrent state, or both, in separate layers or in one (Mamba, hybrids, Zamba,
-Falcon-H1: `SlotState.recurrent`, each prompt prefilled whole, never speculated; a hybrid's beams
-take their parents' states), prompts padded anywhere (laid out as left padding: `_core_layout`,
+positions shifted by its left pads, which transformers counts) (full or sliding-window attention; a
+model `Generator` recomputes without a cache whose forward takes transformers' static cache all the
+same: GPT-Neo, CTRL), or a recurrent state, or both, in separate layers or in one (Mamba, hybrids,
+Zamba, Falcon-H1: `SlotState.recurrent`, each prompt prefilled whole, never speculated; beams take
+their parents' states), prompts padded anywhere (laid out as left padding: `_core_layout`,
 the images' per-token inputs with them), images where it builds the model's masks (`takes_images`;
 the prefill chunk of every row's whole prompt takes them; beams and drafts decode at the multimodal
 rope's positions; a draft model does not read them), weights on one device or
@@ -128,8 +128,6 @@ class SlotRuns:
         if inputs and (self.encoder_decoder or self.recurrent or not takes_images(self.model.module, inputs, settings)):
             return False
         if self.recurrent and settings.speculation is not None:  # a state cannot take back rejected drafts
-            return False
-        if not self.attends and settings.beam is not None:  # (Mamba's beams: refused, as transformers refuses them)
             return False
         if self.encoder_decoder:  # (drafts by prompt lookup; a draft model would need cross slots of its own)
             return settings.speculation is None or settings.speculation.method == "ngram"

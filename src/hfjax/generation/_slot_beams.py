@@ -7,9 +7,9 @@ Each prompt's K beams are K slots (rows b * K + k), each prefilled with the whol
 slot prefill, which returns the first position's raw logits (`BeamCarry.logits`). Every step of the
 search then scores those logits as transformers' `_beam_search` does (log-softmax, then the
 processors `choose_tokens` applies), takes one `_beam.step`, and moves each slot's past to its new
-beam's parent: the cache rows, a hybrid's recurrent states (Jamba's), the tokens so far (`seen`,
-`counts`, `history`). Then the model runs
-the new tokens, writing their keys and values at each row's next column, for the next step's logits.
+beam's parent: the cache rows, the recurrent states (Mamba's, a hybrid's), the tokens so far
+(`seen`, `counts`, `history`). Then the model runs the new tokens, writing their keys and values at
+each row's next column (and moving the states on), for the next step's logits.
 A program runs up to `count` steps over the first W columns of the cache; the host calls it once per
 window of `_planning.windows`, until `BeamCarry.going` is false (no beam can change the answer).
 """
@@ -109,7 +109,7 @@ def search_steps(
         token = jax.lax.dynamic_index_in_dim(sequence, carry.step, axis=1, keepdims=False)  # [R]
         # Each slot takes its new beam's past: its parent's cache row and tokens so far.
         cache = [tuple(a[parents] for a in pair) for pair in restore(cache)]
-        if states is not None:  # a hybrid's recurrent layers: their states, as the keys and values
+        if states is not None:  # the recurrent layers' states, as the keys and values
             states = [tuple(a[parents] for a in layer) for layer in states]
         if seen is not None:
             seen = _sampling.update_seen(seen[parents], token)
