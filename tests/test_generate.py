@@ -1154,11 +1154,17 @@ def test_a_step_whose_values_keep_changing_runs_op_by_op(checkpoint, monkeypatch
     np.testing.assert_array_equal(actual, expected.numpy())
 
 
-def test_a_mixture_of_experts_that_asks_which_experts_were_chosen_runs_on_the_slot_core(checkpoint, decodes):
-    # DBRX's experts loop over the experts its tokens chose (nonzero, torch.where); hfjax runs every
-    # expert and weighs each token's chosen ones (`bridge._data_free`), reading no values, so the
-    # slot core runs it. The module's own forward is back after each trace.
-    path = checkpoint("dbrx")
+@pytest.mark.parametrize(
+    "family",
+    [
+        "dbrx",  # its experts loop over the experts its tokens chose (nonzero, torch.where)
+        "jetmoe",  # its router counts each expert's tokens (.tolist()), in its MoE and its attention
+    ],
+)
+def test_a_mixture_of_experts_that_asks_which_experts_were_chosen_runs_on_the_slot_core(checkpoint, decodes, family):
+    # hfjax runs every expert and weighs each token's chosen ones (`bridge._data_free`), reading no
+    # values, so the slot core runs it. The modules' own forwards are back after each trace.
+    path = checkpoint(family)
     model = hfjax.load(path)
     ids, mask = _batch(model)
     with torch.no_grad():

@@ -958,14 +958,15 @@ def test_constrained_rows_sent_ahead_choose_generates_tokens(model, engine, monk
 
 
 @pytest.mark.parametrize(
-    "family, reason",
+    "family, task, reason",
     [
-        ("jetmoe", "reads values of its data"),  # its MoE routing: expert sizes .tolist()
-        ("recurrent_gemma", "keeps its past as 'recompute'"),
+        # its decoder's positions count from its cache's length, one for every row
+        ("fsmt", "text2text-generation", "decoder takes none"),
+        ("recurrent_gemma", None, "keeps its past as 'recompute'"),
     ],
 )
-def test_a_model_the_slot_core_cannot_run_is_refused_at_start_with_the_reason(checkpoint, family, reason):
-    other = hfjax.load(checkpoint(family))
+def test_a_model_the_slot_core_cannot_run_is_refused_at_start_with_the_reason(checkpoint, family, task, reason):
+    other = hfjax.load(checkpoint(family, task=task))
     with pytest.raises(hfjax.GenerationError, match=rf"{type(other.module).__name__}.*({reason}).*use Model.generate"):
         Engine(other, max_num_seqs=2, max_model_len=LENGTH, prefill_chunk=CHUNK, decode_steps=STEPS).start()
 
@@ -977,6 +978,7 @@ def test_a_model_the_slot_core_cannot_run_is_refused_at_start_with_the_reason(ch
         # a sinusoidal table that counts from its cache's length: each row's own positions looked up
         ("marian", "text-generation"),
         ("dbrx", "text-generation"),  # its experts: every one run, weighed by the routing (`bridge._data_free`)
+        ("jetmoe", "text-generation"),  # the same, for its router's .tolist() of each expert's token count
         # its forward reads its encoder output's router_logits; its decoder's relative bias is T5's
         ("switch_transformers", "text2text-generation"),
         ("m2m_100", "text2text-generation"),  # (NLLB's) a decoder position table, as Marian's

@@ -1,10 +1,16 @@
 """Forwards that read no values of their data, for transformers modules whose own forwards do.
 
-Some mixture-of-experts layers loop over the experts their tokens were routed to: DBRX's
-`DbrxExperts` asks `nonzero()` which experts any token chose and `torch.where` which tokens chose
-each, so its trace needs those values (`_specialize`), and a program compiled once (the slot core,
-`hfjax serve`) cannot hold it. transformers' own MoE layers that take `experts_implementation` run
-"grouped_mm" by default, which needs no values; these modules do not take it.
+Some mixture-of-experts layers loop over the experts their tokens were routed to, so their traces
+need those values (`_specialize`), and a program compiled once (the slot core, `hfjax serve`)
+cannot hold them:
+- DBRX's `DbrxExperts` asks `nonzero()` which experts any token chose and `torch.where` which
+  tokens chose each;
+- JetMoE's router (`JetMoeTopKGating`, in its MoE and its mixture-of-attention layers) counts the
+  tokens of each expert with `.tolist()`, and its `JetMoeParallelExperts` splits the tokens, grouped
+  by expert, at those counts. Its two stand-ins go together: the router hands the experts each
+  grouped token's expert in place of the counts.
+transformers' own MoE layers that take `experts_implementation` run "grouped_mm" by default, which
+needs no values; these modules do not take it.
 
 `data_free(module)` gives every such submodule of `module` a forward of the same arithmetic that
 reads no values, for the length of the block (`bound` enters it around all torch code it runs, so
@@ -37,8 +43,33 @@ def _dbrx_experts(self, hidden_states, top_k_index, top_k_weights):
     return torch.einsum("eth,te->th", out, weights).view(hidden_states.shape)
 
 
+def _jetmoe_router(self, hidden_states):
+    """`JetMoeTopKGating.forward`, with each grouped token's expert where the forward returns the
+    experts' token counts: `_jetmoe_experts` takes those in place of the counts. The tokens are
+    grouped by expert as transformers groups them."""
+    logits = self.layer(hidden_states).float()  # [T, E]
+    top_k_logits, top_k_indices = logits.topk(self.top_k, dim=1)  # [T, k]
+    top_k_gates = torch.softmax(top_k_logits, dim=1).type_as(hidden_states)
+    grouped_experts, index_sorted_experts = top_k_indices.flatten().sort(0)  # [T * k] each
+    batch_index = index_sorted_experts.div(self.top_k, rounding_mode="trunc")
+    batch_gates = top_k_gates.flatten()[index_sorted_experts]
+    return index_sorted_experts, batch_index, batch_gates, grouped_experts, logits
+
+
+def _jetmoe_experts(self, inputs, grouped_experts):
+    """`JetMoeParallelExperts.forward`: inputs [N, in] grouped by expert, grouped_experts [N] each
+    row's expert (from `_jetmoe_router`). Every expert runs over every row; each row keeps its own."""
+    every = torch.einsum("ni,eoi->neo", inputs, self.weight)  # [N, E, out]
+    own = torch.nn.functional.one_hot(grouped_experts, self.num_experts).to(every.dtype)  # [N, E]
+    return torch.einsum("neo,ne->no", every, own)
+
+
 # By class name: the forward that stands in for the module's own.
-FORWARDS = {"DbrxExperts": _dbrx_experts}
+FORWARDS = {
+    "DbrxExperts": _dbrx_experts,
+    "JetMoeTopKGating": _jetmoe_router,
+    "JetMoeParallelExperts": _jetmoe_experts,
+}
 
 _FOUND: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # module -> its submodules of FORWARDS
 

@@ -246,8 +246,9 @@ class Generator:
             pad_to_bucket=self.adapter.pads_prompts and ids.shape == mask.shape,
             data_devices=parallel.data_size(self.model.mesh), decoder_prompt=decoder_prompt,
         )  # fmt: skip
+        on_core = self.slot_runs.takes(plan, settings, inputs)
         # (the slot core's beams move a recurrent state to each beam's parent; `Generator`'s do not)
-        if beam is not None and not self.adapter.reorders_beams and not self.slot_runs.takes(plan, settings, inputs):
+        if beam is not None and not self.adapter.reorders_beams and not on_core:
             raise GenerationError(
                 f"num_beams={beam.num_beams}: {type(self.module).__name__} keeps a recurrent state that hfjax does "
                 "not reorder between beams; use num_beams=1"
@@ -262,7 +263,7 @@ class Generator:
         extra = None
         if inputs:
             extra = self._prefill_inputs(plan, inputs, ids, lora, precision)
-        if self.slot_runs.takes(plan, settings, inputs):
+        if on_core:
             ran = self.slot_runs.generate(
                 ids, plan, settings, compiled, seed=seed, streamer=streamer, constraint=constraint, lora=lora,
                 draft=draft, inputs=extra,

@@ -426,12 +426,12 @@ class SlotModel:
         self.takes_logits_to_keep = "logits_to_keep" in inspect.signature(self.module.forward).parameters
         # A multimodal rope (Qwen2-VL's): decode positions shift by each row's `RowSampling.rope_delta`.
         self.rope_shift = hasattr(getattr(self.module, "model", None), "get_rope_index")
-        self.takes_positions = "position_ids" in inspect.signature(self.module.forward).parameters
-        # How each token's position reaches the model (`position_source`); Bloom's ALiBi: biases by key
-        # column, not by position_ids (`_alibi_by_column`); a table that counts from the cache's length:
-        # each row's own positions looked up (`looked_up`)
+        # How each token's position reaches the model (`position_source`): its forward's position_ids;
+        # Bloom's ALiBi: biases by key column (`_alibi_by_column`); a table that counts from the cache's
+        # length: each row's own positions looked up (`looked_up`)
         self.position_source = position_source(self.module)
-        self.alibi = alibi_builder(self.module)
+        self.takes_positions = self.position_source == "keyword"
+        self.alibi = alibi_builder(self.module) if self.position_source == "alibi" else None
         self.embedding = position_embedding(self.module) if self.position_source == "hook" else None
         # Recurrent layers (Mamba's; a hybrid's linear-attention or mamba layers) keep no keys and values:
         # a state per layer and slot, in `SlotState.recurrent`; the other layers' keys and values in `cache`.
