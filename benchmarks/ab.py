@@ -4,12 +4,12 @@
     python benchmarks/ab.py --b-env HFJAX_CPU_KERNELS=0      # this tree, with and without the CPU hook
     python benchmarks/ab.py --a-env CXX=/bin/false --busy 0,1  # kernels off (A) and on (B), alone and beside a busy process
     python benchmarks/ab.py --baseline efddf78 --num-beams 4   # beam search, this tree against a commit
-    python benchmarks/ab.py --baseline 2695d59 --family bart   # an encoder-decoder (also whisper, llava)
+    python benchmarks/ab.py --baseline 2695d59 --family bart   # an encoder-decoder (also whisper, llava, jetmoe)
 
 Each round runs A, then B, then B, then A (so neither side always runs first), each in a fresh
 process that loads the same checkpoint (the `150m` Llama shape of decode.py by default; with
 `--family`, BART on random encoder ids, Whisper on a fixed waveform's features or LLaVA on a fixed
-image and question, in their shapes of shapes.py), warms up at the timed length, and times `--runs` greedy generates (or beam searches of `--num-beams`
+image and question, in their shapes of shapes.py, or JetMoE in testing's tiny shape), warms up at the timed length, and times `--runs` greedy generates (or beam searches of `--num-beams`
 beams) of exactly `--new-tokens` tokens at each batch size. Reported: per side and batch, the median decode tokens/s per sequence over all
 runs, and B over A (the median of the per-round ratios). `--busy 0,1` runs every round once
 alone and once with one single-threaded CPU-bound process beside each worker, and reports each
@@ -41,6 +41,8 @@ FAMILIES = {
     "bart": ("BART_60M", BART_60M, None),
     "whisper": ("WHISPER_TINY", WHISPER_TINY, None),
     "llava": ("LLAVA_20M", LLAVA_20M, "image-text-to-text"),
+    # a mixture of experts whose router reads its data (`.tolist()`), in testing's tiny shape
+    "jetmoe": ("tiny", {}, None),
 }
 _QUESTION = "Describe this image in a few words."
 _BUSY = "import time\nwhile True:\n    sum(i * i for i in range(10000))\n"
@@ -157,7 +159,7 @@ def main() -> None:
     parser.add_argument("--b-env", action="append", default=[], help="NAME=VALUE for side B's processes")
     parser.add_argument(
         "--family", choices=tuple(FAMILIES), default="llama",
-        help="the model (default llama): bart, whisper and llava have one shape each (shapes.py), --size is llama's",
+        help="the model (default llama): bart, whisper, llava and jetmoe have one shape each, --size is llama's",
     )  # fmt: skip
     parser.add_argument("--size", choices=tuple(SIZES), default="150m", help="the Llama shape (default 150m)")
     parser.add_argument("--batches", default="1,8", help="batch sizes (default 1,8)")
