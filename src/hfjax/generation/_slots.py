@@ -454,7 +454,7 @@ class SlotModel:
         kv_heads = getattr(self.config, "num_key_value_heads", None) or heads
         self.groups = heads // kv_heads if heads and kv_heads and heads % kv_heads == 0 else 0
         self.attends_in_place = (
-            getattr(self.config, "_attn_implementation", None) == "sdpa" and self.position_source == "keyword"
+            getattr(self.config, "_attn_implementation", None) == "sdpa" and self.takes_positions
             and not self.recurrent and self.groups > 0 and (self.groups == 1 or _packs_grouped_queries())
         )  # fmt: skip
         # A hybrid's recurrent layers' kind of layer (config.layer_types), the key of their mask; a layer
@@ -639,7 +639,7 @@ class SlotModel:
         ]
         mask = self.attention_mask(positions, length if window is None else window, cache[0][0].dtype, blocks=blocks)
         kwargs = {"use_cache": True, self.cache_keyword: past, "attention_mask": mask}
-        if self.position_source == "keyword":
+        if self.takes_positions:
             kwargs["position_ids"] = bridge.to_torch(positions)
         if keep is not None and self.takes_logits_to_keep:
             kwargs["logits_to_keep"] = bridge.to_torch(keep)
