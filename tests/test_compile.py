@@ -288,3 +288,25 @@ def test_compiles_tells_a_compile_from_a_cache_hit_on_its_own_thread(tmp_path):
     assert first == [1, 0, True]  # XLA compiled it
     assert again == [1, 1, False]  # the cache answered
     assert elsewhere == [0, 0, False]  # another thread's compile is not this one's
+
+
+@pytest.mark.parametrize("family", ["mamba", "zamba"])
+def test_a_selective_scan_written_as_a_python_loop_compiles_to_one_scan(family):
+    # transformers' reference selective scan (Mamba 1's mixers, without mamba_ssm) loops over the
+    # sequence in Python: unrolled, a prompt's program grows with its length. As one lax.scan it does
+    # not, and its logits are PyTorch's.
+    torch.manual_seed(0)
+    module = transformers.AutoModelForCausalLM.from_config(testing.tiny_config(family)).eval()
+    fast = hfjax.jit(module)
+    owner = sys.modules[type(module).__module__]
+    reference_scan = owner.mamba_selective_scan
+    sizes = {}
+    for length in (8, 64):
+        ids = torch.randint(3, module.config.vocab_size, (2, length))
+        sizes[length] = len(fast.lower("forward", ids, use_cache=False).as_text())
+    assert sizes[64] < 1.2 * sizes[8], sizes  # unrolled, the 64-token program is several times the 8-token one
+    assert owner.mamba_selective_scan is reference_scan  # the module's own, once the trace is done
+    with torch.no_grad():
+        want = module(ids, use_cache=False).logits.numpy()  # PyTorch's own loop, here in this thread
+    got = np.asarray(fast(ids, use_cache=False, return_dict=True).logits)
+    np.testing.assert_allclose(got, want, atol=tolerances.for_family(family).atol)

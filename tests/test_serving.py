@@ -595,8 +595,7 @@ def test_a_model_whose_layers_attend_and_scan_serves_transformers_tokens(checkpo
     # Zamba's layers each keep keys and values and a mamba state (transformers compiles it in no whole
     # program, so `Generator` recomputes it; the slots keep both).
     zamba = hfjax.load(checkpoint("zamba"))
-    # (96 columns: a prompt's program scans it whole, and Zamba's reference selective scan (its mamba
-    # layers' without mamba_ssm) is a Python loop over the columns, which the trace unrolls)
+    # (96 columns: one prefill window, so the engine compiles fewer programs at start)
     engine = Engine(zamba, max_num_seqs=2, max_model_len=96, prefill_chunk=CHUNK, decode_steps=STEPS)
     engine.start()
     try:
@@ -632,18 +631,20 @@ def test_a_sliding_window_model_serves_answers_past_its_window_like_transformers
         assert event.token_ids == want
 
 
-def test_a_full_queue_raises_queue_full(model, engine):
+def test_a_full_queue_raises_queue_full_while_a_listener_blocks_the_engine(model, engine):
     # A listener runs on the engine's thread: while the first request's listener blocks, nothing is
-    # admitted, and the queue (of one, here) fills.
+    # admitted, and the queue (of one, here) fills. Submitting never waits for a listener: listeners
+    # are called after the engine releases the queue's lock.
     small = Engine(
         model, max_num_seqs=SLOTS, max_model_len=LENGTH, max_queue=1, prefill_chunk=CHUNK, decode_steps=STEPS
     )
     small.start()
-    blocked, release = threading.Event(), threading.Event()
+    blocked, release, returned = threading.Event(), threading.Event(), threading.Event()
 
     def blocking(event):
         blocked.set()
-        release.wait(60)
+        release.wait(30)
+        returned.set()
 
     ids = _ids(model, PROMPTS[:1])[0]
     try:
@@ -652,6 +653,7 @@ def test_a_full_queue_raises_queue_full(model, engine):
         small.submit(ids, SamplingParams(max_tokens=2), lambda e: None)
         with pytest.raises(QueueFullError, match="max_queue=1"):
             small.submit(ids, SamplingParams(max_tokens=2), lambda e: None)
+        assert not returned.is_set(), "submit waited for the listener the engine thread was calling"
     finally:
         release.set()
         small.stop()

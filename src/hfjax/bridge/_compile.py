@@ -26,7 +26,7 @@ from torchax.tensor import Tensor as JaxTensor
 
 from .. import _quiet
 from .._errors import DataDependentError, UnsupportedOpError
-from . import _data_free, _env, _hook, _precision, _pytrees, _specialize
+from . import _data_free, _env, _hook, _precision, _pytrees, _scans, _specialize
 
 
 def module_state(module: torch.nn.Module) -> tuple[dict[str, jax.Array], dict[str, str]]:
@@ -413,6 +413,7 @@ def bound(module: torch.nn.Module, params: dict, aliases: dict[str, str], prng_k
         with (
             stateless._reparametrize_module(module, state, tie_weights=False, strict=False),
             _data_free.data_free(module),
+            _scans.scans(module),
             contextlib.ExitStack() as stack,
         ):
             for prefix, arrays in extended.items():

@@ -20,7 +20,7 @@ from ._table import SlotTable
 
 class Delivery:
     """Hands the requests of `table`'s slots their chosen tokens; finishes them through `queue` (under
-    its lock); counts tokens, latencies and drafts into `metrics`."""
+    its lock, their listeners called once it is released); counts tokens, latencies and drafts into `metrics`."""
 
     def __init__(self, table: SlotTable, metrics: Metrics, queue: RequestQueue):
         self.table, self.metrics, self.queue = table, metrics, queue
@@ -32,7 +32,7 @@ class Delivery:
             return
         ended = [requests[i] for i in np.flatnonzero(last)]
         chosen = _to_host(chosen, ended, 1)  # [rows, 1] ...
-        with self.queue.lock:
+        with self.queue.held():
             for i in np.flatnonzero(last):
                 self._deliver(requests[i], [c if c is None else c[i] for c in chosen], 1)
 
@@ -58,7 +58,7 @@ class Delivery:
         that finished or left since gets nothing more)."""
         chosen = chunk.host or _to_host(chunk.chosen, chunk.requests.values(), chunk.steps)  # [rows, steps] ...
         made = self._speculated(chunk)
-        with self.queue.lock:
+        with self.queue.held():
             for slot, request in chunk.requests.items():
                 if self.table.requests[slot] is request and not request.finished and not request.cancelled:
                     count = chunk.steps if made is None else int(made[slot])
@@ -137,7 +137,7 @@ class Delivery:
         tail = request.text.rest() if reason is not None else ""
         event = Event(ids, pieces, logprobs, reason, request.prompt_tokens, request.generated, tail, eos is not None)
         if reason is None:
-            request.listener(event)
+            self.queue.send(request, event)
         else:
             self.queue.finish(request, reason, event)
 

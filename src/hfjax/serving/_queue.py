@@ -1,11 +1,13 @@
 """The engine's queue and admission: requests waiting for a slot, admitted into free slots oldest
 first, cancelled, and finished (their slot freed, their last event sent); the lock and condition
-the engine thread and its callers share."""
+the engine thread and its callers share, and the events held back until that lock is released."""
 
 from __future__ import annotations
 
 import collections
+import contextlib
 import threading
+from collections.abc import Iterator
 
 from .._errors import ServingError
 from ._metrics import Metrics
@@ -17,8 +19,10 @@ class RequestQueue:
     """Requests waiting for a slot of `table` (at most `max_queue`), their admission and their end.
 
     `lock` guards the queue and the table's requests; `wake` wakes the engine thread when a request
-    comes, is cancelled, or the engine stops. `since_freed` and `unclaimed` count the slots' turnover,
-    which the engine's chunk sizes read."""
+    comes, is cancelled, or the engine stops. Take the lock through `held()`: listeners get their
+    events after it is released, so a slow listener never holds up `put` or `cancel` on another
+    thread. `since_freed` and `unclaimed` count the slots' turnover, which the engine's chunk sizes
+    read."""
 
     def __init__(self, table: SlotTable, metrics: Metrics, max_queue: int):
         self.table, self.metrics, self.max_queue = table, metrics, max_queue
@@ -29,6 +33,23 @@ class RequestQueue:
         self.error: BaseException | None = None
         self.since_freed = 0  # decode chunks dispatched since a slot was last freed
         self.unclaimed = 0  # slots freed since the last decode chunk, less requests admitted since
+        self._outbox: list[tuple[Request, Event]] = []  # events to hand over once the lock is released
+
+    @contextlib.contextmanager
+    def held(self) -> Iterator[None]:
+        """The lock, held for the block; then, released, each event `send` kept while it was held is
+        handed to its request's listener, in order, on this thread."""
+        with self.lock:
+            try:
+                yield
+            finally:
+                outbox, self._outbox = self._outbox, []
+        for request, event in outbox:
+            request.listener(event)
+
+    def send(self, request: Request, event: Event) -> None:
+        """Hands `event` to the request's listener when the lock (held by the caller) is released."""
+        self._outbox.append((request, event))
 
     def check_failed(self) -> None:
         """Raises ServingError, from the engine thread's error, where that thread failed."""
@@ -42,7 +63,7 @@ class RequestQueue:
             QueueFullError: max_queue requests are waiting already.
             ServingError: the engine has not started, is stopping, or failed.
         """
-        with self.lock:
+        with self.held():
             self.check_failed()
             if self.stopping or not started:
                 raise ServingError("the engine is not running (start() it, or it is shutting down)")
@@ -56,7 +77,7 @@ class RequestQueue:
 
     def cancel(self, request: Request) -> None:
         """Drops a request: at once from the queue, from a slot at the next chunk boundary."""
-        with self.lock:
+        with self.held():
             request.cancelled = True
             if request in self.waiting:
                 self.waiting.remove(request)
@@ -66,7 +87,7 @@ class RequestQueue:
 
     def stop(self, *, drain: bool) -> None:
         """Marks the engine stopping; without `drain`, every queued and running request cancelled."""
-        with self.lock:
+        with self.held():
             self.stopping = True
             if not drain:
                 for request in [*self.waiting, *filter(None, self.table.requests)]:
@@ -76,7 +97,7 @@ class RequestQueue:
     def fail(self, error: BaseException) -> None:
         """Keeps the engine thread's `error` and finishes every queued and running request with "error"."""
         self.error = error
-        with self.lock:
+        with self.held():
             for request in [*self.waiting, *filter(None, self.table.requests)]:
                 self.finish(request, "error")
 
@@ -100,8 +121,8 @@ class RequestQueue:
                 self.finish(request, "cancelled")
 
     def finish(self, request: Request, reason: str, event: Event | None = None) -> None:
-        """Ends a request (once): frees its slot, counts it, and hands its listener `event`, else an
-        event of no tokens with the text held back."""
+        """Ends a request (once, under the lock): frees its slot, counts it, and sends its listener
+        `event`, else an event of no tokens with the text held back."""
         if request.finished:
             return
         request.finished = True
@@ -113,4 +134,4 @@ class RequestQueue:
         self.metrics.count_finished(reason, request.prompt_tokens, request.generated)
         if event is None:
             event = Event([], [], None, reason, request.prompt_tokens, request.generated, request.text.rest())
-        request.listener(event)
+        self.send(request, event)

@@ -436,7 +436,7 @@ class Engine:
         queue = self._queue
         try:
             while True:
-                with queue.lock:
+                with queue.held():
                     queue.release_cancelled()
                     queue.admit()
                     if not any(self.table.requests):
