@@ -9,6 +9,7 @@ import re
 import shutil
 import threading
 import time
+import types
 
 import jax
 import numpy as np
@@ -18,7 +19,7 @@ import transformers
 
 import hfjax
 from hfjax import _compilation_cache, generation
-from hfjax.serving import Engine, QueueFullError, SamplingParams, _text
+from hfjax.serving import Engine, QueueFullError, SamplingParams, _queue, _text
 from hfjax.serving import _compiler as serving_compiler
 from hfjax.testing import _tokenizer
 
@@ -657,6 +658,19 @@ def test_a_full_queue_raises_queue_full_while_a_listener_blocks_the_engine(model
     finally:
         release.set()
         small.stop()
+
+
+def test_events_sent_under_the_queues_lock_reach_their_listeners_once_it_is_released():
+    queue = _queue.RequestQueue(table=None, metrics=None, max_queue=1)
+    got = []
+    request = types.SimpleNamespace(listener=lambda event: got.append((event, queue.lock.locked())))
+    with queue.held():
+        queue.send(request, "first")
+    with pytest.raises(RuntimeError, match="the engine thread failed"):
+        with queue.held():
+            queue.send(request, "last")
+            raise RuntimeError("the engine thread failed")
+    assert got == [("first", False), ("last", False)]  # outside the lock, and none lost to the error
 
 
 class _Letters:

@@ -37,15 +37,18 @@ class RequestQueue:
 
     @contextlib.contextmanager
     def held(self) -> Iterator[None]:
-        """The lock, held for the block; then, released, each event `send` kept while it was held is
-        handed to its request's listener, in order, on this thread."""
-        with self.lock:
-            try:
-                yield
-            finally:
-                outbox, self._outbox = self._outbox, []
-        for request, event in outbox:
-            request.listener(event)
+        """The lock, held for the block; then, released, the events `send` kept since the lock was last
+        released go to their listeners, in order, on this thread (the block raising too: none is lost)."""
+        outbox: list[tuple[Request, Event]] = []
+        try:
+            with self.lock:
+                try:
+                    yield
+                finally:
+                    outbox, self._outbox = self._outbox, []
+        finally:
+            for request, event in outbox:
+                request.listener(event)
 
     def send(self, request: Request, event: Event) -> None:
         """Hands `event` to the request's listener when the lock (held by the caller) is released."""
