@@ -154,17 +154,41 @@ def test_each_row_of_a_padded_batch_is_what_its_prompt_alone_gives(loaded, famil
         np.testing.assert_array_equal(batch[row, : alone.shape[1]], alone[0], err_msg=f"row {row}: {prompt!r}")
 
 
-@pytest.mark.parametrize("family", ["zamba", "falcon_h1", "gpt_neo", "ctrl"])
+@pytest.mark.parametrize("family", ["zamba", "falcon_h1", "gpt_neo", "ctrl", "openai-gpt"])
 def test_models_generator_recomputes_run_on_the_slot_core_like_transformers(loaded, decodes, family):
     # transformers compiles none of these in one whole program, so `Generator` runs them without a
     # cache; their forwards take transformers' static cache all the same, which the slots keep. Zamba's
-    # and Falcon-H1's "hybrid" layers keep keys and values and a mamba state in one cache layer.
+    # and Falcon-H1's "hybrid" layers keep keys and values and a mamba state in one cache layer. GPT-1
+    # takes no cache at all: its slots keep its tokens, and each step runs them whole.
     model = loaded(family)
     ids, mask = _batch(model)
     settings = dict(max_new_tokens=NEW_TOKENS, do_sample=False)
     actual = np.asarray(model.generate(ids, mask, **settings))
     assert decodes, "the call did not run on the slot core"
     np.testing.assert_array_equal(actual, _torch_generate(model, ids, mask, **settings))
+
+
+def test_a_model_that_keeps_no_cache_a_slot_can_hold_recomputes_its_tokens_on_the_slot_core(loaded, decodes):
+    # RecurrentGemma keeps its state in its modules (transformers 5.17) or in a cache of its own (5.24):
+    # each slot keeps its tokens so far and each step runs them whole, reading the logits at the row's
+    # position. Its convolution reads a prompt's left pads, which slots do not hold: a padded batch
+    # runs on `Generator`, with transformers' tokens too.
+    model = loaded("recurrent_gemma")
+    ids = np.random.default_rng(0).integers(5, 400, (2, 7)).astype(np.int32)
+    settings = dict(max_new_tokens=NEW_TOKENS, do_sample=False, output_logits=True, return_dict_in_generate=True)
+    actual = model.generate(ids, np.ones_like(ids), **settings)
+    assert decodes, "the call did not run on the slot core"
+    expected = _torch_output(model, ids, np.ones_like(ids), **settings)
+    np.testing.assert_array_equal(np.asarray(actual.sequences), expected.sequences.numpy())
+    for mine, theirs in zip(actual.logits, expected.logits, strict=True):
+        _assert_scores_equal(mine, theirs, tolerances.for_family("recurrent_gemma"))
+    decodes.clear()
+    padded, mask = _batch(model)
+    settings = dict(max_new_tokens=NEW_TOKENS, do_sample=False)
+    np.testing.assert_array_equal(
+        np.asarray(model.generate(padded, mask, **settings)), _torch_generate(model, padded, mask, **settings)
+    )
+    assert not decodes, "a padded batch ran on the slot core, whose slots hold no pads"
 
 
 @pytest.mark.parametrize("family", ["mamba2", "jamba", "zamba"])

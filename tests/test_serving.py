@@ -980,7 +980,6 @@ def test_constrained_rows_sent_ahead_choose_generates_tokens(model, engine, monk
     [
         # its decoder's positions count from its cache's length, one for every row
         ("fsmt", "text2text-generation", "decoder takes none"),
-        ("recurrent_gemma", None, "keeps its past as 'recompute'"),
     ],
 )
 def test_a_model_the_slot_core_cannot_run_is_refused_at_start_with_the_reason(checkpoint, family, task, reason):
@@ -1000,6 +999,9 @@ def test_a_model_the_slot_core_cannot_run_is_refused_at_start_with_the_reason(ch
         # its forward reads its encoder output's router_logits; its decoder's relative bias is T5's
         ("switch_transformers", "text2text-generation"),
         ("m2m_100", "text2text-generation"),  # (NLLB's) a decoder position table, as Marian's
+        # no cache a slot can hold: each slot keeps its tokens, and each step runs them whole
+        ("recurrent_gemma", None),
+        ("openai-gpt", None),
     ],
 )
 def test_models_the_slot_core_took_on_are_served_with_transformers_tokens(checkpoint, family, task):

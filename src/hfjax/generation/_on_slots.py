@@ -12,7 +12,9 @@ positions shifted by its left pads, which transformers counts) (full or sliding-
 model `Generator` recomputes without a cache whose forward takes transformers' static cache all the
 same: GPT-Neo, CTRL), or a recurrent state, or both, in separate layers or in one (Mamba, hybrids,
 Zamba, Falcon-H1: `SlotState.recurrent`, each prompt prefilled whole, never speculated; beams take
-their parents' states), prompts padded anywhere (laid out as left padding: `_core_layout`,
+their parents' states), or no cache a slot can hold (GPT-1, RecurrentGemma: each step runs a row's
+tokens whole; a batch padded before a prompt that such a model's layers read, RecurrentGemma's, is
+`Generator`'s), prompts padded anywhere (laid out as left padding: `_core_layout`,
 the images' per-token inputs with them), images where it builds the model's masks (`takes_images`;
 the prefill chunk of every row's whole prompt takes them; beams and drafts decode at the multimodal
 rope's positions; a draft model does not read them), weights on one device or
@@ -57,7 +59,7 @@ from ._recurrent import hybrid_model, recurrent_model
 from ._settings import GenerationSettings
 from ._slot_beams import BeamCarry, SlotBeams
 from ._slot_programs import SlotPrograms
-from ._slots import SlotModel, check_supported, position_source
+from ._slots import SlotModel, check_supported, position_source, reads_pads
 from ._speculative_slots import SpeculativeSlotModel
 
 
@@ -116,6 +118,7 @@ class SlotRuns:
         except GenerationError:
             self.possible = self.recurrent = False
             self.attends = True
+        self.reads_pads = self.possible and reads_pads(self.model)  # (RecurrentGemma's padded prompts: `Generator`'s)
         self._models: dict[tuple, SlotModel] = {}
         self._programs: dict[tuple, SlotPrograms] = {}
         self._beams: dict[tuple, SlotBeams] = {}
@@ -124,6 +127,8 @@ class SlotRuns:
     def takes(self, plan: _planning.BatchPlan, settings: GenerationSettings, inputs) -> bool:
         """Whether this call runs on the slot core (the module docstring says which do)."""
         if not self.possible or self.generator.reads_data:
+            return False
+        if self.reads_pads and not plan.mask.all():  # (the slots hold no pads before a prompt)
             return False
         if inputs and (self.encoder_decoder or self.recurrent or not takes_images(self.model.module, inputs, settings)):
             return False

@@ -18,7 +18,9 @@ layers' states instead (`SlotState.recurrent`, [S, ...] per array); a hybrid (`_
 keeps its attention layers' keys and values in the cache and its recurrent layers' states beside
 them. Such a model's prefill chunk is a row's whole prompt, scanned from zeros (the pads before it
 masked, so they leave the state as the prompt alone gives it), and each decode step moves the active
-rows' states on and leaves the others' as they were; a window does not cut a state.
+rows' states on and leaves the others' as they were; a window does not cut a state. A model that
+keeps no cache a slot can hold (`recomputed`: GPT-1, RecurrentGemma) keeps each row's tokens in their
+columns instead, and every program runs a row's window whole, as transformers runs it without a cache.
 
 Each slot's sampling settings are per-row arrays (`RowSampling`), and the token choice is the one
 every program makes (`_choose.choose_tokens`), so requests coming and going never change a
@@ -33,9 +35,11 @@ import dataclasses
 import functools
 import inspect
 import math
+import weakref
 
 import jax
 import jax.numpy as jnp
+import torch
 
 from .. import _backend, bridge, parallel
 from .. import lora as _lora
@@ -200,6 +204,8 @@ def check_supported(model) -> None:
     config = model.module.config.get_text_config(decoder=True)
     if recurrent_model(model.module):
         return  # a state per slot (`SlotState.recurrent`)
+    if recomputed(model):
+        return  # each slot's tokens so far, run whole at every step (`SlotModel.recomputes`)
     if type(adapter) is not StaticCacheAdapter and not hybrid_model(model.module) and not _cached_anyway(model):
         raise GenerationError(
             f"hfjax serve batches decoder-only causal LMs with a static KV cache or a recurrent state; "
@@ -259,6 +265,32 @@ def _cached_anyway(model) -> bool:
     with reads_no_data(model):
         jax.eval_shape(one_token, model.params)
     return returned[0]
+
+
+def recomputed(model) -> bool:
+    """Whether `model` is one the slots run without a cache of transformers': `Generator` recomputes it
+    (`RecomputeAdapter`: transformers compiles it in no whole program) and it keeps no cache a slot can
+    hold (GPT-1 takes none; RecurrentGemma keeps its state in its modules before transformers 5.24, and
+    its recurrent layers' state in a cache without a layout of them here after). Each slot then holds
+    its tokens so far, and every step runs them whole (`SlotModel.recomputes`)."""
+    module = model.module
+    if type(adapter_for(module)) is not RecomputeAdapter or recurrent_model(module) or hybrid_model(module):
+        return False
+    if module not in _RECOMPUTED:  # (an abstract run: once per module)
+        _RECOMPUTED[module] = not _cached_anyway(model)
+    return _RECOMPUTED[module]
+
+
+_RECOMPUTED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # module: whether it recomputes
+
+
+def reads_pads(model) -> bool:
+    """Whether a recomputed model's tokens depend on the left pads before a prompt: layers that are not
+    attention read them (RecurrentGemma's convolution and recurrence: its "recurrent" block_types, and
+    "linear_attention" layer_types in transformers 5.24), where the slots' tokens hold none."""
+    config = model.module.config.get_text_config(decoder=True)
+    kinds = layer_kinds(config) | set(getattr(config, "block_types", None) or ())
+    return recomputed(model) and bool(kinds - set(MASKS) - {"attention"})
 
 
 def _probe_cache(config, length: int):
@@ -462,6 +494,13 @@ class SlotModel:
         kinds = [kind for kind, r in zip(getattr(self.config, "layer_types", None) or (), self.layer_recurrent) if r]
         self.recurrent_kind = next((kind for kind in kinds if kind not in _BOTH), "linear_attention" if kinds else None)
         self.state_layout = None  # per recurrent layer: the (kind, index) of each state array, "conv" or "recurrent"
+        # A model that keeps no cache a slot can hold (`recomputed`): its "cache" is one pair of [S, 1, L, 1]
+        # int32 arrays, each row's token at each position (column), and each step runs a row's columns
+        # up to its window whole, reading the logits at the row's own position (`_recomputed`).
+        self.recomputes = recomputed(model)
+        if self.recomputes:
+            self.layer_recurrent, self.layer_attends = (False,), (True,)
+            self.recurrent, self.attends, self.attends_in_place = False, True, False
         self._shapes = None
         self._state_shapes = None
         self._empty = {}  # the programs that make `empty_state`, per state layout
@@ -471,6 +510,14 @@ class SlotModel:
         abstract run of the model on one token (a model with recurrent layers: of its other layers)."""
         if self._shapes is None and self.recurrent:
             self._shapes, self._state_shapes = self._recurrent_shapes()
+        if self._shapes is None and self.recomputes:
+
+            def logits(params):
+                with self.bound(params):
+                    return bridge.to_jax(self.module(input_ids=bridge.to_torch(jnp.zeros((1, 1), jnp.int32))).logits)
+
+            tokens = jax.ShapeDtypeStruct((self.slots, 1, self.length, 1), jnp.int32)
+            self._shapes = [(tokens, tokens)], jax.eval_shape(logits, self.model.params).shape[-1]
         if self._shapes is None:
 
             def one_token(params):
@@ -630,6 +677,8 @@ class SlotModel:
         other both ways (`_multimodal.BIDIRECTIONAL_BLOCKS`). shift: [B] int32, each row's left pads in
         the caller's batch (`RowSampling.pads`), which a position table that counts from the cache's
         length counts in transformers (`position_source` "hook": its rows look up positions + shift)."""
+        if self.recomputes:
+            return self._recomputed(cache, ids, positions, columns, keep, lora=lora, inputs=inputs)
         from transformers import StaticCache
 
         length = cache[0][0].shape[2]  # the columns given: all L, or a chunk's window
@@ -657,6 +706,42 @@ class SlotModel:
             logits = jnp.take(logits, keep, axis=1)
         cache = [(bridge.to_jax(layer.keys), bridge.to_jax(layer.values)) for layer in past.layers]
         return logits, cache
+
+    def _recomputed(self, cache, ids, positions, columns, keep=None, *, lora=None, inputs=None):
+        """`run` for a model that keeps no cache (`recomputes`): ids [B, q] written into the rows' tokens
+        at columns [B, q] (the "cache", its two arrays alike), then the model run over each row's W
+        columns from position 0, as transformers' generate runs it without a cache (later columns, from
+        another step or request, are after every query and so read by none), its logits read at each
+        query's position."""
+        tokens = cache[0][0][:, 0, :, 0]  # [B, W]
+        width = tokens.shape[1]
+        tokens = tokens.at[jnp.arange(ids.shape[0])[:, None], columns].set(ids, mode="drop")
+        queries = positions if keep is None else jnp.take(positions, keep, axis=1)
+        queries = jnp.minimum(queries, width - 1)  # [B, k]: the columns whose logits are wanted
+        at = jnp.broadcast_to(jnp.arange(width, dtype=jnp.int32), tokens.shape)
+        kwargs = {"attention_mask": bridge.to_torch(jnp.ones_like(tokens))}
+        if self.takes_positions:
+            kwargs["position_ids"] = bridge.to_torch(at)
+        kwargs.update({name: bridge.to_torch(value) for name, value in (inputs or {}).items()})
+
+        def read_queries(head, args):  # the output layer sees the queries' hidden states only
+            hidden = args[0]
+            index = bridge.to_torch(queries)[:, :, None].expand(-1, -1, hidden.shape[-1])
+            return (torch.gather(hidden, 1, index), *args[1:])
+
+        head = self.module.get_output_embeddings()
+        hook = None if head is None else head.register_forward_pre_hook(read_queries)
+        try:
+            with contextlib.nullcontext() if lora is None else _lora.rows(lora):
+                out = self.module(input_ids=bridge.to_torch(tokens), use_cache=False, **kwargs)
+        finally:
+            if hook is not None:
+                hook.remove()
+        logits = bridge.to_jax(out.logits).astype(jnp.float32)
+        if hook is None:  # (no output layer to hook: every column's logits, then the queries')
+            logits = jnp.take_along_axis(logits, queries[:, :, None], axis=1)
+        held = tokens[:, None, :, None]
+        return logits, [(held, held)]
 
     @contextlib.contextmanager
     def _alibi_by_column(self):
