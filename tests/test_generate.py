@@ -171,24 +171,21 @@ def test_models_generator_recomputes_run_on_the_slot_core_like_transformers(load
 def test_a_model_that_keeps_no_cache_a_slot_can_hold_recomputes_its_tokens_on_the_slot_core(loaded, decodes):
     # RecurrentGemma keeps its state in its modules (transformers 5.17) or in a cache of its own (5.24):
     # each slot keeps its tokens so far and each step runs them whole, reading the logits at the row's
-    # position. Its convolution reads a prompt's left pads, which slots do not hold: a padded batch
-    # runs on `Generator`, with transformers' tokens too.
+    # position. Its convolution and recurrence read a prompt's left pads (its logits move by ~2e-3
+    # with two of them), so the programs lay each row's pads before its tokens, as transformers'
+    # input_ids hold them: the logits of a padded batch and of one without pads, each as transformers'.
     model = loaded("recurrent_gemma")
-    ids = np.random.default_rng(0).integers(5, 400, (2, 7)).astype(np.int32)
+    padded, padding = _batch(model)
+    assert not padding.all() and padding[:, -3:].all()  # the last 3 columns: a batch without pads
     settings = dict(max_new_tokens=NEW_TOKENS, do_sample=False, output_logits=True, return_dict_in_generate=True)
-    actual = model.generate(ids, np.ones_like(ids), **settings)
-    assert decodes, "the call did not run on the slot core"
-    expected = _torch_output(model, ids, np.ones_like(ids), **settings)
-    np.testing.assert_array_equal(np.asarray(actual.sequences), expected.sequences.numpy())
-    for mine, theirs in zip(actual.logits, expected.logits, strict=True):
-        _assert_scores_equal(mine, theirs, tolerances.for_family("recurrent_gemma"))
-    decodes.clear()
-    padded, mask = _batch(model)
-    settings = dict(max_new_tokens=NEW_TOKENS, do_sample=False)
-    np.testing.assert_array_equal(
-        np.asarray(model.generate(padded, mask, **settings)), _torch_generate(model, padded, mask, **settings)
-    )
-    assert not decodes, "a padded batch ran on the slot core, whose slots hold no pads"
+    for ids, mask in ((padded, padding), (padded[:, -3:], padding[:, -3:])):
+        actual = model.generate(ids, mask, **settings)
+        assert decodes, "the call did not run on the slot core"
+        decodes.clear()
+        expected = _torch_output(model, ids, mask, **settings)
+        np.testing.assert_array_equal(np.asarray(actual.sequences), expected.sequences.numpy())
+        for mine, theirs in zip(actual.logits, expected.logits, strict=True):
+            _assert_scores_equal(mine, theirs, tolerances.for_family("recurrent_gemma"))
 
 
 @pytest.mark.parametrize("family", ["mamba2", "jamba", "zamba"])
@@ -673,9 +670,9 @@ BEAMS = {
 BEAM_CASES = [(name, "llama") for name in BEAMS] + [("plain", f) for f in ("gpt2", "recurrent_gemma", "t5", "bart")]
 
 
-# Beam search runs on the slot core (hfjax serve's cache and prefill) for models with a static cache,
-# encoder-decoders included (their slots' cross keys); `Generator`'s own programs run it for the other pasts.
-BEAMS_ON_SLOTS = ("llama", "gpt2", "t5", "bart")
+# Beam search runs on the slot core (hfjax serve's cache and prefill) for every past here: a static
+# cache, encoder-decoders' (their slots' cross keys), and RecurrentGemma's tokens, rerun at each step.
+BEAMS_ON_SLOTS = ("llama", "gpt2", "recurrent_gemma", "t5", "bart")
 
 
 @pytest.mark.parametrize("name, family", BEAM_CASES)
@@ -692,7 +689,7 @@ def test_beam_search_matches_transformers(loaded, monkeypatch, family, name):
     settings = dict(max_new_tokens=NEW_TOKENS, pad_token_id=7, **BEAMS[name])
     if family == "recurrent_gemma":
         # transformers' beam search does not reorder recurrent_gemma's recurrent state between
-        # beams; without its cache it reruns each beam, as hfjax does for this model.
+        # beams; without its cache it reruns each beam, as the slots do for this model.
         settings["use_cache"] = False
     expected = _torch_generate(model, ids, mask, eos_token_id=eos, **settings)
     assert not np.array_equal(expected, _torch_generate(model, ids, mask, **settings))  # the beams that ended count

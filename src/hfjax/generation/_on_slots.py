@@ -13,8 +13,8 @@ model `Generator` recomputes without a cache whose forward takes transformers' s
 same: GPT-Neo, CTRL), or a recurrent state, or both, in separate layers or in one (Mamba, hybrids,
 Zamba, Falcon-H1: `SlotState.recurrent`, each prompt prefilled whole, never speculated; beams take
 their parents' states), or no cache a slot can hold (GPT-1, RecurrentGemma: each step runs a row's
-tokens whole; a batch padded before a prompt that such a model's layers read, RecurrentGemma's, is
-`Generator`'s), prompts padded anywhere (laid out as left padding: `_core_layout`,
+tokens whole; RecurrentGemma's layers read a prompt's left pads, which its programs lay before each
+row, so its batches padded elsewhere or with several pad tokens are `Generator`'s), prompts padded anywhere (laid out as left padding: `_core_layout`,
 the images' per-token inputs with them), images where it builds the model's masks (`takes_images`;
 the prefill chunk of every row's whole prompt takes them; beams and drafts decode at the multimodal
 rope's positions; a draft model does not read them), weights on one device or
@@ -83,6 +83,23 @@ def _core_layout(plan: _planning.BatchPlan) -> tuple[_planning.BatchPlan, np.nda
     return moved, order
 
 
+def _pad_token(plan: _planning.BatchPlan) -> int | None:
+    """The one token that pads `plan`'s left-padded prompts (0 where none is padded), or None where they
+    are padded elsewhere or with several tokens."""
+    if not _left_padded(plan.mask):
+        return None
+    tokens = np.unique(plan.ids[plan.mask == 0])
+    return int(tokens[0]) if len(tokens) == 1 else 0 if len(tokens) == 0 else None
+
+
+def _pads_laid(plan: _planning.BatchPlan) -> tuple[int, int]:
+    """(the most pads a row of `plan` has, its pad token): what a model whose layers read them lays
+    before each row (`SlotModel.lay_pads`; (0, 0) where no row is padded)."""
+    if plan.mask.all():
+        return 0, 0
+    return plan.size, _pad_token(plan)
+
+
 def _moved(arrays: dict, order: np.ndarray) -> dict:
     """`arrays` (images' prefill inputs) with those laid out along the prompt columns (token types
     [rows, size], multimodal rope positions [3, rows, size]: integers) taken from the columns `order`
@@ -118,7 +135,8 @@ class SlotRuns:
         except GenerationError:
             self.possible = self.recurrent = False
             self.attends = True
-        self.reads_pads = self.possible and reads_pads(self.model)  # (RecurrentGemma's padded prompts: `Generator`'s)
+        # RecurrentGemma's layers read a prompt's left pads: its slot models lay them before it (`SlotModel.pad_room`)
+        self.reads_pads = self.possible and reads_pads(self.model)
         self._models: dict[tuple, SlotModel] = {}
         self._programs: dict[tuple, SlotPrograms] = {}
         self._beams: dict[tuple, SlotBeams] = {}
@@ -128,7 +146,7 @@ class SlotRuns:
         """Whether this call runs on the slot core (the module docstring says which do)."""
         if not self.possible or self.generator.reads_data:
             return False
-        if self.reads_pads and not plan.mask.all():  # (the slots hold no pads before a prompt)
+        if self.reads_pads and _pad_token(plan) is None:  # (pads its slots do not lay before a prompt)
             return False
         if inputs and (self.encoder_decoder or self.recurrent or not takes_images(self.model.module, inputs, settings)):
             return False
@@ -376,8 +394,16 @@ class SlotRuns:
         return inputs
 
     def _model_key(self, plan: _planning.BatchPlan) -> tuple:
-        # (an encoder-decoder's slots hold encoder outputs as long as the plan's padded prompts)
+        # (an encoder-decoder's slots hold encoder outputs as long as the plan's padded prompts; a model
+        # that reads its pads lays up to the plan's prompt width of them, of the caller's pad token)
+        if self.reads_pads:
+            return (plan.rows, plan.total, *_pads_laid(plan))
         return (plan.rows, plan.total, plan.size) if self.encoder_decoder else (plan.rows, plan.total)
+
+    def _with_pads(self, slot_model: SlotModel, plan: _planning.BatchPlan) -> SlotModel:
+        if self.reads_pads:
+            slot_model.lay_pads(*_pads_laid(plan))
+        return slot_model
 
     def _slot_model(self, plan: _planning.BatchPlan) -> SlotModel:
         key = self._model_key(plan)
@@ -385,7 +411,7 @@ class SlotRuns:
             if self.encoder_decoder:  # (token inputs: as long as the plan's padded prompts)
                 self._models[key] = EncoderDecoderSlotModel(self.model, plan.rows, plan.total, plan.size)
             else:
-                self._models[key] = SlotModel(self.model, plan.rows, plan.total)
+                self._models[key] = self._with_pads(SlotModel(self.model, plan.rows, plan.total), plan)
         return self._models[key]
 
     def _programs_for(
@@ -406,8 +432,8 @@ class SlotRuns:
                     self.model, plan.rows, plan.total, plan.size, settings.speculation
                 )
             elif model_key not in self._models:
-                self._models[model_key] = SpeculativeSlotModel(
-                    self.model, plan.rows, plan.total, settings.speculation, draft=draft
+                self._models[model_key] = self._with_pads(
+                    SpeculativeSlotModel(self.model, plan.rows, plan.total, settings.speculation, draft=draft), plan
                 )
         stops, pad = settings.eos_token_ids, settings.pad_token_id
         width = plan.offset if self.encoder_decoder else plan.size  # the prefill's tokens: the decoder's prompt

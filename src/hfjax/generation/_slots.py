@@ -498,6 +498,9 @@ class SlotModel:
         # int32 arrays, each row's token at each position (column), and each step runs a row's columns
         # up to its window whole, reading the logits at the row's own position (`_recomputed`).
         self.recomputes = recomputed(model)
+        # Where its layers read a prompt's left pads (`reads_pads`, Model.generate's): up to `pad_room` of the
+        # caller's `pad_token` laid before each row's tokens, as many as its `RowSampling.pads` (`lay_pads`)
+        self.pad_room, self.pad_token = 0, 0
         if self.recomputes:
             self.layer_recurrent, self.layer_attends = (False,), (True,)
             self.recurrent, self.attends, self.attends_in_place = False, True, False
@@ -658,8 +661,14 @@ class SlotModel:
         return self.model.params
 
     def program_key(self) -> tuple:
-        """What, beside `SlotPrograms.key`, the programs depend on (none here)."""
-        return ()
+        """What, beside `SlotPrograms.key`, the programs depend on: the pads laid before each row (`lay_pads`)."""
+        return ("pads", self.pad_room, self.pad_token) if self.pad_room else ()
+
+    def lay_pads(self, room: int, token: int) -> None:
+        """For a model that keeps no cache and whose layers read a prompt's left pads (`reads_pads`): each
+        program runs a row's tokens after its `RowSampling.pads` of `token` (at most `room`), with their
+        attention mask 0, as transformers' input_ids hold the caller's batch."""
+        self.pad_room, self.pad_token = room, token
 
     def run(
         self, params, cache, ids, positions, columns, keep=None, *, lora=None, inputs=None, blocks=None, window=None,
@@ -678,7 +687,7 @@ class SlotModel:
         the caller's batch (`RowSampling.pads`), which a position table that counts from the cache's
         length counts in transformers (`position_source` "hook": its rows look up positions + shift)."""
         if self.recomputes:
-            return self._recomputed(cache, ids, positions, columns, keep, lora=lora, inputs=inputs)
+            return self._recomputed(cache, ids, positions, columns, keep, lora=lora, inputs=inputs, shift=shift)
         from transformers import StaticCache
 
         length = cache[0][0].shape[2]  # the columns given: all L, or a chunk's window
@@ -707,19 +716,28 @@ class SlotModel:
         cache = [(bridge.to_jax(layer.keys), bridge.to_jax(layer.values)) for layer in past.layers]
         return logits, cache
 
-    def _recomputed(self, cache, ids, positions, columns, keep=None, *, lora=None, inputs=None):
+    def _recomputed(self, cache, ids, positions, columns, keep=None, *, lora=None, inputs=None, shift=None):
         """`run` for a model that keeps no cache (`recomputes`): ids [B, q] written into the rows' tokens
         at columns [B, q] (the "cache", its two arrays alike), then the model run over each row's W
         columns from position 0, as transformers' generate runs it without a cache (later columns, from
         another step or request, are after every query and so read by none), its logits read at each
-        query's position."""
+        query's position. With `pad_room`, each row's `shift` [B] pads go before its tokens."""
         tokens = cache[0][0][:, 0, :, 0]  # [B, W]
         width = tokens.shape[1]
         tokens = tokens.at[jnp.arange(ids.shape[0])[:, None], columns].set(ids, mode="drop")
         queries = positions if keep is None else jnp.take(positions, keep, axis=1)
         queries = jnp.minimum(queries, width - 1)  # [B, k]: the columns whose logits are wanted
-        at = jnp.broadcast_to(jnp.arange(width, dtype=jnp.int32), tokens.shape)
-        kwargs = {"attention_mask": bridge.to_torch(jnp.ones_like(tokens))}
+        run = tokens
+        at = jnp.broadcast_to(jnp.arange(width, dtype=jnp.int32), tokens.shape)  # each column's position
+        mask = jnp.ones_like(tokens)
+        if self.pad_room:  # column j of the run holds the row's position j - pads (a pad before 0)
+            pads = jnp.zeros(tokens.shape[0], jnp.int32) if shift is None else shift
+            source = jnp.arange(width + self.pad_room, dtype=jnp.int32)[None, :] - pads[:, None]
+            taken = jnp.take_along_axis(tokens, jnp.clip(source, 0, width - 1), axis=1)
+            run = jnp.where(source >= 0, taken, jnp.int32(self.pad_token))
+            at, mask = jnp.maximum(source, 0), (source >= 0).astype(jnp.int32)
+            queries = queries + pads[:, None]
+        kwargs = {"attention_mask": bridge.to_torch(mask)}
         if self.takes_positions:
             kwargs["position_ids"] = bridge.to_torch(at)
         kwargs.update({name: bridge.to_torch(value) for name, value in (inputs or {}).items()})
@@ -733,7 +751,7 @@ class SlotModel:
         hook = None if head is None else head.register_forward_pre_hook(read_queries)
         try:
             with contextlib.nullcontext() if lora is None else _lora.rows(lora):
-                out = self.module(input_ids=bridge.to_torch(tokens), use_cache=False, **kwargs)
+                out = self.module(input_ids=bridge.to_torch(run), use_cache=False, **kwargs)
         finally:
             if hook is not None:
                 hook.remove()
