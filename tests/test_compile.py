@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import re
 import subprocess
 import sys
@@ -288,6 +289,29 @@ def test_compiles_tells_a_compile_from_a_cache_hit_on_its_own_thread(tmp_path):
     assert first == [1, 0, True]  # XLA compiled it
     assert again == [1, 1, False]  # the cache answered
     assert elsewhere == [0, 0, False]  # another thread's compile is not this one's
+
+
+def test_hfjax_gives_no_advice_to_install_a_cuda_kernel_for_pytorch():
+    # Without mamba_ssm and causal_conv1d, transformers notes (once per process) that Mamba's functions
+    # fall back to their reference implementations and advises installing those CUDA packages, which
+    # hfjax cannot run: what it compiles is the reference. PyTorch's own run still gets the note.
+    module = transformers.AutoModelForCausalLM.from_config(testing.tiny_config("mamba")).eval()
+    logger = logging.getLogger("transformers.integrations.hub_kernels")
+    records = []
+    handler = logging.Handler()
+    handler.emit = records.append
+    logger.addHandler(handler)
+    try:
+        logging.Logger.warning_once.cache_clear()  # (transformers' once-per-process notes)
+        ids = torch.randint(3, module.config.vocab_size, (1, 4))
+        hfjax.jit(module)(ids, use_cache=False)
+        assert [r.getMessage() for r in records if "falling back" in r.getMessage()] == []
+        with torch.no_grad():
+            module(ids, use_cache=False)
+        assert any("install `mamba_ssm`" in r.getMessage() for r in records)  # PyTorch's run: the note
+    finally:
+        logger.removeHandler(handler)
+        logging.Logger.warning_once.cache_clear()
 
 
 @pytest.mark.parametrize("family", ["mamba", "zamba"])

@@ -20,10 +20,28 @@ _X64_NOTE = r"Explicitly requested dtype (int|uint|float|complex)(64|128)"
 
 @contextlib.contextmanager
 def torch_code():
-    """Silences JAX's note on each 64-bit cast in torch code that hfjax runs (see _X64_NOTE)."""
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message=_X64_NOTE, category=UserWarning)
-        yield
+    """Silences JAX's note on each 64-bit cast in torch code that hfjax runs (see _X64_NOTE), and
+    transformers' advice to install a CUDA kernel package (`_kernel_advice`)."""
+    logger = logging.getLogger("transformers.integrations.hub_kernels")
+    added = _kernel_advice not in logger.filters  # (torch code within torch code: the outer block removes it)
+    if added:
+        logger.addFilter(_kernel_advice)
+    try:
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=_X64_NOTE, category=UserWarning)
+            yield
+    finally:
+        if added:
+            logger.removeFilter(_kernel_advice)
+
+
+def _kernel_advice(record: logging.LogRecord) -> bool:
+    """False for transformers' note that a function "is falling back to its reference PyTorch
+    implementation" and that installing mamba_ssm or causal_conv1d would be faster: those are CUDA
+    kernels for PyTorch, which do not run under JAX, and what XLA compiles is the reference (the
+    selective scan as one `lax.scan`: `bridge/_scans.py`). transformers logs each note once per
+    process, so PyTorch run later in the same process does not give it either."""
+    return "falling back to its reference PyTorch implementation" not in record.getMessage()
 
 
 @contextlib.contextmanager
