@@ -14,8 +14,8 @@ same: GPT-Neo, CTRL), or a recurrent state, or both, in separate layers or in on
 Zamba, Falcon-H1: `SlotState.recurrent`, each prompt prefilled whole, never speculated; beams take
 their parents' states), or no cache a slot can hold (GPT-1, RecurrentGemma: each step runs a row's
 tokens whole; RecurrentGemma's layers read a prompt's left pads, which its programs lay before each
-row, so its batches padded elsewhere or with several pad tokens are `Generator`'s), prompts padded anywhere (laid out as left padding: `_core_layout`,
-the images' per-token inputs with them), images where it builds the model's masks (`takes_images`;
+row, so its batches padded elsewhere or with several pad tokens are `Generator`'s), prompts padded
+anywhere (laid out as left padding: `_core_layout`, the images' per-token inputs with them), images where it builds the model's masks (`takes_images`;
 the prefill chunk of every row's whole prompt takes them; beams and drafts decode at the multimodal
 rope's positions; a draft model does not read them), weights on one device or
 on a mesh (of one process or several), and a model that reads no values of its data; or an
