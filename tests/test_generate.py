@@ -188,6 +188,22 @@ def test_a_model_that_keeps_no_cache_a_slot_can_hold_recomputes_its_tokens_on_th
             _assert_scores_equal(mine, theirs, tolerances.for_family("recurrent_gemma"))
 
 
+def test_a_recomputed_model_that_is_not_causal_reads_only_its_tokens_so_far(checkpoint, decodes):
+    # BertGeneration without is_decoder attends both ways: its slots' columns after a row's last token
+    # (zeros, or an earlier step's) must be masked, as transformers' generate has no such tokens.
+    model = hfjax.load(checkpoint("bert-generation", task="text-generation"))
+    ids = np.random.default_rng(0).integers(5, 90, (2, 6)).astype(np.int32)
+    mask = np.ones_like(ids)
+    mask[0, :2] = 0
+    settings = dict(max_new_tokens=NEW_TOKENS, do_sample=False, output_logits=True, return_dict_in_generate=True)
+    actual = model.generate(ids, mask, **settings)
+    assert decodes, "the call did not run on the slot core"
+    expected = _torch_output(model, ids, mask, **settings)
+    np.testing.assert_array_equal(np.asarray(actual.sequences), expected.sequences.numpy())
+    for mine, theirs in zip(actual.logits, expected.logits, strict=True):
+        _assert_scores_equal(mine, theirs, tolerances.for_family("bert-generation"))
+
+
 @pytest.mark.parametrize("family", ["mamba2", "jamba", "zamba"])
 def test_beam_search_over_recurrent_states_runs_on_the_slot_core_like_transformers(loaded, monkeypatch, family):
     # Each step moves every slot's keys and values and its recurrent layers' states to its beam's

@@ -204,6 +204,11 @@ def check_supported(model) -> None:
     config = model.module.config.get_text_config(decoder=True)
     if recurrent_model(model.module):
         return  # a state per slot (`SlotState.recurrent`)
+    if recomputed(model) and hasattr(model.module, "get_image_features"):  # (what `serving.Engine` reads)
+        raise GenerationError(
+            f"hfjax serve's slots rerun {type(model.module).__name__}'s tokens at every step (it keeps no cache), "
+            "and its images would be read at the prefill only; use Model.generate for it without images"
+        )
     if recomputed(model):
         return  # each slot's tokens so far, run whole at every step (`SlotModel.recomputes`)
     if type(adapter) is not StaticCacheAdapter and not hybrid_model(model.module) and not _cached_anyway(model):
@@ -275,6 +280,9 @@ def recomputed(model) -> bool:
     its tokens so far, and every step runs them whole (`SlotModel.recomputes`)."""
     module = model.module
     if type(adapter_for(module)) is not RecomputeAdapter or recurrent_model(module) or hybrid_model(module):
+        return False
+    taken = inspect.signature(module.forward).parameters
+    if "attention_mask" not in taken or "position_ids" not in taken:  # (every run gives both)
         return False
     if module not in _RECOMPUTED:  # (an abstract run: once per module)
         _RECOMPUTED[module] = not _cached_anyway(model)
@@ -720,8 +728,8 @@ class SlotModel:
         """`run` for a model that keeps no cache (`recomputes`): ids [B, q] written into the rows' tokens
         at columns [B, q] (the "cache", its two arrays alike), then the model run over each row's W
         columns from position 0, as transformers' generate runs it without a cache (later columns, from
-        another step or request, are after every query and so read by none), its logits read at each
-        query's position. With `pad_room`, each row's `shift` [B] pads go before its tokens."""
+        another step or request, are masked), its logits read at each query's position. With `pad_room`,
+        each row's `shift` [B] pads go before its tokens."""
         tokens = cache[0][0][:, 0, :, 0]  # [B, W]
         width = tokens.shape[1]
         tokens = tokens.at[jnp.arange(ids.shape[0])[:, None], columns].set(ids, mode="drop")
@@ -729,21 +737,30 @@ class SlotModel:
         queries = jnp.minimum(queries, width - 1)  # [B, k]: the columns whose logits are wanted
         run = tokens
         at = jnp.broadcast_to(jnp.arange(width, dtype=jnp.int32), tokens.shape)  # each column's position
-        mask = jnp.ones_like(tokens)
+        # A row's tokens so far are up to its last query: the columns after it are masked, as transformers'
+        # generate has no such tokens (a model that is not causal, BertGeneration's without is_decoder,
+        # would read them)
+        last = jnp.max(queries, axis=1, keepdims=True)  # [B, 1]
+        mask = (at <= last).astype(jnp.int32)
         if self.pad_room:  # column j of the run holds the row's position j - pads (a pad before 0)
             pads = jnp.zeros(tokens.shape[0], jnp.int32) if shift is None else shift
             source = jnp.arange(width + self.pad_room, dtype=jnp.int32)[None, :] - pads[:, None]
             taken = jnp.take_along_axis(tokens, jnp.clip(source, 0, width - 1), axis=1)
             run = jnp.where(source >= 0, taken, jnp.int32(self.pad_token))
-            at, mask = jnp.maximum(source, 0), (source >= 0).astype(jnp.int32)
+            at, mask = jnp.maximum(source, 0), ((source >= 0) & (source <= last)).astype(jnp.int32)
             queries = queries + pads[:, None]
         kwargs = {"attention_mask": bridge.to_torch(mask)}
         if self.takes_positions:
             kwargs["position_ids"] = bridge.to_torch(at)
         kwargs.update({name: bridge.to_torch(value) for name, value in (inputs or {}).items()})
 
+        read = []
+
         def read_queries(head, args):  # the output layer sees the queries' hidden states only
             hidden = args[0]
+            if hidden.dim() != 3 or hidden.shape[1] != run.shape[1]:  # (not one state per column: as it is)
+                return None
+            read.append(True)
             index = bridge.to_torch(queries)[:, :, None].expand(-1, -1, hidden.shape[-1])
             return (torch.gather(hidden, 1, index), *args[1:])
 
@@ -756,7 +773,7 @@ class SlotModel:
             if hook is not None:
                 hook.remove()
         logits = bridge.to_jax(out.logits).astype(jnp.float32)
-        if hook is None:  # (no output layer to hook: every column's logits, then the queries')
+        if not read:  # (no output layer read per column: every column's logits, then the queries')
             logits = jnp.take_along_axis(logits, queries[:, :, None], axis=1)
         held = tokens[:, None, :, None]
         return logits, [(held, held)]
