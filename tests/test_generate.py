@@ -72,6 +72,16 @@ def _torch_output(model, ids, mask, **kwargs):
         )
 
 
+def _assert_generates_like_transformers(model, ids, mask, family: str, **settings) -> None:
+    """model.generate's tokens are transformers' and its raw logits within `family`'s tolerance of theirs."""
+    settings = dict(settings, return_dict_in_generate=True, output_logits=True)
+    actual = model.generate(ids, mask, **settings)
+    expected = _torch_output(model, ids, mask, **settings)
+    np.testing.assert_array_equal(np.asarray(actual.sequences), expected.sequences.numpy())
+    for mine, theirs in zip(actual.logits, expected.logits, strict=True):
+        _assert_scores_equal(mine, theirs, tolerances.for_family(family))
+
+
 def _torch_generate(model, ids, mask, **kwargs):
     return _torch_output(model, ids, mask, **kwargs).numpy()
 
@@ -134,13 +144,8 @@ def test_bloom_runs_on_the_slot_core_with_transformers_logits(loaded):
     # (the tiny checkpoint's tokens repeat, its logits do not) show a bias off by a row's pads.
     model = loaded("bloom")
     ids, mask = _batch(model)
-    logits = dict(max_new_tokens=6, return_dict_in_generate=True, output_logits=True)
-    expected = _torch_output(model, ids, mask, **logits)
-    actual = model.generate(ids, mask, **logits)
+    _assert_generates_like_transformers(model, ids, mask, "bloom", max_new_tokens=6)
     assert model.generation_programs.on_slot_core
-    np.testing.assert_array_equal(np.asarray(actual.sequences), expected.sequences.numpy())
-    for mine, theirs in zip(actual.logits, expected.logits, strict=True):
-        _assert_scores_equal(mine, theirs, tolerances.for_family("bloom"))
 
 
 @pytest.mark.parametrize("family", ["llama", "gemma2", "mamba"])
@@ -177,15 +182,12 @@ def test_a_model_that_keeps_no_cache_a_slot_can_hold_recomputes_its_tokens_on_th
     model = loaded("recurrent_gemma")
     padded, padding = _batch(model)
     assert not padding.all() and padding[:, -3:].all()  # the last 3 columns: a batch without pads
-    settings = dict(max_new_tokens=NEW_TOKENS, do_sample=False, output_logits=True, return_dict_in_generate=True)
     for ids, mask in ((padded, padding), (padded[:, -3:], padding[:, -3:])):
-        actual = model.generate(ids, mask, **settings)
+        _assert_generates_like_transformers(
+            model, ids, mask, "recurrent_gemma", max_new_tokens=NEW_TOKENS, do_sample=False
+        )
         assert decodes, "the call did not run on the slot core"
         decodes.clear()
-        expected = _torch_output(model, ids, mask, **settings)
-        np.testing.assert_array_equal(np.asarray(actual.sequences), expected.sequences.numpy())
-        for mine, theirs in zip(actual.logits, expected.logits, strict=True):
-            _assert_scores_equal(mine, theirs, tolerances.for_family("recurrent_gemma"))
 
 
 def test_a_recomputed_model_that_is_not_causal_reads_only_its_tokens_so_far(checkpoint, decodes):
@@ -195,13 +197,8 @@ def test_a_recomputed_model_that_is_not_causal_reads_only_its_tokens_so_far(chec
     ids = np.random.default_rng(0).integers(5, 90, (2, 6)).astype(np.int32)
     mask = np.ones_like(ids)
     mask[0, :2] = 0
-    settings = dict(max_new_tokens=NEW_TOKENS, do_sample=False, output_logits=True, return_dict_in_generate=True)
-    actual = model.generate(ids, mask, **settings)
+    _assert_generates_like_transformers(model, ids, mask, "bert-generation", max_new_tokens=NEW_TOKENS, do_sample=False)
     assert decodes, "the call did not run on the slot core"
-    expected = _torch_output(model, ids, mask, **settings)
-    np.testing.assert_array_equal(np.asarray(actual.sequences), expected.sequences.numpy())
-    for mine, theirs in zip(actual.logits, expected.logits, strict=True):
-        _assert_scores_equal(mine, theirs, tolerances.for_family("bert-generation"))
 
 
 @pytest.mark.parametrize("family", ["mamba2", "jamba", "zamba"])

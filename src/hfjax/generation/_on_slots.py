@@ -15,9 +15,10 @@ Zamba, Falcon-H1: `SlotState.recurrent`, each prompt prefilled whole, never spec
 their parents' states), or no cache a slot can hold (GPT-1, RecurrentGemma: each step runs a row's
 tokens whole; RecurrentGemma's layers read a prompt's left pads, which its programs lay before each
 row, so its batches padded elsewhere or with several pad tokens are `Generator`'s), prompts padded
-anywhere (laid out as left padding: `_core_layout`, the images' per-token inputs with them), images where it builds the model's masks (`takes_images`;
-the prefill chunk of every row's whole prompt takes them; beams and drafts decode at the multimodal
-rope's positions; a draft model does not read them), weights on one device or
+anywhere (laid out as left padding: `_core_layout`, the images' per-token inputs with them), images
+where it builds the model's masks (`takes_images`; the prefill chunk of every row's whole prompt takes
+them; beams and drafts decode at the multimodal rope's positions; a draft model does not read them),
+weights on one device or
 on a mesh (of one process or several), and a model that reads no values of its data; or an
 encoder-decoder whose decoder takes each row's positions (`_encoder_slots`: Whisper, BART, T5,
 Marian, Blenderbot), speculating by prompt lookup only: its prefill reads the encoder's input and

@@ -204,13 +204,13 @@ def check_supported(model) -> None:
     config = model.module.config.get_text_config(decoder=True)
     if recurrent_model(model.module):
         return  # a state per slot (`SlotState.recurrent`)
-    if recomputed(model) and hasattr(model.module, "get_image_features"):  # (what `serving.Engine` reads)
-        raise GenerationError(
-            f"hfjax serve's slots rerun {type(model.module).__name__}'s tokens at every step (it keeps no cache), "
-            "and its images would be read at the prefill only; use Model.generate for it without images"
-        )
-    if recomputed(model):
-        return  # each slot's tokens so far, run whole at every step (`SlotModel.recomputes`)
+    if recomputed(model):  # each slot's tokens so far, run whole at every step (`SlotModel.recomputes`)
+        if hasattr(model.module, "get_image_features"):  # (what `serving.Engine` reads)
+            raise GenerationError(
+                f"hfjax serve's slots rerun {type(model.module).__name__}'s tokens at every step (it keeps no "
+                "cache), and its images would be read at the prefill only; use Model.generate for it without images"
+            )
+        return
     if type(adapter) is not StaticCacheAdapter and not hybrid_model(model.module) and not _cached_anyway(model):
         raise GenerationError(
             f"hfjax serve batches decoder-only causal LMs with a static KV cache or a recurrent state; "
@@ -749,9 +749,7 @@ class SlotModel:
             run = jnp.where(source >= 0, taken, jnp.int32(self.pad_token))
             at, mask = jnp.maximum(source, 0), ((source >= 0) & (source <= last)).astype(jnp.int32)
             queries = queries + pads[:, None]
-        kwargs = {"attention_mask": bridge.to_torch(mask)}
-        if self.takes_positions:
-            kwargs["position_ids"] = bridge.to_torch(at)
+        kwargs = {"attention_mask": bridge.to_torch(mask), "position_ids": bridge.to_torch(at)}  # (`recomputed`)
         kwargs.update({name: bridge.to_torch(value) for name, value in (inputs or {}).items()})
 
         read = []
