@@ -590,6 +590,26 @@ def test_encoder_decoders_whose_decoder_counts_positions_from_its_cache_run_on_t
     assert decodes, "the call did not run on the slot core"
 
 
+def test_an_encoder_decoder_whose_decoder_masks_nothing_over_a_cache_runs_on_the_slot_core(
+    checkpoint, monkeypatch, decodes
+):
+    # FSMT's decoder counts positions from its cache's length (M2M100's table, from padding_idx + 1), and
+    # over a cache it masks no key: the slots give it their self-attention mask (`UNMASKED_DECODERS`).
+    # Weights wide enough that the rows' logits differ; the second prompt is padded on the right.
+    model = hfjax.load(checkpoint("fsmt", task="text2text-generation", init_std=0.2))
+    pad = model.config.pad_token_id
+    ids = np.array([[5, 6, 7, 8, 9, 10, 2], [11, 12, 13, 2, pad, pad, pad]])
+    mask = (ids != pad).astype(np.int64)
+    _assert_generates_like_transformers(model, ids, mask, "fsmt", max_new_tokens=12, do_sample=False, num_beams=1)
+    assert decodes, "the call did not run on the slot core"
+    searches = _count_searches(monkeypatch)  # its generation config's beam search, on the slots too
+    assert model.generation_config.num_beams > 1
+    np.testing.assert_array_equal(
+        np.asarray(model.generate(ids, mask, max_new_tokens=8)), _torch_generate(model, ids, mask, max_new_tokens=8)
+    )
+    assert searches
+
+
 def test_an_encoder_decoder_with_sliding_window_layers_runs_on_the_slot_core_like_transformers(
     checkpoint, decodes, tmp_path
 ):

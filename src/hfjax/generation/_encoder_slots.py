@@ -19,7 +19,9 @@ The decoder's positions are each row's own. Whisper takes them (`decoder_positio
 whose position embedding counts from its cache's length takes them through a hook on that module
 for the length of the call (`POSITION_EMBEDDINGS`: the modules it knows, and how each looks a
 position up: BART, mBART, PLBart, MVP, Blenderbot, Marian, Pegasus, Pegasus-X, BigBird-Pegasus, M2M100
-and NLLB, NLLB-MoE). T5's relative position bias, which its attention computes from the cache's length
+and NLLB, NLLB-MoE, FSMT, LED). A decoder that masks nothing where it runs over a cache (FSMT's: it
+takes transformers' cache of exactly its tokens so far) gets the slots' self-attention mask through
+the argument it takes one by (`UNMASKED_DECODERS`). T5's relative position bias, which its attention computes from the cache's length
 (one scalar for every row), is each row's own through a hook on that attention's `compute_bias` for the
 length of the call (`RELATIVE_BIASES`: T5's, mT5's, UMT5's, LongT5's and Switch Transformers'
 decoders). A decoder with none of these is refused by `check_supported`, saying why.
@@ -64,6 +66,11 @@ RELATIVE_BIASES = frozenset(
 # class name: the decoder runs get transformers' `MoEModelOutput` (its routers' fields None) in place of
 # `BaseModelOutput`, which has no such field.
 ROUTED_ENCODERS = frozenset({"SwitchTransformersForConditionalGeneration", "NllbMoeForConditionalGeneration"})
+
+# Decoders that mask nothing where they run over a cache (transformers' generate gives them a cache of
+# exactly the tokens so far), by class name, and the argument of theirs that takes an additive
+# self-attention mask: the slots give it [B, 1, q, L], each key at or before its query (`_masked`).
+UNMASKED_DECODERS = {"FSMTDecoder": "decoder_causal_mask"}
 
 
 def _bias_modules(decoder) -> list:
@@ -315,8 +322,9 @@ class EncoderDecoderSlotModel(SlotModel):
         hidden = bridge.to_torch(jnp.zeros((rows, self.encoder_length, width), cross[0][0].dtype))
         mask = self.attention_mask(positions, length, cache[0][0].dtype)
         kwargs = self._decoder_kwargs(hidden, encoder_mask, bridge.to_torch(ids), positions, both, mask)
-        with self._positions_hook(positions), contextlib.nullcontext() if lora is None else _lora.rows(lora):
-            out = self.module(**kwargs)
+        with self._positions_hook(positions), self._masked(positions, length, cache[0][0].dtype):
+            with contextlib.nullcontext() if lora is None else _lora.rows(lora):
+                out = self.module(**kwargs)
         logits = bridge.to_jax(out.logits).astype(jnp.float32)
         if keep is not None:
             logits = jnp.take(logits, keep, axis=1)
@@ -340,6 +348,27 @@ class EncoderDecoderSlotModel(SlotModel):
         if self.positions == "keyword":
             kwargs["decoder_position_ids"] = bridge.to_torch(positions)
         return kwargs
+
+    @contextlib.contextmanager
+    def _masked(self, positions, length: int, dtype):
+        """Within the block, an `UNMASKED_DECODERS` decoder gets the self-attention mask of queries at
+        positions [B, q] over `length` columns; nothing for another decoder (it takes the mask itself)."""
+        decoder = self.module.get_decoder()
+        name = UNMASKED_DECODERS.get(type(decoder).__name__)
+        if name is None:
+            yield
+            return
+        allowed = jnp.arange(length, dtype=jnp.int32)[None, None, None, :] <= positions[:, None, :, None]
+        mask = bridge.to_torch(jnp.where(allowed, jnp.zeros((), dtype), jnp.finfo(dtype).min))  # [B, 1, q, L]
+
+        def give(module, args, kwargs):
+            return args, {**kwargs, name: mask}
+
+        handle = decoder.register_forward_pre_hook(give, with_kwargs=True)
+        try:
+            yield
+        finally:
+            handle.remove()
 
     @contextlib.contextmanager
     def _positions_hook(self, positions):

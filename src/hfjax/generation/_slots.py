@@ -361,11 +361,13 @@ def _sinusoids(module, positions):
 
 
 def _m2m100_embedding(module, positions):
-    """M2M100's (NLLB's, NLLB-MoE's) sinusoidal positions: transformers numbers a row's tokens that are
-    not padding from padding_idx + 1, so row b's position p is the table's row p + padding_idx + 1 (a
-    decoder's tokens are never padding, unless it makes the pad token itself: transformers then gives
-    that token the padding's row, and the slots its position's)."""
-    return module.weights[positions + module.padding_idx + 1]
+    """M2M100's (NLLB's, NLLB-MoE's) and FSMT's sinusoidal positions: transformers numbers a row's tokens
+    that are not padding from padding_idx + 1, so row b's position p is the table's row p + padding_idx
+    + 1 (a decoder's tokens are never padding, unless it makes the pad token itself: transformers then
+    gives that token the padding's row, and the slots its position's). M2M100 keeps its table in
+    `weights`, FSMT in `weight`."""
+    table = module.weights if hasattr(module, "weights") else module.weight
+    return table[positions + module.padding_idx + 1]
 
 
 # Position embeddings that count from the cache's length (one scalar for every row), by class name,
@@ -379,10 +381,12 @@ POSITION_EMBEDDINGS = {
     "BigBirdPegasusLearnedPositionalEmbedding": _plain_embedding,
     "PegasusXSinusoidalPositionalEmbedding": _sinusoids,
     "BlenderbotLearnedPositionalEmbedding": _plain_embedding,
+    "LEDLearnedPositionalEmbedding": _plain_embedding,
     "BlenderbotSmallLearnedPositionalEmbedding": _plain_embedding,
     "MarianSinusoidalPositionalEmbedding": _plain_embedding,
     "M2M100SinusoidalPositionalEmbedding": _m2m100_embedding,
     "NllbMoeSinusoidalPositionalEmbedding": _m2m100_embedding,
+    "SinusoidalPositionalEmbedding": _m2m100_embedding,  # FSMT's
 }
 
 # Methods that build an ALiBi bias from the key columns alone: MPT's is slope x (column - last column)
