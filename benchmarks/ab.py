@@ -5,12 +5,12 @@
     python benchmarks/ab.py --a-env CXX=/bin/false --busy 0,1  # kernels off (A) and on (B), alone and beside a busy process
     python benchmarks/ab.py --baseline efddf78 --num-beams 4   # beam search, this tree against a commit
     python benchmarks/ab.py --baseline 2695d59 --family bart   # an encoder-decoder (also whisper, llava, jetmoe,
-                                                               # recurrent_gemma, openai-gpt, fsmt)
+                                                               # recurrent_gemma, openai-gpt, fsmt, led)
 
 Each round runs A, then B, then B, then A (so neither side always runs first), each in a fresh
 process that loads the same checkpoint (the `150m` Llama shape of decode.py by default; with
 `--family`, BART on random encoder ids, Whisper on a fixed waveform's features or LLaVA on a fixed
-image and question, in their shapes of shapes.py, or JetMoE, RecurrentGemma, GPT-1 or FSMT in testing's tiny shape), warms up at the timed length, and times `--runs` greedy generates (or beam searches of `--num-beams`
+image and question, in their shapes of shapes.py, or JetMoE, RecurrentGemma, GPT-1, FSMT or LED in testing's tiny shape), warms up at the timed length, and times `--runs` greedy generates (or beam searches of `--num-beams`
 beams) of exactly `--new-tokens` tokens at each batch size. Reported: per side and batch, the median decode tokens/s per sequence over all
 runs, and B over A (the median of the per-round ratios). `--busy 0,1` runs every round once
 alone and once with one single-threaded CPU-bound process beside each worker, and reports each
@@ -49,6 +49,8 @@ FAMILIES = {
     "openai-gpt": ("tiny", {}, None),
     # a decoder that masks nothing over a cache: the slots give it their mask (`UNMASKED_DECODERS`)
     "fsmt": ("tiny", {}, "text2text-generation"),
+    # an encoder that reads its data (whether any token attends globally: `KNOWN_READS`)
+    "led": ("tiny", {}, "text2text-generation"),
 }
 _QUESTION = "Describe this image in a few words."
 _BUSY = "import time\nwhile True:\n    sum(i * i for i in range(10000))\n"

@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 import torch
 import transformers
+from packaging.version import Version
 
 import hfjax
 from hfjax import _compilation_cache, generation
@@ -980,8 +981,6 @@ def test_constrained_rows_sent_ahead_choose_generates_tokens(model, engine, monk
     [
         # its decoder's positions (and its relative position buckets) count from its cache's length
         ("prophetnet", "text2text-generation", "decoder takes none"),
-        # its encoder asks `mask.any().item()` (global attention or not), which a program compiled once cannot
-        ("led", "text2text-generation", "reads values of its data"),
     ],
 )
 def test_a_model_the_slot_core_cannot_run_is_refused_at_start_with_the_reason(checkpoint, family, task, reason):
@@ -1002,6 +1001,9 @@ def test_a_model_the_slot_core_cannot_run_is_refused_at_start_with_the_reason(ch
         ("switch_transformers", "text2text-generation"),
         ("m2m_100", "text2text-generation"),  # (NLLB's) a decoder position table, as Marian's
         ("fsmt", "text2text-generation"),  # M2M100's position table, and a decoder that masks nothing over a cache
+        # a decoder that makes no mask for one query; its encoder asks whether any token attends globally.
+        # (At default init its greedy token is EOS, which min_new_tokens holds back and ignore_eos does not.)
+        ("led", "text2text-generation"),
         # no cache a slot can hold: each slot keeps its tokens, and each step runs them whole
         ("recurrent_gemma", None),
         ("openai-gpt", None),
@@ -1009,7 +1011,9 @@ def test_a_model_the_slot_core_cannot_run_is_refused_at_start_with_the_reason(ch
 )
 def test_models_the_slot_core_took_on_are_served_with_transformers_tokens(checkpoint, family, task):
     # Two prompts of different lengths run side by side; each gives transformers' greedy tokens.
-    path = checkpoint(family, task=task)
+    if family == "fsmt" and Version(transformers.__version__) < Version("5.24"):
+        pytest.skip("FSMT's decoder before transformers 5.24 takes all its tokens at every step: refused at start")
+    path = checkpoint(family, task=task, **({"init_std": 0.2} if family == "led" else {}))
     other = hfjax.load(path)
     seq2seq = task == "text2text-generation"
     auto = transformers.AutoModelForSeq2SeqLM if seq2seq else transformers.AutoModelForCausalLM

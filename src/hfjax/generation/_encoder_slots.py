@@ -19,12 +19,14 @@ The decoder's positions are each row's own. Whisper takes them (`decoder_positio
 whose position embedding counts from its cache's length takes them through a hook on that module
 for the length of the call (`POSITION_EMBEDDINGS`: the modules it knows, and how each looks a
 position up: BART, mBART, PLBart, MVP, Blenderbot, Marian, Pegasus, Pegasus-X, BigBird-Pegasus, M2M100
-and NLLB, NLLB-MoE, FSMT, LED). A decoder that masks nothing where it runs over a cache (FSMT's: it
-takes transformers' cache of exactly its tokens so far) gets the slots' self-attention mask through
-the argument it takes one by (`UNMASKED_DECODERS`). T5's relative position bias, which its attention computes from the cache's length
-(one scalar for every row), is each row's own through a hook on that attention's `compute_bias` for the
-length of the call (`RELATIVE_BIASES`: T5's, mT5's, UMT5's, LongT5's and Switch Transformers'
-decoders). A decoder with none of these is refused by `check_supported`, saying why.
+and NLLB, NLLB-MoE, FSMT, LED). A decoder that masks nothing where it runs over a cache (FSMT's, and
+LED's for a single query: transformers' generate gives them a cache of exactly their tokens so far)
+gets the slots' self-attention mask through the module that takes one (`UNMASKED_DECODERS`); an
+encoder that reads values its slot inputs fix gets them (`KNOWN_READS`: LED's). T5's relative
+position bias, which its attention computes from the cache's length (one scalar for every row), is
+each row's own through a hook on that attention's `compute_bias` for the length of the call
+(`RELATIVE_BIASES`: T5's, mT5's, UMT5's, LongT5's and Switch Transformers' decoders). A decoder with
+none of these is refused by `check_supported`, saying why.
 
 `SpeculativeEncoderDecoderSlotModel` drafts by prompt lookup over each row's decoder tokens and
 verifies the drafts with one decoder run over the rows' cross keys.
@@ -38,6 +40,7 @@ import inspect
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import torch
 
 from .. import bridge
@@ -67,10 +70,40 @@ RELATIVE_BIASES = frozenset(
 # `BaseModelOutput`, which has no such field.
 ROUTED_ENCODERS = frozenset({"SwitchTransformersForConditionalGeneration", "NllbMoeForConditionalGeneration"})
 
+
+def _fsmt_mask(args, kwargs, additive, mask):
+    return args, {**kwargs, "decoder_causal_mask": additive}  # (added to its attention weights)
+
+
+def _layer_mask(args, kwargs, additive, mask):
+    return (args[0], mask, *args[2:]), kwargs  # (hidden_states, attention_mask, ...)
+
+
 # Decoders that mask nothing where they run over a cache (transformers' generate gives them a cache of
-# exactly the tokens so far), by class name, and the argument of theirs that takes an additive
-# self-attention mask: the slots give it [B, 1, q, L], each key at or before its query (`_masked`).
-UNMASKED_DECODERS = {"FSMTDecoder": "decoder_causal_mask"}
+# exactly the tokens so far), by the class name of the module that takes their self-attention mask,
+# and how the slots hand it theirs, [B, 1, q, L], each key at or before its query (`_masked`): FSMT's
+# decoder takes an additive `decoder_causal_mask` (with a cache it makes none); LED's decoder makes no
+# mask for a single query, so each of its layers gets the slots' own.
+UNMASKED_DECODERS = {"FSMTDecoder": _fsmt_mask, "LEDDecoderLayer": _layer_mask}
+
+# Encoders whose forward reads values of its data that the slots' inputs fix, by class name, and those
+# values in the order it reads them (`bridge.replaying` hands them to its trace): LED's asks whether any
+# token attends globally (`is_index_global_attn.flatten().any().item()`); the slots give it no
+# global_attention_mask, so its mask holds 0 (masked) and 1 (local) only, and no token does. Its other
+# reads are of arithmetic on its shapes (`torch.div(seq_len, window_overlap)`), which JAX stages like any
+# op inside a trace: the encoder runs under `jax.ensure_compile_time_eval`, so those are computed there.
+KNOWN_READS = {"LEDEncoder": (False,)}
+
+
+@contextlib.contextmanager
+def _known_reads(encoder):
+    """Within the block, `encoder`'s trace (a `KNOWN_READS` one) gets the values it reads."""
+    known = KNOWN_READS.get(type(encoder).__name__)
+    if known is None:
+        yield
+        return
+    with bridge.replaying([np.asarray(value) for value in known]), jax.ensure_compile_time_eval():
+        yield
 
 
 def _bias_modules(decoder) -> list:
@@ -98,6 +131,15 @@ def _rows_bias(compute_bias, positions):
     return bias
 
 
+def _numbers_whole_input(embedding) -> bool:
+    """Whether a decoder's position table numbers its whole input at every step, keeping the last
+    token's: FSMT's before transformers 5.24 (its forward takes no `cache_length`), whose decoder takes
+    all its tokens so far at every step, where the slots give a step's tokens only."""
+    return type(embedding).__name__ == "SinusoidalPositionalEmbedding" and (
+        "cache_length" not in inspect.signature(embedding.forward).parameters
+    )
+
+
 def decoder_positions(module) -> str | None:
     """How `module`'s decoder takes each row's own positions: "keyword" (its forward's
     decoder_position_ids), "hook" (a `POSITION_EMBEDDINGS` module in its decoder), "bias" (a
@@ -105,7 +147,8 @@ def decoder_positions(module) -> str | None:
     if "decoder_position_ids" in inspect.signature(module.forward).parameters:
         return "keyword"
     decoder = module.get_decoder()
-    if type(getattr(decoder, "embed_positions", None)).__name__ in POSITION_EMBEDDINGS:
+    embedding = getattr(decoder, "embed_positions", None)
+    if type(embedding).__name__ in POSITION_EMBEDDINGS and not _numbers_whole_input(embedding):
         return "hook"
     if getattr(decoder, "embed_positions", None) is None and _bias_modules(decoder):
         return "bias"
@@ -262,7 +305,9 @@ class EncoderDecoderSlotModel(SlotModel):
             encoder_kwargs = {self.main_input: value}
             if mask is not None:
                 encoder_kwargs["attention_mask"] = bridge.to_torch(mask)
-            hidden = self.module.get_encoder()(**encoder_kwargs).last_hidden_state  # [P, E, H]
+            encoder = self.module.get_encoder()
+            with _known_reads(encoder):
+                hidden = encoder(**encoder_kwargs).last_hidden_state  # [P, E, H]
             if hidden.shape[1] != self.encoder_length:
                 raise GenerationError(
                     f"EncoderDecoderSlotModel: the encoder gave {hidden.shape[1]} positions, and the slots hold "
@@ -322,7 +367,7 @@ class EncoderDecoderSlotModel(SlotModel):
         hidden = bridge.to_torch(jnp.zeros((rows, self.encoder_length, width), cross[0][0].dtype))
         mask = self.attention_mask(positions, length, cache[0][0].dtype)
         kwargs = self._decoder_kwargs(hidden, encoder_mask, bridge.to_torch(ids), positions, both, mask)
-        with self._positions_hook(positions), self._masked(positions, length, cache[0][0].dtype):
+        with self._positions_hook(positions), self._masked(positions, length, cache[0][0].dtype, mask):
             with contextlib.nullcontext() if lora is None else _lora.rows(lora):
                 out = self.module(**kwargs)
         logits = bridge.to_jax(out.logits).astype(jnp.float32)
@@ -350,25 +395,28 @@ class EncoderDecoderSlotModel(SlotModel):
         return kwargs
 
     @contextlib.contextmanager
-    def _masked(self, positions, length: int, dtype):
-        """Within the block, an `UNMASKED_DECODERS` decoder gets the self-attention mask of queries at
-        positions [B, q] over `length` columns; nothing for another decoder (it takes the mask itself)."""
-        decoder = self.module.get_decoder()
-        name = UNMASKED_DECODERS.get(type(decoder).__name__)
-        if name is None:
+    def _masked(self, positions, length: int, dtype, mask):
+        """Within the block, the modules of an `UNMASKED_DECODERS` decoder get the self-attention mask of
+        queries at positions [B, q] over `length` columns (`mask`, as the decoder takes it, or additive);
+        nothing for another decoder (it takes the mask itself)."""
+        modules = [m for m in self.module.get_decoder().modules() if type(m).__name__ in UNMASKED_DECODERS]
+        if not modules:
             yield
             return
         allowed = jnp.arange(length, dtype=jnp.int32)[None, None, None, :] <= positions[:, None, :, None]
-        mask = bridge.to_torch(jnp.where(allowed, jnp.zeros((), dtype), jnp.finfo(dtype).min))  # [B, 1, q, L]
-
-        def give(module, args, kwargs):
-            return args, {**kwargs, name: mask}
-
-        handle = decoder.register_forward_pre_hook(give, with_kwargs=True)
+        additive = bridge.to_torch(jnp.where(allowed, jnp.zeros((), dtype), jnp.finfo(dtype).min))  # [B, 1, q, L]
+        handles = [
+            m.register_forward_pre_hook(
+                lambda module, args, kwargs: UNMASKED_DECODERS[type(module).__name__](args, kwargs, additive, mask),
+                with_kwargs=True,
+            )
+            for m in modules
+        ]
         try:
             yield
         finally:
-            handle.remove()
+            for handle in handles:
+                handle.remove()
 
     @contextlib.contextmanager
     def _positions_hook(self, positions):
