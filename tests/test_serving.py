@@ -490,6 +490,24 @@ def test_a_seed_gives_the_same_tokens_whatever_else_is_in_the_batch(model, engin
     assert other_seed[0].token_ids != alone.token_ids
 
 
+def test_a_request_cancelled_in_its_slot_gets_its_last_event_when_nothing_else_runs(model, engine):
+    # Its listener cancels it at its first tokens, so it holds a slot; the engine thread finishes it at the
+    # next chunk boundary and, with nothing left to run, hands it its last event before it sleeps.
+    ids = _ids(model, PROMPTS[:1])[0]
+    events, finished, held = [], threading.Event(), []
+
+    def listener(event):
+        events.append(event)
+        if len(events) == 1:
+            engine.cancel(held[0])
+        if event.finish_reason is not None:
+            finished.set()
+
+    held.append(engine.submit(ids, SamplingParams(max_tokens=LENGTH - len(ids), ignore_eos=True), listener))
+    assert finished.wait(60), events
+    assert events[-1].finish_reason == "cancelled" and events[-1].completion_tokens < LENGTH - len(ids)
+
+
 def test_a_cancelled_request_frees_its_slot_for_the_queue(model, engine):
     ids = _ids(model, PROMPTS[:1])[0]
     events, finished = [], threading.Event()

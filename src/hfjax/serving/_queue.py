@@ -50,6 +50,21 @@ class RequestQueue:
             for request, event in outbox:
                 request.listener(event)
 
+    def idle(self) -> None:
+        """In a `held` block, where the engine thread has nothing to run: hands the events `send` kept to
+        their listeners (the lock released meanwhile: a request the thread just finished gets its last
+        event before the thread sleeps), else waits for `wake`. The caller looks again either way."""
+        outbox, self._outbox = self._outbox, []
+        if not outbox:
+            self.wake.wait()
+            return
+        self.lock.release()
+        try:
+            for request, event in outbox:
+                request.listener(event)
+        finally:
+            self.lock.acquire()
+
     def send(self, request: Request, event: Event) -> None:
         """Hands `event` to the request's listener when the lock (held by the caller) is released."""
         self._outbox.append((request, event))

@@ -442,7 +442,7 @@ class Engine:
                     if not any(self.table.requests):
                         if queue.stopping:
                             return
-                        queue.wake.wait()
+                        queue.idle()
                         continue
                 reading = self.table.reading()
                 if reading and reading[0].images is not None:  # a prompt with images: a chunk of its own
