@@ -47,8 +47,7 @@ class RequestQueue:
                 finally:
                     outbox, self._outbox = self._outbox, []
         finally:
-            for request, event in outbox:
-                request.listener(event)
+            _deliver(outbox)
 
     def idle(self) -> None:
         """In a `held` block, where the engine thread has nothing to run: hands the events `send` kept to
@@ -60,8 +59,7 @@ class RequestQueue:
             return
         self.lock.release()
         try:
-            for request, event in outbox:
-                request.listener(event)
+            _deliver(outbox)
         finally:
             self.lock.acquire()
 
@@ -153,3 +151,9 @@ class RequestQueue:
         if event is None:
             event = Event([], [], None, reason, request.prompt_tokens, request.generated, request.text.rest())
         self.send(request, event)
+
+
+def _deliver(outbox: list) -> None:
+    """Hands each kept (request, event) to the request's listener, in order (the lock not held)."""
+    for request, event in outbox:
+        request.listener(event)
