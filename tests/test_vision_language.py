@@ -3,6 +3,7 @@ PyTorch, `chat_with_images`, and `hfjax generate / chat --image`."""
 
 from __future__ import annotations
 
+import inspect
 import io
 import sys
 
@@ -171,6 +172,92 @@ def test_right_padded_prompts_with_images_run_on_the_slot_core_as_left_padded_on
     tolerance = tolerances.for_family(family)
     for step, (ours, theirs) in enumerate(zip(out.logits, expected.logits)):
         np.testing.assert_allclose(np.asarray(ours), theirs.numpy(), atol=tolerance.atol, err_msg=f"step {step}")
+
+
+def _tiny_gemma4(path, layer_types):
+    """A tiny Gemma 4 whose sliding layers let each image's tokens see each other both ways
+    (use_bidirectional_attention="vision"), saved by save_pretrained; and its image processor.
+    (Gemma4Processor needs torchvision for its video processor: the prompts are laid out here.)"""
+    from transformers.models.gemma4 import configuration_gemma4 as configs
+    from transformers.models.gemma4.image_processing_pil_gemma4 import Gemma4ImageProcessorPil
+
+    text = configs.Gemma4TextConfig(
+        vocab_size=300, hidden_size=64, intermediate_size=128, num_hidden_layers=len(layer_types),
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=512, sliding_window=8,
+        layer_types=list(layer_types), use_bidirectional_attention="vision", vocab_size_per_layer_input=300,
+        hidden_size_per_layer_input=8, pad_token_id=0, eos_token_id=1, bos_token_id=2, initializer_range=0.2,
+    )  # fmt: skip
+    vision = configs.Gemma4VisionConfig(
+        hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4,
+        head_dim=8, patch_size=2, pooling_kernel_size=3, position_embedding_size=128,
+    )  # fmt: skip
+    special = dict(image_token_id=290, boi_token_id=291, eoi_token_id=292, video_token_id=293, boa_token_id=294)
+    config = configs.Gemma4Config(
+        text_config=text, vision_config=vision, audio_config=None, eoa_token_index=295, audio_token_id=296, **special
+    )
+    torch.manual_seed(0)
+    transformers.Gemma4ForConditionalGeneration(config).eval().save_pretrained(path)
+    return Gemma4ImageProcessorPil(patch_size=2, max_soft_tokens=70, pooling_kernel_size=3), special
+
+
+def test_gemma4_images_see_each_other_in_sliding_layers_only_on_the_slot_core(tmp_path, monkeypatch):
+    # Gemma 4 (use_bidirectional_attention="vision") ORs each image's block into its sliding layers'
+    # causal mask and not into its full ones. Layers sliding, full, sliding: the first one's blocks
+    # reach the logits (a causal-only mask was 2.2 off) and the middle one's would too (blocks in every
+    # layer were 0.74 off). Its image encoder splits its features with .tolist(): it runs op by op
+    # before the prefill, and the prefill's size check of the placeholders is known from the features.
+    from hfjax import generation
+
+    decodes = []
+    decode = generation.SlotPrograms.decode
+    monkeypatch.setattr(
+        generation.SlotPrograms, "decode", lambda self, *a, **k: decodes.append(1) or decode(self, *a, **k)
+    )
+    processor, special = _tiny_gemma4(tmp_path, ("sliding_attention", "full_attention", "sliding_attention"))
+    pixels = processor(images=[PIL.Image.fromarray(image) for image in _images()], return_tensors="pt")
+    image, begin, end = special["image_token_id"], special["boi_token_id"], special["eoi_token_id"]
+    tokens = [int(n) for n in pixels["num_soft_tokens_per_image"]]
+    rows = [[2, 10, 11, begin, *[image] * tokens[0], end, 12, 13, 14], [2, 20, begin, *[image] * tokens[1], end, 21]]
+    width = max(map(len, rows))
+    ids = torch.tensor([[0] * (width - len(row)) + row for row in rows])
+    inputs = {
+        "input_ids": ids,
+        "attention_mask": torch.tensor([[0] * (width - len(row)) + [1] * len(row) for row in rows]),
+        "pixel_values": pixels["pixel_values"],
+        "image_position_ids": pixels["image_position_ids"],
+        "mm_token_type_ids": (ids == image).long(),
+    }
+    reference = transformers.Gemma4ForConditionalGeneration.from_pretrained(tmp_path).eval()
+    settings = dict(max_new_tokens=NEW_TOKENS, do_sample=False, output_logits=True, return_dict_in_generate=True)
+    with torch.no_grad():
+        expected = reference.generate(**inputs, **settings)
+    model = hfjax.load(tmp_path)
+    out = model.generate(**{name: value.numpy() for name, value in inputs.items()}, **settings)
+    np.testing.assert_array_equal(np.asarray(out.sequences), expected.sequences.numpy())
+    for step, (ours, theirs) in enumerate(zip(out.logits, expected.logits)):
+        np.testing.assert_allclose(
+            np.asarray(ours), theirs.numpy(), atol=tolerances.DEFAULT.atol, err_msg=f"step {step}"
+        )
+    # transformers before 5.24 takes no encoder output in Gemma 4's forward: the prefill traces the
+    # encoder, reads its data, and `Generator` guards the call, as before.
+    if "mm_encoder_outputs" in inspect.signature(reference.forward).parameters:
+        assert decodes, "the call with images did not run on the slot core"
+        # The placeholders are checked against the features on the host (the trace is told their size).
+        short = {name: value.numpy().copy() for name, value in inputs.items()}
+        short["input_ids"][0, short["input_ids"][0].tolist().index(image)] = 10
+        with pytest.raises(
+            hfjax.GenerationError, match=f"{sum(tokens)} image tokens.*{sum(tokens) - 1} image placeholders"
+        ):
+            model.generate(**short, max_new_tokens=2)
+    # Either way a data read with images leaves text-only calls on the slot core.
+    decodes.clear()
+    text = {"input_ids": ids[:, :3].numpy(), "attention_mask": np.ones((2, 3), np.int64)}
+    with torch.no_grad():
+        expected = reference.generate(
+            **{k: torch.as_tensor(v) for k, v in text.items()}, max_new_tokens=4, do_sample=False
+        )
+    np.testing.assert_array_equal(np.asarray(model.generate(**text, max_new_tokens=4)), expected.numpy())
+    assert decodes, "a text-only call after the images did not run on the slot core"
 
 
 @pytest.fixture(scope="module")

@@ -150,7 +150,6 @@ class Generator:
         self._module_names = {id(m): n for n, m in model.module.named_modules()}
         # Per program key whose trace reads values of the data (hfjax._specialize): its values.
         self._specialized: dict[tuple, bridge.Specializations] = {}
-        self.reads_data = False  # a trace found the model reading values of its data: no slot runs
         self.slot_runs = SlotRuns(self)
 
     @property
@@ -671,7 +670,7 @@ class Generator:
                 "with data=1 (the weights may still be split over 'model')"
             )
         with self._bound(_one_adapter(self.model.params, lora)), bridge.products(precision):
-            inputs = _multimodal.encode_images_eagerly(self.module, inputs)
+            inputs = _multimodal.encode_images_eagerly(self.module, inputs, ids)
         return _multimodal.prefill_inputs(self.module, plan, inputs, ids.shape[1])
 
     @contextlib.contextmanager

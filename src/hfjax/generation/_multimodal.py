@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
+from collections.abc import Callable
 
 import jax
 import numpy as np
@@ -56,6 +57,9 @@ EAGER_IMAGE_ENCODERS = {
     name: "get_image_features drops all-padding images by a boolean index and splits the features per "
     "row with .tolist()"
     for name in ("Idefics3ForConditionalGeneration", "SmolVLMForConditionalGeneration")
+} | {
+    "Gemma4ForConditionalGeneration": "get_image_features splits the features per image with .tolist() of "
+    "the count of each image's real patches"
 }
 _IMAGE_FEATURES = "image_features"  # PrefillInputs.model_inputs key of an eager encoder's output [N, H]
 
@@ -81,18 +85,23 @@ class PrefillInputs:
             from .. import bridge
 
             features = bridge.to_torch(arguments.pop(_IMAGE_FEATURES))
-            arguments["mm_encoder_outputs"] = {"image": BaseModelOutputWithPooling(pooler_output=features)}
+            arguments["mm_encoder_outputs"] = {"image": BaseModelOutputWithPooling(pooler_output=(features,))}
         constants = {name: jnp.asarray(np.array(values, np.int32)) for name, values in self.static}
         return {**arguments, **constants}
 
 
-def _image_runs(token_type_ids):
+def _image_runs(token_type_ids, image_types=(1,)):
     # Gemma 3: each run of image tokens (type 1) is a block of its own, numbered from 0; text is -1.
     import jax.numpy as jnp
 
-    image = token_type_ids == 1
+    image = jnp.isin(token_type_ids, jnp.asarray(image_types))
     starts = image & ~jnp.pad(image, ((0, 0), (1, 0)))[:, :-1]
     return jnp.where(image, jnp.cumsum(starts.astype(jnp.int32), axis=1) - 1, -1)
+
+
+def _vision_runs(mm_token_type_ids):
+    # Gemma 4: each run of image or video tokens (types 1 and 2) is a block of its own.
+    return _image_runs(mm_token_type_ids, image_types=(1, 2))
 
 
 def _prefix(token_type_ids):
@@ -102,19 +111,49 @@ def _prefix(token_type_ids):
     return jnp.where(token_type_ids == 0, 0, -1)
 
 
+@dataclasses.dataclass(frozen=True)
+class Blocks:
+    """How one family's prefill mask lets blocks of tokens attend to each other both ways."""
+
+    source: str  # the forward argument transformers builds the blocks from ([B, C] token types)
+    rule: Callable  # that argument [B, C] -> block ids [B, C] int32, -1 outside any block
+    kinds: tuple[str, ...] | None = None  # the attention kinds whose masks have them; None: every kind
+    when: Callable = lambda config: True  # whether a checkpoint's config asks for them
+
+
 # Models whose prefill lets blocks of tokens attend to each other both ways, as transformers builds
-# their masks from token_type_ids: {config.model_type: token_type_ids [B, C] -> block ids [B, C]
-# int32, -1 outside any block}. The slot core builds its masks itself, so it adds these blocks.
-BIDIRECTIONAL_BLOCKS = {"gemma3": _image_runs, "paligemma": _prefix}
+# their masks from token types: {config.model_type: Blocks}. The slot core builds its masks itself,
+# so it adds these blocks. Gemma 4 has them only where its text config's use_bidirectional_attention
+# is "vision", and only in its sliding-window layers (`create_masks_for_vision_model`).
+BIDIRECTIONAL_BLOCKS = {
+    "gemma3": Blocks("token_type_ids", _image_runs),
+    "paligemma": Blocks("token_type_ids", _prefix),
+    "gemma4": Blocks(
+        "mm_token_type_ids",
+        _vision_runs,
+        kinds=("sliding_attention",),
+        when=lambda config: getattr(config.get_text_config(), "use_bidirectional_attention", None) == "vision",
+    ),
+}
+
+# The forward arguments from which some model builds bidirectional blocks; a model that reads one
+# and is not in BIDIRECTIONAL_BLOCKS keeps its images off the slot core (`_on_slots.takes_images`).
+BLOCK_SOURCES = frozenset({"token_type_ids"})
+
+
+def blocks_of(module) -> Blocks | None:
+    """`module`'s bidirectional blocks (`BIDIRECTIONAL_BLOCKS`), where its config asks for them; else None."""
+    blocks = BIDIRECTIONAL_BLOCKS.get(module.config.model_type)
+    return blocks if blocks is not None and blocks.when(module.config) else None
 
 
 def block_ids(module, inputs: dict):
-    """The prefill's bidirectional block ids [B, C] int32 (-1: causal) from `inputs`' token_type_ids,
-    where `module`'s mask has such blocks (`BIDIRECTIONAL_BLOCKS`); else None."""
-    rule = BIDIRECTIONAL_BLOCKS.get(module.config.model_type)
-    if rule is None or "token_type_ids" not in inputs:
+    """The prefill's bidirectional block ids [B, C] int32 (-1: causal) from `inputs`' token types,
+    where `module`'s mask has such blocks (`blocks_of`); else None."""
+    blocks = blocks_of(module)
+    if blocks is None or blocks.source not in inputs:
         return None
-    return rule(inputs["token_type_ids"]).astype("int32")
+    return blocks.rule(inputs[blocks.source]).astype("int32")
 
 
 def split_model_inputs(module, arguments: dict) -> tuple[dict, dict]:
@@ -166,8 +205,7 @@ def repeated(module, ids: np.ndarray, inputs: dict[str, np.ndarray], times: int)
     tokens cannot be told apart."""
     prompts = ids.shape[0]
     config = module.config
-    token = getattr(config, "image_token_id", None)
-    token = getattr(config, "image_token_index", None) if token is None else token
+    token = image_token(config)
     placeholders = (ids == token).sum(axis=1) if token is not None else np.zeros(prompts, np.int64)
     grids = inputs.get("image_grid_thw")
     if _IMAGE_FEATURES in inputs:  # one feature row per placeholder token
@@ -238,17 +276,21 @@ def _left_padded(inputs: dict, prompts: int, prompt_length: int, rows: int, size
     return laid_out
 
 
-def encode_images_eagerly(module, inputs: dict) -> dict:
-    """`inputs` with pixel_values (and pixel_attention_mask) replaced by the image encoder's output,
-    run op by op through torchax (the weights bound by the caller), for EAGER_IMAGE_ENCODERS."""
+def encode_images_eagerly(module, inputs: dict, ids: np.ndarray) -> dict:
+    """`inputs` with pixel_values (and pixel_attention_mask, image_position_ids) replaced by the image
+    encoder's output, run op by op through torchax (the weights bound by the caller), for
+    EAGER_IMAGE_ENCODERS whose forward takes transformers' `mm_encoder_outputs`. `ids` [..., S]: the
+    prompts, whose image placeholders must be as many as the features' rows (a GenerationError else)."""
     from .. import bridge
 
     if type(module).__name__ not in EAGER_IMAGE_ENCODERS or "pixel_values" not in inputs:
         return inputs
+    if "mm_encoder_outputs" not in inspect.signature(module.forward).parameters:
+        return inputs  # (transformers before 5.24's Gemma 4: the prefill's trace runs the encoder)
     rest = dict(inputs)
     pixels = {
         name: bridge.to_torch(jax.numpy.asarray(rest.pop(name)))
-        for name in ("pixel_values", "pixel_attention_mask")
+        for name in ("pixel_values", "pixel_attention_mask", "image_position_ids")
         if name in rest
     }
     out = module.model.get_image_features(**pixels, return_dict=True)
@@ -258,7 +300,39 @@ def encode_images_eagerly(module, inputs: dict) -> dict:
 
         features = torch.cat(list(features), dim=0)
     rest[_IMAGE_FEATURES] = np.asarray(bridge.to_jax(features))  # [N image tokens, H]
+    placeholders = int((np.asarray(ids) == image_token(module.config)).sum())
+    if placeholders != rest[_IMAGE_FEATURES].shape[0]:
+        raise GenerationError(
+            f"Model.generate: the images make {rest[_IMAGE_FEATURES].shape[0]} image tokens, and the prompts hold "
+            f"{placeholders} image placeholders; pass the input_ids the processor made with these images"
+        )
     return rest
+
+
+def image_token(config) -> int | None:
+    """The id of the placeholder token that an image's features replace in the prompt, where the config names one."""
+    token = getattr(config, "image_token_id", None)
+    return getattr(config, "image_token_index", None) if token is None else token
+
+
+# Values of the data that a model's prefill reads where an eager encoder ran, known from the shape of
+# its features [N, H] (the host checked N against the placeholders, `encode_images_eagerly`): {class
+# name: features' shape -> the values in the order the trace reads them}. Gemma 4 checks its
+# placeholders' size against the features' with `inputs_embeds[image_mask].numel()`, a boolean index.
+KNOWN_IMAGE_READS = {"Gemma4ForConditionalGeneration": lambda shape: (shape[0] * shape[1],)}
+
+
+def known_reads(module, inputs: dict):
+    """A block within which the prefill's trace of `module` with `inputs` (its arrays) gets the values
+    it reads (`KNOWN_IMAGE_READS`); a block that does nothing for other models and inputs."""
+    import contextlib
+
+    from .. import bridge
+
+    known = KNOWN_IMAGE_READS.get(type(module).__name__)
+    if known is None or _IMAGE_FEATURES not in inputs:
+        return contextlib.nullcontext()
+    return bridge.replaying([np.asarray(value) for value in known(inputs[_IMAGE_FEATURES].shape)])
 
 
 def signature(inputs: PrefillInputs | None) -> tuple:

@@ -138,6 +138,9 @@ class SlotRuns:
             self.attends = True
         # RecurrentGemma's layers read a prompt's left pads: its slot models lay them before it (`SlotModel.pad_room`)
         self.reads_pads = self.possible and reads_pads(self.model)
+        # Whether calls with prefill inputs (True: images) or without them (False) were found to read values
+        # of the model's data (`DataDependentError`): those calls run on `Generator`, which guards them.
+        self.reads_data: set[bool] = set()
         self._models: dict[tuple, SlotModel] = {}
         self._programs: dict[tuple, SlotPrograms] = {}
         self._beams: dict[tuple, SlotBeams] = {}
@@ -145,7 +148,7 @@ class SlotRuns:
 
     def takes(self, plan: _planning.BatchPlan, settings: GenerationSettings, inputs) -> bool:
         """Whether this call runs on the slot core (the module docstring says which do)."""
-        if not self.possible or self.generator.reads_data:
+        if not self.possible or bool(inputs) in self.reads_data:
             return False
         if self.reads_pads and _pad_token(plan) is None:  # (pads its slots do not lay before a prompt)
             return False
@@ -201,7 +204,7 @@ class SlotRuns:
             try:
                 grammars = self._grammars_for(plan, settings)
             except DataDependentError:
-                self.generator.reads_data = True
+                self.reads_data.update((False, True))
                 return None
             features = dataclasses.replace(features, mask_words=grammars.words)
             caller = plan.prompts * plan.per_prompt  # the rows past them pad the plan to its devices
@@ -252,8 +255,8 @@ class SlotRuns:
             state, chosen = programs.prefill(
                 state, sampling, which, prompts, starts, counts, last, every, no, window=width, inputs=arrays
             )
-        except DataDependentError:
-            self.generator.reads_data = True
+        except DataDependentError:  # a text prompt's trace reads it with images too; images' own reads stay theirs
+            self.reads_data.update((True,) if inputs is not None else (False, True))
             return None
         if beam is not None:
             return self._search(state, sampling, chosen.logits[:, 0], lengths, plan, settings, features, start)
@@ -287,7 +290,7 @@ class SlotRuns:
                         decoding_rows=rows, window=window, logprobs=False,
                     )  # fmt: skip
                 except DataDependentError:
-                    self.generator.reads_data = True
+                    self.reads_data.update((False, True))
                     return None
                 ran = int(parallel.to_host(chosen.ran))
                 if chosen.made is not None:  # a speculative chunk: each row made `ran` tokens or stopped
@@ -338,7 +341,7 @@ class SlotRuns:
                 try:
                     state, carry = beams.search(state, sampling, carry, prompt_lengths, count, window=window)
                 except DataDependentError:
-                    self.generator.reads_data = True
+                    self.reads_data.update((False, True))
                     return None
                 ran = int(parallel.to_host(carry.step)) - steps
                 steps, position = steps + ran, position + ran
@@ -452,7 +455,7 @@ def takes_images(module, inputs, settings: GenerationSettings | None = None) -> 
     its masks' bidirectional blocks are known (`_multimodal.BIDIRECTIONAL_BLOCKS`) where it reads
     token_type_ids, and `settings` (Model.generate's) drafts with no draft model (which would read
     the images' placeholder tokens without the images)."""
-    if "token_type_ids" in inputs and module.config.model_type not in _multimodal.BIDIRECTIONAL_BLOCKS:
+    if _multimodal.BLOCK_SOURCES & set(inputs) and module.config.model_type not in _multimodal.BIDIRECTIONAL_BLOCKS:
         return False
     return settings is None or settings.speculation is None or settings.speculation.method != "draft_model"
 

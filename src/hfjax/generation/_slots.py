@@ -665,7 +665,7 @@ class SlotModel:
         if type(self.module).__name__ in _multimodal.EAGER_IMAGE_ENCODERS:
             precision = bridge.resolve_precision(self.model.matmul_precision)
             with self.bound(self.model.params), bridge.products(precision):
-                inputs = _multimodal.encode_images_eagerly(self.module, inputs)
+                inputs = _multimodal.encode_images_eagerly(self.module, inputs, ids)
         return {name: jnp.asarray(value) for name, value in inputs.items()}, delta
 
     def weights(self) -> dict:
@@ -884,9 +884,11 @@ class SlotModel:
         within the sliding window where layers slide."""
         every = jnp.arange(length, dtype=jnp.int32)[None, None, :]
         masks = {}
+        family = _multimodal.blocks_of(self.module) if blocks is not None else None
         for kind in self.mask_kinds:
             allowed = every <= positions[:, :, None]  # [B, q, L]
-            if blocks is not None:  # transformers' OR of the causal mask and the blocks, before the window
+            if family is not None and (family.kinds is None or kind in family.kinds):
+                # transformers' OR of the causal mask and the blocks, before the window
                 query, key = blocks
                 allowed |= (query[:, :, None] == key[:, None, :]) & (query[:, :, None] >= 0)
             if kind == "sliding_attention":  # transformers' sliding window: the key within `window` of the query
@@ -931,7 +933,8 @@ class SlotModel:
             prefill = _multimodal.PrefillInputs(model_inputs=arrays, position_shift=None, static=static)
         # Static inputs (image grids) stay concrete through the ops the model runs on them.
         evaluate = jax.ensure_compile_time_eval() if static else contextlib.nullcontext()
-        with self.bound(params), evaluate:
+        known = _multimodal.known_reads(self.module, inputs) if inputs else contextlib.nullcontext()
+        with self.bound(params), evaluate, known:
             if inputs:
                 arguments = prefill.arguments()
             logits, gathered = self.run(
