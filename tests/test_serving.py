@@ -198,7 +198,9 @@ def test_a_lone_stream_runs_long_chunks_sent_ahead_and_no_step_past_max_tokens(m
 def test_a_chunk_runs_decode_steps_while_a_request_waits_or_reads_its_prompt(model, engine, monkeypatch):
     calls = _Calls(engine, monkeypatch)
     long_prompt = np.random.default_rng(3).integers(5, 400, 3 * CHUNK).tolist()
-    short = _ids(model, PROMPTS[2:3])[0]
+    # One chunk whatever the prefix cache holds (PROMPTS[2], 35 tokens, read in three chunks where
+    # no earlier test had left it cached: no decode ran before the long prompt's last chunk).
+    short = _ids(model, PROMPTS[:1])[0]
     # Two requests at once: while the long one reads its prompt over three prefill chunks, the short
     # one's decode chunks keep to decode_steps.
     engine.generate([short, long_prompt], SamplingParams(max_tokens=12, temperature=0, ignore_eos=True))
