@@ -52,6 +52,7 @@ from ._engine import Generator, check_draft
 from ._generate import generate
 from ._grammar import Constraint, ConstraintError, Grammars, Matcher, bitmask_words
 from ._limits import LimitError, LimitNames, check_limits
+from ._on_slots import takes_images
 from ._program_view import GenerationPrograms
 from ._rows import MAX_HELD_STOP_TOKENS, MAX_LOGIT_BIAS, RowSampling, SamplingFeatures, key_data
 from ._settings import GenerationSettings, SamplingConfig, resolve_settings
@@ -99,4 +100,5 @@ __all__ = [
     "resolve_settings",
     "slot_model",
     "stopped",
+    "takes_images",
 ]

@@ -457,6 +457,11 @@ def takes_images(module, inputs, settings: GenerationSettings | None = None) -> 
     the images' placeholder tokens without the images)."""
     if _multimodal.BLOCK_SOURCES & set(inputs) and module.config.model_type not in _multimodal.BIDIRECTIONAL_BLOCKS:
         return False
+    # A config that asks for bidirectional attention (Gemma 4's and its kin's "vision") where the table
+    # has no rule for it: transformers' masks differ from the slots' causal ones.
+    bidirectional = getattr(module.config.get_text_config(), "use_bidirectional_attention", None)
+    if bidirectional and _multimodal.blocks_of(module) is None:
+        return False
     return settings is None or settings.speculation is None or settings.speculation.method != "draft_model"
 
 

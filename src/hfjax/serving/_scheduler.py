@@ -221,8 +221,13 @@ class Engine:
 
     @property
     def takes_images(self) -> bool:
-        """Whether the model reads images with its prompts (a vision-language model with a processor)."""
-        return hasattr(self.model.module, "get_image_features") and self.model.processor is not None
+        """Whether the model reads images with its prompts (a vision-language model with a processor)
+        and the slot core builds its prefill masks for the inputs its processor makes
+        (`generation.takes_images`: bidirectional image blocks it knows, or none)."""
+        module, processor = self.model.module, self.model.processor
+        if not hasattr(module, "get_image_features") or processor is None:
+            return False
+        return generation.takes_images(module, getattr(processor, "model_input_names", ()))
 
     @property
     def running(self) -> int:
