@@ -144,14 +144,15 @@ def test_an_image_chat_equals_generate_and_transformers_by_data_file_and_http_ur
     assert json.loads(httpx.get(url + "/").text.split("TAKES_IMAGES = ", 1)[1].split(";", 1)[0]) is True
 
 
-def test_an_image_request_beside_text_requests_gets_its_answer_alone(client, expected):
+def test_image_requests_beside_text_requests_get_their_answers_alone(client, expected):
+    # Image prompts waiting together are prefilled in one turn of the engine, a call each.
     texts = [_messages(question=f"Tell me about the river {i}") for i in range(3)]
     texts = [[{"role": "user", "content": m[0]["content"][-1]["text"]}] for m in texts]
     alone = [_chat(client, m) for m in texts]
-    with concurrent.futures.ThreadPoolExecutor(4) as pool:
-        image = pool.submit(_chat, client, _messages(_data_url()))
+    with concurrent.futures.ThreadPoolExecutor(6) as pool:
+        images = [pool.submit(_chat, client, _messages(_data_url())) for _ in range(3)]
         together = list(pool.map(lambda m: _chat(client, m), texts))
-    assert image.result() == expected
+    assert [image.result() for image in images] == [expected] * 3
     assert together == alone
 
 

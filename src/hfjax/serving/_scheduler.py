@@ -450,8 +450,11 @@ class Engine:
                         queue.idle()
                         continue
                 reading = self.table.reading()
-                if reading and reading[0].images is not None:  # a prompt with images: a chunk of its own
-                    self._delivery.first_tokens([reading[0]], *self._calls.prefill_images(reading[0]))
+                if reading and reading[0].images is not None:  # prompts with images: a chunk of its own each,
+                    # as many as one prefill call takes rows before the next decode chunk, so the decode
+                    # chunks run with the newcomers' rows beside the others
+                    for request in [r for r in reading[: self.prefill_rows] if r.images is not None]:
+                        self._delivery.first_tokens([request], *self._calls.prefill_images(request))
                 elif reading:
                     requests = [r for r in reading if r.images is None][: self.prefill_rows]
                     self._delivery.first_tokens(requests, *self._calls.prefill(requests))
