@@ -105,7 +105,13 @@ def clean_up() -> None:
     with _LOCK:
         for job in _JOBS.values():
             if job.process is not None and job.process.poll() is None:
-                job.process.kill()
+                # SIGTERM first: a job that started servers of its own (README_SERVE_JOB) stops them on its
+                # way out; a SIGKILL left them running after the session (a job that no selected test awaited).
+                job.process.terminate()
+                try:
+                    job.process.wait(timeout=60)
+                except subprocess.TimeoutExpired:
+                    job.process.kill()
             if job.directory is not None:
                 shutil.rmtree(job.directory, ignore_errors=True)
 
@@ -244,6 +250,7 @@ def headless_chromium():
 # each command's outcome as a JSON line, the server's log last.
 README_SERVE_JOB = r"""
 import json, os, pathlib, re, signal, socket, subprocess, sys
+signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # (clean_up's stop: the finally below stops the servers)
 directory = sys.argv[1]
 section = pathlib.Path(os.environ["HFJAX_README"]).read_text().split("\n## Serve\n", 1)[1].split("\n## ", 1)[0]
 blocks = re.findall(r"```bash\n(.*?)```", section, flags=re.S)
