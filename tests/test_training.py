@@ -392,6 +392,13 @@ def test_a_directory_is_written_whole_or_not_at_all(tmp_path):
     assert [p.name for p in tmp_path.iterdir()] == ["out"]
     assert (target / "weights").read_text() == "first"
 
+    # A process killed between the two renames that put a new version in place: the old one, whole,
+    # lies beside the absent directory, and what reads a checkpoint puts it back first.
+    target.rename(tmp_path / ".out.old-12345")
+    assert _save.restored(target) == target
+    assert [p.name for p in tmp_path.iterdir()] == ["out"]
+    assert (target / "weights").read_text() == "first"
+
 
 # matplotlib's default colours: the first line ("C0") and the second ("C1"), as RGB.
 TRAIN_LINE, EVAL_LINE = (31, 119, 180), (255, 127, 14)

@@ -60,12 +60,19 @@ def _run_child(directory: pathlib.Path) -> None:
     )
     state = directory / "killed" / "checkpoint" / "trainer_state.json"
     while killed.poll() is None:
-        if state.is_file() and json.loads(state.read_text())["step"] >= 4:
+        try:  # (absent for a moment while a new checkpoint replaces the old: two renames)
+            step = json.loads(state.read_text())["step"]
+        except (FileNotFoundError, json.JSONDecodeError):
+            step = 0
+        if step >= 4:
             killed.send_signal(signal.SIGKILL)
             break
         time.sleep(0.01)
     record["killed"] = {"code": killed.wait(), "stderr": killed.stderr.read()[-3000:]}
-    record["killed_at"] = json.loads(state.read_text())["step"] if state.is_file() else None
+    # (killed between the two renames: the checkpoint lies beside its place, which --resume restores)
+    beside = sorted(state.parent.parent.glob(f".{state.parent.name}.old-*"))
+    kept = state if state.is_file() else (beside[-1] / state.name if beside else None)
+    record["killed_at"] = json.loads(kept.read_text())["step"] if kept is not None else None
     resumed = subprocess.run(_finetune(directory, "killed", "--resume"), capture_output=True, text=True, timeout=600)
     record["resumed"] = {"code": resumed.returncode, "stderr": resumed.stderr[-3000:]}
     model = hfjax.load(path)

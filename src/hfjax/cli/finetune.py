@@ -92,6 +92,10 @@ def run(args: argparse.Namespace) -> int:
         if value < 1:
             print(f"hfjax finetune: {flag} {value}; pass a positive number", file=sys.stderr)
             return 2
+    if args.resume:  # (a run killed between the checkpoint's two renames left it beside its place)
+        from hfjax.training import _save
+
+        _save.restored(checkpoint)
     if args.resume and not checkpoint.is_dir():
         print(
             f"hfjax finetune: --resume, but {str(checkpoint)!r} does not exist; run without --resume first",

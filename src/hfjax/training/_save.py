@@ -61,6 +61,18 @@ def atomic_directory(path: str | os.PathLike, *, keep: tuple[str, ...] = ()):
     _barrier(f"hfjax wrote {path.name}")
 
 
+def restored(path: str | os.PathLike) -> pathlib.Path:
+    """`path`, put back where a process died between `atomic_directory`'s two renames: then `path` is
+    absent and its last whole version lies beside it as `.NAME.old-PID`, which is renamed back (the
+    newest where there are several). Returns `path`."""
+    path = pathlib.Path(path)
+    if not path.exists():
+        old = sorted(path.parent.glob(f".{path.name}.old-*"), key=lambda p: p.stat().st_mtime)
+        if old:
+            os.replace(old[-1], path)
+    return path
+
+
 def _umask() -> int:
     mask = os.umask(0)
     os.umask(mask)
@@ -125,7 +137,7 @@ def write_state(directory: pathlib.Path, *, trainable: dict, opt_state, key: jax
 def read_state(directory: pathlib.Path, *, trainable: dict, opt_state) -> tuple[dict, object, jax.Array, dict]:
     """(trainable, opt_state, key, record) as `write_state` left them; `trainable` and `opt_state`
     give the structure, shapes, dtypes and shardings expected."""
-    file = directory / STATE_FILE
+    file = restored(directory) / STATE_FILE
     if not file.is_file():
         raise TrainingError(
             f"hfjax: no {STATE_FILE} in {str(directory)!r}; pass a checkpoint directory the trainer wrote"
