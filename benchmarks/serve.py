@@ -287,13 +287,20 @@ def openai_level(url, model, prompt_tokens, new_tokens, concurrency, requests, p
                     "itl": (times[-1] - times[0]) / (tokens - 1) if tokens > 1 else float("nan"),
                 })  # fmt: skip
 
-    threads = [threading.Thread(target=client) for _ in range(concurrency)]
+    return results, in_threads(client, concurrency)
+
+
+def in_threads(client, count: int) -> float:
+    """Runs `client` in `count` threads at once; returns the seconds until the last one ended."""
+    import threading
+
+    threads = [threading.Thread(target=client) for _ in range(count)]
     start = time.perf_counter()
     for thread in threads:
         thread.start()
     for thread in threads:
         thread.join()
-    return results, time.perf_counter() - start
+    return time.perf_counter() - start
 
 
 async def bench_server(

@@ -40,7 +40,7 @@ import numpy as np
 
 sys.path.insert(0, str(pathlib.Path(__file__).parent))
 import serve  # noqa: E402
-from serve import compilations, free_port, log, start_server, wait_up  # noqa: E402
+from serve import compilations, free_port, in_threads, log, start_server, wait_up  # noqa: E402
 from shapes import LLAVA_20M  # noqa: E402
 
 QUESTION = "What is in this picture? Describe it"
@@ -105,13 +105,7 @@ def clients_row(url: str, model: str, clients: int, requests: int, new_tokens: i
             with lock:
                 results.append(result)
 
-    threads = [threading.Thread(target=client) for _ in range(clients)]
-    start = time.perf_counter()
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
-    wall = time.perf_counter() - start
+    wall = in_threads(client, clients)
     ttfts = sorted(r["ttft"] for r in results if not np.isnan(r["ttft"]))
     return {
         "clients": clients,

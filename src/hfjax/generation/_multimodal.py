@@ -15,6 +15,7 @@ data-dependent layout can be, and the decode loop's positions are shifted by its
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import inspect
 from collections.abc import Callable
@@ -325,8 +326,6 @@ KNOWN_IMAGE_READS = {"Gemma4ForConditionalGeneration": lambda shape: (shape[0] *
 def known_reads(module, inputs: dict):
     """A block within which the prefill's trace of `module` with `inputs` (its arrays) gets the values
     it reads (`KNOWN_IMAGE_READS`); a block that does nothing for other models and inputs."""
-    import contextlib
-
     from .. import bridge
 
     known = KNOWN_IMAGE_READS.get(type(module).__name__)
