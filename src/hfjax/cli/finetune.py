@@ -93,9 +93,7 @@ def run(args: argparse.Namespace) -> int:
             print(f"hfjax finetune: {flag} {value}; pass a positive number", file=sys.stderr)
             return 2
     if args.resume:  # (a run killed between the checkpoint's two renames left it beside its place)
-        from hfjax.training import _save
-
-        _save.restored(checkpoint)
+        training.restored(checkpoint)
     if args.resume and not checkpoint.is_dir():
         print(
             f"hfjax finetune: --resume, but {str(checkpoint)!r} does not exist; run without --resume first",

@@ -12,6 +12,7 @@ Public names:
     BatchStream        padded, bucketed batches in a seeded shuffled order
     StepSettings       accumulation, clipping, compute dtype, remat, dropout of a step
     plot_losses        the loss curve of `Trainer.history` as a PNG, drawn by matplotlib
+    restored           a checkpoint path, after renaming back the copy a killed save left beside it
 
 Parts: `_trainer.py` (Trainer), `_step.py` (the loss and the step as functions of arrays),
 `_optim.py`, `_lora.py` (peft), `_data.py`, `_save.py` (atomic directories, checkpoints),
@@ -21,6 +22,7 @@ Parts: `_trainer.py` (Trainer), `_step.py` (the loss and the step as functions o
 from ._data import BatchStream, Examples, tokenize
 from ._optim import adamw, cosine_schedule, decay_mask, linear_schedule, sgd
 from ._plot import loss_curve as plot_losses
+from ._save import restored
 from ._step import StepSettings
 from ._trainer import Trainer
 
@@ -34,6 +36,7 @@ __all__ = [
     "decay_mask",
     "linear_schedule",
     "plot_losses",
+    "restored",
     "sgd",
     "tokenize",
 ]
