@@ -328,9 +328,9 @@ def test_decode_chunks_read_their_rows_of_the_whole_cache_where_they_lie(model, 
 
 def test_programs_stay_fixed_over_50_requests_of_mixed_lengths_and_settings(model, engine):
     before = dict(engine.program_counts)
-    # warm_up prepared them all: a prefill chunk of 4 rows per window (128, 256 columns) and of one
-    # row over 128, and a decode chunk per row bucket (1, 4) and window (one where it reads in place).
-    assert before == {"prefill": 3, "decode": _decode_programs(engine)}
+    # warm_up prepared them all: a prefill chunk of one row and of 4 rows per window (128, 256 columns),
+    # and a decode chunk per row bucket (1, 4) and window (one where it reads in place).
+    assert before == {"prefill": 4, "decode": _decode_programs(engine)}
     ids = _ids(model, [PROMPTS[i % len(PROMPTS)] for i in range(50)])
     params = [
         SamplingParams(
@@ -580,7 +580,8 @@ def test_start_compiles_every_program_and_requests_after_it_compile_nothing(mode
     engine.start()
     try:
         held = engine.compiler.held
-        assert held == len(engine.compiler) == 3 + _decode_programs(engine) and len(lines) == held + 1
+        # prefill programs of one row and of prefill_rows (4) over 128 and 256 columns
+        assert held == len(engine.compiler) == 4 + _decode_programs(engine) and len(lines) == held + 1
         assert engine.metrics.registry.get_sample_value("hfjax_programs_held") == held
         assert engine.metrics.registry.get_sample_value("hfjax_programs_memory_bytes") == engine.compiler.memory
         before = engine.metrics.compilations
@@ -872,7 +873,7 @@ def test_a_prompt_starts_after_the_prefix_a_free_slot_holds_and_answers_the_same
     shared = next(i for i, (a, b) in enumerate(zip(first, second)) if a != b)
     assert shared > CHUNK and engine.metrics.prefix_hit_tokens - hits == shared
     assert got.token_ids == _generate_alone(model, [second], 12)[0][:12]
-    assert engine.program_counts == {"prefill": 3, "decode": _decode_programs(engine)}
+    assert engine.program_counts == {"prefill": 4, "decode": _decode_programs(engine)}
 
 
 def _decode_windows(engine) -> set[int]:

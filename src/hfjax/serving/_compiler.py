@@ -59,8 +59,11 @@ def engine_grid(
     """Every (rows, window) an engine's prefill and decode chunks may run, smallest first, over windows
     of 128, 512, 2048, ... columns up to max_model_len. A decode chunk runs once per token: it has row
     counts 1, 4, 16, ... up to the slots at every window. A prefill chunk runs once per chunk of a
-    prompt (`prefill_width` tokens, wider at long windows): it has prefill_rows rows at every window,
-    and one row at the smallest (a lone short prompt, whose first token waits for it).
+    prompt (`prefill_width` tokens, wider at long windows): it has one row and prefill_rows rows at
+    every window, one row first (`CoreCalls.prefill` takes the first that holds its chunks). A lone
+    prompt's chunks run on one row: in a call of prefill_rows rows the others would be padding that
+    costs as much as a prompt (a lone 4000-token prompt read in 1.8-2.4 s on one row, in 7.2-7.5 s on
+    four: docs/architecture.md, "One row for a lone prompt").
 
     A model with recurrent layers prefills a whole prompt in a chunk as wide as the window (so the
     prefill's windows bound its prompts: the last is max_model_len). One whose layers keep no keys and
@@ -74,9 +77,7 @@ def engine_grid(
     or a quarter (8192) of the decode programs to compile before the server is ready."""
     windows = geometric(SMALLEST_WINDOW, max_model_len)
     decode_rows = geometric(1, slots)
-    prefill = [(prefill_rows, w) for w in windows]
-    if prefill_rows > 1:
-        prefill.insert(0, (1, windows[0]))
+    prefill = [(rows, w) for rows in sorted({1, prefill_rows}) for w in windows]
     decode_windows = windows if attends and not in_place else [max_model_len]
     return {"prefill": prefill, "decode": [(r, w) for w in decode_windows for r in decode_rows]}
 
