@@ -163,6 +163,23 @@ def test_a_long_prompt_is_read_in_wider_chunks_at_a_wider_window_and_equals_gene
     assert calls.count((256, 2 * CHUNK)) == -(-(len(ids[0]) - 128) // (2 * CHUNK))
 
 
+def test_a_lone_long_prompt_is_read_on_one_row_at_every_window(model, engine, monkeypatch):
+    # The set has one-row prefill programs over every window, tried first: a prompt that nothing else
+    # is reading runs no padding rows beside it (`engine_grid`), and its answer is generate's.
+    calls, prefill = [], engine.compiler.programs.prefill
+
+    def prefilling(*args, window, inputs=None):
+        calls.append((args[3].shape[0], window))
+        return prefill(*args, window=window, inputs=inputs)
+
+    monkeypatch.setattr(engine.compiler.programs, "prefill", prefilling)
+    ids = _ids(model, [" ".join(WORDS[::-1] * 3)])  # (a prompt no other test reads: no prefix held)
+    assert 128 < len(ids[0]) < LENGTH - 8
+    got = engine.generate(ids, SamplingParams(max_tokens=6, temperature=0))[0]
+    assert got.token_ids == _generate_alone(model, ids, 6)[0][:6]
+    assert {window for _, window in calls} == {128, 256} and {rows for rows, _ in calls} == {1}
+
+
 def test_a_lone_stream_runs_long_chunks_sent_ahead_and_no_step_past_max_tokens(model, engine, monkeypatch):
     calls = _Calls(engine, monkeypatch)
     ids = _ids(model, PROMPTS[3:4])
