@@ -268,11 +268,13 @@ def test_right_padded_prompts_warn_like_transformers(loaded, with_mask):
         model.generate(ids, mask if with_mask else None, max_new_tokens=2)
 
 
-def test_right_padded_prompts_run_on_the_slot_core_as_left_padded_ones(loaded, decodes):
+@pytest.mark.parametrize("family", ["llama", "recurrent_gemma"])
+def test_right_padded_prompts_run_on_the_slot_core_as_left_padded_ones(loaded, decodes, family):
     # transformers reads a right-padded row's first new token off its last pad (at position 0) and
     # places the new tokens at positions 1, 2, ...; the slot core lays each row out as left padding
     # does. The answer is the caller's prompts, then transformers' new tokens for them left-padded.
-    model = loaded("llama")
+    # RecurrentGemma's layers read the pads: the slots lay them before each row, as left padding has them.
+    model = loaded(family)
     model.tokenizer.padding_side = "right"
     right = model.tokenizer(PROMPTS, padding=True, return_tensors="np")
     ids, mask = _batch(model)

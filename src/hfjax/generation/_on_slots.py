@@ -150,7 +150,9 @@ class SlotRuns:
         """Whether this call runs on the slot core (the module docstring says which do)."""
         if not self.possible or bool(inputs) in self.reads_data:
             return False
-        if self.reads_pads and _pad_token(plan) is None:  # (pads its slots do not lay before a prompt)
+        # (pads its slots do not lay before a prompt: of several tokens. Right pads go before the prompt,
+        # as for every model: `_core_layout`)
+        if self.reads_pads and _pad_token(_core_layout(plan)[0]) is None:
             return False
         if inputs and (self.encoder_decoder or self.recurrent or not takes_images(self.model.module, inputs, settings)):
             return False
