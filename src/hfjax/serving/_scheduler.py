@@ -42,7 +42,7 @@ import numpy as np
 from .. import generation
 from .._errors import GenerationError, ServingError
 from ._calls import Chunk, CoreCalls, constrained
-from ._compiler import SMALLEST_WINDOW, Compiler, engine_grid, geometric
+from ._compiler import SMALLEST_WINDOW, WIDTH_GROWTH, Compiler, engine_grid, geometric
 from ._delivery import Delivery
 from ._media import fixed_image_example
 from ._metrics import Metrics
@@ -78,7 +78,8 @@ class Engine:
         max_decode_steps: the most steps of a chunk of fewer rows (whose steps cost less), while nothing
             waits, reads its prompt or has just left: decode_steps x (slots' rows / the chunk's rows), at
             most this many. Default 4 x decode_steps; decode_steps keeps every chunk at decode_steps.
-        prefill_chunk: prompt tokens per prefill call; a long prompt takes several, between decode chunks.
+        prefill_chunk: prompt tokens per prefill call; a long prompt takes several, between decode chunks
+            (a turn reads up to prefill_rows x 4 x prefill_chunk prompt tokens before the next one).
             (A model with recurrent layers reads each prompt whole, in a chunk as wide as the prefill
             program's window.)
         prefill_rows: prompts whose next chunk one prefill call reads together (the oldest first).
@@ -139,6 +140,9 @@ class Engine:
         self.max_num_seqs, self.max_model_len = self.sizing.slots, self.sizing.max_model_len
         self.decode_steps, self.max_decode_steps, self.prefill_chunk = decode_steps, max_decode_steps, prefill_chunk
         self.prefill_rows = min(prefill_rows, self.max_num_seqs)
+        # Prompt tokens a turn of the engine reads before its next decode chunk: the widest prefill call's
+        # (`prefill_width`); several calls of short prompts, one of long ones (`_read_prompts`).
+        self.turn_tokens = self.prefill_rows * WIDTH_GROWTH * prefill_chunk
         # Every request's settings come over the checkpoint's generation_config.json: its processors
         # that read the tokens so far (n-gram bans, biases of several tokens, forced and suppressed
         # tokens) are the same for every request, so the programs compile them in, as they compile
@@ -456,8 +460,7 @@ class Engine:
                     for request in [r for r in reading[: self.prefill_rows] if r.images is not None]:
                         self._delivery.first_tokens([request], *self._calls.prefill_images(request))
                 elif reading:
-                    requests = [r for r in reading if r.images is None][: self.prefill_rows]
-                    self._delivery.first_tokens(requests, *self._calls.prefill(requests))
+                    self._read_prompts(reading)
                 chunk = self._dispatch() if self.table.decoding() else None
                 while chunk is not None:
                     # The next chunk goes to the device before this one's tokens come back, so the
@@ -474,6 +477,20 @@ class Engine:
         except BaseException as error:  # noqa: BLE001 (handed to every waiting caller)
             queue.fail(error)
             raise
+
+    def _read_prompts(self, reading: list[Request]) -> None:
+        """The next chunk of each prompt without images being read, oldest first, in prefill calls of
+        `prefill_rows` rows, until this turn has read `turn_tokens` (as many as the widest call reads):
+        short prompts that came together all get their first tokens before the next decode chunk, while
+        a long prompt still reads one chunk a turn, between the decoding rows' chunks, and no turn holds
+        those back longer than one wide call does."""
+        before, read = self.metrics.prompt_tokens_read, set()
+        while requests := [r for r in reading if r.images is None and r.slot not in read][: self.prefill_rows]:
+            self._delivery.first_tokens(requests, *self._calls.prefill(requests))
+            read.update(r.slot for r in requests)
+            if self.metrics.prompt_tokens_read - before >= self.turn_tokens:
+                return
+            reading = self.table.reading()
 
     def _steady(self, chunk: Chunk) -> bool:
         """Whether the next decode chunk can go before `chunk` is delivered (see `_run`); where a row
