@@ -62,8 +62,8 @@ def engine_grid(
     prompt (`prefill_width` tokens, wider at long windows): it has one row and prefill_rows rows at
     every window, one row first (`CoreCalls.prefill` takes the first that holds its chunks). A lone
     prompt's chunks run on one row: in a call of prefill_rows rows the others would be padding that
-    costs as much as a prompt (a lone 4000-token prompt read in 1.8-2.4 s on one row, in 7.2-7.5 s on
-    four: docs/architecture.md, "One row for a lone prompt").
+    costs as much as a prompt (a lone 4000-token prompt's first token after 2.1-3.0 s on one row, 7.1-9.3
+    s on four: docs/architecture.md, "One row for a lone prompt").
 
     A model with recurrent layers prefills a whole prompt in a chunk as wide as the window (so the
     prefill's windows bound its prompts: the last is max_model_len). One whose layers keep no keys and

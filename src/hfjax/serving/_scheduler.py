@@ -79,7 +79,7 @@ class Engine:
             waits, reads its prompt or has just left: decode_steps x (slots' rows / the chunk's rows), at
             most this many. Default 4 x decode_steps; decode_steps keeps every chunk at decode_steps.
         prefill_chunk: prompt tokens per prefill call; a long prompt takes several, between decode chunks
-            (a turn reads up to prefill_rows x 4 x prefill_chunk prompt tokens before the next one).
+            (a turn reads up to prefill_rows x 4 x prefill_chunk prompt tokens before its decode chunk).
             (A model with recurrent layers reads each prompt whole, in a chunk as wide as the prefill
             program's window.)
         prefill_rows: prompts whose next chunk one prefill call reads together (the oldest first).
@@ -485,9 +485,9 @@ class Engine:
         a long prompt still reads one chunk a turn, between the decoding rows' chunks, and no turn holds
         those back longer than one wide call does."""
         before, read = self.metrics.prompt_tokens_read, set()
-        while requests := [r for r in reading if r.images is None and r.slot not in read][: self.prefill_rows]:
+        while requests := [r for r in reading if r.images is None and id(r) not in read][: self.prefill_rows]:
+            read.update(id(r) for r in requests)
             self._delivery.first_tokens(requests, *self._calls.prefill(requests))
-            read.update(r.slot for r in requests)
             if self.metrics.prompt_tokens_read - before >= self.turn_tokens:
                 return
             reading = self.table.reading()
