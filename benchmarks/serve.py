@@ -50,6 +50,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 
 import numpy as np
@@ -254,7 +255,6 @@ async def async_level(
 def openai_level(url, model, prompt_tokens, new_tokens, concurrency, requests, prefix) -> tuple[list, float]:
     """The official openai client, as a user drives it: one client per thread, streamed chat completions."""
     import queue as queues
-    import threading
 
     from openai import OpenAI
 
@@ -292,8 +292,6 @@ def openai_level(url, model, prompt_tokens, new_tokens, concurrency, requests, p
 
 def in_threads(client, count: int) -> float:
     """Runs `client` in `count` threads at once; returns the seconds until the last one ended."""
-    import threading
-
     threads = [threading.Thread(target=client) for _ in range(count)]
     start = time.perf_counter()
     for thread in threads:
