@@ -19,7 +19,7 @@ import transformers
 from packaging.version import Version
 
 import hfjax
-from hfjax import _compilation_cache, generation
+from hfjax import _compilation_cache, bridge, generation
 from hfjax.serving import Engine, QueueFullError, SamplingParams, _queue, _text
 from hfjax.serving import _compiler as serving_compiler
 from hfjax.testing import _tokenizer
@@ -346,8 +346,9 @@ def test_decode_chunks_read_their_rows_of_the_whole_cache_where_they_lie(model, 
 def test_programs_stay_fixed_over_50_requests_of_mixed_lengths_and_settings(model, engine):
     before = dict(engine.program_counts)
     # warm_up prepared them all: a prefill chunk of one row and of 4 rows per window (128, 256 columns),
-    # and a decode chunk per row bucket (1, 4) and window (one where it reads in place).
-    assert before == {"prefill": 4, "decode": _decode_programs(engine)}
+    # a decode chunk per row bucket (1, 4) and window (one where it reads in place), and the swap of
+    # two slots' cached prefixes.
+    assert before == {"prefill": 4, "decode": _decode_programs(engine), "swap": 1}
     ids = _ids(model, [PROMPTS[i % len(PROMPTS)] for i in range(50)])
     params = [
         SamplingParams(
@@ -597,8 +598,8 @@ def test_start_compiles_every_program_and_requests_after_it_compile_nothing(mode
     engine.start()
     try:
         held = engine.compiler.held
-        # prefill programs of one row and of prefill_rows (4) over 128 and 256 columns
-        assert held == len(engine.compiler) == 4 + _decode_programs(engine) and len(lines) == held + 1
+        # prefill programs of one row and of prefill_rows (4) over 128 and 256 columns, and the swap
+        assert held == len(engine.compiler) == 4 + _decode_programs(engine) + 1 and len(lines) == held + 1
         assert engine.metrics.registry.get_sample_value("hfjax_programs_held") == held
         assert engine.metrics.registry.get_sample_value("hfjax_programs_memory_bytes") == engine.compiler.memory
         before = engine.metrics.compilations
@@ -890,7 +891,23 @@ def test_a_prompt_starts_after_the_prefix_a_free_slot_holds_and_answers_the_same
     shared = next(i for i, (a, b) in enumerate(zip(first, second)) if a != b)
     assert shared > CHUNK and engine.metrics.prefix_hit_tokens - hits == shared
     assert got.token_ids == _generate_alone(model, [second], 12)[0][:12]
-    assert engine.program_counts == {"prefill": 4, "decode": _decode_programs(engine)}
+    assert engine.program_counts == {"prefill": 4, "decode": _decode_programs(engine), "swap": 1}
+
+
+def test_a_finished_prompt_outlives_the_next_request_in_its_slot_and_is_read_once(model, engine):
+    # One request at a time runs in slot 0 (the decode chunk's one row); the slots past it keep prefixes:
+    # the first prompt's keys move there when the second request takes slot 0, and back when it comes again.
+    first, second = _ids(model, [" ".join(WORDS[::3] * 2), " ".join(WORDS[1::3] * 2)])
+    assert len(first) - 1 >= engine.table.move_tokens > 0
+    params = SamplingParams(max_tokens=6, temperature=0)
+    answer = engine.generate([first], params)[0]
+    engine.generate([second], params)
+    hits = engine.metrics.prefix_hit_tokens
+    with bridge.Compiles() as compiles:
+        again = engine.generate([first], params)[0]
+    assert engine.metrics.prefix_hit_tokens - hits == len(first) - 1
+    assert again.token_ids == answer.token_ids == _generate_alone(model, [first], 6)[0][:6]
+    assert compiles.requested == 0
 
 
 def _decode_windows(engine) -> set[int]:

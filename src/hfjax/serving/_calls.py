@@ -101,6 +101,8 @@ class CoreCalls:
                 False,
             )  # fmt: skip
             return (*args, inputs)
+        if kind == "swap":
+            return self.state, jnp.zeros((), jnp.int32), jnp.ones((), jnp.int32)
         return self.decode_args(np.zeros(self.slots, bool), 1, False)
 
     def prefill_args(self, which, ids, start, count, last, fresh, want_logprobs) -> tuple:
@@ -199,6 +201,12 @@ class CoreCalls:
                 self.table.positions[request.slot] = len(request.prompt)
                 request.scheduled = 1
         return last, chosen
+
+    def swap(self, moves: list[tuple[int, int]]) -> None:
+        """Slots trade the keys and values their rows hold, pair by pair, as the table's `moves` say
+        (`SlotTable.assign`), before any call reads them."""
+        for a, b in moves:
+            self.state = self.compiler.programs.swap(self.state, jnp.int32(a), jnp.int32(b))
 
     def decode(self, requests: dict[int, Request], rows: int, steps: int) -> Chunk:
         """Sends a decode chunk of `steps` steps of the {slot: request} decoding, over `rows` rows, to the

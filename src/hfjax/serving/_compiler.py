@@ -84,7 +84,8 @@ def engine_grid(
 
 class Compiler:
     """The slot programs of one engine (`generation.SlotPrograms`) for its set of (rows, window) per
-    kind ("prefill", "decode"), each list smallest first.
+    kind ("prefill", "decode", "image"; "swap", one program of two rows over every column, where the
+    engine moves cached prefixes between slots), each list smallest first.
 
     Attributes:
       held: programs compiled (or read from the compilation cache) so far.
@@ -152,6 +153,8 @@ class Compiler:
         arguments = jax.tree_util.tree_map(_abstract, tuple(arguments))
         if kind in ("prefill", "image"):
             loaded, memory = self.programs.compile_prefill(*arguments, window=window, inputs=inputs)
+        elif kind == "swap":
+            loaded, memory = self.programs.compile_swap(*arguments)
         else:
             loaded, memory = self.programs.compile_decode(*arguments, decoding_rows=rows, window=window)
         seconds = time.perf_counter() - start

@@ -14,7 +14,8 @@ from ._requests import Request
 
 class SlotTable:
     """S slots: their requests, positions, cached tokens and sampling settings (host arrays).
-    `row_counts`: the rows a decode chunk may run (its programs' row counts), ascending, the last `slots`."""
+    `row_counts`: the rows a decode chunk may run (its programs' row counts), ascending, the last `slots`.
+    `move_tokens`: the fewest cached tokens worth moving between slots (`assign`); 0: never moved."""
 
     def __init__(
         self,
@@ -26,10 +27,17 @@ class SlotTable:
         mask_words: int,
         prefix_reuse: bool,
         row_counts: list[int],
+        move_tokens: int = 0,
     ):
         self.slots = slots
         self.row_counts = row_counts
         self.prefix_reuse = prefix_reuse
+        self.move_tokens = move_tokens if prefix_reuse else 0
+        # Pairs of slots whose rows are to trade their keys and values (`assign`), in order, before any
+        # call runs on them: the engine hands them to `CoreCalls.swap`, and empties the list.
+        self.moves: list[tuple[int, int]] = []
+        self._released = [0] * slots  # when each slot was last freed (a count of releases): 0, never
+        self._releases = 0
         self.requests: list[Request | None] = [None] * slots
         self.cached: list[list[int]] = [[] for _ in range(slots)]  # token ids whose keys each row holds
         # The LoRA adapter those keys were computed with (None: the base): a prefix is reused only by a
@@ -64,25 +72,41 @@ class SlotTable:
         return next(rows for rows in self.row_counts if rows > highest)
 
     def assign(self, request: Request) -> int:
-        """Puts `request` in the lowest free slot (low slots keep decode chunks small: a chunk runs
-        the rows up to the highest busy slot, in buckets), or in a free slot whose cached tokens
-        share a longer prefix with its prompt, among those that widen the chunk no more than the
-        lowest would; returns the slot. A reused prefix is not read again (at least the last prompt
-        token runs, for the logits of the first new token); with a repetition penalty the whole
-        prompt is read, which its history needs. Only keys of the request's own LoRA adapter (or of the
-        base, for a request of the base) are reused. The row runs with the request's adapter."""
+        """Puts `request` in a free slot among those that widen the decode chunk no more than the
+        lowest free slot would (low slots keep decode chunks small: a chunk runs the rows up to the
+        highest busy slot, in buckets): the one whose cached tokens share the longest prefix with its
+        prompt, else the one whose cache is worth least (`_worth`), else the lowest; returns the slot.
+        A reused prefix is not read again (at least the last prompt token runs, for the logits of the
+        first new token); with a repetition penalty the whole prompt is read, which its history needs.
+        Only keys of the request's own LoRA adapter (or of the base, for a request of the base) are
+        reused. The row runs with the request's adapter.
+
+        Where `move_tokens` > 0, the free slots past the chunk hold prefixes too, as a store: a prefix
+        there at least `move_tokens` longer than the best within reach trades places with the chosen
+        slot's (`moves`), and a chosen slot whose cache is worth keeping first trades with the free slot
+        there worth least (unless the request reuses `move_tokens` of it or more), so that a finished
+        request's prompt outlives the next request in its slot
+        (vLLM's prefix cache keeps a freed block until its memory is needed)."""
         free = [slot for slot, held in enumerate(self.requests) if held is None]
         busy = [slot for slot, held in enumerate(self.requests) if held is not None]
         widest = self.decode_rows(max([*busy, free[0]]))
-        free = [slot for slot in free if slot < widest]
+        near = [slot for slot in free if slot < widest]
+        far = [slot for slot in free if slot >= widest]
         reuse = self.prefix_reuse and request.settings.sampling.repetition_penalty == 1.0 and request.images is None
 
-        def shared(slot: int) -> int:  # prompt tokens whose keys the slot holds, of the request's adapter
-            same = self.cached_adapter[slot] is request.adapter
+        def shared(slot: int) -> int:  # prompt tokens whose keys the slot holds and it reuses
+            same = reuse and self.cached_adapter[slot] is request.adapter
             return _common_prefix(self.cached[slot], request.prompt) if same else 0
 
-        slot = max(free, key=lambda s: (shared(s), -s)) if reuse else free[0]
-        reused = min(shared(slot), len(request.prompt) - 1) if reuse else 0
+        slot = max(near, key=lambda s: (shared(s), -self._worth(s), -s))
+        if far and self.move_tokens:
+            stored = max(far, key=lambda s: (shared(s), -s))
+            spare = min(far, key=lambda s: (self._worth(s), s))
+            if shared(stored) - shared(slot) >= self.move_tokens:
+                self._swap(slot, stored)
+            elif shared(slot) < self.move_tokens and self._worth(spare) < self._worth(slot):
+                self._swap(slot, spare)
+        reused = min(shared(slot), len(request.prompt) - 1)
         request.prefilled = request.started = reused
         request.slot = slot
         self.requests[slot] = request
@@ -115,6 +139,21 @@ class SlotTable:
         self.cached_adapter[slot] = request.adapter
         self.positions[slot] = 0
         self.rows.constrained[slot] = False
+        self._releases += 1
+        self._released[slot] = self._releases
+
+    def _worth(self, slot: int) -> int:
+        """How much the keys a free slot holds are worth keeping: 0 for fewer than `move_tokens` tokens
+        (or where nothing moves), else when the slot was last freed (the least recently used is worth least)."""
+        if not self.move_tokens or len(self.cached[slot]) < self.move_tokens:
+            return 0
+        return self._released[slot]
+
+    def _swap(self, a: int, b: int) -> None:
+        """Free slots a and b trade what their caches hold: here, and on the device (`moves`)."""
+        self.moves.append((a, b))
+        for kept in (self.cached, self.cached_adapter, self._released):
+            kept[a], kept[b] = kept[b], kept[a]
 
     def sampling(self) -> generation.RowSampling:
         """The slots' settings as device arrays (sent only when the host's have changed)."""
