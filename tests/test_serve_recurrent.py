@@ -132,8 +132,8 @@ def test_a_prompt_is_scanned_whole_in_one_prefill_call(model, monkeypatch):
         calls.append((window, args[5].tolist()))  # (window, each row's count of prompt tokens)
         return prefill(*args, window=window, inputs=inputs)
 
+    engine.start()  # (each program runs once there, on rows that hold no request)
     monkeypatch.setattr(engine.compiler.programs, "prefill", prefilling)
-    engine.start()
     try:
         got = engine.generate([PROMPTS[2]], SamplingParams(max_tokens=NEW_TOKENS, temperature=0, ignore_eos=True))
     finally:

@@ -196,6 +196,35 @@ def test_a_prompt_that_reuses_a_cached_prefix_drafts_from_it(urls):
     assert again == text and drafted_again == drafted > 0
 
 
+def test_a_prompt_moved_out_of_the_next_requests_way_keeps_its_draft_models_keys(urls):
+    # One request at a time runs in slot 0; the next one moves the last one's keys to a free slot past
+    # the decode chunk, the target's and the draft model's alike, and they come back with the prompt:
+    # reused, it drafts and has accepted what it did read whole (a draft over another prompt's keys
+    # would propose other tokens), and answers the plain server's tokens.
+    url, client = urls["draft"], _client(urls["draft"])
+    first, other = (np.random.default_rng(seed).integers(3, 500, 40).tolist() for seed in (11, 12))
+    names = ("hfjax_prefix_cache_hit_tokens_total", "hfjax_spec_decode_num_draft_tokens_total",
+             "hfjax_spec_decode_num_accepted_tokens_total")  # fmt: skip
+
+    def sent(prompt):
+        before = _metrics(url)
+        answer = client.completions.create(
+            model=NAME, prompt=prompt, max_tokens=16, temperature=0, extra_body={"ignore_eos": True}
+        )
+        after = _metrics(url)
+        return answer.choices[0].text, *(after[(name, ())] - before[(name, ())] for name in names)
+
+    text, reused, drafted, accepted = sent(first)
+    sent(other)
+    again, reused_again, drafted_again, accepted_again = sent(first)
+    plain = _client(urls["plain"]).completions.create(
+        model=NAME, prompt=first, max_tokens=16, temperature=0, extra_body={"ignore_eos": True}
+    )
+    assert (reused, reused_again) == (0, len(first) - 1)
+    assert again == text == plain.choices[0].text
+    assert (drafted_again, accepted_again) == (drafted, accepted) and accepted > 0
+
+
 def test_a_constrained_request_gets_the_plain_servers_answer(urls):
     # A constrained row decodes one token a chunk (its next mask needs this one), so it drafts nothing.
     choices = ["river", "mill", "sea", "river mill"]

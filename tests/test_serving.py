@@ -598,8 +598,10 @@ def test_start_compiles_every_program_and_requests_after_it_compile_nothing(mode
     engine.start()
     try:
         held = engine.compiler.held
-        # prefill programs of one row and of prefill_rows (4) over 128 and 256 columns, and the swap
-        assert held == len(engine.compiler) == 4 + _decode_programs(engine) + 1 and len(lines) == held + 1
+        # prefill programs of one row and of prefill_rows (4) over 128 and 256 columns, and the swap; a
+        # line each, one when all are ready, and one when each has run once (on rows that hold no request)
+        assert held == len(engine.compiler) == 4 + _decode_programs(engine) + 1 and len(lines) == held + 2
+        assert lines[-1].startswith(f"ran the {held} programs once")
         assert engine.metrics.registry.get_sample_value("hfjax_programs_held") == held
         assert engine.metrics.registry.get_sample_value("hfjax_programs_memory_bytes") == engine.compiler.memory
         before = engine.metrics.compilations

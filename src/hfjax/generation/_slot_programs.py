@@ -35,7 +35,7 @@ class SlotPrograms:
         prefill(state, rows, which, ids, start, count, last, fresh, want_logprobs, window=W) -> (state, Chosen)
         decode(state, rows, active, count, want_logprobs, decoding_rows=R, window=W, logprobs=True)
             -> (state, Chosen)
-        swap(state, a, b) -> state: slots a and b trade their keys and values (a server's cached prefixes)
+        swap(state, a, b) -> state: slots a and b trade what they hold (a server's cached prefixes)
 
     `state` is donated: the programs update the cache in place. `stop_tokens`: the decode ends when
     every active row has stopped at one (`Model.generate`'s EOS, a stopped row running on
@@ -133,9 +133,10 @@ class SlotPrograms:
         return SlotState(*leaves), Chosen(*chosen)
 
     def swap(self, state: SlotState, a, b) -> SlotState:
-        """The state with slots `a` and `b` (int32 scalars) trading the keys and values their rows hold
-        (the model's cache and a draft model's): a server moves a cached prefix next to the rows it
-        decodes, and one it keeps out of their way (`serving.SlotTable.assign`)."""
+        """The state with slots `a` and `b` (int32 scalars) trading what they hold, every array of the
+        state being per slot (the model's keys and values, a draft model's, the rows' tokens so far):
+        a server moves a cached prefix next to the rows it decodes, and one it keeps out of their way
+        (`serving.SlotTable.assign`)."""
         program, args = self._swap(state, a, b)
         return SlotState(*program.run(*args))
 
@@ -229,7 +230,6 @@ class SlotPrograms:
 
     def _swap_program(self, leaves, a, b):
         self.cache.traced["swap"] += 1
-        state = SlotState(*leaves)
 
         def swapped(x):  # [S, ...]: rows a and b trade places, in place (the state is donated)
             row_a, row_b = lax.dynamic_slice_in_dim(x, a, 1), lax.dynamic_slice_in_dim(x, b, 1)
@@ -238,8 +238,9 @@ class SlotPrograms:
             row_a, row_b, x = lax.optimization_barrier((row_a, row_b, x))
             return lax.dynamic_update_slice_in_dim(lax.dynamic_update_slice_in_dim(x, row_b, a, 0), row_a, b, 0)
 
-        draft = None if state.draft is None else jax.tree.map(swapped, state.draft)
-        return dataclasses.replace(state, cache=jax.tree.map(swapped, state.cache), draft=draft).leaves()
+        # Every array of the state is per slot (SlotState): the keys and values, a draft model's, and
+        # the rows' tokens so far, which a speculative decode drafts from, move together.
+        return jax.tree.map(swapped, leaves)
 
 
 def _fields(chosen: Chosen) -> tuple:
