@@ -231,7 +231,7 @@ class CoreCalls:
         return last, chosen
 
     def swap(self, moves: list[tuple[int, int]]) -> None:
-        """Slots trade the keys and values their rows hold, pair by pair, as the table's `moves` say
+        """Slots trade what they hold (`SlotPrograms.swap`), pair by pair, as the table's `moves` say
         (`SlotTable.assign`), before any call reads them."""
         for a, b in moves:
             self.state = self.compiler.programs.swap(self.state, jnp.int32(a), jnp.int32(b))

@@ -33,7 +33,7 @@ class SlotTable:
         self.row_counts = row_counts
         self.prefix_reuse = prefix_reuse
         self.move_tokens = move_tokens if prefix_reuse else 0
-        # Pairs of slots whose rows are to trade their keys and values (`assign`), in order, before any
+        # Pairs of free slots that are to trade what they hold (`assign`), in order, before any
         # call runs on them: the engine hands them to `CoreCalls.swap`, and empties the list.
         self.moves: list[tuple[int, int]] = []
         self._released = [0] * slots  # when each slot was last freed (a count of releases): 0, never
