@@ -355,6 +355,7 @@ def test_a_failed_engine_answers_503_on_health_and_every_generating_route(tmp_pa
 
     model = hfjax.load(testing.save_tiny_checkpoint("llama", tmp_path / "llama"))
     engine = serving.Engine(model, max_num_seqs=2, max_model_len=128, prefill_chunk=16, progress=lambda line: None)
+    engine.start()  # (each program runs once there: the decode breaks after it)
 
     def broken(*args, **kwargs):
         raise RuntimeError("a decode program that fails")
