@@ -234,7 +234,7 @@ class SlotPrograms:
         def swapped(x):  # [S, ...]: rows a and b trade places, in place (the state is donated)
             row_a, row_b = lax.dynamic_slice_in_dim(x, a, 1), lax.dynamic_slice_in_dim(x, b, 1)
             # Both rows read before either is written: without the barrier XLA copied the whole
-            # array (2 s for 32 slots x 8192 columns of the 20m Llama, against 0.1 s)
+            # array (1.6-2.7 s for a 4.3 GB cache of 32 slots x 8192 columns, against 0.10-0.12 s)
             row_a, row_b, x = lax.optimization_barrier((row_a, row_b, x))
             return lax.dynamic_update_slice_in_dim(lax.dynamic_update_slice_in_dim(x, row_b, a, 0), row_a, b, 0)
 

@@ -89,8 +89,8 @@ class CoreCalls:
         a decode's inactive slots, a swap of two empty slots), while no slot holds anything: a
         program's first run costs more than the ones after it, and without this the first requests
         paid for it (16 prompts of 32 tokens sent at once, the first after start: time to the last first
-        token 0.40-0.47 s, against 0.17-0.21 s for the same load sent again; 0.20-0.24 s after this,
-        which took 0.85 s: 20m Llama, 64 slots x 2048, 11 programs, 2-core AMD EPYC)."""
+        token 0.40-0.47 s, against 0.13-0.21 s for the same load sent again; 0.20-0.24 s after this,
+        which took 0.83-0.85 s: 20m Llama, 64 slots x 2048, 11 programs, 2-core AMD EPYC)."""
         start = time.perf_counter()
         programs = self.compiler.programs
         for kind, cells in self.compiler.grid.items():
