@@ -156,25 +156,32 @@ async def wait_up(url: str, process: subprocess.Popen, timeout: float = 900) -> 
     raise RuntimeError(f"{url} did not come up in {timeout} s")
 
 
-async def one_request(http, url: str, model: str, prompt: str, new_tokens: int) -> dict:
+async def one_request(http, url: str, model: str, prompt: str, new_tokens: int, *, every_token: bool = False) -> dict:
+    """One streamed completion: its tokens as the client sees them (words: each token of the word-level
+    vocabulary is one), TTFT and ITL. `every_token` (hfjax alone, set against `Model.generate` with no
+    end of sequence): `ignore_eos`, and the tokens the stream's usage counts, as a random model's may
+    be special tokens that the text leaves out."""
     body = {"model": model, "prompt": prompt, "max_tokens": new_tokens, "temperature": 0, "stream": True}
+    if every_token:
+        body.update(ignore_eos=True, stream_options={"include_usage": True})
     start = time.perf_counter()
-    times = []
+    times, counted = [], None
     async with http.stream("POST", url + "/v1/completions", json=body) as response:
         response.raise_for_status()
         async for line in response.aiter_lines():
             if not line.startswith("data: ") or line.strip() == "data: [DONE]":
                 continue
             chunk = json.loads(line[len("data: ") :])
+            if chunk.get("usage"):
+                counted = chunk["usage"]["completion_tokens"]
             for choice in chunk.get("choices") or []:
                 text = choice.get("text") or ""
-                # Every token is one word of the word-level vocabulary: count them as the client sees them.
                 times.extend([time.perf_counter()] * len(text.split()))
-    tokens = len(times)
+    tokens = len(times) if counted is None else counted
     return {
         "tokens": tokens,
         "ttft": times[0] - start if times else float("nan"),
-        "itl": (times[-1] - times[0]) / (tokens - 1) if tokens > 1 else float("nan"),
+        "itl": (times[-1] - times[0]) / (len(times) - 1) if len(times) > 1 else float("nan"),
     }
 
 
@@ -407,7 +414,9 @@ class GenerateReference:
                         self.times.append(self._generate())
                         continue
                     start = time.perf_counter()
-                    answer = await one_request(http, url, model, prompt_text(i, prompt_tokens), self.new_tokens)
+                    answer = await one_request(
+                        http, url, model, prompt_text(i, prompt_tokens), self.new_tokens, every_token=True
+                    )
                     self.request_times.append(time.perf_counter() - start)
                     if answer["tokens"] != self.new_tokens:
                         raise RuntimeError(f"the server sent {answer['tokens']} tokens, not {self.new_tokens}")
