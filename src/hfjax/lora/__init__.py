@@ -13,11 +13,22 @@ of dense products over the stacked slots, masked to the row's slot (`_product`).
 read by `_peft`: LoRA and rsLoRA scaling, per-layer ranks and alphas; DoRA, LoRA on embeddings, trained
 biases and `modules_to_save` are refused by name.
 
-Public names: `Adapter`, `AdapterSlots`, `NONE`, `rows`, `product`, `read_adapter`, `PeftAdapter`, `with_active`.
+Public names: `Adapter`, `AdapterSlots`, `NONE`, `rows`, `product`, `read_adapter`, `PeftAdapter`, `PEFT_PREFIX`,
+`with_active`.
 """
 
-from ._peft import PeftAdapter, read_adapter
+from ._peft import PEFT_PREFIX, PeftAdapter, read_adapter
 from ._product import product, rows
 from ._stack import NONE, Adapter, AdapterSlots, with_active
 
-__all__ = ["NONE", "Adapter", "AdapterSlots", "PeftAdapter", "product", "read_adapter", "rows", "with_active"]
+__all__ = [
+    "NONE",
+    "PEFT_PREFIX",
+    "Adapter",
+    "AdapterSlots",
+    "PeftAdapter",
+    "product",
+    "read_adapter",
+    "rows",
+    "with_active",
+]

@@ -12,7 +12,7 @@ import numpy as np
 
 from .._errors import LoadError
 
-_PREFIX = "base_model.model."  # what peft puts before a module's name in a saved adapter
+PEFT_PREFIX = "base_model.model."  # what peft puts before a module's (and so a parameter's) name in a saved adapter
 # "<module>.lora_A.weight", or with the adapter's name kept ("<module>.lora_A.default.weight")
 _FACTOR = re.compile(r"^(?P<module>.+)\.lora_(?P<factor>[AB])(?:\.[^.]+)?\.weight$")
 _WEIGHTS = ("adapter_model.safetensors", "adapter_model.bin")
@@ -81,7 +81,7 @@ def read_adapter(path, *, caller: str) -> PeftAdapter:
     tensors = _tensors(directory, caller)
     factors: dict[str, dict[str, np.ndarray]] = {}
     for key, value in tensors.items():
-        name = key.removeprefix(_PREFIX)
+        name = key.removeprefix(PEFT_PREFIX)
         match = _FACTOR.match(name)
         if match is None:
             raise LoadError(

@@ -19,9 +19,9 @@ import torch
 
 from .. import _quiet, bridge
 from .._errors import TrainingError
+from ..lora import PEFT_PREFIX
 
 ADAPTER = "default"
-_PREFIX = "base_model.model."  # what peft puts before a parameter's name in a saved adapter
 
 
 @dataclasses.dataclass
@@ -91,8 +91,8 @@ def saved_names(peft_model, names: list[str]) -> dict[str, str]:
     `get_peft_model_state_dict` names it."""
     from peft import get_peft_model_state_dict
 
-    markers = {f"{_PREFIX}{n}": torch.zeros(1) for n in names}
-    by_id = {id(t): n.removeprefix(_PREFIX) for n, t in markers.items()}
+    markers = {f"{PEFT_PREFIX}{n}": torch.zeros(1) for n in names}
+    by_id = {id(t): n.removeprefix(PEFT_PREFIX) for n, t in markers.items()}
     named = get_peft_model_state_dict(peft_model, state_dict=markers, adapter_name=ADAPTER, save_embedding_layers=False)
     return {by_id[id(t)]: key for key, t in named.items() if id(t) in by_id}
 
