@@ -172,7 +172,7 @@ async def one_request(http, url: str, model: str, prompt: str, new_tokens: int, 
             if not line.startswith("data: ") or line.strip() == "data: [DONE]":
                 continue
             chunk = json.loads(line[len("data: ") :])
-            if chunk.get("usage"):
+            if every_token and chunk.get("usage"):
                 counted = chunk["usage"]["completion_tokens"]
             for choice in chunk.get("choices") or []:
                 text = choice.get("text") or ""
