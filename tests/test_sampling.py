@@ -258,6 +258,22 @@ def test_chi_square_rejects_a_wrong_distribution(wrong):
     assert chi_square_p(tiny_counts(), tiny_hf_probs(dataclasses.replace(TINY, **wrong))) < P_VALUE
 
 
+# Past its candidates a row selects over its whole row: top-k beyond them, a top-p set they do not hold.
+@pytest.mark.parametrize("candidates", [1, 3, VOCAB])
+@pytest.mark.parametrize("name", ["top_k", "top_p", "top_k_top_p", "all", "top_k_above_vocab", "tiny_top_p"])
+def test_top_k_and_top_p_past_the_candidates_match_transformers(name, candidates):
+    config = CASES[name]
+    logits = np.random.default_rng(12).normal(0.0, 2.0, (3, VOCAB)).astype(np.float32)  # [3, V]
+    logits[0] *= 8.0  # peaked: its top-p set is among few candidates, where the flat rows' is not
+    input_ids, attention_mask = history(seed=13)
+    expected = hf_process(logits, input_ids, attention_mask, dataclasses.replace(config, repetition_penalty=1.0))
+    features = dataclasses.replace(SamplingFeatures.of([config]), repetition=False, candidates=candidates)
+    rows = rows_of([dataclasses.replace(config, repetition_penalty=1.0)] * 3)
+    got = np.asarray(_process(jnp.asarray(logits), None, None, rows, features=features))
+    np.testing.assert_array_equal(np.isfinite(got), np.isfinite(expected), err_msg="kept tokens differ")
+    np.testing.assert_allclose(softmax(got), softmax(expected), rtol=0, atol=PROBS.atol)
+
+
 def test_same_key_same_tokens_other_key_other_tokens():
     logits = jnp.zeros((256, VOCAB), jnp.float32)  # uniform: every draw is up to the key
     config = SamplingConfig(do_sample=True)

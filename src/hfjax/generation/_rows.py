@@ -31,6 +31,9 @@ from .._errors import GenerationError
 MAX_LOGIT_BIAS = 64
 # vLLM's stop_token_ids that a server's row holds back under min_tokens, beside its EOS tokens.
 MAX_HELD_STOP_TOKENS = 16
+# The most likely tokens of a sampling row that top-k and top-p read first (`lax.top_k`, a
+# partial sort): a row whose kept tokens lie among them never reads its whole vocabulary again.
+TOP_CANDIDATES = 256
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -75,6 +78,9 @@ class SamplingFeatures:
     # int32 words of each row's allowed-token bitmask (`RowSampling.allowed`): ceil(V / 32) where rows
     # may be constrained to a grammar (structured outputs), else 0: no mask is compiled.
     mask_words: int = 0
+    # How many of a sampling row's most likely tokens top-k and top-p read first; rows whose
+    # kept tokens lie further down select over their whole vocabulary (`_sampling.process_logits`).
+    candidates: int = TOP_CANDIDATES
 
     def __post_init__(self):
         if self.held_back and self.held_slots:
