@@ -115,10 +115,15 @@ def main() -> None:
     parser.add_argument("--prefill-chunk", type=int, default=32)
     parser.add_argument("--prefill-rows", type=int, default=8)
     parser.add_argument("--decode-steps", type=int, default=4)
+    parser.add_argument("--temperature", type=float, default=0.0, help="every request's (0: greedy)")
+    parser.add_argument("--top-p", type=float, default=None, help="every request's top_p (default: not sent)")
+    parser.add_argument("--top-k", type=int, default=None, help="every request's top_k, vLLM's (default: not sent)")
     args = parser.parse_args()
     for flag in ("concurrency", "requests", "rounds"):
         if getattr(args, flag) < 1:
             parser.error(f"--{flag}={getattr(args, flag)} must be at least 1")
+    serve.SAMPLING.update(temperature=args.temperature)
+    serve.SAMPLING.update({k: v for k, v in (("top_p", args.top_p), ("top_k", args.top_k)) if v is not None})
     work = pathlib.Path(tempfile.mkdtemp(prefix="hfjax-ab-serve-"))
     tree = None
     try:
@@ -133,7 +138,10 @@ def main() -> None:
             f"A: {args.baseline or 'this tree'} {args.a_flags} {args.a_env}; B: this tree {args.b_flags} {args.b_env}"
         )
         report = asyncio.run(run(args, checkpoint, work, sides))
-        print(json.dumps({"concurrency": args.concurrency, "requests": args.requests, "rounds": args.rounds, **report}))
+        print(json.dumps({
+            "concurrency": args.concurrency, "requests": args.requests, "rounds": args.rounds,
+            "sampling": serve.SAMPLING, **report,
+        }))  # fmt: skip
     finally:
         if tree is not None:
             command = ["git", "-C", str(ab.ROOT), "worktree", "remove", "--force", str(tree)]

@@ -98,6 +98,9 @@ HFJAX_CONFIGS = {
     "hfjax-speculative": (),  # with --speculative-config (main)
 }
 REPEAT = [False]  # --repeat-prompts
+# The sampling settings every request sends (greedy unless a caller such as ab_serve.py's --top-p
+# sets others; top_k and min_p go as vLLM's extra parameters, which the openai client sends in its body).
+SAMPLING = {"temperature": 0}
 
 
 CACHE_DIR: pathlib.Path | None = None  # the hfjax servers' HFJAX_CACHE_DIR (`--cache empty`), else theirs
@@ -161,7 +164,7 @@ async def one_request(http, url: str, model: str, prompt: str, new_tokens: int, 
     vocabulary is one), TTFT and ITL. `every_token` (hfjax alone, set against `Model.generate` with no
     end of sequence): `ignore_eos`, and the tokens the stream's usage counts, as a random model's may
     be special tokens that the text leaves out."""
-    body = {"model": model, "prompt": prompt, "max_tokens": new_tokens, "temperature": 0, "stream": True}
+    body = {"model": model, "prompt": prompt, "max_tokens": new_tokens, **SAMPLING, "stream": True}
     if every_token:
         body.update(ignore_eos=True, stream_options={"include_usage": True})
     start = time.perf_counter()
@@ -279,8 +282,10 @@ def openai_level(url, model, prompt_tokens, new_tokens, concurrency, requests, p
                 return
             messages = [{"role": "user", "content": prompt_text(index, prompt_tokens, prefix)}]
             start, times = time.perf_counter(), []
+            standard = {k: v for k, v in SAMPLING.items() if k in ("temperature", "top_p")}
+            extra = {k: v for k, v in SAMPLING.items() if k not in standard}
             stream = openai.chat.completions.create(
-                model=model, messages=messages, max_tokens=new_tokens, temperature=0, stream=True
+                model=model, messages=messages, max_tokens=new_tokens, stream=True, **standard, extra_body=extra or None
             )
             for chunk in stream:
                 for choice in chunk.choices:
