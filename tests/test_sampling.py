@@ -247,6 +247,29 @@ def test_samples_follow_transformers_distribution():
     assert chi_square_p(counts, probs) > P_VALUE
 
 
+def test_draws_over_several_blocks_follow_the_softmax_and_never_take_a_removed_token():
+    # 30 allowed tokens spread over three blocks of the draw's two-level sum (the middle block holds one),
+    # the rest -inf as top-k or top-p leave them.
+    vocab = 2 * _sampling.DRAW_BLOCK + 40
+    rng = np.random.default_rng(14)
+    allowed = np.concatenate([rng.choice(_sampling.DRAW_BLOCK, 20, replace=False), [_sampling.DRAW_BLOCK + 7],
+                              2 * _sampling.DRAW_BLOCK + rng.choice(40, 9, replace=False)])  # fmt: skip
+    logits = np.full(vocab, -np.inf, np.float32)
+    logits[allowed] = rng.normal(0.0, 1.0, len(allowed))
+    uniform = jax.random.uniform(jax.random.key(15), (DRAWS,))
+    draw = jax.jit(_sampling.inverse_cdf)
+    tokens = np.asarray(draw(jnp.tile(jnp.asarray(logits), (DRAWS, 1)), uniform))
+    counts = np.bincount(tokens, minlength=vocab)
+    np.testing.assert_array_equal(counts[~np.isfinite(logits)], 0, err_msg="a removed token was drawn")
+    assert chi_square_p(counts, softmax(logits)) > P_VALUE
+    assert chi_square_p(counts, softmax(np.where(np.arange(vocab) == allowed[0], logits + 0.3, logits))) < P_VALUE
+    # The ends of [0, 1): the first and the last allowed token, whatever the rounding of the sums.
+    ends = jnp.asarray([0.0, np.nextafter(np.float32(1.0), np.float32(0.0))], jnp.float32)
+    np.testing.assert_array_equal(
+        np.asarray(draw(jnp.tile(jnp.asarray(logits), (2, 1)), ends)), [allowed.min(), allowed.max()]
+    )
+
+
 @pytest.mark.parametrize(
     "wrong",
     [dict(top_p=1.0), dict(temperature=1.0), dict(temperature=0.9)],

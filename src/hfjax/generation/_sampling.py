@@ -35,6 +35,7 @@ if TYPE_CHECKING:  # annotations only: _rows builds on these functions' inputs
 __all__ = [
     "process_logits",
     "pick",
+    "inverse_cdf",
     "first_argmax",
     "seen_mask",
     "update_seen",
@@ -194,7 +195,7 @@ def top_p_filter(scores: jax.Array, top_p, best: jax.Array | None = None) -> jax
         best = jax.lax.top_k(scores, min(TOP_CANDIDATES, scores.shape[-1]))[0]
     count = best.shape[-1]
     total = jax.nn.logsumexp(scores, axis=-1, keepdims=True)  # [R, 1]
-    before = jnp.cumsum(jnp.exp(best - total), axis=-1)[:, :-1]  # [R, C - 1]: probability up to each candidate
+    before = _running_sum(jnp.exp(best - total))[:, :-1]  # [R, C - 1]: probability up to each candidate
     kept = 1 + jnp.sum(before < top_p, axis=-1, keepdims=True)  # [R, 1], 1 <= kept <= C
     smallest_kept = jnp.take_along_axis(best, kept - 1, axis=-1)  # [R, 1]
     # Settled where the first C - 1 candidates hold top_p, or no finite score lies below the last one.
@@ -224,15 +225,54 @@ def pick(scores: jax.Array, rows: RowSampling, positions: jax.Array, features: S
     sampling = rows.temperature > 0  # [R]
 
     def drawn():
-        def noise(key_data, position):
-            key = jax.random.fold_in(jax.random.wrap_key_data(key_data), position)
-            return jax.random.gumbel(key, scores.shape[-1:], jnp.float32)
+        def uniform(key_data, position):
+            return jax.random.uniform(jax.random.fold_in(jax.random.wrap_key_data(key_data), position), (), jnp.float32)
 
-        # The Gumbel-max draw that jax.random.categorical makes, with the faster argmax below.
-        return jnp.where(sampling, first_argmax(scores + jax.vmap(noise)(rows.key, positions)), greedy)
+        return jnp.where(sampling, inverse_cdf(scores, jax.vmap(uniform)(rows.key, positions)), greedy)
 
     greedy = first_argmax(scores)
     return jax.lax.cond(jnp.any(sampling), drawn, lambda: greedy)
+
+
+DRAW_BLOCK = 256  # tokens per block of the draw's two-level cumulative sum
+
+
+def inverse_cdf(scores: jax.Array, uniform: jax.Array) -> jax.Array:
+    """[R] int32: each row's token whose interval of the cumulative softmax of `scores` [R, V] holds
+    `uniform` [R] (in [0, 1)): a draw from the softmax with one random number a row. The sum runs in
+    two levels, blocks of DRAW_BLOCK tokens, then the chosen block's tokens, so no scan spans the
+    vocabulary; a token of probability 0 (-inf) is never chosen, even where rounding puts the
+    uniform past the last block's end. A Gumbel-max draw (noise for every token) took 3.3 ms for
+    16 x 32000 scores on the CPU, this 0.6 ms (docs/architecture.md, "One token choice")."""
+    count, vocab = scores.shape
+    blocks = -(-vocab // DRAW_BLOCK)
+    weights = jnp.exp(scores - jnp.max(scores, axis=-1, keepdims=True))  # [R, V], unnormalised; -inf: 0
+    weights = jnp.pad(weights, ((0, 0), (0, blocks * DRAW_BLOCK - vocab))).reshape(count, blocks, DRAW_BLOCK)
+    block_mass = jnp.sum(weights, axis=-1)  # [R, B]
+    block_end = _running_sum(block_mass)  # [R, B]
+    target = uniform * block_end[:, -1]  # [R]
+    block = _first_passing(block_end, block_mass, target)  # [R]
+    rest = target - jnp.take_along_axis(block_end - block_mass, block[:, None], axis=-1)[:, 0]  # [R]
+    within = jnp.take_along_axis(weights, block[:, None, None], axis=1)[:, 0]  # [R, DRAW_BLOCK]
+    return block * DRAW_BLOCK + _first_passing(_running_sum(within), within, rest)
+
+
+def _running_sum(x: jax.Array) -> jax.Array:
+    """The cumulative sum of `x` [R, N] along its last axis, as a product with a triangle of ones: XLA
+    lowers jnp.cumsum to a scan of log2(N) steps whose fusions took longer to compile than the rest
+    of the draw together (the sums are float32's either way)."""
+    size = x.shape[-1]
+    return x @ jnp.triu(jnp.ones((size, size), x.dtype))
+
+
+def _first_passing(ends: jax.Array, mass: jax.Array, target: jax.Array) -> jax.Array:
+    """[R] int32: per row, the first index of positive `mass` [R, N] whose cumulative end (`ends`
+    [R, N]) is above `target` [R], else the last index of positive mass."""
+    index = jax.lax.broadcasted_iota(jnp.int32, mass.shape, 1)
+    positive = mass > 0
+    first = jnp.min(jnp.where(positive & (ends > target[:, None]), index, mass.shape[-1]), axis=-1)
+    last = jnp.max(jnp.where(positive, index, 0), axis=-1)
+    return jnp.minimum(first, last)
 
 
 def allowed_only(scores: jax.Array, rows: RowSampling, features: SamplingFeatures) -> jax.Array:

@@ -5,7 +5,7 @@ sampling's rule for a draft model's proposals.
 A round drafts k tokens per row, runs the target once over the row's last token and its drafts
 (k + 1 positions), and keeps the drafts that agree with the target, then the target's token after
 them. With prompt lookup (a one-token proposal: p_draft one-hot) a draft agrees where it is the
-token `pick` chooses there without speculation (the argmax, or the Gumbel-max draw keyed by the
+token `pick` chooses there without speculation (the argmax, or the draw keyed by the
 row's seed and the position): a kept token is the plain decode's, greedy and sampled alike, and
 that is speculative sampling's rule (d accepted with probability p_target(d); on a rejection a
 draw from p_target without d). A draft model's sampling rows take the general rule (`sampled_round`).
