@@ -108,11 +108,11 @@ def process_logits(
                 # the CPU, where lax.top_k of 256 took 2.5 ms.
                 best = jax.lax.top_k(warped, min(features.candidates, vocab))[0]  # [R, C] descending
                 if features.top_k:
-                    kth = _kth_largest(warped, best, k)  # [R, 1]
+                    kth = _kth_largest(warped, best, k, top_k_on)  # [R, 1]
                     warped = jnp.where(top_k_on & (warped < kth), -jnp.inf, warped)
                     best = jnp.where(top_k_on & (best < kth), -jnp.inf, best)
                 if features.top_p:
-                    warped = jnp.where(top_p_on, top_p_filter(warped, rows.top_p[:, None], best), warped)
+                    warped = jnp.where(top_p_on, top_p_filter(warped, rows.top_p[:, None], best, top_p_on), warped)
                 return warped
 
             warped = jax.lax.cond(jnp.any(top_k_on | top_p_on), narrowed, lambda warped: warped, warped)
@@ -131,13 +131,13 @@ def process_logits(
     return jax.lax.cond(jnp.any(sampling), warp, lambda scores: scores, scores)
 
 
-def _kth_largest(scores: jax.Array, best: jax.Array, k: jax.Array) -> jax.Array:
+def _kth_largest(scores: jax.Array, best: jax.Array, k: jax.Array, on: jax.Array) -> jax.Array:
     """[R, 1]: each row's k-th largest score (k [R, 1] >= 1, ties counted), read from its candidates
     `best` [R, C] (descending) where k <= C, else by a radix select over its whole row (only where a
-    row asks for more than C)."""
+    row that top-k applies to, `on` [R, 1], asks for more than C; other rows' values are not used)."""
     count = best.shape[-1]
     kth = jnp.take_along_axis(best, jnp.clip(k - 1, 0, count - 1), axis=-1)  # [R, 1]
-    beyond = k > count
+    beyond = on & (k > count)
 
     def selected():
         keys = _ordered(scores)  # [R, V]
@@ -180,7 +180,7 @@ def _check_history(name: str, value, logits, dtype, fix: str) -> None:
         )
 
 
-def top_p_filter(scores: jax.Array, top_p, best: jax.Array | None = None) -> jax.Array:
+def top_p_filter(scores: jax.Array, top_p, best: jax.Array | None = None, on: jax.Array | None = None) -> jax.Array:
     """`scores` [R, V] with the tokens outside each row's top-p set to -inf (top_p: a float or [R, 1]).
 
     transformers removes the tokens of an ascending sort whose cumulative probability is at most
@@ -190,7 +190,8 @@ def top_p_filter(scores: jax.Array, top_p, best: jax.Array | None = None) -> jax
     or, in a row whose kept tokens may lie past them, by a radix select over its whole row (32 passes,
     no sort: a sort of 16 x 32000 scores took 35-70 ms on the CPU). These sum the probabilities in
     another order than transformers' cumulative sum, so the kept tokens can differ only where a
-    cumulative probability is within float32 rounding of 1 - top_p."""
+    cumulative probability is within float32 rounding of 1 - top_p. `on` [R, 1]: the rows whose result
+    is used, where not all are (no other row makes the chunk select over its whole row)."""
     if best is None:
         best = jax.lax.top_k(scores, min(TOP_CANDIDATES, scores.shape[-1]))[0]
     count = best.shape[-1]
@@ -201,6 +202,8 @@ def top_p_filter(scores: jax.Array, top_p, best: jax.Array | None = None) -> jax
     # Settled where the first C - 1 candidates hold top_p, or no finite score lies below the last one.
     below = jnp.any(jnp.isfinite(scores) & (scores < best[:, -1:]), axis=-1, keepdims=True)  # [R, 1]
     settled = ~below if count < 2 else (before[:, -1:] >= top_p) | ~below
+    if on is not None:
+        settled = settled | ~on
 
     def selected_smallest_kept():
         # The least likely kept score is the smallest score with less than top_p above it: the key
@@ -242,8 +245,9 @@ def inverse_cdf(scores: jax.Array, uniform: jax.Array) -> jax.Array:
     `uniform` [R] (in [0, 1)): a draw from the softmax with one random number a row. The sum runs in
     two levels, blocks of DRAW_BLOCK tokens, then the chosen block's tokens, so no scan spans the
     vocabulary; a token of probability 0 (-inf) is never chosen, even where rounding puts the
-    uniform past the last block's end. A Gumbel-max draw (noise for every token) took 3.3 ms for
-    16 x 32000 scores on the CPU, this 0.6 ms (docs/architecture.md, "One token choice")."""
+    uniform past the last block's end. The token choice with temperature alone, 16 x 32000 scores on
+    the CPU, took 3.3 ms with a Gumbel-max draw (noise for every token), 2.3-2.5 ms with this
+    (docs/architecture.md, "One token choice")."""
     count, vocab = scores.shape
     blocks = -(-vocab // DRAW_BLOCK)
     weights = jnp.exp(scores - jnp.max(scores, axis=-1, keepdims=True))  # [R, V], unnormalised; -inf: 0
@@ -258,11 +262,12 @@ def inverse_cdf(scores: jax.Array, uniform: jax.Array) -> jax.Array:
 
 
 def _running_sum(x: jax.Array) -> jax.Array:
-    """The cumulative sum of `x` [R, N] along its last axis, as a product with a triangle of ones: XLA
-    lowers jnp.cumsum to a scan of log2(N) steps whose fusions took longer to compile than the rest
-    of the draw together (the sums are float32's either way)."""
+    """The cumulative sum of `x` [R, N] (N a few hundred) along its last axis, as one product with a
+    triangle of ones, where XLA lowers jnp.cumsum to a scan of log2(N) steps of slices and adds (0.14 s
+    of compile alone over 32000 columns). At float32's full precision: a GPU's default for a float32
+    product (TF32) would round the sums to 10 bits."""
     size = x.shape[-1]
-    return x @ jnp.triu(jnp.ones((size, size), x.dtype))
+    return jnp.matmul(x, jnp.triu(jnp.ones((size, size), x.dtype)), precision=jax.lax.Precision.HIGHEST)
 
 
 def _first_passing(ends: jax.Array, mass: jax.Array, target: jax.Array) -> jax.Array:
