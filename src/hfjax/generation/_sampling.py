@@ -196,7 +196,7 @@ def top_p_filter(scores: jax.Array, top_p, best: jax.Array | None = None, on: ja
         best = jax.lax.top_k(scores, min(TOP_CANDIDATES, scores.shape[-1]))[0]
     count = best.shape[-1]
     total = jax.nn.logsumexp(scores, axis=-1, keepdims=True)  # [R, 1]
-    before = _running_sum(jnp.exp(best - total))[:, :-1]  # [R, C - 1]: probability up to each candidate
+    before = jnp.cumsum(jnp.exp(best - total), axis=-1)[:, :-1]  # [R, C - 1]: probability up to each candidate
     kept = 1 + jnp.sum(before < top_p, axis=-1, keepdims=True)  # [R, 1], 1 <= kept <= C
     smallest_kept = jnp.take_along_axis(best, kept - 1, axis=-1)  # [R, 1]
     # Settled where the first C - 1 candidates hold top_p, or no finite score lies below the last one.
@@ -253,21 +253,12 @@ def inverse_cdf(scores: jax.Array, uniform: jax.Array) -> jax.Array:
     weights = jnp.exp(scores - jnp.max(scores, axis=-1, keepdims=True))  # [R, V], unnormalised; -inf: 0
     weights = jnp.pad(weights, ((0, 0), (0, blocks * DRAW_BLOCK - vocab))).reshape(count, blocks, DRAW_BLOCK)
     block_mass = jnp.sum(weights, axis=-1)  # [R, B]
-    block_end = _running_sum(block_mass)  # [R, B]
+    block_end = jnp.cumsum(block_mass, axis=-1)  # [R, B]
     target = uniform * block_end[:, -1]  # [R]
     block = _first_passing(block_end, block_mass, target)  # [R]
     rest = target - jnp.take_along_axis(block_end - block_mass, block[:, None], axis=-1)[:, 0]  # [R]
     within = jnp.take_along_axis(weights, block[:, None, None], axis=1)[:, 0]  # [R, DRAW_BLOCK]
-    return block * DRAW_BLOCK + _first_passing(_running_sum(within), within, rest)
-
-
-def _running_sum(x: jax.Array) -> jax.Array:
-    """The cumulative sum of `x` [R, N] (N a few hundred) along its last axis, as one product with a
-    triangle of ones, where XLA lowers jnp.cumsum to a scan of log2(N) steps of slices and adds (0.14 s
-    of compile alone over 32000 columns). At float32's full precision: a GPU's default for a float32
-    product (TF32) would round the sums to 10 bits."""
-    size = x.shape[-1]
-    return jnp.matmul(x, jnp.triu(jnp.ones((size, size), x.dtype)), precision=jax.lax.Precision.HIGHEST)
+    return block * DRAW_BLOCK + _first_passing(jnp.cumsum(within, axis=-1), within, rest)
 
 
 def _first_passing(ends: jax.Array, mass: jax.Array, target: jax.Array) -> jax.Array:
