@@ -32,7 +32,7 @@ MAX_LOGIT_BIAS = 64
 # vLLM's stop_token_ids that a server's row holds back under min_tokens, beside its EOS tokens.
 MAX_HELD_STOP_TOKENS = 16
 # The most likely tokens of a sampling row that top-k and top-p read first (`lax.top_k`, a
-# partial sort): a row whose kept tokens lie among them never reads its whole vocabulary again.
+# partial sort): a row whose kept tokens lie among them never selects over its whole vocabulary.
 TOP_CANDIDATES = 256
 
 
