@@ -273,6 +273,9 @@ def openai_level(url, model, prompt_tokens, new_tokens, concurrency, requests, p
         todo.put(i)
     results, lock = [], threading.Lock()
 
+    standard = {k: v for k, v in SAMPLING.items() if k in ("temperature", "top_p")}  # OpenAI's own fields
+    extra = {k: v for k, v in SAMPLING.items() if k not in standard} or None
+
     def client():
         openai = OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=600)
         while True:
@@ -282,10 +285,8 @@ def openai_level(url, model, prompt_tokens, new_tokens, concurrency, requests, p
                 return
             messages = [{"role": "user", "content": prompt_text(index, prompt_tokens, prefix)}]
             start, times = time.perf_counter(), []
-            standard = {k: v for k, v in SAMPLING.items() if k in ("temperature", "top_p")}
-            extra = {k: v for k, v in SAMPLING.items() if k not in standard}
             stream = openai.chat.completions.create(
-                model=model, messages=messages, max_tokens=new_tokens, stream=True, **standard, extra_body=extra or None
+                model=model, messages=messages, max_tokens=new_tokens, stream=True, **standard, extra_body=extra
             )
             for chunk in stream:
                 for choice in chunk.choices:

@@ -27,7 +27,6 @@ import jax.numpy as jnp
 import numpy as np
 
 from .._errors import GenerationError
-from ._rows import TOP_CANDIDATES
 
 if TYPE_CHECKING:  # annotations only: _rows builds on these functions' inputs
     from ._rows import RowSampling, SamplingFeatures
@@ -180,20 +179,18 @@ def _check_history(name: str, value, logits, dtype, fix: str) -> None:
         )
 
 
-def top_p_filter(scores: jax.Array, top_p, best: jax.Array | None = None, on: jax.Array | None = None) -> jax.Array:
+def top_p_filter(scores: jax.Array, top_p, best: jax.Array, on: jax.Array) -> jax.Array:
     """`scores` [R, V] with the tokens outside each row's top-p set to -inf (top_p: a float or [R, 1]).
 
     transformers removes the tokens of an ascending sort whose cumulative probability is at most
     1 - top_p. The same tokens are the most likely ones while the probability before each is below
     top_p, ties with the least likely kept one included: that is read from the row's candidates
-    `best` [R, C] (its C largest scores, descending; `lax.top_k` of TOP_CANDIDATES where not given),
+    `best` [R, C] (its C largest scores, descending),
     or, in a row whose kept tokens may lie past them, by a radix select over its whole row (32 passes,
     no sort: a sort of 16 x 32000 scores took 35-70 ms on the CPU). These sum the probabilities in
     another order than transformers' cumulative sum, so the kept tokens can differ only where a
     cumulative probability is within float32 rounding of 1 - top_p. `on` [R, 1]: the rows whose result
-    is used, where not all are (no other row makes the chunk select over its whole row)."""
-    if best is None:
-        best = jax.lax.top_k(scores, min(TOP_CANDIDATES, scores.shape[-1]))[0]
+    is used (no other row makes the chunk select over its whole row)."""
     count = best.shape[-1]
     total = jax.nn.logsumexp(scores, axis=-1, keepdims=True)  # [R, 1]
     before = jnp.cumsum(jnp.exp(best - total), axis=-1)[:, :-1]  # [R, C - 1]: probability up to each candidate
@@ -201,9 +198,7 @@ def top_p_filter(scores: jax.Array, top_p, best: jax.Array | None = None, on: ja
     smallest_kept = jnp.take_along_axis(best, kept - 1, axis=-1)  # [R, 1]
     # Settled where the first C - 1 candidates hold top_p, or no finite score lies below the last one.
     below = jnp.any(jnp.isfinite(scores) & (scores < best[:, -1:]), axis=-1, keepdims=True)  # [R, 1]
-    settled = ~below if count < 2 else (before[:, -1:] >= top_p) | ~below
-    if on is not None:
-        settled = settled | ~on
+    settled = (~below if count < 2 else (before[:, -1:] >= top_p) | ~below) | ~on
 
     def selected_smallest_kept():
         # The least likely kept score is the smallest score with less than top_p above it: the key
