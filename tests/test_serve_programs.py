@@ -118,12 +118,14 @@ def test_a_mixed_load_after_health_compiles_nothing(urls, server):
 def test_metrics_report_the_programs_held_and_their_memory(url):
     # 4 prefill programs (one row and 4 rows over 128 and 256 columns), decode programs of 1 and 6
     # rows over each window (where the decode reads its rows of the cache in place, the one window of
-    # all 256 columns, as the kernel stops at each row's position; else 128 and 256), and the swap of
-    # two slots' cached prefixes.
+    # all 256 columns, as the kernel stops at each row's position; else 128 and 256), the swap of
+    # two slots' cached prefixes, and the token choice after a prefill of one row and of 4.
     log = SERVERS.log("main")
     decode = re.findall(r"(?:compiled|loaded) the decode program for (\d+) rows x (\d+) columns", log)
     windows = {int(columns) for _, columns in decode}
     assert {int(rows) for rows, _ in decode} == {1, SLOTS} and windows in ({LENGTH}, {128, LENGTH})
     assert re.search(rf"(?:compiled|loaded) the swap program for 2 rows x {LENGTH} columns", log)
-    assert _metric(url, "hfjax_programs_held") == 4 + len(decode) + 1 == 4 + 2 * len(windows) + 1
+    choose = re.findall(r"(?:compiled|loaded) the choose program for (\d+) rows \(", log)
+    assert sorted(int(rows) for rows in choose) == [1, 4]
+    assert _metric(url, "hfjax_programs_held") == 4 + len(decode) + 1 + 2 == 4 + 2 * len(windows) + 1 + 2
     assert _metric(url, "hfjax_programs_memory_bytes") > 0

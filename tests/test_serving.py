@@ -357,9 +357,9 @@ def test_decode_chunks_read_their_rows_of_the_whole_cache_where_they_lie(model, 
 def test_programs_stay_fixed_over_50_requests_of_mixed_lengths_and_settings(model, engine):
     before = dict(engine.program_counts)
     # warm_up prepared them all: a prefill chunk of one row and of 4 rows per window (128, 256 columns),
-    # a decode chunk per row bucket (1, 4) and window (one where it reads in place), and the swap of
-    # two slots' cached prefixes.
-    assert before == {"prefill": 4, "decode": _decode_programs(engine), "swap": 1}
+    # a decode chunk per row bucket (1, 4) and window (one where it reads in place), the swap of
+    # two slots' cached prefixes, and the token choice after a prefill of one row and of 4.
+    assert before == {"prefill": 4, "decode": _decode_programs(engine), "swap": 1, "choose": 2}
     ids = _ids(model, [PROMPTS[i % len(PROMPTS)] for i in range(50)])
     params = [
         SamplingParams(
@@ -604,14 +604,22 @@ def test_slots_come_from_the_kv_cache_memory_budget(model):
 
 def test_start_compiles_every_program_and_requests_after_it_compile_nothing(model):
     engine = Engine(model, max_num_seqs=SLOTS, max_model_len=LENGTH, prefill_chunk=CHUNK, decode_steps=STEPS)
-    lines = []
-    engine.compiler.progress = lines.append
+    lines, at_ready = [], []
+
+    def progress(line):
+        lines.append(line)
+        if " programs ready in " in line:  # every program compiled: running each once compiles nothing more
+            at_ready.append(engine.metrics.compilations)
+
+    engine.compiler.progress = progress
     engine.start()
     try:
+        assert engine.metrics.compilations == at_ready[0]
         held = engine.compiler.held
-        # prefill programs of one row and of prefill_rows (4) over 128 and 256 columns, and the swap; a
-        # line each, one when all are ready, and one when each has run once (on rows that hold no request)
-        assert held == len(engine.compiler) == 4 + _decode_programs(engine) + 1 and len(lines) == held + 2
+        # prefill programs of one row and of prefill_rows (4) over 128 and 256 columns, the swap, and the
+        # token choice after a prefill of each row count; a line each, one when all are ready, and one
+        # when each has run once (on rows that hold no request)
+        assert held == len(engine.compiler) == 4 + _decode_programs(engine) + 1 + 2 and len(lines) == held + 2
         assert lines[-1].startswith(f"ran the {held} programs once")
         assert engine.metrics.registry.get_sample_value("hfjax_programs_held") == held
         assert engine.metrics.registry.get_sample_value("hfjax_programs_memory_bytes") == engine.compiler.memory
@@ -904,7 +912,12 @@ def test_a_prompt_starts_after_the_prefix_a_free_slot_holds_and_answers_the_same
     shared = next(i for i, (a, b) in enumerate(zip(first, second)) if a != b)
     assert shared > CHUNK and engine.metrics.prefix_hit_tokens - hits == shared
     assert got.token_ids == _generate_alone(model, [second], 12)[0][:12]
-    assert engine.program_counts == {"prefill": 4, "decode": _decode_programs(engine), "swap": 1}
+    assert engine.program_counts == {
+        "prefill": 4,
+        "decode": _decode_programs(engine),
+        "swap": 1,
+        "choose": len(engine.compiler.grid["choose"]),
+    }
 
 
 def test_a_finished_prompt_outlives_the_next_request_in_its_slot_and_is_read_once(model, engine):

@@ -271,7 +271,7 @@ class EncoderDecoderSlotModel(SlotModel):
                 tuple(jax.ShapeDtypeStruct((self.slots, s.shape[1], self.length, s.shape[3]), s.dtype) for s in pair)
                 for pair in self._cross_shapes
             ]
-            self._shapes = cache, logits.shape[-1]
+            self._shapes, self._logits_dtype = (cache, logits.shape[-1]), logits.dtype
         return self._shapes
 
     def bytes_per_slot(self) -> int:

@@ -33,6 +33,7 @@ class SlotPrograms:
     sampling features for the engine's life.
 
         prefill(state, rows, which, ids, start, count, last, fresh, want_logprobs, window=W) -> (state, Chosen)
+            (with `choose_apart`, two programs: the chunk's run, then `choose`)
         decode(state, rows, active, count, want_logprobs, decoding_rows=R, window=W, logprobs=True)
             -> (state, Chosen)
         swap(state, a, b) -> state: slots a and b trade what they hold (a server's cached prefixes)
@@ -45,6 +46,11 @@ class SlotPrograms:
     A decode with `logprobs=False` is a program of its own that computes and returns no
     log-probabilities (`Model.generate`'s, and a server's chunks in which no request asks for them).
     `cache`: the `ProgramCache` to keep the programs in (`Model.generate` shares `Generator`'s).
+    `choose_apart`: a prefill is two programs, the chunk's run per (rows, window) and the choice of
+    the next token per rows (`choose`, `SlotModel.choose_prefilled`), instead of one: a server
+    compiles the choice once per row count instead of once per window (the choice was about half of
+    each prefill program's compile). `Model.generate`, which compiles a prefill program for each
+    shape it meets, keeps them one.
     A `SpeculativeSlotModel` makes the decode speculative (each call makes up to `steps` tokens per row,
     `Chosen.made` of them): its `weights()` are the programs' first argument, its `program_key()` part
     of their key.
@@ -61,9 +67,11 @@ class SlotPrograms:
         pad_token: int = 0,
         kept: tuple[str, ...] = (),
         cache: _programs.ProgramCache | None = None,
+        choose_apart: bool = False,
     ):
         model = slot_model.model
         self.slot_model = slot_model
+        self.choose_apart = choose_apart
         self.prefill_chunk, self.steps, self.features = prefill_chunk, steps, features
         self.stop_tokens, self.pad_token, self.kept = stop_tokens, pad_token, kept
         if cache is None:
@@ -85,8 +93,9 @@ class SlotPrograms:
     @property
     def counts(self) -> dict[str, int]:
         """Programs prepared per kind in this process, traced or read from disk."""
-        counts = {kind: self.cache.traced[kind] + self.cache.loaded[kind] for kind in ("prefill", "decode", "swap")}
-        return {kind: n for kind, n in counts.items() if n or kind != "swap"}
+        kinds = ("prefill", "decode", "swap", "choose")
+        counts = {kind: self.cache.traced[kind] + self.cache.loaded[kind] for kind in kinds}
+        return {kind: n for kind, n in counts.items() if n or kind in ("prefill", "decode")}
 
     def key(self, kind: str, rows: int, window: int, logprobs: bool = True, *, width: int | None = None) -> tuple:
         """The program cache's key of a program; `width`: a prefill's prompt tokens per row (its ids'
@@ -97,9 +106,10 @@ class SlotPrograms:
         # The decode's own settings (the prefill's program does not depend on them).
         stops = (self.stop_tokens, self.pad_token) if kind == "decode" and self.stop_tokens else ()
         logprobs = logprobs or kind != "decode"
+        apart = ("apart",) if kind == "prefill" and self.choose_apart else ()
         return (
             kind, model.slots, model.length, extent, rows, window, self.precision, self.features, stops, logprobs,
-            self.kept, *model.program_key(),
+            self.kept, *model.program_key(), *apart,
         )  # fmt: skip
 
     def prefill(
@@ -120,6 +130,17 @@ class SlotPrograms:
         program, args = self._prefill(
             state, rows, which, ids, start, count, last, fresh, want_logprobs, window=window, inputs=inputs
         )
+        if not self.choose_apart:
+            leaves, chosen = program.run(*args)
+            return SlotState(*leaves), Chosen(*chosen)
+        leaves, logits = program.run(*args)
+        return self.choose(SlotState(*leaves), rows, which, logits, start, count, last, want_logprobs)
+
+    def choose(self, state: SlotState, rows: RowSampling, which, logits, start, count, last, want_logprobs):
+        """The token after each row's prefilled chunk (`SlotModel.choose_prefilled`; with `choose_apart`,
+        the prefill's second program): logits [P, V] as the prefill's first program made them, the rest
+        as `prefill`'s. Returns (state, Chosen [P, 1])."""
+        program, args = self._choose(state, rows, which, logits, start, count, last, want_logprobs)
         leaves, chosen = program.run(*args)
         return SlotState(*leaves), Chosen(*chosen)
 
@@ -162,6 +183,24 @@ class SlotPrograms:
             compiled = lowered.compile()
         return not compiles.compiled, held_bytes(compiled)
 
+    def compile_choose(self, state, rows, which, want_logprobs) -> tuple[bool, int]:
+        """Compiles the choice program (`choose`) for prefill rows `which` [P] (arrays or their shapes)
+        without running it. Returns (whether it was loaded from the compilation cache, the bytes it
+        holds, `held_bytes`)."""
+        p = which.shape[0]
+        # The logits come out of the prefill program placed as the state's arrays are (without the
+        # placement, the program compiled here was not the one the first call ran, which compiled again).
+        placed = getattr(state.tokens, "sharding", None)
+        logits = jax.ShapeDtypeStruct((p, self.slot_model.shapes()[1]), self.slot_model.logits_dtype(), sharding=placed)
+        column = jax.ShapeDtypeStruct((p,), np.int32)
+        last = jax.ShapeDtypeStruct((p,), np.bool_)
+        with bridge.Compiles() as compiles:
+            with self._tracing:
+                program, args = self._choose(state, rows, which, logits, column, column, last, want_logprobs)
+                lowered = program.run.lower(*args)
+            compiled = lowered.compile()
+        return not compiles.compiled, held_bytes(compiled)
+
     def compile_swap(self, *arguments) -> tuple[bool, int]:
         """Compiles the swap program for `swap`'s arguments (arrays or their shapes) without running it.
         Returns (whether it was loaded from the compilation cache, the bytes it holds, `held_bytes`)."""
@@ -196,6 +235,12 @@ class SlotPrograms:
         )
         return self._program(self.key("decode", decoding_rows, window, logprobs), function, args), args
 
+    def _choose(self, state, rows, which, logits, start, count, last, want_logprobs):
+        args = (state.leaves(), rows.leaves(), which, logits, start, count, last, want_logprobs)
+        model = self.slot_model
+        key = ("choose", model.slots, model.length, which.shape[0], self.precision, self.features, self.kept)
+        return self._program((*key, *model.program_key()), self._choose_program, args, donate=(0,)), args
+
     def _swap(self, state, a, b):
         args = (state.leaves(), a, b)
         model = self.slot_model
@@ -215,7 +260,15 @@ class SlotPrograms:
         inputs = None if arrays is None else {**arrays, **dict(static)}
         state, chosen = self.slot_model.prefill_chunk(
             params, SlotState(*leaves), RowSampling(*rows), which, ids, start, count, last, fresh, want_logprobs,
-            window=window, features=self.features, kept=self.kept, inputs=inputs,
+            window=window, features=self.features, kept=self.kept, inputs=inputs, choose=not self.choose_apart,
+        )  # fmt: skip
+        return state.leaves(), chosen if self.choose_apart else _fields(chosen)
+
+    def _choose_program(self, leaves, rows, which, logits, start, count, last, want_logprobs):
+        self.cache.traced["choose"] += 1
+        state, chosen = self.slot_model.choose_prefilled(
+            SlotState(*leaves), RowSampling(*rows), which, logits, start + count, last, want_logprobs,
+            features=self.features, kept=self.kept,
         )  # fmt: skip
         return state.leaves(), _fields(chosen)
 

@@ -8,6 +8,7 @@ position p has its keys and values in column p. Rows advance independently, so t
     prefill_chunk   the next C prompt tokens of P slots written into their rows (each row's real
                     tokens last in the chunk, so the model makes logits at one index); the token
                     after each row's last real token chosen with the slot's settings
+                    (`choose_prefilled`, which a server compiles as a program of its own)
     decode_chunk    up to K one-token steps of the first R slots in one program (a `while_loop`,
                     which ends early once every row has stopped, where the program has stop
                     tokens), over the first W columns of the cache; rows that are not decoding
@@ -518,6 +519,7 @@ class SlotModel:
             self.recurrent, self.attends, self.attends_in_place = False, True, False
         self._shapes = None
         self._state_shapes = None
+        self._logits_dtype = None  # (set with `_shapes`)
         self._empty = {}  # the programs that make `empty_state`, per state layout
 
     def shapes(self) -> tuple[list[tuple[jax.ShapeDtypeStruct, jax.ShapeDtypeStruct]], int]:
@@ -532,7 +534,8 @@ class SlotModel:
                     return bridge.to_jax(self.module(input_ids=bridge.to_torch(jnp.zeros((1, 1), jnp.int32))).logits)
 
             tokens = jax.ShapeDtypeStruct((self.slots, 1, self.length, 1), jnp.int32)
-            self._shapes = [(tokens, tokens)], jax.eval_shape(logits, self.model.params).shape[-1]
+            made = jax.eval_shape(logits, self.model.params)
+            self._shapes, self._logits_dtype = ([(tokens, tokens)], made.shape[-1]), made.dtype
         if self._shapes is None:
 
             def one_token(params):
@@ -547,8 +550,13 @@ class SlotModel:
 
             layers, logits = jax.eval_shape(one_token, self.model.params)
             cache = [tuple(jax.ShapeDtypeStruct((self.slots, *s.shape[1:]), s.dtype) for s in pair) for pair in layers]
-            self._shapes = cache, logits.shape[-1]
+            self._shapes, self._logits_dtype = (cache, logits.shape[-1]), logits.dtype
         return self._shapes
+
+    def logits_dtype(self):
+        """The dtype of the model's logits (`shapes`' abstract run)."""
+        self.shapes()
+        return self._logits_dtype
 
     def state_shapes(self) -> list[tuple[jax.ShapeDtypeStruct, ...]] | None:
         """The recurrent layers' state arrays for S slots (`state_layout` names them); None without such layers."""
@@ -580,6 +588,7 @@ class SlotModel:
             )
 
         cache, states, logits = jax.eval_shape(one_token, self.model.params)
+        self._logits_dtype = logits.dtype
         self.state_layout = tuple(layout)
 
         def rows(arrays):
@@ -960,6 +969,7 @@ class SlotModel:
         features: SamplingFeatures,
         kept: tuple[str, ...] = (),
         inputs: dict | None = None,
+        choose: bool = True,
     ) -> tuple[SlotState, Chosen]:
         """Prompt chunks of P slots at once: ids [P, C] int32, row p's count[p] real tokens last (at
         positions start[p]..; the padding before them writes nowhere), so every row's last real
@@ -972,8 +982,10 @@ class SlotModel:
         prefill-only model inputs (`_multimodal`), where each row's chunk holds its whole prompt:
         {name: array [P, ...]} (token_type_ids [P, C], laid out as `ids`; multimodal rope's
         position_ids [3, P, C]; an eager image encoder's image_features), and the `STATIC_INPUTS` as
-        nested tuples of ints. Returns (state, Chosen [P, 1])."""
-        slots = self.slots
+        nested tuples of ints. Returns (state, Chosen [P, 1]); with `choose=False`, (state, the
+        rows' logits [P, V]) before the choice, which `choose_prefilled` then makes (a server
+        compiles it once per row count instead of into each window's prefill: the choice was about
+        half of a prefill program's compile)."""
         mine = jax.tree_util.tree_map(lambda a: a.at[which].get(mode="fill", fill_value=0), rows)
         cache, recurrent = state.cache, state.recurrent
         if self.recurrent:  # each row's chunk is its whole prompt (start 0): its state starts from zeros
@@ -985,14 +997,15 @@ class SlotModel:
                 params, state.cache, which, ids, start, count, window=window, lora=mine.lora, inputs=inputs,
                 shift=mine.pads,
             )  # fmt: skip
-        seen = counts = None
+        state = dataclasses.replace(state, cache=cache, recurrent=recurrent)
         if state.seen is not None:  # the chunk's real tokens join the row's history
             before = jnp.where(fresh[:, None], False, state.seen.at[which].get(mode="fill", fill_value=False))
             real = jnp.where(offset >= 0, ids, before.shape[-1])
             seen = before.at[jnp.arange(ids.shape[0])[:, None], real].set(True, mode="drop")  # [P, V]
+            state = dataclasses.replace(state, seen=state.seen.at[which].set(seen, mode="drop"))
         if state.counts is not None:
             counts = jnp.where(fresh[:, None], 0, state.counts.at[which].get(mode="fill", fill_value=0))  # [P, V]
-        history = None
+            state = dataclasses.replace(state, counts=state.counts.at[which].set(counts, mode="drop"))
         if state.history is not None:  # the chunk's real tokens, and a fresh row's pads before them
             column = offset + (start + mine.pads)[:, None]  # [P, C]
             # (not over a reused prefix's tokens, which the slot's history holds from the request before)
@@ -1000,33 +1013,44 @@ class SlotModel:
             column = jnp.where(written, column, state.history.shape[1])  # past the end: dropped
             before = state.history.at[which].get(mode="fill", fill_value=0)
             history = before.at[jnp.arange(ids.shape[0])[:, None], column].set(ids, mode="drop")  # [P, L]
-        encoder_ids = None if state.encoder_ids is None else state.encoder_ids.at[which].get(mode="fill", fill_value=-1)
+            state = dataclasses.replace(state, history=state.history.at[which].set(history, mode="drop"))
+        if not choose:
+            return state, logits[:, 0]
+        return self.choose_prefilled(
+            state, rows, which, logits[:, 0], start + count, last, want_logprobs, features=features, kept=kept
+        )
+
+    def choose_prefilled(
+        self, state: SlotState, rows: RowSampling, which, logits, length, last, want_logprobs, *, features, kept=()
+    ) -> tuple[SlotState, Chosen]:
+        """The token after each row's prompt chunk, from its logits [P, V] (`prefill_chunk`'s with
+        `choose=False`, which wrote the chunk into the state): length [P], the row's tokens so far;
+        which, last and the rest as `prefill_chunk`'s. Returns (state, Chosen [P, 1])."""
+        mine = jax.tree_util.tree_map(lambda a: a.at[which].get(mode="fill", fill_value=0), rows)
+        seen, counts, history, encoder_ids = (
+            None if a is None else a.at[which].get(mode="fill", fill_value=fill)
+            for a, fill in ((state.seen, False), (state.counts, 0), (state.history, 0), (state.encoder_ids, -1))
+        )
         token, scores = choose_tokens(
-            logits[:, 0], mine, features, start + count, seen=seen, counts=counts,
-            history=history_rules(features, mine, history, start + count, encoder_ids=encoder_ids),
+            logits, mine, features, length, seen=seen, counts=counts,
+            history=history_rules(features, mine, history, length, encoder_ids=encoder_ids),
         )  # fmt: skip
-        chosen = with_logprobs(logits[:, 0], token, want_logprobs)
-        chosen = dataclasses.replace(chosen, **kept_values(kept, scores=scores, logits=logits[:, 0]))
+        chosen = with_logprobs(logits, token, want_logprobs)
+        chosen = dataclasses.replace(chosen, **kept_values(kept, scores=scores, logits=logits))
         # The chosen token is the slot's next input where the prompt ended (other rows: slot S, dropped),
         # at the position after the prompt; it joins the row's history.
-        ended = jnp.where(last, which, slots)
+        ended = jnp.where(last, which, self.slots)
+        state = dataclasses.replace(
+            state,
+            tokens=state.tokens.at[ended].set(token, mode="drop"),
+            positions=state.positions.at[ended].set(length, mode="drop"),
+        )
         if seen is not None:
-            seen = jnp.where(last[:, None], _sampling.update_seen(seen, token), seen)
+            seen = _sampling.update_seen(seen, token)
+            state = dataclasses.replace(state, seen=state.seen.at[ended].set(seen, mode="drop"))
         if counts is not None:
             counts = _sampling.update_counts(counts, token, last)
-        state = SlotState(
-            cache=cache,
-            tokens=state.tokens.at[ended].set(token, mode="drop"),
-            positions=state.positions.at[ended].set(start + count, mode="drop"),
-            seen=None if seen is None else state.seen.at[which].set(seen, mode="drop"),
-            counts=None if counts is None else state.counts.at[which].set(counts, mode="drop"),
-            history=None if history is None else state.history.at[which].set(history, mode="drop"),
-            draft=state.draft,
-            cross=state.cross,
-            encoder_mask=state.encoder_mask,
-            recurrent=recurrent,
-            encoder_ids=state.encoder_ids,
-        )
+            state = dataclasses.replace(state, counts=state.counts.at[which].set(counts, mode="drop"))
         per_token = [f for f in (*PER_TOKEN, *_KEPT) if getattr(chosen, f) is not None]
         return state, dataclasses.replace(chosen, **{f: getattr(chosen, f)[:, None] for f in per_token})
 

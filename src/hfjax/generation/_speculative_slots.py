@@ -104,6 +104,7 @@ class SpeculativeSlotModel(SlotModel):
         features: SamplingFeatures,
         kept: tuple[str, ...] = (),
         inputs: dict | None = None,
+        choose: bool = True,
     ):
         """`SlotModel.prefill_chunk`, whose chunk the draft model's cache takes too (its logits unused;
         `inputs` are the target's alone: Model.generate and the server draft no prompt with images)."""
@@ -124,6 +125,7 @@ class SpeculativeSlotModel(SlotModel):
             features=features,
             kept=kept,
             inputs=inputs,
+            choose=choose,
         )
         if draft is None:
             return state, chosen

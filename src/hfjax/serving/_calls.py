@@ -101,6 +101,8 @@ class CoreCalls:
                     self.state, _ = programs.prefill(*args, window=window, inputs=inputs)
                 elif kind == "swap":
                     self.state = programs.swap(*args)
+                elif kind == "choose":
+                    continue  # (each prefill above ran it)
                 else:
                     self.state, _ = programs.decode(*args, decoding_rows=rows, window=window)
         jax.block_until_ready(self.state.leaves())
@@ -131,6 +133,9 @@ class CoreCalls:
             return (*args, inputs)
         if kind == "swap":
             return self.state, jnp.zeros((), jnp.int32), jnp.ones((), jnp.int32)
+        if kind == "choose":  # (the rows' logits, start, count and last: `compile_choose`)
+            want = self.table.copies("want", np.bool_(False))
+            return self.state, self.table.sampling(), jnp.full(rows, self.slots, jnp.int32), want
         return self.decode_args(np.zeros(self.slots, bool), 1, False)
 
     def prefill_args(self, which, ids, start, count, last, fresh, want_logprobs) -> tuple:

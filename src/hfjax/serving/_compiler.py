@@ -85,7 +85,9 @@ def engine_grid(
 class Compiler:
     """The slot programs of one engine (`generation.SlotPrograms`) for its set of (rows, window) per
     kind ("prefill", "decode", "image"; "swap", one program of two rows over every column, where the
-    engine moves cached prefixes between slots), each list smallest first.
+    engine moves cached prefixes between slots; "choose", the token after a prefill's rows, per row
+    count with the window 0, where the programs make it apart: `SlotPrograms.choose_apart`), each
+    list smallest first.
 
     Attributes:
       held: programs compiled (or read from the compilation cache) so far.
@@ -129,10 +131,8 @@ class Compiler:
                 if self.progress is not None:
                     done = "loaded the" if loaded else "compiled the"
                     where = " from the cache" if loaded else ""
-                    self.progress(
-                        f"{done} {kind} program for {rows} rows x {window} columns{where} ({n}/{len(todo)}): "
-                        f"{seconds:.1f} s"
-                    )
+                    size = f"{rows} rows" if kind == "choose" else f"{rows} rows x {window} columns"
+                    self.progress(f"{done} {kind} program for {size}{where} ({n}/{len(todo)}): {seconds:.1f} s")
         self._ready = True
         if self.progress is not None:
             self.progress(f"{len(todo)} programs ready in {time.perf_counter() - start:.1f} s")
@@ -155,6 +155,8 @@ class Compiler:
             loaded, memory = self.programs.compile_prefill(*arguments, window=window, inputs=inputs)
         elif kind == "swap":
             loaded, memory = self.programs.compile_swap(*arguments)
+        elif kind == "choose":
+            loaded, memory = self.programs.compile_choose(*arguments)
         else:
             loaded, memory = self.programs.compile_decode(*arguments, decoding_rows=rows, window=window)
         seconds = time.perf_counter() - start

@@ -185,7 +185,7 @@ class Engine:
             prefix_reuse = False  # a state holds no prefix of its prompt apart
         self.metrics = Metrics(self.max_num_seqs, 0 if speculation is None else speculation.num_speculative_tokens)
         programs = generation.SlotPrograms(
-            slot_model, prefill_chunk=prefill_chunk, steps=max_decode_steps, features=self.features
+            slot_model, prefill_chunk=prefill_chunk, steps=max_decode_steps, features=self.features, choose_apart=True
         )
         grid = engine_grid(
             self.max_model_len, self.max_num_seqs, self.prefill_rows, attends=slot_model.attends,
@@ -202,6 +202,10 @@ class Engine:
         move_tokens = self.max_model_len // MOVE_SHARE if prefix_reuse and self.max_num_seqs > 1 else 0
         if move_tokens:
             grid["swap"] = [(2, self.max_model_len)]
+        # The token after a prefill: one program per row count, whatever the window (`choose_apart`).
+        grid["choose"] = [
+            (rows, 0) for rows in sorted({rows for kind in ("prefill", "image") for rows, _ in grid.get(kind, [])})
+        ]
         self.compiler = Compiler(programs, grid, progress=progress)
         self.table = SlotTable(
             self.max_num_seqs, vocab_size=vocab_size, bias_slots=self.features.bias_slots,
