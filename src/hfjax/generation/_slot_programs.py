@@ -188,9 +188,12 @@ class SlotPrograms:
         without running it. Returns (whether it was loaded from the compilation cache, the bytes it
         holds, `held_bytes`)."""
         p = which.shape[0]
-        # The logits come out of the prefill program placed as the state's arrays are (without the
-        # placement, the program compiled here was not the one the first call ran, which compiled again).
+        # On one device the logits come out of the prefill program placed there, as the state's arrays
+        # are (without the placement, the program compiled here was not the one the first call ran,
+        # which compiled again). Over several devices (a state split over "data") they are left
+        # unplaced: P rows need not divide over the mesh.
         placed = getattr(state.tokens, "sharding", None)
+        placed = placed if placed is not None and len(placed.device_set) == 1 else None
         logits = jax.ShapeDtypeStruct((p, self.slot_model.shapes()[1]), self.slot_model.logits_dtype(), sharding=placed)
         column = jax.ShapeDtypeStruct((p,), np.int32)
         last = jax.ShapeDtypeStruct((p,), np.bool_)
