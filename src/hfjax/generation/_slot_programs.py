@@ -165,23 +165,15 @@ class SlotPrograms:
         """Compiles the prefill program for these arguments (arrays or their shapes; `inputs` as
         `prefill`'s, its static inputs as values) without running it. Returns (whether it was loaded
         from the compilation cache, XLA compiling nothing; the bytes it holds, `held_bytes`)."""
-        with bridge.Compiles() as compiles:
-            with self._tracing:
-                program, args = self._prefill(*arguments, window=window, inputs=inputs)
-                lowered = program.run.lower(*args)
-            compiled = lowered.compile()
-        return not compiles.compiled, held_bytes(compiled)
+        return self._compiled(lambda: self._prefill(*arguments, window=window, inputs=inputs))
 
     def compile_decode(self, *arguments, decoding_rows: int, window: int, logprobs: bool = True) -> tuple[bool, int]:
         """Compiles the decode program for these arguments (arrays or their shapes) without running it.
         Returns (whether it was loaded from the compilation cache, XLA compiling nothing; the bytes it
         holds, `held_bytes`)."""
-        with bridge.Compiles() as compiles:
-            with self._tracing:
-                program, args = self._decode(*arguments, decoding_rows=decoding_rows, window=window, logprobs=logprobs)
-                lowered = program.run.lower(*args)
-            compiled = lowered.compile()
-        return not compiles.compiled, held_bytes(compiled)
+        return self._compiled(
+            lambda: self._decode(*arguments, decoding_rows=decoding_rows, window=window, logprobs=logprobs)
+        )
 
     def compile_choose(self, state, rows, which, want_logprobs) -> tuple[bool, int]:
         """Compiles the choice program (`choose`) for prefill rows `which` [P] (arrays or their shapes)
@@ -197,19 +189,19 @@ class SlotPrograms:
         logits = jax.ShapeDtypeStruct((p, self.slot_model.shapes()[1]), self.slot_model.logits_dtype(), sharding=placed)
         column = jax.ShapeDtypeStruct((p,), np.int32)
         last = jax.ShapeDtypeStruct((p,), np.bool_)
-        with bridge.Compiles() as compiles:
-            with self._tracing:
-                program, args = self._choose(state, rows, which, logits, column, column, last, want_logprobs)
-                lowered = program.run.lower(*args)
-            compiled = lowered.compile()
-        return not compiles.compiled, held_bytes(compiled)
+        return self._compiled(lambda: self._choose(state, rows, which, logits, column, column, last, want_logprobs))
 
     def compile_swap(self, *arguments) -> tuple[bool, int]:
         """Compiles the swap program for `swap`'s arguments (arrays or their shapes) without running it.
         Returns (whether it was loaded from the compilation cache, the bytes it holds, `held_bytes`)."""
+        return self._compiled(lambda: self._swap(*arguments))
+
+    def _compiled(self, make) -> tuple[bool, int]:
+        """Compiles the program `make()` gives with its arguments, (program, args), traced one at a time.
+        Returns (whether it was loaded from the compilation cache, the bytes it holds, `held_bytes`)."""
         with bridge.Compiles() as compiles:
             with self._tracing:
-                program, args = self._swap(*arguments)
+                program, args = make()
                 lowered = program.run.lower(*args)
             compiled = lowered.compile()
         return not compiles.compiled, held_bytes(compiled)
