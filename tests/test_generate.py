@@ -190,6 +190,36 @@ def test_a_model_that_keeps_no_cache_a_slot_can_hold_recomputes_its_tokens_on_th
         decodes.clear()
 
 
+def test_rwkv_recomputes_its_tokens_and_pads_on_the_slot_core_as_its_forward_reads_them(checkpoint, decodes):
+    # RWKV takes no positions and reads no mask: its slots run each row's pads, then its tokens, from
+    # column 0. The reference is transformers' forward over the whole sequence at every step: its own
+    # generate, which carries RWKV's state, gives other logits than that forward on this checkpoint
+    # (about 1 apart, transformers 5.24), so its tokens differ from both.
+    model = hfjax.load(checkpoint("rwkv", task="text-generation"))
+    ids, mask = _batch(model)
+    assert not mask.all()
+    sequence = torch.as_tensor(ids).long()
+    with torch.no_grad():
+        module = _torch_model(model)
+        for _ in range(NEW_TOKENS):
+            logits = module(sequence, use_cache=False).logits[:, -1]
+            sequence = torch.cat([sequence, logits.argmax(-1, keepdim=True)], dim=1)
+    settings = dict(max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS, do_sample=False)
+    np.testing.assert_array_equal(np.asarray(model.generate(ids, mask, **settings)), sequence.numpy())
+    assert decodes, "the call did not run on the slot core"
+
+
+def test_a_model_whose_generate_runs_a_placeholder_token_is_refused_by_name(checkpoint):
+    # XLNet's generate in transformers appends a token at every step and predicts it; hfjax's engines
+    # run a causal LM's tokens so far, which gave other tokens, so both refuse it, saying why.
+    model = hfjax.load(checkpoint("xlnet", task="text-generation"))
+    ids, mask = _batch(model)
+    with pytest.raises(hfjax.GenerationError, match=r"XLNetLMHeadModel: transformers' generate appends a placeholder"):
+        model.generate(ids, mask, max_new_tokens=2)
+    with pytest.raises(hfjax.GenerationError, match="XLNetLMHeadModel"):
+        hfjax.generation.check_supported(model)  # (what `hfjax serve` asks at start)
+
+
 def test_a_recomputed_model_that_is_not_causal_reads_only_its_tokens_so_far(checkpoint, decodes):
     # BertGeneration without is_decoder attends both ways: its slots' columns after a row's last token
     # (zeros, or an earlier step's) must be masked, as transformers' generate has no such tokens.
@@ -215,10 +245,12 @@ def test_beam_search_over_recurrent_states_runs_on_the_slot_core_like_transforme
     assert searches, "the search did not run on the slot core"
 
 
-@pytest.mark.parametrize("family", ["mpt", "marian", "blenderbot"])
+@pytest.mark.parametrize("family", ["mpt", "marian", "blenderbot", "roformer", "trocr", "prophetnet"])
 def test_models_that_take_no_position_ids_run_on_the_slot_core_like_transformers(checkpoint, decodes, family):
     # MPT's ALiBi reads key columns alone. Marian's and Blenderbot's causal LMs count positions from
     # their cache's length, left pads included: the slots look each row's own up, shifted by its pads.
+    # RoFormer's rotary, TrOCR's and ProphetNet's positions count from the cache's length too, in ways the
+    # slots do not know: their slots recompute them, each run from column 0 with the row's pads before it.
     model = hfjax.load(checkpoint(family, task="text-generation"))
     ids, mask = _batch(model)
     settings = dict(max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS, do_sample=False)

@@ -198,6 +198,32 @@ class RecomputeAdapter(CacheAdapter):
         return jax.lax.dynamic_index_in_dim(logits, index, axis=1, keepdims=False).astype(jnp.float32)
 
 
+# Generative heads whose transformers `generate` runs something other than their tokens so far, by class
+# name, and why neither hfjax engine runs them (each gave other tokens than transformers', or failed).
+_PLACEHOLDER = (
+    "transformers' generate appends a placeholder token to every step's input and reads its logits "
+    "(`prepare_inputs_for_generation`)"
+)
+UNGENERATED = {
+    "XLNetLMHeadModel": f"{_PLACEHOLDER}, which no other token sees (a permutation mask), over memories of all "
+    "but the last two tokens",
+    "XLMWithLMHeadModel": f"{_PLACEHOLDER}, its mask token, without the attention mask",
+    "FlaubertWithLMHeadModel": f"{_PLACEHOLDER}, its mask token, without the attention mask",
+    "ProphetNetForConditionalGeneration": "its decoder counts its positions and its n-gram streams' relative "
+    "buckets from its cache's length, and with a cache masks nothing",
+}
+
+
+def check_generated(module: torch.nn.Module) -> None:
+    """Raises GenerationError for a model of `UNGENERATED`, saying why: `Model.generate` and `hfjax serve`
+    refuse it before they run anything."""
+    reason = UNGENERATED.get(type(module).__name__)
+    if reason is not None:
+        raise GenerationError(
+            f"hfjax does not generate with {type(module).__name__}: {reason}; run transformers' generate for it"
+        )
+
+
 def adapter_for(module: torch.nn.Module) -> CacheAdapter:
     """The adapter for a transformers generative model."""
     if getattr(module.config, "is_encoder_decoder", False):

@@ -47,6 +47,7 @@ from .. import bridge
 from .. import lora as _lora
 from .._errors import GenerationError
 from . import _slots
+from ._adapters import check_generated
 from ._slots import POSITION_EMBEDDINGS, SlotModel, SlotState
 from ._speculative_slots import SpeculativeSlotModel
 
@@ -497,7 +498,9 @@ class SpeculativeEncoderDecoderSlotModel(EncoderDecoderSlotModel, SpeculativeSlo
 
 def check_supported(model) -> None:
     """Raises GenerationError for a model the slot core cannot serve, saying why: a decoder-only model
-    (`_slots.check_supported`), or an encoder-decoder (`check_encoder_decoder`)."""
+    (`_slots.check_supported`), or an encoder-decoder (`check_encoder_decoder`); a model that no engine
+    generates with (`check_generated`)."""
+    check_generated(model.module)
     if getattr(model.module.config, "is_encoder_decoder", False):
         check_encoder_decoder(model)
     else:

@@ -44,7 +44,7 @@ from .. import _backend, bridge, parallel
 from .. import lora as _lora
 from .._errors import DataDependentError, GenerationError
 from . import _caches, _choose, _multimodal, _planning, _programs, _rows, _sampling
-from ._adapters import adapter_for
+from ._adapters import adapter_for, check_generated
 from ._beam import initial as initial_beams
 from ._grammar import Constraint
 from ._on_slots import SlotRuns
@@ -233,6 +233,7 @@ class Generator:
         (for encoder-decoders [.., D + T]: the decoder prompt, then the new tokens); or
         transformers' Generate*Output."""
         start = time.perf_counter()
+        check_generated(self.module)
         precision = bridge.resolve_precision(self.model.matmul_precision)  # of this call's programs
         beam = settings.beam
         if beam is not None and streamer is not None:

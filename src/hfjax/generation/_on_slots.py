@@ -60,7 +60,7 @@ from ._recurrent import hybrid_model, recurrent_model
 from ._settings import GenerationSettings
 from ._slot_beams import BeamCarry, SlotBeams
 from ._slot_programs import SlotPrograms
-from ._slots import SlotModel, check_supported, position_source, reads_pads
+from ._slots import SlotModel, check_supported, position_source, reads_pads, recomputed
 from ._speculative_slots import SpeculativeSlotModel
 
 
@@ -130,7 +130,8 @@ class SlotRuns:
                 check_supported(self.model)  # a static KV cache of full or sliding-window attention layers, or states
                 pure = recurrent_model(self.model.module)  # (Mamba: positions do not reach its state)
                 # (Bloom and MPT: positions from the key columns; Blenderbot's and Marian's causal LMs: a table)
-                self.possible = position_source(self.model.module) is not None or pure
+                # (RoFormer, TrOCR, RWKV: no positions given, each run numbered from its first column)
+                self.possible = position_source(self.model.module) is not None or pure or recomputed(self.model)
                 self.attends = not pure  # some layers keep keys and values, cut into windows
                 self.recurrent = pure or hybrid_model(self.model.module)  # a state per slot
         except GenerationError:

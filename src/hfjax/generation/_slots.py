@@ -282,24 +282,36 @@ def recomputed(model) -> bool:
     module = model.module
     if type(adapter_for(module)) is not RecomputeAdapter or recurrent_model(module) or hybrid_model(module):
         return False
-    taken = inspect.signature(module.forward).parameters
-    if "attention_mask" not in taken or "position_ids" not in taken:  # (every run gives both)
+    if "attention_mask" not in inspect.signature(module.forward).parameters:  # (every run gives it)
         return False
+    if numbers_columns(module):  # (it would count positions from a cache, which a run from column 0 has none of)
+        return True
     if module not in _RECOMPUTED:  # (an abstract run: once per module)
         _RECOMPUTED[module] = not _cached_anyway(model)
     return _RECOMPUTED[module]
+
+
+def numbers_columns(module) -> bool:
+    """Whether `module` takes no positions the slots can give (`position_source` None: RoFormer's
+    rotary and TrOCR's and ProphetNet's learned positions count from its cache's length, RWKV has none),
+    so that its slots recompute it: each run numbers a row's columns from 0, its left pads laid before
+    it (`reads_pads`), as transformers' generate numbers a padded batch's tokens (its pads counted)."""
+    return "position_ids" not in inspect.signature(module.forward).parameters and position_source(module) is None
 
 
 _RECOMPUTED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # module: whether it recomputes
 
 
 def reads_pads(model) -> bool:
-    """Whether a recomputed model's tokens depend on the left pads before a prompt: layers that are not
-    attention read them (RecurrentGemma's convolution and recurrence: its "recurrent" block_types, and
-    "linear_attention" layer_types in transformers 5.24), where the slots' tokens hold none."""
+    """Whether a recomputed model's tokens depend on the left pads before a prompt, where the slots' tokens
+    hold none: layers that are not attention read them (RecurrentGemma's convolution and recurrence: its
+    "recurrent" block_types, and "linear_attention" layer_types in transformers 5.24; RWKV's), or its
+    positions count them (`numbers_columns`)."""
     config = model.module.config.get_text_config(decoder=True)
     kinds = layer_kinds(config) | set(getattr(config, "block_types", None) or ())
-    return recomputed(model) and bool(kinds - set(MASKS) - {"attention"})
+    if not recomputed(model):
+        return False
+    return numbers_columns(model.module) or bool(kinds - set(MASKS) - {"attention"})
 
 
 def _probe_cache(config, length: int):
@@ -762,7 +774,9 @@ class SlotModel:
             run = jnp.where(source >= 0, taken, jnp.int32(self.pad_token))
             at, mask = jnp.maximum(source, 0), ((source >= 0) & (source <= last)).astype(jnp.int32)
             queries = queries + pads[:, None]
-        kwargs = {"attention_mask": bridge.to_torch(mask), "position_ids": bridge.to_torch(at)}  # (`recomputed`)
+        kwargs = {"attention_mask": bridge.to_torch(mask)}  # (`recomputed`)
+        if self.takes_positions:  # (else its columns are its positions: `numbers_columns`)
+            kwargs["position_ids"] = bridge.to_torch(at)
         kwargs.update({name: bridge.to_torch(value) for name, value in (inputs or {}).items()})
 
         read = []
