@@ -173,6 +173,24 @@ def test_models_generator_recomputes_run_on_the_slot_core_like_transformers(load
     np.testing.assert_array_equal(actual, _torch_generate(model, ids, mask, **settings))
 
 
+def test_a_hybrid_whose_mlp_layers_keep_no_cache_runs_on_the_slot_core_like_transformers(loaded, decodes):
+    # Nemotron-H mixes mamba, attention, and MLP and MoE layers without attention, for which transformers
+    # 5.24 keeps a DummyLayer: the slots pass it through beside the others' states and keys and values.
+    # transformers 5.17 gives those layers recurrent cache layers that hold no state: the slots refuse
+    # it and `Generator` runs it.
+    model = loaded("nemotron_h")
+    ids, mask = _batch(model)
+    settings = dict(max_new_tokens=NEW_TOKENS, do_sample=False)
+    np.testing.assert_array_equal(
+        np.asarray(model.generate(ids, mask, **settings)), _torch_generate(model, ids, mask, **settings)
+    )
+    if Version(transformers.__version__) >= Version("5.24"):
+        assert decodes, "the call did not run on the slot core"
+    else:
+        with pytest.raises(hfjax.GenerationError, match="nemotron_h's mlp, moe layers have none"):
+            hfjax.generation.check_supported(model)
+
+
 def test_a_model_that_keeps_no_cache_a_slot_can_hold_recomputes_its_tokens_on_the_slot_core(loaded, decodes):
     # RecurrentGemma keeps its state in its modules (transformers 5.17) or in a cache of its own (5.24):
     # each slot keeps its tokens so far and each step runs them whole, reading the logits at the row's

@@ -53,6 +53,15 @@ def recurrent(layer) -> bool:
     return mixin is not None and isinstance(layer, mixin)
 
 
+CACHELESS = ("mlp", "moe")  # `layer_types` of layers without attention, which transformers gives a DummyLayer
+
+
+def keeps_nothing(layer) -> bool:
+    """Whether a cache layer holds nothing: transformers' DummyLayer (5.24 on), which a model's layers
+    without attention get (`CACHELESS`: Nemotron-H's)."""
+    return type(layer).__name__ == "DummyLayer"
+
+
 def windowable(cache) -> bool:
     """Whether `cache` is a decoder's StaticCache of plain StaticLayers, which `window` can cut."""
     from transformers import StaticCache

@@ -229,12 +229,30 @@ def check_supported(model) -> None:
             f"hfjax serve's slots give each token its position; {type(model.module).__name__} takes no position_ids "
             "(it counts positions from its cache's length); use Model.generate for it"
         )
-    unknown = sorted(layer_kinds(config) - set(MASKS) - recurrent_kinds(config))
+    stateless = sorted(recurrent_kinds(config) & set(_caches.CACHELESS))
+    if stateless:  # (transformers before 5.24 gives them a recurrent layer, which holds no state)
+        raise GenerationError(
+            f"hfjax serve's slots keep a recurrent layer's states; {config.model_type}'s {', '.join(stateless)} "
+            "layers have none (transformers 5.24 keeps nothing for them); use Model.generate for it, or "
+            "transformers>=5.24"
+        )
+    unknown = layer_kinds(config) - set(MASKS) - recurrent_kinds(config)
+    if hybrid_model(model.module):  # (its slot layers are laid out beside the states: `SlotModel.run_states`)
+        unknown -= cacheless_kinds(config)
+    unknown = sorted(unknown)
     if unknown:
         raise GenerationError(
             f"hfjax serve's slot cache masks full and sliding-window attention; {config.model_type} also has "
             f"{', '.join(unknown)} layers; use Model.generate for it"
         )
+
+
+def cacheless_kinds(config) -> set[str]:
+    """The `layer_types` of layers that keep no cache (`_caches.keeps_nothing`: Nemotron-H's "mlp" and
+    "moe" layers, which have no attention)."""
+    layers = _caches.static_cache(config, 1).layers
+    types = getattr(config, "layer_types", None) or ()
+    return {kind for kind, layer in zip(types, layers) if _caches.keeps_nothing(layer)}
 
 
 def _cached_anyway(model) -> bool:
@@ -497,9 +515,12 @@ class SlotModel:
         layers = _caches.static_cache(self.config, 1).layers
         self.layer_recurrent = tuple(_caches.recurrent(layer) for layer in layers)
         # Layers that keep keys and values: all but the purely recurrent ones (a "hybrid" layer does both)
+        # and those that keep nothing (a hybrid's layers without attention: `cacheless_kinds`)
         self.layer_attends = tuple(
-            not r or isinstance(layer, StaticLayer) for r, layer in zip(self.layer_recurrent, layers)
+            (not r and not _caches.keeps_nothing(layer)) or isinstance(layer, StaticLayer)
+            for r, layer in zip(self.layer_recurrent, layers)
         )
+        self.layer_kept = tuple(not _caches.keeps_nothing(layer) for layer in layers)
         self.recurrent = any(self.layer_recurrent)
         self.attends = any(self.layer_attends)  # some layers keep keys and values (cut into windows)
         # Query heads per key/value head; and whether decoding attention may read the slots' rows of the
@@ -527,7 +548,7 @@ class SlotModel:
         # caller's `pad_token` laid before each row's tokens, as many as its `RowSampling.pads` (`lay_pads`)
         self.pad_room, self.pad_token = 0, 0
         if self.recomputes:
-            self.layer_recurrent, self.layer_attends = (False,), (True,)
+            self.layer_recurrent, self.layer_attends, self.layer_kept = (False,), (True,), (True,)
             self.recurrent, self.attends, self.attends_in_place = False, True, False
         self._shapes = None
         self._state_shapes = None
@@ -839,7 +860,10 @@ class SlotModel:
         past = StaticCache(config=self.config, max_cache_len=length)
         pairs, held = iter(cache), iter(zip(self.state_layout, states))
         layers = []
-        for is_recurrent, attends in zip(self.layer_recurrent, self.layer_attends):
+        for is_recurrent, attends, kept in zip(self.layer_recurrent, self.layer_attends, self.layer_kept):
+            if not kept:  # (no attention: transformers' DummyLayer)
+                layers.append(past.layers[len(layers)])
+                continue
             if attends:
                 k, v = (bridge.to_torch(a) for a in next(pairs))
             if is_recurrent and attends:  # both: keys and values, and states
