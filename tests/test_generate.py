@@ -191,6 +191,24 @@ def test_a_hybrid_whose_mlp_layers_keep_no_cache_runs_on_the_slot_core_like_tran
             hfjax.generation.check_supported(model)
 
 
+def test_chunked_attention_runs_on_the_slot_core_like_transformers(checkpoint, decodes):
+    # Llama 4's chunked layers see the keys of their query's chunk of positions only: with chunks of 4,
+    # the batch's prompts and new tokens cross several, beside a full-attention layer (a mask per kind).
+    path = checkpoint(
+        "llama4_text",
+        task="text-generation",
+        attention_chunk_size=4,
+        layer_types=["chunked_attention", "full_attention"],
+    )
+    model = hfjax.load(path)
+    ids, mask = _batch(model)
+    settings = dict(max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS, do_sample=False)
+    np.testing.assert_array_equal(
+        np.asarray(model.generate(ids, mask, **settings)), _torch_generate(model, ids, mask, **settings)
+    )
+    assert decodes, "the call did not run on the slot core"
+
+
 def test_a_model_that_keeps_no_cache_a_slot_can_hold_recomputes_its_tokens_on_the_slot_core(loaded, decodes):
     # RecurrentGemma keeps its state in its modules (transformers 5.17) or in a cache of its own (5.24):
     # each slot keeps its tokens so far and each step runs them whole, reading the logits at the row's

@@ -1095,6 +1095,7 @@ def test_a_model_the_slot_core_cannot_run_is_refused_at_start_with_the_reason(ch
         ("openai-gpt", None),
         ("roformer", "text-generation"),  # the same: its rotary positions count from its cache's length
         ("nemotron_h", None),  # a hybrid whose MLP and MoE layers keep no cache (transformers 5.24 on)
+        ("llama4_text", None),  # chunked attention (chunks of 4 here: the prompts and answers cross several)
     ],
 )
 def test_models_the_slot_core_took_on_are_served_with_transformers_tokens(checkpoint, family, task):
@@ -1105,7 +1106,8 @@ def test_models_the_slot_core_took_on_are_served_with_transformers_tokens(checkp
         pytest.skip(
             "Nemotron-H's MLP layers before transformers 5.24 keep recurrent layers with no state: refused at start"
         )
-    path = checkpoint(family, task=task, **({"init_std": 0.2} if family == "led" else {}))
+    overrides = {"led": {"init_std": 0.2}, "llama4_text": {"attention_chunk_size": 4}}.get(family, {})
+    path = checkpoint(family, task=task, **overrides)
     other = hfjax.load(path)
     seq2seq = task == "text2text-generation"
     auto = transformers.AutoModelForSeq2SeqLM if seq2seq else transformers.AutoModelForCausalLM

@@ -355,7 +355,7 @@ def reads_no_data(model):
         ) from error
 
 
-MASKS = ("full_attention", "sliding_attention")  # the attention masks the slot programs build
+MASKS = ("full_attention", "sliding_attention", "chunked_attention")  # the attention masks the slot programs build
 _BOTH = ("hybrid",)  # the layer_types of layers that attend and keep a recurrent state
 
 
@@ -481,6 +481,16 @@ def _sliding_window(config, length: int) -> int | None:
     return window
 
 
+def _attention_chunk(config, length: int) -> int | None:
+    """The chunk the slot programs mask chunked-attention layers with (Llama 4's `attention_chunk_size`:
+    a key is seen only from its query's chunk of positions) over a cache of `length` columns, or None
+    where none does (no chunked layer, or a chunk no narrower than the cache)."""
+    chunk = getattr(config, "attention_chunk_size", None)
+    if "chunked_attention" not in layer_kinds(config) or not isinstance(chunk, int) or chunk >= length:
+        return None
+    return chunk
+
+
 class SlotModel:
     """A causal LM run over S slots of one static KV cache of L columns (inside traces)."""
 
@@ -495,7 +505,9 @@ class SlotModel:
         # Sliding-window layers see only the last `window` positions; where every layer slides, one mask
         # serves them all, and where some do not, the model takes a mask per kind of layer (a dict).
         self.window = _sliding_window(self.config, length)
-        self.mask_kinds = layer_kinds(self.config) if self.window is not None else {"full_attention"}
+        self.chunk = _attention_chunk(self.config, length)
+        narrowed = self.window is not None or self.chunk is not None  # (else every kind's mask is the causal one)
+        self.mask_kinds = layer_kinds(self.config) if narrowed else {"full_attention"}
         self.module_names = {id(m): n for n, m in self.module.named_modules()}
         self.cache_keyword = _caches.cache_keyword(self.module)
         self.takes_logits_to_keep = "logits_to_keep" in inspect.signature(self.module.forward).parameters
@@ -928,7 +940,7 @@ class SlotModel:
         """{kind: [B, 1, q, L] mask, as torch} of each attention kind the layers read (`mask_kinds`), for
         queries at positions [B, q] over `length` cache columns (each column holding the key of its
         position): each key at or before its query, or in its bidirectional block (`run`'s `blocks`),
-        within the sliding window where layers slide."""
+        within the sliding window where layers slide, within the query's chunk where layers attend by chunks."""
         every = jnp.arange(length, dtype=jnp.int32)[None, None, :]
         masks = {}
         family = _multimodal.blocks_of(self.module) if blocks is not None else None
@@ -938,8 +950,12 @@ class SlotModel:
                 # transformers' OR of the causal mask and the blocks, before the window
                 query, key = blocks
                 allowed |= (query[:, :, None] == key[:, None, :]) & (query[:, :, None] >= 0)
-            if kind == "sliding_attention":  # transformers' sliding window: the key within `window` of the query
+            if (
+                kind == "sliding_attention" and self.window is not None
+            ):  # transformers' sliding window: the key within `window` of the query
                 allowed &= every > positions[:, :, None] - self.window
+            if kind == "chunked_attention" and self.chunk is not None:  # the key in the query's chunk of positions
+                allowed &= every // self.chunk == positions[:, :, None] // self.chunk
             masks[kind] = bridge.to_torch(self._mask(allowed[:, None], dtype))  # [B, 1, q, L]
         return masks
 
