@@ -175,7 +175,7 @@ def check_encoder_decoder(model) -> None:
     other = sorted(_slots.layer_kinds(config) - set(_slots.MASKS))
     if other:
         raise GenerationError(
-            f"the slot core masks full and sliding-window self-attention; {config.model_type}'s decoder also has "
+            f"the slot core masks full, sliding-window and chunked self-attention; {config.model_type}'s decoder also has "
             f"{', '.join(other)} layers; use Model.generate for it"
         )
 

@@ -242,7 +242,7 @@ def check_supported(model) -> None:
     unknown = sorted(unknown)
     if unknown:
         raise GenerationError(
-            f"hfjax serve's slot cache masks full and sliding-window attention; {config.model_type} also has "
+            f"hfjax serve's slot cache masks full, sliding-window and chunked attention; {config.model_type} also has "
             f"{', '.join(unknown)} layers; use Model.generate for it"
         )
 
