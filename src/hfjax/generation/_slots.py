@@ -950,9 +950,8 @@ class SlotModel:
                 # transformers' OR of the causal mask and the blocks, before the window
                 query, key = blocks
                 allowed |= (query[:, :, None] == key[:, None, :]) & (query[:, :, None] >= 0)
-            if (
-                kind == "sliding_attention" and self.window is not None
-            ):  # transformers' sliding window: the key within `window` of the query
+            # transformers' sliding window: the key within `window` of the query
+            if kind == "sliding_attention" and self.window is not None:
                 allowed &= every > positions[:, :, None] - self.window
             if kind == "chunked_attention" and self.chunk is not None:  # the key in the query's chunk of positions
                 allowed &= every // self.chunk == positions[:, :, None] // self.chunk
