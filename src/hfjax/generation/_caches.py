@@ -62,6 +62,13 @@ def keeps_nothing(layer) -> bool:
     return type(layer).__name__ == "DummyLayer"
 
 
+def kinds_where(config, test) -> set[str]:
+    """The `layer_types` of `config`'s layers whose static cache layer passes `test` (`recurrent`,
+    `keeps_nothing`)."""
+    types = getattr(config, "layer_types", None) or ()
+    return {kind for kind, layer in zip(types, static_cache(config, 1).layers) if test(layer)}
+
+
 def windowable(cache) -> bool:
     """Whether `cache` is a decoder's StaticCache of plain StaticLayers, which `window` can cut."""
     from transformers import StaticCache

@@ -44,9 +44,7 @@ def hybrid_model(module) -> bool:
 
 def recurrent_kinds(config) -> set[str]:
     """The `layer_types` of a model's recurrent layers (a hybrid's "linear_attention"); empty for others."""
-    layers = _caches.static_cache(config, 1).layers
-    types = getattr(config, "layer_types", None) or ()
-    return {kind for kind, layer in zip(types, layers) if _caches.recurrent(layer)}
+    return _caches.kinds_where(config, _caches.recurrent)
 
 
 def recurrent_model(module) -> bool:

@@ -238,21 +238,13 @@ def check_supported(model) -> None:
         )
     unknown = layer_kinds(config) - set(MASKS) - recurrent_kinds(config)
     if hybrid_model(model.module):  # (its slot layers are laid out beside the states: `SlotModel.run_states`)
-        unknown -= cacheless_kinds(config)
+        unknown -= _caches.kinds_where(config, _caches.keeps_nothing)  # (Nemotron-H's MLP and MoE layers)
     unknown = sorted(unknown)
     if unknown:
         raise GenerationError(
             f"hfjax serve's slot cache masks full, sliding-window and chunked attention; {config.model_type} also has "
             f"{', '.join(unknown)} layers; use Model.generate for it"
         )
-
-
-def cacheless_kinds(config) -> set[str]:
-    """The `layer_types` of layers that keep no cache (`_caches.keeps_nothing`: Nemotron-H's "mlp" and
-    "moe" layers, which have no attention)."""
-    layers = _caches.static_cache(config, 1).layers
-    types = getattr(config, "layer_types", None) or ()
-    return {kind for kind, layer in zip(types, layers) if _caches.keeps_nothing(layer)}
 
 
 def _cached_anyway(model) -> bool:
@@ -527,7 +519,7 @@ class SlotModel:
         layers = _caches.static_cache(self.config, 1).layers
         self.layer_recurrent = tuple(_caches.recurrent(layer) for layer in layers)
         # Layers that keep keys and values: all but the purely recurrent ones (a "hybrid" layer does both)
-        # and those that keep nothing (a hybrid's layers without attention: `cacheless_kinds`)
+        # and those that keep nothing (a hybrid's layers without attention: `_caches.keeps_nothing`)
         self.layer_attends = tuple(
             (not r and not _caches.keeps_nothing(layer)) or isinstance(layer, StaticLayer)
             for r, layer in zip(self.layer_recurrent, layers)
