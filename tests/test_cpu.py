@@ -68,6 +68,38 @@ def test_kernels_are_built_where_the_machine_can_build_them():
         assert _build.built() == digest
 
 
+AVX512 = frozenset({"avx2", "fma", "f16c", "avx512f"})
+AVX2 = frozenset({"avx2", "fma", "f16c"})
+
+
+@pytest.mark.parametrize(
+    "flags, switch, builds, products",
+    [
+        (AVX512, None, True, True),
+        (AVX2, None, True, False),  # the attention kernel alone: XLA's products ran faster there
+        (AVX2, "avx2", True, True),
+        (frozenset({"sse4_2", "avx"}), None, False, False),
+    ],
+    ids=["avx512", "avx2", "avx2_asked", "neither"],
+)
+def test_avx2_machines_build_the_kernels_and_run_their_products_only_when_asked(
+    monkeypatch, flags, switch, builds, products
+):
+    monkeypatch.setattr(_build, "cpu_flags", lambda: flags)
+    monkeypatch.setattr(_build.platform, "machine", lambda: "x86_64")
+    monkeypatch.setattr(_build.platform, "system", lambda: "Linux")
+    monkeypatch.setenv("CXX", "/usr/bin/true")
+    if switch is None:
+        monkeypatch.delenv("HFJAX_CPU_KERNELS", raising=False)
+    else:
+        monkeypatch.setenv("HFJAX_CPU_KERNELS", switch)
+    command, why_not = _build.compiler()
+    assert (command is not None) == builds, why_not
+    if not builds:
+        assert "neither AVX-512 (avx512f) nor AVX2 with FMA and F16C" in why_not
+    assert _build.products() == products
+
+
 @pytest.fixture
 def fresh_build(monkeypatch, tmp_path):
     """The build machinery with no result yet, its cache under tmp_path."""
@@ -177,7 +209,7 @@ def test_linear_swaps_operands_only_for_a_few_rows(env):
 
         return jax.jit(apply).lower(jax.numpy.ones((rows, 48))).as_text()
 
-    kernel = _kernels_loaded()  # 1-8 rows go to hfjax's CPU kernel where it runs
+    kernel = _kernels_loaded() and _build.products()  # 1-8 rows go to hfjax's CPU kernel where it runs
     assert all((_kernels.PRODUCT in program(rows)) == kernel for rows in (1, 2, 8))
     assert all(("optimization_barrier" in program(rows)) != kernel for rows in (2, 8))
     assert "optimization_barrier" not in program(1)  # without the kernel, XLA's matrix-vector product

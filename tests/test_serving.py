@@ -337,7 +337,7 @@ def test_decode_chunks_read_their_rows_of_the_whole_cache_where_they_lie(model, 
     slot_model = engine.compiler.programs.slot_model
     if not slot_model.attends_in_place:
         pytest.skip("this transformers repeats each key/value head for grouped queries: decode slices its window")
-    if not slot_model.reads_cache_in_place():  # (the CPU kernels build on AVX2 only when asked)
+    if not slot_model.reads_cache_in_place():  # no compiler, or neither AVX-512 nor AVX2
         pytest.skip("the backend reads no cache in place on this machine: no hfjax.cpu kernels built")
     compile_one = engine.compiler._compile
 

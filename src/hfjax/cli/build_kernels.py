@@ -11,7 +11,7 @@ def add_parser(subparsers) -> None:
     parser = subparsers.add_parser(
         "build-kernels",
         help="build hfjax's CPU kernels for decoding (otherwise built when a model is first loaded)",
-        description="Compiles hfjax's AVX-512 kernels (AVX2 with HFJAX_CPU_KERNELS=avx2) for decoding on the CPU with the host's C++ compiler into "
+        description="Compiles hfjax's kernels (AVX-512; on AVX2 the attention, and the products with HFJAX_CPU_KERNELS=avx2) for decoding on the CPU with the host's C++ compiler into "
         "~/.cache/hfjax/kernels (once per machine), checks and loads them, and prints whether they are used. "
         "Exit code 0 when they are loaded or do not apply to this machine, 1 when a build failed.",
     )

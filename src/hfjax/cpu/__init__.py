@@ -2,7 +2,7 @@
 
 `Cpu` is the CPU's `hfjax.bridge.Backend`: the generic engine asks it at fixed points, and it
 
-- builds hfjax's decoding kernels (`_kernels.cc`, AVX-512) at load time, never inside a trace
+- builds hfjax's decoding kernels (`_kernels.cc`: AVX-512, or AVX2's attention alone) at load time, never inside a trace
   (`prepare`; also `hfjax build-kernels`);
 - installs the CPU's op lowerings (`_lowerings.py`: kernels, operand swaps, channels-last convolutions);
 - moves loaded weights onto 2 MB pages when asked (`_pages.py`, HFJAX_HUGE_PAGES=1);
@@ -69,7 +69,8 @@ class Cpu(Backend):
         return tuple(_build.TARGETS) if _build.built() is not None else ()
 
     def fingerprint(self) -> str | None:
-        return _build.built()
+        built = _build.built()
+        return built and f"{built}:{'products' if _build.products() else 'attention'}"
 
 
 def build_kernels(timeout_s: float = _build.TIMEOUT_S) -> str | None:
@@ -89,5 +90,6 @@ def kernel_compiler() -> tuple[str | None, str]:
 def kernels_status() -> str:
     """One line: whether the CPU kernels are loaded in this process, and if not, why."""
     if _build.built() is not None:
-        return f"loaded ({_build.built()[:12]}), for float32 on a single CPU device"
+        used = "products and attention" if _build.products() else "attention (HFJAX_CPU_KERNELS=avx2 adds the products)"
+        return f"loaded ({_build.built()[:12]}): {used}, for float32 on a single CPU device"
     return f"not loaded: {_build.reason() or 'not built yet in this process (hfjax build-kernels)'}"

@@ -11,6 +11,7 @@ that takes longer than `timeout_s`, is one warning, and XLA's own operations are
 from __future__ import annotations
 
 import ctypes
+import functools
 import hashlib
 import importlib.metadata
 import json
@@ -42,13 +43,23 @@ _lock = threading.Lock()
 _result: dict = {}  # "digest": the loaded library's input digest, or "reason": why it is not loaded
 
 
-def cpu_flags() -> set[str]:
+@functools.cache
+def cpu_flags() -> frozenset[str]:
     try:
         text = pathlib.Path("/proc/cpuinfo").read_text()
     except OSError:
-        return set()
+        return frozenset()
     line = next((line for line in text.splitlines() if line.startswith("flags")), "")
-    return set(line.partition(":")[2].split())
+    return frozenset(line.partition(":")[2].split())
+
+
+def products() -> bool:
+    """Whether the kernels' row products (float32 and quantized) run beside their attention: with
+    AVX-512, or on an AVX2 machine where HFJAX_CPU_KERNELS=avx2 asks. On a Zen 3 the AVX2 products
+    ran 150m decode at 0.88x (batch 1) and 0.76x (batch 8) XLA's alone, though they kept 93-95%
+    beside a busy process where XLA kept 64-79% (benchmarks/README.md). The attention kernel runs on
+    both: it lets a decode read its rows of the slot cache in place, over their real lengths."""
+    return "avx512f" in cpu_flags() or os.environ.get("HFJAX_CPU_KERNELS") == "avx2"
 
 
 def compiler() -> tuple[str | None, str]:
@@ -56,15 +67,8 @@ def compiler() -> tuple[str | None, str]:
     if platform.system() != "Linux" or platform.machine() not in ("x86_64", "AMD64"):
         return None, f"the kernels are for Linux on x86-64, not {platform.system()} on {platform.machine()}"
     flags = cpu_flags()
-    # AVX2 builds only when asked (HFJAX_CPU_KERNELS=avx2): on a Zen 3, 150m decode ran 0.88x
-    # (batch 1) and 0.76x (batch 8) XLA's path alone, though it kept 93-95% beside a busy
-    # process where XLA kept 64-79% (benchmarks/README.md).
-    avx2 = os.environ.get("HFJAX_CPU_KERNELS") == "avx2" and {"avx2", "fma"} <= flags
-    if "avx512f" not in flags and not avx2:
-        return (
-            None,
-            "this CPU has no AVX-512 (avx512f); HFJAX_CPU_KERNELS=avx2 builds the AVX2 kernels, slower here than XLA",
-        )
+    if "avx512f" not in flags and not {"avx2", "fma", "f16c"} <= flags:
+        return None, "this CPU has neither AVX-512 (avx512f) nor AVX2 with FMA and F16C"
     found = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
     if not found:
         return None, "no C++ compiler was found (install g++ or set $CXX)"

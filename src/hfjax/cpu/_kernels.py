@@ -37,6 +37,12 @@ def usable(*arrays) -> bool:
     )
 
 
+def products_usable(*arrays) -> bool:
+    """Whether the row products take float32 `arrays` here: `usable`, on a CPU whose products run
+    (`_build.products`: AVX-512, or AVX2 where asked)."""
+    return usable(*arrays) and _build.products()
+
+
 def quantized_usable(rows: jax.Array, weight: jax.Array, columns_per_scale: int) -> bool:
     """Whether the quantized kernel takes rows [R, K] (float32) times this stored weight: int8,
     float8 e4m3 or packed 4-bit, with K and the inputs per scale multiples of 32."""

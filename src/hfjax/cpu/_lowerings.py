@@ -131,7 +131,7 @@ _SWAPPED_ROWS = range(2, 65)
 def _linear(input, weight, bias=None):
     # input: [..., K]; weight: [N, K] (torch's layout); bias: [N] -> [..., N]
     rows = int(np.prod(input.shape[:-1], dtype=np.int64))
-    if rows in _kernels.ROWS and weight.ndim == 2 and _kernels.usable(input, weight):  # decoding
+    if rows in _kernels.ROWS and weight.ndim == 2 and _kernels.products_usable(input, weight):  # decoding
         out = _kernels.rows_times_weight(input.reshape(rows, -1), weight).reshape(*input.shape[:-1], -1)
     elif weight.ndim == 2 and rows in _SWAPPED_ROWS:
         # The barriers stop XLA from folding the small transposes back into the product.
@@ -187,7 +187,11 @@ override_op(torch.ops.aten.linear, why=_LINEAR_WHY, backend="cpu")(_linear)
 def _quantized_linear(x, weight, scale, zero, bias, mode, rows_per_scale, columns_per_scale):
     # x: [..., K]; weight: int8 / e4m3 [N, K] or packed 4-bit [N, K / 2] -> [..., N]
     rows = int(np.prod(x.shape[:-1], dtype=np.int64))
-    if rows in _kernels.ROWS and _kernels.quantized_usable(x, weight, columns_per_scale):  # decoding
+    if (
+        rows in _kernels.ROWS
+        and _kernels.products_usable(x)
+        and _kernels.quantized_usable(x, weight, columns_per_scale)
+    ):
         flat = x.reshape(rows, -1)
         out = _kernels.rows_times_quantized(flat, weight, scale, zero, rows_per_scale, columns_per_scale)
         out = out.reshape(*x.shape[:-1], -1)
