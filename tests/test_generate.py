@@ -281,10 +281,10 @@ def test_beam_search_over_recurrent_states_runs_on_the_slot_core_like_transforme
     assert searches, "the search did not run on the slot core"
 
 
-@pytest.mark.parametrize("family", ["mpt", "marian", "blenderbot", "roformer", "trocr", "prophetnet"])
+@pytest.mark.parametrize("family", ["mpt", "marian", "blenderbot", "whisper", "roformer", "trocr", "prophetnet"])
 def test_models_that_take_no_position_ids_run_on_the_slot_core_like_transformers(checkpoint, decodes, family):
-    # MPT's ALiBi reads key columns alone. Marian's and Blenderbot's causal LMs count positions from
-    # their cache's length, left pads included: the slots look each row's own up, shifted by its pads.
+    # MPT's ALiBi reads key columns alone. Marian's, Blenderbot's and Whisper's causal LMs count positions
+    # from their cache's length, left pads included: the slots look each row's own up, shifted by its pads.
     # RoFormer's rotary, TrOCR's and ProphetNet's positions count from the cache's length too, in ways the
     # slots do not know: their slots recompute them, each run from column 0 with the row's pads before it.
     model = hfjax.load(checkpoint(family, task="text-generation"))
@@ -642,12 +642,25 @@ def test_prompt_lookup_on_an_encoder_decoder_runs_on_the_slot_core_like_transfor
         model.generate(ids, mask, max_new_tokens=4, assistant_model=model)
 
 
-@pytest.mark.parametrize("family", ["m2m_100", "nllb-moe", "pegasus", "pegasus_x", "plbart", "mvp", "bigbird_pegasus"])
+@pytest.mark.parametrize(
+    "family",
+    [
+        "m2m_100",
+        "nllb-moe",
+        "seamless_m4t",
+        "seamless_m4t_v2",
+        "pegasus",
+        "pegasus_x",
+        "plbart",
+        "mvp",
+        "bigbird_pegasus",
+    ],
+)
 def test_encoder_decoders_whose_decoder_counts_positions_from_its_cache_run_on_the_slot_core(
     checkpoint, decodes, family
 ):
     # Their decoders' position tables count from the cache's length; the slots look each row's own up
-    # (`_slots.POSITION_EMBEDDINGS`: M2M100's and NLLB-MoE's from padding_idx + 1). The second prompt
+    # (`_slots.POSITION_EMBEDDINGS`: M2M100's, NLLB-MoE's and SeamlessM4T's from padding_idx + 1). The second prompt
     # is padded on the right, as the encoder takes it.
     model = hfjax.load(checkpoint(family, task="text2text-generation"))
     ids = np.random.default_rng(0).integers(4, min(400, model.config.vocab_size), size=(2, 7))
@@ -1288,12 +1301,19 @@ def test_a_step_whose_values_keep_changing_runs_op_by_op(checkpoint, monkeypatch
     [
         "dbrx",  # its experts loop over the experts its tokens chose (nonzero, torch.where)
         "jetmoe",  # its router counts each expert's tokens (.tolist()), in its MoE and its attention
+        "longcat_flash",  # as DBRX's, over its routed experts and its zero-compute ones (2 of 6)
+        "xmod",  # its layers pick each row's language adapter by a boolean mask of the rows
     ],
 )
 def test_a_mixture_of_experts_that_asks_which_experts_were_chosen_runs_on_the_slot_core(checkpoint, decodes, family):
     # hfjax runs every expert and weighs each token's chosen ones (`bridge._data_free`), reading no
-    # values, so the slot core runs it. The modules' own forwards are back after each trace.
-    path = checkpoint(family)
+    # values, so the slot core runs it. The modules' own forwards are back after each trace. X-MOD runs
+    # every language's adapter and keeps each row's: the second of three (the first and third give other
+    # tokens here).
+    overrides = {
+        "xmod": {"task": "text-generation", "languages": ["en_XX", "de_DE", "fr_XX"], "default_language": "de_DE"}
+    }
+    path = checkpoint(family, **overrides.get(family, {}))
     model = hfjax.load(path)
     ids, mask = _batch(model)
     with torch.no_grad():
@@ -1304,7 +1324,7 @@ def test_a_mixture_of_experts_that_asks_which_experts_were_chosen_runs_on_the_sl
         np.asarray(model.generate(ids, mask, **settings)), _torch_generate(model, ids, mask, **settings)
     )
     assert decodes, "the call did not run on the slot core"
-    assert not any("forward" in vars(m) for m in model.module.modules())
+    assert not any({"forward", "lang_adapter"} & set(vars(m)) for m in model.module.modules())
 
 
 def test_an_encoder_decoder_that_reads_its_data_generates_like_transformers(checkpoint):

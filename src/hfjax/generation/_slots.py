@@ -384,7 +384,7 @@ def _sinusoids(module, positions):
 
 
 def _m2m100_embedding(module, positions):
-    """M2M100's (NLLB's, NLLB-MoE's) and FSMT's sinusoidal positions: transformers numbers a row's tokens
+    """M2M100's (NLLB's, NLLB-MoE's), SeamlessM4T's and FSMT's sinusoidal positions: transformers numbers a row's tokens
     that are not padding from padding_idx + 1, so row b's position p is the table's row p + padding_idx
     + 1 (a decoder's tokens are never padding, unless it makes the pad token itself: transformers then
     gives that token the padding's row, and the slots its position's). M2M100 keeps its table in
@@ -410,6 +410,9 @@ POSITION_EMBEDDINGS = {
     "M2M100SinusoidalPositionalEmbedding": _m2m100_embedding,
     "NllbMoeSinusoidalPositionalEmbedding": _m2m100_embedding,
     "SinusoidalPositionalEmbedding": _m2m100_embedding,  # FSMT's
+    "SeamlessM4TSinusoidalPositionalEmbedding": _m2m100_embedding,
+    "SeamlessM4Tv2SinusoidalPositionalEmbedding": _m2m100_embedding,
+    "WhisperPositionalEmbedding": _plain_embedding,  # WhisperForCausalLM's (its forward takes no position_ids)
 }
 
 # Methods that build an ALiBi bias from the key columns alone: MPT's is slope x (column - last column)
