@@ -384,11 +384,11 @@ def _sinusoids(module, positions):
 
 
 def _m2m100_embedding(module, positions):
-    """M2M100's (NLLB's, NLLB-MoE's), SeamlessM4T's and FSMT's sinusoidal positions: transformers numbers a row's tokens
-    that are not padding from padding_idx + 1, so row b's position p is the table's row p + padding_idx
-    + 1 (a decoder's tokens are never padding, unless it makes the pad token itself: transformers then
-    gives that token the padding's row, and the slots its position's). M2M100 keeps its table in
-    `weights`, FSMT in `weight`."""
+    """M2M100's (NLLB's, NLLB-MoE's), SeamlessM4T's and FSMT's sinusoidal positions: transformers numbers
+    a row's tokens that are not padding from padding_idx + 1, so row b's position p is the table's row
+    p + padding_idx + 1 (a decoder's tokens are never padding, unless it makes the pad token itself:
+    transformers then gives that token the padding's row, and the slots its position's). M2M100 and
+    SeamlessM4T keep their tables in `weights`, FSMT in `weight`."""
     table = module.weights if hasattr(module, "weights") else module.weight
     return table[positions + module.padding_idx + 1]
 
