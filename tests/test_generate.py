@@ -1327,6 +1327,20 @@ def test_a_mixture_of_experts_that_asks_which_experts_were_chosen_runs_on_the_sl
     assert not any({"forward", "lang_adapter"} & set(vars(m)) for m in model.module.modules())
 
 
+@pytest.mark.parametrize("family", ["deepseek_v32", "glm_moe_dsa"])
+def test_sparse_attention_over_the_keys_an_indexer_picks_runs_on_the_slot_core(checkpoint, decodes, family):
+    # DeepSeek V3.2's DSA (and GLM-5's): each layer's indexer keeps keys of its own, a third array per
+    # layer of the slot cache, and picks the index_topk keys each query attends to: 3 here, fewer than
+    # the prompts' tokens, so which keys it picks changes the tokens.
+    model = hfjax.load(checkpoint(family, index_topk=3))
+    ids, mask = _batch(model)
+    settings = dict(max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS, do_sample=False)
+    np.testing.assert_array_equal(
+        np.asarray(model.generate(ids, mask, **settings)), _torch_generate(model, ids, mask, **settings)
+    )
+    assert decodes, "the call did not run on the slot core"
+
+
 def test_an_encoder_decoder_that_reads_its_data_generates_like_transformers(checkpoint):
     # led's encoder asks `mask.any().item()` in the prefill (the slots answer it: `KNOWN_READS`); its
     # decoder counts positions from its cache's length.

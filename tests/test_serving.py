@@ -1096,6 +1096,9 @@ def test_a_model_the_slot_core_cannot_run_is_refused_at_start_with_the_reason(ch
         ("roformer", "text-generation"),  # the same: its rotary positions count from its cache's length
         ("nemotron_h", None),  # a hybrid whose MLP and MoE layers keep no cache (transformers 5.24 on)
         ("llama4_text", None),  # chunked attention (chunks of 4 here: the prompts and answers cross several)
+        # sparse attention over the keys its indexer picks (3 of them here), the indexer's keys a third
+        # array per layer beside the keys and values
+        ("deepseek_v32", None),
     ],
 )
 def test_models_the_slot_core_took_on_are_served_with_transformers_tokens(checkpoint, family, task):
@@ -1106,7 +1109,12 @@ def test_models_the_slot_core_took_on_are_served_with_transformers_tokens(checkp
         pytest.skip(
             "Nemotron-H's MLP layers before transformers 5.24 keep recurrent layers with no state: refused at start"
         )
-    overrides = {"led": {"init_std": 0.2}, "llama4_text": {"attention_chunk_size": 4}}.get(family, {})
+    overrides = {
+        "led": {"init_std": 0.2},
+        "llama4_text": {"attention_chunk_size": 4},
+        "deepseek_v32": {"index_topk": 3},
+    }
+    overrides = overrides.get(family, {})
     path = checkpoint(family, task=task, **overrides)
     other = hfjax.load(path)
     seq2seq = task == "text2text-generation"

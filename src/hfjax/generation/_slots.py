@@ -143,11 +143,13 @@ def _slot_layer_class():
 
     class SlotLayer(StaticLayer):
         """A StaticLayer [B, heads, L, head_dim] whose rows are written at their own columns: the
-        keys of row b's query j go to column columns[b, j] (out of range: dropped)."""
+        keys of row b's query j go to column columns[b, j] (out of range: dropped). `indexer`: a
+        sparse-attention layer's indexer keys [B, 1, L, index_head_dim] (DeepSeek V3.2's DSA:
+        transformers' `StaticIndexedLayer`), written at the same columns; else None."""
 
-        def __init__(self, keys, values, columns):
+        def __init__(self, keys, values, columns, indexer=None):
             super().__init__(max_cache_len=keys.shape[2])
-            self.keys, self.values, self.columns = keys, values, columns
+            self.keys, self.values, self.columns, self.indexer = keys, values, columns, indexer
             self.dtype, self.device = keys.dtype, keys.device
             self.is_initialized = True
 
@@ -155,6 +157,15 @@ def _slot_layer_class():
             self.keys = _written(self.keys, key_states, self.columns)
             self.values = _written(self.values, value_states, self.columns)
             return self.keys, self.values
+
+        def update_indexer(self, indexer_key_states):
+            # [B, q, index_head_dim] -> every column's indexer keys [B, L, index_head_dim], as transformers'
+            self.indexer = _written(self.indexer, indexer_key_states.unsqueeze(1), self.columns)
+            return self.indexer[:, 0]
+
+        def arrays(self) -> tuple:
+            """The layer's arrays as the slot cache holds them: (keys, values), and its indexer keys where it has them."""
+            return tuple(bridge.to_jax(a) for a in (self.keys, self.values, self.indexer) if a is not None)
 
         def get_seq_length(self):
             return 0  # positions come from position_ids, the mask is given whole
@@ -324,6 +335,14 @@ def reads_pads(model) -> bool:
     return numbers_columns(model.module) or bool(kinds - set(MASKS) - {"attention"})
 
 
+def _probed_arrays(layer) -> tuple:
+    """A probe cache layer's arrays as the slot cache holds them (`SlotLayer.arrays`): keys and values,
+    and an indexed layer's indexer keys [B, L, D] as [B, 1, L, D], its columns where the keys' are."""
+    arrays = (bridge.to_jax(layer.keys), bridge.to_jax(layer.values))
+    indexer = getattr(layer, "indexer_keys", None)
+    return arrays if indexer is None else (*arrays, bridge.to_jax(indexer)[:, None])
+
+
 def _probe_cache(config, length: int):
     """A static cache for an abstract run that finds what the slots' cache holds: it counts no tokens
     seen, as the slots' layers do (`SlotLayer.get_seq_length`), so a model that reads that count as a
@@ -347,7 +366,9 @@ def reads_no_data(model):
         ) from error
 
 
-MASKS = ("full_attention", "sliding_attention", "chunked_attention")  # the attention masks the slot programs build
+# The attention masks the slot programs build. DeepSeek V3.2's "indexed_attention" layers take the causal
+# mask and narrow it themselves, to the keys their indexer picks (its keys a third array per layer: `SlotLayer`).
+MASKS = ("full_attention", "sliding_attention", "chunked_attention", "indexed_attention")
 _BOTH = ("hybrid",)  # the layer_types of layers that attend and keep a recurrent state
 
 
@@ -563,7 +584,8 @@ class SlotModel:
         self._empty = {}  # the programs that make `empty_state`, per state layout
 
     def shapes(self) -> tuple[list[tuple[jax.ShapeDtypeStruct, jax.ShapeDtypeStruct]], int]:
-        """(each layer's (keys, values) shape for S slots, the width of the logits), from an
+        """(each layer's (keys, values) shape for S slots, with its indexer's keys where it has an indexer
+        (`SlotLayer.indexer`), the width of the logits), from an
         abstract run of the model on one token (a model with recurrent layers: of its other layers)."""
         if self._shapes is None and self.recurrent:
             self._shapes, self._state_shapes = self._recurrent_shapes()
@@ -584,9 +606,7 @@ class SlotModel:
                     ids = bridge.to_torch(jnp.zeros((1, 1), jnp.int32))  # position 0, as `run` gives positions
                     out = self.module(input_ids=ids, position_ids=ids, use_cache=True, **{self.cache_keyword: cache})
                 layers = _caches.returned_cache(out).layers
-                return [(bridge.to_jax(layer.keys), bridge.to_jax(layer.values)) for layer in layers], bridge.to_jax(
-                    out.logits
-                )
+                return [_probed_arrays(layer) for layer in layers], bridge.to_jax(out.logits)
 
             layers, logits = jax.eval_shape(one_token, self.model.params)
             cache = [tuple(jax.ShapeDtypeStruct((self.slots, *s.shape[1:]), s.dtype) for s in pair) for pair in layers]
@@ -754,7 +774,8 @@ class SlotModel:
         length = cache[0][0].shape[2]  # the columns given: all L, or a chunk's window
         past = StaticCache(config=self.config, max_cache_len=length)
         past.layers = [
-            self.layer_class(bridge.to_torch(k), bridge.to_torch(v), bridge.to_torch(columns)) for k, v in cache
+            self.layer_class(*(bridge.to_torch(a) for a in arrays[:2]), bridge.to_torch(columns), *arrays[2:])
+            for arrays in cache
         ]
         mask = self.attention_mask(positions, length if window is None else window, cache[0][0].dtype, blocks=blocks)
         kwargs = {"use_cache": True, self.cache_keyword: past, "attention_mask": mask}
@@ -774,8 +795,7 @@ class SlotModel:
         logits = bridge.to_jax(out.logits).astype(jnp.float32)
         if keep is not None:
             logits = jnp.take(logits, keep, axis=1)
-        cache = [(bridge.to_jax(layer.keys), bridge.to_jax(layer.values)) for layer in past.layers]
-        return logits, cache
+        return logits, [layer.arrays() for layer in past.layers]
 
     def _recomputed(self, cache, ids, positions, columns, keep=None, *, lora=None, inputs=None, shift=None):
         """`run` for a model that keeps no cache (`recomputes`): ids [B, q] written into the rows' tokens
