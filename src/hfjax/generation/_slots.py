@@ -190,6 +190,27 @@ def _slot_state_layer_class(slot_layer):
     return SlotStateLayer
 
 
+@contextlib.contextmanager
+def _grouped_queries():
+    """While traced in it, transformers' sdpa attention hands torch's attention its query heads grouped
+    by key/value head (`enable_gqa`; every backend's attention groups them by their shapes) wherever it
+    would repeat each key/value head over its keys (`repeat_kv`: with a mask, off CUDA), a copy of the
+    keys and values a layer reads, made in every layer of every call. A prompt chunk's (`run_chunk`,
+    `run_prompts`), over its rows' window: a lone 4000-token prompt's first token 1.33x sooner on the
+    CPU (docs/architecture.md, "Grouped heads in a prefill"). Within `bound` (torch runs one at a time)."""
+    from transformers.integrations import sdpa_attention
+
+    repeats = getattr(sdpa_attention, "use_gqa_in_sdpa", None)
+    if repeats is None:  # (a transformers that decides otherwise: as it does)
+        yield
+        return
+    sdpa_attention.use_gqa_in_sdpa = lambda *args, **kwargs: True
+    try:
+        yield
+    finally:
+        sdpa_attention.use_gqa_in_sdpa = repeats
+
+
 def _written(cache, new, columns):
     cache, new, columns = bridge.to_jax(cache), bridge.to_jax(new), bridge.to_jax(columns)  # [B,H,L,D] [B,H,q,D] [B,q]
     new = new.astype(cache.dtype)
@@ -366,9 +387,10 @@ def reads_no_data(model):
         ) from error
 
 
-# The attention masks the slot programs build. DeepSeek V3.2's "indexed_attention" layers take the causal
-# mask and narrow it themselves, to the keys their indexer picks (its keys a third array per layer: `SlotLayer`).
-MASKS = ("full_attention", "sliding_attention", "chunked_attention", "indexed_attention")
+# The attention masks the slot programs build. DeepSeek V3.2's sparse attention layers ("indexed_attention";
+# "deepseek_sparse_attention" before transformers 5.24) take the causal mask and narrow it themselves, to
+# the keys their indexer picks (its keys a third array per layer: `SlotLayer`).
+MASKS = ("full_attention", "sliding_attention", "chunked_attention", "indexed_attention", "deepseek_sparse_attention")
 _BOTH = ("hybrid",)  # the layer_types of layers that attend and keep a recurrent state
 
 
@@ -936,7 +958,7 @@ class SlotModel:
         positions = jnp.maximum(offset, 0)
         columns = jnp.where(offset >= 0, positions, window)
         zeros = [tuple(jnp.zeros((ids.shape[0], *a.shape[1:]), a.dtype) for a in layer) for layer in states]
-        with self.bound(params):
+        with self.bound(params), _grouped_queries():
             logits, gathered, new = self.run_states(
                 params, gathered, zeros, ids, positions, columns, (offset >= 0).astype(jnp.int32), carried=False,
                 keep=jnp.array([chunk - 1], jnp.int32), lora=lora,
@@ -1011,7 +1033,7 @@ class SlotModel:
         # Static inputs (image grids) stay concrete through the ops the model runs on them.
         evaluate = jax.ensure_compile_time_eval() if static else contextlib.nullcontext()
         known = _multimodal.known_reads(self.module, inputs) if inputs else contextlib.nullcontext()
-        with self.bound(params), evaluate, known:
+        with self.bound(params), evaluate, known, _grouped_queries():
             if inputs:
                 arguments = prefill.arguments()
             logits, gathered = self.run(
