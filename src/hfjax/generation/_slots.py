@@ -201,7 +201,7 @@ def _grouped_queries():
     from transformers.integrations import sdpa_attention
 
     repeats = getattr(sdpa_attention, "use_gqa_in_sdpa", None)
-    if repeats is None:  # (a transformers that decides otherwise: as it does)
+    if repeats is None:  # (a transformers without it: its own rule stands)
         yield
         return
     sdpa_attention.use_gqa_in_sdpa = lambda *args, **kwargs: True
@@ -796,7 +796,9 @@ class SlotModel:
         length = cache[0][0].shape[2]  # the columns given: all L, or a chunk's window
         past = StaticCache(config=self.config, max_cache_len=length)
         past.layers = [
-            self.layer_class(*(bridge.to_torch(a) for a in arrays[:2]), bridge.to_torch(columns), *arrays[2:])
+            self.layer_class(
+                *(bridge.to_torch(a) for a in arrays[:2]), bridge.to_torch(columns), *map(bridge.to_torch, arrays[2:])
+            )
             for arrays in cache
         ]
         mask = self.attention_mask(positions, length if window is None else window, cache[0][0].dtype, blocks=blocks)
