@@ -1094,7 +1094,7 @@ def test_a_model_the_slot_core_cannot_run_is_refused_at_start_with_the_reason(ch
         ("recurrent_gemma", None),
         ("openai-gpt", None),
         ("roformer", "text-generation"),  # the same: its rotary positions count from its cache's length
-        ("nemotron_h", None),  # a hybrid whose MLP and MoE layers keep no cache (transformers 5.24 on)
+        ("nemotron_h", None),  # a hybrid whose MLP and MoE layers keep no cache
         ("llama4_text", None),  # chunked attention (chunks of 4 here: the prompts and answers cross several)
         # sparse attention over the keys its indexer picks (3 of them here), the indexer's keys a third
         # array per layer beside the keys and values
@@ -1105,10 +1105,6 @@ def test_models_the_slot_core_took_on_are_served_with_transformers_tokens(checkp
     # Two prompts of different lengths run side by side; each gives transformers' greedy tokens.
     if family == "fsmt" and Version(transformers.__version__) < Version("5.24"):
         pytest.skip("FSMT's decoder before transformers 5.24 takes all its tokens at every step: refused at start")
-    if family == "nemotron_h" and Version(transformers.__version__) < Version("5.24"):
-        pytest.skip(
-            "Nemotron-H's MLP layers before transformers 5.24 keep recurrent layers with no state: refused at start"
-        )
     overrides = {
         "led": {"init_std": 0.2},
         "llama4_text": {"attention_chunk_size": 4},

@@ -56,17 +56,24 @@ def recurrent(layer) -> bool:
 CACHELESS = ("mlp", "moe")  # `layer_types` of layers without attention, which transformers gives a DummyLayer
 
 
-def keeps_nothing(layer) -> bool:
-    """Whether a cache layer holds nothing: transformers' DummyLayer (5.24 on), which a model's layers
-    without attention get (`CACHELESS`: Nemotron-H's)."""
-    return type(layer).__name__ == "DummyLayer"
+def keeps_nothing(layer, kind: str | None = None) -> bool:
+    """Whether a cache layer of `config.layer_types` kind `kind` holds nothing: transformers' DummyLayer
+    (5.24 on), which a model's layers without attention get (`CACHELESS`: Nemotron-H's), or the
+    recurrent layer transformers gave those before, whose states no layer writes."""
+    return type(layer).__name__ == "DummyLayer" or (kind in CACHELESS and recurrent(layer))
+
+
+def keeps_state(layer, kind: str | None = None) -> bool:
+    """Whether a cache layer of kind `kind` holds a linear-attention or mamba layer's states (`recurrent`,
+    less the layers that keep nothing)."""
+    return recurrent(layer) and not keeps_nothing(layer, kind)
 
 
 def kinds_where(config, test) -> set[str]:
-    """The `layer_types` of `config`'s layers whose static cache layer passes `test` (`recurrent`,
-    `keeps_nothing`)."""
+    """The `layer_types` of `config`'s layers whose static cache layer passes `test(layer, kind)`
+    (`keeps_state`, `keeps_nothing`)."""
     types = getattr(config, "layer_types", None) or ()
-    return {kind for kind, layer in zip(types, static_cache(config, 1).layers) if test(layer)}
+    return {kind for kind, layer in zip(types, static_cache(config, 1).layers) if test(layer, kind)}
 
 
 def windowable(cache) -> bool:

@@ -44,7 +44,7 @@ def hybrid_model(module) -> bool:
 
 def recurrent_kinds(config) -> set[str]:
     """The `layer_types` of a model's recurrent layers (a hybrid's "linear_attention"); empty for others."""
-    return _caches.kinds_where(config, _caches.recurrent)
+    return _caches.kinds_where(config, _caches.keeps_state)
 
 
 def recurrent_model(module) -> bool:

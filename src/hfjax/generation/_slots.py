@@ -261,13 +261,6 @@ def check_supported(model) -> None:
             f"hfjax serve's slots give each token its position; {type(model.module).__name__} takes no position_ids "
             "(it counts positions from its cache's length); use Model.generate for it"
         )
-    stateless = sorted(recurrent_kinds(config) & set(_caches.CACHELESS))
-    if stateless:  # (transformers before 5.24 gives them a recurrent layer, which holds no state)
-        raise GenerationError(
-            f"hfjax serve's slots keep a recurrent layer's states; {config.model_type}'s {', '.join(stateless)} "
-            "layers have none (transformers 5.24 keeps nothing for them); use Model.generate for it, or "
-            "transformers>=5.24"
-        )
     unknown = layer_kinds(config) - set(MASKS) - recurrent_kinds(config)
     if hybrid_model(model.module):  # (its slot layers are laid out beside the states: `SlotModel.run_states`)
         unknown -= _caches.kinds_where(config, _caches.keeps_nothing)  # (Nemotron-H's MLP and MoE layers)
@@ -563,14 +556,17 @@ class SlotModel:
         from transformers.cache_utils import StaticLayer
 
         layers = _caches.static_cache(self.config, 1).layers
-        self.layer_recurrent = tuple(_caches.recurrent(layer) for layer in layers)
+        types = list(getattr(self.config, "layer_types", None) or ())
+        types += [None] * (len(layers) - len(types))
+        # Layers that keep nothing: a hybrid's layers without attention (`_caches.keeps_nothing`)
+        self.layer_kept = tuple(not _caches.keeps_nothing(layer, kind) for layer, kind in zip(layers, types))
+        self.layer_recurrent = tuple(_caches.recurrent(layer) and kept for layer, kept in zip(layers, self.layer_kept))
         # Layers that keep keys and values: all but the purely recurrent ones (a "hybrid" layer does both)
-        # and those that keep nothing (a hybrid's layers without attention: `_caches.keeps_nothing`)
+        # and those that keep nothing
         self.layer_attends = tuple(
-            (not r and not _caches.keeps_nothing(layer)) or isinstance(layer, StaticLayer)
-            for r, layer in zip(self.layer_recurrent, layers)
+            (not r and kept) or isinstance(layer, StaticLayer)
+            for r, kept, layer in zip(self.layer_recurrent, self.layer_kept, layers)
         )
-        self.layer_kept = tuple(not _caches.keeps_nothing(layer) for layer in layers)
         self.recurrent = any(self.layer_recurrent)
         self.attends = any(self.layer_attends)  # some layers keep keys and values (cut into windows)
         # Query heads per key/value head; and whether decoding attention may read the slots' rows of the
@@ -660,7 +656,7 @@ class SlotModel:
             with self.bound(params):
                 out = self.module(input_ids=ids, **kwargs)
             layers = _caches.returned_cache(out).layers
-            recurrent = [layer for layer in layers if _caches.recurrent(layer)]
+            recurrent = [layer for layer, kept in zip(layers, self.layer_recurrent) if kept]
             layout[:] = [state_names(layer) for layer in recurrent]
             cache = [(bridge.to_jax(a.keys), bridge.to_jax(a.values)) for a, k in zip(layers, self.layer_attends) if k]
             return (
