@@ -116,10 +116,12 @@ def test_a_mixed_load_after_health_compiles_nothing(urls, server):
 
 
 def test_metrics_report_the_programs_held_and_their_memory(url):
-    # 4 prefill programs (one row and 4 rows over 128 and 256 columns), decode programs of 1 and 6
-    # rows over each window (where the decode reads its rows of the cache in place, the one window of
-    # all 256 columns, as the kernel stops at each row's position; else 128 and 256), the swap of
-    # two slots' cached prefixes, and the token choice after a prefill of one row and of 4.
+    # 4 prefill programs (one row and 4 rows over 128 and 256 columns) and 2 short ones (the whole
+    # rest of short prompts, 32 tokens a row of one and 4 rows over 128 columns: --prefill-chunk is 64),
+    # decode programs of 1 and 6 rows over each window (where the decode reads its rows of the cache in
+    # place, the one window of all 256 columns, as the kernel stops at each row's position; else 128
+    # and 256), the swap of two slots' cached prefixes, and the token choice after a prefill of one row
+    # and of 4.
     log = SERVERS.log("main")
     decode = re.findall(r"(?:compiled|loaded) the decode program for (\d+) rows x (\d+) columns", log)
     windows = {int(columns) for _, columns in decode}
@@ -127,5 +129,7 @@ def test_metrics_report_the_programs_held_and_their_memory(url):
     assert re.search(rf"(?:compiled|loaded) the swap program for 2 rows x {LENGTH} columns", log)
     choose = re.findall(r"(?:compiled|loaded) the choose program for (\d+) rows \(", log)
     assert sorted(int(rows) for rows in choose) == [1, 4]
-    assert _metric(url, "hfjax_programs_held") == 4 + len(decode) + 1 + 2 == 4 + 2 * len(windows) + 1 + 2
+    short = re.findall(r"(?:compiled|loaded) the short prefill program for (\d+) rows x (\d+) columns", log)
+    assert sorted((int(rows), int(columns)) for rows, columns in short) == [(1, 128), (4, 128)]
+    assert _metric(url, "hfjax_programs_held") == 4 + 2 + len(decode) + 1 + 2 == 6 + 2 * len(windows) + 1 + 2
     assert _metric(url, "hfjax_programs_memory_bytes") > 0

@@ -180,6 +180,42 @@ def test_a_lone_long_prompt_is_read_on_one_row_at_every_window(model, engine, mo
     assert {window for _, window in calls} == {128, 256} and {rows for rows, _ in calls} == {1}
 
 
+def test_the_whole_rest_of_short_prompts_is_read_in_a_short_chunk_and_equals_generate(model):
+    # With --prefill-chunk wider than SHORT_WIDTH the set holds "short" prefill programs too, of
+    # SHORT_WIDTH tokens a row over the smallest window: a chunk runs there where it is the whole
+    # rest of each of its rows' prompts (a fresh short prompt; what follows a cached prefix), and in
+    # the chunk's width otherwise. Each call's width is recorded; every answer is generate's.
+    short = serving_compiler.SHORT_WIDTH
+    engine = Engine(model, max_num_seqs=2, max_model_len=128, prefill_chunk=2 * short, decode_steps=STEPS)
+    assert engine.compiler.grid["short"] == [(1, 128), (2, 128)]
+    engine.start()
+    widths, prefill = [], engine.compiler.programs.prefill
+
+    def prefilling(*args, window, inputs=None):
+        widths.append((args[3].shape[0], args[3].shape[1]))
+        return prefill(*args, window=window, inputs=inputs)
+
+    engine.compiler.programs.prefill = prefilling
+    try:
+        # (prompts that share no prefix beyond BOS, but `longer`, which is `other` and 6 words)
+        phrases = [WORDS[:8], WORDS[::-1][:20], WORDS[10:18], WORDS[5:25], WORDS[5:25] + WORDS[::-1][:6]]
+        few, more, few_too, other, longer = _ids(model, [" ".join(words) for words in phrases])
+        assert max(len(few), len(few_too), len(longer) - len(other)) <= short
+        assert short < min(len(more), len(other)) <= 2 * short
+        params = SamplingParams(max_tokens=6, temperature=0)
+        calls = []
+        for prompts in ([few], [more], [few_too, other], [longer]):
+            widths.clear()
+            got = engine.generate(prompts, params)
+            calls.append(list(widths))
+            for event, reference in zip(got, _generate_alone(model, prompts, 6)):
+                assert event.token_ids == reference[:6]
+        assert calls == [[(1, short)], [(1, 2 * short)], [(2, 2 * short)], [(1, short)]]
+        assert engine.metrics.prefix_hit_tokens > len(longer) - short
+    finally:
+        engine.stop()
+
+
 def test_a_lone_stream_runs_long_chunks_sent_ahead_and_no_step_past_max_tokens(model, engine, monkeypatch):
     calls = _Calls(engine, monkeypatch)
     ids = _ids(model, PROMPTS[3:4])

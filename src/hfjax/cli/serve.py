@@ -121,7 +121,7 @@ def add_parser(subparsers) -> None:
         type=int,
         default=64,
         help="prompt tokens per row of a prefill call (default: 64); calls over a longer window read more, an eighth "
-        "of the window up to 4x this",
+        "of the window up to 4x this, and the whole rest of short prompts runs in calls of 32 where this is wider",
     )
     parser.add_argument(
         "--enable-prefix-caching",

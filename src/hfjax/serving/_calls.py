@@ -12,7 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from .. import generation
-from ._compiler import SMALLEST_WINDOW, Compiler, geometric, prefill_width
+from ._compiler import PREFILLS, SHORT_WIDTH, SMALLEST_WINDOW, Compiler, geometric, prefill_width
 from ._metrics import Metrics
 from ._requests import Request
 from ._table import SlotTable
@@ -96,7 +96,7 @@ class CoreCalls:
         for kind, cells in self.compiler.grid.items():
             for rows, window in cells:
                 args = self.example_args(kind, rows, window)
-                if kind in ("prefill", "image"):
+                if kind in PREFILLS:
                     *args, inputs = args
                     self.state, _ = programs.prefill(*args, window=window, inputs=inputs)
                 elif kind == "swap":
@@ -115,9 +115,9 @@ class CoreCalls:
         """Arguments like those the engine passes, for compiling a program ahead of its first call; a
         prefill's end with its chunk's model inputs (an encoder-decoder's encoder inputs,
         `EncoderDecoderSlotModel.encoder_inputs`; a prompt's images), or None."""
-        if kind == "prefill":
+        if kind in ("prefill", "short"):
             inputs = self.encoder_zeros(rows) if self.encoder_decoder else None
-            chunk = self.prefill_width(window)
+            chunk = SHORT_WIDTH if kind == "short" else self.prefill_width(window)
             args = self.prefill_args(
                 np.full(rows, self.slots, np.int32), np.zeros((rows, chunk), np.int32),
                 np.zeros(rows, np.int32), np.ones(rows, np.int32), np.zeros(rows, bool), np.zeros(rows, bool), False,
@@ -177,15 +177,30 @@ class CoreCalls:
         of the engine's windows (128, 512, 2048, ..., max_model_len) that holds it."""
         return next(w for w in geometric(SMALLEST_WINDOW, self.max_model_len) if w >= length)
 
+    def _short(self, requests: list[Request]) -> tuple[int, int] | None:
+        """The (rows, window) of the "short" prefill program that reads the whole rest of every one of
+        `requests`' prompts (SHORT_WIDTH tokens a row at most), or None."""
+        return next(
+            (
+                (rows, window)
+                for rows, window in self.compiler.grid.get("short", ())
+                if rows >= len(requests)
+                and all(len(r.prompt) - r.prefilled <= SHORT_WIDTH and len(r.prompt) <= window for r in requests)
+            ),
+            None,
+        )
+
     def prefill(self, requests: list[Request]) -> tuple[np.ndarray, generation.Chosen]:
-        """The next prompt chunk of each request in one program: the smallest that holds every row's
-        next chunk, as wide as that program takes (`prefill_width`). Returns last [rows] and chosen (`_prefilled`)."""
-        rows, window = next(
+        """The next prompt chunk of each request in one program: a "short" one where that reads every
+        row's whole rest (`_short`), else the smallest that holds every row's next chunk, as wide as
+        that program takes (`prefill_width`). Returns last [rows] and chosen (`_prefilled`)."""
+        short = self._short(requests)
+        rows, window = short or next(
             (rows, window)
             for rows, window in self.compiler.grid["prefill"]
             if rows >= len(requests) and all(self._holds(window, r) for r in requests)
         )
-        chunk_size = self.prefill_width(window)
+        chunk_size = SHORT_WIDTH if short else self.prefill_width(window)
         which = np.full(rows, self.slots, np.int32)  # padding rows: slot S, out of range
         ids = np.zeros((rows, chunk_size), np.int32)
         start, count = np.zeros(rows, np.int32), np.ones(rows, np.int32)

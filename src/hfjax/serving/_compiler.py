@@ -28,6 +28,7 @@ from .. import generation
 
 COMPILE_THREADS = 4  # at most, and no more than the cores: XLA compiles and loads without the GIL, tracing takes turns
 GROWTH = 4  # each row count and window of the set is this many times the last
+PREFILLS = ("prefill", "short", "image")  # the kinds of the set whose programs are prefill programs
 
 
 def geometric(smallest: int, limit: int) -> list[int]:
@@ -42,6 +43,9 @@ def geometric(smallest: int, limit: int) -> list[int]:
 
 SMALLEST_WINDOW = 128  # columns of the smallest window a chunk attends over
 WIDTH_GROWTH = 4  # a prefill chunk reads at most this many times --prefill-chunk tokens a row
+# Prompt tokens a row of the "short" prefill programs read: the whole rest of a short prompt, where
+# --prefill-chunk is wider (a prefill's cost follows its width, not its real tokens).
+SHORT_WIDTH = 32
 
 
 def prefill_width(window: int, chunk: int) -> int:
@@ -54,7 +58,13 @@ def prefill_width(window: int, chunk: int) -> int:
 
 
 def engine_grid(
-    max_model_len: int, slots: int, prefill_rows: int, *, attends: bool = True, in_place: bool = False
+    max_model_len: int,
+    slots: int,
+    prefill_rows: int,
+    *,
+    attends: bool = True,
+    in_place: bool = False,
+    short: bool = False,
 ) -> dict[str, list[tuple[int, int]]]:
     """Every (rows, window) an engine's prefill and decode chunks may run, smallest first, over windows
     of 128, 512, 2048, ... columns up to max_model_len. A decode chunk runs once per token: it has row
@@ -74,17 +84,28 @@ def engine_grid(
     runs over max_model_len alone: there a window only sizes the mask, and attention stops at each
     row's position, so the whole cache cost 16 rows of 32-token prompts 2% more a step than 128
     columns at 2048, 3% at 8192 (docs/architecture.md, "One decode window"), for a third (at 2048)
-    or a quarter (8192) of the decode programs to compile before the server is ready."""
+    or a quarter (8192) of the decode programs to compile before the server is ready.
+
+    `short`: the prefill's row counts also have a program of SHORT_WIDTH tokens a row over the
+    smallest window ("short"), for chunks that are the whole rest of each row's prompt: a prompt of a
+    few words, or what follows a cached prefix in a short chat. A prefill's cost follows its width:
+    the 20m Llama's first token of a lone 32-token prompt after 16.7 ms in a chunk of 32 tokens
+    against 23.4 ms in one of 64, and 16 clients' 32-token completions got 1.11x the tokens/s
+    (docs/architecture.md, "Short prefill programs")."""
     windows = geometric(SMALLEST_WINDOW, max_model_len)
     decode_rows = geometric(1, slots)
-    prefill = [(rows, w) for rows in sorted({1, prefill_rows}) for w in windows]
+    prefill_row_counts = sorted({1, prefill_rows})
+    prefill = [(rows, w) for rows in prefill_row_counts for w in windows]
     decode_windows = windows if attends and not in_place else [max_model_len]
-    return {"prefill": prefill, "decode": [(r, w) for w in decode_windows for r in decode_rows]}
+    grid = {"prefill": prefill, "decode": [(r, w) for w in decode_windows for r in decode_rows]}
+    if short:
+        grid["short"] = [(rows, windows[0]) for rows in prefill_row_counts]
+    return grid
 
 
 class Compiler:
     """The slot programs of one engine (`generation.SlotPrograms`) for its set of (rows, window) per
-    kind ("prefill", "decode", "image"; "swap", one program of two rows over every column, where the
+    kind ("prefill", "decode", "image"; "short", prefills of SHORT_WIDTH tokens a row; "swap", one program of two rows over every column, where the
     engine moves cached prefixes between slots; "choose", the token after a prefill's rows, per row
     count with the window 0, where the programs make it apart: `SlotPrograms.choose_apart`), each
     list smallest first.
@@ -132,7 +153,8 @@ class Compiler:
                     done = "loaded the" if loaded else "compiled the"
                     where = " from the cache" if loaded else ""
                     size = f"{rows} rows" if kind == "choose" else f"{rows} rows x {window} columns"
-                    self.progress(f"{done} {kind} program for {size}{where} ({n}/{len(todo)}): {seconds:.1f} s")
+                    name = "short prefill" if kind == "short" else kind
+                    self.progress(f"{done} {name} program for {size}{where} ({n}/{len(todo)}): {seconds:.1f} s")
         self._ready = True
         if self.progress is not None:
             self.progress(f"{len(todo)} programs ready in {time.perf_counter() - start:.1f} s")
@@ -148,10 +170,10 @@ class Compiler:
         start = time.perf_counter()
         arguments = example(kind, rows, window)
         inputs = None
-        if kind in ("prefill", "image"):  # the chunk's model inputs last (images' static ones as values), or None
+        if kind in PREFILLS:  # the chunk's model inputs last (images' static ones as values), or None
             *arguments, inputs = arguments
         arguments = jax.tree_util.tree_map(_abstract, tuple(arguments))
-        if kind in ("prefill", "image"):
+        if kind in PREFILLS:
             loaded, memory = self.programs.compile_prefill(*arguments, window=window, inputs=inputs)
         elif kind == "swap":
             loaded, memory = self.programs.compile_swap(*arguments)

@@ -42,7 +42,7 @@ import numpy as np
 from .. import generation
 from .._errors import GenerationError, ServingError
 from ._calls import Chunk, CoreCalls, constrained
-from ._compiler import SMALLEST_WINDOW, WIDTH_GROWTH, Compiler, engine_grid, geometric
+from ._compiler import PREFILLS, SHORT_WIDTH, SMALLEST_WINDOW, WIDTH_GROWTH, Compiler, engine_grid, geometric
 from ._delivery import Delivery
 from ._media import fixed_image_example
 from ._metrics import Metrics
@@ -190,6 +190,8 @@ class Engine:
         grid = engine_grid(
             self.max_model_len, self.max_num_seqs, self.prefill_rows, attends=slot_model.attends,
             in_place=slot_model.reads_cache_in_place(),
+            # (not a recurrent model's whole prompts, nor an encoder-decoder's, whose prefill runs its encoder)
+            short=prefill_chunk > SHORT_WIDTH and not (self.recurrent or self.encoder_decoder),
         )  # fmt: skip
         image_example = fixed_image_example(model.processor) if self.takes_images else None
         if image_example is not None:
@@ -203,9 +205,7 @@ class Engine:
         if move_tokens:
             grid["swap"] = [(2, self.max_model_len)]
         # The token after a prefill: one program per row count, whatever the window (`choose_apart`).
-        grid["choose"] = [
-            (rows, 0) for rows in sorted({rows for kind in ("prefill", "image") for rows, _ in grid.get(kind, [])})
-        ]
+        grid["choose"] = [(rows, 0) for rows in sorted({rows for kind in PREFILLS for rows, _ in grid.get(kind, [])})]
         self.compiler = Compiler(programs, grid, progress=progress)
         self.table = SlotTable(
             self.max_num_seqs, vocab_size=vocab_size, bias_slots=self.features.bias_slots,
