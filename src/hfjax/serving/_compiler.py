@@ -90,7 +90,7 @@ def engine_grid(
     smallest window ("short"), for chunks that are the whole rest of each row's prompt: a prompt of a
     few words, or what follows a cached prefix in a short chat. A prefill's cost follows its width:
     the 20m Llama's first token of a lone 32-token prompt after 16.7 ms in a chunk of 32 tokens
-    against 23.4 ms in one of 64, and 16 clients' 32-token completions got 1.11x the tokens/s
+    against 23.4 ms in one of 64, and 16 clients' 32-token completions got 1.12x the tokens/s
     (docs/architecture.md, "Short prefill programs")."""
     windows = geometric(SMALLEST_WINDOW, max_model_len)
     decode_rows = geometric(1, slots)
@@ -105,9 +105,10 @@ def engine_grid(
 
 class Compiler:
     """The slot programs of one engine (`generation.SlotPrograms`) for its set of (rows, window) per
-    kind ("prefill", "decode", "image"; "short", prefills of SHORT_WIDTH tokens a row; "swap", one program of two rows over every column, where the
-    engine moves cached prefixes between slots; "choose", the token after a prefill's rows, per row
-    count with the window 0, where the programs make it apart: `SlotPrograms.choose_apart`), each
+    kind ("prefill", "decode", "image"; "short", prefills of SHORT_WIDTH tokens a row; "swap", one
+    program of two rows over every column, where the engine moves cached prefixes between slots;
+    "choose", the token after a prefill's rows, per row count with the window 0, where the programs
+    make it apart: `SlotPrograms.choose_apart`), each
     list smallest first.
 
     Attributes:
