@@ -560,7 +560,7 @@ class SlotModel:
         types += [None] * (len(layers) - len(types))
         # Layers that keep nothing: a hybrid's layers without attention (`_caches.keeps_nothing`)
         self.layer_kept = tuple(not _caches.keeps_nothing(layer, kind) for layer, kind in zip(layers, types))
-        self.layer_recurrent = tuple(_caches.recurrent(layer) and kept for layer, kept in zip(layers, self.layer_kept))
+        self.layer_recurrent = tuple(_caches.keeps_state(layer, kind) for layer, kind in zip(layers, types))
         # Layers that keep keys and values: all but the purely recurrent ones (a "hybrid" layer does both)
         # and those that keep nothing
         self.layer_attends = tuple(
