@@ -392,11 +392,11 @@ def alternate_batches(model, prompt: int, batch: int, new_tokens: int, pairs: in
 
 
 # hfjax.gpu's levers, off by default until a GPU has measured them (issue 36): the switches each sets.
-GPU_LEVERS = {
+GPU_LEVERS = {  # the default has command buffers on (hfjax.gpu, after the 2026-12-04 H200 run)
     "default": {},
-    "command_buffers": {"HFJAX_GPU_COMMAND_BUFFERS": "1"},
+    "no_command_buffers": {"HFJAX_GPU_COMMAND_BUFFERS": "0"},
     "cudnn_attention": {"HFJAX_GPU_ATTENTION": "cudnn"},
-    "both": {"HFJAX_GPU_COMMAND_BUFFERS": "1", "HFJAX_GPU_ATTENTION": "cudnn"},
+    "cudnn_attention_no_command_buffers": {"HFJAX_GPU_COMMAND_BUFFERS": "0", "HFJAX_GPU_ATTENTION": "cudnn"},
 }
 
 

@@ -2,7 +2,7 @@
 
 The levers only pay on a GPU (benchmarks/decode.py --gpu-levers measures them there); here the
 tests check what can be checked without one: that the looping programs get the command-buffer
-option only when asked, that XLA takes that option as hfjax passes it, that a model under the hook
+option unless it is turned off, that XLA takes that option as hfjax passes it, that a model under the hook
 with both levers on generates transformers' tokens through the fused attention call, and that the
 attention lowering equals torch's (with XLA's implementation of `jax.nn.dot_product_attention`,
 the call cuDNN runs on a GPU).
@@ -31,19 +31,32 @@ def env():
     return environment(backend="gpu")
 
 
-def test_only_looping_programs_get_command_buffers_and_only_when_asked(monkeypatch):
+def test_only_looping_programs_get_command_buffers_unless_turned_off(monkeypatch):
     hook = gpu.Gpu()
     monkeypatch.delenv(gpu.COMMAND_BUFFERS, raising=False)
-    assert all(hook.compiler_options(stage) is None for stage in ("decode", "whole loop", "prefill"))
-    default = hook.fingerprint()
-    monkeypatch.setenv(gpu.COMMAND_BUFFERS, "1")
     options = hook.compiler_options("decode")
     assert "WHILE" in options["xla_gpu_enable_command_buffer"].split(",")
     assert hook.compiler_options("whole loop") == options and hook.compiler_options("prefill") is None
+    default = hook.fingerprint()
+    monkeypatch.setenv(gpu.COMMAND_BUFFERS, "0")
+    assert all(hook.compiler_options(stage) is None for stage in ("decode", "whole loop", "prefill"))
     assert hook.fingerprint() != default  # programs kept on disk are kept apart
+    monkeypatch.setenv(gpu.COMMAND_BUFFERS, "yes")
+    with pytest.raises(ValueError, match="HFJAX_GPU_COMMAND_BUFFERS='yes': pass 1 \\(the default\\) or 0"):
+        hook.compiler_options("decode")
     # XLA takes the option as the hook writes it (on the CPU it changes nothing).
     loop = jax.jit(lambda x: jax.lax.fori_loop(0, 3, lambda i, y: y * 2, x), compiler_options=options)
     assert loop(jnp.ones(2)).tolist() == [8.0, 8.0]
+
+
+def test_cudnn_attention_names_its_custom_calls_for_programs_kept_on_disk(monkeypatch):
+    # The first GPU run (2026-12-04) found jax.export refusing `__cudnn$fmhaScaleBiasSoftmax` in a decode
+    # program: the hook names the targets only while the switch asks for cuDNN.
+    hook = gpu.Gpu()
+    monkeypatch.delenv(_attention.ATTENTION, raising=False)
+    assert hook.custom_calls() == ()
+    monkeypatch.setenv(_attention.ATTENTION, "cudnn")
+    assert "__cudnn$fmhaScaleBiasSoftmax" in hook.custom_calls()
 
 
 @jit_modes
@@ -118,11 +131,11 @@ def test_generate_under_the_gpu_hook_with_both_levers_gives_transformers_tokens(
             .eval()
             .generate(ids, attention_mask=(ids > 0).long(), max_new_tokens=8, do_sample=False, pad_token_id=0)
         )
-    levers = run(**{gpu.COMMAND_BUFFERS: "1", _attention.ATTENTION: "cudnn"})
+    levers = run(**{_attention.ATTENTION: "cudnn"})  # command buffers are on by default
     assert levers["TOKENS"] == str(want.tolist())
     assert levers["FUSED"] == "['xla']"  # the fused call ran (on a GPU: cuDNN's)
-    # generate's decode program was compiled with the command buffers, and only with the switch
+    # generate's decode program was compiled with the command buffers, unless they are turned off
     assert "('decode', \"{'xla_gpu_enable_command_buffer'" in levers["OPTIONS"] and "WHILE" in levers["OPTIONS"]
-    default = run()
-    assert default["FUSED"] == "[]" and "('decode', 'None')" in default["OPTIONS"]
+    off = run(**{gpu.COMMAND_BUFFERS: "0", _attention.ATTENTION: "generic"})
+    assert off["FUSED"] == "[]" and "('decode', 'None')" in off["OPTIONS"]
     assert bridge.Backend().compiler_options("decode") is None

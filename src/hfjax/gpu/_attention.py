@@ -21,6 +21,13 @@ from .. import bridge
 
 ATTENTION = "HFJAX_GPU_ATTENTION"
 CHOICES = ("generic", "cudnn")
+# The custom calls `jax.nn.dot_product_attention` lowers to on a GPU without dropout (forward, and backward
+# for training). jax.export refuses to keep them on disk unless named, as they carry no compatibility
+# guarantee; a stored program's key holds the library versions, so only the jax that wrote it reads it.
+CUDNN_TARGETS = (
+    "__cudnn$fmhaSoftmax", "__cudnn$fmhaScaleBiasSoftmax",
+    "__cudnn$fmhaSoftmaxBackward", "__cudnn$fmhaScaleBiasSoftmaxBackward",
+)  # fmt: skip
 
 
 def choice() -> str:
