@@ -38,7 +38,8 @@ the GPU.
 
 The last line on stdout is one JSON object: the device, the library versions, each step's record
 (seconds, exit code, whether it timed out, the script's own JSON, headline figures); --out writes
-it to a file as well. The exit code is 1 if any step failed: its script failed, ran out of time, or
+it to a file as well, and also after each step with "finished": false, so that a call stopped from
+outside (a device lease's limit) keeps the steps it finished. The exit code is 1 if any step failed: its script failed, ran out of time, or
 reported an error for any of its peers (an "error" field anywhere in its JSON).
 """
 
@@ -378,6 +379,15 @@ def parse_args(argv=None):
     return args
 
 
+def _write(path: str, report: dict) -> str:
+    """Writes `report` as JSON to `path` (whole or not at all: a reader never sees half of it); the text."""
+    text = json.dumps(report)
+    partial = pathlib.Path(f"{path}.tmp")
+    partial.write_text(text + "\n")
+    os.replace(partial, path)
+    return text
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     started = time.perf_counter()
@@ -416,11 +426,12 @@ def main(argv=None) -> int:
                 "ok" if record["ok"] else ("timed out" if record["timed_out"] else f"failed ({record['returncode']})")
             )
             log(f"  {state} in {record['seconds']:.0f} s")
+            if args.out:  # the steps so far, should the call be stopped from outside (a device lease's limit)
+                _write(args.out, {**report, "finished": False})
         report["total_s"] = time.perf_counter() - started
         report["failed"] = [name for name, record in report["steps"].items() if not record["ok"]]
-    text = json.dumps(report)
-    if args.out:
-        pathlib.Path(args.out).write_text(text + "\n")
+        report["finished"] = True
+    text = _write(args.out, report) if args.out else json.dumps(report)
     print(text)
     return 1 if report["failed"] else 0
 
