@@ -2,7 +2,7 @@
 
 The levers only pay on a GPU (benchmarks/decode.py --gpu-levers measures them there); here the
 tests check what can be checked without one: that the looping programs get the command-buffer
-option unless it is turned off, that XLA takes that option as hfjax passes it, that a model under the hook
+option (the decode by default, diffusion's whole loop when asked), that XLA takes that option as hfjax passes it, that a model under the hook
 with both levers on generates transformers' tokens through the fused attention call, and that the
 attention lowering equals torch's (with XLA's implementation of `jax.nn.dot_product_attention`,
 the call cuDNN runs on a GPU).
@@ -31,18 +31,23 @@ def env():
     return environment(backend="gpu")
 
 
-def test_only_looping_programs_get_command_buffers_unless_turned_off(monkeypatch):
+def test_the_decode_gets_command_buffers_unless_turned_off_and_the_whole_loop_when_asked(monkeypatch):
     hook = gpu.Gpu()
     monkeypatch.delenv(gpu.COMMAND_BUFFERS, raising=False)
     options = hook.compiler_options("decode")
     assert "WHILE" in options["xla_gpu_enable_command_buffer"].split(",")
-    assert hook.compiler_options("whole loop") == options and hook.compiler_options("prefill") is None
-    default = hook.fingerprint()
+    assert hook.compiler_options("whole loop") is None and hook.compiler_options("prefill") is None
+    fingerprints = {hook.fingerprint()}
+    monkeypatch.setenv(gpu.COMMAND_BUFFERS, "1")
+    assert hook.compiler_options("whole loop") == options == hook.compiler_options("decode")
+    assert hook.compiler_options("prefill") is None
+    fingerprints.add(hook.fingerprint())
     monkeypatch.setenv(gpu.COMMAND_BUFFERS, "0")
     assert all(hook.compiler_options(stage) is None for stage in ("decode", "whole loop", "prefill"))
-    assert hook.fingerprint() != default  # programs kept on disk are kept apart
+    fingerprints.add(hook.fingerprint())
+    assert len(fingerprints) == 3  # programs kept on disk are kept apart
     monkeypatch.setenv(gpu.COMMAND_BUFFERS, "yes")
-    with pytest.raises(ValueError, match="HFJAX_GPU_COMMAND_BUFFERS='yes': pass 1 \\(the default\\) or 0"):
+    with pytest.raises(ValueError, match="HFJAX_GPU_COMMAND_BUFFERS='yes': pass 1 .* or 0"):
         hook.compiler_options("decode")
     # XLA takes the option as the hook writes it (on the CPU it changes nothing).
     loop = jax.jit(lambda x: jax.lax.fori_loop(0, 3, lambda i, y: y * 2, x), compiler_options=options)
