@@ -39,8 +39,9 @@ the GPU.
 The last line on stdout is one JSON object: the device, the library versions, each step's record
 (seconds, exit code, whether it timed out, the script's own JSON, headline figures); --out writes
 it to a file as well, and also after each step with "finished": false, so that a call stopped from
-outside (a device lease's limit) keeps the steps it finished. The exit code is 1 if any step failed: its script failed, ran out of time, or
-reported an error for any of its peers (an "error" field anywhere in its JSON).
+outside (a device lease's limit) keeps the steps it finished. The exit code is 1 if any step
+failed: its script failed, ran out of time, or reported an error for any of its peers (an "error"
+field anywhere in its JSON).
 """
 
 from __future__ import annotations

@@ -392,8 +392,9 @@ def alternate_batches(model, prompt: int, batch: int, new_tokens: int, pairs: in
     return {"median": statistics.median(ratios), "pairs": ratios}
 
 
-# hfjax.gpu's levers, off by default until a GPU has measured them (issue 36): the switches each sets.
-GPU_LEVERS = {  # the default has command buffers on (hfjax.gpu, after the 2026-12-04 H200 run)
+# hfjax.gpu's levers against its default (command buffers on for the decode since the 2026-12-04 H200
+# run; cuDNN attention off until a GPU has measured it): the switches each row sets.
+GPU_LEVERS = {
     "default": {},
     "no_command_buffers": {"HFJAX_GPU_COMMAND_BUFFERS": "0"},
     "cudnn_attention": {"HFJAX_GPU_ATTENTION": "cudnn"},

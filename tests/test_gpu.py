@@ -2,10 +2,11 @@
 
 The levers only pay on a GPU (benchmarks/decode.py --gpu-levers measures them there); here the
 tests check what can be checked without one: that the looping programs get the command-buffer
-option (the decode by default, diffusion's whole loop when asked), that XLA takes that option as hfjax passes it, that a model under the hook
-with both levers on generates transformers' tokens through the fused attention call, and that the
-attention lowering equals torch's (with XLA's implementation of `jax.nn.dot_product_attention`,
-the call cuDNN runs on a GPU).
+option (the decode by default, diffusion's whole loop when asked), that XLA takes that option as
+hfjax passes it, that cuDNN's custom calls are named for programs kept on disk, that a model under
+the hook with both levers on generates transformers' tokens through the fused attention call, and
+that the attention lowering equals torch's (with XLA's implementation of
+`jax.nn.dot_product_attention`, the call cuDNN runs on a GPU).
 """
 
 from __future__ import annotations
