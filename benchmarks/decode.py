@@ -42,7 +42,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import importlib
 import json
 import os
 import pathlib
@@ -53,7 +52,7 @@ import time
 from unittest import mock
 
 from shapes import LLAMA_1B, LLAMA_20M, LLAMA_150M, LLAMA_TINY
-from workers import run_json
+from workers import import_model_code, run_json
 
 SIZES = {
     "tiny": LLAMA_TINY,  # plumbing checks only (benchmarks/accelerator.py --cpu-dry-run)
@@ -560,8 +559,7 @@ def ttft_worker(args) -> dict:
     # class, which hfjax.load imports, then the load itself.
     jax.device_put(np.zeros(1, np.float32)).block_until_ready()
     backend = time.perf_counter()
-    config = json.loads((pathlib.Path(args.checkpoint) / "config.json").read_text())
-    importlib.import_module(f"transformers.models.{config['model_type']}.modeling_{config['model_type']}")
+    import_model_code(args.checkpoint)
     modeling = time.perf_counter()
     model = hfjax.load(args.checkpoint, dtype=args.dtype)
     loaded = time.perf_counter()

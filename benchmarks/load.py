@@ -40,7 +40,7 @@ import tempfile
 import time
 
 from shapes import LLAMA_1B, LLAMA_20M, LLAMA_150M
-from workers import run_json
+from workers import import_model_code, run_json
 
 SIZES = {"tiny": {}, "20m": LLAMA_20M, "150m": LLAMA_150M, "llama-1b": LLAMA_1B}
 METHODS = ("hfjax", "hfjax_huge_pages", "transformers", "transformers_read", "safetensors")
@@ -68,14 +68,6 @@ def _peak_rss_bytes() -> int:
     return int(line.split()[1]) * 1024
 
 
-def _import_model_code(path: str, auto_name: str) -> None:
-    """Imports the model's transformers module (transformers imports it lazily on first use)."""
-    import transformers
-
-    config = transformers.AutoConfig.from_pretrained(path)
-    getattr(transformers, auto_name)._model_mapping[type(config)]
-
-
 def worker(args) -> dict:
     started = time.perf_counter()
     gpu = args.device == "gpu"
@@ -88,13 +80,13 @@ def worker(args) -> dict:
         import hfjax
 
         hfjax.load  # noqa: B018  (hfjax's loader module is imported lazily: here, as transformers' model code)
-        _import_model_code(args.checkpoint, "AutoModelForCausalLM")
+        import_model_code(args.checkpoint)
         jax.devices()  # the backend's start-up is not loading
     else:
         import torch
         import transformers
 
-        _import_model_code(args.checkpoint, "AutoModelForCausalLM")
+        import_model_code(args.checkpoint)
         if gpu:
             torch.cuda.init()
     imported = time.perf_counter()

@@ -17,3 +17,12 @@ def run_json(command: list[str], env: dict, *, timeout: float, what: str) -> dic
     if done.returncode != 0 or not lines:
         return {"error": f"{what} exited with {done.returncode}: {done.stderr.strip()[-800:]}"}
     return json.loads(lines[-1])
+
+
+def import_model_code(path, auto_name: str = "AutoModelForCausalLM") -> None:
+    """Imports the transformers module of the checkpoint at `path`'s model (transformers imports it
+    lazily on first use), so that a worker can time a load apart from that import."""
+    import transformers
+
+    config = transformers.AutoConfig.from_pretrained(path)
+    getattr(transformers, auto_name)._model_mapping[type(config)]
