@@ -1,6 +1,6 @@
 """One command that measures every path on one GPU against its strongest peer, and its CPU dry run.
 
-    python benchmarks/accelerator.py --only decode,demo,load --out gpu.json   # on one H100 / H200: one lease's part
+    python benchmarks/accelerator.py --only decode,profile,demo,load --out gpu.json  # one H100/H200 lease's part
     python benchmarks/accelerator.py --cpu-dry-run           # every step with tiny shapes on the CPU (CI runs it)
     python benchmarks/accelerator.py --only decode,load      # some steps
     python benchmarks/accelerator.py --limit decode=200      # another time limit for a step
@@ -16,6 +16,8 @@ benchmark steps run the scripts beside this one, which measure each peer in a pr
              counted: its row says `cuda_graphs.verified`; then hfjax at batch 1 under each lever
              of the GPU hook (`hfjax.gpu`: command buffers for the decode loop, cuDNN attention),
              alternated with the default
+  profile    profile_decode.py --size llama-1b: where hfjax's decode step goes on the device (kernels
+             per step, busy and idle time, the costliest kernels), with command buffers as by default
   load       load.py: the Llama-3.2-1B-shaped bfloat16 checkpoint (2.47 GB): hfjax.load against
              from_pretrained(device_map="cuda") and a plain safetensors read, warm and cold page cache
   diffusion  diffusion.py --sizes sd2: Stable Diffusion 2 base's shapes, 512 px, 20 steps, bfloat16:
@@ -29,8 +31,9 @@ benchmark steps run the scripts beside this one, which measure each peer in a pr
 
 Every step takes minutes on a GPU (the first H200 run, 2026-12-04, found each over the limits first
 written, before any run): no 15-minute device lease holds them all, so a GPU run takes one group of
-steps with --only, each within one 10-minute call: decode,demo,load; then train,serve; then
-diffusion,tests (benchmarks/README.md). The whole run keeps to --budget-s (540 s on a GPU): a step
+steps with --only, each within one 10-minute call: decode,profile,demo,load; then train,serve; then
+diffusion; then tests alone, which needs more than one call (about a third of it ran in 240 s on
+the second H200 run; benchmarks/README.md). The whole run keeps to --budget-s (540 s on a GPU): a step
 starts with the smaller of its own limit and the time left, and is skipped (recorded) below 10 s.
 Steps share one TORCHINDUCTOR_CACHE_DIR, and JAX does not preallocate GPU memory
 (XLA_PYTHON_CLIENT_PREALLOCATE=false), so torch and JAX processes and the test workers can share
@@ -108,6 +111,14 @@ STEPS = (
         dry_limit_s=300,
     ),
     Step(
+        "profile",
+        "Llama-3.2-1B shape, bf16, batch 1: one decode step's kernels on the device, summed by name",
+        gpu="profile_decode.py --size llama-1b --dtype bfloat16 --new-tokens 64",
+        dry="profile_decode.py --size tiny --prompt 8 --new-tokens 4",
+        limit_s=120,
+        dry_limit_s=120,
+    ),
+    Step(
         "load",
         "hfjax.load vs from_pretrained vs a plain safetensors read, warm and cold page cache",
         gpu="load.py --size llama-1b --dtype bfloat16 --device gpu --rounds 1",
@@ -157,9 +168,10 @@ STEPS = (
     Step(
         "tests",
         "parity, generate, training, diffusion and serving-engine tests under pytest-xdist",
-        gpu=f"-m pytest {' '.join(TEST_FILES)} -n 8 -q -p no:cacheprovider",
-        dry=f"-m pytest {' '.join(DRY_TESTS)} -n 2 -q -p no:cacheprovider",
-        limit_s=240,
+        # -v: pytest-xdist names each test as it ends, so a step stopped at its limit still says which failed
+        gpu=f"-m pytest {' '.join(TEST_FILES)} -n 8 -v -p no:cacheprovider",
+        dry=f"-m pytest {' '.join(DRY_TESTS)} -n 2 -v -p no:cacheprovider",
+        limit_s=540,
         dry_limit_s=300,
         reports_json=False,
     ),
@@ -202,6 +214,10 @@ def run_step(step: Step, argv: list[str], limit_s: float, env: dict, logs: pathl
             record["ok"] = not record["inner_errors"]
     if not record["ok"] or not step.reports_json:
         record["output_tail"] = (stdout + "\n" + stderr)[-3000:]
+    if not step.reports_json:  # pytest's lines for each failed test, as they came (-v)
+        record["failed_tests"] = [
+            line.strip() for line in stdout.splitlines() if " FAILED " in line or " ERROR " in line
+        ]
     return record
 
 
@@ -301,7 +317,19 @@ def _serve(result: dict) -> dict:
     return {"over_transformers": result.get("over_transformers")}
 
 
-_HEADLINES = {"decode": _decode, "load": _load, "diffusion": _diffusion, "train": _train, "serve": _serve}
+def _profile(result: dict) -> dict:
+    keys = ("decode_tokens_per_s", "kernels_per_step", "busy_us_per_step", "wall_us_per_step")
+    return {key: result[key] for key in keys if key in result}
+
+
+_HEADLINES = {
+    "decode": _decode,
+    "profile": _profile,
+    "load": _load,
+    "diffusion": _diffusion,
+    "train": _train,
+    "serve": _serve,
+}
 
 
 # ---------------------------------------------------------------- the run
