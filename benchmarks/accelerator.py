@@ -17,7 +17,8 @@ benchmark steps run the scripts beside this one, which measure each peer in a pr
              of the GPU hook (`hfjax.gpu`: command buffers for the decode loop, cuDNN attention),
              alternated with the default
   profile    profile_decode.py --size llama-1b: where hfjax's decode step goes on the device (kernels
-             per step, busy and idle time, the costliest kernels), with command buffers as by default
+             per step, busy and idle time, the costliest kernels), command buffers off so that the
+             trace names each kernel (the second H200 run's setting)
   load       load.py: the Llama-3.2-1B-shaped bfloat16 checkpoint (2.47 GB): hfjax.load against
              from_pretrained(device_map="cuda") and a plain safetensors read, warm and cold page cache
   diffusion  diffusion.py --sizes sd2: Stable Diffusion 2 base's shapes, 512 px, 20 steps, bfloat16:
@@ -113,7 +114,7 @@ STEPS = (
     Step(
         "profile",
         "Llama-3.2-1B shape, bf16, batch 1: one decode step's kernels on the device, summed by name",
-        gpu="profile_decode.py --size llama-1b --dtype bfloat16 --new-tokens 64",
+        gpu="profile_decode.py --size llama-1b --dtype bfloat16 --new-tokens 64 --no-command-buffers",
         dry="profile_decode.py --size tiny --prompt 8 --new-tokens 4",
         limit_s=120,
         dry_limit_s=120,
@@ -214,7 +215,7 @@ def run_step(step: Step, argv: list[str], limit_s: float, env: dict, logs: pathl
             record["ok"] = not record["inner_errors"]
     if not record["ok"] or not step.reports_json:
         record["output_tail"] = (stdout + "\n" + stderr)[-3000:]
-    if not step.reports_json:  # pytest's lines for each failed test, as they came (-v)
+    if not step.reports_json:  # the tests step: pytest's line for each failed test, as it came (-v)
         record["failed_tests"] = [
             line.strip() for line in stdout.splitlines() if " FAILED " in line or " ERROR " in line
         ]

@@ -1,7 +1,7 @@
 """Where one decode step's time goes on the device: hfjax's greedy decode under JAX's profiler, as a table.
 
-    python benchmarks/profile_decode.py --size llama-1b --dtype bfloat16 --out /tmp/profile   # on a GPU
-    python benchmarks/profile_decode.py --size tiny --new-tokens 4                          # plumbing, on the CPU
+    python benchmarks/profile_decode.py --size llama-1b --dtype bfloat16 --no-command-buffers --out /tmp/profile  # on a GPU
+    python benchmarks/profile_decode.py --size tiny --new-tokens 4   # plumbing, on the CPU
 
 It builds the shape's random-weight checkpoint (`shapes.py`), loads it with `hfjax.load`, runs one
 `generate` to compile, one to time, then one more under `jax.profiler.trace` with a Perfetto trace.
@@ -82,10 +82,18 @@ def main(argv=None) -> int:
     parser.add_argument("--new-tokens", type=int, default=64, help="tokens per generate")
     parser.add_argument("--top", type=int, default=25, help="kernels listed")
     parser.add_argument("--out", help="a folder that keeps the trace and XLA's optimized programs")
+    parser.add_argument(
+        "--no-command-buffers",
+        action="store_true",
+        help="HFJAX_GPU_COMMAND_BUFFERS=0: each kernel its own launch, so the trace names every kernel (a CUDA "
+        "graph's kernels may show as one launch); the step then runs as without the lever",
+    )
     args = parser.parse_args(argv)
 
     out = pathlib.Path(args.out or tempfile.mkdtemp(prefix="hfjax-profile-"))
     out.mkdir(parents=True, exist_ok=True)
+    if args.no_command_buffers:
+        os.environ["HFJAX_GPU_COMMAND_BUFFERS"] = "0"
     if args.out:  # before JAX starts: XLA reads its flags once
         os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} --xla_dump_to={out / 'xla'}".strip()
     import jax
@@ -127,6 +135,7 @@ def main(argv=None) -> int:
         "prompt": args.prompt,
         "new_tokens": args.new_tokens,
         "xla_flags": os.environ.get("XLA_FLAGS", ""),
+        "command_buffers": not args.no_command_buffers,
         "load_s": load_s,
         "tokens_sha1": hashlib.sha1(tokens.astype("int64").tobytes()).hexdigest(),  # to compare two settings' tokens
         "decode_tokens_per_s": (timed.new_tokens - 1) / decode_s if timed.new_tokens > 1 else None,
