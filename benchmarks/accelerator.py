@@ -215,7 +215,7 @@ def run_step(step: Step, argv: list[str], limit_s: float, env: dict, logs: pathl
             record["ok"] = not record["inner_errors"]
     if not record["ok"] or not step.reports_json:
         record["output_tail"] = (stdout + "\n" + stderr)[-3000:]
-    if not step.reports_json:  # the tests step: pytest's line for each failed test, as it came (-v)
+    if not step.reports_json:  # pytest's line for each failed test, as it came (-v; the demo prints none)
         record["failed_tests"] = [
             line.strip() for line in stdout.splitlines() if " FAILED " in line or " ERROR " in line
         ]

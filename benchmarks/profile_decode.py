@@ -24,25 +24,18 @@ import hashlib
 import json
 import os
 import pathlib
-import sys
 import tempfile
 import time
 
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
-from shapes import LLAMA_1B, LLAMA_20M, LLAMA_150M, LLAMA_TINY  # noqa: E402
-
-SIZES = {"tiny": LLAMA_TINY, "20m": LLAMA_20M, "150m": LLAMA_150M, "llama-1b": LLAMA_1B}
-
-
-def log(message: str) -> None:
-    print(message, file=sys.stderr, flush=True)
+from decode import SIZES, generate_timed, log
 
 
 def kernel_table(trace_dir: pathlib.Path, steps: int, top: int) -> dict:
     """The device's kernels in the Perfetto trace under `trace_dir`, summed by name, per decode step."""
-    [path] = list(trace_dir.rglob("perfetto_trace.json.gz")) or [None]
-    if path is None:
+    traces = list(trace_dir.rglob("perfetto_trace.json.gz"))
+    if not traces:
         return {"error": f"no perfetto_trace.json.gz under {trace_dir}"}
+    path = max(traces, key=lambda trace: trace.stat().st_mtime)  # this run's, where --out held an earlier one
     with gzip.open(path) as file:
         trace = json.load(file)
     events = trace["traceEvents"] if isinstance(trace, dict) else trace
@@ -110,22 +103,14 @@ def main(argv=None) -> int:
     load_s = time.perf_counter() - started
     ids = jax.numpy.asarray(np.random.default_rng(0).integers(0, model.config.vocab_size, (1, args.prompt)), "int32")
 
-    def generate():
-        tokens = jax.block_until_ready(
-            model.generate(ids, max_new_tokens=args.new_tokens, min_new_tokens=args.new_tokens, do_sample=False)
-        )
-        return model.last_generation_stats, np.asarray(tokens)[0, args.prompt :]
-
-    first, _ = generate()
-    timed, tokens = generate()
-    log(
-        f"compiled in {first.total - timed.total:.1f} s; {timed.new_tokens / (timed.total - timed.time_to_first_token):.1f} tok/s"
-    )
+    first, _, _ = generate_timed(model, ids, args.new_tokens)
+    timed, _, tokens = generate_timed(model, ids, args.new_tokens)
+    tokens = np.asarray(tokens)[0, args.prompt :]
+    log(f"compiled in {first.total - timed.total:.1f} s; {timed.decode_tokens_per_s:.1f} tok/s")
     with jax.profiler.trace(str(out / "trace"), create_perfetto_trace=True):
-        profiled, _ = generate()
+        profiled, _, _ = generate_timed(model, ids, args.new_tokens)
     steps = profiled.new_tokens  # the prefill's kernels count in, a small share at these lengths
     table = kernel_table(out / "trace", steps, args.top)
-    decode_s = timed.total - timed.time_to_first_token
     report = {
         "benchmark": "profile_decode",
         "device": str(jax.devices()[0]),
@@ -138,8 +123,8 @@ def main(argv=None) -> int:
         "command_buffers": not args.no_command_buffers,
         "load_s": load_s,
         "tokens_sha1": hashlib.sha1(tokens.astype("int64").tobytes()).hexdigest(),  # to compare two settings' tokens
-        "decode_tokens_per_s": (timed.new_tokens - 1) / decode_s if timed.new_tokens > 1 else None,
-        "wall_us_per_step": 1e6 * decode_s / max(timed.new_tokens - 1, 1),
+        "decode_tokens_per_s": timed.decode_tokens_per_s,
+        "wall_us_per_step": 1e6 / timed.decode_tokens_per_s,
         "profiled_wall_us_per_step": 1e6 * profiled.total / steps,
         **table,
     }
