@@ -6,7 +6,8 @@
 Both servers load the same checkpoint (serve.py's: a Llama shape of shapes.py, float32, a
 word-level tokenizer) with serve.py's settings, and are started one after the other, so that each
 warm-up (which times the decode programs) runs alone. Then the load generator of serve.py runs
-one level (`--requests` streamed completions at `--concurrency`) against A, B, B, A, A, B, ... for
+one level (`--requests` streamed completions at `--concurrency`; with `--client openai`, streamed
+chats from the official openai client, as serve.py's `openai` rows) against A, B, B, A, A, B, ... for
 `--rounds` rounds, so neither side always goes first. Reported: per side the median over its
 levels of tokens/s and TTFT and ITL percentiles, and B over A, the median of the per-round
 ratios of tokens/s. `--baseline REV` runs A from a git worktree of REV (`PYTHONPATH`); otherwise
@@ -80,8 +81,9 @@ async def run(args, checkpoint: pathlib.Path, work: pathlib.Path, sides: dict) -
             for name in ("A", "B") if round_ % 2 == 0 else ("B", "A"):
                 url, _ = servers[name]
                 level = await serve.run_level(
-                    url, "bench", args.prompt_tokens, args.new_tokens, args.concurrency, args.requests
-                )
+                    url, "bench", args.prompt_tokens, args.new_tokens, args.concurrency, args.requests,
+                    client=args.client,
+                )  # fmt: skip
                 levels[name].append(level)
                 serve.log(f"  round {round_ + 1} {name}: {json.dumps({k: round(level[k], 4) for k in KEYS})}")
         ratios = [b["output_tokens_per_s"] / a["output_tokens_per_s"] for a, b in zip(levels["A"], levels["B"])]
@@ -108,6 +110,10 @@ def main() -> None:
     parser.add_argument("--concurrency", type=int, default=16)
     parser.add_argument("--requests", type=int, default=96, help="requests per level")
     parser.add_argument("--rounds", type=int, default=4, help="levels per side")
+    parser.add_argument(
+        "--client", choices=("async", "openai"), default="async",
+        help="the load generator: serve.py's async completions, or the official openai client's streamed chats",
+    )  # fmt: skip
     parser.add_argument("--prompt-tokens", type=int, default=32)
     parser.add_argument("--new-tokens", type=int, default=32)
     parser.add_argument("--max-batch", type=int, default=16)
@@ -139,7 +145,7 @@ def main() -> None:
         )
         report = asyncio.run(run(args, checkpoint, work, sides))
         print(json.dumps({
-            "concurrency": args.concurrency, "requests": args.requests, "rounds": args.rounds,
+            "concurrency": args.concurrency, "requests": args.requests, "rounds": args.rounds, "client": args.client,
             "sampling": serve.SAMPLING, **report,
         }))  # fmt: skip
     finally:

@@ -15,11 +15,11 @@ from ._text import TokenText
 class Answer:
     """One chat or completion answer, built from the engine's events of its n choices.
 
-    A stream sends one event per token, as vLLM's does (a decode chunk's tokens arrive together):
-    the token's text, or "" where the text is held back (a partial UTF-8 character, the start of a
-    possible stop string) to arrive with the token that releases it; its log-probabilities; and on
-    the answer's last token the finish_reason. An EOS token that ends the answer has an event of its
-    own, with the text held back until then. A cancelled answer ends with an event without a token.
+    A stream sends one event per engine event of a choice: the tokens that arrived together (a decode
+    chunk's steps), as vLLM merges the deltas its consumer has not read yet. Its text is theirs, less
+    what is held back (a partial UTF-8 character, the start of a possible stop string) to arrive with
+    the token that releases it; its log-probabilities are one entry per token; on the answer's last
+    the finish_reason. A cancelled answer ends with an event without a token.
 
     A chat answer read for tool calls (`generation.tool_parser`) streams its content until the text
     could be the start of a call (the parser's `held_from`); the rest is held back to the end, where
@@ -152,43 +152,29 @@ class Answer:
                 yield self._sse(self._envelope([choice], chunk=True))
 
     def stream(self, index: int, event: Event):
-        """The server-sent events of one engine event: one per token, and one for text held back to the
-        end where no token carries it."""
+        """The server-sent event of one engine event: the tokens that arrived together (a decode chunk's,
+        or a prefill's first), their text and log-probabilities, and on the answer's last the
+        finish_reason. None where it has nothing to say (its tokens' text held back, no logprobs asked)."""
         offset = self.token_chars[index]
         entries = self._record(index, event)
-        finish = self.finish[index]
-        parts = [
-            (piece, None if entries is None else [entries[i]], None) for i, piece in enumerate(event.pieces)
-        ]  # (text, logprob entries, finish_reason)
-        if event.eos or (not parts and (event.tail or finish is not None)):
-            parts.append((event.tail, entries[len(event.pieces) :] if entries and event.eos else None, finish))
-        elif event.tail or finish is not None:
-            text, token_entries, _ = parts[-1]
-            parts[-1] = (text + event.tail, token_entries, finish)
+        reason, text = self.finish[index], event.text
         parser = self.generation.tool_parser if self.chat else None
-        end = len(self.text[index]) - len(event.text)  # where this event's text begins in the answer
-        for text, token_entries, reason in parts:
-            end += len(text)
-            if parser is not None:  # stream the content up to where a tool call could begin
-                answer, sent = self.text[index][:end], self.content_sent[index]
-                text = answer[sent : max(parser.held_from(answer, sent), sent)]
-                self.content_sent[index] = sent + len(text)
-                if reason is not None:
-                    yield from self._stream_calls(index, text, token_entries, reason)
-                    continue
-            if self.chat:
-                delta = {"content": text} if text or reason is None else {}
-                choice = {
-                    "index": index, "delta": delta, "logprobs": self._chat_logprobs(token_entries),
-                    "finish_reason": reason,
-                }  # fmt: skip
-            else:
-                choice = {
-                    "index": index, "text": text, "logprobs": self._completion_logprobs(token_entries, offset),
-                    "finish_reason": reason,
-                }  # fmt: skip
-                offset += sum(len(e["token"]) for e in token_entries or [])
-            yield self._sse(self._envelope([choice], chunk=True))
+        if parser is not None:  # stream the content up to where a tool call could begin
+            answer, sent = self.text[index], self.content_sent[index]
+            text = answer[sent : max(parser.held_from(answer, sent), sent)]
+            self.content_sent[index] = sent + len(text)
+            if reason is not None:
+                yield from self._stream_calls(index, text, entries, reason)
+                return
+        if not text and entries is None and reason is None:
+            return
+        if self.chat:
+            delta = {"content": text} if text or reason is None else {}
+            choice = {"index": index, "delta": delta, "logprobs": self._chat_logprobs(entries), "finish_reason": reason}
+        else:
+            logprobs = self._completion_logprobs(entries, offset)
+            choice = {"index": index, "text": text, "logprobs": logprobs, "finish_reason": reason}
+        yield self._sse(self._envelope([choice], chunk=True))
 
     def _stream_calls(self, index: int, text: str, token_entries: list[dict] | None, reason: str):
         """The last events of a chat answer read for tool calls: its last content, then the calls found

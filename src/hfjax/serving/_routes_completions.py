@@ -133,8 +133,8 @@ async def respond(
                 if opening:
                     yield opening
                 while not answer.done:
-                    # One write per wake-up: a chunk's tokens (of every choice) arrive together, and
-                    # the client still reads one server-sent event per token.
+                    # One write per wake-up: a chunk's tokens (of every choice) arrive together, one
+                    # server-sent event per choice.
                     index, event = await events.get()
                     texts = list(answer.stream(index, event))
                     while not answer.done and not events.empty():
