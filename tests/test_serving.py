@@ -219,7 +219,7 @@ def test_the_whole_rest_of_short_prompts_is_read_in_a_short_chunk_and_equals_gen
 def test_a_lone_stream_runs_long_chunks_sent_ahead_and_no_step_past_max_tokens(model, engine, monkeypatch):
     calls = _Calls(engine, monkeypatch)
     ids = _ids(model, PROMPTS[3:4])
-    # A chunk of 1 of the 4 slots runs decode_steps x 4 steps (max_decode_steps, 16), but the first one
+    # A chunk of 1 of the 4 slots runs decode_steps x 4 steps (16, under max_decode_steps' 32), but the first one
     # after a slot freed (its client may be about to send another request): decode_steps.
     budget = 1 + 16 + 16 + 3
     done = threading.Event()

@@ -114,7 +114,7 @@ def add_parser(subparsers) -> None:
         type=int,
         default=None,
         help="the most decode steps of a chunk of fewer rows, which run as many steps as take about the time of a "
-        "full chunk while no request waits (default: 4 x --decode-steps; equal to it: every chunk the same)",
+        "full chunk while no request waits (default: 8 x --decode-steps; equal to it: every chunk the same)",
     )
     parser.add_argument(
         "--prefill-chunk",

@@ -79,7 +79,7 @@ class Engine:
             between chunks.
         max_decode_steps: the most steps of a chunk of fewer rows (whose steps cost less), while nothing
             waits, reads its prompt or has just left: decode_steps x (slots' rows / the chunk's rows), at
-            most this many. Default 4 x decode_steps; decode_steps keeps every chunk at decode_steps.
+            most this many. Default 8 x decode_steps; decode_steps keeps every chunk at decode_steps.
         prefill_chunk: prompt tokens per prefill call; a long prompt takes several, between decode chunks
             (a turn reads up to prefill_rows x 4 x prefill_chunk prompt tokens before its decode chunk).
             (A model with recurrent layers reads each prompt whole, in a chunk as wide as the prefill
@@ -123,7 +123,7 @@ class Engine:
                             ("prefill_rows", prefill_rows)):  # fmt: skip
             _check_count(name, value)
         if max_decode_steps is None:
-            max_decode_steps = 4 * decode_steps
+            max_decode_steps = 8 * decode_steps
         _check_count("max_decode_steps", max_decode_steps)
         if max_decode_steps < decode_steps:
             raise ServingError(
