@@ -154,7 +154,7 @@ class Answer:
     def stream(self, index: int, event: Event):
         """The server-sent event of one engine event: the tokens that arrived together (a decode chunk's,
         or a prefill's first), their text and log-probabilities, and on the answer's last the
-        finish_reason. None where it has nothing to say (its tokens' text held back, no logprobs asked)."""
+        finish_reason. Nothing where it has nothing to say (its tokens' text held back, no logprobs asked)."""
         offset = self.token_chars[index]
         entries = self._record(index, event)
         reason, text = self.finish[index], event.text
